@@ -1,0 +1,69 @@
+# Build for the GPT-2 reference trainer.
+#
+#   make            builds train_gpt2 (CPU) and the C tools; train_gpt2cu too when nvcc is found
+#   make train      quick start: prepares tiny Shakespeare, trains a small GPT-2 on the CPU
+#   make test       every test; exits non-zero when any fails
+#   make bench      CPU benchmark table (dev/bench)
+#
+# Knobs: NO_OMP=1 (no OpenMP), NO_MPI=1 (single rank only, no mpicc), NO_SIMD=1 (scalar
+# kernels only: same bits, slower), ARCH=... (default -march=native), CC=..., NVCC=...
+#
+# The reference must be IEEE-exact and reproducible: -ffp-contract=off so the compiler never
+# fuses a*b+c on its own (every fused multiply-add in the arithmetic is an explicit fmaf), and
+# never -Ofast / -ffast-math. -fno-math-errno only lets sqrtf inline; results are unchanged.
+
+ifeq ($(origin CC),default)
+CC = gcc
+endif
+ARCH     ?= -march=native
+CFLAGS   ?= -O2
+CFLAGS   += -std=c11 $(ARCH) -ffp-contract=off -fno-fast-math -fno-math-errno \
+            -Wall -Wextra -Wno-unused-parameter -Wno-sign-compare -D_GNU_SOURCE -I.
+LDLIBS   += -lm
+
+ifneq ($(NO_OMP),1)
+CFLAGS   += -fopenmp
+endif
+ifeq ($(NO_SIMD),1)
+CFLAGS   += -DLLMC_NO_SIMD
+endif
+
+# Open MPI: train_gpt2 is built with mpicc (and can run under mpirun) when mpicc exists.
+MPICC    ?= mpicc
+ifneq ($(NO_MPI),1)
+HAVE_MPI := $(shell command -v $(MPICC) >/dev/null 2>&1 && echo 1)
+endif
+ifeq ($(HAVE_MPI),1)
+TRAIN_CC     = OMPI_CC=$(CC) $(MPICC)
+TRAIN_CFLAGS = -DUSE_MPI
+else
+TRAIN_CC     = $(CC)
+TRAIN_CFLAGS =
+endif
+
+# Every header the builds share; any change rebuilds everything (header-only modules).
+LLMC_HEADERS := $(wildcard llmc/*.h)
+
+# Fragments in mk/ append to these.
+TOOLS :=
+TESTS :=
+TEST_BINS :=
+
+.PHONY: all train test bench clean data
+all: train_gpt2
+
+train_gpt2: train_gpt2.c $(LLMC_HEADERS)
+ifneq ($(HAVE_MPI),1)
+	@echo "note: mpicc not found (or NO_MPI=1): building train_gpt2 for a single rank only"
+endif
+	$(TRAIN_CC) $(CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
+
+include $(sort $(wildcard mk/*.mk))
+
+all: $(TOOLS)
+
+test: train_gpt2 $(TOOLS) $(TEST_BINS)
+	@dev/test/run_tests.sh $(TESTS)
+
+clean:
+	rm -rf train_gpt2 train_gpt2cu build

@@ -1,0 +1,273 @@
+/*
+ * checkpoint.h: llm.c's model checkpoint format, and our layout-independent optimizer state.
+ *
+ * MODEL FILE (llm.c, read and written): 256 int32 header
+ *   [0] 20240326 magic  [1] version: 3 = fp32, 5 = bf16 (read only)  [2] maxT  [3] V  [4] L
+ *   [5] NH  [6] C  [7] Vp   (the rest zero)
+ * followed by the 16 parameter tensors in FILE order (see model.h), fp32 or bf16.
+ *
+ * STATE FILE (ours; "state_%08d_%05d.bin" per piece like llm.c's per-rank state files): what
+ * a resumed run needs beyond the model: AdamW m and v, the step, and the data position.
+ * m and v are stored in MEMORY order (model.h), split into pieces that are contiguous ranges
+ * [begin, end) of the flat canonical index. Any layout reads whatever ranges it owns from
+ * whichever pieces hold them, so a state written by 4 ranks resumes on 2 or on 1.
+ *   header 256 int32: [0] 20240527 magic (llm.c's state magic)  [1] 100 version (ours; llm.c
+ *   uses 1, so neither program mistakes the other's file)  [2] number of pieces  [3] this
+ *   piece  [4..9] L C NH V Vp maxT  [10] step (int64)  [12] P (int64)  [14] begin (int64)
+ *   [16] end (int64)  [18] microbatches consumed (int64)  [20] tokens per microbatch (int64)
+ *   [22] shuffle  [23] shuffle seed (uint64)  (int64 values take two int32 slots)
+ *   then m[begin..end) and v[begin..end), float32.
+ *
+ * Every file is written atomically (utils.h AtomicWriter): a crash mid-save never damages the
+ * last good checkpoint. A checkpoint step is complete when its DONE_%08d marker exists.
+ */
+#ifndef LLMC_CHECKPOINT_H
+#define LLMC_CHECKPOINT_H
+
+#include <dirent.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include "llmc/model.h"
+#include "llmc/utils.h"
+
+#define MODEL_MAGIC 20240326
+#define STATE_MAGIC 20240527
+#define STATE_VERSION 100
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+typedef struct {
+    FILE* f;
+    const char* path;
+    float* params;
+    int bf16;
+} ReadPiecesCtx;
+
+static inline void read_piece(int tensor, int layer, size_t offset, size_t elements, void* vctx) {
+    ReadPiecesCtx* ctx = (ReadPiecesCtx*)vctx;
+    if (!ctx->bf16) {
+        fread_or_die(ctx->params + offset, sizeof(float), elements, ctx->f, ctx->path);
+        return;
+    }
+    uint16_t buf[4096];
+    for (size_t i = 0; i < elements; i += 4096) {
+        size_t n = elements - i < 4096 ? elements - i : 4096;
+        fread_or_die(buf, sizeof(uint16_t), n, ctx->f, ctx->path);
+        for (size_t j = 0; j < n; j++) { ctx->params[offset + i + j] = bf16_to_float(buf[j]); }
+    }
+}
+
+// Reads the header of a model file into *config; returns the version (3 or 5). Dies with a
+// clear message on a wrong magic/version, an impossible configuration or a wrong file size.
+static inline int checkpoint_read_header(FILE* f, const char* path, GPT2Config* config) {
+    int64_t size = file_size_or_die(f, path);
+    int header[256];
+    if (size < (int64_t)sizeof(header)) {
+        fatal("model file '%s' is truncated: %lld bytes, smaller than the 1024-byte header",
+              path, (long long)size);
+    }
+    fread_or_die(header, sizeof(int), 256, f, path);
+    if (header[0] != MODEL_MAGIC) {
+        fatal("model file '%s' has magic %d, expected %d (an llm.c GPT-2 checkpoint)", path,
+              header[0], MODEL_MAGIC);
+    }
+    if (header[1] != 3 && header[1] != 5) {
+        fatal("model file '%s' has version %d, expected 3 (fp32) or 5 (bf16)", path, header[1]);
+    }
+    config->max_seq_len = header[2];
+    config->vocab_size = header[3];
+    config->num_layers = header[4];
+    config->num_heads = header[5];
+    config->channels = header[6];
+    config->padded_vocab_size = header[7];
+    const char* problem = config_problem(config);
+    if (problem) { fatal("model file '%s' has an invalid header: %s", path, problem); }
+    int64_t expected = 1024 + (int64_t)param_count(config) * (header[1] == 3 ? 4 : 2);
+    if (size != expected) {
+        fatal("model file '%s' is %lld bytes, expected %lld for its header (L=%d C=%d V=%d Vp=%d "
+              "maxT=%d, version %d)%s", path, (long long)size, (long long)expected,
+              config->num_layers, config->channels, config->vocab_size,
+              config->padded_vocab_size, config->max_seq_len, header[1],
+              size < expected ? ": truncated" : "");
+    }
+    return header[1];
+}
+
+// Reads a model checkpoint; returns the parameters (MEMORY order, malloc'd, P floats).
+static inline float* checkpoint_read_model(const char* path, GPT2Config* config) {
+    FILE* f = fopen_or_die(path, "rb", "model checkpoint");
+    int version = checkpoint_read_header(f, path, config);
+    float* params = (float*)aligned_calloc_or_die(param_count(config) * sizeof(float), "parameters");
+    ReadPiecesCtx ctx = {f, path, params, version == 5};
+    param_for_each_in_file_order(config, read_piece, &ctx);
+    fclose(f);
+    return params;
+}
+
+typedef struct {
+    AtomicWriter* w;
+    const float* params;
+} WritePiecesCtx;
+
+static inline void write_piece(int tensor, int layer, size_t offset, size_t elements, void* vctx) {
+    WritePiecesCtx* ctx = (WritePiecesCtx*)vctx;
+    atomic_writer_write(ctx->w, ctx->params + offset, elements * sizeof(float));
+}
+
+// Writes an fp32 (version 3) llm.c checkpoint, atomically.
+static inline void checkpoint_write_model(const char* path, const GPT2Config* config, const float* params) {
+    int header[256];
+    memset(header, 0, sizeof(header));
+    header[0] = MODEL_MAGIC;
+    header[1] = 3;
+    header[2] = config->max_seq_len;
+    header[3] = config->vocab_size;
+    header[4] = config->num_layers;
+    header[5] = config->num_heads;
+    header[6] = config->channels;
+    header[7] = config->padded_vocab_size;
+    AtomicWriter w;
+    atomic_writer_open(&w, path);
+    atomic_writer_write(&w, header, sizeof(header));
+    WritePiecesCtx ctx = {&w, params};
+    param_for_each_in_file_order(config, write_piece, &ctx);
+    atomic_writer_commit(&w);
+}
+
+// --- optimizer state ----------------------------------------------------------------------
+
+typedef struct {
+    int64_t step;                 // optimizer steps done
+    int64_t microbatches_done;    // global microbatches consumed by the train loader
+    int64_t tokens_per_microbatch;
+    int shuffle;
+    uint64_t shuffle_seed;
+} TrainProgress;
+
+static inline void put_i64(int* h, int slot, int64_t v) { memcpy(&h[slot], &v, 8); }
+static inline int64_t get_i64(const int* h, int slot) { int64_t v; memcpy(&v, &h[slot], 8); return v; }
+
+// Writes piece `piece` of `num_pieces`: m and v for canonical indices [begin, end).
+static inline void state_write_piece(const char* path, const GPT2Config* c, const TrainProgress* prog,
+                              int num_pieces, int piece, int64_t begin, int64_t end,
+                              const float* m, const float* v) {
+    int h[256];
+    memset(h, 0, sizeof(h));
+    h[0] = STATE_MAGIC;
+    h[1] = STATE_VERSION;
+    h[2] = num_pieces;
+    h[3] = piece;
+    h[4] = c->num_layers; h[5] = c->channels; h[6] = c->num_heads;
+    h[7] = c->vocab_size; h[8] = c->padded_vocab_size; h[9] = c->max_seq_len;
+    put_i64(h, 10, prog->step);
+    put_i64(h, 12, (int64_t)param_count(c));
+    put_i64(h, 14, begin);
+    put_i64(h, 16, end);
+    put_i64(h, 18, prog->microbatches_done);
+    put_i64(h, 20, prog->tokens_per_microbatch);
+    h[22] = prog->shuffle;
+    memcpy(&h[23], &prog->shuffle_seed, 8);
+    AtomicWriter w;
+    atomic_writer_open(&w, path);
+    atomic_writer_write(&w, h, sizeof(h));
+    atomic_writer_write(&w, m, (size_t)(end - begin) * sizeof(float));
+    atomic_writer_write(&w, v, (size_t)(end - begin) * sizeof(float));
+    atomic_writer_commit(&w);
+}
+
+// Reads the pieces "DIR/state_STEP_*.bin" and fills m and v for canonical indices
+// [begin, end) (the caller's own range), and *prog. Checks that the pieces belong to this
+// model and cover the range.
+static inline void state_read_range(const char* dir, int step, const GPT2Config* c, int64_t begin,
+                             int64_t end, float* m, float* v, TrainProgress* prog) {
+    char path[1200];
+    int num_pieces = 1;
+    int64_t covered = 0;
+    for (int piece = 0; piece < num_pieces; piece++) {
+        snprintf(path, sizeof(path), "%s/state_%08d_%05d.bin", dir, step, piece);
+        FILE* f = fopen_or_die(path, "rb", "optimizer state");
+        int64_t size = file_size_or_die(f, path);
+        int h[256];
+        if (size < (int64_t)sizeof(h)) { fatal("state file '%s' is truncated", path); }
+        fread_or_die(h, sizeof(int), 256, f, path);
+        if (h[0] != STATE_MAGIC || h[1] != STATE_VERSION) {
+            fatal("state file '%s' has magic %d version %d, expected %d version %d", path, h[0],
+                  h[1], STATE_MAGIC, STATE_VERSION);
+        }
+        if (h[4] != c->num_layers || h[5] != c->channels || h[6] != c->num_heads ||
+            h[7] != c->vocab_size || h[8] != c->padded_vocab_size || h[9] != c->max_seq_len ||
+            get_i64(h, 12) != (int64_t)param_count(c)) {
+            fatal("state file '%s' belongs to a different model (L=%d C=%d NH=%d V=%d Vp=%d maxT=%d)",
+                  path, h[4], h[5], h[6], h[7], h[8], h[9]);
+        }
+        if (piece == 0) {
+            num_pieces = h[2];
+            if (num_pieces < 1 || num_pieces > 1 << 20) {
+                fatal("state file '%s' claims %d pieces", path, num_pieces);
+            }
+            prog->step = get_i64(h, 10);
+            prog->microbatches_done = get_i64(h, 18);
+            prog->tokens_per_microbatch = get_i64(h, 20);
+            prog->shuffle = h[22];
+            memcpy(&prog->shuffle_seed, &h[23], 8);
+        } else if (h[2] != num_pieces || get_i64(h, 10) != prog->step) {
+            fatal("state file '%s' does not belong with piece 0 of step %d", path, step);
+        }
+        if (h[3] != piece) { fatal("state file '%s' says it is piece %d", path, h[3]); }
+        int64_t pb = get_i64(h, 14), pe = get_i64(h, 16);
+        if (pb < 0 || pe < pb || pe > (int64_t)param_count(c) ||
+            size != (int64_t)sizeof(h) + 8 * (pe - pb)) {
+            fatal("state file '%s' is corrupt or truncated (range %lld..%lld, %lld bytes)", path,
+                  (long long)pb, (long long)pe, (long long)size);
+        }
+        if (pb != covered) { fatal("state file '%s' starts at %lld, expected %lld", path,
+                                   (long long)pb, (long long)covered); }
+        covered = pe;
+        int64_t lo = pb > begin ? pb : begin, hi = pe < end ? pe : end;
+        if (lo < hi) {
+            fseek_or_die(f, (int64_t)sizeof(h) + 4 * (lo - pb), SEEK_SET, path);
+            fread_or_die(m + (lo - begin), sizeof(float), (size_t)(hi - lo), f, path);
+            fseek_or_die(f, (int64_t)sizeof(h) + 4 * (pe - pb) + 4 * (lo - pb), SEEK_SET, path);
+            fread_or_die(v + (lo - begin), sizeof(float), (size_t)(hi - lo), f, path);
+        }
+        fclose(f);
+    }
+    if (covered != (int64_t)param_count(c)) {
+        fatal("state files of step %d in '%s' cover %lld of %zu parameters", step, dir,
+              (long long)covered, param_count(c));
+    }
+}
+
+// The highest step with a DONE_%08d marker in dir, or -1.
+static inline int checkpoint_latest_step(const char* dir) {
+    DIR* d = opendir(dir);
+    if (d == NULL) { return -1; }
+    int best = -1;
+    struct dirent* e;
+    while ((e = readdir(d)) != NULL) {
+        int step;
+        char tail;
+        if (sscanf(e->d_name, "DONE_%d%c", &step, &tail) == 1 && strlen(e->d_name) == 13 &&
+            step > best) {
+            best = step;
+        }
+    }
+    closedir(d);
+    return best;
+}
+
+static inline void checkpoint_write_done(const char* dir, int step) {
+    char path[1200];
+    snprintf(path, sizeof(path), "%s/DONE_%08d", dir, step);
+    AtomicWriter w;
+    atomic_writer_open(&w, path);
+    atomic_writer_commit(&w);
+}
+
+#endif // LLMC_CHECKPOINT_H

@@ -1,0 +1,47 @@
+/*
+ * logger.h: DIR/main.log with llm.c's keys, one line per event:
+ *   s:STEP trl:LOSS lr:LR norm:NORM      (training step STEP, 0-based like llm.c)
+ *   s:STEP tel:LOSS                      (validation loss before step STEP)
+ * Floats are printed with %.9g, which round-trips every float exactly, so the logs of two
+ * runs can be compared bit for bit with cmp. Only one rank writes.
+ */
+#ifndef LLMC_LOGGER_H
+#define LLMC_LOGGER_H
+
+#include <stdio.h>
+#include "llmc/utils.h"
+
+typedef struct {
+    int active;
+    char path[1100];
+} Logger;
+
+// resume = 0 truncates an existing log, 1 appends to it.
+static inline void logger_init(Logger* lg, const char* dir, int active, int resume) {
+    lg->active = dir != NULL && active;
+    if (!lg->active) { return; }
+    snprintf(lg->path, sizeof(lg->path), "%s/main.log", dir);
+    FILE* f = fopen_or_die(lg->path, resume ? "a" : "w", "log file");
+    fclose(f);
+}
+
+static inline void logger_line_(Logger* lg, const char* line) {
+    if (!lg->active) { return; }
+    FILE* f = fopen_or_die(lg->path, "a", "log file");
+    fputs(line, f);
+    if (fclose(f) != 0) { fatal("cannot write log file '%s'", lg->path); }
+}
+
+static inline void logger_log_train(Logger* lg, int step, float loss, float lr, float norm) {
+    char line[256];
+    snprintf(line, sizeof(line), "s:%d trl:%.9g lr:%.9g norm:%.9g\n", step, loss, lr, norm);
+    logger_line_(lg, line);
+}
+
+static inline void logger_log_val(Logger* lg, int step, float loss) {
+    char line[128];
+    snprintf(line, sizeof(line), "s:%d tel:%.9g\n", step, loss);
+    logger_line_(lg, line);
+}
+
+#endif // LLMC_LOGGER_H

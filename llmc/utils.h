@@ -1,0 +1,166 @@
+/*
+ * utils.h: fatal errors, checked allocation and checked file I/O, atomic file replacement.
+ *
+ * Bad input must end the program with ONE clear line naming the file or flag and what was
+ * expected, and a non-zero exit. Every helper here prints such a line through fatal().
+ * Under MPI, a rank that calls fatal() must take the whole job down (no hang): the
+ * communicator installs llmc_fatal_hook to call MPI_Abort after the message is printed.
+ *
+ * Files that must never be half-written (checkpoints, state, token files) are written
+ * through atomic_writer_open()/atomic_writer_commit(): the bytes go to "PATH.tmp.PID", are
+ * flushed and fsync'ed, then renamed over PATH. A crash mid-save leaves PATH untouched.
+ */
+#ifndef LLMC_UTILS_H
+#define LLMC_UTILS_H
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+// Called after the fatal message is printed, before exit (MPI_Abort under MPI).
+static void (*llmc_fatal_hook)(int exit_code) = NULL;
+// Prefix for fatal messages ("[rank 3] " under MPI), so the rank that saw the problem is named.
+static char llmc_fatal_prefix[32] = "";
+
+__attribute__((format(printf, 1, 2), noreturn))
+static inline void fatal(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fflush(stdout);
+    fprintf(stderr, "error: %s", llmc_fatal_prefix);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    fflush(stderr);
+    va_end(ap);
+    if (llmc_fatal_hook) { llmc_fatal_hook(1); }
+    exit(1);
+}
+
+static inline void* malloc_or_die(size_t bytes, const char* what) {
+    void* p = malloc(bytes ? bytes : 1);
+    if (p == NULL) { fatal("out of memory allocating %zu bytes for %s", bytes, what); }
+    return p;
+}
+
+static inline void* calloc_or_die(size_t count, size_t size, const char* what) {
+    void* p = calloc(count ? count : 1, size ? size : 1);
+    if (p == NULL) { fatal("out of memory allocating %zu x %zu bytes for %s", count, size, what); }
+    return p;
+}
+
+// 64-byte aligned, so SIMD kernels can use aligned loads on buffer starts; zero-filled.
+static inline void* aligned_calloc_or_die(size_t bytes, const char* what) {
+    void* p = NULL;
+    size_t rounded = (bytes + 63) / 64 * 64;
+    if (posix_memalign(&p, 64, rounded ? rounded : 64) != 0) {
+        fatal("out of memory allocating %zu bytes for %s", bytes, what);
+    }
+    memset(p, 0, rounded ? rounded : 64);
+    return p;
+}
+
+static inline FILE* fopen_or_die(const char* path, const char* mode, const char* what) {
+    FILE* f = fopen(path, mode);
+    if (f == NULL) {
+        fatal("cannot open %s '%s' for %s: %s", what, path,
+              mode[0] == 'r' ? "reading" : "writing", strerror(errno));
+    }
+    return f;
+}
+
+// Reads exactly count items or dies naming the file: a short read means a truncated file.
+static inline void fread_or_die(void* dst, size_t size, size_t count, FILE* f, const char* path) {
+    size_t got = fread(dst, size, count, f);
+    if (got != count) {
+        fatal("file '%s' is truncated or unreadable: expected %zu more bytes, got %zu",
+              path, size * count, size * got);
+    }
+}
+
+static inline void fwrite_or_die(const void* src, size_t size, size_t count, FILE* f, const char* path) {
+    if (fwrite(src, size, count, f) != count) {
+        fatal("cannot write %zu bytes to '%s': %s", size * count, path, strerror(errno));
+    }
+}
+
+static inline void fseek_or_die(FILE* f, int64_t offset, int whence, const char* path) {
+    if (fseeko(f, (off_t)offset, whence) != 0) {
+        fatal("cannot seek to byte %lld of '%s': %s", (long long)offset, path, strerror(errno));
+    }
+}
+
+static inline int64_t file_size_or_die(FILE* f, const char* path) {
+    fseek_or_die(f, 0, SEEK_END, path);
+    off_t size = ftello(f);
+    if (size < 0) { fatal("cannot determine the size of '%s': %s", path, strerror(errno)); }
+    fseek_or_die(f, 0, SEEK_SET, path);
+    return (int64_t)size;
+}
+
+// --- atomic replacement of a file ---------------------------------------------------------
+typedef struct {
+    FILE* f;
+    char final_path[1024];
+    char tmp_path[1100];
+} AtomicWriter;
+
+static inline void atomic_writer_open(AtomicWriter* w, const char* path) {
+    if (strlen(path) >= sizeof(w->final_path)) { fatal("output path too long: '%s'", path); }
+    snprintf(w->final_path, sizeof(w->final_path), "%s", path);
+    snprintf(w->tmp_path, sizeof(w->tmp_path), "%s.tmp.%d", path, (int)getpid());
+    w->f = fopen(w->tmp_path, "wb");
+    if (w->f == NULL) {
+        fatal("cannot write '%s' (temporary file '%s'): %s", path, w->tmp_path, strerror(errno));
+    }
+}
+
+static inline void atomic_writer_write(AtomicWriter* w, const void* src, size_t bytes) {
+    if (bytes && fwrite(src, 1, bytes, w->f) != bytes) {
+        int e = errno;
+        fclose(w->f);
+        remove(w->tmp_path);
+        fatal("cannot write '%s': %s (the previous file, if any, is untouched)", w->final_path,
+              strerror(e));
+    }
+}
+
+// Flush, fsync, rename over the final path. Only after this returns does the new file exist.
+static inline void atomic_writer_commit(AtomicWriter* w) {
+    int ok = fflush(w->f) == 0 && fsync(fileno(w->f)) == 0;
+    int e = errno;
+    ok = (fclose(w->f) == 0) && ok;
+    if (!ok || rename(w->tmp_path, w->final_path) != 0) {
+        if (ok) { e = errno; }
+        remove(w->tmp_path);
+        fatal("cannot write '%s': %s (the previous file, if any, is untouched)", w->final_path,
+              strerror(e));
+    }
+}
+
+// Creates DIR (one level) if needed; dies with a clear message if it cannot be written to.
+static inline void ensure_writable_dir(const char* dir, const char* flag) {
+    struct stat st;
+    if (stat(dir, &st) != 0) {
+        if (mkdir(dir, 0755) != 0) {
+            fatal("%s: cannot create output directory '%s': %s", flag, dir, strerror(errno));
+        }
+    } else if (!S_ISDIR(st.st_mode)) {
+        fatal("%s: '%s' exists and is not a directory", flag, dir);
+    }
+    if (access(dir, W_OK | X_OK) != 0) {
+        fatal("%s: output directory '%s' is not writable: %s", flag, dir, strerror(errno));
+    }
+}
+
+static inline int file_exists(const char* path) {
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
+#endif // LLMC_UTILS_H

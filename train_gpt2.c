@@ -1,0 +1,1359 @@
+/*
+ * train_gpt2.c: GPT-2 training on the CPU, the reference build.
+ *
+ * Read top to bottom: the kernels (each forward beside its backward, with the shapes above
+ * them), the model (parameters, activations, forward, backward, AdamW), then the training
+ * loop. Every floating-point reduction follows the canonical order of llmc/canonical.h (rules
+ * R1-R6), which is what makes this file the arithmetic truth: the CUDA build in deterministic
+ * mode and every parallel layout reproduce its bits.
+ *
+ * Shapes: B sequences of T tokens, C channels, NH heads of hs = C/NH, vocabulary V padded to
+ * Vp, L layers. "BT" is B*T positions, row-major (b, t).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "llmc/utils.h"
+#include "llmc/canonical.h"
+#include "llmc/simd.h"
+#include "llmc/model.h"
+#include "llmc/checkpoint.h"
+#include "llmc/adamw.h"
+#include "llmc/rand.h"
+#include "llmc/dataloader.h"
+#include "llmc/tokenizer.h"
+#include "llmc/logger.h"
+#include "llmc/args.h"
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+// Scratch memory reused across calls (kernels run one at a time; slots keep them apart).
+enum { SCRATCH_PACK, SCRATCH_ATT, SCRATCH_SORT, SCRATCH_TREE, NUM_SCRATCH };
+static float* scratch_ptr[NUM_SCRATCH];
+static size_t scratch_bytes[NUM_SCRATCH];
+static float* scratch(int slot, size_t bytes) {
+    if (bytes > scratch_bytes[slot]) {
+        free(scratch_ptr[slot]);
+        scratch_ptr[slot] = (float*)aligned_calloc_or_die(bytes, "kernel scratch");
+        scratch_bytes[slot] = bytes;
+    }
+    return scratch_ptr[slot];
+}
+
+// ==========================================================================================
+// Kernels
+// ==========================================================================================
+
+// ------------------------------------------------------------------------------------------
+// encoder: token + position embedding
+// out (B,T,C) = wte[inp[b,t]] (Vp,C) + wpe[t] (maxT,C)
+void encoder_forward(float* out, const int* inp, const float* wte, const float* wpe,
+                     int B, int T, int C) {
+    #pragma omp parallel for
+    for (int bt = 0; bt < B * T; bt++) {
+        const float* we = wte + (size_t)inp[bt] * C;
+        const float* pe = wpe + (size_t)(bt % T) * C;
+        float* o = out + (size_t)bt * C;
+        for (int c = 0; c < C; c++) { o[c] = we[c] + pe[c]; }
+    }
+}
+
+// dwte_emb (Vp,C), dwpe (maxT,C) <- dout (B,T,C). Both are R3 reductions over positions:
+// dwpe[t] gets one term per sequence (its R2 chunk sum is 0.0f + dout[b,t]), combined by the
+// R1 tree over sequences; dwte_emb[v] sums the positions holding token v: per sequence the R2
+// chunk sums over t (0.0f for chunks without v), then R1 over sequences. Rows of tokens not
+// in the batch are 0. Every element is written (no accumulation into old values).
+void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int* inp,
+                      int B, int T, int C, int Vp, int maxT) {
+    #pragma omp parallel for
+    for (int t = 0; t < maxT; t++) {
+        float* dst = dwpe + (size_t)t * C;
+        if (t >= T) { memset(dst, 0, sizeof(float) * C); continue; }
+        for (int c = 0; c < C; c++) {
+            float stack[64];
+            int top = 0;
+            for (int b = 0; b < B; b++) {
+                stack[top++] = 0.0f + dout[((size_t)b * T + t) * C + c];
+                for (int m = canon_tree_merges_after(b, B); m > 0; m--) {
+                    float right = stack[--top];
+                    stack[top - 1] = stack[top - 1] + right;
+                }
+            }
+            dst[c] = stack[0];
+        }
+    }
+    // counting sort of the positions by token id: positions of token v are
+    // order[first[v] .. first[v+1]) in (b, t) order
+    int BT = B * T;
+    int* first = (int*)scratch(SCRATCH_SORT, sizeof(int) * (2 * (size_t)Vp + 1 + (size_t)BT));
+    int* cursor = first + Vp + 1;
+    int* order = cursor + Vp;
+    memset(first, 0, sizeof(int) * ((size_t)Vp + 1));
+    for (int i = 0; i < BT; i++) { first[inp[i] + 1]++; }
+    for (int v = 0; v < Vp; v++) { first[v + 1] += first[v]; }
+    memcpy(cursor, first, sizeof(int) * (size_t)Vp);
+    for (int i = 0; i < BT; i++) { order[cursor[inp[i]]++] = i; }
+    memset(dwte_emb, 0, sizeof(float) * (size_t)Vp * C);
+    int depth = 2 + CANON_LOG2_R + 32;
+    int nthreads = 1;
+#ifdef _OPENMP
+    nthreads = omp_get_max_threads();
+#endif
+    float* stacks = scratch(SCRATCH_TREE, sizeof(float) * (size_t)depth * C * nthreads);
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int v = 0; v < Vp; v++) {
+        int begin = first[v], end = first[v + 1];
+        if (begin == end) { continue; }
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float* stack = stacks + (size_t)tid * depth * C;
+        int top = 0;
+        int next = begin;   // next position of token v, in (b, t) order
+        for (int b = 0; b < B; b++) {
+            for (int ch = 0; ch < CANON_R; ch++) {
+                int t_end = (int)canon_chunk_begin(T, ch + 1);
+                float* acc = stack + (size_t)top * C;
+                for (int c = 0; c < C; c++) { acc[c] = 0.0f; }
+                while (next < end && order[next] < b * T + t_end) {
+                    const float* d = dout + (size_t)order[next] * C;
+                    for (int c = 0; c < C; c++) { acc[c] = acc[c] + d[c]; }
+                    next++;
+                }
+                top++;
+                for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
+                    float* right = stack + (size_t)(top - 1) * C;
+                    float* left = stack + (size_t)(top - 2) * C;
+                    for (int c = 0; c < C; c++) { left[c] = left[c] + right[c]; }
+                    top--;
+                }
+            }
+        }
+        memcpy(dwte_emb + (size_t)v * C, stack, sizeof(float) * C);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// layernorm, per position over C (R2), eps 1e-5:
+// mean = sum(x)/C, var = sum((x-mean)^2)/C, rstd = 1/sqrt(var+eps), n = (x-mean)*rstd,
+// out = fmaf(n, weight, bias).   inp, out (BT,C); mean, rstd (BT)
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+                       const float* weight, const float* bias, int BT, int C) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        const float* x = inp + (size_t)i * C;
+        float m = canon_sum(x, C, 1) / (float)C;
+        float partial[CANON_R];
+        for (int ch = 0; ch < CANON_R; ch++) {
+            float acc = 0.0f;
+            for (long c = canon_chunk_begin(C, ch); c < canon_chunk_begin(C, ch + 1); c++) {
+                float d = x[c] - m;
+                acc = fmaf(d, d, acc);
+            }
+            partial[ch] = acc;
+        }
+        float var = canon_tree8(partial) / (float)C;
+        float s = canon_rsqrtf(var + 1e-5f);
+        float* o = out + (size_t)i * C;
+        for (int c = 0; c < C; c++) { o[c] = fmaf((x[c] - m) * s, weight[c], bias[c]); }
+        mean[i] = m;
+        rstd[i] = s;
+    }
+}
+
+// dres (BT,C) <- dres + dinp_ln, where with n = (x-mean)*rstd, dnorm = dout*weight:
+// dinp_ln = ((dnorm - mean(dnorm)) - n * mean(dnorm*n)) * rstd  (the means are R2 over C).
+// dweight[c] = R3 over positions of dout*n (fmaf), dbias[c] = R3 of dout.  B,T for R3.
+void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean,
+                        const float* rstd, int B, int T, int C) {
+    int BT = B * T;
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        const float* x = inp + (size_t)i * C;
+        const float* dy = dout + (size_t)i * C;
+        float m = mean[i], s = rstd[i];
+        float p1[CANON_R], p2[CANON_R];
+        for (int ch = 0; ch < CANON_R; ch++) {
+            float a1 = 0.0f, a2 = 0.0f;
+            for (long c = canon_chunk_begin(C, ch); c < canon_chunk_begin(C, ch + 1); c++) {
+                float n = (x[c] - m) * s;
+                float dnorm = dy[c] * weight[c];
+                a1 = a1 + dnorm;
+                a2 = fmaf(dnorm, n, a2);
+            }
+            p1[ch] = a1;
+            p2[ch] = a2;
+        }
+        float dnorm_mean = canon_tree8(p1) / (float)C;
+        float dnorm_norm_mean = canon_tree8(p2) / (float)C;
+        float* dr = dres + (size_t)i * C;
+        for (int c = 0; c < C; c++) {
+            float n = (x[c] - m) * s;
+            float dnorm = dy[c] * weight[c];
+            float dx = ((dnorm - dnorm_mean) - n * dnorm_norm_mean) * s;
+            dr[c] = dr[c] + dx;
+        }
+    }
+    // parameter gradients: R3, vectorised across channels
+    #pragma omp parallel for
+    for (int c0 = 0; c0 < C; c0 += 64) {
+        int cn = C - c0 < 64 ? C - c0 : 64;
+        float sw[40][64], sb[40][64];
+        int top = 0;
+        for (int b = 0; b < B; b++) {
+            for (int ch = 0; ch < CANON_R; ch++) {
+                float aw[64], ab[64];
+                for (int j = 0; j < cn; j++) { aw[j] = 0.0f; ab[j] = 0.0f; }
+                for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
+                    size_t i = (size_t)b * T + t;
+                    const float* x = inp + i * C + c0;
+                    const float* dy = dout + i * C + c0;
+                    for (int j = 0; j < cn; j++) {
+                        float n = (x[j] - mean[i]) * rstd[i];
+                        aw[j] = fmaf(dy[j], n, aw[j]);
+                        ab[j] = ab[j] + dy[j];
+                    }
+                }
+                memcpy(sw[top], aw, sizeof(float) * cn);
+                memcpy(sb[top], ab, sizeof(float) * cn);
+                top++;
+                for (int mg = canon_pos_merges_after(b, B, ch); mg > 0; mg--) {
+                    for (int j = 0; j < cn; j++) {
+                        sw[top - 2][j] = sw[top - 2][j] + sw[top - 1][j];
+                        sb[top - 2][j] = sb[top - 2][j] + sb[top - 1][j];
+                    }
+                    top--;
+                }
+            }
+        }
+        memcpy(dweight + c0, sw[0], sizeof(float) * cn);
+        memcpy(dbias + c0, sb[0], sizeof(float) * cn);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// matmul: out (BT,OC) = inp (BT,K) @ weight (OC,K)^T + bias (OC)
+//
+// Each output is the R2 reduction over k with `nchunks` chunks (CANON_R; a tensor-parallel
+// rank holding a 1/tp slice of k uses CANON_R/tp chunks and finishes the tree across ranks),
+// products fused with fmaf, and the bias added after the tree.
+// The CPU kernel vectorises across ROWS: a tile of MR rows x up to 6 outputs keeps 12 vector
+// accumulators; inp is packed transposed so each k gives one vector load per MR/VLEN rows.
+#define MM_NO 6
+#define MR (2 * VLEN)
+
+ALWAYS_INLINE void matmul_forward_tile(float* out, const float* packed, const float* weight,
+                                       const float* bias, int K, int OC, int o0, const int no,
+                                       int bt0, int nbt, int nchunks) {
+    vf acc[MM_NO][2];
+    vf stack[CANON_LOG2_R + 2][MM_NO][2];
+    int top = 0;
+    for (int ch = 0; ch < nchunks; ch++) {
+        int kb = (int)(((long)K * ch) / nchunks), ke = (int)(((long)K * (ch + 1)) / nchunks);
+        for (int j = 0; j < no; j++) { acc[j][0] = vf_zero(); acc[j][1] = vf_zero(); }
+        for (int k = kb; k < ke; k++) {
+            vf a0 = vf_load(packed + (size_t)k * MR);
+            vf a1 = vf_load(packed + (size_t)k * MR + VLEN);
+            for (int j = 0; j < no; j++) {
+                vf w = vf_set1(weight[(size_t)(o0 + j) * K + k]);
+                acc[j][0] = vf_fma(a0, w, acc[j][0]);
+                acc[j][1] = vf_fma(a1, w, acc[j][1]);
+            }
+        }
+        for (int j = 0; j < no; j++) { stack[top][j][0] = acc[j][0]; stack[top][j][1] = acc[j][1]; }
+        top++;
+        for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
+            for (int j = 0; j < no; j++) {
+                stack[top - 2][j][0] = vf_add(stack[top - 2][j][0], stack[top - 1][j][0]);
+                stack[top - 2][j][1] = vf_add(stack[top - 2][j][1], stack[top - 1][j][1]);
+            }
+            top--;
+        }
+    }
+    float tile[MR];
+    for (int j = 0; j < no; j++) {
+        vf_store(tile, stack[0][j][0]);
+        vf_store(tile + VLEN, stack[0][j][1]);
+        float* o = out + (size_t)bt0 * OC + o0 + j;
+        if (bias) {
+            float bj = bias[o0 + j];
+            for (int i = 0; i < nbt; i++) { o[(size_t)i * OC] = tile[i] + bj; }
+        } else {
+            for (int i = 0; i < nbt; i++) { o[(size_t)i * OC] = tile[i]; }
+        }
+    }
+}
+
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
+                    int BT, int K, int OC, int nchunks) {
+    // pack inp as blocks of MR rows, transposed: packed[block][k][MR], zero rows past BT
+    int nblocks = (BT + MR - 1) / MR;
+    float* packed = scratch(SCRATCH_PACK, sizeof(float) * (size_t)nblocks * K * MR);
+    #pragma omp parallel for
+    for (int blk = 0; blk < nblocks; blk++) {
+        float* p = packed + (size_t)blk * K * MR;
+        for (int i = 0; i < MR; i++) {
+            int bt = blk * MR + i;
+            if (bt < BT) {
+                const float* row = inp + (size_t)bt * K;
+                for (int k = 0; k < K; k++) { p[(size_t)k * MR + i] = row[k]; }
+            } else {
+                for (int k = 0; k < K; k++) { p[(size_t)k * MR + i] = 0.0f; }
+            }
+        }
+    }
+    // tiles: 8 groups of MM_NO outputs per task, so a task's weight rows stay in cache
+    int ogroups = (OC + MM_NO - 1) / MM_NO;
+    int otasks = (ogroups + 7) / 8;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int ot = 0; ot < otasks; ot++) {
+        for (int blk = 0; blk < nblocks; blk++) {
+            int bt0 = blk * MR;
+            int nbt = BT - bt0 < MR ? BT - bt0 : MR;
+            const float* p = packed + (size_t)blk * K * MR;
+            for (int g = ot * 8; g < ogroups && g < ot * 8 + 8; g++) {
+                int o0 = g * MM_NO;
+                int no = OC - o0 < MM_NO ? OC - o0 : MM_NO;
+                switch (no) {
+                    case 6: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 6, bt0, nbt, nchunks); break;
+                    case 5: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 5, bt0, nbt, nchunks); break;
+                    case 4: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 4, bt0, nbt, nchunks); break;
+                    case 3: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 3, bt0, nbt, nchunks); break;
+                    case 2: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 2, bt0, nbt, nchunks); break;
+                    default: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 1, bt0, nbt, nchunks); break;
+                }
+            }
+        }
+    }
+}
+
+// Backward of the matmul, three reductions:
+//  dinp (BT,K)  = dout (BT,OC) @ weight (OC,K): R2 over the OUTPUTS o. A weight made of
+//                 `groups` fused matrices (qkv: 3) is chunked per group: chunk c is the c-th
+//                 slice of every group, in group order, so that a column-parallel split by
+//                 heads (rank r owns slice r of q, of k and of v) owns whole chunks.
+//  dweight (OC,K) = R3 over positions of dout[.,o] * inp[.,k];   dbias (OC) = R3 of dout.
+// Every element is written (=), never accumulated.
+ALWAYS_INLINE void matmul_dinp_tile(float* dinp, const float* dout, const float* weight,
+                                    int K, int OC, int groups, int nchunks, int bt0, const int nr,
+                                    int k0, const int nv) {
+    vf acc[MM_NO][2];
+    vf stack[CANON_LOG2_R + 2][MM_NO][2];
+    int top = 0;
+    int og = OC / groups;
+    for (int ch = 0; ch < nchunks; ch++) {
+        for (int r = 0; r < nr; r++) { for (int v = 0; v < nv; v++) { acc[r][v] = vf_zero(); } }
+        for (int g = 0; g < groups; g++) {
+            int ob = g * og + (int)(((long)og * ch) / nchunks);
+            int oe = g * og + (int)(((long)og * (ch + 1)) / nchunks);
+            for (int o = ob; o < oe; o++) {
+                const float* w = weight + (size_t)o * K + k0;
+                vf w0 = vf_load(w);
+                vf w1 = nv > 1 ? vf_load(w + VLEN) : w0;
+                for (int r = 0; r < nr; r++) {
+                    vf d = vf_set1(dout[(size_t)(bt0 + r) * OC + o]);
+                    acc[r][0] = vf_fma(d, w0, acc[r][0]);
+                    if (nv > 1) { acc[r][1] = vf_fma(d, w1, acc[r][1]); }
+                }
+            }
+        }
+        for (int r = 0; r < nr; r++) { for (int v = 0; v < nv; v++) { stack[top][r][v] = acc[r][v]; } }
+        top++;
+        for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
+            for (int r = 0; r < nr; r++) {
+                for (int v = 0; v < nv; v++) {
+                    stack[top - 2][r][v] = vf_add(stack[top - 2][r][v], stack[top - 1][r][v]);
+                }
+            }
+            top--;
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        for (int v = 0; v < nv; v++) { vf_store(dinp + (size_t)(bt0 + r) * K + k0 + v * VLEN, stack[0][r][v]); }
+    }
+}
+
+// One output element of dinp, scalar, for the columns that do not fill a vector.
+static float matmul_dinp_elem(const float* dout_row, const float* weight, int k, int K, int OC,
+                              int groups, int nchunks) {
+    float stack[CANON_LOG2_R + 2] = {0.0f};
+    int top = 0;
+    int og = OC / groups;
+    for (int ch = 0; ch < nchunks; ch++) {
+        float acc = 0.0f;
+        for (int g = 0; g < groups; g++) {
+            int ob = g * og + (int)(((long)og * ch) / nchunks);
+            int oe = g * og + (int)(((long)og * (ch + 1)) / nchunks);
+            for (int o = ob; o < oe; o++) { acc = fmaf(dout_row[o], weight[(size_t)o * K + k], acc); }
+        }
+        stack[top++] = acc;
+        for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
+            stack[top - 2] = stack[top - 2] + stack[top - 1];
+            top--;
+        }
+    }
+    return stack[0];
+}
+
+ALWAYS_INLINE void matmul_dinp_rows(float* dinp, const float* dout, const float* weight, int K,
+                                    int OC, int groups, int nchunks, int bt0, const int nr,
+                                    int kvec_end) {
+    for (int k0 = 0; k0 < kvec_end; k0 += 2 * VLEN) {
+        if (kvec_end - k0 >= 2 * VLEN) {
+            matmul_dinp_tile(dinp, dout, weight, K, OC, groups, nchunks, bt0, nr, k0, 2);
+        } else {
+            matmul_dinp_tile(dinp, dout, weight, K, OC, groups, nchunks, bt0, nr, k0, 1);
+        }
+    }
+}
+
+// dW tile: MM_NO outputs x (nv*VLEN) columns, all positions (R3).
+ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const float* inp,
+                                       int B, int T, int K, int OC, int o0, const int no,
+                                       int k0, const int nv) {
+    vf acc[MM_NO][2];
+    vf stack[CANON_LOG2_R + 34][MM_NO][2];
+    int top = 0;
+    for (int b = 0; b < B; b++) {
+        for (int ch = 0; ch < CANON_R; ch++) {
+            for (int j = 0; j < no; j++) { for (int v = 0; v < nv; v++) { acc[j][v] = vf_zero(); } }
+            for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
+                size_t pos = (size_t)b * T + t;
+                const float* x = inp + pos * K + k0;
+                vf x0 = vf_load(x);
+                vf x1 = nv > 1 ? vf_load(x + VLEN) : x0;
+                for (int j = 0; j < no; j++) {
+                    vf d = vf_set1(dout[pos * OC + o0 + j]);
+                    acc[j][0] = vf_fma(d, x0, acc[j][0]);
+                    if (nv > 1) { acc[j][1] = vf_fma(d, x1, acc[j][1]); }
+                }
+            }
+            for (int j = 0; j < no; j++) { for (int v = 0; v < nv; v++) { stack[top][j][v] = acc[j][v]; } }
+            top++;
+            for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
+                for (int j = 0; j < no; j++) {
+                    for (int v = 0; v < nv; v++) {
+                        stack[top - 2][j][v] = vf_add(stack[top - 2][j][v], stack[top - 1][j][v]);
+                    }
+                }
+                top--;
+            }
+        }
+    }
+    for (int j = 0; j < no; j++) {
+        for (int v = 0; v < nv; v++) { vf_store(dweight + (size_t)(o0 + j) * K + k0 + v * VLEN, stack[0][j][v]); }
+    }
+}
+
+// R3 over positions of dout[pos][o] * x[pos][k] (x = NULL: of dout[pos][o] alone), scalar.
+static float position_reduce_elem(const float* dout, int OC, int o, const float* x, int K, int k,
+                                  int B, int T) {
+    float stack[CANON_LOG2_R + 34];
+    int top = 0;
+    for (int b = 0; b < B; b++) {
+        for (int ch = 0; ch < CANON_R; ch++) {
+            float acc = 0.0f;
+            for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
+                size_t pos = (size_t)b * T + t;
+                acc = x ? fmaf(dout[pos * OC + o], x[pos * K + k], acc) : acc + dout[pos * OC + o];
+            }
+            stack[top++] = acc;
+            for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
+                stack[top - 2] = stack[top - 2] + stack[top - 1];
+                top--;
+            }
+        }
+    }
+    return stack[0];
+}
+
+ALWAYS_INLINE void matmul_dweight_cols(float* dweight, const float* dout, const float* inp,
+                                       int B, int T, int K, int OC, int o0, const int no) {
+    int kvec_end = K / VLEN * VLEN;
+    for (int k0 = 0; k0 < kvec_end; k0 += 2 * VLEN) {
+        if (kvec_end - k0 >= 2 * VLEN) {
+            matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 2);
+        } else {
+            matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 1);
+        }
+    }
+    for (int j = 0; j < no; j++) {
+        for (int k = kvec_end; k < K; k++) {
+            dweight[(size_t)(o0 + j) * K + k] = position_reduce_elem(dout, OC, o0 + j, inp, K, k, B, T);
+        }
+    }
+}
+
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                     const float* inp, const float* weight, int B, int T, int K, int OC,
+                     int groups, int nchunks) {
+    int BT = B * T;
+    int kvec_end = K / VLEN * VLEN;
+    // dinp: tasks of MM_NO rows
+    if (dinp) {
+        int rgroups = (BT + MM_NO - 1) / MM_NO;
+        #pragma omp parallel for schedule(static)
+        for (int rg = 0; rg < rgroups; rg++) {
+            int bt0 = rg * MM_NO;
+            int nr = BT - bt0 < MM_NO ? BT - bt0 : MM_NO;
+            switch (nr) {
+                case 6: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 6, kvec_end); break;
+                case 5: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 5, kvec_end); break;
+                case 4: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 4, kvec_end); break;
+                case 3: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 3, kvec_end); break;
+                case 2: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 2, kvec_end); break;
+                default: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 1, kvec_end); break;
+            }
+            for (int r = 0; r < nr; r++) {
+                for (int k = kvec_end; k < K; k++) {
+                    dinp[(size_t)(bt0 + r) * K + k] = matmul_dinp_elem(
+                        dout + (size_t)(bt0 + r) * OC, weight, k, K, OC, groups, nchunks);
+                }
+            }
+        }
+    }
+    // dweight: tasks of MM_NO outputs
+    int ogroups = (OC + MM_NO - 1) / MM_NO;
+    #pragma omp parallel for schedule(static)
+    for (int g = 0; g < ogroups; g++) {
+        int o0 = g * MM_NO;
+        int no = OC - o0 < MM_NO ? OC - o0 : MM_NO;
+        switch (no) {
+            case 6: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 6); break;
+            case 5: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 5); break;
+            case 4: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 4); break;
+            case 3: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 3); break;
+            case 2: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 2); break;
+            default: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 1); break;
+        }
+    }
+    if (dbias) {
+        #pragma omp parallel for
+        for (int o = 0; o < OC; o++) { dbias[o] = position_reduce_elem(dout, OC, o, NULL, 0, 0, B, T); }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// attention, causal, per (b, h) with hs = C/NH:
+//   qkv (B,T,3C) holds q | k | v, head h at channels [h*hs, (h+1)*hs) of each
+//   s[t][t2] = dot(q_t, k_t2) * (1/sqrt(hs))     R2 over hs, for t2 <= t
+//   att[t][t2] = exp(s - max_t2 s) / Z_t,  Z_t = R2 over keys (chunks of T) of the exps
+//   out[t] = R2 over keys t2 <= t of att[t][t2] * v_t2        out (B,T,C), att (B,NH,T,T)
+// Keys past t are not part of any sum (an empty stretch of a chunk adds nothing).
+void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+    int hs = C / NH;
+    size_t C3 = 3 * (size_t)C;
+    float scale = canon_rsqrtf((float)hs);
+    #pragma omp parallel for collapse(2)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < NH; h++) {
+            for (int t = 0; t < T; t++) {
+                const float* q = qkv + ((size_t)b * T + t) * C3 + h * hs;
+                float* a = att + (((size_t)b * NH + h) * T + t) * T;
+                float maxv = -canon_inf();
+                for (int t2 = 0; t2 <= t; t2++) {
+                    const float* k = qkv + ((size_t)b * T + t2) * C3 + C + h * hs;
+                    a[t2] = canon_dot(q, 1, k, 1, hs) * scale;
+                    if (a[t2] > maxv) { maxv = a[t2]; }
+                }
+                float partial[CANON_R];
+                for (int ch = 0; ch < CANON_R; ch++) {
+                    float acc = 0.0f;
+                    long end = canon_chunk_begin(T, ch + 1);
+                    for (long t2 = canon_chunk_begin(T, ch); t2 < end && t2 <= t; t2++) {
+                        a[t2] = canon_expf(a[t2] - maxv);
+                        acc = acc + a[t2];
+                    }
+                    partial[ch] = acc;
+                }
+                float z = canon_tree8(partial);
+                for (int t2 = 0; t2 <= t; t2++) { a[t2] = a[t2] / z; }
+                for (int t2 = t + 1; t2 < T; t2++) { a[t2] = 0.0f; }
+                float* o = out + ((size_t)b * T + t) * C + h * hs;
+                float stack[CANON_R][256];
+                int top = 0;
+                for (int ch = 0; ch < CANON_R; ch++) {
+                    float* acc = stack[top];
+                    for (int d = 0; d < hs; d++) { acc[d] = 0.0f; }
+                    long end = canon_chunk_begin(T, ch + 1);
+                    for (long t2 = canon_chunk_begin(T, ch); t2 < end && t2 <= t; t2++) {
+                        const float* v = qkv + ((size_t)b * T + t2) * C3 + 2 * C + h * hs;
+                        float w = a[t2];
+                        for (int d = 0; d < hs; d++) { acc[d] = fmaf(w, v[d], acc[d]); }
+                    }
+                    top++;
+                    for (int m = canon_tree_merges_after(ch, CANON_R); m > 0; m--) {
+                        for (int d = 0; d < hs; d++) { stack[top - 2][d] = stack[top - 2][d] + stack[top - 1][d]; }
+                        top--;
+                    }
+                }
+                memcpy(o, stack[0], sizeof(float) * hs);
+            }
+        }
+    }
+}
+
+// Backward, per (b, h):
+//   datt[t][t2] = dot(dout_t, v_t2)                       R2 over hs
+//   S_t = R2 over keys of fmaf(att, datt);  ds = att * (datt - S_t) * scale
+//   dq_t  = R2 over keys t2 <= t of ds[t][t2] * k_t2
+//   dk_t2 = R2 over queries t >= t2 (chunks of T) of ds[t][t2] * q_t
+//   dv_t2 = R2 over queries t >= t2 of att[t][t2] * dout_t          dqkv (B,T,3C) written
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                        int B, int T, int C, int NH) {
+    int hs = C / NH;
+    size_t C3 = 3 * (size_t)C;
+    float scale = canon_rsqrtf((float)hs);
+    float* ds_all = scratch(SCRATCH_ATT, sizeof(float) * (size_t)B * NH * T * T);
+    #pragma omp parallel for collapse(2)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < NH; h++) {
+            float* ds = ds_all + ((size_t)b * NH + h) * T * T;
+            const float* at = att + ((size_t)b * NH + h) * T * T;
+            for (int t = 0; t < T; t++) {
+                const float* dy = dout + ((size_t)b * T + t) * C + h * hs;
+                float* dst = ds + (size_t)t * T;
+                for (int t2 = 0; t2 <= t; t2++) {
+                    const float* v = qkv + ((size_t)b * T + t2) * C3 + 2 * C + h * hs;
+                    dst[t2] = canon_dot(dy, 1, v, 1, hs);
+                }
+                float partial[CANON_R];
+                for (int ch = 0; ch < CANON_R; ch++) {
+                    float acc = 0.0f;
+                    long end = canon_chunk_begin(T, ch + 1);
+                    for (long t2 = canon_chunk_begin(T, ch); t2 < end && t2 <= t; t2++) {
+                        acc = fmaf(at[(size_t)t * T + t2], dst[t2], acc);
+                    }
+                    partial[ch] = acc;
+                }
+                float S = canon_tree8(partial);
+                for (int t2 = 0; t2 <= t; t2++) { dst[t2] = at[(size_t)t * T + t2] * (dst[t2] - S) * scale; }
+            }
+            float stack[CANON_R][256];
+            // dq: over keys
+            for (int t = 0; t < T; t++) {
+                int top = 0;
+                for (int ch = 0; ch < CANON_R; ch++) {
+                    float* acc = stack[top];
+                    for (int d = 0; d < hs; d++) { acc[d] = 0.0f; }
+                    long end = canon_chunk_begin(T, ch + 1);
+                    for (long t2 = canon_chunk_begin(T, ch); t2 < end && t2 <= t; t2++) {
+                        const float* k = qkv + ((size_t)b * T + t2) * C3 + C + h * hs;
+                        float w = ds[(size_t)t * T + t2];
+                        for (int d = 0; d < hs; d++) { acc[d] = fmaf(w, k[d], acc[d]); }
+                    }
+                    top++;
+                    for (int m = canon_tree_merges_after(ch, CANON_R); m > 0; m--) {
+                        for (int d = 0; d < hs; d++) { stack[top - 2][d] = stack[top - 2][d] + stack[top - 1][d]; }
+                        top--;
+                    }
+                }
+                memcpy(dqkv + ((size_t)b * T + t) * C3 + h * hs, stack[0], sizeof(float) * hs);
+            }
+            // dk and dv: over queries
+            for (int t2 = 0; t2 < T; t2++) {
+                for (int which = 0; which < 2; which++) {   // 0: dk, 1: dv
+                    int top = 0;
+                    for (int ch = 0; ch < CANON_R; ch++) {
+                        float* acc = stack[top];
+                        for (int d = 0; d < hs; d++) { acc[d] = 0.0f; }
+                        long begin = canon_chunk_begin(T, ch), end = canon_chunk_begin(T, ch + 1);
+                        for (long t = begin < t2 ? t2 : begin; t < end; t++) {
+                            float w;
+                            const float* x;
+                            if (which == 0) {
+                                w = ds[(size_t)t * T + t2];
+                                x = qkv + ((size_t)b * T + t) * C3 + h * hs;
+                            } else {
+                                w = at[(size_t)t * T + t2];
+                                x = dout + ((size_t)b * T + t) * C + h * hs;
+                            }
+                            for (int d = 0; d < hs; d++) { acc[d] = fmaf(w, x[d], acc[d]); }
+                        }
+                        top++;
+                        for (int m = canon_tree_merges_after(ch, CANON_R); m > 0; m--) {
+                            for (int d = 0; d < hs; d++) { stack[top - 2][d] = stack[top - 2][d] + stack[top - 1][d]; }
+                            top--;
+                        }
+                    }
+                    memcpy(dqkv + ((size_t)b * T + t2) * C3 + (size_t)(which + 1) * C + h * hs,
+                           stack[0], sizeof(float) * hs);
+                }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// GELU (tanh form), elementwise
+void gelu_forward(float* out, const float* inp, size_t n) {
+    #pragma omp parallel for
+    for (size_t i = 0; i < n; i++) { out[i] = canon_gelu(inp[i]); }
+}
+
+// dinp = gelu'(inp) * dout (may be in place: dinp == dout)
+void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
+    #pragma omp parallel for
+    for (size_t i = 0; i < n; i++) { dinp[i] = canon_gelu_grad(inp[i]) * dout[i]; }
+}
+
+// out = a + b, elementwise (the residual stream)
+void residual_forward(float* out, const float* a, const float* b, size_t n) {
+    #pragma omp parallel for
+    for (size_t i = 0; i < n; i++) { out[i] = a[i] + b[i]; }
+}
+
+// ------------------------------------------------------------------------------------------
+// fused softmax + cross-entropy, per position over the vocabulary (entries v >= V are padding:
+// probability 0, never part of a sum):
+//   max = max_{v<V} logit, e_v = exp(logit_v - max), Z = R2 over Vp of e_v,
+//   probs_v = e_v / Z, loss = log(Z) - (logit_target - max).
+// logits (BT,Vp) are overwritten by probs. losses (BT) only if targets != NULL.
+void crossentropy_forward(float* probs_logits, float* losses, const int* targets, int BT, int V, int Vp) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        float* p = probs_logits + (size_t)i * Vp;
+        float maxv = -canon_inf();
+        for (int v = 0; v < V; v++) { if (p[v] > maxv) { maxv = p[v]; } }
+        float target_shifted = targets ? p[targets[i]] - maxv : 0.0f;
+        float partial[CANON_R];
+        for (int ch = 0; ch < CANON_R; ch++) {
+            float acc = 0.0f;
+            long end = canon_chunk_begin(Vp, ch + 1);
+            for (long v = canon_chunk_begin(Vp, ch); v < end && v < V; v++) {
+                p[v] = canon_expf(p[v] - maxv);
+                acc = acc + p[v];
+            }
+            partial[ch] = acc;
+        }
+        float z = canon_tree8(partial);
+        for (int v = 0; v < V; v++) { p[v] = p[v] / z; }
+        for (int v = V; v < Vp; v++) { p[v] = 0.0f; }
+        if (targets) { losses[i] = canon_logf(z) - target_shifted; }
+    }
+}
+
+// dlogits (BT,Vp) = (probs - onehot(target)) * dloss, written over probs; 0 for padding.
+void crossentropy_backward(float* dlogits_probs, const int* targets, float dloss, int BT, int V, int Vp) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        float* p = dlogits_probs + (size_t)i * Vp;
+        for (int v = 0; v < V; v++) {
+            float indicator = v == targets[i] ? 1.0f : 0.0f;
+            p[v] = (p[v] - indicator) * dloss;
+        }
+    }
+}
+
+// R3 sum of per-position values x (B,T): the loss sum of a microbatch.
+float position_sum(const float* x, int B, int T) {
+    return position_reduce_elem(x, 1, 0, NULL, 0, 0, B, T);
+}
+
+// ==========================================================================================
+// The model
+// ==========================================================================================
+
+// Activations of one forward pass, allocated for a capacity of (B, T) positions; a pass with
+// fewer positions lays its tensors out with its own B, T inside the same memory.
+typedef struct {
+    int cap_B, cap_T, recompute;
+    float* encoded;     // (B,T,C)   embedding output = residual stream into layer 0
+    float* ln1;         // (L,B,T,C)
+    float* ln1_mean;    // (L,B,T)
+    float* ln1_rstd;    // (L,B,T)
+    float* qkv;         // (L,B,T,3C)
+    float* atty;        // (L,B,T,C)  attention output, before the projection
+    float* att;         // (L,B,NH,T,T)
+    float* residual2;   // (L,B,T,C)  residual stream after attention
+    float* ln2;         // (L,B,T,C)
+    float* ln2_mean;    // (L,B,T)
+    float* ln2_rstd;    // (L,B,T)
+    float* fch;         // (L,B,T,4C)
+    float* fch_gelu;    // (L,B,T,4C), or (B,T,4C) reused by every layer with recompute
+    float* residual3;   // (L,B,T,C)  residual stream after the MLP = output of layer l
+    float* lnf;         // (B,T,C)
+    float* lnf_mean;    // (B,T)
+    float* lnf_rstd;    // (B,T)
+    float* probs;       // (B,T,Vp)   logits, then probabilities, then dlogits
+    float* losses;      // (B,T)
+    float* proj;        // (B,T,C)    scratch: a projection's output before the residual add
+    size_t bytes;
+} Activations;
+
+// Gradients of activations during backward: one set, reused by every layer.
+typedef struct {
+    float* dresidual;   // (B,T,C)
+    float* dbtc;        // (B,T,C)
+    float* dqkv;        // (B,T,3C)
+    float* dbt4c;       // (B,T,4C)
+    size_t bytes;
+} ActivationGrads;
+
+typedef struct {
+    GPT2Config config;
+    size_t num_parameters;   // P
+    size_t num_grads;        // P + Vp*C: the tied embedding's two gradient halves (see below)
+    float* params;           // (P) MEMORY order (model.h)
+    float* grads;            // (P + Vp*C) the step's gradient
+    float* m;                // (P) AdamW first moment
+    float* v;                // (P) AdamW second moment
+} GPT2;
+
+// The tied token embedding gets two gradients: from the LM head (wte as the output matmul)
+// and from the embedding lookup. They are kept apart until the whole step's gradient is
+// reduced, then added (lm part + embedding part), because that is the order a pipeline can
+// reproduce: there the LM head lives on the last stage and the embedding on the first
+// (Megatron sums the two copies' gradients after the data-parallel reduction).
+static float* wte_emb_grad(const GPT2* model, float* grads) { return grads + model->num_parameters; }
+
+// After the step's gradient is reduced: wte gradient = lm-head half + embedding half.
+void gpt2_finish_grads(GPT2* model) {
+    float* wte = model->grads + param_offset(&model->config, P_WTE, 0);
+    const float* emb = wte_emb_grad(model, model->grads);
+    size_t n = (size_t)model->config.padded_vocab_size * model->config.channels;
+    #pragma omp parallel for
+    for (size_t i = 0; i < n; i++) { wte[i] = wte[i] + emb[i]; }
+}
+
+static float* act_alloc(size_t n, size_t* total) {
+    *total += n * sizeof(float);
+    return (float*)aligned_calloc_or_die(n * sizeof(float), "activations");
+}
+
+void activations_alloc(Activations* a, const GPT2Config* c, int B, int T, int recompute) {
+    size_t L = c->num_layers, C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size;
+    size_t BT = (size_t)B * T;
+    memset(a, 0, sizeof(*a));
+    a->cap_B = B;
+    a->cap_T = T;
+    a->recompute = recompute;
+    a->encoded = act_alloc(BT * C, &a->bytes);
+    a->ln1 = act_alloc(L * BT * C, &a->bytes);
+    a->ln1_mean = act_alloc(L * BT, &a->bytes);
+    a->ln1_rstd = act_alloc(L * BT, &a->bytes);
+    a->qkv = act_alloc(L * BT * 3 * C, &a->bytes);
+    a->atty = act_alloc(L * BT * C, &a->bytes);
+    a->att = act_alloc(L * (size_t)B * NH * T * T, &a->bytes);
+    a->residual2 = act_alloc(L * BT * C, &a->bytes);
+    a->ln2 = act_alloc(L * BT * C, &a->bytes);
+    a->ln2_mean = act_alloc(L * BT, &a->bytes);
+    a->ln2_rstd = act_alloc(L * BT, &a->bytes);
+    a->fch = act_alloc(L * BT * 4 * C, &a->bytes);
+    a->fch_gelu = act_alloc((recompute ? 1 : L) * BT * 4 * C, &a->bytes);
+    a->residual3 = act_alloc(L * BT * C, &a->bytes);
+    a->lnf = act_alloc(BT * C, &a->bytes);
+    a->lnf_mean = act_alloc(BT, &a->bytes);
+    a->lnf_rstd = act_alloc(BT, &a->bytes);
+    a->probs = act_alloc(BT * Vp, &a->bytes);
+    a->losses = act_alloc(BT, &a->bytes);
+    a->proj = act_alloc(BT * C, &a->bytes);
+}
+
+void activations_free(Activations* a) {
+    float* all[] = {a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty, a->att,
+                    a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu,
+                    a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { free(all[i]); }
+    memset(a, 0, sizeof(*a));
+}
+
+void activation_grads_alloc(ActivationGrads* g, const GPT2Config* c, int B, int T) {
+    size_t BTC = (size_t)B * T * c->channels;
+    g->bytes = 0;
+    g->dresidual = act_alloc(BTC, &g->bytes);
+    g->dbtc = act_alloc(BTC, &g->bytes);
+    g->dqkv = act_alloc(3 * BTC, &g->bytes);
+    g->dbt4c = act_alloc(4 * BTC, &g->bytes);
+}
+
+void activation_grads_free(ActivationGrads* g) {
+    free(g->dresidual); free(g->dbtc); free(g->dqkv); free(g->dbt4c);
+}
+
+// Per-layer views of the activations for a pass over (B, T).
+typedef struct {
+    float *residual, *ln1, *ln1_mean, *ln1_rstd, *qkv, *atty, *att, *residual2;
+    float *ln2, *ln2_mean, *ln2_rstd, *fch, *fch_gelu, *residual3;
+} LayerActs;
+
+static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, int B, int T) {
+    size_t C = c->channels, BT = (size_t)B * T, NH = c->num_heads;
+    LayerActs v;
+    v.residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BT * C;
+    v.ln1 = a->ln1 + l * BT * C;
+    v.ln1_mean = a->ln1_mean + l * BT;
+    v.ln1_rstd = a->ln1_rstd + l * BT;
+    v.qkv = a->qkv + l * BT * 3 * C;
+    v.atty = a->atty + l * BT * C;
+    v.att = a->att + l * (size_t)B * NH * T * T;
+    v.residual2 = a->residual2 + l * BT * C;
+    v.ln2 = a->ln2 + l * BT * C;
+    v.ln2_mean = a->ln2_mean + l * BT;
+    v.ln2_rstd = a->ln2_rstd + l * BT;
+    v.fch = a->fch + l * BT * 4 * C;
+    v.fch_gelu = a->fch_gelu + (a->recompute ? 0 : l * BT * 4 * C);
+    v.residual3 = a->residual3 + l * BT * C;
+    return v;
+}
+
+// Forward over B sequences of T tokens: inputs (B,T) -> probs (B,T,Vp), and per-position
+// losses (B,T) when targets != NULL.
+void gpt2_forward(const GPT2* model, Activations* a, const int* inputs, const int* targets,
+                  int B, int T) {
+    const GPT2Config* c = &model->config;
+    int C = c->channels, NH = c->num_heads, V = c->vocab_size, Vp = c->padded_vocab_size;
+    int BT = B * T;
+    float* p = model->params;
+    encoder_forward(a->encoded, inputs, p + param_offset(c, P_WTE, 0), p + param_offset(c, P_WPE, 0), B, T, C);
+    for (int l = 0; l < c->num_layers; l++) {
+        LayerTensors w = layer_tensors(c, p, l);
+        LayerActs x = layer_acts(a, c, l, B, T);
+        layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.residual, w.ln1w, w.ln1b, BT, C);
+        matmul_forward(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, 3 * C, CANON_R);
+        attention_forward(x.atty, x.att, x.qkv, B, T, C, NH);
+        matmul_forward(a->proj, x.atty, w.attprojw, w.attprojb, BT, C, C, CANON_R);
+        residual_forward(x.residual2, x.residual, a->proj, (size_t)BT * C);
+        layernorm_forward(x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2w, w.ln2b, BT, C);
+        matmul_forward(x.fch, x.ln2, w.fcw, w.fcb, BT, C, 4 * C, CANON_R);
+        gelu_forward(x.fch_gelu, x.fch, (size_t)BT * 4 * C);
+        matmul_forward(a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, BT, 4 * C, C, CANON_R);
+        residual_forward(x.residual3, x.residual2, a->proj, (size_t)BT * C);
+    }
+    float* last = c->num_layers > 0 ? a->residual3 + (size_t)(c->num_layers - 1) * BT * C : a->encoded;
+    layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, last, p + param_offset(c, P_LNFW, 0),
+                      p + param_offset(c, P_LNFB, 0), BT, C);
+    matmul_forward(a->probs, a->lnf, p + param_offset(c, P_WTE, 0), NULL, BT, C, Vp, CANON_R);
+    crossentropy_forward(a->probs, a->losses, targets, BT, V, Vp);
+}
+
+// Backward of the last gpt2_forward (which must have had targets): writes every element of
+// grads (P + Vp*C). dloss is d(loss)/d(per-position loss) = 1 / (tokens in the global batch).
+void gpt2_backward(const GPT2* model, Activations* a, ActivationGrads* g, float* grads,
+                   const int* inputs, const int* targets, int B, int T, float dloss) {
+    const GPT2Config* c = &model->config;
+    int C = c->channels, NH = c->num_heads, V = c->vocab_size, Vp = c->padded_vocab_size;
+    int BT = B * T;
+    float* p = model->params;
+    float* last = c->num_layers > 0 ? a->residual3 + (size_t)(c->num_layers - 1) * BT * C : a->encoded;
+
+    crossentropy_backward(a->probs, targets, dloss, BT, V, Vp);
+    matmul_backward(g->dbtc, grads + param_offset(c, P_WTE, 0), NULL, a->probs, a->lnf,
+                    p + param_offset(c, P_WTE, 0), B, T, C, Vp, 1, CANON_R);
+    memset(g->dresidual, 0, sizeof(float) * (size_t)BT * C);
+    layernorm_backward(g->dresidual, grads + param_offset(c, P_LNFW, 0), grads + param_offset(c, P_LNFB, 0),
+                       g->dbtc, last, p + param_offset(c, P_LNFW, 0), a->lnf_mean, a->lnf_rstd, B, T, C);
+    for (int l = c->num_layers - 1; l >= 0; l--) {
+        LayerTensors w = layer_tensors(c, p, l);
+        LayerTensors dw = layer_tensors(c, grads, l);
+        LayerActs x = layer_acts(a, c, l, B, T);
+        if (a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * 4 * C); }
+        // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
+        matmul_backward(g->dbt4c, dw.fcprojw, dw.fcprojb, g->dresidual, x.fch_gelu, w.fcprojw, B, T, 4 * C, C, 1, CANON_R);
+        gelu_backward(g->dbt4c, x.fch, g->dbt4c, (size_t)BT * 4 * C);
+        matmul_backward(g->dbtc, dw.fcw, dw.fcb, g->dbt4c, x.ln2, w.fcw, B, T, C, 4 * C, 1, CANON_R);
+        layernorm_backward(g->dresidual, dw.ln2w, dw.ln2b, g->dbtc, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, B, T, C);
+        // attention: residual2 = residual + attproj(attention(qkv(ln1(residual))))
+        matmul_backward(g->dbtc, dw.attprojw, dw.attprojb, g->dresidual, x.atty, w.attprojw, B, T, C, C, 1, CANON_R);
+        attention_backward(g->dqkv, g->dbtc, x.qkv, x.att, B, T, C, NH);
+        matmul_backward(g->dbtc, dw.qkvw, dw.qkvb, g->dqkv, x.ln1, w.qkvw, B, T, C, 3 * C, 3, CANON_R);
+        layernorm_backward(g->dresidual, dw.ln1w, dw.ln1b, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, B, T, C);
+    }
+    encoder_backward(wte_emb_grad(model, grads), grads + param_offset(c, P_WPE, 0), g->dresidual,
+                     inputs, B, T, C, Vp, c->max_seq_len);
+}
+
+// --- building the model -------------------------------------------------------------------
+
+static void gpt2_alloc_state(GPT2* model) {
+    const GPT2Config* c = &model->config;
+    model->num_parameters = param_count(c);
+    model->num_grads = model->num_parameters + (size_t)c->padded_vocab_size * c->channels;
+    model->grads = (float*)aligned_calloc_or_die(model->num_grads * sizeof(float), "gradients");
+    model->m = (float*)aligned_calloc_or_die(model->num_parameters * sizeof(float), "AdamW m");
+    model->v = (float*)aligned_calloc_or_die(model->num_parameters * sizeof(float), "AdamW v");
+}
+
+void gpt2_build_from_checkpoint(GPT2* model, const char* path) {
+    model->params = checkpoint_read_model(path, &model->config);
+    gpt2_alloc_state(model);
+}
+
+// GPT-2's initialisation: weights ~ N(0, 0.02), the two projections back into the residual
+// stream (attproj, fcproj) ~ N(0, 0.02/sqrt(2L)), biases 0, layernorm weights 1, padded
+// vocabulary rows 0. Drawn tensor by tensor in llm.c's file order, layer by layer, from one
+// generator seeded with `seed` (rand.h: the same bits on every machine).
+typedef struct { float* params; const GPT2Config* c; uint64_t rng; } InitCtx;
+
+static void init_piece(int t, int layer, size_t offset, size_t elements, void* vctx) {
+    InitCtx* ctx = (InitCtx*)vctx;
+    float* dst = ctx->params + offset;
+    if (t == P_LN1W || t == P_LN2W || t == P_LNFW) {
+        for (size_t i = 0; i < elements; i++) { dst[i] = 1.0f; }
+    } else if (param_is_decayed(t)) {
+        float std = 0.02f;
+        if (t == P_ATTPROJW || t == P_FCPROJW) {
+            std = (float)(0.02 / sqrt(2.0 * ctx->c->num_layers));
+        }
+        size_t n = t == P_WTE ? (size_t)ctx->c->vocab_size * ctx->c->channels : elements;
+        random_normal_fill(dst, n, 0.0f, std, &ctx->rng);
+    }
+}
+
+void gpt2_build_from_random(GPT2* model, const GPT2Config* config, uint64_t seed) {
+    model->config = *config;
+    size_t P = param_count(config);
+    model->params = (float*)aligned_calloc_or_die(P * sizeof(float), "parameters");
+    InitCtx ctx = {model->params, config, seed ? seed : 1};
+    param_for_each_in_file_order(config, init_piece, &ctx);
+    gpt2_alloc_state(model);
+}
+
+void gpt2_free(GPT2* model) {
+    free(model->params);
+    free(model->grads);
+    free(model->m);
+    free(model->v);
+}
+
+// --- the optimizer step -------------------------------------------------------------------
+
+// ||grad|| over the P parameters (the wte halves already added): exact sum of squares (R6).
+float gradient_norm(const float* grads, size_t n) {
+    SumSq total;
+    canon_sumsq_init(&total);
+    #pragma omp parallel
+    {
+        SumSq mine;
+        canon_sumsq_init(&mine);
+        #pragma omp for schedule(static)
+        for (size_t i = 0; i < n; i++) { canon_sumsq_add(&mine, grads[i]); }
+        #pragma omp critical
+        canon_sumsq_merge(&total, &mine);
+    }
+    return (float)sqrt(canon_sumsq_value(&total));
+}
+
+void adamw_update(GPT2* model, const AdamWStep* s, float weight_decay) {
+    const GPT2Config* c = &model->config;
+    for (int t = 0; t < NUM_PARAMETER_TENSORS; t++) {
+        int layers = param_is_layer_tensor(t) ? c->num_layers : 1;
+        float wd = param_is_decayed(t) ? weight_decay : 0.0f;
+        size_t n = param_tensor_elements(c, t);
+        for (int l = 0; l < layers; l++) {
+            size_t off = param_offset(c, t, l);
+            #pragma omp parallel for
+            for (size_t i = off; i < off + n; i++) {
+                adamw_update_elem(&model->params[i], &model->m[i], &model->v[i], model->grads[i], s, wd);
+            }
+        }
+    }
+}
+
+// --- gradient accumulation: the R1 tree over microbatches ---------------------------------
+// Microbatch m's gradient is computed into a fresh buffer (never += into an old one) and the
+// buffers are combined by the R1 tree over the global microbatch index, streamed with a
+// stack: after microbatch m, canon_tree_merges_after(m, M) merges. At most ceil(log2 M) + 1
+// buffers are alive; the bottom one is model->grads, which holds the sum at the end.
+typedef struct {
+    float* buf[40];
+    int allocated, top;
+    size_t n;
+} GradStack;
+
+static void gradstack_init(GradStack* s, float* bottom, size_t n) {
+    memset(s, 0, sizeof(*s));
+    s->buf[0] = bottom;
+    s->allocated = 1;
+    s->n = n;
+}
+
+static float* gradstack_push(GradStack* s) {
+    if (s->top == s->allocated) {
+        s->buf[s->allocated++] = (float*)aligned_calloc_or_die(s->n * sizeof(float), "gradient accumulation");
+    }
+    return s->buf[s->top++];
+}
+
+// left <- left + right for the top two buffers
+static void gradstack_merge(GradStack* s) {
+    float* left = s->buf[s->top - 2];
+    const float* right = s->buf[s->top - 1];
+    #pragma omp parallel for
+    for (size_t i = 0; i < s->n; i++) { left[i] = left[i] + right[i]; }
+    s->top--;
+}
+
+static void gradstack_free(GradStack* s) {
+    for (int i = 1; i < s->allocated; i++) { free(s->buf[i]); }
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler), each
+// step a full forward over the tokens so far (B = 1).
+static void sample_text(const GPT2* model, Activations* acts, Tokenizer* tok, int genT) {
+    int V = model->config.vocab_size, Vp = model->config.padded_vocab_size;
+    int* gen = (int*)malloc_or_die(sizeof(int) * genT, "sample tokens");
+    uint64_t rng = 1337;
+    gen[0] = tok->init_ok ? tok->eot_token : (V > 50256 ? 50256 : V - 1);
+    printf("generating:\n---\n");
+    for (int t = 1; t < genT; t++) {
+        gpt2_forward(model, acts, gen, NULL, 1, t);
+        const float* probs = acts->probs + (size_t)(t - 1) * Vp;
+        float coin = random_f32(&rng), cdf = 0.0f;
+        int next = V - 1;
+        for (int v = 0; v < V; v++) {
+            cdf += probs[v];
+            if (coin < cdf) { next = v; break; }
+        }
+        gen[t] = next;
+        if (tok->init_ok) {
+            safe_printf(tokenizer_decode(tok, next));
+        } else {
+            printf("%d ", next);
+        }
+        fflush(stdout);
+    }
+    printf("\n---\n");
+    free(gen);
+}
+
+#ifndef TESTING
+// ==========================================================================================
+// Training
+// ==========================================================================================
+int main(int argc, char** argv) {
+    TrainArgs args;
+    train_args_defaults(&args);
+    if (train_args_parse(&args, argc, argv)) {
+        TrainArgs defaults;
+        train_args_defaults(&defaults);
+        train_args_print_help(argv[0], &defaults);
+        return 0;
+    }
+    train_args_validate(&args);
+    if (args.tp != 1 || args.pp != 1 || args.sp != 0 || args.zero_stage != 0) {
+        fatal("--tp/--pp/--sp/-z: this build trains on a single rank only (see README: not done yet)");
+    }
+    if (args.deterministic) { fatal("--deterministic is a flag of the CUDA build (train_gpt2cu)"); }
+    LRScheduleKind sched_kind;
+    if (!lr_schedule_kind(args.lr_schedule, &sched_kind)) {
+        fatal("-k: unknown learning-rate schedule '%s' (cosine, linear or constant)", args.lr_schedule);
+    }
+    if (args.output_dir) { ensure_writable_dir(args.output_dir, "-o"); }
+
+    // resume from the latest complete checkpoint in the output dir?
+    int resume_step = args.resume ? checkpoint_latest_step(args.output_dir) : -1;
+    char path[1200];
+    GPT2 model;
+    GPT2Config config;
+    if (resume_step >= 0) {
+        snprintf(path, sizeof(path), "%s/model_%08d.bin", args.output_dir, resume_step);
+        gpt2_build_from_checkpoint(&model, path);
+    } else if (config_from_descriptor(args.model, &config)) {
+        const char* problem = config_problem(&config);
+        if (problem) { fatal("-e %s: %s", args.model, problem); }
+        gpt2_build_from_random(&model, &config, (uint64_t)args.seed);
+    } else {
+        if (!file_exists(args.model)) {
+            fatal("-e: model file '%s' not found; pass -e dN for a fresh GPT-2 of depth N (e.g. -e d12), "
+                  "or import OpenAI's weights with scripts/download_gpt2_weights.sh", args.model);
+        }
+        gpt2_build_from_checkpoint(&model, args.model);
+    }
+    config = model.config;
+    int B = args.B, T = args.T;
+    if (T > config.max_seq_len) {
+        fatal("-t: sequence length %d exceeds the model's maxT = %d", T, config.max_seq_len);
+    }
+    if (config.channels / config.num_heads > 256) {
+        fatal("-e: head size C/NH = %d is larger than the 256 this build supports", config.channels / config.num_heads);
+    }
+    long long tokens_per_micro = (long long)B * T;
+    long long total_batch = args.total_batch == -1 ? tokens_per_micro : args.total_batch;
+    if (total_batch % tokens_per_micro != 0) {
+        fatal("-d: total batch %lld tokens is not a multiple of B*T = %lld", total_batch, tokens_per_micro);
+    }
+    int M = (int)(total_batch / tokens_per_micro);   // gradient accumulation microbatches
+
+    DataLoader train_loader, val_loader;
+    dataloader_init(&train_loader, args.train_pattern, "-i", B, T, config.vocab_size, args.shuffle, (uint64_t)args.seed);
+    int do_val = args.val_every > 0;
+    int val_batches = 0;
+    if (do_val) {
+        dataloader_init(&val_loader, args.val_pattern, "-j", B, T, config.vocab_size, 0, 0);
+        val_batches = args.val_max_steps == -1 || args.val_max_steps > val_loader.microbatches_per_epoch
+                    ? (int)val_loader.microbatches_per_epoch : args.val_max_steps;
+    }
+    int train_steps = args.max_steps;
+    if (train_steps == -1) {
+        train_steps = (int)(train_loader.total_tokens / total_batch);
+        if (train_steps < 1) {
+            fatal("-i: the train data has %lld tokens, less than one step of -d %lld tokens",
+                  (long long)train_loader.total_tokens, total_batch);
+        }
+    }
+    LRSchedule schedule = {sched_kind, args.lr, args.warmup, train_steps, args.final_lr_frac};
+
+    Tokenizer tokenizer;
+    tokenizer_init(&tokenizer, args.tokenizer_path);
+
+    Activations acts, sample_acts;
+    ActivationGrads agrads;
+    activations_alloc(&acts, &config, B, T, args.recompute);
+    activation_grads_alloc(&agrads, &config, B, T);
+    int genT = args.gen_T < config.max_seq_len ? args.gen_T : config.max_seq_len;
+    int do_sample = args.sample_every > 0;
+    if (do_sample) { activations_alloc(&sample_acts, &config, 1, genT, 0); }
+
+    GradStack gstack;
+    gradstack_init(&gstack, model.grads, model.num_grads);
+
+    TrainProgress progress = {0, 0, tokens_per_micro, args.shuffle, (uint64_t)args.seed};
+    if (resume_step >= 0) {
+        TrainProgress saved;
+        state_read_range(args.output_dir, resume_step, &config, 0, (int64_t)model.num_parameters,
+                         model.m, model.v, &saved);
+        if (saved.tokens_per_microbatch != tokens_per_micro || saved.shuffle != args.shuffle ||
+            saved.shuffle_seed != (uint64_t)args.seed) {
+            fatal("-y 1: the checkpoint in '%s' was trained with B*T = %lld, --shuffle %d, --seed %llu; "
+                  "resume with the same values", args.output_dir, (long long)saved.tokens_per_microbatch,
+                  saved.shuffle, (unsigned long long)saved.shuffle_seed);
+        }
+        progress = saved;
+    }
+    Logger logger;
+    logger_init(&logger, args.output_dir, 1, resume_step >= 0);
+
+    double flops_per_step = (6.0 * (double)model.num_parameters
+                           + 6.0 * config.num_layers * config.channels * T) * (double)total_batch;
+    size_t P = model.num_parameters;
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    printf("+--------------------------------------------------------------------------+\n");
+    printf("| train_gpt2 (CPU reference, canonical arithmetic, %-6s kernels, %2d threads)|\n", LLMC_SIMD_NAME, threads);
+    printf("+--------------------------------------------------------------------------+\n");
+    printf("| model         L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n", config.num_layers, config.channels,
+           config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len);
+    printf("| init          %s\n", resume_step >= 0 ? path : args.model);
+    printf("| parameters    %zu (%.1f M)\n", P, P / 1e6);
+    printf("| batch         B=%d T=%d, %d microbatch(es) per step = %lld tokens\n", B, T, M, total_batch);
+    printf("| steps         %d (lr %g %s, warmup %d, final fraction %g, weight decay %g)\n", train_steps,
+           args.lr, args.lr_schedule, args.warmup, args.final_lr_frac, args.weight_decay);
+    printf("| AdamW         beta1 %g beta2 %g eps %g, grad clip %g\n", args.beta1, args.beta2, args.eps, args.grad_clip);
+    printf("| train data    %s: %d shard(s), %lld tokens, shuffle %d\n", args.train_pattern,
+           train_loader.num_shards, (long long)train_loader.total_tokens, args.shuffle);
+    if (do_val) {
+        printf("| val data      %s: %lld tokens, %d batch(es) every %d steps\n", args.val_pattern,
+               (long long)val_loader.total_tokens, val_batches, args.val_every);
+    }
+    printf("| memory        params %.1f MiB, grads %.1f MiB (+%.1f MiB per accumulation level), "
+           "AdamW %.1f MiB, activations %.1f MiB\n", P * 4.0 / 1048576, model.num_grads * 4.0 / 1048576,
+           model.num_grads * 4.0 / 1048576, 2 * P * 4.0 / 1048576, (acts.bytes + agrads.bytes) / 1048576.0);
+    printf("| output        %s\n", args.output_dir ? args.output_dir : "(none)");
+    if (resume_step >= 0) { printf("| resuming      from step %d\n", resume_step); }
+    printf("+--------------------------------------------------------------------------+\n");
+    fflush(stdout);
+
+    float dloss = 1.0f / (float)total_batch;
+    double total_time = 0.0;
+    int timed_steps = 0;
+    for (int step = (int)progress.step; step <= train_steps; step++) {
+        int last_step = step == train_steps;
+
+        if (do_val && (step % args.val_every == 0 || last_step)) {
+            float stack[64];
+            int top = 0;
+            for (int i = 0; i < val_batches; i++) {
+                dataloader_load(&val_loader, i);
+                gpt2_forward(&model, &acts, val_loader.inputs, val_loader.targets, B, T);
+                stack[top++] = position_sum(acts.losses, B, T);
+                for (int mg = canon_tree_merges_after(i, val_batches); mg > 0; mg--) {
+                    stack[top - 2] = stack[top - 2] + stack[top - 1];
+                    top--;
+                }
+            }
+            float val_loss = stack[0] / (float)((double)val_batches * B * T);
+            printf("val loss %.6f\n", val_loss);
+            logger_log_val(&logger, step, val_loss);
+        }
+        if (do_sample && ((step > 0 && step % args.sample_every == 0) || last_step)) {
+            sample_text(&model, &sample_acts, &tokenizer, genT);
+        }
+        if (args.checkpoint_every > 0 && step != resume_step &&
+            ((step > 0 && step % args.checkpoint_every == 0) || last_step)) {
+            snprintf(path, sizeof(path), "%s/model_%08d.bin", args.output_dir, step);
+            checkpoint_write_model(path, &config, model.params);
+            snprintf(path, sizeof(path), "%s/state_%08d_%05d.bin", args.output_dir, step, 0);
+            progress.step = step;
+            state_write_piece(path, &config, &progress, 1, 0, 0, (int64_t)P, model.m, model.v);
+            checkpoint_write_done(args.output_dir, step);
+            printf("checkpoint written: %s/model_%08d.bin\n", args.output_dir, step);
+        }
+        if (last_step) { break; }
+
+        // ---- one optimizer step over M microbatches ----
+        double t0 = now_seconds();
+        float loss_stack[64];
+        int loss_top = 0;
+        for (int mb = 0; mb < M; mb++) {
+            int64_t g = args.overfit_single_batch ? 0 : progress.microbatches_done + mb;
+            dataloader_load(&train_loader, g);
+            float* grads = gradstack_push(&gstack);
+            gpt2_forward(&model, &acts, train_loader.inputs, train_loader.targets, B, T);
+            loss_stack[loss_top++] = position_sum(acts.losses, B, T);
+            gpt2_backward(&model, &acts, &agrads, grads, train_loader.inputs, train_loader.targets, B, T, dloss);
+            for (int mg = canon_tree_merges_after(mb, M); mg > 0; mg--) {
+                gradstack_merge(&gstack);
+                loss_stack[loss_top - 2] = loss_stack[loss_top - 2] + loss_stack[loss_top - 1];
+                loss_top--;
+            }
+        }
+        gstack.top = 0;
+        progress.microbatches_done += M;
+        float loss = loss_stack[0] / (float)total_batch;
+        gpt2_finish_grads(&model);
+        float norm = gradient_norm(model.grads, P);
+        float grad_scale = args.grad_clip > 0.0f && norm > args.grad_clip ? args.grad_clip / norm : 1.0f;
+        float lr = lr_at_step(&schedule, step);
+        AdamWStep s = adamw_step_constants(lr, args.beta1, args.beta2, args.eps, step + 1, grad_scale);
+        adamw_update(&model, &s, args.weight_decay);
+        progress.step = step + 1;
+        double dt = now_seconds() - t0;
+        if (step > (int)0) { total_time += dt; timed_steps++; }
+        printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %.1f GFLOP/s\n",
+               step + 1, train_steps, loss, lr, norm, dt * 1e3, total_batch / dt, flops_per_step / dt / 1e9);
+        fflush(stdout);
+        logger_log_train(&logger, step, loss, lr, norm);
+    }
+    if (timed_steps > 0) {
+        printf("average step time %.1f ms (excluding the first)\n", total_time / timed_steps * 1e3);
+    }
+
+    gradstack_free(&gstack);
+    activations_free(&acts);
+    if (do_sample) { activations_free(&sample_acts); }
+    activation_grads_free(&agrads);
+    dataloader_free(&train_loader);
+    if (do_val) { dataloader_free(&val_loader); }
+    tokenizer_free(&tokenizer);
+    gpt2_free(&model);
+    return 0;
+}
+#endif
