@@ -58,6 +58,24 @@ ifneq ($(HAVE_MPI),1)
 endif
 	$(TRAIN_CC) $(CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
 
+# --- tests of the reference trainer --------------------------------------------------------
+# The kernel test is built twice: with the SIMD kernels and with the plain-C ones (same bits).
+TEST_CFLAGS = $(CFLAGS) -Wno-unused-function
+build:
+	mkdir -p build
+build/test_canonical: dev/test/test_canonical.c $(LLMC_HEADERS) | build
+	$(CC) $(TEST_CFLAGS) -o $@ $< $(LDLIBS)
+build/test_kernels: dev/test/test_kernels.c train_gpt2.c $(LLMC_HEADERS) | build
+	$(CC) $(TEST_CFLAGS) -o $@ $< $(LDLIBS)
+build/test_kernels_scalar: dev/test/test_kernels.c train_gpt2.c $(LLMC_HEADERS) | build
+	$(CC) $(TEST_CFLAGS) -DLLMC_NO_SIMD -o $@ $< $(LDLIBS)
+build/test_gpt2: dev/test/test_gpt2.c train_gpt2.c $(LLMC_HEADERS) | build
+	$(CC) $(TEST_CFLAGS) -o $@ $< $(LDLIBS)
+build/testdata: dev/test/testdata.c $(LLMC_HEADERS) | build
+	$(CC) $(TEST_CFLAGS) -o $@ $< $(LDLIBS)
+TEST_BINS += build/test_canonical build/test_kernels build/test_kernels_scalar build/test_gpt2 build/testdata
+TESTS += build/test_canonical build/test_kernels build/test_kernels_scalar build/test_gpt2 dev/test/test_train.sh
+
 include $(sort $(wildcard mk/*.mk))
 
 all: $(TOOLS)
