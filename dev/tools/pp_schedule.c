@@ -1,0 +1,383 @@
+/*
+ * pp_schedule: prints (and draws) a pipeline-parallel schedule from llmc/pipeline.h.
+ *
+ *   dev/tools/pp_schedule --stages 4 --microbatches 8 --schedule 1f1b
+ *   dev/tools/pp_schedule --stages 4 --microbatches 8 --schedule interleaved --chunks 2 --svg pp.svg
+ *
+ * For each stage: its actions (F3 / B3 = forward / backward of microbatch 3), then the modelled
+ * bubble fraction, the bubble of a simulated run with the given forward/backward times, and the
+ * most microbatches whose activations each stage holds. --svg draws the simulated timeline.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "llmc/pipeline.h"
+#include "llmc/utils.h"
+
+static void usage(void) {
+    printf(
+        "usage: dev/tools/pp_schedule --stages S --microbatches M --schedule gpipe|1f1b|interleaved [options]\n"
+        "\n"
+        "Prints every stage's pipeline schedule, the modelled and the simulated bubble fraction and the\n"
+        "most microbatches of activations each stage holds; optionally draws the timeline as SVG.\n"
+        "\n"
+        "  --stages S          pipeline stages (ranks), >= 1\n"
+        "  --microbatches M    microbatches per step, >= 1 (interleaved: a multiple of S)\n"
+        "  --schedule NAME     gpipe, 1f1b (Megatron-LM's non-interleaved 1F1B) or interleaved\n"
+        "  --chunks V          model chunks per stage, interleaved only (default 2)\n"
+        "  --fwd T[,T,...]     time of one forward (one microbatch, one chunk): one value for every\n"
+        "                      stage or one per stage, e.g. measured (default 1)\n"
+        "  --bwd T[,T,...]     time of one backward, likewise (default 2)\n"
+        "  --transfer T        time one activation or gradient takes between stages (default 0)\n"
+        "  --comm MODEL        how sends behave in the simulation: eager (default; buffered, never\n"
+        "                      wait), batched (runs joined by '+' posted at once, each send waits for\n"
+        "                      its receive) or rendezvous (one at a time, each send waits)\n"
+        "  --actions           print sends and receives too: rF3 / sF3 receive / send microbatch 3's\n"
+        "                      activation, rB3 / sB3 its gradient; '+' joins actions posted together\n"
+        "  --layers L          also print a balanced split of L transformer layers over the stages\n"
+        "                      (interleaved: over the S*V virtual stages)\n"
+        "  --embed-cost E      cost of the embedding for --layers, in layers (default 0)\n"
+        "  --head-cost H       cost of final layernorm + LM head + loss for --layers, in layers\n"
+        "                      (default 0; GPT-2 124M: 50304/(12*768) = 5.46)\n"
+        "  --svg FILE          write the simulated timeline as SVG (replaced atomically)\n"
+        "  --help              this text\n"
+        "\n"
+        "Interleaved actions carry their chunk: F3c1 is the forward of microbatch 3 on chunk 1.\n");
+}
+
+// ----------------------------------------------------------------------------------------------
+// flags
+
+static int parse_int_flag(const char* flag, const char* value, int min) {
+    char* end = NULL;
+    long x = strtol(value, &end, 10);
+    if (*value == '\0' || *end != '\0' || x < min || x > 1000000) {
+        fatal("%s: expected an integer >= %d, got '%s'", flag, min, value);
+    }
+    return (int)x;
+}
+
+static double parse_time(const char* flag, const char* text) {
+    char* end = NULL;
+    double x = strtod(text, &end);
+    if (*text == '\0' || *end != '\0' || !(x >= 0.0) || !isfinite(x)) {
+        fatal("%s: expected a finite number >= 0, got '%s'", flag, text);
+    }
+    return x;
+}
+
+// "1.5" (every stage) or "1,1.2,0.9,1" (one per stage) into out[S].
+static void parse_times(const char* flag, const char* value, int S, double* out) {
+    char buf[4096];
+    if (strlen(value) >= sizeof(buf)) { fatal("%s: value too long", flag); }
+    snprintf(buf, sizeof(buf), "%s", value);
+    int n = 0;
+    for (char* p = buf; p != NULL; n++) {
+        char* comma = strchr(p, ',');
+        if (comma) { *comma = '\0'; }
+        double t = parse_time(flag, p);
+        if (n < S) { out[n] = t; }
+        p = comma ? comma + 1 : NULL;
+    }
+    if (n == 1) {
+        for (int s = 1; s < S; s++) { out[s] = out[0]; }
+    } else if (n != S) {
+        fatal("%s: expected one value or one per stage (%d), got %d", flag, S, n);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// SVG
+
+typedef struct {
+    char* data;
+    size_t len, cap;
+} Text;
+
+__attribute__((format(printf, 2, 3)))
+static void text_printf(Text* t, const char* fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(t->data + t->len, t->cap - t->len, fmt, ap);
+        va_end(ap);
+        if (n < 0) { fatal("cannot format the SVG output"); }
+        if (t->len + (size_t)n < t->cap) {
+            t->len += (size_t)n;
+            return;
+        }
+        t->cap = 2 * t->cap + (size_t)n + 1;
+        char* grown = (char*)realloc(t->data, t->cap);
+        if (grown == NULL) { fatal("out of memory building the SVG"); }
+        t->data = grown;
+    }
+}
+
+// Forward boxes blue, backward orange; later chunks (interleaved) lighter, mixed with white.
+static double chunk_lightness(int chunk, int num_chunks) {
+    return num_chunks > 1 ? 0.55 * chunk / (num_chunks - 1) : 0.0;
+}
+
+static void box_colour(char* buf, size_t len, int forward, int chunk, int num_chunks) {
+    int rgb[3] = {forward ? 0x3b : 0xe8, forward ? 0x6e : 0x7d, forward ? 0xa8 : 0x1e};
+    double mix = chunk_lightness(chunk, num_chunks);
+    for (int i = 0; i < 3; i++) { rgb[i] = (int)lround(rgb[i] + (255 - rgb[i]) * mix); }
+    snprintf(buf, len, "#%02x%02x%02x", rgb[0], rgb[1], rgb[2]);
+}
+
+// Tick spacing: 1, 2 or 5 times a power of ten, for at most 10 ticks.
+static double tick_step(double span) {
+    if (!(span > 0.0)) { return 1.0; }
+    double base = pow(10.0, floor(log10(span / 10.0)));
+    static const double multiples[] = {1.0, 2.0, 5.0};
+    for (int i = 0; i < 3; i++) {
+        if (span / (base * multiples[i]) <= 10.0) { return base * multiples[i]; }
+    }
+    return 10.0 * base;
+}
+
+static void write_svg(const char* path, const PipelineSchedule* sch, const PipelineTimeline* tl, const char* caption) {
+    const PipelineConfig* cfg = &sch->cfg;
+    int S = cfg->num_stages;
+    const double left = 70.0, top = 44.0, row_h = 28.0, row_gap = 8.0;
+    // wide enough that the shortest box still shows its number (14 px), within 1000..4000 px
+    double shortest = INFINITY;
+    for (int i = 0; i < sch->offset[S]; i++) {
+        double d = tl->end[i] - tl->start[i];
+        if (pipeline_is_compute(sch->actions[i].kind) && d > 0.0 && d < shortest) { shortest = d; }
+    }
+    double span = tl->makespan > 0.0 ? tl->makespan : 1.0;
+    double chart_w = isfinite(shortest) ? 14.0 * span / shortest : 1000.0;
+    chart_w = chart_w < 1000.0 ? 1000.0 : (chart_w > 4000.0 ? 4000.0 : chart_w);
+    double scale = chart_w / span;
+    double rows_h = S * (row_h + row_gap);
+    double width = left + chart_w + 30.0, height = top + rows_h + 110.0;
+    Text t = {NULL, 0, 0};
+    text_printf(&t, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+    text_printf(&t, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
+                "font-family=\"Helvetica, Arial, sans-serif\">\n", width, height, width, height);
+    text_printf(&t, "<defs><pattern id=\"idle\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "
+                "patternTransform=\"rotate(45)\"><rect width=\"6\" height=\"6\" fill=\"#f2f2f2\"/>"
+                "<line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#cfcfcf\" stroke-width=\"2\"/></pattern></defs>\n");
+    text_printf(&t, "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
+    char chunks[48] = "";
+    if (cfg->num_chunks > 1) { snprintf(chunks, sizeof(chunks), ", %d chunks per stage", cfg->num_chunks); }
+    text_printf(&t, "<text x=\"%.1f\" y=\"24\" font-size=\"16\" font-weight=\"bold\">Pipeline schedule: %s, %d stages, "
+                "%d microbatches%s</text>\n", left, pipeline_schedule_name(cfg->kind), S, cfg->num_microbatches, chunks);
+    for (int s = 0; s < S; s++) {
+        double y = top + s * (row_h + row_gap);
+        text_printf(&t, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"13\" text-anchor=\"end\">stage %d</text>\n", left - 8.0,
+                    y + row_h / 2.0 + 4.5, s);
+        // the whole row hatched as idle; computations are drawn over it, so what shows is the bubble
+        text_printf(&t, "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"url(#idle)\" stroke=\"#bbbbbb\" "
+                    "stroke-width=\"0.5\"/>\n", left, y, tl->makespan * scale, row_h);
+        for (int i = sch->offset[s]; i < sch->offset[s + 1]; i++) {
+            const PipelineAction* a = &sch->actions[i];
+            if (!pipeline_is_compute(a->kind)) { continue; }
+            int fwd = a->kind == PP_FORWARD;
+            double x = left + tl->start[i] * scale, w = (tl->end[i] - tl->start[i]) * scale;
+            char colour[16], label[32];
+            box_colour(colour, sizeof(colour), fwd, a->chunk, cfg->num_chunks);
+            if (cfg->num_chunks > 1) {
+                snprintf(label, sizeof(label), "%dc%d", a->microbatch, a->chunk);
+            } else {
+                snprintf(label, sizeof(label), "%d", a->microbatch);
+            }
+            text_printf(&t, "<g><title>%s of microbatch %d chunk %d: %g to %g</title>"
+                        "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\" stroke=\"white\" "
+                        "stroke-width=\"0.75\"/>", fwd ? "forward" : "backward", a->microbatch, a->chunk, tl->start[i],
+                        tl->end[i], x, y, w, row_h, colour);
+            // the microbatch number, as large as fits the box (about 0.6 em per digit)
+            double font = w / (0.62 * strlen(label) + 0.5);
+            if (font > 12.0) { font = 12.0; }
+            if (font >= 5.0) {
+                text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"%.1f\" text-anchor=\"middle\" fill=\"%s\">%s"
+                            "</text>", x + w / 2.0, y + row_h / 2.0 + font * 0.35, font,
+                            chunk_lightness(a->chunk, cfg->num_chunks) > 0.3 ? "#222222" : "white", label);
+            }
+            text_printf(&t, "</g>\n");
+        }
+    }
+    // time axis
+    double axis_y = top + rows_h + 4.0;
+    text_printf(&t, "<line x1=\"%.2f\" y1=\"%.2f\" x2=\"%.2f\" y2=\"%.2f\" stroke=\"#444444\"/>\n", left, axis_y,
+                left + tl->makespan * scale, axis_y);
+    double step = tick_step(tl->makespan);
+    for (int k = 0; k * step <= tl->makespan * (1.0 + 1e-12); k++) {
+        double x = left + k * step * scale;
+        text_printf(&t, "<line x1=\"%.2f\" y1=\"%.2f\" x2=\"%.2f\" y2=\"%.2f\" stroke=\"#444444\"/>"
+                    "<text x=\"%.2f\" y=\"%.2f\" font-size=\"11\" text-anchor=\"middle\">%g</text>\n",
+                    x, axis_y, x, axis_y + 5.0, x, axis_y + 17.0, k * step);
+    }
+    text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"11\" text-anchor=\"end\">time</text>\n",
+                left + chart_w, axis_y + 30.0);
+    // legend
+    double ly = axis_y + 42.0;
+    char colour[16];
+    box_colour(colour, sizeof(colour), 1, 0, 1);
+    text_printf(&t, "<rect x=\"%.2f\" y=\"%.2f\" width=\"18\" height=\"12\" fill=\"%s\"/>"
+                "<text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">forward (microbatch number inside)</text>\n",
+                left, ly, colour, left + 24.0, ly + 10.5);
+    box_colour(colour, sizeof(colour), 0, 0, 1);
+    text_printf(&t, "<rect x=\"%.2f\" y=\"%.2f\" width=\"18\" height=\"12\" fill=\"%s\"/>"
+                "<text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">backward</text>\n", left + 250.0, ly, colour,
+                left + 274.0, ly + 10.5);
+    text_printf(&t, "<rect x=\"%.2f\" y=\"%.2f\" width=\"18\" height=\"12\" fill=\"url(#idle)\" stroke=\"#bbbbbb\" "
+                "stroke-width=\"0.5\"/><text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">idle (bubble)</text>\n",
+                left + 370.0, ly, left + 394.0, ly + 10.5);
+    if (cfg->num_chunks > 1) {
+        text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">lighter: later chunk (label: microbatch c chunk)"
+                    "</text>\n", left + 500.0, ly + 10.5);
+    }
+    text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"13\">%s</text>\n", left, ly + 36.0, caption);
+    text_printf(&t, "</svg>\n");
+
+    AtomicWriter w;
+    atomic_writer_open(&w, path);
+    atomic_writer_write(&w, t.data, t.len);
+    atomic_writer_commit(&w);
+    free(t.data);
+}
+
+// ----------------------------------------------------------------------------------------------
+
+int main(int argc, char** argv) {
+    int S = 0, M = 0, chunks = 0, show_actions = 0, layers = 0;
+    const char* schedule = NULL;
+    const char* fwd_text = "1";
+    const char* bwd_text = "2";
+    const char* comm_text = "eager";
+    const char* svg = NULL;
+    double transfer = 0.0, embed_cost = 0.0, head_cost = 0.0;
+    for (int i = 1; i < argc; i++) {
+        const char* flag = argv[i];
+        if (strcmp(flag, "--help") == 0 || strcmp(flag, "-h") == 0) {
+            usage();
+            return 0;
+        }
+        if (strcmp(flag, "--actions") == 0) {
+            show_actions = 1;
+            continue;
+        }
+        static const char* const with_value[] = {"--stages", "--microbatches", "--schedule", "--chunks", "--fwd",
+                                                 "--bwd", "--transfer", "--comm", "--layers", "--embed-cost",
+                                                 "--head-cost", "--svg"};
+        int known = 0;
+        for (size_t k = 0; k < sizeof(with_value) / sizeof(with_value[0]); k++) { known |= strcmp(flag, with_value[k]) == 0; }
+        if (!known) { fatal("unknown flag '%s' (see --help)", flag); }
+        if (i + 1 >= argc) { fatal("%s: missing value (see --help)", flag); }
+        const char* value = argv[++i];
+        if (strcmp(flag, "--stages") == 0) { S = parse_int_flag(flag, value, 1); }
+        else if (strcmp(flag, "--microbatches") == 0) { M = parse_int_flag(flag, value, 1); }
+        else if (strcmp(flag, "--schedule") == 0) { schedule = value; }
+        else if (strcmp(flag, "--chunks") == 0) { chunks = parse_int_flag(flag, value, 1); }
+        else if (strcmp(flag, "--fwd") == 0) { fwd_text = value; }
+        else if (strcmp(flag, "--bwd") == 0) { bwd_text = value; }
+        else if (strcmp(flag, "--transfer") == 0) { transfer = parse_time(flag, value); }
+        else if (strcmp(flag, "--comm") == 0) { comm_text = value; }
+        else if (strcmp(flag, "--layers") == 0) { layers = parse_int_flag(flag, value, 1); }
+        else if (strcmp(flag, "--embed-cost") == 0) { embed_cost = parse_time(flag, value); }
+        else if (strcmp(flag, "--head-cost") == 0) { head_cost = parse_time(flag, value); }
+        else { svg = value; }
+    }
+    if (S == 0) { fatal("--stages is required (see --help)"); }
+    if (M == 0) { fatal("--microbatches is required (see --help)"); }
+    if (schedule == NULL) { fatal("--schedule is required: gpipe, 1f1b or interleaved"); }
+
+    char err[512];
+    PipelineConfig cfg;
+    cfg.num_stages = S;
+    cfg.num_microbatches = M;
+    if (pipeline_parse_schedule(schedule, &cfg.kind, err, sizeof(err)) != 0) { fatal("--schedule: %s", err); }
+    cfg.num_chunks = chunks > 0 ? chunks : (cfg.kind == PP_INTERLEAVED ? 2 : 1);
+    PipelineCommModel comm;
+    if (strcmp(comm_text, "eager") == 0) { comm = PP_COMM_EAGER; }
+    else if (strcmp(comm_text, "batched") == 0) { comm = PP_COMM_BATCHED; }
+    else if (strcmp(comm_text, "rendezvous") == 0) { comm = PP_COMM_RENDEZVOUS; }
+    else { fatal("--comm: expected eager, batched or rendezvous, got '%s'", comm_text); }
+    PipelineSchedule sch;
+    if (pipeline_schedule_build(&sch, &cfg, err, sizeof(err)) != 0) { fatal("%s", err); }
+    double* fwd = (double*)malloc_or_die((size_t)S * sizeof(double), "forward times");
+    double* bwd = (double*)malloc_or_die((size_t)S * sizeof(double), "backward times");
+    parse_times("--fwd", fwd_text, S, fwd);
+    parse_times("--bwd", bwd_text, S, bwd);
+
+    int interleaved = cfg.kind == PP_INTERLEAVED;
+    if (interleaved) {
+        printf("schedule %s: %d stages, %d microbatches, %d chunks per stage\n", pipeline_schedule_name(cfg.kind), S, M,
+               cfg.num_chunks);
+    } else {
+        printf("schedule %s: %d stages, %d microbatches\n", pipeline_schedule_name(cfg.kind), S, M);
+    }
+    for (int s = 0; s < S; s++) {
+        printf("stage %d:", s);
+        for (int i = sch.offset[s]; i < sch.offset[s + 1]; i++) {
+            const PipelineAction* a = &sch.actions[i];
+            if (!show_actions && !pipeline_is_compute(a->kind)) { continue; }
+            char token[32];
+            pipeline_action_token(a, interleaved, token, sizeof(token));
+            printf(" %s%s", token, show_actions && a->post_with_next ? "+" : "");
+        }
+        printf("\n");
+    }
+
+    PipelineCosts costs = {fwd, bwd, transfer, comm};
+    PipelineTimeline tl;
+    if (pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)) != 0) { fatal("%s", err); }
+    double modelled = pipeline_bubble_fraction(&cfg), simulated = pipeline_timeline_bubble(&tl);
+    const char* formula = interleaved ? "(S-1)/(v*M+S-1)" : "(S-1)/(M+S-1)";
+    printf("bubble fraction, modelled %s: %.4f\n", formula, modelled);
+    printf("bubble fraction, simulated (%s sends, transfer %g): %.4f, makespan %g\n", pipeline_comm_model_name(comm),
+           transfer, simulated, tl.makespan);
+    printf("stage  fwd    bwd    busy      idle      max in flight%s\n", interleaved ? " (chunk-microbatches)" : "");
+    for (int s = 0; s < S; s++) {
+        int n = sch.offset[s + 1] - sch.offset[s];
+        printf("%5d  %-5g  %-5g  %-8g  %-8g  %d\n", s, fwd[s], bwd[s], tl.busy[s], tl.idle[s],
+               pipeline_max_in_flight(sch.actions + sch.offset[s], n));
+    }
+
+    if (layers > 0) {
+        int parts = S * cfg.num_chunks;
+        int* first = (int*)malloc_or_die((size_t)(parts + 1) * sizeof(int), "layer partition");
+        if (pipeline_partition_layers(layers, parts, embed_cost, head_cost, first, err, sizeof(err)) != 0) {
+            fatal("--layers: %s", err);
+        }
+        printf("layers: %d transformer layers, embedding cost %g, head cost %g (in layers)\n", layers, embed_cost,
+               head_cost);
+        for (int p = 0; p < parts; p++) {
+            int n = first[p + 1] - first[p];
+            char where[48];
+            if (interleaved) {
+                snprintf(where, sizeof(where), "stage %d chunk %d", p % S, p / S);
+            } else {
+                snprintf(where, sizeof(where), "stage %d", p);
+            }
+            printf("  %s: ", where);
+            if (n > 0) {
+                printf("layers %d..%d", first[p], first[p + 1] - 1);
+            } else {
+                printf("no layers");
+            }
+            printf("%s%s, cost %g\n", p == 0 ? " + embedding" : "", p == parts - 1 ? " + head" : "",
+                   pipeline_stage_cost(first, parts, p, embed_cost, head_cost));
+        }
+        free(first);
+    }
+
+    if (svg != NULL) {
+        char caption[256];
+        snprintf(caption, sizeof(caption), "bubble fraction: modelled %s = %.3f; simulated %.3f (makespan %g, "
+                 "fwd %s, bwd %s, %s sends)", formula, modelled, simulated, tl.makespan, fwd_text, bwd_text,
+                 pipeline_comm_model_name(comm));
+        write_svg(svg, &sch, &tl, caption);
+        printf("wrote %s\n", svg);
+    }
+    pipeline_timeline_free(&tl);
+    pipeline_schedule_free(&sch);
+    free(fwd);
+    free(bwd);
+    return 0;
+}

@@ -1,0 +1,17 @@
+# Pipeline-parallel schedules (llmc/pipeline.h): the schedule printing/drawing tool, its unit
+# tests, and a smoke run of the tool.
+TOOLS     += dev/tools/pp_schedule
+TEST_BINS += build/test_pipeline
+TESTS     += build/test_pipeline dev/tools/pp_schedule:--stages:4:--microbatches:8:--schedule:1f1b
+
+dev/tools/pp_schedule: dev/tools/pp_schedule.c $(LLMC_HEADERS)
+	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+
+build/test_pipeline: dev/test/test_pipeline.c $(LLMC_HEADERS)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+
+.PHONY: clean-pipeline
+clean: clean-pipeline
+clean-pipeline:
+	rm -f dev/tools/pp_schedule
