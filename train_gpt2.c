@@ -35,7 +35,7 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 // Scratch memory reused across calls (kernels run one at a time; slots keep them apart).
-enum { SCRATCH_PACK, SCRATCH_ATT, SCRATCH_SORT, SCRATCH_TREE, NUM_SCRATCH };
+enum { SCRATCH_PACK, SCRATCH_DINP, SCRATCH_ATT, SCRATCH_SORT, SCRATCH_TREE, NUM_SCRATCH };
 static float* scratch_ptr[NUM_SCRATCH];
 static size_t scratch_bytes[NUM_SCRATCH];
 static float* scratch(int slot, size_t bytes) {
@@ -259,20 +259,20 @@ ALWAYS_INLINE void matmul_forward_tile(float* out, const float* packed, const fl
     int top = 0;
     for (int ch = 0; ch < nchunks; ch++) {
         int kb = (int)(((long)K * ch) / nchunks), ke = (int)(((long)K * (ch + 1)) / nchunks);
-        for (int j = 0; j < no; j++) { acc[j][0] = vf_zero(); acc[j][1] = vf_zero(); }
+        _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) { acc[j][0] = vf_zero(); acc[j][1] = vf_zero(); }
         for (int k = kb; k < ke; k++) {
             vf a0 = vf_load(packed + (size_t)k * MR);
             vf a1 = vf_load(packed + (size_t)k * MR + VLEN);
-            for (int j = 0; j < no; j++) {
+            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                 vf w = vf_set1(weight[(size_t)(o0 + j) * K + k]);
                 acc[j][0] = vf_fma(a0, w, acc[j][0]);
                 acc[j][1] = vf_fma(a1, w, acc[j][1]);
             }
         }
-        for (int j = 0; j < no; j++) { stack[top][j][0] = acc[j][0]; stack[top][j][1] = acc[j][1]; }
+        _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) { stack[top][j][0] = acc[j][0]; stack[top][j][1] = acc[j][1]; }
         top++;
         for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
-            for (int j = 0; j < no; j++) {
+            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                 stack[top - 2][j][0] = vf_add(stack[top - 2][j][0], stack[top - 1][j][0]);
                 stack[top - 2][j][1] = vf_add(stack[top - 2][j][1], stack[top - 1][j][1]);
             }
@@ -280,7 +280,7 @@ ALWAYS_INLINE void matmul_forward_tile(float* out, const float* packed, const fl
         }
     }
     float tile[MR];
-    for (int j = 0; j < no; j++) {
+    _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
         vf_store(tile, stack[0][j][0]);
         vf_store(tile + VLEN, stack[0][j][1]);
         float* o = out + (size_t)bt0 * OC + o0 + j;
@@ -343,42 +343,45 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
 //                 heads (rank r owns slice r of q, of k and of v) owns whole chunks.
 //  dweight (OC,K) = R3 over positions of dout[.,o] * inp[.,k];   dbias (OC) = R3 of dout.
 // Every element is written (=), never accumulated.
-ALWAYS_INLINE void matmul_dinp_tile(float* dinp, const float* dout, const float* weight,
-                                    int K, int OC, int groups, int nchunks, int bt0, const int nr,
-                                    int k0, const int nv) {
+// dinp, one register tile: rows [bt0, bt0+nr) x columns [k0, k0 + nv*VLEN), over the outputs
+// o in [ob, oe) of the current chunk, continuing the partial sums in acc_mem (zero = start).
+ALWAYS_INLINE void matmul_dinp_tile(float* acc_mem, const float* dout, const float* weight,
+                                    int K, int OC, int ob, int oe, int start, int bt0,
+                                    const int nr, int k0, const int nv) {
     vf acc[MM_NO][2];
-    vf stack[CANON_LOG2_R + 2][MM_NO][2];
-    int top = 0;
-    int og = OC / groups;
-    for (int ch = 0; ch < nchunks; ch++) {
-        for (int r = 0; r < nr; r++) { for (int v = 0; v < nv; v++) { acc[r][v] = vf_zero(); } }
-        for (int g = 0; g < groups; g++) {
-            int ob = g * og + (int)(((long)og * ch) / nchunks);
-            int oe = g * og + (int)(((long)og * (ch + 1)) / nchunks);
-            for (int o = ob; o < oe; o++) {
-                const float* w = weight + (size_t)o * K + k0;
-                vf w0 = vf_load(w);
-                vf w1 = nv > 1 ? vf_load(w + VLEN) : w0;
-                for (int r = 0; r < nr; r++) {
-                    vf d = vf_set1(dout[(size_t)(bt0 + r) * OC + o]);
-                    acc[r][0] = vf_fma(d, w0, acc[r][0]);
-                    if (nv > 1) { acc[r][1] = vf_fma(d, w1, acc[r][1]); }
-                }
-            }
-        }
-        for (int r = 0; r < nr; r++) { for (int v = 0; v < nv; v++) { stack[top][r][v] = acc[r][v]; } }
-        top++;
-        for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
-            for (int r = 0; r < nr; r++) {
-                for (int v = 0; v < nv; v++) {
-                    stack[top - 2][r][v] = vf_add(stack[top - 2][r][v], stack[top - 1][r][v]);
-                }
-            }
-            top--;
+    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+        _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) {
+            acc[r][v] = start ? vf_zero() : vf_load(acc_mem + (size_t)(bt0 + r) * K + k0 + v * VLEN);
         }
     }
-    for (int r = 0; r < nr; r++) {
-        for (int v = 0; v < nv; v++) { vf_store(dinp + (size_t)(bt0 + r) * K + k0 + v * VLEN, stack[0][r][v]); }
+    for (int o = ob; o < oe; o++) {
+        const float* w = weight + (size_t)o * K + k0;
+        vf w0 = vf_load(w);
+        vf w1 = nv > 1 ? vf_load(w + VLEN) : w0;
+        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+            vf d = vf_set1(dout[(size_t)(bt0 + r) * OC + o]);
+            acc[r][0] = vf_fma(d, w0, acc[r][0]);
+            if (nv > 1) { acc[r][1] = vf_fma(d, w1, acc[r][1]); }
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+        _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) { vf_store(acc_mem + (size_t)(bt0 + r) * K + k0 + v * VLEN, acc[r][v]); }
+    }
+}
+
+ALWAYS_INLINE void matmul_dinp_block(float* acc_mem, const float* dout, const float* weight, int BT,
+                                     int K, int OC, int ob, int oe, int start, int k0, const int nv) {
+    int bt0 = 0;
+    for (; bt0 + MM_NO <= BT; bt0 += MM_NO) {
+        matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, MM_NO, k0, nv);
+    }
+    switch (BT - bt0) {
+        case 5: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 5, k0, nv); break;
+        case 4: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 4, k0, nv); break;
+        case 3: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 3, k0, nv); break;
+        case 2: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 2, k0, nv); break;
+        case 1: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 1, k0, nv); break;
+        default: break;
     }
 }
 
@@ -404,14 +407,62 @@ static float matmul_dinp_elem(const float* dout_row, const float* weight, int k,
     return stack[0];
 }
 
-ALWAYS_INLINE void matmul_dinp_rows(float* dinp, const float* dout, const float* weight, int K,
-                                    int OC, int groups, int nchunks, int bt0, const int nr,
-                                    int kvec_end) {
-    for (int k0 = 0; k0 < kvec_end; k0 += 2 * VLEN) {
-        if (kvec_end - k0 >= 2 * VLEN) {
-            matmul_dinp_tile(dinp, dout, weight, K, OC, groups, nchunks, bt0, nr, k0, 2);
-        } else {
-            matmul_dinp_tile(dinp, dout, weight, K, OC, groups, nchunks, bt0, nr, k0, 1);
+// dinp (BT,K): each chunk's partial for every (row, k) is accumulated in memory, MM_DINP_OB
+// outputs at a time (so a block of weight columns stays in L1 while every row tile passes
+// over it), then pushed on the R1 stack; the bottom of the stack is dinp itself.
+#define MM_DINP_OB 128
+static void matmul_backward_dinp(float* dinp, const float* dout, const float* weight, int BT,
+                                 int K, int OC, int groups, int nchunks) {
+    float* level[CANON_LOG2_R + 2];
+    float* extra = scratch(SCRATCH_DINP, sizeof(float) * (size_t)(CANON_LOG2_R + 1) * BT * K);
+    level[0] = dinp;
+    for (int i = 1; i < CANON_LOG2_R + 2; i++) { level[i] = extra + (size_t)(i - 1) * BT * K; }
+    int kvec_end = K / VLEN * VLEN;
+    int ktiles = (kvec_end + 2 * VLEN - 1) / (2 * VLEN);
+    int og = OC / groups;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int kt = 0; kt < ktiles; kt++) {
+        int k0 = kt * 2 * VLEN;
+        int nv = kvec_end - k0 >= 2 * VLEN ? 2 : 1;
+        int top = 0;
+        for (int ch = 0; ch < nchunks; ch++) {
+            float* acc = level[top];
+            int start = 1;
+            for (int g = 0; g < groups; g++) {
+                int sb = g * og + (int)(((long)og * ch) / nchunks);
+                int se = g * og + (int)(((long)og * (ch + 1)) / nchunks);
+                for (int ob = sb; ob < se; ob += MM_DINP_OB) {
+                    int oe = se - ob < MM_DINP_OB ? se : ob + MM_DINP_OB;
+                    if (nv == 2) { matmul_dinp_block(acc, dout, weight, BT, K, OC, ob, oe, start, k0, 2); }
+                    else { matmul_dinp_block(acc, dout, weight, BT, K, OC, ob, oe, start, k0, 1); }
+                    start = 0;
+                }
+            }
+            if (start) {   // an empty chunk: its partial is 0
+                for (int r = 0; r < BT; r++) {
+                    for (int k = k0; k < k0 + nv * VLEN; k++) { acc[(size_t)r * K + k] = 0.0f; }
+                }
+            }
+            top++;
+            for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
+                float* left = level[top - 2];
+                const float* right = level[top - 1];
+                for (int r = 0; r < BT; r++) {
+                    _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) {
+                        size_t at = (size_t)r * K + k0 + v * VLEN;
+                        vf_store(left + at, vf_add(vf_load(left + at), vf_load(right + at)));
+                    }
+                }
+                top--;
+            }
+        }
+    }
+    if (kvec_end < K) {
+        #pragma omp parallel for
+        for (int r = 0; r < BT; r++) {
+            for (int k = kvec_end; k < K; k++) {
+                dinp[(size_t)r * K + k] = matmul_dinp_elem(dout + (size_t)r * OC, weight, k, K, OC, groups, nchunks);
+            }
         }
     }
 }
@@ -425,23 +476,23 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
     int top = 0;
     for (int b = 0; b < B; b++) {
         for (int ch = 0; ch < CANON_R; ch++) {
-            for (int j = 0; j < no; j++) { for (int v = 0; v < nv; v++) { acc[j][v] = vf_zero(); } }
+            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) { for (int v = 0; v < nv; v++) { acc[j][v] = vf_zero(); } }
             for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
                 size_t pos = (size_t)b * T + t;
                 const float* x = inp + pos * K + k0;
                 vf x0 = vf_load(x);
                 vf x1 = nv > 1 ? vf_load(x + VLEN) : x0;
-                for (int j = 0; j < no; j++) {
+                _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                     vf d = vf_set1(dout[pos * OC + o0 + j]);
                     acc[j][0] = vf_fma(d, x0, acc[j][0]);
                     if (nv > 1) { acc[j][1] = vf_fma(d, x1, acc[j][1]); }
                 }
             }
-            for (int j = 0; j < no; j++) { for (int v = 0; v < nv; v++) { stack[top][j][v] = acc[j][v]; } }
+            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) { for (int v = 0; v < nv; v++) { stack[top][j][v] = acc[j][v]; } }
             top++;
             for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
-                for (int j = 0; j < no; j++) {
-                    for (int v = 0; v < nv; v++) {
+                _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
+                    _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) {
                         stack[top - 2][j][v] = vf_add(stack[top - 2][j][v], stack[top - 1][j][v]);
                     }
                 }
@@ -449,8 +500,8 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
             }
         }
     }
-    for (int j = 0; j < no; j++) {
-        for (int v = 0; v < nv; v++) { vf_store(dweight + (size_t)(o0 + j) * K + k0 + v * VLEN, stack[0][j][v]); }
+    _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
+        _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) { vf_store(dweight + (size_t)(o0 + j) * K + k0 + v * VLEN, stack[0][j][v]); }
     }
 }
 
@@ -486,7 +537,7 @@ ALWAYS_INLINE void matmul_dweight_cols(float* dweight, const float* dout, const 
             matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 1);
         }
     }
-    for (int j = 0; j < no; j++) {
+    _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
         for (int k = kvec_end; k < K; k++) {
             dweight[(size_t)(o0 + j) * K + k] = position_reduce_elem(dout, OC, o0 + j, inp, K, k, B, T);
         }
@@ -496,33 +547,9 @@ ALWAYS_INLINE void matmul_dweight_cols(float* dweight, const float* dout, const 
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                      const float* inp, const float* weight, int B, int T, int K, int OC,
                      int groups, int nchunks) {
-    int BT = B * T;
-    int kvec_end = K / VLEN * VLEN;
-    // dinp: tasks of MM_NO rows
-    if (dinp) {
-        int rgroups = (BT + MM_NO - 1) / MM_NO;
-        #pragma omp parallel for schedule(static)
-        for (int rg = 0; rg < rgroups; rg++) {
-            int bt0 = rg * MM_NO;
-            int nr = BT - bt0 < MM_NO ? BT - bt0 : MM_NO;
-            switch (nr) {
-                case 6: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 6, kvec_end); break;
-                case 5: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 5, kvec_end); break;
-                case 4: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 4, kvec_end); break;
-                case 3: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 3, kvec_end); break;
-                case 2: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 2, kvec_end); break;
-                default: matmul_dinp_rows(dinp, dout, weight, K, OC, groups, nchunks, bt0, 1, kvec_end); break;
-            }
-            for (int r = 0; r < nr; r++) {
-                for (int k = kvec_end; k < K; k++) {
-                    dinp[(size_t)(bt0 + r) * K + k] = matmul_dinp_elem(
-                        dout + (size_t)(bt0 + r) * OC, weight, k, K, OC, groups, nchunks);
-                }
-            }
-        }
-    }
+    if (dinp) { matmul_backward_dinp(dinp, dout, weight, B * T, K, OC, groups, nchunks); }
     // dweight: tasks of MM_NO outputs
-    int ogroups = (OC + MM_NO - 1) / MM_NO;
+    int ogroups = dweight ? (OC + MM_NO - 1) / MM_NO : 0;
     #pragma omp parallel for schedule(static)
     for (int g = 0; g < ogroups; g++) {
         int o0 = g * MM_NO;

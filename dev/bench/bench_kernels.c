@@ -1,0 +1,49 @@
+/*
+ * bench_kernels.c: GFLOP/s of the CPU matmul kernels on GPT-2 124M shapes (B=4, T=64), the
+ * median of several runs each, against the machine's FMA peak (pass it as argv[1] in
+ * GFLOP/s; default 113, measured on the 2-core development machine).
+ */
+#define TESTING
+#include "train_gpt2.c"
+
+static double median(double* v, int n) {
+    for (int i = 0; i < n; i++) for (int j = i + 1; j < n; j++) if (v[j] < v[i]) { double t = v[i]; v[i] = v[j]; v[j] = t; }
+    return v[n / 2];
+}
+
+int main(int argc, char** argv) {
+    double peak = argc > 1 ? atof(argv[1]) : 113.0;
+    int B = 4, T = 64, BT = B * T, C = 768;
+    struct { const char* name; int K, OC; } shapes[] = {
+        {"qkv", C, 3 * C}, {"attproj", C, C}, {"fc", C, 4 * C}, {"fcproj", 4 * C, C}, {"lm head", C, 50304},
+    };
+    uint64_t s = 1;
+    printf("%-8s %-8s %6s %6s %9s %9s %7s\n", "shape", "pass", "K", "OC", "ms", "GFLOP/s", "%peak");
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+        int K = shapes[i].K, OC = shapes[i].OC;
+        float* inp = malloc(sizeof(float) * BT * K), *w = malloc(sizeof(float) * OC * K);
+        float* out = malloc(sizeof(float) * BT * OC), *dinp = malloc(sizeof(float) * BT * K);
+        float* dw = malloc(sizeof(float) * OC * K), *bias = calloc(OC, sizeof(float)), *db = malloc(sizeof(float) * OC);
+        for (long j = 0; j < (long)BT * K; j++) { inp[j] = random_f32(&s) - 0.5f; }
+        for (long j = 0; j < (long)OC * K; j++) { w[j] = random_f32(&s) - 0.5f; }
+        for (long j = 0; j < (long)BT * OC; j++) { out[j] = random_f32(&s) - 0.5f; }
+        double flops = 2.0 * BT * K * OC;
+        double tf[5], tdi[5], tdw[5];
+        for (int r = 0; r < 5; r++) {
+            double t0 = now_seconds();
+            matmul_forward(out, inp, w, bias, BT, K, OC, CANON_R);
+            double t1 = now_seconds();
+            matmul_backward(dinp, NULL, NULL, out, inp, w, B, T, K, OC, 1, CANON_R);
+            double t2 = now_seconds();
+            matmul_backward(NULL, dw, db, out, inp, w, B, T, K, OC, 1, CANON_R);
+            double t3 = now_seconds();
+            tf[r] = t1 - t0; tdi[r] = t2 - t1; tdw[r] = t3 - t2;
+        }
+        double m;
+        m = median(tf, 5);  printf("%-8s %-8s %6d %6d %9.2f %9.1f %6.0f%%\n", shapes[i].name, "forward", K, OC, m * 1e3, flops / m / 1e9, 100 * flops / m / 1e9 / peak);
+        m = median(tdi, 5); printf("%-8s %-8s %6d %6d %9.2f %9.1f %6.0f%%\n", shapes[i].name, "dinp", K, OC, m * 1e3, flops / m / 1e9, 100 * flops / m / 1e9 / peak);
+        m = median(tdw, 5); printf("%-8s %-8s %6d %6d %9.2f %9.1f %6.0f%%\n", shapes[i].name, "dweight", K, OC, m * 1e3, flops / m / 1e9, 100 * flops / m / 1e9 / peak);
+        free(inp); free(w); free(out); free(dinp); free(dw); free(bias); free(db);
+    }
+    return 0;
+}
