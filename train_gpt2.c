@@ -31,6 +31,8 @@
 #include "llmc/tokenizer.h"
 #include "llmc/logger.h"
 #include "llmc/args.h"
+#include "llmc/comm.h"
+#include "llmc/zero.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -829,28 +831,15 @@ typedef struct {
 typedef struct {
     GPT2Config config;
     size_t num_parameters;   // P
-    size_t num_grads;        // P + Vp*C: the tied embedding's two gradient halves (see below)
-    float* params;           // (P) MEMORY order (model.h)
-    float* grads;            // (P + Vp*C) the step's gradient
-    float* m;                // (P) AdamW first moment
-    float* v;                // (P) AdamW second moment
+    Zero zero;               // parameters, gradients and AdamW state, possibly sharded (zero.h)
 } GPT2;
 
 // The tied token embedding gets two gradients: from the LM head (wte as the output matmul)
-// and from the embedding lookup. They are kept apart until the whole step's gradient is
-// reduced, then added (lm part + embedding part), because that is the order a pipeline can
-// reproduce: there the LM head lives on the last stage and the embedding on the first
-// (Megatron sums the two copies' gradients after the data-parallel reduction).
-static float* wte_emb_grad(const GPT2* model, float* grads) { return grads + model->num_parameters; }
-
-// After the step's gradient is reduced: wte gradient = lm-head half + embedding half.
-void gpt2_finish_grads(GPT2* model) {
-    float* wte = model->grads + param_offset(&model->config, P_WTE, 0);
-    const float* emb = wte_emb_grad(model, model->grads);
-    size_t n = (size_t)model->config.padded_vocab_size * model->config.channels;
-    #pragma omp parallel for
-    for (size_t i = 0; i < n; i++) { wte[i] = wte[i] + emb[i]; }
-}
+// and from the embedding lookup. They are kept apart (the lookup half is zero.h's unit E)
+// until the whole step's gradient is reduced, then added (lm part + lookup part), because that
+// is the order a pipeline can reproduce: there the LM head lives on the last stage and the
+// embedding on the first (Megatron sums the two copies' gradients after the data-parallel
+// reduction). zero_finish_grads() does the addition.
 
 static float* act_alloc(size_t n, size_t* total) {
     *total += n * sizeof(float);
@@ -933,17 +922,26 @@ static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, in
     return v;
 }
 
+// Views of one layer's tensors in a unit laid out like the flat buffer, starting at `base`.
+static LayerTensors layer_unit(const GPT2Config* c, const float* base) {
+    return layer_tensors(c, (float*)base - param_offset(c, P_LN1W, 0), 0);
+}
+
 // Forward over B sequences of T tokens: inputs (B,T) -> probs (B,T,Vp), and per-position
-// losses (B,T) when targets != NULL.
-void gpt2_forward(const GPT2* model, Activations* a, const int* inputs, const int* targets,
-                  int B, int T) {
+// losses (B,T) when targets != NULL. Parameters come unit by unit from zero.h (ZeRO-3
+// gathers each unit just before it is used and frees it after). With `training`, the units
+// the backward starts with (the LM head's wte and the final layernorm) stay held for it.
+void gpt2_forward(GPT2* model, Activations* a, const int* inputs, const int* targets,
+                  int B, int T, int training) {
     const GPT2Config* c = &model->config;
+    Zero* z = &model->zero;
     int C = c->channels, NH = c->num_heads, V = c->vocab_size, Vp = c->padded_vocab_size;
-    int BT = B * T;
-    float* p = model->params;
-    encoder_forward(a->encoded, inputs, p + param_offset(c, P_WTE, 0), p + param_offset(c, P_WPE, 0), B, T, C);
-    for (int l = 0; l < c->num_layers; l++) {
-        LayerTensors w = layer_tensors(c, p, l);
+    int L = c->num_layers, BT = B * T, HEAD = L + 1;
+    const float* emb = zero_params_acquire(z, 0, L > 0 ? 1 : HEAD);
+    encoder_forward(a->encoded, inputs, emb, emb + (size_t)Vp * C, B, T, C);
+    zero_params_release(z, 0);
+    for (int l = 0; l < L; l++) {
+        LayerTensors w = layer_unit(c, zero_params_acquire(z, l + 1, l + 2));
         LayerActs x = layer_acts(a, c, l, B, T);
         layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.residual, w.ln1w, w.ln1b, BT, C);
         matmul_forward(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, 3 * C, CANON_R);
@@ -955,33 +953,47 @@ void gpt2_forward(const GPT2* model, Activations* a, const int* inputs, const in
         gelu_forward(x.fch_gelu, x.fch, (size_t)BT * 4 * C);
         matmul_forward(a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, BT, 4 * C, C, CANON_R);
         residual_forward(x.residual3, x.residual2, a->proj, (size_t)BT * C);
+        zero_params_release(z, l + 1);
     }
-    float* last = c->num_layers > 0 ? a->residual3 + (size_t)(c->num_layers - 1) * BT * C : a->encoded;
-    layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, last, p + param_offset(c, P_LNFW, 0),
-                      p + param_offset(c, P_LNFB, 0), BT, C);
-    matmul_forward(a->probs, a->lnf, p + param_offset(c, P_WTE, 0), NULL, BT, C, Vp, CANON_R);
+    float* last = L > 0 ? a->residual3 + (size_t)(L - 1) * BT * C : a->encoded;
+    const float* lnf = zero_params_acquire(z, HEAD, 0);
+    layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, last, lnf, lnf + C, BT, C);
+    const float* wte = zero_params_acquire(z, 0, -1);
+    matmul_forward(a->probs, a->lnf, wte, NULL, BT, C, Vp, CANON_R);
     crossentropy_forward(a->probs, a->losses, targets, BT, V, Vp);
+    if (!training) {
+        zero_params_release(z, 0);
+        zero_params_release(z, HEAD);
+    }
 }
 
-// Backward of the last gpt2_forward (which must have had targets): writes every element of
-// grads (P + Vp*C). dloss is d(loss)/d(per-position loss) = 1 / (tokens in the global batch).
-void gpt2_backward(const GPT2* model, Activations* a, ActivationGrads* g, float* grads,
-                   const int* inputs, const int* targets, int B, int T, float dloss) {
+// Backward of the last gpt2_forward (which had targets and `training`): writes every element
+// of the gradient of each unit where zero.h says, and tells zero.h when a unit is done so its
+// reduction can start while the rest of the backward runs. dloss = d(loss)/d(per-position
+// loss) = 1 / (tokens in the global batch).
+void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* inputs,
+                   const int* targets, int B, int T, float dloss) {
     const GPT2Config* c = &model->config;
+    Zero* z = &model->zero;
     int C = c->channels, NH = c->num_heads, V = c->vocab_size, Vp = c->padded_vocab_size;
-    int BT = B * T;
-    float* p = model->params;
-    float* last = c->num_layers > 0 ? a->residual3 + (size_t)(c->num_layers - 1) * BT * C : a->encoded;
+    int L = c->num_layers, BT = B * T, HEAD = L + 1;
+    float* last = L > 0 ? a->residual3 + (size_t)(L - 1) * BT * C : a->encoded;
 
+    // LM head and final layernorm
+    const float* wte = zero_params_acquire(z, 0, -1);
+    float* d_emb_unit = zero_grad_unit(z, 0);   // dwte (LM-head half), then dwpe
     crossentropy_backward(a->probs, targets, dloss, BT, V, Vp);
-    matmul_backward(g->dbtc, grads + param_offset(c, P_WTE, 0), NULL, a->probs, a->lnf,
-                    p + param_offset(c, P_WTE, 0), B, T, C, Vp, 1, CANON_R);
+    matmul_backward(g->dbtc, d_emb_unit, NULL, a->probs, a->lnf, wte, B, T, C, Vp, 1, CANON_R);
+    zero_params_release(z, 0);
+    const float* lnf = zero_params_acquire(z, HEAD, L);
+    float* dlnf = zero_grad_unit(z, HEAD);
     memset(g->dresidual, 0, sizeof(float) * (size_t)BT * C);
-    layernorm_backward(g->dresidual, grads + param_offset(c, P_LNFW, 0), grads + param_offset(c, P_LNFB, 0),
-                       g->dbtc, last, p + param_offset(c, P_LNFW, 0), a->lnf_mean, a->lnf_rstd, B, T, C);
-    for (int l = c->num_layers - 1; l >= 0; l--) {
-        LayerTensors w = layer_tensors(c, p, l);
-        LayerTensors dw = layer_tensors(c, grads, l);
+    layernorm_backward(g->dresidual, dlnf, dlnf + C, g->dbtc, last, lnf, a->lnf_mean, a->lnf_rstd, B, T, C);
+    zero_grad_unit_done(z, HEAD);
+    zero_params_release(z, HEAD);
+    for (int l = L - 1; l >= 0; l--) {
+        LayerTensors w = layer_unit(c, zero_params_acquire(z, l + 1, l >= 1 ? l : -1));
+        LayerTensors dw = layer_unit(c, zero_grad_unit(z, l + 1));
         LayerActs x = layer_acts(a, c, l, B, T);
         if (a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * 4 * C); }
         // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
@@ -994,26 +1006,17 @@ void gpt2_backward(const GPT2* model, Activations* a, ActivationGrads* g, float*
         attention_backward(g->dqkv, g->dbtc, x.qkv, x.att, B, T, C, NH);
         matmul_backward(g->dbtc, dw.qkvw, dw.qkvb, g->dqkv, x.ln1, w.qkvw, B, T, C, 3 * C, 3, CANON_R);
         layernorm_backward(g->dresidual, dw.ln1w, dw.ln1b, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, B, T, C);
+        zero_grad_unit_done(z, l + 1);
+        zero_params_release(z, l + 1);
     }
-    encoder_backward(wte_emb_grad(model, grads), grads + param_offset(c, P_WPE, 0), g->dresidual,
-                     inputs, B, T, C, Vp, c->max_seq_len);
+    // embeddings: the lookup half of dwte (unit E) and dwpe (in unit 0)
+    float* d_lookup = zero_grad_unit(z, zero_unit_E(z));
+    encoder_backward(d_lookup, d_emb_unit + (size_t)Vp * C, g->dresidual, inputs, B, T, C, Vp, c->max_seq_len);
+    zero_grad_unit_done(z, 0);
+    zero_grad_unit_done(z, zero_unit_E(z));
 }
 
 // --- building the model -------------------------------------------------------------------
-
-static void gpt2_alloc_state(GPT2* model) {
-    const GPT2Config* c = &model->config;
-    model->num_parameters = param_count(c);
-    model->num_grads = model->num_parameters + (size_t)c->padded_vocab_size * c->channels;
-    model->grads = (float*)aligned_calloc_or_die(model->num_grads * sizeof(float), "gradients");
-    model->m = (float*)aligned_calloc_or_die(model->num_parameters * sizeof(float), "AdamW m");
-    model->v = (float*)aligned_calloc_or_die(model->num_parameters * sizeof(float), "AdamW v");
-}
-
-void gpt2_build_from_checkpoint(GPT2* model, const char* path) {
-    model->params = checkpoint_read_model(path, &model->config);
-    gpt2_alloc_state(model);
-}
 
 // GPT-2's initialisation: weights ~ N(0, 0.02), the two projections back into the residual
 // stream (attproj, fcproj) ~ N(0, 0.02/sqrt(2L)), biases 0, layernorm weights 1, padded
@@ -1036,93 +1039,23 @@ static void init_piece(int t, int layer, size_t offset, size_t elements, void* v
     }
 }
 
-void gpt2_build_from_random(GPT2* model, const GPT2Config* config, uint64_t seed) {
-    model->config = *config;
-    size_t P = param_count(config);
-    model->params = (float*)aligned_calloc_or_die(P * sizeof(float), "parameters");
-    InitCtx ctx = {model->params, config, seed ? seed : 1};
+float* gpt2_random_params(const GPT2Config* config, uint64_t seed) {
+    float* params = (float*)aligned_calloc_or_die(param_count(config) * sizeof(float), "parameters");
+    InitCtx ctx = {params, config, seed ? seed : 1};
     param_for_each_in_file_order(config, init_piece, &ctx);
-    gpt2_alloc_state(model);
+    return params;
 }
 
-void gpt2_free(GPT2* model) {
-    free(model->params);
-    free(model->grads);
-    free(model->m);
-    free(model->v);
+// The model from full parameters (every rank the same), placed and sharded as `stage` says
+// over the data-parallel group; M microbatches per step.
+void gpt2_init(GPT2* model, const GPT2Config* config, const float* params, int stage,
+               CommGroup* dp, int M) {
+    model->config = *config;
+    model->num_parameters = param_count(config);
+    zero_init(&model->zero, &model->config, stage, dp, params, M);
 }
 
-// --- the optimizer step -------------------------------------------------------------------
-
-// ||grad|| over the P parameters (the wte halves already added): exact sum of squares (R6).
-float gradient_norm(const float* grads, size_t n) {
-    SumSq total;
-    canon_sumsq_init(&total);
-    #pragma omp parallel
-    {
-        SumSq mine;
-        canon_sumsq_init(&mine);
-        #pragma omp for schedule(static)
-        for (size_t i = 0; i < n; i++) { canon_sumsq_add(&mine, grads[i]); }
-        #pragma omp critical
-        canon_sumsq_merge(&total, &mine);
-    }
-    return (float)sqrt(canon_sumsq_value(&total));
-}
-
-void adamw_update(GPT2* model, const AdamWStep* s, float weight_decay) {
-    const GPT2Config* c = &model->config;
-    for (int t = 0; t < NUM_PARAMETER_TENSORS; t++) {
-        int layers = param_is_layer_tensor(t) ? c->num_layers : 1;
-        float wd = param_is_decayed(t) ? weight_decay : 0.0f;
-        size_t n = param_tensor_elements(c, t);
-        for (int l = 0; l < layers; l++) {
-            size_t off = param_offset(c, t, l);
-            #pragma omp parallel for
-            for (size_t i = off; i < off + n; i++) {
-                adamw_update_elem(&model->params[i], &model->m[i], &model->v[i], model->grads[i], s, wd);
-            }
-        }
-    }
-}
-
-// --- gradient accumulation: the R1 tree over microbatches ---------------------------------
-// Microbatch m's gradient is computed into a fresh buffer (never += into an old one) and the
-// buffers are combined by the R1 tree over the global microbatch index, streamed with a
-// stack: after microbatch m, canon_tree_merges_after(m, M) merges. At most ceil(log2 M) + 1
-// buffers are alive; the bottom one is model->grads, which holds the sum at the end.
-typedef struct {
-    float* buf[40];
-    int allocated, top;
-    size_t n;
-} GradStack;
-
-static void gradstack_init(GradStack* s, float* bottom, size_t n) {
-    memset(s, 0, sizeof(*s));
-    s->buf[0] = bottom;
-    s->allocated = 1;
-    s->n = n;
-}
-
-static float* gradstack_push(GradStack* s) {
-    if (s->top == s->allocated) {
-        s->buf[s->allocated++] = (float*)aligned_calloc_or_die(s->n * sizeof(float), "gradient accumulation");
-    }
-    return s->buf[s->top++];
-}
-
-// left <- left + right for the top two buffers
-static void gradstack_merge(GradStack* s) {
-    float* left = s->buf[s->top - 2];
-    const float* right = s->buf[s->top - 1];
-    #pragma omp parallel for
-    for (size_t i = 0; i < s->n; i++) { left[i] = left[i] + right[i]; }
-    s->top--;
-}
-
-static void gradstack_free(GradStack* s) {
-    for (int i = 1; i < s->allocated; i++) { free(s->buf[i]); }
-}
+void gpt2_free(GPT2* model) { zero_free(&model->zero); }
 
 static double now_seconds(void) {
     struct timespec ts;
@@ -1131,15 +1064,16 @@ static double now_seconds(void) {
 }
 
 // Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler), each
-// step a full forward over the tokens so far (B = 1).
-static void sample_text(const GPT2* model, Activations* acts, Tokenizer* tok, int genT) {
+// step a full forward over the tokens so far (B = 1). Under ZeRO-3 the forward gathers
+// parameters, so every rank runs it; only `printing` prints.
+static void sample_text(GPT2* model, Activations* acts, Tokenizer* tok, int genT, int printing) {
     int V = model->config.vocab_size, Vp = model->config.padded_vocab_size;
     int* gen = (int*)malloc_or_die(sizeof(int) * genT, "sample tokens");
     uint64_t rng = 1337;
     gen[0] = tok->init_ok ? tok->eot_token : (V > 50256 ? 50256 : V - 1);
-    printf("generating:\n---\n");
+    if (printing) { printf("generating:\n---\n"); }
     for (int t = 1; t < genT; t++) {
-        gpt2_forward(model, acts, gen, NULL, 1, t);
+        gpt2_forward(model, acts, gen, NULL, 1, t, 0);
         const float* probs = acts->probs + (size_t)(t - 1) * Vp;
         float coin = random_f32(&rng), cdf = 0.0f;
         int next = V - 1;
@@ -1148,6 +1082,7 @@ static void sample_text(const GPT2* model, Activations* acts, Tokenizer* tok, in
             if (coin < cdf) { next = v; break; }
         }
         gen[t] = next;
+        if (!printing) { continue; }
         if (tok->init_ok) {
             safe_printf(tokenizer_decode(tok, next));
         } else {
@@ -1155,8 +1090,120 @@ static void sample_text(const GPT2* model, Activations* acts, Tokenizer* tok, in
         }
         fflush(stdout);
     }
-    printf("\n---\n");
+    if (printing) { printf("\n---\n"); }
     free(gen);
+}
+
+// R1 tree over values given per rank: `all` holds rank r's `per_rank` values at
+// all[r*per_rank ...]; order[j] = (rank, local index) of the j-th value in the canonical order.
+static float tree_in_order(const float* all, int per_rank, int n, const Zero* z, int round_robin) {
+    float* ordered = (float*)malloc_or_die(sizeof(float) * (n > 0 ? n : 1), "ordered values");
+    for (int j = 0; j < n; j++) {
+        int r, local;
+        if (round_robin) { r = j % z->N; local = j / z->N; }
+        else { zero_owner_of_microbatch(z, j, &r, &local); }
+        ordered[j] = all[(size_t)r * per_rank + local];
+    }
+    float sum = canon_tree_sum(ordered, n, 1);
+    free(ordered);
+    return sum;
+}
+
+// One optimizer step's gradient over this rank's local microbatches: forward and backward of
+// each, the local R1 tree and the data-parallel reduction (zero.h), the tied halves summed.
+// Returns the mean loss of the global batch (R1 over the M microbatch loss sums).
+static float gpt2_step_gradient(GPT2* model, Activations* acts, ActivationGrads* agrads,
+                                DataLoader* loader, int64_t first_microbatch, int M, int B,
+                                int T, int overfit) {
+    Zero* z = &model->zero;
+    int Ml = z->local_microbatches;
+    float dloss = 1.0f / (float)((double)B * T * M);
+    float* local = (float*)malloc_or_die(sizeof(float) * (size_t)Ml * (z->N + 1), "losses");
+    float* all = local + Ml;
+    for (int i = 0; i < Ml; i++) {
+        int64_t g = overfit ? 0 : zero_global_microbatch(z, first_microbatch, i);
+        dataloader_load(loader, g);
+        zero_begin_microbatch(z, i);
+        gpt2_forward(model, acts, loader->inputs, loader->targets, B, T, 1);
+        local[i] = position_sum(acts->losses, B, T);
+        gpt2_backward(model, acts, agrads, loader->inputs, loader->targets, B, T, dloss);
+        zero_end_microbatch(z);
+    }
+    zero_finish_grads(z);
+    // all-gather (dp group, other): every rank's microbatch loss sums, for the R1 tree in order
+    comm_all_gather(z->group, local, all, (size_t)Ml, COMM_KIND_OTHER);
+    float loss = tree_in_order(all, Ml, M, z, 0) / (float)((double)B * T * M);
+    free(local);
+    return loss;
+}
+
+// Validation loss over the first `batches` microbatches of the val data: batch j is done by
+// dp rank j % N, the per-batch sums are gathered and summed by the R1 tree in batch order.
+static float gpt2_validate(GPT2* model, Activations* acts, DataLoader* loader, int batches, int B, int T) {
+    Zero* z = &model->zero;
+    int per_rank = (batches + z->N - 1) / z->N;
+    float* local = (float*)malloc_or_die(sizeof(float) * (size_t)per_rank * (z->N + 1), "val losses");
+    float* all = local + per_rank;
+    for (int k = 0; k < per_rank; k++) {
+        int j = k * z->N + z->rank;
+        if (j >= batches && z->stage != 3) { local[k] = 0.0f; continue; }
+        // under ZeRO-3 every rank must take part in every forward's parameter gathers
+        dataloader_load(loader, j < batches ? j : 0);
+        gpt2_forward(model, acts, loader->inputs, loader->targets, B, T, 0);
+        local[k] = j < batches ? position_sum(acts->losses, B, T) : 0.0f;
+    }
+    // all-gather (dp group, other): every rank's batch loss sums
+    comm_all_gather(z->group, local, all, (size_t)per_rank, COMM_KIND_OTHER);
+    float loss = tree_in_order(all, per_rank, batches, z, 1) / (float)((double)batches * B * T);
+    free(local);
+    return loss;
+}
+
+// This rank's optimizer-state ranges (stage 0: rank 0 holds all of it; else the shards).
+static int state_ranges(GPT2* model, StateRange* out) {
+    Zero* z = &model->zero;
+    int n = 0;
+    if (z->stage == 0) {
+        out[n++] = (StateRange){0, (int64_t)z->lay.P, z->m, z->v};
+        return n;
+    }
+    for (int u = 0; u < z->lay.num_units; u++) {
+        size_t b, e;
+        zero_shard_range(&z->lay, u, z->rank, &b, &e);
+        if (b == e) { continue; }
+        size_t at = zero_opt_index(z, u, b);
+        out[n++] = (StateRange){(int64_t)b, (int64_t)e, z->m + at, z->v + at};
+    }
+    return n;
+}
+
+// Checkpoint of step `step`: the model (rank 0, llm.c format), every rank's piece of the
+// optimizer state, then the DONE marker once all of it is on disk.
+static void write_checkpoint(GPT2* model, const char* dir, TrainProgress* progress, Comm* comm) {
+    Zero* z = &model->zero;
+    char path[1200];
+    int step = (int)progress->step;
+    float* full = comm->world_rank == 0
+        ? (float*)aligned_calloc_or_die(model->num_parameters * sizeof(float), "checkpoint") : NULL;
+    zero_full_params(z, full, 0);
+    if (full) {
+        snprintf(path, sizeof(path), "%s/model_%08d.bin", dir, step);
+        checkpoint_write_model(path, &model->config, full);
+        free(full);
+    }
+    StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (z->lay.num_units + 1), "ranges");
+    int n = state_ranges(model, ranges);
+    int pieces = z->stage == 0 ? 1 : z->N;
+    if (z->stage != 0 || z->rank == 0) {
+        snprintf(path, sizeof(path), "%s/state_%08d_%05d.bin", dir, step, z->stage == 0 ? 0 : z->rank);
+        state_write_piece(path, &model->config, progress, pieces, z->stage == 0 ? 0 : z->rank, n, ranges);
+    }
+    free(ranges);
+    comm_barrier(&comm->world);
+    if (comm->world_rank == 0) {
+        checkpoint_write_done(dir, step);
+        printf("checkpoint written: %s/model_%08d.bin\n", dir, step);
+    }
 }
 
 #ifndef TESTING
@@ -1164,46 +1211,53 @@ static void sample_text(const GPT2* model, Activations* acts, Tokenizer* tok, in
 // Training
 // ==========================================================================================
 int main(int argc, char** argv) {
+    Comm comm;
+    comm_init(&comm, &argc, &argv);
+    int root = comm.world_rank == 0;
     TrainArgs args;
     train_args_defaults(&args);
     if (train_args_parse(&args, argc, argv)) {
-        TrainArgs defaults;
-        train_args_defaults(&defaults);
-        train_args_print_help(argv[0], &defaults);
+        if (root) {
+            TrainArgs defaults;
+            train_args_defaults(&defaults);
+            train_args_print_help(argv[0], &defaults);
+        }
+        comm_finalize(&comm);
         return 0;
     }
     train_args_validate(&args);
-    if (args.tp != 1 || args.pp != 1 || args.sp != 0 || args.zero_stage != 0) {
-        fatal("--tp/--pp/--sp/-z: this build trains on a single rank only (see README: not done yet)");
+    if (args.tp != 1 || args.pp != 1 || args.sp != 0) {
+        fatal("--tp/--pp/--sp: tensor and pipeline parallelism are not in this build yet (see README)");
     }
     if (args.deterministic) { fatal("--deterministic is a flag of the CUDA build (train_gpt2cu)"); }
+    comm_setup_grid(&comm, args.tp, args.pp);
     LRScheduleKind sched_kind;
     if (!lr_schedule_kind(args.lr_schedule, &sched_kind)) {
         fatal("-k: unknown learning-rate schedule '%s' (cosine, linear or constant)", args.lr_schedule);
     }
-    if (args.output_dir) { ensure_writable_dir(args.output_dir, "-o"); }
+    if (args.output_dir && root) { ensure_writable_dir(args.output_dir, "-o"); }
+    comm_barrier(&comm.world);
 
     // resume from the latest complete checkpoint in the output dir?
     int resume_step = args.resume ? checkpoint_latest_step(args.output_dir) : -1;
     char path[1200];
-    GPT2 model;
     GPT2Config config;
+    float* params;
     if (resume_step >= 0) {
         snprintf(path, sizeof(path), "%s/model_%08d.bin", args.output_dir, resume_step);
-        gpt2_build_from_checkpoint(&model, path);
+        params = checkpoint_read_model(path, &config);
     } else if (config_from_descriptor(args.model, &config)) {
         const char* problem = config_problem(&config);
         if (problem) { fatal("-e %s: %s", args.model, problem); }
-        gpt2_build_from_random(&model, &config, (uint64_t)args.seed);
+        params = gpt2_random_params(&config, (uint64_t)args.seed);
     } else {
         if (!file_exists(args.model)) {
             fatal("-e: model file '%s' not found; pass -e dN for a fresh GPT-2 of depth N (e.g. -e d12), "
                   "or import OpenAI's weights with scripts/download_gpt2_weights.sh", args.model);
         }
-        gpt2_build_from_checkpoint(&model, args.model);
+        params = checkpoint_read_model(args.model, &config);
     }
-    config = model.config;
-    int B = args.B, T = args.T;
+    int B = args.B, T = args.T, N = comm.dp;
     if (T > config.max_seq_len) {
         fatal("-t: sequence length %d exceeds the model's maxT = %d", T, config.max_seq_len);
     }
@@ -1211,11 +1265,17 @@ int main(int argc, char** argv) {
         fatal("-e: head size C/NH = %d is larger than the 256 this build supports", config.channels / config.num_heads);
     }
     long long tokens_per_micro = (long long)B * T;
-    long long total_batch = args.total_batch == -1 ? tokens_per_micro : args.total_batch;
-    if (total_batch % tokens_per_micro != 0) {
-        fatal("-d: total batch %lld tokens is not a multiple of B*T = %lld", total_batch, tokens_per_micro);
+    long long total_batch = args.total_batch == -1 ? tokens_per_micro * N : args.total_batch;
+    if (total_batch % (tokens_per_micro * N) != 0) {
+        fatal("-d: total batch %lld tokens is not a multiple of B*T*DP = %d*%d*%d = %lld", total_batch,
+              B, T, N, tokens_per_micro * N);
     }
-    int M = (int)(total_batch / tokens_per_micro);   // gradient accumulation microbatches
+    int M = (int)(total_batch / tokens_per_micro);   // microbatches per step, over all ranks
+
+    GPT2 model;
+    gpt2_init(&model, &config, params, args.zero_stage, &comm.dp_group, M);
+    free(params);
+    Zero* z = &model.zero;
 
     DataLoader train_loader, val_loader;
     dataloader_init(&train_loader, args.train_pattern, "-i", B, T, config.vocab_size, args.shuffle, (uint64_t)args.seed);
@@ -1237,24 +1297,33 @@ int main(int argc, char** argv) {
     LRSchedule schedule = {sched_kind, args.lr, args.warmup, train_steps, args.final_lr_frac};
 
     Tokenizer tokenizer;
-    tokenizer_init(&tokenizer, args.tokenizer_path);
+    memset(&tokenizer, 0, sizeof(tokenizer));   // only rank 0 prints samples
+    if (root) {
+        tokenizer_init(&tokenizer, args.tokenizer_path);
+        if (tokenizer.init_ok && (int)tokenizer.vocab_size != config.vocab_size) {
+            fprintf(stderr, "warning: tokenizer file %s has %u tokens but the model has V=%d; "
+                    "samples will be printed as token ids\n", args.tokenizer_path,
+                    tokenizer.vocab_size, config.vocab_size);
+            tokenizer_free(&tokenizer);
+        }
+    }
 
     Activations acts, sample_acts;
     ActivationGrads agrads;
     activations_alloc(&acts, &config, B, T, args.recompute);
     activation_grads_alloc(&agrads, &config, B, T);
     int genT = args.gen_T < config.max_seq_len ? args.gen_T : config.max_seq_len;
-    int do_sample = args.sample_every > 0;
+    int do_sample = args.sample_every > 0 && (root || z->stage == 3);
     if (do_sample) { activations_alloc(&sample_acts, &config, 1, genT, 0); }
-
-    GradStack gstack;
-    gradstack_init(&gstack, model.grads, model.num_grads);
 
     TrainProgress progress = {0, 0, tokens_per_micro, args.shuffle, (uint64_t)args.seed};
     if (resume_step >= 0) {
+        StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (z->lay.num_units + 1), "ranges");
+        int n = state_ranges(&model, ranges);
+        if (z->stage == 0) { ranges[0] = (StateRange){0, (int64_t)z->lay.P, z->m, z->v}; n = 1; }
         TrainProgress saved;
-        state_read_range(args.output_dir, resume_step, &config, 0, (int64_t)model.num_parameters,
-                         model.m, model.v, &saved);
+        state_read(args.output_dir, resume_step, &config, n, ranges, &saved);
+        free(ranges);
         if (saved.tokens_per_microbatch != tokens_per_micro || saved.shuffle != args.shuffle ||
             saved.shuffle_seed != (uint64_t)args.seed) {
             fatal("-y 1: the checkpoint in '%s' was trained with B*T = %lld, --shuffle %d, --seed %llu; "
@@ -1264,7 +1333,7 @@ int main(int argc, char** argv) {
         progress = saved;
     }
     Logger logger;
-    logger_init(&logger, args.output_dir, 1, resume_step >= 0);
+    logger_init(&logger, args.output_dir, root, resume_step >= 0);
 
     double flops_per_step = (6.0 * (double)model.num_parameters
                            + 6.0 * config.num_layers * config.channels * T) * (double)total_batch;
@@ -1273,107 +1342,95 @@ int main(int argc, char** argv) {
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    printf("+--------------------------------------------------------------------------+\n");
-    printf("| train_gpt2 (CPU reference, canonical arithmetic, %-6s kernels, %2d threads)|\n", LLMC_SIMD_NAME, threads);
-    printf("+--------------------------------------------------------------------------+\n");
-    printf("| model         L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n", config.num_layers, config.channels,
-           config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len);
-    printf("| init          %s\n", resume_step >= 0 ? path : args.model);
-    printf("| parameters    %zu (%.1f M)\n", P, P / 1e6);
-    printf("| batch         B=%d T=%d, %d microbatch(es) per step = %lld tokens\n", B, T, M, total_batch);
-    printf("| steps         %d (lr %g %s, warmup %d, final fraction %g, weight decay %g)\n", train_steps,
-           args.lr, args.lr_schedule, args.warmup, args.final_lr_frac, args.weight_decay);
-    printf("| AdamW         beta1 %g beta2 %g eps %g, grad clip %g\n", args.beta1, args.beta2, args.eps, args.grad_clip);
-    printf("| train data    %s: %d shard(s), %lld tokens, shuffle %d\n", args.train_pattern,
-           train_loader.num_shards, (long long)train_loader.total_tokens, args.shuffle);
-    if (do_val) {
-        printf("| val data      %s: %lld tokens, %d batch(es) every %d steps\n", args.val_pattern,
-               (long long)val_loader.total_tokens, val_batches, args.val_every);
+    ZeroMemory mem = zero_memory(z);
+    if (root) {
+        printf("+--------------------------------------------------------------------------+\n");
+        printf("| train_gpt2 (CPU reference, canonical arithmetic, %-6s kernels, %2d threads)|\n", LLMC_SIMD_NAME, threads);
+        printf("+--------------------------------------------------------------------------+\n");
+        printf("| model         L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n", config.num_layers, config.channels,
+               config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len);
+        printf("| init          %s\n", resume_step >= 0 ? path : args.model);
+        printf("| parameters    P = %zu (%.1f M)\n", P, P / 1e6);
+        printf("| ranks         %d (data parallel), ZeRO stage %d\n", N, z->stage);
+        printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per rank) = %lld tokens\n", B, T, M,
+               z->local_microbatches, total_batch);
+        printf("| steps         %d (lr %g %s, warmup %d, final fraction %g, weight decay %g)\n", train_steps,
+               args.lr, args.lr_schedule, args.warmup, args.final_lr_frac, args.weight_decay);
+        printf("| AdamW         beta1 %g beta2 %g eps %g, grad clip %g\n", args.beta1, args.beta2, args.eps, args.grad_clip);
+        printf("| train data    %s: %d shard(s), %lld tokens, shuffle %d\n", args.train_pattern,
+               train_loader.num_shards, (long long)train_loader.total_tokens, args.shuffle);
+        if (do_val) {
+            printf("| val data      %s: %lld tokens, %d batch(es) every %d steps\n", args.val_pattern,
+                   (long long)val_loader.total_tokens, val_batches, args.val_every);
+        }
+        printf("| memory/rank   params %.1f MiB, grads %.1f MiB, AdamW %.1f MiB, activations %.1f MiB\n",
+               mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576,
+               (acts.bytes + agrads.bytes) / 1048576.0);
+        printf("|               ZeRO paper, fp32 AdamW: %s = %.1f MiB (ours: %.1f MiB incl. padding and wte's 2nd gradient half)\n",
+               z->stage == 0 ? "16P" : z->stage == 1 ? "8P + 8P/N" : z->stage == 2 ? "4P + 12P/N" : "16P/N",
+               (z->stage == 0 ? 16.0 * P : z->stage == 1 ? 8.0 * P + 8.0 * P / N
+                : z->stage == 2 ? 4.0 * P + 12.0 * P / N : 16.0 * P / N) / 1048576,
+               (mem.params + mem.grads + mem.optimizer) / 1048576);
+        printf("| output        %s\n", args.output_dir ? args.output_dir : "(none)");
+        if (resume_step >= 0) { printf("| resuming      from step %d\n", resume_step); }
+        printf("+--------------------------------------------------------------------------+\n");
+        fflush(stdout);
     }
-    printf("| memory        params %.1f MiB, grads %.1f MiB (+%.1f MiB per accumulation level), "
-           "AdamW %.1f MiB, activations %.1f MiB\n", P * 4.0 / 1048576, model.num_grads * 4.0 / 1048576,
-           model.num_grads * 4.0 / 1048576, 2 * P * 4.0 / 1048576, (acts.bytes + agrads.bytes) / 1048576.0);
-    printf("| output        %s\n", args.output_dir ? args.output_dir : "(none)");
-    if (resume_step >= 0) { printf("| resuming      from step %d\n", resume_step); }
-    printf("+--------------------------------------------------------------------------+\n");
-    fflush(stdout);
 
-    float dloss = 1.0f / (float)total_batch;
     double total_time = 0.0;
     int timed_steps = 0;
     for (int step = (int)progress.step; step <= train_steps; step++) {
         int last_step = step == train_steps;
 
         if (do_val && (step % args.val_every == 0 || last_step)) {
-            float stack[64];
-            int top = 0;
-            for (int i = 0; i < val_batches; i++) {
-                dataloader_load(&val_loader, i);
-                gpt2_forward(&model, &acts, val_loader.inputs, val_loader.targets, B, T);
-                stack[top++] = position_sum(acts.losses, B, T);
-                for (int mg = canon_tree_merges_after(i, val_batches); mg > 0; mg--) {
-                    stack[top - 2] = stack[top - 2] + stack[top - 1];
-                    top--;
-                }
-            }
-            float val_loss = stack[0] / (float)((double)val_batches * B * T);
-            printf("val loss %.6f\n", val_loss);
+            float val_loss = gpt2_validate(&model, &acts, &val_loader, val_batches, B, T);
+            if (root) { printf("val loss %.6f\n", val_loss); }
             logger_log_val(&logger, step, val_loss);
         }
         if (do_sample && ((step > 0 && step % args.sample_every == 0) || last_step)) {
-            sample_text(&model, &sample_acts, &tokenizer, genT);
+            sample_text(&model, &sample_acts, &tokenizer, genT, root);
         }
         if (args.checkpoint_every > 0 && step != resume_step &&
             ((step > 0 && step % args.checkpoint_every == 0) || last_step)) {
-            snprintf(path, sizeof(path), "%s/model_%08d.bin", args.output_dir, step);
-            checkpoint_write_model(path, &config, model.params);
-            snprintf(path, sizeof(path), "%s/state_%08d_%05d.bin", args.output_dir, step, 0);
             progress.step = step;
-            state_write_piece(path, &config, &progress, 1, 0, 0, (int64_t)P, model.m, model.v);
-            checkpoint_write_done(args.output_dir, step);
-            printf("checkpoint written: %s/model_%08d.bin\n", args.output_dir, step);
+            write_checkpoint(&model, args.output_dir, &progress, &comm);
         }
         if (last_step) { break; }
 
-        // ---- one optimizer step over M microbatches ----
+        // ---- one optimizer step over M microbatches (M / N on each rank) ----
+        comm_reset_stats(&comm);
         double t0 = now_seconds();
-        float loss_stack[64];
-        int loss_top = 0;
-        for (int mb = 0; mb < M; mb++) {
-            int64_t g = args.overfit_single_batch ? 0 : progress.microbatches_done + mb;
-            dataloader_load(&train_loader, g);
-            float* grads = gradstack_push(&gstack);
-            gpt2_forward(&model, &acts, train_loader.inputs, train_loader.targets, B, T);
-            loss_stack[loss_top++] = position_sum(acts.losses, B, T);
-            gpt2_backward(&model, &acts, &agrads, grads, train_loader.inputs, train_loader.targets, B, T, dloss);
-            for (int mg = canon_tree_merges_after(mb, M); mg > 0; mg--) {
-                gradstack_merge(&gstack);
-                loss_stack[loss_top - 2] = loss_stack[loss_top - 2] + loss_stack[loss_top - 1];
-                loss_top--;
-            }
-        }
-        gstack.top = 0;
-        progress.microbatches_done += M;
-        float loss = loss_stack[0] / (float)total_batch;
-        gpt2_finish_grads(&model);
-        float norm = gradient_norm(model.grads, P);
+        float loss = gpt2_step_gradient(&model, &acts, &agrads, &train_loader, progress.microbatches_done,
+                                        M, B, T, args.overfit_single_batch);
+        float norm = zero_grad_norm(z);
         float grad_scale = args.grad_clip > 0.0f && norm > args.grad_clip ? args.grad_clip / norm : 1.0f;
         float lr = lr_at_step(&schedule, step);
         AdamWStep s = adamw_step_constants(lr, args.beta1, args.beta2, args.eps, step + 1, grad_scale);
-        adamw_update(&model, &s, args.weight_decay);
+        zero_adamw_step(z, &s, args.weight_decay);
+        progress.microbatches_done += M;
         progress.step = step + 1;
         double dt = now_seconds() - t0;
         if (step > (int)0) { total_time += dt; timed_steps++; }
-        printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %.1f GFLOP/s\n",
-               step + 1, train_steps, loss, lr, norm, dt * 1e3, total_batch / dt, flops_per_step / dt / 1e9);
-        fflush(stdout);
+        if (root) {
+            printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %.1f GFLOP/s\n",
+                   step + 1, train_steps, loss, lr, norm, dt * 1e3, total_batch / dt, flops_per_step / dt / 1e9);
+            if (timed_steps == 0) {   // the first step of this run: what it sent, and the memory plan
+                printf("communication per rank in this step (bytes sent):\n");
+                comm_print_stats(&comm, stdout);
+                printf("zero accounting: stage %d N %d P %zu VpC %zu L %d microbatches/rank %d | "
+                       "bytes/rank/step grad %llu param %llu | bytes/rank params %.0f grads %.0f optimizer %.0f\n",
+                       z->stage, N, P, (size_t)config.padded_vocab_size * config.channels, config.num_layers,
+                       z->local_microbatches, (unsigned long long)comm.stats.bytes[COMM_KIND_GRAD],
+                       (unsigned long long)comm.stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
+            }
+            fflush(stdout);
+        }
         logger_log_train(&logger, step, loss, lr, norm);
     }
-    if (timed_steps > 0) {
+    if (timed_steps > 0 && root) {
         printf("average step time %.1f ms (excluding the first)\n", total_time / timed_steps * 1e3);
     }
 
-    gradstack_free(&gstack);
     activations_free(&acts);
     if (do_sample) { activations_free(&sample_acts); }
     activation_grads_free(&agrads);
@@ -1381,6 +1438,7 @@ int main(int argc, char** argv) {
     if (do_val) { dataloader_free(&val_loader); }
     tokenizer_free(&tokenizer);
     gpt2_free(&model);
+    comm_finalize(&comm);
     return 0;
 }
 #endif

@@ -8,15 +8,17 @@
  *
  * STATE FILE (ours; "state_%08d_%05d.bin" per piece like llm.c's per-rank state files): what
  * a resumed run needs beyond the model: AdamW m and v, the step, and the data position.
- * m and v are stored in MEMORY order (model.h), split into pieces that are contiguous ranges
- * [begin, end) of the flat canonical index. Any layout reads whatever ranges it owns from
- * whichever pieces hold them, so a state written by 4 ranks resumes on 2 or on 1.
- *   header 256 int32: [0] 20240527 magic (llm.c's state magic)  [1] 100 version (ours; llm.c
+ * m and v are indexed by the flat canonical (MEMORY order, model.h) parameter index. Each
+ * piece holds a list of ranges [begin, end) of that index (a ZeRO rank: its shard of every
+ * unit); together the pieces of a step cover every parameter exactly once. Any layout reads
+ * the ranges it owns from whichever pieces hold them, so a state written by 4 ranks with
+ * ZeRO-3 resumes on 2 ranks with ZeRO-1, or on one.
+ *   header 256 int32: [0] 20240527 magic (llm.c's state magic)  [1] 101 version (ours; llm.c
  *   uses 1, so neither program mistakes the other's file)  [2] number of pieces  [3] this
- *   piece  [4..9] L C NH V Vp maxT  [10] step (int64)  [12] P (int64)  [14] begin (int64)
- *   [16] end (int64)  [18] microbatches consumed (int64)  [20] tokens per microbatch (int64)
- *   [22] shuffle  [23] shuffle seed (uint64)  (int64 values take two int32 slots)
- *   then m[begin..end) and v[begin..end), float32.
+ *   piece  [4..9] L C NH V Vp maxT  [10] step (int64)  [12] P (int64)  [14] number of ranges
+ *   R  [18] microbatches consumed (int64)  [20] tokens per microbatch (int64)  [22] shuffle
+ *   [23] shuffle seed (uint64)  (int64 values take two int32 slots)
+ *   then R pairs of int64 (begin, end), then m of every range in order, then v likewise.
  *
  * Every file is written atomically (utils.h AtomicWriter): a crash mid-save never damages the
  * last good checkpoint. A checkpoint step is complete when its DONE_%08d marker exists.
@@ -33,7 +35,7 @@
 
 #define MODEL_MAGIC 20240326
 #define STATE_MAGIC 20240527
-#define STATE_VERSION 100
+#define STATE_VERSION 101
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -153,10 +155,16 @@ typedef struct {
 static inline void put_i64(int* h, int slot, int64_t v) { memcpy(&h[slot], &v, 8); }
 static inline int64_t get_i64(const int* h, int slot) { int64_t v; memcpy(&v, &h[slot], 8); return v; }
 
-// Writes piece `piece` of `num_pieces`: m and v for canonical indices [begin, end).
+// One range [begin, end) of the canonical parameter index, with its m and v values.
+typedef struct {
+    int64_t begin, end;
+    float* m;
+    float* v;
+} StateRange;
+
+// Writes piece `piece` of `num_pieces`, holding `nranges` ranges.
 static inline void state_write_piece(const char* path, const GPT2Config* c, const TrainProgress* prog,
-                              int num_pieces, int piece, int64_t begin, int64_t end,
-                              const float* m, const float* v) {
+                                     int num_pieces, int piece, int nranges, const StateRange* ranges) {
     int h[256];
     memset(h, 0, sizeof(h));
     h[0] = STATE_MAGIC;
@@ -167,8 +175,7 @@ static inline void state_write_piece(const char* path, const GPT2Config* c, cons
     h[7] = c->vocab_size; h[8] = c->padded_vocab_size; h[9] = c->max_seq_len;
     put_i64(h, 10, prog->step);
     put_i64(h, 12, (int64_t)param_count(c));
-    put_i64(h, 14, begin);
-    put_i64(h, 16, end);
+    h[14] = nranges;
     put_i64(h, 18, prog->microbatches_done);
     put_i64(h, 20, prog->tokens_per_microbatch);
     h[22] = prog->shuffle;
@@ -176,19 +183,27 @@ static inline void state_write_piece(const char* path, const GPT2Config* c, cons
     AtomicWriter w;
     atomic_writer_open(&w, path);
     atomic_writer_write(&w, h, sizeof(h));
-    atomic_writer_write(&w, m, (size_t)(end - begin) * sizeof(float));
-    atomic_writer_write(&w, v, (size_t)(end - begin) * sizeof(float));
+    for (int r = 0; r < nranges; r++) {
+        int64_t be[2] = {ranges[r].begin, ranges[r].end};
+        atomic_writer_write(&w, be, sizeof(be));
+    }
+    for (int r = 0; r < nranges; r++) {
+        atomic_writer_write(&w, ranges[r].m, (size_t)(ranges[r].end - ranges[r].begin) * sizeof(float));
+    }
+    for (int r = 0; r < nranges; r++) {
+        atomic_writer_write(&w, ranges[r].v, (size_t)(ranges[r].end - ranges[r].begin) * sizeof(float));
+    }
     atomic_writer_commit(&w);
 }
 
-// Reads the pieces "DIR/state_STEP_*.bin" and fills m and v for canonical indices
-// [begin, end) (the caller's own range), and *prog. Checks that the pieces belong to this
-// model and cover the range.
-static inline void state_read_range(const char* dir, int step, const GPT2Config* c, int64_t begin,
-                             int64_t end, float* m, float* v, TrainProgress* prog) {
+// Reads the pieces "DIR/state_STEP_*.bin": fills m and v of every range in `want` (the caller's
+// own ranges) and *prog. Checks that the pieces belong to this model and, together, cover
+// every parameter exactly once.
+static inline void state_read(const char* dir, int step, const GPT2Config* c, int nwant,
+                              StateRange* want, TrainProgress* prog) {
     char path[1200];
     int num_pieces = 1;
-    int64_t covered = 0;
+    int64_t P = (int64_t)param_count(c), covered = 0;
     for (int piece = 0; piece < num_pieces; piece++) {
         snprintf(path, sizeof(path), "%s/state_%08d_%05d.bin", dir, step, piece);
         FILE* f = fopen_or_die(path, "rb", "optimizer state");
@@ -202,7 +217,7 @@ static inline void state_read_range(const char* dir, int step, const GPT2Config*
         }
         if (h[4] != c->num_layers || h[5] != c->channels || h[6] != c->num_heads ||
             h[7] != c->vocab_size || h[8] != c->padded_vocab_size || h[9] != c->max_seq_len ||
-            get_i64(h, 12) != (int64_t)param_count(c)) {
+            get_i64(h, 12) != P) {
             fatal("state file '%s' belongs to a different model (L=%d C=%d NH=%d V=%d Vp=%d maxT=%d)",
                   path, h[4], h[5], h[6], h[7], h[8], h[9]);
         }
@@ -220,27 +235,46 @@ static inline void state_read_range(const char* dir, int step, const GPT2Config*
             fatal("state file '%s' does not belong with piece 0 of step %d", path, step);
         }
         if (h[3] != piece) { fatal("state file '%s' says it is piece %d", path, h[3]); }
-        int64_t pb = get_i64(h, 14), pe = get_i64(h, 16);
-        if (pb < 0 || pe < pb || pe > (int64_t)param_count(c) ||
-            size != (int64_t)sizeof(h) + 8 * (pe - pb)) {
-            fatal("state file '%s' is corrupt or truncated (range %lld..%lld, %lld bytes)", path,
-                  (long long)pb, (long long)pe, (long long)size);
+        int nranges = h[14];
+        if (nranges < 0 || nranges > 1 << 24 || size < (int64_t)sizeof(h) + 16 * (int64_t)nranges) {
+            fatal("state file '%s' is corrupt or truncated (%d ranges)", path, nranges);
         }
-        if (pb != covered) { fatal("state file '%s' starts at %lld, expected %lld", path,
-                                   (long long)pb, (long long)covered); }
-        covered = pe;
-        int64_t lo = pb > begin ? pb : begin, hi = pe < end ? pe : end;
-        if (lo < hi) {
-            fseek_or_die(f, (int64_t)sizeof(h) + 4 * (lo - pb), SEEK_SET, path);
-            fread_or_die(m + (lo - begin), sizeof(float), (size_t)(hi - lo), f, path);
-            fseek_or_die(f, (int64_t)sizeof(h) + 4 * (pe - pb) + 4 * (lo - pb), SEEK_SET, path);
-            fread_or_die(v + (lo - begin), sizeof(float), (size_t)(hi - lo), f, path);
+        int64_t* be = (int64_t*)malloc_or_die(16 * (size_t)nranges + 16, "state ranges");
+        fread_or_die(be, sizeof(int64_t), 2 * (size_t)nranges, f, path);
+        int64_t floats = 0;
+        for (int r = 0; r < nranges; r++) {
+            if (be[2 * r] < 0 || be[2 * r + 1] < be[2 * r] || be[2 * r + 1] > P) {
+                fatal("state file '%s' has an invalid range %lld..%lld", path,
+                      (long long)be[2 * r], (long long)be[2 * r + 1]);
+            }
+            floats += be[2 * r + 1] - be[2 * r];
         }
+        int64_t data = (int64_t)sizeof(h) + 16 * (int64_t)nranges;
+        if (size != data + 8 * floats) {
+            fatal("state file '%s' is %lld bytes, expected %lld for its ranges", path,
+                  (long long)size, (long long)(data + 8 * floats));
+        }
+        covered += floats;
+        int64_t at = 0;   // float offset of range r's data within the m (or v) block
+        for (int r = 0; r < nranges; r++) {
+            int64_t pb = be[2 * r], pe = be[2 * r + 1];
+            for (int k = 0; k < nwant; k++) {
+                int64_t lo = pb > want[k].begin ? pb : want[k].begin;
+                int64_t hi = pe < want[k].end ? pe : want[k].end;
+                if (lo >= hi) { continue; }
+                fseek_or_die(f, data + 4 * (at + lo - pb), SEEK_SET, path);
+                fread_or_die(want[k].m + (lo - want[k].begin), sizeof(float), (size_t)(hi - lo), f, path);
+                fseek_or_die(f, data + 4 * (floats + at + lo - pb), SEEK_SET, path);
+                fread_or_die(want[k].v + (lo - want[k].begin), sizeof(float), (size_t)(hi - lo), f, path);
+            }
+            at += pe - pb;
+        }
+        free(be);
         fclose(f);
     }
-    if (covered != (int64_t)param_count(c)) {
-        fatal("state files of step %d in '%s' cover %lld of %zu parameters", step, dir,
-              (long long)covered, param_count(c));
+    if (covered != P) {
+        fatal("state files of step %d in '%s' cover %lld values for %lld parameters", step, dir,
+              (long long)covered, (long long)P);
     }
 }
 

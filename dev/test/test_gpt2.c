@@ -133,12 +133,11 @@ static double urand(void) {   // uniform in [-1, 1)
 }
 
 // Parameters with O(0.1..1) values everywhere (GPT-2's init would make many gradients tiny).
-static void random_params(GPT2* model) {
-    const GPT2Config* c = &model->config;
+static void random_params(float* params, const GPT2Config* c) {
     for (int t = 0; t < NUM_PARAMETER_TENSORS; t++) {
         int layers = param_is_layer_tensor(t) ? c->num_layers : 1;
         for (int l = 0; l < layers; l++) {
-            float* p = model->params + param_offset(c, t, l);
+            float* p = params + param_offset(c, t, l);
             size_t n = param_tensor_elements(c, t);
             for (size_t i = 0; i < n; i++) {
                 double r = urand();
@@ -150,21 +149,34 @@ static void random_params(GPT2* model) {
     }
 }
 
-// grads = gradient of the mean loss over B*T positions (one microbatch), wte halves summed
-static float train_grads(GPT2* model, Activations* a, ActivationGrads* g, const int* inp,
-                         const int* tgt, int B, int T, float* grads, int total_tokens) {
-    gpt2_forward(model, a, inp, tgt, B, T);
-    float loss_sum = position_sum(a->losses, B, T);
-    gpt2_backward(model, a, g, grads, inp, tgt, B, T, 1.0f / (float)total_tokens);
-    return loss_sum;
+// One optimizer step's gradient over M microbatches of Bm sequences (inp/tgt hold M*Bm*T
+// tokens), exactly as the trainer computes it: into model->zero.grads, wte halves summed.
+// Returns the R1 tree of the microbatch loss sums.
+static float step_grads(GPT2* model, Activations* a, ActivationGrads* g, const int* inp,
+                        const int* tgt, int Bm, int T, int M) {
+    Zero* z = &model->zero;
+    float losses[16];
+    float dloss = 1.0f / (float)(Bm * T * M);
+    for (int i = 0; i < M; i++) {
+        zero_begin_microbatch(z, i);
+        gpt2_forward(model, a, inp + i * Bm * T, tgt + i * Bm * T, Bm, T, 1);
+        losses[i] = position_sum(a->losses, Bm, T);
+        gpt2_backward(model, a, g, inp + i * Bm * T, tgt + i * Bm * T, Bm, T, dloss);
+        zero_end_microbatch(z);
+    }
+    zero_finish_grads(z);
+    return canon_tree_sum(losses, M, 1);
 }
 
-int main(void) {
+int main(int argc, char** argv) {
+    Comm comm;   // a single rank: the test runs without mpirun
+    comm_init(&comm, &argc, &argv);
     GPT2Config c = {.max_seq_len = 8, .vocab_size = 23, .padded_vocab_size = padded_vocab(23),
                     .num_layers = 2, .num_heads = 2, .channels = 16};
+    float* params = gpt2_random_params(&c, 7);
+    random_params(params, &c);
     GPT2 model;
-    gpt2_build_from_random(&model, &c, 7);
-    random_params(&model);
+    gpt2_init(&model, &c, params, 0, &comm.dp_group, 1);
     int B = 2, T = 5, BT = B * T;   // T < maxT and T not a multiple of the 8 chunks
     int inp[64], tgt[64];
     for (int i = 0; i < BT; i++) {
@@ -174,7 +186,7 @@ int main(void) {
     inp[3] = inp[1];   // a repeated token: its embedding gradient sums two positions
     size_t P = model.num_parameters;
     double* pd = malloc(sizeof(double) * P);
-    for (size_t i = 0; i < P; i++) { pd[i] = model.params[i]; }
+    for (size_t i = 0; i < P; i++) { pd[i] = params[i]; }
     RefModel ref = {&c, pd};
 
     Activations acts;
@@ -185,7 +197,8 @@ int main(void) {
     // 1. forward
     double* probs_ref = malloc(sizeof(double) * BT * c.vocab_size);
     double loss_ref = ref_forward(&ref, inp, tgt, B, T, probs_ref);
-    gpt2_forward(&model, &acts, inp, tgt, B, T);
+    zero_begin_microbatch(&model.zero, 0);
+    gpt2_forward(&model, &acts, inp, tgt, B, T, 1);
     float loss = position_sum(acts.losses, B, T) / (float)BT;
     double max_prob_err = 0;
     for (int i = 0; i < BT; i++) {
@@ -194,8 +207,10 @@ int main(void) {
             if (e > max_prob_err) { max_prob_err = e; }
         }
     }
-    gpt2_backward(&model, &acts, &ag, model.grads, inp, tgt, B, T, 1.0f / (float)BT);
-    gpt2_finish_grads(&model);
+    gpt2_backward(&model, &acts, &ag, inp, tgt, B, T, 1.0f / (float)BT);
+    zero_end_microbatch(&model.zero);
+    zero_finish_grads(&model.zero);
+    const float* grads = model.zero.grads;
     printf("forward: loss float %.9g double %.12g (rel err %.2e), max |prob err| %.2e\n", loss,
            loss_ref, fabs(loss - loss_ref) / loss_ref, max_prob_err);
     // float32 has 24 bits: a loss of ~3 computed through 2 layers is good to a few 1e-7
@@ -218,7 +233,7 @@ int main(void) {
                 double lm = ref_forward(&ref, inp, tgt, B, T, NULL);
                 pd[i] = saved;
                 double fd = (lp - lm) / (2 * h);
-                double e = fabs(fd - model.grads[i]);
+                double e = fabs(fd - grads[i]);
                 if (fabs(fd) > max_abs_fd) { max_abs_fd = fabs(fd); }
                 if (e > max_err) { max_err = e; }
                 err2 += e * e;
@@ -244,33 +259,27 @@ int main(void) {
         inp4[i] = (int)((urand() + 1.0) * 0.5 * c.vocab_size) % c.vocab_size;
         tgt4[i] = (int)((urand() + 1.0) * 0.5 * c.vocab_size) % c.vocab_size;
     }
-    float* reference = malloc(sizeof(float) * model.num_grads);
-    float loss_ref4 = train_grads(&model, &acts, &ag, inp4, tgt4, 4, T, model.grads, 20);
-    memcpy(reference, model.grads, sizeof(float) * model.num_grads);
+    size_t G = model.num_parameters + (size_t)c.padded_vocab_size * c.channels;
+    float* reference = malloc(sizeof(float) * G);
+    GPT2 m1;
+    gpt2_init(&m1, &c, params, 0, &comm.dp_group, 1);
+    float loss_ref4 = step_grads(&m1, &acts, &ag, inp4, tgt4, 4, T, 1);
+    memcpy(reference, m1.zero.grads, sizeof(float) * G);
+    gpt2_free(&m1);
     for (int M = 2; M <= 4; M *= 2) {
         int Bm = 4 / M;
-        GradStack s;
-        gradstack_init(&s, model.grads, model.num_grads);
-        float ls[8];
-        int top = 0;
-        for (int mb = 0; mb < M; mb++) {
-            float* g = gradstack_push(&s);
-            ls[top++] = train_grads(&model, &acts, &ag, inp4 + mb * Bm * T, tgt4 + mb * Bm * T, Bm, T, g, 20);
-            for (int k = canon_tree_merges_after(mb, M); k > 0; k--) {
-                gradstack_merge(&s);
-                ls[top - 2] = ls[top - 2] + ls[top - 1];
-                top--;
-            }
-        }
+        GPT2 mm;
+        gpt2_init(&mm, &c, params, 0, &comm.dp_group, M);
+        float loss_m = step_grads(&mm, &acts, &ag, inp4, tgt4, Bm, T, M);
         size_t diff = 0;
-        for (size_t i = 0; i < model.num_grads; i++) {
-            if (memcmp(&reference[i], &model.grads[i], 4) != 0) { diff++; }
+        for (size_t i = 0; i < G; i++) {
+            if (memcmp(&reference[i], &mm.zero.grads[i], 4) != 0) { diff++; }
         }
         printf("microbatches: B=%d x M=%d vs B=4 x M=1: %zu of %zu gradient values differ, loss %s\n",
-               Bm, M, diff, model.num_grads, memcmp(&ls[0], &loss_ref4, 4) == 0 ? "identical" : "DIFFERS");
+               Bm, M, diff, G, memcmp(&loss_m, &loss_ref4, 4) == 0 ? "identical" : "DIFFERS");
         CHECK(diff == 0, "B=%d x %d microbatches: %zu gradient values differ from B=4", Bm, M, diff);
-        CHECK(memcmp(&ls[0], &loss_ref4, 4) == 0, "B=%d x %d: loss sum %.9g vs %.9g", Bm, M, ls[0], loss_ref4);
-        gradstack_free(&s);
+        CHECK(memcmp(&loss_m, &loss_ref4, 4) == 0, "B=%d x %d: loss sum %.9g vs %.9g", Bm, M, loss_m, loss_ref4);
+        gpt2_free(&mm);
     }
 
     if (failures) { printf("%d check(s) FAILED\n", failures); return 1; }
