@@ -75,7 +75,7 @@ build/testdata: dev/test/testdata.c $(LLMC_HEADERS) | build
 	$(CC) $(TEST_CFLAGS) -o $@ $< $(LDLIBS)
 TEST_BINS += build/test_canonical build/test_kernels build/test_kernels_scalar build/test_gpt2 build/testdata
 TESTS += build/test_canonical build/test_kernels build/test_kernels_scalar build/test_gpt2 dev/test/test_train.sh \
-         dev/test/test_dp.sh
+         dev/test/test_dp.sh dev/test/test_pp.sh
 
 include $(sort $(wildcard mk/*.mk))
 

@@ -33,6 +33,7 @@
 #include "llmc/args.h"
 #include "llmc/comm.h"
 #include "llmc/zero.h"
+#include "llmc/pipeline.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -792,11 +793,12 @@ float position_sum(const float* x, int B, int T) {
 // The model
 // ==========================================================================================
 
-// Activations of one forward pass, allocated for a capacity of (B, T) positions; a pass with
-// fewer positions lays its tensors out with its own B, T inside the same memory.
+// Activations of one forward pass of a pipeline stage (its `layers` transformer layers, and
+// the head on the last stage), allocated for a capacity of (B, T) positions; a pass with fewer
+// positions lays its tensors out with its own B, T inside the same memory.
 typedef struct {
-    int cap_B, cap_T, recompute;
-    float* encoded;     // (B,T,C)   embedding output = residual stream into layer 0
+    int layers, cap_B, cap_T, recompute;
+    float* encoded;     // (B,T,C)   the stage's input: embedding output, or received activation
     float* ln1;         // (L,B,T,C)
     float* ln1_mean;    // (L,B,T)
     float* ln1_rstd;    // (L,B,T)
@@ -810,7 +812,7 @@ typedef struct {
     float* fch;         // (L,B,T,4C)
     float* fch_gelu;    // (L,B,T,4C), or (B,T,4C) reused by every layer with recompute
     float* residual3;   // (L,B,T,C)  residual stream after the MLP = output of layer l
-    float* lnf;         // (B,T,C)
+    float* lnf;         // (B,T,C)    last stage only (like the three below)
     float* lnf_mean;    // (B,T)
     float* lnf_rstd;    // (B,T)
     float* probs;       // (B,T,Vp)   logits, then probabilities, then dlogits
@@ -830,8 +832,10 @@ typedef struct {
 
 typedef struct {
     GPT2Config config;
-    size_t num_parameters;   // P
-    Zero zero;               // parameters, gradients and AdamW state, possibly sharded (zero.h)
+    size_t num_parameters;      // P
+    int first_layer, last_layer; // this pipeline stage's layers [first, last)
+    int is_first, is_last;      // first stage: embeddings; last stage: final layernorm + LM head
+    Zero zero;                  // parameters, gradients and AdamW state, possibly sharded (zero.h)
 } GPT2;
 
 // The tied token embedding gets two gradients: from the LM head (wte as the output matmul)
@@ -846,10 +850,12 @@ static float* act_alloc(size_t n, size_t* total) {
     return (float*)aligned_calloc_or_die(n * sizeof(float), "activations");
 }
 
-void activations_alloc(Activations* a, const GPT2Config* c, int B, int T, int recompute) {
-    size_t L = c->num_layers, C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size;
-    size_t BT = (size_t)B * T;
+void activations_alloc(Activations* a, const GPT2Config* c, int layers, int with_head, int B,
+                       int T, int recompute) {
+    size_t L = layers, C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size;
+    size_t BT = (size_t)B * T, H = with_head ? 1 : 0;
     memset(a, 0, sizeof(*a));
+    a->layers = layers;
     a->cap_B = B;
     a->cap_T = T;
     a->recompute = recompute;
@@ -867,11 +873,11 @@ void activations_alloc(Activations* a, const GPT2Config* c, int B, int T, int re
     a->fch = act_alloc(L * BT * 4 * C, &a->bytes);
     a->fch_gelu = act_alloc((recompute ? 1 : L) * BT * 4 * C, &a->bytes);
     a->residual3 = act_alloc(L * BT * C, &a->bytes);
-    a->lnf = act_alloc(BT * C, &a->bytes);
-    a->lnf_mean = act_alloc(BT, &a->bytes);
-    a->lnf_rstd = act_alloc(BT, &a->bytes);
-    a->probs = act_alloc(BT * Vp, &a->bytes);
-    a->losses = act_alloc(BT, &a->bytes);
+    a->lnf = act_alloc(H * BT * C, &a->bytes);
+    a->lnf_mean = act_alloc(H * BT, &a->bytes);
+    a->lnf_rstd = act_alloc(H * BT, &a->bytes);
+    a->probs = act_alloc(H * BT * Vp, &a->bytes);
+    a->losses = act_alloc(H * BT, &a->bytes);
     a->proj = act_alloc(BT * C, &a->bytes);
 }
 
@@ -896,7 +902,7 @@ void activation_grads_free(ActivationGrads* g) {
     free(g->dresidual); free(g->dbtc); free(g->dqkv); free(g->dbt4c);
 }
 
-// Per-layer views of the activations for a pass over (B, T).
+// Per-layer views of the activations for a pass over (B, T); l counts the stage's layers.
 typedef struct {
     float *residual, *ln1, *ln1_mean, *ln1_rstd, *qkv, *atty, *att, *residual2;
     float *ln2, *ln2_mean, *ln2_rstd, *fch, *fch_gelu, *residual3;
@@ -922,27 +928,41 @@ static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, in
     return v;
 }
 
+// The output of the stage's layers (B,T,C): what the next stage, or the head, receives.
+static float* stage_output(const Activations* a, const GPT2Config* c, int B, int T) {
+    return a->layers > 0 ? a->residual3 + (size_t)(a->layers - 1) * B * T * c->channels : a->encoded;
+}
+
 // Views of one layer's tensors in a unit laid out like the flat buffer, starting at `base`.
 static LayerTensors layer_unit(const GPT2Config* c, const float* base) {
     return layer_tensors(c, (float*)base - param_offset(c, P_LN1W, 0), 0);
 }
 
-// Forward over B sequences of T tokens: inputs (B,T) -> probs (B,T,Vp), and per-position
-// losses (B,T) when targets != NULL. Parameters come unit by unit from zero.h (ZeRO-3
-// gathers each unit just before it is used and frees it after). With `training`, the units
-// the backward starts with (the LM head's wte and the final layernorm) stay held for it.
-void gpt2_forward(GPT2* model, Activations* a, const int* inputs, const int* targets,
-                  int B, int T, int training) {
+// The forward and backward come in three parts, run by the stages that hold them: the
+// embeddings (first stage), the transformer layers of a stage, and the head (final layernorm,
+// LM head, cross-entropy; last stage). Parameters come unit by unit from zero.h (ZeRO-3
+// gathers each unit just before use, prefetching the next, and frees it after).
+
+// (first stage) encoded (B,T,C) = wte[inputs] + wpe
+void embed_forward(GPT2* model, Activations* a, const int* inputs, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
-    int C = c->channels, NH = c->num_heads, V = c->vocab_size, Vp = c->padded_vocab_size;
-    int L = c->num_layers, BT = B * T, HEAD = L + 1;
-    const float* emb = zero_params_acquire(z, 0, L > 0 ? 1 : HEAD);
-    encoder_forward(a->encoded, inputs, emb, emb + (size_t)Vp * C, B, T, C);
-    zero_params_release(z, 0);
-    for (int l = 0; l < L; l++) {
-        LayerTensors w = layer_unit(c, zero_params_acquire(z, l + 1, l + 2));
-        LayerActs x = layer_acts(a, c, l, B, T);
+    const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
+    const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
+    encoder_forward(a->encoded, inputs, wte, wpe, B, T, c->channels);
+    zero_params_release(z, ZERO_WTE);
+    zero_params_release(z, ZERO_WPE);
+}
+
+// this stage's layers: a->encoded (B,T,C) -> stage_output
+void layers_forward(GPT2* model, Activations* a, int B, int T) {
+    const GPT2Config* c = &model->config;
+    Zero* z = &model->zero;
+    int C = c->channels, NH = c->num_heads, BT = B * T;
+    for (int l = model->first_layer; l < model->last_layer; l++) {
+        int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->is_last ? z->lay.num_units - 1 : -1;
+        LayerTensors w = layer_unit(c, zero_params_acquire(z, ZERO_LAYER(l), next));
+        LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
         layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.residual, w.ln1w, w.ln1b, BT, C);
         matmul_forward(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, 3 * C, CANON_R);
         attention_forward(x.atty, x.att, x.qkv, B, T, C, NH);
@@ -953,48 +973,65 @@ void gpt2_forward(GPT2* model, Activations* a, const int* inputs, const int* tar
         gelu_forward(x.fch_gelu, x.fch, (size_t)BT * 4 * C);
         matmul_forward(a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, BT, 4 * C, C, CANON_R);
         residual_forward(x.residual3, x.residual2, a->proj, (size_t)BT * C);
-        zero_params_release(z, l + 1);
-    }
-    float* last = L > 0 ? a->residual3 + (size_t)(L - 1) * BT * C : a->encoded;
-    const float* lnf = zero_params_acquire(z, HEAD, 0);
-    layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, last, lnf, lnf + C, BT, C);
-    const float* wte = zero_params_acquire(z, 0, -1);
-    matmul_forward(a->probs, a->lnf, wte, NULL, BT, C, Vp, CANON_R);
-    crossentropy_forward(a->probs, a->losses, targets, BT, V, Vp);
-    if (!training) {
-        zero_params_release(z, 0);
-        zero_params_release(z, HEAD);
+        zero_params_release(z, ZERO_LAYER(l));
     }
 }
 
-// Backward of the last gpt2_forward (which had targets and `training`): writes every element
-// of the gradient of each unit where zero.h says, and tells zero.h when a unit is done so its
-// reduction can start while the rest of the backward runs. dloss = d(loss)/d(per-position
-// loss) = 1 / (tokens in the global batch).
-void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* inputs,
-                   const int* targets, int B, int T, float dloss) {
+// (last stage) stage_output -> probs (B,T,Vp), and per-position losses (B,T) when targets !=
+// NULL. With `training`, the units the backward starts with (wte, the final layernorm) stay
+// held for it.
+void head_forward(GPT2* model, Activations* a, const int* targets, int B, int T, int training) {
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
-    int C = c->channels, NH = c->num_heads, V = c->vocab_size, Vp = c->padded_vocab_size;
-    int L = c->num_layers, BT = B * T, HEAD = L + 1;
-    float* last = L > 0 ? a->residual3 + (size_t)(L - 1) * BT * C : a->encoded;
+    int C = c->channels, V = c->vocab_size, Vp = c->padded_vocab_size, BT = B * T;
+    int LNF = z->lay.num_units - 1;
+    const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
+    layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, stage_output(a, c, B, T), lnf, lnf + C, BT, C);
+    const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
+    matmul_forward(a->probs, a->lnf, wte, NULL, BT, C, Vp, CANON_R);
+    crossentropy_forward(a->probs, a->losses, targets, BT, V, Vp);
+    if (!training) {
+        zero_params_release(z, ZERO_WTE);
+        zero_params_release(z, LNF);
+    }
+}
 
-    // LM head and final layernorm
-    const float* wte = zero_params_acquire(z, 0, -1);
-    float* d_emb_unit = zero_grad_unit(z, 0);   // dwte (LM-head half), then dwpe
+// (last stage) backward of the head: g->dresidual = d(loss)/d(stage_output). dloss =
+// d(loss)/d(per-position loss) = 1 / (tokens in the global batch).
+void head_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* targets, int B,
+                   int T, float dloss) {
+    const GPT2Config* c = &model->config;
+    Zero* z = &model->zero;
+    int C = c->channels, V = c->vocab_size, Vp = c->padded_vocab_size, BT = B * T;
+    int LNF = z->lay.num_units - 1;
+    const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
+    float* dwte_lm = zero_grad_unit(z, ZERO_WTE);    // the LM-head half of wte's gradient
     crossentropy_backward(a->probs, targets, dloss, BT, V, Vp);
-    matmul_backward(g->dbtc, d_emb_unit, NULL, a->probs, a->lnf, wte, B, T, C, Vp, 1, CANON_R);
-    zero_params_release(z, 0);
-    const float* lnf = zero_params_acquire(z, HEAD, L);
-    float* dlnf = zero_grad_unit(z, HEAD);
+    matmul_backward(g->dbtc, dwte_lm, NULL, a->probs, a->lnf, wte, B, T, C, Vp, 1, CANON_R);
+    zero_grad_unit_done(z, ZERO_WTE);
+    zero_params_release(z, ZERO_WTE);
+    int next = model->last_layer > model->first_layer ? ZERO_LAYER(model->last_layer - 1) : -1;
+    const float* lnf = zero_params_acquire(z, LNF, next);
+    float* dlnf = zero_grad_unit(z, LNF);
     memset(g->dresidual, 0, sizeof(float) * (size_t)BT * C);
-    layernorm_backward(g->dresidual, dlnf, dlnf + C, g->dbtc, last, lnf, a->lnf_mean, a->lnf_rstd, B, T, C);
-    zero_grad_unit_done(z, HEAD);
-    zero_params_release(z, HEAD);
-    for (int l = L - 1; l >= 0; l--) {
-        LayerTensors w = layer_unit(c, zero_params_acquire(z, l + 1, l >= 1 ? l : -1));
-        LayerTensors dw = layer_unit(c, zero_grad_unit(z, l + 1));
-        LayerActs x = layer_acts(a, c, l, B, T);
+    layernorm_backward(g->dresidual, dlnf, dlnf + C, g->dbtc, stage_output(a, c, B, T), lnf,
+                       a->lnf_mean, a->lnf_rstd, B, T, C);
+    zero_grad_unit_done(z, LNF);
+    zero_params_release(z, LNF);
+}
+
+// this stage's layers backward: g->dresidual = d(loss)/d(stage_output) in, d(loss)/d(a->encoded)
+// out. Each layer's gradient is handed to zero.h when complete, so its reduction overlaps the
+// backward of the layers below.
+void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T) {
+    const GPT2Config* c = &model->config;
+    Zero* z = &model->zero;
+    int C = c->channels, NH = c->num_heads, BT = B * T;
+    for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
+        int next = l - 1 >= model->first_layer ? ZERO_LAYER(l - 1) : -1;
+        LayerTensors w = layer_unit(c, zero_params_acquire(z, ZERO_LAYER(l), next));
+        LayerTensors dw = layer_unit(c, zero_grad_unit(z, ZERO_LAYER(l)));
+        LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
         if (a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * 4 * C); }
         // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
         matmul_backward(g->dbt4c, dw.fcprojw, dw.fcprojb, g->dresidual, x.fch_gelu, w.fcprojw, B, T, 4 * C, C, 1, CANON_R);
@@ -1006,14 +1043,37 @@ void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* i
         attention_backward(g->dqkv, g->dbtc, x.qkv, x.att, B, T, C, NH);
         matmul_backward(g->dbtc, dw.qkvw, dw.qkvb, g->dqkv, x.ln1, w.qkvw, B, T, C, 3 * C, 3, CANON_R);
         layernorm_backward(g->dresidual, dw.ln1w, dw.ln1b, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, B, T, C);
-        zero_grad_unit_done(z, l + 1);
-        zero_params_release(z, l + 1);
+        zero_grad_unit_done(z, ZERO_LAYER(l));
+        zero_params_release(z, ZERO_LAYER(l));
     }
-    // embeddings: the lookup half of dwte (unit E) and dwpe (in unit 0)
-    float* d_lookup = zero_grad_unit(z, zero_unit_E(z));
-    encoder_backward(d_lookup, d_emb_unit + (size_t)Vp * C, g->dresidual, inputs, B, T, C, Vp, c->max_seq_len);
-    zero_grad_unit_done(z, 0);
-    zero_grad_unit_done(z, zero_unit_E(z));
+}
+
+// (first stage) the embeddings' gradients from g->dresidual = d(loss)/d(encoded): the lookup
+// half of wte's gradient (unit E) and wpe's.
+void embed_backward(GPT2* model, ActivationGrads* g, const int* inputs, int B, int T) {
+    const GPT2Config* c = &model->config;
+    Zero* z = &model->zero;
+    int E = zero_unit_E(z);
+    encoder_backward(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), g->dresidual, inputs, B, T,
+                     c->channels, c->padded_vocab_size, c->max_seq_len);
+    zero_grad_unit_done(z, ZERO_WPE);
+    zero_grad_unit_done(z, E);
+}
+
+// The whole model on a rank that holds all of it (one pipeline stage): used by sampling,
+// validation and the tests.
+void gpt2_forward(GPT2* model, Activations* a, const int* inputs, const int* targets, int B, int T,
+                  int training) {
+    embed_forward(model, a, inputs, B, T);
+    layers_forward(model, a, B, T);
+    head_forward(model, a, targets, B, T, training);
+}
+
+void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* inputs,
+                   const int* targets, int B, int T, float dloss) {
+    head_backward(model, a, g, targets, B, T, dloss);
+    layers_backward(model, a, g, B, T);
+    embed_backward(model, g, inputs, B, T);
 }
 
 // --- building the model -------------------------------------------------------------------
@@ -1046,13 +1106,31 @@ float* gpt2_random_params(const GPT2Config* config, uint64_t seed) {
     return params;
 }
 
-// The model from full parameters (every rank the same), placed and sharded as `stage` says
-// over the data-parallel group; M microbatches per step.
+// The cost of the head (LM head matmuls and cross-entropy) in units of one transformer
+// layer, per token: the LM head is 2*C*Vp flops forward, a layer about 24*C^2.
+static double head_cost_in_layers(const GPT2Config* c) {
+    return (double)c->padded_vocab_size / (12.0 * c->channels);
+}
+
+// The model from full parameters (every rank the same): this rank's pipeline stage (pp group
+// rank) gets a balanced contiguous range of layers (pipeline.h), its units are placed and
+// sharded over the data-parallel group as ZeRO `stage` says; M microbatches per step.
 void gpt2_init(GPT2* model, const GPT2Config* config, const float* params, int stage,
-               CommGroup* dp, int M) {
+               CommGroup* dp, CommGroup* pp, int M) {
     model->config = *config;
     model->num_parameters = param_count(config);
-    zero_init(&model->zero, &model->config, stage, dp, params, M);
+    int S = pp->size;
+    int* first = (int*)malloc_or_die(sizeof(int) * (S + 1), "pipeline partition");
+    char err[256];
+    if (pipeline_partition_layers(config->num_layers, S, 0.0, head_cost_in_layers(config), first, err, sizeof(err)) != 0) {
+        fatal("--pp: %s", err);
+    }
+    model->first_layer = first[pp->rank];
+    model->last_layer = first[pp->rank + 1];
+    model->is_first = pp->rank == 0;
+    model->is_last = pp->rank == S - 1;
+    free(first);
+    zero_init(&model->zero, &model->config, stage, dp, pp, model->first_layer, model->last_layer, params, M);
 }
 
 void gpt2_free(GPT2* model) { zero_free(&model->zero); }
@@ -1063,39 +1141,253 @@ static double now_seconds(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
-// Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler), each
-// step a full forward over the tokens so far (B = 1). Under ZeRO-3 the forward gathers
-// parameters, so every rank runs it; only `printing` prints.
-static void sample_text(GPT2* model, Activations* acts, Tokenizer* tok, int genT, int printing) {
-    int V = model->config.vocab_size, Vp = model->config.padded_vocab_size;
-    int* gen = (int*)malloc_or_die(sizeof(int) * genT, "sample tokens");
-    uint64_t rng = 1337;
-    gen[0] = tok->init_ok ? tok->eot_token : (V > 50256 ? 50256 : V - 1);
-    if (printing) { printf("generating:\n---\n"); }
-    for (int t = 1; t < genT; t++) {
-        gpt2_forward(model, acts, gen, NULL, 1, t, 0);
-        const float* probs = acts->probs + (size_t)(t - 1) * Vp;
-        float coin = random_f32(&rng), cdf = 0.0f;
-        int next = V - 1;
-        for (int v = 0; v < V; v++) {
-            cdf += probs[v];
-            if (coin < cdf) { next = v; break; }
-        }
-        gen[t] = next;
-        if (!printing) { continue; }
-        if (tok->init_ok) {
-            safe_printf(tokenizer_decode(tok, next));
-        } else {
-            printf("%d ", next);
-        }
-        fflush(stdout);
+// ==========================================================================================
+// Pipeline execution: a stage runs its list of actions from llmc/pipeline.h
+// ==========================================================================================
+//
+// Every rank runs a pipeline, of one stage when --pp is 1 (then the list is just F0 B0 F1
+// B1 ...). A microbatch owns a slot from its FORWARD to its BACKWARD on this stage: its
+// activations, its tokens and the received gradient of its output; the schedule bounds how
+// many are alive (1F1B: S - stage). Messages are non-blocking: a receive is posted at its RECV
+// action and waited for right before the computation that reads it; a send is posted at its
+// SEND action and waited for before its buffer is reused. Received activations and sent input
+// gradients live in small message buffers of their own, so a receive posted early never needs
+// a second slot. The schedule's message order makes this deadlock-free (pipeline.h).
+// Tags: 2*microbatch (+1 for gradients).
+
+typedef struct {
+    int microbatch;            // -1: free
+    Activations acts;
+    int* inputs;               // (B,T) the microbatch's tokens
+    int* targets;              // (B,T)
+    float* grad_out;           // (B,T,C) received d(loss)/d(stage output) (not the last stage)
+    CommRequest* recv_grad;
+    CommRequest* send_act;     // the stage output being sent (the slot is not reused before)
+} MicroSlot;
+
+typedef enum { MSG_FREE, MSG_RECEIVING, MSG_TO_SEND, MSG_SENDING } MessageState;
+
+typedef struct {
+    float* buf;                // (B,T,C)
+    CommRequest* req;
+    int microbatch;
+    MessageState state;        // RECEIVING: an input activation until its FORWARD; TO_SEND: an
+                               // input gradient from BACKWARD until its SEND_BACKWARD
+} MessageBuffer;
+
+#define PP_MAX_MESSAGES 64
+
+typedef struct {
+    PipelineConfig cfg;
+    PipelineAction* actions;
+    int nactions;
+    MicroSlot* slots;
+    int nslots;
+    MessageBuffer msgs[PP_MAX_MESSAGES];
+    int nmsgs;
+    size_t msg_floats;
+    int prev, next;            // pp-group ranks of the neighbouring stages (COMM_NO_PEER)
+    CommGroup* pp;
+    double busy;               // seconds of FORWARD/BACKWARD in the last step
+    size_t slot_bytes;
+} Pipeline;
+
+static void pipeline_init(Pipeline* p, GPT2* model, CommGroup* pp, PipelineScheduleKind kind, int M,
+                          int B, int T, int recompute) {
+    memset(p, 0, sizeof(*p));
+    p->pp = pp;
+    p->cfg = (PipelineConfig){pp->size, M, kind, 1};
+    char err[256];
+    int n = pipeline_stage_actions(&p->cfg, pp->rank, NULL, 0, err, sizeof(err));
+    if (n < 0) { fatal("--pp/--schedule: %s", err); }
+    p->actions = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "pipeline actions");
+    if (pipeline_stage_actions(&p->cfg, pp->rank, p->actions, n, err, sizeof(err)) != n) {
+        fatal("--pp/--schedule: %s", err);
     }
-    if (printing) { printf("\n---\n"); }
-    free(gen);
+    p->nactions = n;
+    p->prev = pp->rank > 0 ? pp->rank - 1 : COMM_NO_PEER;
+    p->next = pp->rank < pp->size - 1 ? pp->rank + 1 : COMM_NO_PEER;
+    p->nslots = pipeline_max_in_flight(p->actions, n);
+    p->slots = (MicroSlot*)calloc_or_die((size_t)p->nslots, sizeof(MicroSlot), "pipeline slots");
+    p->msg_floats = (size_t)B * T * model->config.channels;
+    for (int i = 0; i < p->nslots; i++) {
+        MicroSlot* s = &p->slots[i];
+        s->microbatch = -1;
+        activations_alloc(&s->acts, &model->config, model->last_layer - model->first_layer,
+                          model->is_last, B, T, recompute);
+        s->inputs = (int*)malloc_or_die(sizeof(int) * B * T, "tokens");
+        s->targets = (int*)malloc_or_die(sizeof(int) * B * T, "tokens");
+        s->grad_out = (float*)aligned_calloc_or_die(sizeof(float) * p->msg_floats, "pipeline gradient");
+        p->slot_bytes = s->acts.bytes + sizeof(float) * p->msg_floats + 2 * sizeof(int) * B * T;
+    }
 }
 
-// R1 tree over values given per rank: `all` holds rank r's `per_rank` values at
-// all[r*per_rank ...]; order[j] = (rank, local index) of the j-th value in the canonical order.
+static void pipeline_free(Pipeline* p) {
+    for (int i = 0; i < p->nslots; i++) {
+        activations_free(&p->slots[i].acts);
+        free(p->slots[i].inputs); free(p->slots[i].targets); free(p->slots[i].grad_out);
+    }
+    for (int i = 0; i < p->nmsgs; i++) { free(p->msgs[i].buf); }
+    free(p->slots);
+    free(p->actions);
+}
+
+// The slot of microbatch i; with `take`, a free one (its output's send completed) if it has none.
+static MicroSlot* pipeline_slot(Pipeline* p, int i, int take) {
+    for (int k = 0; k < p->nslots; k++) { if (p->slots[k].microbatch == i) { return &p->slots[k]; } }
+    if (!take) { fatal("internal: microbatch %d has no pipeline slot", i); }
+    for (int k = 0; k < p->nslots; k++) {
+        if (p->slots[k].microbatch < 0) {
+            comm_wait(p->slots[k].send_act);
+            p->slots[k].send_act = NULL;
+            p->slots[k].microbatch = i;
+            return &p->slots[k];
+        }
+    }
+    fatal("internal: more microbatches in flight than the schedule's bound");
+}
+
+// A message buffer for microbatch i in `state`: a free one (a completed send's is reused).
+static MessageBuffer* pipeline_message_new(Pipeline* p, int i, MessageState state) {
+    MessageBuffer* m = NULL;
+    for (int k = 0; k < p->nmsgs && m == NULL; k++) {
+        MessageBuffer* q = &p->msgs[k];
+        if (q->state == MSG_SENDING && comm_test(q->req)) { q->req = NULL; q->state = MSG_FREE; }
+        if (q->state == MSG_FREE) { m = q; }
+    }
+    if (m == NULL) {
+        if (p->nmsgs == PP_MAX_MESSAGES) { fatal("internal: too many pipeline messages in flight"); }
+        m = &p->msgs[p->nmsgs++];
+        m->buf = (float*)aligned_calloc_or_die(sizeof(float) * p->msg_floats, "pipeline message");
+    }
+    m->microbatch = i;
+    m->state = state;
+    return m;
+}
+
+// The message buffer of microbatch i in `state`.
+static MessageBuffer* pipeline_message(Pipeline* p, int i, MessageState state) {
+    for (int k = 0; k < p->nmsgs; k++) {
+        if (p->msgs[k].state == state && p->msgs[k].microbatch == i) { return &p->msgs[k]; }
+    }
+    fatal("internal: no pipeline message for microbatch %d", i);
+}
+
+// Runs this stage's actions for one optimizer step: forward and backward of this dp rank's
+// Ml microbatches (global indices from zero.h), gradients reduced, the tied halves summed.
+// local_loss[i] gets microbatch i's loss sum on the last stage.
+static void pipeline_step(Pipeline* p, GPT2* model, ActivationGrads* g, DataLoader* loader,
+                          int64_t first_microbatch, int M_global, int B, int T, int overfit,
+                          float* local_loss) {
+    const GPT2Config* c = &model->config;
+    Zero* z = &model->zero;
+    size_t BTC = p->msg_floats;
+    float dloss = 1.0f / (float)((double)B * T * M_global);
+    p->busy = 0.0;
+    for (int k = 0; k < p->nactions; k++) {
+        const PipelineAction* act = &p->actions[k];
+        int i = act->microbatch;
+        MicroSlot* s;
+        MessageBuffer* m;
+        double t0;
+        switch (act->kind) {
+            case PP_RECV_FORWARD:
+                // irecv (pp group): microbatch i's input activation from the previous stage
+                m = pipeline_message_new(p, i, MSG_RECEIVING);
+                m->req = comm_irecv(p->pp, m->buf, BTC, act->peer, 2 * i, COMM_KIND_PP);
+                break;
+            case PP_FORWARD:
+                s = pipeline_slot(p, i, 1);
+                if (model->is_first || model->is_last) {
+                    dataloader_load(loader, overfit ? 0 : zero_global_microbatch(z, first_microbatch, i));
+                    memcpy(s->inputs, loader->inputs, sizeof(int) * B * T);
+                    memcpy(s->targets, loader->targets, sizeof(int) * B * T);
+                }
+                if (!model->is_first) {   // waiting for the input is idle time, not compute
+                    m = pipeline_message(p, i, MSG_RECEIVING);
+                    comm_wait(m->req);
+                    memcpy(s->acts.encoded, m->buf, sizeof(float) * BTC);
+                    m->req = NULL;
+                    m->state = MSG_FREE;
+                }
+                t0 = now_seconds();
+                if (model->is_first) { embed_forward(model, &s->acts, s->inputs, B, T); }
+                layers_forward(model, &s->acts, B, T);
+                if (model->is_last) {
+                    head_forward(model, &s->acts, s->targets, B, T, 1);
+                    local_loss[i] = position_sum(s->acts.losses, B, T);
+                }
+                p->busy += now_seconds() - t0;
+                break;
+            case PP_SEND_FORWARD:
+                // isend (pp group): the stage output of microbatch i to the next stage
+                s = pipeline_slot(p, i, 0);
+                s->send_act = comm_isend(p->pp, stage_output(&s->acts, c, B, T), BTC, act->peer, 2 * i, COMM_KIND_PP);
+                break;
+            case PP_RECV_BACKWARD:
+                // irecv (pp group): d(loss)/d(stage output) of microbatch i from the next stage
+                s = pipeline_slot(p, i, 0);
+                s->recv_grad = comm_irecv(p->pp, s->grad_out, BTC, act->peer, 2 * i + 1, COMM_KIND_PP);
+                break;
+            case PP_BACKWARD:
+                s = pipeline_slot(p, i, 0);
+                if (!model->is_last) {
+                    comm_wait(s->recv_grad);
+                    s->recv_grad = NULL;
+                    memcpy(g->dresidual, s->grad_out, sizeof(float) * BTC);
+                }
+                t0 = now_seconds();
+                zero_begin_microbatch(z, i);
+                if (model->is_last) { head_backward(model, &s->acts, g, s->targets, B, T, dloss); }
+                layers_backward(model, &s->acts, g, B, T);
+                if (model->is_first) {
+                    embed_backward(model, g, s->inputs, B, T);
+                } else {   // keep d(loss)/d(stage input) until its SEND_BACKWARD
+                    memcpy(pipeline_message_new(p, i, MSG_TO_SEND)->buf, g->dresidual, sizeof(float) * BTC);
+                }
+                zero_end_microbatch(z);
+                s->microbatch = -1;   // its activations are no longer needed
+                p->busy += now_seconds() - t0;
+                break;
+            case PP_SEND_BACKWARD:
+                // isend (pp group): d(loss)/d(stage input) of microbatch i to the previous stage
+                m = pipeline_message(p, i, MSG_TO_SEND);
+                m->state = MSG_SENDING;
+                m->req = comm_isend(p->pp, m->buf, BTC, act->peer, 2 * i + 1, COMM_KIND_PP);
+                break;
+        }
+    }
+    for (int k = 0; k < p->nslots; k++) { comm_wait(p->slots[k].send_act); p->slots[k].send_act = NULL; }
+    for (int k = 0; k < p->nmsgs; k++) { comm_wait(p->msgs[k].req); p->msgs[k].req = NULL; p->msgs[k].state = MSG_FREE; }
+    zero_finish_grads(z);
+}
+
+// A forward-only pass through the pipeline of one batch (validation, sampling): the first
+// stage embeds `inputs`, each stage receives, runs its layers, sends; the last stage runs the
+// head. Blocking sends and receives: every stage handles the batch in the same order.
+static void pipeline_forward_only(Pipeline* p, GPT2* model, Activations* a, const int* inputs,
+                                  const int* targets, int B, int T) {
+    size_t BTC = (size_t)B * T * model->config.channels;
+    if (model->is_first) {
+        embed_forward(model, a, inputs, B, T);
+    } else {
+        comm_wait(comm_irecv(p->pp, a->encoded, BTC, p->prev, 0, COMM_KIND_PP));
+    }
+    layers_forward(model, a, B, T);
+    if (model->is_last) {
+        head_forward(model, a, targets, B, T, 0);
+    } else {
+        comm_wait(comm_isend(p->pp, stage_output(a, &model->config, B, T), BTC, p->next, 0, COMM_KIND_PP));
+    }
+}
+
+// ==========================================================================================
+// Training
+// ==========================================================================================
+
+// The R1 tree over n values gathered from the dp ranks (`per_rank` each, rank-major in all):
+// value j of the canonical order is microbatch j's (zero.h's assignment), or with
+// round_robin value j = all[(j % N) * per_rank + j / N].
 static float tree_in_order(const float* all, int per_rank, int n, const Zero* z, int round_robin) {
     float* ordered = (float*)malloc_or_die(sizeof(float) * (n > 0 ? n : 1), "ordered values");
     for (int j = 0; j < n; j++) {
@@ -1109,94 +1401,144 @@ static float tree_in_order(const float* all, int per_rank, int n, const Zero* z,
     return sum;
 }
 
-// One optimizer step's gradient over this rank's local microbatches: forward and backward of
-// each, the local R1 tree and the data-parallel reduction (zero.h), the tied halves summed.
-// Returns the mean loss of the global batch (R1 over the M microbatch loss sums).
-static float gpt2_step_gradient(GPT2* model, Activations* acts, ActivationGrads* agrads,
-                                DataLoader* loader, int64_t first_microbatch, int M, int B,
-                                int T, int overfit) {
+// The mean loss over the global batch: the last stage's dp ranks gather their microbatch loss
+// sums (all-gather, dp group), sum them by the R1 tree in global order, and the last stage
+// broadcasts the result to the other stages (pp group).
+static float global_mean_loss(GPT2* model, Comm* comm, const float* local, int per_rank, int n,
+                              int round_robin, double tokens) {
     Zero* z = &model->zero;
-    int Ml = z->local_microbatches;
-    float dloss = 1.0f / (float)((double)B * T * M);
-    float* local = (float*)malloc_or_die(sizeof(float) * (size_t)Ml * (z->N + 1), "losses");
-    float* all = local + Ml;
-    for (int i = 0; i < Ml; i++) {
-        int64_t g = overfit ? 0 : zero_global_microbatch(z, first_microbatch, i);
-        dataloader_load(loader, g);
-        zero_begin_microbatch(z, i);
-        gpt2_forward(model, acts, loader->inputs, loader->targets, B, T, 1);
-        local[i] = position_sum(acts->losses, B, T);
-        gpt2_backward(model, acts, agrads, loader->inputs, loader->targets, B, T, dloss);
-        zero_end_microbatch(z);
+    float loss = 0.0f;
+    if (model->is_last) {
+        float* all = (float*)malloc_or_die(sizeof(float) * (size_t)per_rank * z->N + 1, "losses");
+        comm_all_gather(&comm->dp_group, local, all, (size_t)per_rank, COMM_KIND_OTHER);
+        loss = tree_in_order(all, per_rank, n, z, round_robin) / (float)tokens;
+        free(all);
     }
-    zero_finish_grads(z);
-    // all-gather (dp group, other): every rank's microbatch loss sums, for the R1 tree in order
-    comm_all_gather(z->group, local, all, (size_t)Ml, COMM_KIND_OTHER);
-    float loss = tree_in_order(all, Ml, M, z, 0) / (float)((double)B * T * M);
-    free(local);
+    comm_broadcast(&comm->pp_group, &loss, sizeof(float), comm->pp - 1, COMM_KIND_OTHER);
     return loss;
 }
 
 // Validation loss over the first `batches` microbatches of the val data: batch j is done by
-// dp rank j % N, the per-batch sums are gathered and summed by the R1 tree in batch order.
-static float gpt2_validate(GPT2* model, Activations* acts, DataLoader* loader, int batches, int B, int T) {
+// dp rank j % N (through the pipeline), and the batch sums are summed in batch order.
+static float gpt2_validate(GPT2* model, Pipeline* p, Comm* comm, Activations* acts,
+                           DataLoader* loader, int batches, int B, int T) {
     Zero* z = &model->zero;
     int per_rank = (batches + z->N - 1) / z->N;
-    float* local = (float*)malloc_or_die(sizeof(float) * (size_t)per_rank * (z->N + 1), "val losses");
-    float* all = local + per_rank;
+    float* local = (float*)calloc_or_die((size_t)per_rank + 1, sizeof(float), "val losses");
     for (int k = 0; k < per_rank; k++) {
         int j = k * z->N + z->rank;
-        if (j >= batches && z->stage != 3) { local[k] = 0.0f; continue; }
-        // under ZeRO-3 every rank must take part in every forward's parameter gathers
+        // under ZeRO-3 every dp rank must take part in every forward's parameter gathers
+        if (j >= batches && z->stage != 3) { continue; }
         dataloader_load(loader, j < batches ? j : 0);
-        gpt2_forward(model, acts, loader->inputs, loader->targets, B, T, 0);
-        local[k] = j < batches ? position_sum(acts->losses, B, T) : 0.0f;
+        pipeline_forward_only(p, model, acts, loader->inputs, loader->targets, B, T);
+        if (model->is_last && j < batches) { local[k] = position_sum(acts->losses, B, T); }
     }
-    // all-gather (dp group, other): every rank's batch loss sums
-    comm_all_gather(z->group, local, all, (size_t)per_rank, COMM_KIND_OTHER);
-    float loss = tree_in_order(all, per_rank, batches, z, 1) / (float)((double)batches * B * T);
+    float loss = global_mean_loss(model, comm, local, per_rank, batches, 1, (double)batches * B * T);
     free(local);
     return loss;
 }
 
-// This rank's optimizer-state ranges (stage 0: rank 0 holds all of it; else the shards).
+// Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler), each
+// token a forward pass over the tokens so far (B = 1) through the pipeline; the last stage
+// draws the token and broadcasts it to the other stages. Under ZeRO-3 every dp rank takes part
+// (the forward gathers parameters); world rank 0 prints.
+static void sample_text(GPT2* model, Pipeline* p, Comm* comm, Activations* acts, Tokenizer* tok, int genT) {
+    int V = model->config.vocab_size, Vp = model->config.padded_vocab_size;
+    int printing = comm->world_rank == 0;
+    int* gen = (int*)malloc_or_die(sizeof(int) * genT, "sample tokens");
+    uint64_t rng = 1337;
+    gen[0] = V > 50256 ? 50256 : V - 1;   // <|endoftext|> for GPT-2's vocabulary
+    if (printing) { printf("generating:\n---\n"); }
+    for (int t = 1; t < genT; t++) {
+        pipeline_forward_only(p, model, acts, gen, NULL, 1, t);
+        int next = V - 1;
+        if (model->is_last) {
+            const float* probs = acts->probs + (size_t)(t - 1) * Vp;
+            float coin = random_f32(&rng), cdf = 0.0f;
+            for (int v = 0; v < V; v++) {
+                cdf += probs[v];
+                if (coin < cdf) { next = v; break; }
+            }
+        }
+        comm_broadcast(&comm->pp_group, &next, sizeof(int), comm->pp - 1, COMM_KIND_OTHER);
+        gen[t] = next;
+        if (!printing) { continue; }
+        if (tok->init_ok) {
+            safe_printf(tokenizer_decode(tok, next));
+        } else {
+            printf("%d ", next);
+        }
+        fflush(stdout);
+    }
+    if (printing) { printf("\n---\n"); }
+    free(gen);
+}
+
+// This rank's pieces of the optimizer state, as ranges of the canonical parameter index.
+// ZeRO-0: dp rank 0 of each stage holds all of its stage's; ZeRO 1-3: every rank its shards.
+// wte's state belongs to the first stage (the last stage's copy is the same).
 static int state_ranges(GPT2* model, StateRange* out) {
     Zero* z = &model->zero;
     int n = 0;
-    if (z->stage == 0) {
-        out[n++] = (StateRange){0, (int64_t)z->lay.P, z->m, z->v};
-        return n;
-    }
     for (int u = 0; u < z->lay.num_units; u++) {
+        if (!z->lay.params_here[u] || (u == ZERO_WTE && !model->is_first)) { continue; }
         size_t b, e;
-        zero_shard_range(&z->lay, u, z->rank, &b, &e);
+        zero_my_range(z, u, &b, &e);
         if (b == e) { continue; }
         size_t at = zero_opt_index(z, u, b);
-        out[n++] = (StateRange){(int64_t)b, (int64_t)e, z->m + at, z->v + at};
+        out[n++] = (StateRange){(int64_t)(z->lay.offset[u] + b), (int64_t)(z->lay.offset[u] + e),
+                                z->m + at, z->v + at};
     }
     return n;
 }
 
-// Checkpoint of step `step`: the model (rank 0, llm.c format), every rank's piece of the
-// optimizer state, then the DONE marker once all of it is on disk.
+// Checkpoint of step progress->step: the model (world rank 0, llm.c format: every stage's dp
+// rank 0 sends its units' parameters over the pp group), every rank's piece of the optimizer
+// state, then the DONE marker once all of it is on disk.
 static void write_checkpoint(GPT2* model, const char* dir, TrainProgress* progress, Comm* comm) {
     Zero* z = &model->zero;
     char path[1200];
     int step = (int)progress->step;
-    float* full = comm->world_rank == 0
-        ? (float*)aligned_calloc_or_die(model->num_parameters * sizeof(float), "checkpoint") : NULL;
-    zero_full_params(z, full, 0);
-    if (full) {
+    size_t P = model->num_parameters;
+    int holder = comm->dp_rank == 0;   // dp rank 0 of each stage assembles its stage's units
+    float* full = holder ? (float*)aligned_calloc_or_die(P * sizeof(float), "checkpoint") : NULL;
+    zero_full_params(z, full);
+    if (holder && comm->pp > 1) {
+        // send (pp group): each later stage's parameters (its units at their offsets) to stage 0
+        if (comm->pp_rank == 0) {
+            float* part = (float*)aligned_calloc_or_die(P * sizeof(float), "checkpoint");
+            for (int s = 1; s < comm->pp; s++) {
+                comm_wait(comm_irecv(&comm->pp_group, part, P, s, 11, COMM_KIND_OTHER));
+                ZeroLayout theirs;
+                int* first = (int*)malloc_or_die(sizeof(int) * (comm->pp + 1), "partition");
+                pipeline_partition_layers(model->config.num_layers, comm->pp, 0.0,
+                                          head_cost_in_layers(&model->config), first, NULL, 0);
+                zero_layout_init(&theirs, &model->config, 1, s, comm->pp, first[s], first[s + 1]);
+                for (int u = 0; u < theirs.num_units; u++) {
+                    if (theirs.params_here[u] && !(u == ZERO_WTE)) {
+                        memcpy(full + theirs.offset[u], part + theirs.offset[u], theirs.size[u] * sizeof(float));
+                    }
+                }
+                zero_layout_free(&theirs);
+                free(first);
+            }
+            free(part);
+        } else {
+            comm_wait(comm_isend(&comm->pp_group, full, P, 0, 11, COMM_KIND_OTHER));
+        }
+    }
+    if (comm->world_rank == 0) {
         snprintf(path, sizeof(path), "%s/model_%08d.bin", dir, step);
         checkpoint_write_model(path, &model->config, full);
-        free(full);
     }
+    free(full);
     StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (z->lay.num_units + 1), "ranges");
     int n = state_ranges(model, ranges);
-    int pieces = z->stage == 0 ? 1 : z->N;
+    int per_stage = z->stage == 0 ? 1 : z->N;
     if (z->stage != 0 || z->rank == 0) {
-        snprintf(path, sizeof(path), "%s/state_%08d_%05d.bin", dir, step, z->stage == 0 ? 0 : z->rank);
-        state_write_piece(path, &model->config, progress, pieces, z->stage == 0 ? 0 : z->rank, n, ranges);
+        int piece = comm->pp_rank * per_stage + (z->stage == 0 ? 0 : z->rank);
+        snprintf(path, sizeof(path), "%s/state_%08d_%05d.bin", dir, step, piece);
+        state_write_piece(path, &model->config, progress, comm->pp * per_stage, piece, n, ranges);
     }
     free(ranges);
     comm_barrier(&comm->world);
@@ -1207,9 +1549,6 @@ static void write_checkpoint(GPT2* model, const char* dir, TrainProgress* progre
 }
 
 #ifndef TESTING
-// ==========================================================================================
-// Training
-// ==========================================================================================
 int main(int argc, char** argv) {
     Comm comm;
     comm_init(&comm, &argc, &argv);
@@ -1226,11 +1565,15 @@ int main(int argc, char** argv) {
         return 0;
     }
     train_args_validate(&args);
-    if (args.tp != 1 || args.pp != 1 || args.sp != 0) {
-        fatal("--tp/--pp/--sp: tensor and pipeline parallelism are not in this build yet (see README)");
+    if (args.tp != 1 || args.sp != 0) {
+        fatal("--tp/--sp: tensor parallelism is not in this build yet (see README)");
     }
     if (args.deterministic) { fatal("--deterministic is a flag of the CUDA build (train_gpt2cu)"); }
+    if (comm.world_size % (args.tp * args.pp) != 0) {
+        fatal("--tp %d x --pp %d does not divide the %d ranks of this job", args.tp, args.pp, comm.world_size);
+    }
     comm_setup_grid(&comm, args.tp, args.pp);
+    PipelineScheduleKind pp_kind = strcmp(args.pp_schedule, "gpipe") == 0 ? PP_GPIPE : PP_1F1B;
     LRScheduleKind sched_kind;
     if (!lr_schedule_kind(args.lr_schedule, &sched_kind)) {
         fatal("-k: unknown learning-rate schedule '%s' (cosine, linear or constant)", args.lr_schedule);
@@ -1264,16 +1607,19 @@ int main(int argc, char** argv) {
     if (config.channels / config.num_heads > 256) {
         fatal("-e: head size C/NH = %d is larger than the 256 this build supports", config.channels / config.num_heads);
     }
+    if (args.pp > config.num_layers) {
+        fatal("--pp %d: the model has only %d layers; every stage needs at least one", args.pp, config.num_layers);
+    }
     long long tokens_per_micro = (long long)B * T;
     long long total_batch = args.total_batch == -1 ? tokens_per_micro * N : args.total_batch;
     if (total_batch % (tokens_per_micro * N) != 0) {
         fatal("-d: total batch %lld tokens is not a multiple of B*T*DP = %d*%d*%d = %lld", total_batch,
               B, T, N, tokens_per_micro * N);
     }
-    int M = (int)(total_batch / tokens_per_micro);   // microbatches per step, over all ranks
+    int M = (int)(total_batch / tokens_per_micro);   // microbatches per step, over all dp ranks
 
     GPT2 model;
-    gpt2_init(&model, &config, params, args.zero_stage, &comm.dp_group, M);
+    gpt2_init(&model, &config, params, args.zero_stage, &comm.dp_group, &comm.pp_group, M);
     free(params);
     Zero* z = &model.zero;
 
@@ -1297,7 +1643,7 @@ int main(int argc, char** argv) {
     LRSchedule schedule = {sched_kind, args.lr, args.warmup, train_steps, args.final_lr_frac};
 
     Tokenizer tokenizer;
-    memset(&tokenizer, 0, sizeof(tokenizer));   // only rank 0 prints samples
+    memset(&tokenizer, 0, sizeof(tokenizer));   // only world rank 0 prints samples
     if (root) {
         tokenizer_init(&tokenizer, args.tokenizer_path);
         if (tokenizer.init_ok && (int)tokenizer.vocab_size != config.vocab_size) {
@@ -1308,19 +1654,29 @@ int main(int argc, char** argv) {
         }
     }
 
-    Activations acts, sample_acts;
+    Pipeline pipe;
+    pipeline_init(&pipe, &model, &comm.pp_group, pp_kind, z->local_microbatches, B, T, args.recompute);
     ActivationGrads agrads;
-    activations_alloc(&acts, &config, B, T, args.recompute);
     activation_grads_alloc(&agrads, &config, B, T);
     int genT = args.gen_T < config.max_seq_len ? args.gen_T : config.max_seq_len;
-    int do_sample = args.sample_every > 0 && (root || z->stage == 3);
-    if (do_sample) { activations_alloc(&sample_acts, &config, 1, genT, 0); }
+    int do_sample = args.sample_every > 0 && (comm.dp_rank == 0 || z->stage == 3);
+    Activations sample_acts;
+    if (do_sample) {
+        activations_alloc(&sample_acts, &config, model.last_layer - model.first_layer, model.is_last, 1, genT, 0);
+    }
 
     TrainProgress progress = {0, 0, tokens_per_micro, args.shuffle, (uint64_t)args.seed};
     if (resume_step >= 0) {
         StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (z->lay.num_units + 1), "ranges");
-        int n = state_ranges(&model, ranges);
-        if (z->stage == 0) { ranges[0] = (StateRange){0, (int64_t)z->lay.P, z->m, z->v}; n = 1; }
+        int n = 0;
+        for (int u = 0; u < z->lay.num_units; u++) {   // every range this rank updates
+            if (!z->lay.params_here[u]) { continue; }
+            size_t b, e;
+            zero_my_range(z, u, &b, &e);
+            if (b == e) { continue; }
+            size_t at = zero_opt_index(z, u, b);
+            ranges[n++] = (StateRange){(int64_t)(z->lay.offset[u] + b), (int64_t)(z->lay.offset[u] + e), z->m + at, z->v + at};
+        }
         TrainProgress saved;
         state_read(args.output_dir, resume_step, &config, n, ranges, &saved);
         free(ranges);
@@ -1343,6 +1699,12 @@ int main(int argc, char** argv) {
     threads = omp_get_max_threads();
 #endif
     ZeroMemory mem = zero_memory(z);
+    // every stage's layers and activation memory, for the table (all-gather, pp group)
+    float stage_info[3], all_stage_info[3 * 64];
+    stage_info[0] = (float)model.first_layer;
+    stage_info[1] = (float)model.last_layer;
+    stage_info[2] = (float)(pipe.nslots * pipe.slot_bytes / 1048576.0);
+    if (comm.pp <= 64) { comm_all_gather(&comm.pp_group, stage_info, all_stage_info, 3, COMM_KIND_OTHER); }
     if (root) {
         printf("+--------------------------------------------------------------------------+\n");
         printf("| train_gpt2 (CPU reference, canonical arithmetic, %-6s kernels, %2d threads)|\n", LLMC_SIMD_NAME, threads);
@@ -1351,9 +1713,23 @@ int main(int argc, char** argv) {
                config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len);
         printf("| init          %s\n", resume_step >= 0 ? path : args.model);
         printf("| parameters    P = %zu (%.1f M)\n", P, P / 1e6);
-        printf("| ranks         %d (data parallel), ZeRO stage %d\n", N, z->stage);
-        printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per rank) = %lld tokens\n", B, T, M,
-               z->local_microbatches, total_batch);
+        printf("| ranks         %d = %d data x %d pipeline; ZeRO stage %d\n", comm.world_size, N, comm.pp, z->stage);
+        printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
+               B, T, M, z->local_microbatches, total_batch);
+        if (comm.pp > 1) {
+            printf("| pipeline      %s over %d stages, %d microbatches; bubble model (S-1)/(M+S-1) = %.3f\n",
+                   args.pp_schedule, comm.pp, z->local_microbatches, pipeline_bubble_fraction(&pipe.cfg));
+            for (int st = 0; st < comm.pp && st < 64; st++) {
+                PipelineConfig cfg = pipe.cfg;
+                int n = pipeline_stage_actions(&cfg, st, NULL, 0, NULL, 0);
+                PipelineAction* acts = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "actions");
+                pipeline_stage_actions(&cfg, st, acts, n, NULL, 0);
+                printf("|   stage %-3d   layers [%d, %d)%s%s, peak activations: %d microbatch(es), %.1f MiB\n", st,
+                       (int)all_stage_info[3 * st], (int)all_stage_info[3 * st + 1], st == 0 ? " + embeddings" : "",
+                       st == comm.pp - 1 ? " + head" : "", pipeline_max_in_flight(acts, n), all_stage_info[3 * st + 2]);
+                free(acts);
+            }
+        }
         printf("| steps         %d (lr %g %s, warmup %d, final fraction %g, weight decay %g)\n", train_steps,
                args.lr, args.lr_schedule, args.warmup, args.final_lr_frac, args.weight_decay);
         printf("| AdamW         beta1 %g beta2 %g eps %g, grad clip %g\n", args.beta1, args.beta2, args.eps, args.grad_clip);
@@ -1365,30 +1741,33 @@ int main(int argc, char** argv) {
         }
         printf("| memory/rank   params %.1f MiB, grads %.1f MiB, AdamW %.1f MiB, activations %.1f MiB\n",
                mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576,
-               (acts.bytes + agrads.bytes) / 1048576.0);
-        printf("|               ZeRO paper, fp32 AdamW: %s = %.1f MiB (ours: %.1f MiB incl. padding and wte's 2nd gradient half)\n",
-               z->stage == 0 ? "16P" : z->stage == 1 ? "8P + 8P/N" : z->stage == 2 ? "4P + 12P/N" : "16P/N",
-               (z->stage == 0 ? 16.0 * P : z->stage == 1 ? 8.0 * P + 8.0 * P / N
-                : z->stage == 2 ? 4.0 * P + 12.0 * P / N : 16.0 * P / N) / 1048576,
-               (mem.params + mem.grads + mem.optimizer) / 1048576);
+               (pipe.nslots * pipe.slot_bytes + agrads.bytes) / 1048576.0);
+        if (comm.pp == 1) {
+            printf("|               ZeRO paper, fp32 AdamW: %s = %.1f MiB (ours: %.1f MiB incl. padding and wte's 2nd gradient half)\n",
+                   z->stage == 0 ? "16P" : z->stage == 1 ? "8P + 8P/N" : z->stage == 2 ? "4P + 12P/N" : "16P/N",
+                   (z->stage == 0 ? 16.0 * P : z->stage == 1 ? 8.0 * P + 8.0 * P / N
+                    : z->stage == 2 ? 4.0 * P + 12.0 * P / N : 16.0 * P / N) / 1048576,
+                   (mem.params + mem.grads + mem.optimizer) / 1048576);
+        }
         printf("| output        %s\n", args.output_dir ? args.output_dir : "(none)");
         if (resume_step >= 0) { printf("| resuming      from step %d\n", resume_step); }
         printf("+--------------------------------------------------------------------------+\n");
         fflush(stdout);
     }
 
+    float* local_loss = (float*)calloc_or_die((size_t)z->local_microbatches + 1, sizeof(float), "losses");
     double total_time = 0.0;
     int timed_steps = 0;
     for (int step = (int)progress.step; step <= train_steps; step++) {
         int last_step = step == train_steps;
 
         if (do_val && (step % args.val_every == 0 || last_step)) {
-            float val_loss = gpt2_validate(&model, &acts, &val_loader, val_batches, B, T);
+            float val_loss = gpt2_validate(&model, &pipe, &comm, &pipe.slots[0].acts, &val_loader, val_batches, B, T);
             if (root) { printf("val loss %.6f\n", val_loss); }
             logger_log_val(&logger, step, val_loss);
         }
         if (do_sample && ((step > 0 && step % args.sample_every == 0) || last_step)) {
-            sample_text(&model, &sample_acts, &tokenizer, genT, root);
+            sample_text(&model, &pipe, &comm, &sample_acts, &tokenizer, genT);
         }
         if (args.checkpoint_every > 0 && step != resume_step &&
             ((step > 0 && step % args.checkpoint_every == 0) || last_step)) {
@@ -1397,11 +1776,12 @@ int main(int argc, char** argv) {
         }
         if (last_step) { break; }
 
-        // ---- one optimizer step over M microbatches (M / N on each rank) ----
+        // ---- one optimizer step over M microbatches (M / N on each data-parallel rank) ----
         comm_reset_stats(&comm);
         double t0 = now_seconds();
-        float loss = gpt2_step_gradient(&model, &acts, &agrads, &train_loader, progress.microbatches_done,
-                                        M, B, T, args.overfit_single_batch);
+        pipeline_step(&pipe, &model, &agrads, &train_loader, progress.microbatches_done, M, B, T,
+                      args.overfit_single_batch, local_loss);
+        float loss = global_mean_loss(&model, &comm, local_loss, z->local_microbatches, M, 0, (double)total_batch);
         float norm = zero_grad_norm(z);
         float grad_scale = args.grad_clip > 0.0f && norm > args.grad_clip ? args.grad_clip / norm : 1.0f;
         float lr = lr_at_step(&schedule, step);
@@ -1410,10 +1790,18 @@ int main(int argc, char** argv) {
         progress.microbatches_done += M;
         progress.step = step + 1;
         double dt = now_seconds() - t0;
+        // the pipeline bubble: the fraction of the step each stage spent not computing
+        float idle = (float)(1.0 - pipe.busy / dt), idle_all[64];
+        if (comm.pp > 1 && comm.pp <= 64) { comm_all_gather(&comm.pp_group, &idle, idle_all, 1, COMM_KIND_OTHER); }
         if (step > (int)0) { total_time += dt; timed_steps++; }
         if (root) {
             printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %.1f GFLOP/s\n",
                    step + 1, train_steps, loss, lr, norm, dt * 1e3, total_batch / dt, flops_per_step / dt / 1e9);
+            if (comm.pp > 1 && comm.pp <= 64) {
+                printf("           pipeline idle per stage:");
+                for (int st = 0; st < comm.pp; st++) { printf(" %.2f", idle_all[st]); }
+                printf(" (model %.2f)\n", pipeline_bubble_fraction(&pipe.cfg));
+            }
             if (timed_steps == 0) {   // the first step of this run: what it sent, and the memory plan
                 printf("communication per rank in this step (bytes sent):\n");
                 comm_print_stats(&comm, stdout);
@@ -1431,7 +1819,8 @@ int main(int argc, char** argv) {
         printf("average step time %.1f ms (excluding the first)\n", total_time / timed_steps * 1e3);
     }
 
-    activations_free(&acts);
+    free(local_loss);
+    pipeline_free(&pipe);
     if (do_sample) { activations_free(&sample_acts); }
     activation_grads_free(&agrads);
     dataloader_free(&train_loader);

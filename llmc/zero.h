@@ -1,15 +1,24 @@
 /*
- * zero.h: data parallelism and ZeRO stages 0-3 over the communicator (comm.h).
+ * zero.h: data parallelism and ZeRO stages 0-3 over the communicator (comm.h), for the units
+ * of the model a rank holds (all of them, or a pipeline stage's).
  *
  * UNITS. The flat parameter buffer (model.h, MEMORY order) is cut into units, the buckets of
- * gradient reduction and the gather units of ZeRO-3: unit 0 = the embeddings [wte, wpe],
- * units 1..L = the transformer layers, unit L+1 = the final layernorm [lnfw, lnfb]. The
- * gradient has one more piece, unit E = L+2: the embedding-lookup half of wte's gradient
- * (Vp*C; train_gpt2.c keeps the two halves of the tied embedding apart until the step's
- * gradient is reduced, which is the order a pipeline can reproduce).
+ * gradient reduction and the gather units of ZeRO-3: unit 0 = wte, unit 1 = wpe, units
+ * 2..L+1 = the transformer layers, unit L+2 = the final layernorm [lnfw, lnfb]. The gradient
+ * has one more piece, unit E = L+3: the embedding-lookup half of wte's gradient (Vp*C;
+ * train_gpt2.c keeps the two halves of the tied embedding apart until the step's gradient is
+ * reduced, which is the order a pipeline can reproduce: Megatron's).
  * Each unit is padded to a multiple of the data-parallel size N and cut into N equal shards;
- * rank r owns shard r of every unit. Unit E is padded and sharded exactly like unit 0, so a
- * rank owns the same wte rows of both halves and can add them without communication.
+ * rank r owns shard r of every unit. Unit E is cut exactly like wte, so a rank owns the same
+ * rows of both halves and adds them without communication.
+ *
+ * PIPELINE STAGES. A stage holds its layers; the first stage also wpe, wte (for the lookup)
+ * and the lookup half E of wte's gradient; the last stage also the final layernorm, wte (a
+ * copy, for the LM head) and the LM-head half of wte's gradient. After the data-parallel
+ * reduction, the first and the last stage swap their halves for the rows they own (sendrecv
+ * over the pipeline group, Megatron's embedding-gradient all-reduce) and both update their
+ * copy of wte with the same sum, so the copies stay identical. wte counts once: on the first
+ * stage (gradient norm, optimizer-state files).
  *
  * WHO HOLDS WHAT (P parameters, per rank, fp32 AdamW; the ZeRO paper's accounting)
  *   stage 0 (DDP): params P, grads P, m and v 2P                         = 16P
@@ -21,7 +30,7 @@
  *
  * WHAT IS SENT, AND WHEN (per rank, per optimizer step, (N-1)/N of each buffer named)
  *   stage 0: after the last local microbatch's backward of each unit, all-reduce its
- *            gradient (E: the wte rows only)              ~ 2 (P + Vp*C) (N-1)/N
+ *            gradient                                     ~ 2 (P + Vp*C) (N-1)/N
  *   stage 1: after the last local microbatch's backward of each unit, reduce-scatter its
  *            gradient; after AdamW on the shard, all-gather each unit's parameters
  *                                                         ~ (2P + Vp*C) (N-1)/N
@@ -57,65 +66,100 @@
 #include "llmc/model.h"
 #include "llmc/utils.h"
 
+#define ZERO_WTE 0
+#define ZERO_WPE 1
+#define ZERO_LAYER(l) ((l) + 2)
+
 // ------------------------------------------------------------------------------------------
-// the unit layout
+// the unit layout of one rank
 
 typedef struct {
-    int num_units;        // L + 2 parameter units; unit E = num_units is the gradient-only one
+    int num_units;        // L + 3 parameter units; unit E = num_units is the gradient-only one
     int N;                // data-parallel size the shards are cut for
-    size_t P;             // parameters
-    size_t* offset;       // of unit u in the flat buffer (E: P, in the gradient buffer)
-    size_t* size;         // elements of unit u
-    size_t* padded;       // size rounded up to a multiple of N
+    size_t P;             // parameters of the whole model
+    size_t* offset;       // canonical offset of unit u in the flat buffer
+    size_t* size;         // elements of unit u (whole model)
+    int* params_here;     // this rank holds unit u's parameters
+    int* grads_here;      // this rank computes unit u's gradient
+    size_t* padded;       // size rounded up to a multiple of N (0 when not held)
     size_t* shard;        // padded / N
-    size_t* shard_base;   // where unit u's shard sits in this rank's shard buffers
-    size_t shard_total;   // sum of shard[u] over the parameter units
-    size_t grad_shard_total;   // plus unit E's shard
+    size_t* local;        // offset of unit u in this rank's unsharded parameter buffer
+    size_t* shard_base;   // offset of unit u's shard in this rank's parameter shard buffers
+    size_t* glocal;       // the same two for the gradient buffers (which hold E, and wte only
+    size_t* gshard_base;  //   on the stage that computes its LM-head half)
+    size_t local_params, local_grads;   // unsharded buffer sizes (params; grads incl. E)
+    size_t shard_params, shard_grads;   // shard buffer sizes
 } ZeroLayout;
 
-static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N) {
-    int U = c->num_layers + 2;
+// The layout for a rank of pipeline stage `stage` of `stages` holding layers
+// [first_layer, last_layer).
+static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, int stage,
+                                    int stages, int first_layer, int last_layer) {
+    int U = c->num_layers + 3, E = U;
     z->num_units = U;
     z->N = N;
     z->P = param_count(c);
-    size_t* all = (size_t*)calloc_or_die(5 * (size_t)(U + 1), sizeof(size_t), "unit layout");
+    size_t* all = (size_t*)calloc_or_die(8 * (size_t)(U + 1), sizeof(size_t), "unit layout");
     z->offset = all;
     z->size = all + (U + 1);
     z->padded = all + 2 * (U + 1);
     z->shard = all + 3 * (U + 1);
-    z->shard_base = all + 4 * (U + 1);
+    z->local = all + 4 * (U + 1);
+    z->shard_base = all + 5 * (U + 1);
+    z->glocal = all + 6 * (U + 1);
+    z->gshard_base = all + 7 * (U + 1);
+    int* flags = (int*)calloc_or_die(2 * (size_t)(U + 1), sizeof(int), "unit layout");
+    z->params_here = flags;
+    z->grads_here = flags + (U + 1);
     size_t C = (size_t)c->channels;
-    z->offset[0] = 0;
-    z->size[0] = (size_t)c->padded_vocab_size * C + (size_t)c->max_seq_len * C;
+    z->offset[ZERO_WTE] = 0;
+    z->size[ZERO_WTE] = (size_t)c->padded_vocab_size * C;
+    z->offset[ZERO_WPE] = z->size[ZERO_WTE];
+    z->size[ZERO_WPE] = (size_t)c->max_seq_len * C;
     for (int l = 0; l < c->num_layers; l++) {
-        z->offset[l + 1] = param_offset(c, P_LN1W, l);
-        z->size[l + 1] = param_layer_elements(c);
+        z->offset[ZERO_LAYER(l)] = param_offset(c, P_LN1W, l);
+        z->size[ZERO_LAYER(l)] = param_layer_elements(c);
     }
     z->offset[U - 1] = param_offset(c, P_LNFW, 0);
     z->size[U - 1] = 2 * C;
-    z->offset[U] = z->P;                                   // E: after the P parameters
-    z->size[U] = (size_t)c->padded_vocab_size * C;
-    size_t base = 0;
-    for (int u = 0; u <= U; u++) {
-        size_t like = u == U ? z->size[0] : z->size[u];    // E is cut like unit 0
-        z->padded[u] = (like + N - 1) / N * N;
-        z->shard[u] = z->padded[u] / N;
-        z->shard_base[u] = base;
-        base += z->shard[u];
-        if (u == U - 1) { z->shard_total = base; }
+    z->offset[E] = 0;                                      // E mirrors wte
+    z->size[E] = z->size[ZERO_WTE];
+    int first = stage == 0, last = stage == stages - 1;
+    for (int l = first_layer; l < last_layer; l++) {
+        z->params_here[ZERO_LAYER(l)] = z->grads_here[ZERO_LAYER(l)] = 1;
     }
-    z->grad_shard_total = base;
+    z->params_here[ZERO_WTE] = first || last;
+    z->grads_here[ZERO_WTE] = last;                        // the LM-head half
+    z->params_here[ZERO_WPE] = z->grads_here[ZERO_WPE] = first;
+    z->grads_here[E] = first;                              // the lookup half
+    z->params_here[U - 1] = z->grads_here[U - 1] = last;
+    size_t local = 0, base = 0, glocal = 0, gbase = 0;
+    for (int u = 0; u <= U; u++) {
+        int params = u < U && z->params_here[u], grads = z->grads_here[u];
+        size_t n = params || grads ? z->size[u] : 0;
+        z->padded[u] = (n + N - 1) / N * N;
+        z->shard[u] = z->padded[u] / N;
+        z->local[u] = local;
+        z->shard_base[u] = base;
+        z->glocal[u] = glocal;
+        z->gshard_base[u] = gbase;
+        if (params) { local += n; base += z->shard[u]; }
+        if (grads) { glocal += n; gbase += z->shard[u]; }
+    }
+    z->local_params = local;
+    z->shard_params = base;
+    z->local_grads = glocal;
+    z->shard_grads = gbase;
 }
 
-static inline void zero_layout_free(ZeroLayout* z) { free(z->offset); }
+static inline void zero_layout_free(ZeroLayout* z) { free(z->offset); free(z->params_here); }
 
-// The canonical range [begin, end) of shard r of unit u (clipped to the unit; may be empty).
+// The range [begin, end) of unit u's elements in shard r (clipped to the unit; may be empty).
 static inline void zero_shard_range(const ZeroLayout* z, int u, int r, size_t* begin, size_t* end) {
+    size_t n = z->padded[u] ? z->size[u] : 0;
     size_t lo = (size_t)r * z->shard[u], hi = lo + z->shard[u];
-    if (lo > z->size[u]) { lo = z->size[u]; }
-    if (hi > z->size[u]) { hi = z->size[u]; }
-    *begin = z->offset[u] + lo;
-    *end = z->offset[u] + hi;
+    *begin = lo > n ? n : lo;
+    *end = hi > n ? n : hi;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -125,39 +169,37 @@ static inline void zero_shard_range(const ZeroLayout* z, int u, int r, size_t* b
 
 typedef struct {
     int unit;             // -1: free
-    float* buf;           // padded[unit] floats (capacity max padded)
+    float* buf;           // capacity: the largest padded unit
     CommRequest* req;     // the gather in flight, or NULL when complete
 } ZeroSlot;
 
 typedef struct {
     int stage, N, rank;
-    CommGroup* group;
+    CommGroup* group;          // data parallel
+    CommGroup* pp;             // pipeline (the tied embedding's first <-> last stage swap)
+    int pp_stage, pp_stages;
     const GPT2Config* config;
     ZeroLayout lay;
     int local_microbatches;    // M / N
     size_t max_padded;         // largest padded unit
     // persistent state
-    float* params;             // stages 0-2: all P parameters; stage 3: NULL
-    float* param_shard;        // stage 3: this rank's shards (lay.shard_total)
-    float* grads;              // stages 0-1: the step's gradient, P + Vp*C
-    float* grad_shard;         // stages 2-3: this rank's reduced gradient shards (grad_shard_total)
-    float* m;                  // stage 0: P; stages 1-3: lay.shard_total
+    float* params;             // stages 0-2: this rank's units (lay.local_params)
+    float* param_shard;        // stage 3: this rank's shards (lay.shard_params)
+    float* grads;              // stages 0-1: the step's gradient (lay.local_grads)
+    float* grad_shard;         // stages 2-3: this rank's reduced gradient shards (lay.shard_grads)
+    float* m;                  // stage 0: lay.local_params; stages 1-3: lay.shard_params
     float* v;
     // the local microbatch tree: stages 0-1 over full gradient buffers, 2-3 over shard buffers
     float* stack[40];
     int stack_allocated, stack_top;
     size_t stack_len;
     int micro;                 // local microbatch being computed
-    // where backward writes each unit's gradient right now
-    float** unit_grad;         // [num_units + 1]
-    // stages 2-3: full-size gradient buffers of units whose reduce-scatter is in flight
-    ZeroSlot gslots[ZERO_MAX_INFLIGHT];
+    float** unit_grad;         // [num_units + 1]: where backward writes each unit's gradient now
+    ZeroSlot gslots[ZERO_MAX_INFLIGHT];   // stages 2-3: unit gradients being reduce-scattered
     int ngslots;
-    // stage 3: gathered parameter units
-    ZeroSlot pslots[ZERO_MAX_INFLIGHT];
+    ZeroSlot pslots[ZERO_MAX_INFLIGHT];   // stage 3: gathered parameter units
     int npslots;
-    // stages 0-1: padded staging copies of unit gradients being reduced
-    ZeroSlot sslots[ZERO_MAX_INFLIGHT];
+    ZeroSlot sslots[ZERO_MAX_INFLIGHT];   // stages 0-1: padded copies of gradients being reduced
     int nsslots;
     // reductions in flight, finished in launch order (the same on every rank)
     CommRequest* inflight[ZERO_MAX_INFLIGHT];
@@ -170,50 +212,57 @@ static inline float* zero_alloc(size_t n, const char* what) {
     return (float*)aligned_calloc_or_die(n * sizeof(float), what);
 }
 
-// params: the full initial parameters (every rank holds the same); stage 3 keeps only its shard
-// and frees nothing of the caller's. M: microbatches per step (global).
-static inline void zero_init(Zero* z, const GPT2Config* c, int stage, CommGroup* dp,
-                             const float* params, int M) {
+static inline int zero_unit_E(const Zero* z) { return z->lay.num_units; }
+
+// params: the full initial parameters (every rank the same, MEMORY order); the engine copies
+// the units this rank holds (stage 3: only its shards). M: microbatches per step (global).
+// dp: the data-parallel group; pp: the pipeline group of which this rank is stage
+// pp->rank, holding layers [first_layer, last_layer).
+static inline void zero_init(Zero* z, const GPT2Config* c, int stage, CommGroup* dp, CommGroup* pp,
+                             int first_layer, int last_layer, const float* params, int M) {
     memset(z, 0, sizeof(*z));
     z->stage = stage;
     z->N = dp->size;
     z->rank = dp->rank;
     z->group = dp;
+    z->pp = pp;
+    z->pp_stage = pp->rank;
+    z->pp_stages = pp->size;
     z->config = c;
-    zero_layout_init(&z->lay, c, z->N);
+    zero_layout_init(&z->lay, c, z->N, pp->rank, pp->size, first_layer, last_layer);
     z->local_microbatches = M / z->N;
     for (int u = 0; u <= z->lay.num_units; u++) {
         if (z->lay.padded[u] > z->max_padded) { z->max_padded = z->lay.padded[u]; }
     }
-    size_t P = z->lay.P, G = P + z->lay.size[z->lay.num_units];
     if (stage <= 2) {
-        z->params = zero_alloc(P, "parameters");
-        memcpy(z->params, params, P * sizeof(float));
+        z->params = zero_alloc(z->lay.local_params, "parameters");
+        for (int u = 0; u < z->lay.num_units; u++) {
+            if (!z->lay.params_here[u]) { continue; }
+            memcpy(z->params + z->lay.local[u], params + z->lay.offset[u], z->lay.size[u] * sizeof(float));
+        }
     } else {
-        z->param_shard = zero_alloc(z->lay.shard_total, "parameter shard");
+        z->param_shard = zero_alloc(z->lay.shard_params, "parameter shard");
         for (int u = 0; u < z->lay.num_units; u++) {
             size_t b, e;
             zero_shard_range(&z->lay, u, z->rank, &b, &e);
-            memcpy(z->param_shard + z->lay.shard_base[u], params + b, (e - b) * sizeof(float));
+            memcpy(z->param_shard + z->lay.shard_base[u], params + z->lay.offset[u] + b, (e - b) * sizeof(float));
         }
     }
-    size_t opt = stage == 0 ? P : z->lay.shard_total;
+    size_t opt = stage == 0 ? z->lay.local_params : z->lay.shard_params;
     z->m = zero_alloc(opt, "AdamW m");
     z->v = zero_alloc(opt, "AdamW v");
     if (stage <= 1) {
-        z->grads = zero_alloc(G, "gradients");
-        z->stack_len = G;
+        z->grads = zero_alloc(z->lay.local_grads, "gradients");
+        z->stack_len = z->lay.local_grads;
         z->stack[0] = z->grads;
     } else {
-        z->grad_shard = zero_alloc(z->lay.grad_shard_total, "gradient shard");
-        z->stack_len = z->lay.grad_shard_total;
+        z->grad_shard = zero_alloc(z->lay.shard_grads, "gradient shard");
+        z->stack_len = z->lay.shard_grads;
         z->stack[0] = z->grad_shard;
     }
     z->stack_allocated = 1;
     z->unit_grad = (float**)calloc_or_die((size_t)z->lay.num_units + 1, sizeof(float*), "unit gradients");
 }
-
-static inline int zero_unit_E(const Zero* z) { return z->lay.num_units; }
 
 // Global index of this rank's local microbatch i of the step whose first global microbatch
 // is `first` (see THE CANONICAL ORDER above).
@@ -222,7 +271,7 @@ static inline int64_t zero_global_microbatch(const Zero* z, int64_t first, int i
     return first + (int64_t)i * z->N + z->rank;
 }
 
-// The rank holding global microbatch j of a step, and its local index there.
+// The data-parallel rank holding global microbatch j of a step, and its local index there.
 static inline void zero_owner_of_microbatch(const Zero* z, int j, int* rank, int* local) {
     if (z->stage <= 1) { *rank = j / z->local_microbatches; *local = j % z->local_microbatches; }
     else { *rank = j % z->N; *local = j / z->N; }
@@ -245,7 +294,7 @@ static inline ZeroSlot* zero_slot_get(ZeroSlot* slots, int* n, int unit, size_t 
 
 // Stage 3 only: start gathering unit u into a free buffer (the prefetch), if not there yet.
 static inline void zero_params_prefetch(Zero* z, int u) {
-    if (z->stage != 3 || u < 0 || u >= z->lay.num_units) { return; }
+    if (z->stage != 3 || u < 0 || u >= z->lay.num_units || !z->lay.params_here[u]) { return; }
     for (int i = 0; i < z->npslots; i++) { if (z->pslots[i].unit == u) { return; } }
     ZeroSlot* s = zero_slot_get(z->pslots, &z->npslots, u, z->max_padded);
     // all-gather (dp group, parameters): every rank's shard of unit u -> the whole unit
@@ -253,10 +302,11 @@ static inline void zero_params_prefetch(Zero* z, int u) {
                                    z->lay.shard[u], COMM_KIND_PARAM);
 }
 
-// The full parameters of unit u (unit-relative layout). Stage 3: waits for the gather
-// (started now if no prefetch did), and starts prefetching `next` (-1: none).
+// The full parameters of unit u. Stage 3: waits for the gather (started now if no prefetch
+// did), and starts prefetching `next` (-1: none).
 static inline const float* zero_params_acquire(Zero* z, int u, int next) {
-    if (z->stage != 3) { return z->params + z->lay.offset[u]; }
+    if (!z->lay.params_here[u]) { fatal("internal: unit %d is not held by this rank", u); }
+    if (z->stage != 3) { return z->params + z->lay.local[u]; }
     zero_params_prefetch(z, u);
     ZeroSlot* s = NULL;
     for (int i = 0; i < z->npslots; i++) { if (z->pslots[i].unit == u) { s = &z->pslots[i]; } }
@@ -286,7 +336,7 @@ static inline float* zero_stack_push(Zero* z) {
     return z->stack[z->stack_top++];
 }
 
-// left <- left + right over [begin, end) of the top two buffers of the microbatch stack
+// left <- left + right over [begin, end) of the stack buffers at depth and depth + 1
 static inline void zero_stack_add_range(Zero* z, int depth_left, size_t begin, size_t end) {
     float* left = z->stack[depth_left];
     const float* right = z->stack[depth_left + 1];
@@ -294,20 +344,21 @@ static inline void zero_stack_add_range(Zero* z, int depth_left, size_t begin, s
     for (size_t i = begin; i < end; i++) { left[i] = left[i] + right[i]; }
 }
 
-// Starts local microbatch i: decides where backward writes each unit's gradient.
+// Starts the backward of local microbatch i: decides where it writes each unit's gradient.
 static inline void zero_begin_microbatch(Zero* z, int i) {
     z->micro = i;
     if (z->stage <= 1) {
         float* g = zero_stack_push(z);
-        for (int u = 0; u <= z->lay.num_units; u++) { z->unit_grad[u] = g + z->lay.offset[u]; }
+        for (int u = 0; u <= z->lay.num_units; u++) { z->unit_grad[u] = g + z->lay.glocal[u]; }
     } else {
         zero_stack_push(z);   // this microbatch's reduced shards land in the new top buffer
         for (int u = 0; u <= z->lay.num_units; u++) { z->unit_grad[u] = NULL; }
     }
 }
 
-// Where backward writes unit u's gradient (unit-relative layout, every element written).
+// Where backward writes unit u's gradient (every element written).
 static inline float* zero_grad_unit(Zero* z, int u) {
+    if (!z->lay.grads_here[u]) { fatal("internal: the gradient of unit %d is not computed by this rank", u); }
     if (z->unit_grad[u] == NULL) {   // stages 2-3: a full-size working buffer, zero padding
         ZeroSlot* s = zero_slot_get(z->gslots, &z->ngslots, u, z->max_padded);
         memset(s->buf + z->lay.size[u], 0, (z->lay.padded[u] - z->lay.size[u]) * sizeof(float));
@@ -332,11 +383,10 @@ static inline void zero_progress(Zero* z) {
 // Backward has written all of unit u's gradient for the current microbatch: launch its
 // reduction if this is the moment (see WHAT IS SENT, AND WHEN).
 static inline void zero_grad_unit_done(Zero* z, int u) {
-    int E = zero_unit_E(z);
     if (z->stage >= 2) {
         // reduce-scatter (dp group, gradients): the unit's padded gradient -> this rank's
         // shard, summed over ranks by the R1 tree, into this microbatch's shard buffer
-        float* dst = z->stack[z->stack_top - 1] + z->lay.shard_base[u];
+        float* dst = z->stack[z->stack_top - 1] + z->lay.gshard_base[u];
         ZeroSlot* slot = NULL;
         for (int i = 0; i < z->ngslots; i++) {
             if (z->gslots[i].buf == z->unit_grad[u]) { slot = &z->gslots[i]; }
@@ -349,16 +399,15 @@ static inline void zero_grad_unit_done(Zero* z, int u) {
     }
     if (z->micro != z->local_microbatches - 1) { return; }   // accumulate first, reduce once
     // the last local microbatch: finish the local tree over this unit's range, then reduce
-    size_t begin = z->lay.offset[u], end = begin + z->lay.size[u];
+    size_t begin = z->lay.glocal[u], end = begin + z->lay.size[u];
     int top = z->stack_top;
     for (int mg = canon_tree_merges_after(z->micro, z->local_microbatches); mg > 0; mg--) {
         zero_stack_add_range(z, top - 2, begin, end);
         top--;
     }
     if (z->N == 1) { return; }
-    float* g = z->grads + begin;
     ZeroSlot* s = zero_slot_get(z->sslots, &z->nsslots, u, z->max_padded);
-    memcpy(s->buf, g, z->lay.size[u] * sizeof(float));
+    memcpy(s->buf, z->grads + begin, z->lay.size[u] * sizeof(float));
     memset(s->buf + z->lay.size[u], 0, (z->lay.padded[u] - z->lay.size[u]) * sizeof(float));
     CommRequest* req;
     if (z->stage == 0) {
@@ -366,11 +415,10 @@ static inline void zero_grad_unit_done(Zero* z, int u) {
         req = comm_all_reduce_sum_start(z->group, s->buf, z->lay.size[u], COMM_KIND_GRAD);
     } else {
         // reduce-scatter (dp group, gradients): the unit -> this rank's shard (in place at
-        // the shard's offset in a copy; copied back into the flat gradient when done)
+        // the shard's offset in the copy; copied back into the gradient buffer when done)
         req = comm_reduce_scatter_start(z->group, s->buf, s->buf + (size_t)z->rank * z->lay.shard[u],
                                         z->lay.shard[u], COMM_KIND_GRAD);
     }
-    (void)E;
     zero_track(z, req, u, s);
     zero_progress(z);
 }
@@ -381,83 +429,103 @@ static inline void zero_wait_reductions(Zero* z) {
         comm_wait(z->inflight[i]);
         int u = z->inflight_unit[i];
         ZeroSlot* s = z->inflight_slot[i];
-        if (z->stage <= 1) {
-            if (z->stage == 0) {
-                memcpy(z->grads + z->lay.offset[u], s->buf, z->lay.size[u] * sizeof(float));
-            } else {
-                size_t b, e;
-                zero_shard_range(&z->lay, u, z->rank, &b, &e);
-                memcpy(z->grads + b, s->buf + (size_t)z->rank * z->lay.shard[u], (e - b) * sizeof(float));
-            }
+        if (z->stage == 0) {
+            memcpy(z->grads + z->lay.glocal[u], s->buf, z->lay.size[u] * sizeof(float));
+        } else if (z->stage == 1) {
+            size_t b, e;
+            zero_shard_range(&z->lay, u, z->rank, &b, &e);
+            memcpy(z->grads + z->lay.glocal[u] + b, s->buf + b, (e - b) * sizeof(float));
         }
         if (s) { s->unit = -1; }
     }
     z->ninflight = 0;
 }
 
-// Ends local microbatch i: stages 2-3 wait for its reduce-scatters and merge the local tree
-// of shard buffers; stages 0-1 merge the local tree (the last microbatch merged per unit).
+// Ends the backward of the current local microbatch: stages 2-3 wait for its reduce-scatters
+// and merge the local tree of shard buffers; stages 0-1 merge the local tree (the last
+// microbatch was merged unit by unit in zero_grad_unit_done).
 static inline void zero_end_microbatch(Zero* z) {
     int i = z->micro;
-    if (z->stage >= 2) {
-        zero_wait_reductions(z);
-        for (int mg = canon_tree_merges_after(i, z->local_microbatches); mg > 0; mg--) {
-            zero_stack_add_range(z, z->stack_top - 2, 0, z->stack_len);
-            z->stack_top--;
-        }
-    } else if (i != z->local_microbatches - 1) {
+    if (z->stage >= 2) { zero_wait_reductions(z); }
+    if (z->stage >= 2 || i != z->local_microbatches - 1) {
         for (int mg = canon_tree_merges_after(i, z->local_microbatches); mg > 0; mg--) {
             zero_stack_add_range(z, z->stack_top - 2, 0, z->stack_len);
             z->stack_top--;
         }
     } else {
-        z->stack_top = 1;   // merged per unit in zero_grad_unit_done
+        z->stack_top = 1;
     }
 }
 
-// This rank's ranges of the final gradient: [begin, end) canonical with the gradient values
-// (stages 0: everything; 1: the flat buffer at the shard; 2-3: the shard buffer).
-static inline float* zero_grad_at(Zero* z, int u, size_t begin) {
-    if (z->stage <= 1) { return z->grads + begin; }
-    return z->grad_shard + z->lay.shard_base[u] + (begin - z->lay.offset[u] - (size_t)z->rank * z->lay.shard[u]);
-}
-
+// This rank's range [begin, end) of unit u's elements (stage 0: all of it; else its shard).
 static inline void zero_my_range(const Zero* z, int u, size_t* begin, size_t* end) {
-    if (z->stage == 0) { *begin = z->lay.offset[u]; *end = *begin + z->lay.size[u]; return; }
+    if (z->stage == 0) { *begin = 0; *end = z->lay.padded[u] ? z->lay.size[u] : 0; return; }
     zero_shard_range(&z->lay, u, z->rank, begin, end);
 }
 
+// Pointers to element `at` of unit u (at in this rank's range) in the reduced gradient, the
+// parameters, and the optimizer state.
+static inline float* zero_grad_at(Zero* z, int u, size_t at) {
+    if (z->stage <= 1) { return z->grads + z->lay.glocal[u] + at; }
+    return z->grad_shard + z->lay.gshard_base[u] + (at - (size_t)z->rank * z->lay.shard[u]);
+}
+static inline float* zero_param_at(Zero* z, int u, size_t at) {
+    if (z->stage <= 2) { return z->params + z->lay.local[u] + at; }
+    return z->param_shard + z->lay.shard_base[u] + (at - (size_t)z->rank * z->lay.shard[u]);
+}
+static inline size_t zero_opt_index(const Zero* z, int u, size_t at) {
+    if (z->stage == 0) { return z->lay.local[u] + at; }
+    return z->lay.shard_base[u] + (at - (size_t)z->rank * z->lay.shard[u]);
+}
+
+// The final gradient of wte's rows in this rank's range: the LM-head half's slot on the last
+// stage, the lookup half's slot (which holds the sum after zero_finish_grads) on the others.
+static inline float* zero_wte_grad_at(Zero* z, size_t at) {
+    return zero_grad_at(z, z->lay.grads_here[ZERO_WTE] ? ZERO_WTE : zero_unit_E(z), at);
+}
+
 // After the step's microbatches: every reduction done, and the tied embedding's gradient =
-// lm-head half + embedding half on this rank's rows of wte.
+// LM-head half + lookup half on this rank's rows of wte (with a pipeline, the first and the
+// last stage swap their halves first).
 static inline void zero_finish_grads(Zero* z) {
     zero_wait_reductions(z);
     z->stack_top = 0;
     int E = zero_unit_E(z);
-    size_t wte_n = z->lay.size[E];
+    int has_lm = z->lay.grads_here[ZERO_WTE], has_lookup = z->lay.grads_here[E];
+    if (!has_lm && !has_lookup) { return; }
     size_t b, e;
-    zero_my_range(z, 0, &b, &e);
-    if (e > wte_n) { e = wte_n; }
-    if (b >= e) { return; }
-    float* lm = zero_grad_at(z, 0, b);
-    const float* emb;
-    if (z->stage <= 1) {
-        emb = z->grads + z->lay.P + b;
-    } else {
-        emb = z->grad_shard + z->lay.shard_base[E] + (b - (size_t)z->rank * z->lay.shard[0]);
+    zero_my_range(z, has_lm ? ZERO_WTE : E, &b, &e);
+    float* mine = zero_grad_at(z, has_lm ? ZERO_WTE : E, b);
+    float* theirs = mine;
+    float* recv = NULL;
+    if (has_lm && has_lookup) {
+        theirs = zero_grad_at(z, E, b);
+    } else if (e > b) {
+        // sendrecv (pipeline group, gradients): the first stage's lookup half <-> the last
+        // stage's LM-head half, for the same rows (same dp rank, same shard)
+        recv = zero_alloc(e - b, "embedding gradient");
+        int peer = has_lm ? 0 : z->pp_stages - 1;
+        comm_sendrecv(z->pp, mine, e - b, peer, recv, e - b, peer, 7, COMM_KIND_PP);
+        theirs = recv;
     }
+    float* lm = has_lm ? mine : theirs;
+    const float* lookup = has_lm ? theirs : mine;
     #pragma omp parallel for
-    for (size_t i = 0; i < e - b; i++) { lm[i] = lm[i] + emb[i]; }
+    for (size_t i = 0; i < e - b; i++) { mine[i] = lm[i] + lookup[i]; }
+    free(recv);
 }
 
-// ||gradient|| over the P parameters: exact sum of squares of this rank's ranges, summed over
-// the dp group (an integer sum: the same bits for every layout).
+// ||gradient|| over the P parameters: exact sum of squares of this rank's ranges (wte on the
+// first stage only), summed over the dp and pipeline groups (integer sums: the same bits for
+// every layout).
 static inline float zero_grad_norm(Zero* z) {
     SumSq total;
     canon_sumsq_init(&total);
     for (int u = 0; u < z->lay.num_units; u++) {
+        if (!z->lay.params_here[u] || (u == ZERO_WTE && z->pp_stage != 0)) { continue; }
         size_t b, e;
         zero_my_range(z, u, &b, &e);
-        const float* g = zero_grad_at(z, u, b);
+        const float* g = u == ZERO_WTE ? zero_wte_grad_at(z, b) : zero_grad_at(z, u, b);
         size_t n = e - b;
         #pragma omp parallel
         {
@@ -470,39 +538,32 @@ static inline float zero_grad_norm(Zero* z) {
         }
     }
     if (z->stage >= 1) { comm_all_reduce_sumsq(z->group, &total, COMM_KIND_OTHER); }
+    comm_all_reduce_sumsq(z->pp, &total, COMM_KIND_OTHER);
     return (float)sqrt(canon_sumsq_value(&total));
-}
-
-// Pointers for unit u's range [b, e) of parameters, m and v on this rank.
-static inline float* zero_param_at(Zero* z, int u, size_t begin) {
-    if (z->stage <= 2) { return z->params + begin; }
-    return z->param_shard + z->lay.shard_base[u] + (begin - z->lay.offset[u] - (size_t)z->rank * z->lay.shard[u]);
-}
-static inline size_t zero_opt_index(const Zero* z, int u, size_t begin) {
-    if (z->stage == 0) { return begin; }
-    return z->lay.shard_base[u] + (begin - z->lay.offset[u] - (size_t)z->rank * z->lay.shard[u]);
 }
 
 // AdamW on this rank's ranges, then (stages 1-2) all-gather every unit's parameters.
 static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_decay) {
     const GPT2Config* c = z->config;
     for (int u = 0; u < z->lay.num_units; u++) {
+        if (!z->lay.params_here[u]) { continue; }
         size_t b, e;
         zero_my_range(z, u, &b, &e);
         float* p = zero_param_at(z, u, b);
-        const float* g = zero_grad_at(z, u, b);
+        const float* g = u == ZERO_WTE ? zero_wte_grad_at(z, b) : zero_grad_at(z, u, b);
         size_t o = zero_opt_index(z, u, b);
-        // walk the tensors overlapping [b, e): weight decay is per tensor
-        for (int t = 0; t < NUM_PARAMETER_TENSORS && b < e; t++) {
+        // the tensors overlapping [b, e) of the unit: weight decay is per tensor
+        size_t cb = z->lay.offset[u] + b, ce = z->lay.offset[u] + e;
+        for (int t = 0; t < NUM_PARAMETER_TENSORS; t++) {
             int layers = param_is_layer_tensor(t) ? c->num_layers : 1;
             for (int l = 0; l < layers; l++) {
                 size_t tb = param_offset(c, t, l), te = tb + param_tensor_elements(c, t);
-                size_t lo = tb > b ? tb : b, hi = te < e ? te : e;
+                size_t lo = tb > cb ? tb : cb, hi = te < ce ? te : ce;
                 if (lo >= hi) { continue; }
                 float wd = param_is_decayed(t) ? weight_decay : 0.0f;
                 #pragma omp parallel for
-                for (size_t i = lo; i < hi; i++) {
-                    adamw_update_elem(&p[i - b], &z->m[o + i - b], &z->v[o + i - b], g[i - b], s, wd);
+                for (size_t i = lo - cb; i < hi - cb; i++) {
+                    adamw_update_elem(&p[i], &z->m[o + i], &z->v[o + i], g[i], s, wd);
                 }
             }
         }
@@ -510,43 +571,40 @@ static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_dec
     if (z->stage == 1 || z->stage == 2) {
         // all-gather (dp group, parameters): every rank's updated shard -> the whole unit
         for (int u = 0; u < z->lay.num_units; u++) {
+            if (!z->lay.params_here[u]) { continue; }
             ZeroSlot* slot = zero_slot_get(z->sslots, &z->nsslots, u, z->max_padded);
             size_t b, e;
             zero_shard_range(&z->lay, u, z->rank, &b, &e);
+            float* unit = z->params + z->lay.local[u];
             float* mine = slot->buf + (size_t)z->rank * z->lay.shard[u];
-            memcpy(mine, z->params + b, (e - b) * sizeof(float));
+            memcpy(mine, unit + b, (e - b) * sizeof(float));
             memset(mine + (e - b), 0, (z->lay.shard[u] - (e - b)) * sizeof(float));
             comm_all_gather(z->group, mine, slot->buf, z->lay.shard[u], COMM_KIND_PARAM);
-            memcpy(z->params + z->lay.offset[u], slot->buf, z->lay.size[u] * sizeof(float));
+            memcpy(unit, slot->buf, z->lay.size[u] * sizeof(float));
             slot->unit = -1;
         }
     }
 }
 
-// Every rank: the full parameters into dst (rank `root` only; others pass NULL), in MEMORY
-// order. Stage 3 gathers them (a collective: every rank must call).
-static inline void zero_full_params(Zero* z, float* dst, int root) {
-    if (z->stage <= 2) {
-        if (dst) { memcpy(dst, z->params, z->lay.P * sizeof(float)); }
-        return;
-    }
+// The full parameters of every unit this rank holds, written into dst at their canonical
+// (MEMORY order) offsets when dst != NULL. Stage 3 gathers them: every dp rank must call.
+static inline void zero_full_params(Zero* z, float* dst) {
     for (int u = 0; u < z->lay.num_units; u++) {
+        if (!z->lay.params_here[u]) { continue; }
         const float* full = zero_params_acquire(z, u, -1);
-        if (dst && z->rank == root) { memcpy(dst + z->lay.offset[u], full, z->lay.size[u] * sizeof(float)); }
+        if (dst) { memcpy(dst + z->lay.offset[u], full, z->lay.size[u] * sizeof(float)); }
         zero_params_release(z, u);
     }
 }
 
 // Bytes each rank holds, by kind (what the startup table prints and the tests check).
-typedef struct { double params, grads, optimizer, working; } ZeroMemory;
+typedef struct { double params, grads, optimizer; } ZeroMemory;
 
 static inline ZeroMemory zero_memory(const Zero* z) {
     ZeroMemory mem;
-    size_t P = z->lay.P, G = P + z->lay.size[z->lay.num_units];
-    mem.params = 4.0 * (z->stage <= 2 ? P : z->lay.shard_total);
-    mem.grads = 4.0 * (z->stage <= 1 ? G : z->lay.grad_shard_total);
-    mem.optimizer = 8.0 * (z->stage == 0 ? P : z->lay.shard_total);
-    mem.working = 0;
+    mem.params = 4.0 * (z->stage <= 2 ? z->lay.local_params : z->lay.shard_params);
+    mem.grads = 4.0 * (z->stage <= 1 ? z->lay.local_grads : z->lay.shard_grads);
+    mem.optimizer = 8.0 * (z->stage == 0 ? z->lay.local_params : z->lay.shard_params);
     return mem;
 }
 

@@ -50,10 +50,10 @@ done
 pass "3 ranks (shards padded) x ZeRO 1 and 3: identical to one rank"
 
 # --- memory and communication against the formulas ---
-# P = wte+wpe (unit 0) + L layers + lnf; the tied embedding's lookup half of the gradient
-# (Vp*C) is reduced separately, cut like unit 0 (so its wpe-sized tail is padding).
-U0=$(( Vp * C + maxT * C )); LAYER=$(( 12 * C * C + 13 * C )); LNF=$(( 2 * C ))
-P=$(( U0 + L * LAYER + LNF )); E=$(( Vp * C ))
+# P = wte + wpe + L layers + lnf; the tied embedding's lookup half of the gradient (Vp*C) is
+# reduced as one more unit (zero.h).
+WTE=$(( Vp * C )); WPE=$(( maxT * C )); LAYER=$(( 12 * C * C + 13 * C )); LNF=$(( 2 * C ))
+P=$(( WTE + WPE + L * LAYER + LNF )); E=$WTE
 check_accounting() {   # stage N file
   local z=$1 n=$2 f=$3
   local line; line=$(grep "zero accounting" "$f") || fail "no accounting line in $f"
@@ -63,11 +63,11 @@ check_accounting() {   # stage N file
   local eg ep emp emg emo
   case $z in
     0) eg=$(( 2 * q * 4 * (P + E) / n )); ep=0; emp=$(( 4 * P )); emg=$(( 4 * (P + E) )); emo=$(( 8 * P ));;
-    1) eg=$(( q * 4 * (P + U0) / n )); ep=$(( q * 4 * P / n )); emp=$(( 4 * P )); emg=$(( 4 * (P + E) )); emo=$(( 8 * P / n ));;
-    2) eg=$(( ml * q * 4 * (P + U0) / n )); ep=$(( q * 4 * P / n )); emp=$(( 4 * P )); emg=$(( 4 * (P + U0) / n )); emo=$(( 8 * P / n ));;
-    # ZeRO-3 gathers every layer twice (forward, backward), unit 0 twice (embedding, LM head)
-    # and the final layernorm once per microbatch: 2P - lnf
-    3) eg=$(( ml * q * 4 * (P + U0) / n )); ep=$(( ml * q * 4 * (2 * P - LNF) / n )); emp=$(( 4 * P / n )); emg=$(( 4 * (P + U0) / n )); emo=$(( 8 * P / n ));;
+    1) eg=$(( q * 4 * (P + E) / n )); ep=$(( q * 4 * P / n )); emp=$(( 4 * P )); emg=$(( 4 * (P + E) )); emo=$(( 8 * P / n ));;
+    2) eg=$(( ml * q * 4 * (P + E) / n )); ep=$(( q * 4 * P / n )); emp=$(( 4 * P )); emg=$(( 4 * (P + E) / n )); emo=$(( 8 * P / n ));;
+    # ZeRO-3 gathers every layer twice (forward, backward), wte twice (embedding, LM head),
+    # wpe and the final layernorm once per microbatch: 2P - wpe - lnf
+    3) eg=$(( ml * q * 4 * (P + E) / n )); ep=$(( ml * q * 4 * (2 * P - WPE - LNF) / n )); emp=$(( 4 * P / n )); emg=$(( 4 * (P + E) / n )); emo=$(( 8 * P / n ));;
   esac
   [ "$grad" = "$eg" ] || fail "ZeRO-$z N=$n: gradient bytes per step $grad, expected $eg"
   [ "$param" = "$ep" ] || fail "ZeRO-$z N=$n: parameter bytes per step $param, expected $ep"
