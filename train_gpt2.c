@@ -34,6 +34,7 @@
 #include "llmc/comm.h"
 #include "llmc/zero.h"
 #include "llmc/pipeline.h"
+#include "llmc/tensor_parallel.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -55,26 +56,40 @@ static float* scratch(int slot, size_t bytes) {
 // ==========================================================================================
 
 // ------------------------------------------------------------------------------------------
-// encoder: token + position embedding
-// out (B,T,C) = wte[inp[b,t]] (Vp,C) + wpe[t] (maxT,C)
-void encoder_forward(float* out, const int* inp, const float* wte, const float* wpe,
-                     int B, int T, int C) {
+// encoder: token + position embedding, in two steps so that a vocab-parallel rank (holding
+// rows [v0, v0 + Vl) of wte) can sum the lookups over its group in between:
+// out (B,T,C) = wte[inp[b,t]] for tokens it holds, -0.0f for the others (x + -0 == x, so the
+// sum over the group is exact); then out += wpe[t] (maxT,C).
+void encoder_lookup(float* out, const int* inp, const float* wte, int v0, int Vl, int BT, int C) {
     #pragma omp parallel for
-    for (int bt = 0; bt < B * T; bt++) {
-        const float* we = wte + (size_t)inp[bt] * C;
-        const float* pe = wpe + (size_t)(bt % T) * C;
+    for (int bt = 0; bt < BT; bt++) {
+        int v = inp[bt] - v0;
         float* o = out + (size_t)bt * C;
-        for (int c = 0; c < C; c++) { o[c] = we[c] + pe[c]; }
+        if (v >= 0 && v < Vl) {
+            memcpy(o, wte + (size_t)v * C, sizeof(float) * C);
+        } else {
+            for (int c = 0; c < C; c++) { o[c] = -0.0f; }
+        }
     }
 }
 
-// dwte_emb (Vp,C), dwpe (maxT,C) <- dout (B,T,C). Both are R3 reductions over positions:
+void encoder_add_positions(float* out, const float* wpe, int B, int T, int C) {
+    #pragma omp parallel for
+    for (int bt = 0; bt < B * T; bt++) {
+        const float* pe = wpe + (size_t)(bt % T) * C;
+        float* o = out + (size_t)bt * C;
+        for (int c = 0; c < C; c++) { o[c] = o[c] + pe[c]; }
+    }
+}
+
+// dwte_emb (Vl,C) for the vocabulary rows [v0, v0 + Vl), dwpe (maxT,C) <- dout (B,T,C). Both
+// are R3 reductions over positions:
 // dwpe[t] gets one term per sequence (its R2 chunk sum is 0.0f + dout[b,t]), combined by the
 // R1 tree over sequences; dwte_emb[v] sums the positions holding token v: per sequence the R2
 // chunk sums over t (0.0f for chunks without v), then R1 over sequences. Rows of tokens not
 // in the batch are 0. Every element is written (no accumulation into old values).
 void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int* inp,
-                      int B, int T, int C, int Vp, int maxT) {
+                      int B, int T, int C, int v0, int Vl, int maxT) {
     #pragma omp parallel for
     for (int t = 0; t < maxT; t++) {
         float* dst = dwpe + (size_t)t * C;
@@ -92,18 +107,24 @@ void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int
             dst[c] = stack[0];
         }
     }
-    // counting sort of the positions by token id: positions of token v are
-    // order[first[v] .. first[v+1]) in (b, t) order
+    // counting sort of the positions by (local) token id: positions of token v0 + v are
+    // order[first[v] .. first[v+1]) in (b, t) order; other ranks' tokens are left out
     int BT = B * T;
-    int* first = (int*)scratch(SCRATCH_SORT, sizeof(int) * (2 * (size_t)Vp + 1 + (size_t)BT));
-    int* cursor = first + Vp + 1;
-    int* order = cursor + Vp;
-    memset(first, 0, sizeof(int) * ((size_t)Vp + 1));
-    for (int i = 0; i < BT; i++) { first[inp[i] + 1]++; }
-    for (int v = 0; v < Vp; v++) { first[v + 1] += first[v]; }
-    memcpy(cursor, first, sizeof(int) * (size_t)Vp);
-    for (int i = 0; i < BT; i++) { order[cursor[inp[i]]++] = i; }
-    memset(dwte_emb, 0, sizeof(float) * (size_t)Vp * C);
+    int* first = (int*)scratch(SCRATCH_SORT, sizeof(int) * (2 * (size_t)Vl + 1 + (size_t)BT));
+    int* cursor = first + Vl + 1;
+    int* order = cursor + Vl;
+    memset(first, 0, sizeof(int) * ((size_t)Vl + 1));
+    for (int i = 0; i < BT; i++) {
+        int v = inp[i] - v0;
+        if (v >= 0 && v < Vl) { first[v + 1]++; }
+    }
+    for (int v = 0; v < Vl; v++) { first[v + 1] += first[v]; }
+    memcpy(cursor, first, sizeof(int) * (size_t)Vl);
+    for (int i = 0; i < BT; i++) {
+        int v = inp[i] - v0;
+        if (v >= 0 && v < Vl) { order[cursor[v]++] = i; }
+    }
+    memset(dwte_emb, 0, sizeof(float) * (size_t)Vl * C);
     int depth = 2 + CANON_LOG2_R + 32;
     int nthreads = 1;
 #ifdef _OPENMP
@@ -111,7 +132,7 @@ void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int
 #endif
     float* stacks = scratch(SCRATCH_TREE, sizeof(float) * (size_t)depth * C * nthreads);
     #pragma omp parallel for schedule(dynamic, 1)
-    for (int v = 0; v < Vp; v++) {
+    for (int v = 0; v < Vl; v++) {
         int begin = first[v], end = first[v + 1];
         if (begin == end) { continue; }
         int tid = 0;
@@ -747,40 +768,75 @@ void residual_forward(float* out, const float* a, const float* b, size_t n) {
 // probability 0, never part of a sum):
 //   max = max_{v<V} logit, e_v = exp(logit_v - max), Z = R2 over Vp of e_v,
 //   probs_v = e_v / Z, loss = log(Z) - (logit_target - max).
-// logits (BT,Vp) are overwritten by probs. losses (BT) only if targets != NULL.
-void crossentropy_forward(float* probs_logits, float* losses, const int* targets, int BT, int V, int Vp) {
+// In three phases, so that a vocab-parallel rank (holding the logits (BT,Vl) of vocabulary
+// entries [v0, v0 + Vl), i.e. nchunks = 8/K of the 8 canonical chunks) can finish the max, Z
+// and the target logit over its group in between (head_forward). One rank: v0 = 0, Vl = Vp.
+
+// maxes (BT) = the largest real logit of each position among this rank's entries
+void crossentropy_max(float* maxes, const float* logits, int BT, int V, int v0, int Vl) {
     #pragma omp parallel for
     for (int i = 0; i < BT; i++) {
-        float* p = probs_logits + (size_t)i * Vp;
-        float maxv = -canon_inf();
-        for (int v = 0; v < V; v++) { if (p[v] > maxv) { maxv = p[v]; } }
-        float target_shifted = targets ? p[targets[i]] - maxv : 0.0f;
+        const float* p = logits + (size_t)i * Vl;
+        float m = -canon_inf();
+        for (int v = 0; v < Vl && v0 + v < V; v++) { if (p[v] > m) { m = p[v]; } }
+        maxes[i] = m;
+    }
+}
+
+// logits <- exp(logits - max) in place; zs (BT) = the R2 subtree over this rank's chunks;
+// target_logits (BT) = the target's logit where this rank holds it, else -0.0f.
+void crossentropy_exps(float* zs, float* target_logits, float* logits, const float* maxes,
+                       const int* targets, int BT, int V, int v0, int Vl, int nchunks) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        float* p = logits + (size_t)i * Vl;
+        int t = targets ? targets[i] - v0 : -1;
+        target_logits[i] = t >= 0 && t < Vl ? p[t] : -0.0f;
         float partial[CANON_R];
-        for (int ch = 0; ch < CANON_R; ch++) {
+        for (int ch = 0; ch < nchunks; ch++) {
             float acc = 0.0f;
-            long end = canon_chunk_begin(Vp, ch + 1);
-            for (long v = canon_chunk_begin(Vp, ch); v < end && v < V; v++) {
-                p[v] = canon_expf(p[v] - maxv);
+            long end = ((long)Vl * (ch + 1)) / nchunks;
+            for (long v = ((long)Vl * ch) / nchunks; v < end && v0 + v < V; v++) {
+                p[v] = canon_expf(p[v] - maxes[i]);
                 acc = acc + p[v];
             }
             partial[ch] = acc;
         }
-        float z = canon_tree8(partial);
-        for (int v = 0; v < V; v++) { p[v] = p[v] / z; }
-        for (int v = V; v < Vp; v++) { p[v] = 0.0f; }
-        if (targets) { losses[i] = canon_logf(z) - target_shifted; }
+        zs[i] = canon_tree_sum(partial, nchunks, 1);
     }
 }
 
-// dlogits (BT,Vp) = (probs - onehot(target)) * dloss, written over probs; 0 for padding.
-void crossentropy_backward(float* dlogits_probs, const int* targets, float dloss, int BT, int V, int Vp) {
+// probs = exps / Z (0 for padding); losses (BT) = log(Z) - (target logit - max) if targets
+void crossentropy_normalize(float* probs, float* losses, const float* zs, const float* target_logits,
+                            const float* maxes, const int* targets, int BT, int V, int v0, int Vl) {
     #pragma omp parallel for
     for (int i = 0; i < BT; i++) {
-        float* p = dlogits_probs + (size_t)i * Vp;
-        for (int v = 0; v < V; v++) {
-            float indicator = v == targets[i] ? 1.0f : 0.0f;
+        float* p = probs + (size_t)i * Vl;
+        for (int v = 0; v < Vl; v++) { p[v] = v0 + v < V ? p[v] / zs[i] : 0.0f; }
+        if (targets) { losses[i] = canon_logf(zs[i]) - (target_logits[i] - maxes[i]); }
+    }
+}
+
+// dlogits (BT,Vl) = (probs - onehot(target)) * dloss, written over probs; 0 for padding.
+void crossentropy_backward(float* dlogits_probs, const int* targets, float dloss, int BT, int V,
+                           int v0, int Vl) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        float* p = dlogits_probs + (size_t)i * Vl;
+        for (int v = 0; v < Vl && v0 + v < V; v++) {
+            float indicator = v0 + v == targets[i] ? 1.0f : 0.0f;
             p[v] = (p[v] - indicator) * dloss;
         }
+    }
+}
+
+// out (BT,OC) += bias: a row-parallel layer's bias, added once after its all-reduce (the same
+// addition matmul_forward does after its tree when it holds all of k).
+void bias_forward(float* out, const float* bias, int BT, int OC) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        float* o = out + (size_t)i * OC;
+        for (int c = 0; c < OC; c++) { o[c] = o[c] + bias[c]; }
     }
 }
 
@@ -796,8 +852,11 @@ float position_sum(const float* x, int B, int T) {
 // Activations of one forward pass of a pipeline stage (its `layers` transformer layers, and
 // the head on the last stage), allocated for a capacity of (B, T) positions; a pass with fewer
 // positions lays its tensors out with its own B, T inside the same memory.
+// With tensor parallelism the per-head and per-neuron tensors hold this rank's part: qkv
+// 3C/K, atty C/K, att NH/K heads, fch 4C/K, probs Vp/K (the widths below).
 typedef struct {
     int layers, cap_B, cap_T, recompute;
+    int C3, Ca, NHl, C4, Vl;   // local widths: qkv, atty, heads, fch, vocabulary
     float* encoded;     // (B,T,C)   the stage's input: embedding output, or received activation
     float* ln1;         // (L,B,T,C)
     float* ln1_mean;    // (L,B,T)
@@ -818,6 +877,7 @@ typedef struct {
     float* probs;       // (B,T,Vp)   logits, then probabilities, then dlogits
     float* losses;      // (B,T)
     float* proj;        // (B,T,C)    scratch: a projection's output before the residual add
+    float* ce;          // (3,B,T)    cross-entropy's per-position max, sum of exps, target logit
     size_t bytes;
 } Activations;
 
@@ -825,8 +885,9 @@ typedef struct {
 typedef struct {
     float* dresidual;   // (B,T,C)
     float* dbtc;        // (B,T,C)
-    float* dqkv;        // (B,T,3C)
-    float* dbt4c;       // (B,T,4C)
+    float* datty;       // (B,T,C/K)
+    float* dqkv;        // (B,T,3C/K)
+    float* dbt4c;       // (B,T,4C/K)
     size_t bytes;
 } ActivationGrads;
 
@@ -835,6 +896,8 @@ typedef struct {
     size_t num_parameters;      // P
     int first_layer, last_layer; // this pipeline stage's layers [first, last)
     int is_first, is_last;      // first stage: embeddings; last stage: final layernorm + LM head
+    CommGroup* tp;              // tensor-parallel group (size K; tensor_parallel.h)
+    int K, v0, Vl;              // ... and this rank's vocabulary rows [v0, v0 + Vl) of wte
     Zero zero;                  // parameters, gradients and AdamW state, possibly sharded (zero.h)
 } GPT2;
 
@@ -851,55 +914,61 @@ static float* act_alloc(size_t n, size_t* total) {
 }
 
 void activations_alloc(Activations* a, const GPT2Config* c, int layers, int with_head, int B,
-                       int T, int recompute) {
-    size_t L = layers, C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size;
-    size_t BT = (size_t)B * T, H = with_head ? 1 : 0;
+                       int T, int recompute, int K) {
+    size_t L = layers, C = c->channels, BT = (size_t)B * T, H = with_head ? 1 : 0;
     memset(a, 0, sizeof(*a));
     a->layers = layers;
     a->cap_B = B;
     a->cap_T = T;
     a->recompute = recompute;
+    a->C3 = 3 * c->channels / K;
+    a->Ca = c->channels / K;
+    a->NHl = c->num_heads / K;
+    a->C4 = 4 * c->channels / K;
+    a->Vl = c->padded_vocab_size / K;
     a->encoded = act_alloc(BT * C, &a->bytes);
     a->ln1 = act_alloc(L * BT * C, &a->bytes);
     a->ln1_mean = act_alloc(L * BT, &a->bytes);
     a->ln1_rstd = act_alloc(L * BT, &a->bytes);
-    a->qkv = act_alloc(L * BT * 3 * C, &a->bytes);
-    a->atty = act_alloc(L * BT * C, &a->bytes);
-    a->att = act_alloc(L * (size_t)B * NH * T * T, &a->bytes);
+    a->qkv = act_alloc(L * BT * a->C3, &a->bytes);
+    a->atty = act_alloc(L * BT * a->Ca, &a->bytes);
+    a->att = act_alloc(L * (size_t)B * a->NHl * T * T, &a->bytes);
     a->residual2 = act_alloc(L * BT * C, &a->bytes);
     a->ln2 = act_alloc(L * BT * C, &a->bytes);
     a->ln2_mean = act_alloc(L * BT, &a->bytes);
     a->ln2_rstd = act_alloc(L * BT, &a->bytes);
-    a->fch = act_alloc(L * BT * 4 * C, &a->bytes);
-    a->fch_gelu = act_alloc((recompute ? 1 : L) * BT * 4 * C, &a->bytes);
+    a->fch = act_alloc(L * BT * a->C4, &a->bytes);
+    a->fch_gelu = act_alloc((recompute ? 1 : L) * BT * a->C4, &a->bytes);
     a->residual3 = act_alloc(L * BT * C, &a->bytes);
     a->lnf = act_alloc(H * BT * C, &a->bytes);
     a->lnf_mean = act_alloc(H * BT, &a->bytes);
     a->lnf_rstd = act_alloc(H * BT, &a->bytes);
-    a->probs = act_alloc(H * BT * Vp, &a->bytes);
+    a->probs = act_alloc(H * BT * a->Vl, &a->bytes);
     a->losses = act_alloc(H * BT, &a->bytes);
     a->proj = act_alloc(BT * C, &a->bytes);
+    a->ce = act_alloc(H * 3 * BT, &a->bytes);
 }
 
 void activations_free(Activations* a) {
     float* all[] = {a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty, a->att,
                     a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu,
-                    a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj};
+                    a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj, a->ce};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { free(all[i]); }
     memset(a, 0, sizeof(*a));
 }
 
-void activation_grads_alloc(ActivationGrads* g, const GPT2Config* c, int B, int T) {
+void activation_grads_alloc(ActivationGrads* g, const GPT2Config* c, int B, int T, int K) {
     size_t BTC = (size_t)B * T * c->channels;
     g->bytes = 0;
     g->dresidual = act_alloc(BTC, &g->bytes);
     g->dbtc = act_alloc(BTC, &g->bytes);
-    g->dqkv = act_alloc(3 * BTC, &g->bytes);
-    g->dbt4c = act_alloc(4 * BTC, &g->bytes);
+    g->datty = act_alloc(BTC / K, &g->bytes);
+    g->dqkv = act_alloc(3 * BTC / K, &g->bytes);
+    g->dbt4c = act_alloc(4 * BTC / K, &g->bytes);
 }
 
 void activation_grads_free(ActivationGrads* g) {
-    free(g->dresidual); free(g->dbtc); free(g->dqkv); free(g->dbt4c);
+    free(g->dresidual); free(g->dbtc); free(g->datty); free(g->dqkv); free(g->dbt4c);
 }
 
 // Per-layer views of the activations for a pass over (B, T); l counts the stage's layers.
@@ -909,21 +978,21 @@ typedef struct {
 } LayerActs;
 
 static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, int B, int T) {
-    size_t C = c->channels, BT = (size_t)B * T, NH = c->num_heads;
+    size_t C = c->channels, BT = (size_t)B * T;
     LayerActs v;
     v.residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BT * C;
     v.ln1 = a->ln1 + l * BT * C;
     v.ln1_mean = a->ln1_mean + l * BT;
     v.ln1_rstd = a->ln1_rstd + l * BT;
-    v.qkv = a->qkv + l * BT * 3 * C;
-    v.atty = a->atty + l * BT * C;
-    v.att = a->att + l * (size_t)B * NH * T * T;
+    v.qkv = a->qkv + l * BT * a->C3;
+    v.atty = a->atty + l * BT * a->Ca;
+    v.att = a->att + l * (size_t)B * a->NHl * T * T;
     v.residual2 = a->residual2 + l * BT * C;
     v.ln2 = a->ln2 + l * BT * C;
     v.ln2_mean = a->ln2_mean + l * BT;
     v.ln2_rstd = a->ln2_rstd + l * BT;
-    v.fch = a->fch + l * BT * 4 * C;
-    v.fch_gelu = a->fch_gelu + (a->recompute ? 0 : l * BT * 4 * C);
+    v.fch = a->fch + l * BT * a->C4;
+    v.fch_gelu = a->fch_gelu + (a->recompute ? 0 : l * BT * a->C4);
     v.residual3 = a->residual3 + l * BT * C;
     return v;
 }
@@ -933,9 +1002,15 @@ static float* stage_output(const Activations* a, const GPT2Config* c, int B, int
     return a->layers > 0 ? a->residual3 + (size_t)(a->layers - 1) * B * T * c->channels : a->encoded;
 }
 
-// Views of one layer's tensors in a unit laid out like the flat buffer, starting at `base`.
-static LayerTensors layer_unit(const GPT2Config* c, const float* base) {
-    return layer_tensors(c, (float*)base - param_offset(c, P_LN1W, 0), 0);
+// Views of layer unit u's tensors (this rank's tensor-parallel parts, zero.h's unit layout)
+// in a buffer starting at `base`.
+static LayerTensors layer_unit(const Zero* z, int u, const float* base) {
+    float* f = (float*)base;
+    const TPPiece* p = z->lay.pieces[u];   // ln1w ln1b qkvw qkvb attprojw attprojb ln2w ... fcprojb
+    LayerTensors v = {f + p[0].local, f + p[1].local, f + p[2].local, f + p[3].local, f + p[4].local,
+                      f + p[5].local, f + p[6].local, f + p[7].local, f + p[8].local, f + p[9].local,
+                      f + p[10].local, f + p[11].local};
+    return v;
 }
 
 // The forward and backward come in three parts, run by the stages that hold them: the
@@ -947,49 +1022,72 @@ static LayerTensors layer_unit(const GPT2Config* c, const float* base) {
 void embed_forward(GPT2* model, Activations* a, const int* inputs, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
+    int C = c->channels;
     const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
-    const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
-    encoder_forward(a->encoded, inputs, wte, wpe, B, T, c->channels);
+    encoder_lookup(a->encoded, inputs, wte, model->v0, model->Vl, B * T, C);
     zero_params_release(z, ZERO_WTE);
+    // all-reduce (tp group, the vocab-parallel lookup): each row came from the rank holding it
+    if (model->K > 1) { comm_all_reduce_sum(model->tp, a->encoded, (size_t)B * T * C, COMM_KIND_TP); }
+    const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
+    encoder_add_positions(a->encoded, wpe, B, T, C);
     zero_params_release(z, ZERO_WPE);
 }
 
-// this stage's layers: a->encoded (B,T,C) -> stage_output
+// this stage's layers: a->encoded (B,T,C) -> stage_output. Megatron's split: qkv and fc are
+// column-parallel (f before them), attproj and fcproj row-parallel (g after them, then the
+// bias); attention runs on this rank's heads.
 void layers_forward(GPT2* model, Activations* a, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
-    int C = c->channels, NH = c->num_heads, BT = B * T;
+    int C = c->channels, BT = B * T, K = model->K;
+    size_t BTC = (size_t)BT * C;
     for (int l = model->first_layer; l < model->last_layer; l++) {
         int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->is_last ? z->lay.num_units - 1 : -1;
-        LayerTensors w = layer_unit(c, zero_params_acquire(z, ZERO_LAYER(l), next));
+        LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next));
         LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
         layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.residual, w.ln1w, w.ln1b, BT, C);
-        matmul_forward(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, 3 * C, CANON_R);
-        attention_forward(x.atty, x.att, x.qkv, B, T, C, NH);
-        matmul_forward(a->proj, x.atty, w.attprojw, w.attprojb, BT, C, C, CANON_R);
-        residual_forward(x.residual2, x.residual, a->proj, (size_t)BT * C);
+        tp_f_forward(model->tp, x.ln1, BTC);
+        matmul_forward(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, a->C3, CANON_R);
+        attention_forward(x.atty, x.att, x.qkv, B, T, a->Ca, a->NHl);
+        matmul_forward(a->proj, x.atty, w.attprojw, NULL, BT, a->Ca, C, CANON_R / K);
+        tp_g_forward(model->tp, a->proj, BTC);
+        bias_forward(a->proj, w.attprojb, BT, C);
+        residual_forward(x.residual2, x.residual, a->proj, BTC);
         layernorm_forward(x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2w, w.ln2b, BT, C);
-        matmul_forward(x.fch, x.ln2, w.fcw, w.fcb, BT, C, 4 * C, CANON_R);
-        gelu_forward(x.fch_gelu, x.fch, (size_t)BT * 4 * C);
-        matmul_forward(a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, BT, 4 * C, C, CANON_R);
-        residual_forward(x.residual3, x.residual2, a->proj, (size_t)BT * C);
+        tp_f_forward(model->tp, x.ln2, BTC);
+        matmul_forward(x.fch, x.ln2, w.fcw, w.fcb, BT, C, a->C4, CANON_R);
+        gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4);
+        matmul_forward(a->proj, x.fch_gelu, w.fcprojw, NULL, BT, a->C4, C, CANON_R / K);
+        tp_g_forward(model->tp, a->proj, BTC);
+        bias_forward(a->proj, w.fcprojb, BT, C);
+        residual_forward(x.residual3, x.residual2, a->proj, BTC);
         zero_params_release(z, ZERO_LAYER(l));
     }
 }
 
-// (last stage) stage_output -> probs (B,T,Vp), and per-position losses (B,T) when targets !=
-// NULL. With `training`, the units the backward starts with (wte, the final layernorm) stay
-// held for it.
+// (last stage) stage_output -> probs (B,T,Vl) of this rank's vocabulary rows, and per-position
+// losses (B,T) when targets != NULL. The LM head is column-parallel over the vocabulary; the
+// cross-entropy's three reductions are finished over the tp group. With `training`, the
+// units the backward starts with (wte, the final layernorm) stay held for it.
 void head_forward(GPT2* model, Activations* a, const int* targets, int B, int T, int training) {
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
-    int C = c->channels, V = c->vocab_size, Vp = c->padded_vocab_size, BT = B * T;
+    int C = c->channels, V = c->vocab_size, BT = B * T, K = model->K;
     int LNF = z->lay.num_units - 1;
     const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
     layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, stage_output(a, c, B, T), lnf, lnf + C, BT, C);
+    tp_f_forward(model->tp, a->lnf, (size_t)BT * C);
     const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
-    matmul_forward(a->probs, a->lnf, wte, NULL, BT, C, Vp, CANON_R);
-    crossentropy_forward(a->probs, a->losses, targets, BT, V, Vp);
+    matmul_forward(a->probs, a->lnf, wte, NULL, BT, C, model->Vl, CANON_R);
+    float *maxes = a->ce, *zs = a->ce + BT, *target_logits = a->ce + 2 * BT;
+    crossentropy_max(maxes, a->probs, BT, V, model->v0, model->Vl);
+    // all-reduce MAX (tp group): the largest logit over the whole vocabulary
+    if (K > 1) { comm_all_reduce_max(model->tp, maxes, (size_t)BT, COMM_KIND_TP); }
+    crossentropy_exps(zs, target_logits, a->probs, maxes, targets, BT, V, model->v0, model->Vl, CANON_R / K);
+    // all-reduce (tp group): Z (each rank's chunks of the vocabulary sum, finished by the R1
+    // tree) and the target logit (held by one rank, -0.0f elsewhere)
+    if (K > 1) { comm_all_reduce_sum(model->tp, a->ce + BT, 2 * (size_t)BT, COMM_KIND_TP); }
+    crossentropy_normalize(a->probs, a->losses, zs, target_logits, maxes, targets, BT, V, model->v0, model->Vl);
     if (!training) {
         zero_params_release(z, ZERO_WTE);
         zero_params_release(z, LNF);
@@ -1002,12 +1100,13 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* t
                    int T, float dloss) {
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
-    int C = c->channels, V = c->vocab_size, Vp = c->padded_vocab_size, BT = B * T;
+    int C = c->channels, V = c->vocab_size, BT = B * T;
     int LNF = z->lay.num_units - 1;
     const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
     float* dwte_lm = zero_grad_unit(z, ZERO_WTE);    // the LM-head half of wte's gradient
-    crossentropy_backward(a->probs, targets, dloss, BT, V, Vp);
-    matmul_backward(g->dbtc, dwte_lm, NULL, a->probs, a->lnf, wte, B, T, C, Vp, 1, CANON_R);
+    crossentropy_backward(a->probs, targets, dloss, BT, V, model->v0, model->Vl);
+    matmul_backward(g->dbtc, dwte_lm, NULL, a->probs, a->lnf, wte, B, T, C, model->Vl, 1, CANON_R / model->K);
+    tp_f_backward(model->tp, g->dbtc, (size_t)BT * C);
     zero_grad_unit_done(z, ZERO_WTE);
     zero_params_release(z, ZERO_WTE);
     int next = model->last_layer > model->first_layer ? ZERO_LAYER(model->last_layer - 1) : -1;
@@ -1026,22 +1125,27 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* t
 void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
-    int C = c->channels, NH = c->num_heads, BT = B * T;
+    int C = c->channels, BT = B * T, K = model->K;
+    size_t BTC = (size_t)BT * C;
     for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
         int next = l - 1 >= model->first_layer ? ZERO_LAYER(l - 1) : -1;
-        LayerTensors w = layer_unit(c, zero_params_acquire(z, ZERO_LAYER(l), next));
-        LayerTensors dw = layer_unit(c, zero_grad_unit(z, ZERO_LAYER(l)));
+        LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next));
+        LayerTensors dw = layer_unit(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l)));
         LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
-        if (a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * 4 * C); }
+        if (a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4); }
         // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-        matmul_backward(g->dbt4c, dw.fcprojw, dw.fcprojb, g->dresidual, x.fch_gelu, w.fcprojw, B, T, 4 * C, C, 1, CANON_R);
-        gelu_backward(g->dbt4c, x.fch, g->dbt4c, (size_t)BT * 4 * C);
-        matmul_backward(g->dbtc, dw.fcw, dw.fcb, g->dbt4c, x.ln2, w.fcw, B, T, C, 4 * C, 1, CANON_R);
+        tp_g_backward(model->tp, g->dresidual, BTC);
+        matmul_backward(g->dbt4c, dw.fcprojw, dw.fcprojb, g->dresidual, x.fch_gelu, w.fcprojw, B, T, a->C4, C, 1, CANON_R);
+        gelu_backward(g->dbt4c, x.fch, g->dbt4c, (size_t)BT * a->C4);
+        matmul_backward(g->dbtc, dw.fcw, dw.fcb, g->dbt4c, x.ln2, w.fcw, B, T, C, a->C4, 1, CANON_R / K);
+        tp_f_backward(model->tp, g->dbtc, BTC);
         layernorm_backward(g->dresidual, dw.ln2w, dw.ln2b, g->dbtc, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, B, T, C);
         // attention: residual2 = residual + attproj(attention(qkv(ln1(residual))))
-        matmul_backward(g->dbtc, dw.attprojw, dw.attprojb, g->dresidual, x.atty, w.attprojw, B, T, C, C, 1, CANON_R);
-        attention_backward(g->dqkv, g->dbtc, x.qkv, x.att, B, T, C, NH);
-        matmul_backward(g->dbtc, dw.qkvw, dw.qkvb, g->dqkv, x.ln1, w.qkvw, B, T, C, 3 * C, 3, CANON_R);
+        tp_g_backward(model->tp, g->dresidual, BTC);
+        matmul_backward(g->datty, dw.attprojw, dw.attprojb, g->dresidual, x.atty, w.attprojw, B, T, a->Ca, C, 1, CANON_R);
+        attention_backward(g->dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
+        matmul_backward(g->dbtc, dw.qkvw, dw.qkvb, g->dqkv, x.ln1, w.qkvw, B, T, C, a->C3, 3, CANON_R / K);
+        tp_f_backward(model->tp, g->dbtc, BTC);
         layernorm_backward(g->dresidual, dw.ln1w, dw.ln1b, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, B, T, C);
         zero_grad_unit_done(z, ZERO_LAYER(l));
         zero_params_release(z, ZERO_LAYER(l));
@@ -1049,13 +1153,13 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
 }
 
 // (first stage) the embeddings' gradients from g->dresidual = d(loss)/d(encoded): the lookup
-// half of wte's gradient (unit E) and wpe's.
+// half of wte's gradient (unit E; this rank's vocabulary rows) and wpe's.
 void embed_backward(GPT2* model, ActivationGrads* g, const int* inputs, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
     int E = zero_unit_E(z);
     encoder_backward(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), g->dresidual, inputs, B, T,
-                     c->channels, c->padded_vocab_size, c->max_seq_len);
+                     c->channels, model->v0, model->Vl, c->max_seq_len);
     zero_grad_unit_done(z, ZERO_WPE);
     zero_grad_unit_done(z, E);
 }
@@ -1113,12 +1217,19 @@ static double head_cost_in_layers(const GPT2Config* c) {
 }
 
 // The model from full parameters (every rank the same): this rank's pipeline stage (pp group
-// rank) gets a balanced contiguous range of layers (pipeline.h), its units are placed and
-// sharded over the data-parallel group as ZeRO `stage` says; M microbatches per step.
+// rank) gets a balanced contiguous range of layers (pipeline.h), its tensor-parallel slices of
+// them (tensor_parallel.h), placed and sharded over the data-parallel group as ZeRO `stage`
+// says; M microbatches per step.
 void gpt2_init(GPT2* model, const GPT2Config* config, const float* params, int stage,
-               CommGroup* dp, CommGroup* pp, int M) {
+               CommGroup* dp, CommGroup* pp, CommGroup* tp, int M) {
     model->config = *config;
     model->num_parameters = param_count(config);
+    const char* problem = tp_problem(config, tp->size);
+    if (problem) { fatal("--tp %d: %s (model: NH=%d, Vp=%d)", tp->size, problem, config->num_heads, config->padded_vocab_size); }
+    model->tp = tp;
+    model->K = tp->size;
+    model->Vl = config->padded_vocab_size / tp->size;
+    model->v0 = tp->rank * model->Vl;
     int S = pp->size;
     int* first = (int*)malloc_or_die(sizeof(int) * (S + 1), "pipeline partition");
     char err[256];
@@ -1130,7 +1241,7 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const float* params, int s
     model->is_first = pp->rank == 0;
     model->is_last = pp->rank == S - 1;
     free(first);
-    zero_init(&model->zero, &model->config, stage, dp, pp, model->first_layer, model->last_layer, params, M);
+    zero_init(&model->zero, &model->config, stage, dp, pp, tp, model->first_layer, model->last_layer, params, M);
 }
 
 void gpt2_free(GPT2* model) { zero_free(&model->zero); }
@@ -1214,7 +1325,7 @@ static void pipeline_init(Pipeline* p, GPT2* model, CommGroup* pp, PipelineSched
         MicroSlot* s = &p->slots[i];
         s->microbatch = -1;
         activations_alloc(&s->acts, &model->config, model->last_layer - model->first_layer,
-                          model->is_last, B, T, recompute);
+                          model->is_last, B, T, recompute, model->K);
         s->inputs = (int*)malloc_or_die(sizeof(int) * B * T, "tokens");
         s->targets = (int*)malloc_or_die(sizeof(int) * B * T, "tokens");
         s->grad_out = (float*)aligned_calloc_or_die(sizeof(float) * p->msg_floats, "pipeline gradient");
@@ -1440,12 +1551,14 @@ static float gpt2_validate(GPT2* model, Pipeline* p, Comm* comm, Activations* ac
 
 // Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler), each
 // token a forward pass over the tokens so far (B = 1) through the pipeline; the last stage
-// draws the token and broadcasts it to the other stages. Under ZeRO-3 every dp rank takes part
-// (the forward gathers parameters); world rank 0 prints.
+// draws the token (from the whole vocabulary: its tensor-parallel ranks all-gather their
+// slices of the probabilities) and broadcasts it to the other stages. Under ZeRO-3 every dp
+// rank takes part (the forward gathers parameters); world rank 0 prints.
 static void sample_text(GPT2* model, Pipeline* p, Comm* comm, Activations* acts, Tokenizer* tok, int genT) {
     int V = model->config.vocab_size, Vp = model->config.padded_vocab_size;
     int printing = comm->world_rank == 0;
     int* gen = (int*)malloc_or_die(sizeof(int) * genT, "sample tokens");
+    float* probs = (float*)malloc_or_die(sizeof(float) * Vp, "sample probabilities");
     uint64_t rng = 1337;
     gen[0] = V > 50256 ? 50256 : V - 1;   // <|endoftext|> for GPT-2's vocabulary
     if (printing) { printf("generating:\n---\n"); }
@@ -1453,7 +1566,8 @@ static void sample_text(GPT2* model, Pipeline* p, Comm* comm, Activations* acts,
         pipeline_forward_only(p, model, acts, gen, NULL, 1, t);
         int next = V - 1;
         if (model->is_last) {
-            const float* probs = acts->probs + (size_t)(t - 1) * Vp;
+            // all-gather (tp group): the probabilities of the last position over the vocabulary
+            comm_all_gather(model->tp, acts->probs + (size_t)(t - 1) * model->Vl, probs, (size_t)model->Vl, COMM_KIND_OTHER);
             float coin = random_f32(&rng), cdf = 0.0f;
             for (int v = 0; v < V; v++) {
                 cdf += probs[v];
@@ -1471,76 +1585,46 @@ static void sample_text(GPT2* model, Pipeline* p, Comm* comm, Activations* acts,
         fflush(stdout);
     }
     if (printing) { printf("\n---\n"); }
+    free(probs);
     free(gen);
 }
 
-// This rank's pieces of the optimizer state, as ranges of the canonical parameter index.
-// ZeRO-0: dp rank 0 of each stage holds all of its stage's; ZeRO 1-3: every rank its shards.
-// wte's state belongs to the first stage (the last stage's copy is the same).
-static int state_ranges(GPT2* model, StateRange* out) {
-    Zero* z = &model->zero;
-    int n = 0;
-    for (int u = 0; u < z->lay.num_units; u++) {
-        if (!z->lay.params_here[u] || (u == ZERO_WTE && !model->is_first)) { continue; }
-        size_t b, e;
-        zero_my_range(z, u, &b, &e);
-        if (b == e) { continue; }
-        size_t at = zero_opt_index(z, u, b);
-        out[n++] = (StateRange){(int64_t)(z->lay.offset[u] + b), (int64_t)(z->lay.offset[u] + e),
-                                z->m + at, z->v + at};
-    }
-    return n;
-}
-
-// Checkpoint of step progress->step: the model (world rank 0, llm.c format: every stage's dp
-// rank 0 sends its units' parameters over the pp group), every rank's piece of the optimizer
-// state, then the DONE marker once all of it is on disk.
+// Checkpoint of step progress->step: the model (world rank 0, llm.c format), every rank's
+// piece of the optimizer state, then the DONE marker once all of it is on disk. The full
+// parameters are assembled by a sum: every dp-rank-0 rank writes the elements it owns
+// (zero_full_params: each element by exactly one rank) into a buffer of -0.0f, and an
+// all-reduce over the tp group, then over the pp group, adds them (x + -0 == x: exact).
 static void write_checkpoint(GPT2* model, const char* dir, TrainProgress* progress, Comm* comm) {
     Zero* z = &model->zero;
     char path[1200];
     int step = (int)progress->step;
     size_t P = model->num_parameters;
-    int holder = comm->dp_rank == 0;   // dp rank 0 of each stage assembles its stage's units
-    float* full = holder ? (float*)aligned_calloc_or_die(P * sizeof(float), "checkpoint") : NULL;
+    float* full = NULL;
+    if (comm->dp_rank == 0) {
+        full = (float*)aligned_calloc_or_die(P * sizeof(float), "checkpoint");
+        for (size_t i = 0; i < P; i++) { full[i] = -0.0f; }
+    }
     zero_full_params(z, full);
-    if (holder && comm->pp > 1) {
-        // send (pp group): each later stage's parameters (its units at their offsets) to stage 0
-        if (comm->pp_rank == 0) {
-            float* part = (float*)aligned_calloc_or_die(P * sizeof(float), "checkpoint");
-            for (int s = 1; s < comm->pp; s++) {
-                comm_wait(comm_irecv(&comm->pp_group, part, P, s, 11, COMM_KIND_OTHER));
-                ZeroLayout theirs;
-                int* first = (int*)malloc_or_die(sizeof(int) * (comm->pp + 1), "partition");
-                pipeline_partition_layers(model->config.num_layers, comm->pp, 0.0,
-                                          head_cost_in_layers(&model->config), first, NULL, 0);
-                zero_layout_init(&theirs, &model->config, 1, s, comm->pp, first[s], first[s + 1]);
-                for (int u = 0; u < theirs.num_units; u++) {
-                    if (theirs.params_here[u] && !(u == ZERO_WTE)) {
-                        memcpy(full + theirs.offset[u], part + theirs.offset[u], theirs.size[u] * sizeof(float));
-                    }
-                }
-                zero_layout_free(&theirs);
-                free(first);
-            }
-            free(part);
-        } else {
-            comm_wait(comm_isend(&comm->pp_group, full, P, 0, 11, COMM_KIND_OTHER));
-        }
+    if (full) {
+        // all-reduce (tp group, then pp group): every rank's owned elements into the full model
+        if (comm->tp > 1) { comm_all_reduce_sum(&comm->tp_group, full, P, COMM_KIND_OTHER); }
+        if (comm->pp > 1) { comm_all_reduce_sum(&comm->pp_group, full, P, COMM_KIND_OTHER); }
     }
     if (comm->world_rank == 0) {
         snprintf(path, sizeof(path), "%s/model_%08d.bin", dir, step);
         checkpoint_write_model(path, &model->config, full);
     }
     free(full);
-    StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (z->lay.num_units + 1), "ranges");
-    int n = state_ranges(model, ranges);
-    int per_stage = z->stage == 0 ? 1 : z->N;
+    int per_dp = z->stage == 0 ? 1 : z->N;   // ZeRO-0: dp rank 0 writes its (and everyone's) state
     if (z->stage != 0 || z->rank == 0) {
-        int piece = comm->pp_rank * per_stage + (z->stage == 0 ? 0 : z->rank);
+        int n = zero_state_ranges(z, 1, NULL);
+        StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (n + 1), "state ranges");
+        zero_state_ranges(z, 1, ranges);
+        int piece = (comm->pp_rank * comm->tp + comm->tp_rank) * per_dp + (z->stage == 0 ? 0 : z->rank);
         snprintf(path, sizeof(path), "%s/state_%08d_%05d.bin", dir, step, piece);
-        state_write_piece(path, &model->config, progress, comm->pp * per_stage, piece, n, ranges);
+        state_write_piece(path, &model->config, progress, comm->pp * comm->tp * per_dp, piece, n, ranges);
+        free(ranges);
     }
-    free(ranges);
     comm_barrier(&comm->world);
     if (comm->world_rank == 0) {
         checkpoint_write_done(dir, step);
@@ -1565,9 +1649,7 @@ int main(int argc, char** argv) {
         return 0;
     }
     train_args_validate(&args);
-    if (args.tp != 1 || args.sp != 0) {
-        fatal("--tp/--sp: tensor parallelism is not in this build yet (see README)");
-    }
+    if (args.sp != 0) { fatal("--sp: sequence parallelism is not in this build yet (see README)"); }
     if (args.deterministic) { fatal("--deterministic is a flag of the CUDA build (train_gpt2cu)"); }
     if (comm.world_size % (args.tp * args.pp) != 0) {
         fatal("--tp %d x --pp %d does not divide the %d ranks of this job", args.tp, args.pp, comm.world_size);
@@ -1619,7 +1701,7 @@ int main(int argc, char** argv) {
     int M = (int)(total_batch / tokens_per_micro);   // microbatches per step, over all dp ranks
 
     GPT2 model;
-    gpt2_init(&model, &config, params, args.zero_stage, &comm.dp_group, &comm.pp_group, M);
+    gpt2_init(&model, &config, params, args.zero_stage, &comm.dp_group, &comm.pp_group, &comm.tp_group, M);
     free(params);
     Zero* z = &model.zero;
 
@@ -1657,26 +1739,19 @@ int main(int argc, char** argv) {
     Pipeline pipe;
     pipeline_init(&pipe, &model, &comm.pp_group, pp_kind, z->local_microbatches, B, T, args.recompute);
     ActivationGrads agrads;
-    activation_grads_alloc(&agrads, &config, B, T);
+    activation_grads_alloc(&agrads, &config, B, T, comm.tp);
     int genT = args.gen_T < config.max_seq_len ? args.gen_T : config.max_seq_len;
     int do_sample = args.sample_every > 0 && (comm.dp_rank == 0 || z->stage == 3);
     Activations sample_acts;
     if (do_sample) {
-        activations_alloc(&sample_acts, &config, model.last_layer - model.first_layer, model.is_last, 1, genT, 0);
+        activations_alloc(&sample_acts, &config, model.last_layer - model.first_layer, model.is_last, 1, genT, 0, comm.tp);
     }
 
     TrainProgress progress = {0, 0, tokens_per_micro, args.shuffle, (uint64_t)args.seed};
     if (resume_step >= 0) {
-        StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (z->lay.num_units + 1), "ranges");
-        int n = 0;
-        for (int u = 0; u < z->lay.num_units; u++) {   // every range this rank updates
-            if (!z->lay.params_here[u]) { continue; }
-            size_t b, e;
-            zero_my_range(z, u, &b, &e);
-            if (b == e) { continue; }
-            size_t at = zero_opt_index(z, u, b);
-            ranges[n++] = (StateRange){(int64_t)(z->lay.offset[u] + b), (int64_t)(z->lay.offset[u] + e), z->m + at, z->v + at};
-        }
+        int n = zero_state_ranges(z, 0, NULL);   // every range this rank updates
+        StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (n + 1), "state ranges");
+        zero_state_ranges(z, 0, ranges);
         TrainProgress saved;
         state_read(args.output_dir, resume_step, &config, n, ranges, &saved);
         free(ranges);
@@ -1713,7 +1788,8 @@ int main(int argc, char** argv) {
                config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len);
         printf("| init          %s\n", resume_step >= 0 ? path : args.model);
         printf("| parameters    P = %zu (%.1f M)\n", P, P / 1e6);
-        printf("| ranks         %d = %d data x %d pipeline; ZeRO stage %d\n", comm.world_size, N, comm.pp, z->stage);
+        printf("| ranks         %d = %d data x %d tensor x %d pipeline; ZeRO stage %d\n", comm.world_size, N,
+               comm.tp, comm.pp, z->stage);
         printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
                B, T, M, z->local_microbatches, total_batch);
         if (comm.pp > 1) {
@@ -1782,7 +1858,7 @@ int main(int argc, char** argv) {
         pipeline_step(&pipe, &model, &agrads, &train_loader, progress.microbatches_done, M, B, T,
                       args.overfit_single_batch, local_loss);
         float loss = global_mean_loss(&model, &comm, local_loss, z->local_microbatches, M, 0, (double)total_batch);
-        float norm = zero_grad_norm(z);
+        float norm = zero_grad_norm(z, &comm.tp_group);
         float grad_scale = args.grad_clip > 0.0f && norm > args.grad_clip ? args.grad_clip / norm : 1.0f;
         float lr = lr_at_step(&schedule, step);
         AdamWStep s = adamw_step_constants(lr, args.beta1, args.beta2, args.eps, step + 1, grad_scale);

@@ -63,7 +63,9 @@
 #include "llmc/adamw.h"
 #include "llmc/canonical.h"
 #include "llmc/comm.h"
+#include "llmc/checkpoint.h"
 #include "llmc/model.h"
+#include "llmc/tensor_parallel.h"
 #include "llmc/utils.h"
 
 #define ZERO_WTE 0
@@ -76,9 +78,11 @@
 typedef struct {
     int num_units;        // L + 3 parameter units; unit E = num_units is the gradient-only one
     int N;                // data-parallel size the shards are cut for
+    int K, tp_rank;       // tensor-parallel size and this rank's place in it
     size_t P;             // parameters of the whole model
-    size_t* offset;       // canonical offset of unit u in the flat buffer
-    size_t* size;         // elements of unit u (whole model)
+    size_t* size;         // elements of unit u on this rank (its tensor-parallel slices)
+    TPPiece (*pieces)[TP_MAX_PIECES];   // the tensors of unit u as this rank holds them
+    int* npieces;
     int* params_here;     // this rank holds unit u's parameters
     int* grads_here;      // this rank computes unit u's gradient
     size_t* padded;       // size rounded up to a multiple of N (0 when not held)
@@ -92,38 +96,33 @@ typedef struct {
 } ZeroLayout;
 
 // The layout for a rank of pipeline stage `stage` of `stages` holding layers
-// [first_layer, last_layer).
+// [first_layer, last_layer), rank tp_rank of a K-way tensor-parallel group.
 static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, int stage,
-                                    int stages, int first_layer, int last_layer) {
+                                    int stages, int first_layer, int last_layer, int K, int tp_rank) {
     int U = c->num_layers + 3, E = U;
     z->num_units = U;
     z->N = N;
+    z->K = K;
+    z->tp_rank = tp_rank;
     z->P = param_count(c);
-    size_t* all = (size_t*)calloc_or_die(8 * (size_t)(U + 1), sizeof(size_t), "unit layout");
-    z->offset = all;
-    z->size = all + (U + 1);
-    z->padded = all + 2 * (U + 1);
-    z->shard = all + 3 * (U + 1);
-    z->local = all + 4 * (U + 1);
-    z->shard_base = all + 5 * (U + 1);
-    z->glocal = all + 6 * (U + 1);
-    z->gshard_base = all + 7 * (U + 1);
+    size_t* all = (size_t*)calloc_or_die(7 * (size_t)(U + 1), sizeof(size_t), "unit layout");
+    z->size = all;
+    z->pieces = (TPPiece(*)[TP_MAX_PIECES])calloc_or_die((size_t)U + 1, sizeof(TPPiece[TP_MAX_PIECES]), "unit layout");
+    z->npieces = (int*)calloc_or_die((size_t)U + 1, sizeof(int), "unit layout");
+    z->padded = all + 1 * (U + 1);
+    z->shard = all + 2 * (U + 1);
+    z->local = all + 3 * (U + 1);
+    z->shard_base = all + 4 * (U + 1);
+    z->glocal = all + 5 * (U + 1);
+    z->gshard_base = all + 6 * (U + 1);
     int* flags = (int*)calloc_or_die(2 * (size_t)(U + 1), sizeof(int), "unit layout");
     z->params_here = flags;
     z->grads_here = flags + (U + 1);
-    size_t C = (size_t)c->channels;
-    z->offset[ZERO_WTE] = 0;
-    z->size[ZERO_WTE] = (size_t)c->padded_vocab_size * C;
-    z->offset[ZERO_WPE] = z->size[ZERO_WTE];
-    z->size[ZERO_WPE] = (size_t)c->max_seq_len * C;
-    for (int l = 0; l < c->num_layers; l++) {
-        z->offset[ZERO_LAYER(l)] = param_offset(c, P_LN1W, l);
-        z->size[ZERO_LAYER(l)] = param_layer_elements(c);
+    for (int u = 0; u <= U; u++) {
+        z->npieces[u] = tp_unit_pieces(c, K, u == E ? ZERO_WTE : u, z->pieces[u]);   // E mirrors wte
+        const TPPiece* last = &z->pieces[u][z->npieces[u] - 1];
+        z->size[u] = last->local + tp_piece_elements(last);
     }
-    z->offset[U - 1] = param_offset(c, P_LNFW, 0);
-    z->size[U - 1] = 2 * C;
-    z->offset[E] = 0;                                      // E mirrors wte
-    z->size[E] = z->size[ZERO_WTE];
     int first = stage == 0, last = stage == stages - 1;
     for (int l = first_layer; l < last_layer; l++) {
         z->params_here[ZERO_LAYER(l)] = z->grads_here[ZERO_LAYER(l)] = 1;
@@ -152,7 +151,12 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, i
     z->shard_grads = gbase;
 }
 
-static inline void zero_layout_free(ZeroLayout* z) { free(z->offset); free(z->params_here); }
+static inline void zero_layout_free(ZeroLayout* z) {
+    free(z->size);
+    free(z->pieces);
+    free(z->npieces);
+    free(z->params_here);
+}
 
 // The range [begin, end) of unit u's elements in shard r (clipped to the unit; may be empty).
 static inline void zero_shard_range(const ZeroLayout* z, int u, int r, size_t* begin, size_t* end) {
@@ -214,12 +218,27 @@ static inline float* zero_alloc(size_t n, const char* what) {
 
 static inline int zero_unit_E(const Zero* z) { return z->lay.num_units; }
 
-// params: the full initial parameters (every rank the same, MEMORY order); the engine copies
-// the units this rank holds (stage 3: only its shards). M: microbatches per step (global).
-// dp: the data-parallel group; pp: the pipeline group of which this rank is stage
-// pp->rank, holding layers [first_layer, last_layer).
+// Unit u's elements as this rank holds them (its tensor-parallel slices), from the full
+// parameters in canonical (MEMORY) order.
+typedef struct { float* dst; const float* src; } ZeroCopyCtx;
+static inline void zero_copy_run(size_t canonical, size_t local, size_t len, void* vctx) {
+    ZeroCopyCtx* ctx = (ZeroCopyCtx*)vctx;
+    memcpy(ctx->dst + local, ctx->src + canonical, len * sizeof(float));
+}
+static inline void zero_unit_from_full(const ZeroLayout* z, int u, const float* full, float* unit) {
+    ZeroCopyCtx ctx = {unit, full};
+    for (int k = 0; k < z->npieces[u]; k++) {
+        const TPPiece* p = &z->pieces[u][k];
+        tp_piece_runs(p, z->tp_rank, z->K, 0, tp_piece_elements(p), zero_copy_run, &ctx);
+    }
+}
+
+// params: the full initial parameters (every rank the same, MEMORY order); the engine keeps
+// this rank's part of the units it holds (stage 3: only its shards). M: microbatches per step
+// (global). dp: the data-parallel group; pp: the pipeline group of which this rank is stage
+// pp->rank, holding layers [first_layer, last_layer); tp: the tensor-parallel group.
 static inline void zero_init(Zero* z, const GPT2Config* c, int stage, CommGroup* dp, CommGroup* pp,
-                             int first_layer, int last_layer, const float* params, int M) {
+                             CommGroup* tp, int first_layer, int last_layer, const float* params, int M) {
     memset(z, 0, sizeof(*z));
     z->stage = stage;
     z->N = dp->size;
@@ -229,7 +248,7 @@ static inline void zero_init(Zero* z, const GPT2Config* c, int stage, CommGroup*
     z->pp_stage = pp->rank;
     z->pp_stages = pp->size;
     z->config = c;
-    zero_layout_init(&z->lay, c, z->N, pp->rank, pp->size, first_layer, last_layer);
+    zero_layout_init(&z->lay, c, z->N, pp->rank, pp->size, first_layer, last_layer, tp->size, tp->rank);
     z->local_microbatches = M / z->N;
     for (int u = 0; u <= z->lay.num_units; u++) {
         if (z->lay.padded[u] > z->max_padded) { z->max_padded = z->lay.padded[u]; }
@@ -237,16 +256,19 @@ static inline void zero_init(Zero* z, const GPT2Config* c, int stage, CommGroup*
     if (stage <= 2) {
         z->params = zero_alloc(z->lay.local_params, "parameters");
         for (int u = 0; u < z->lay.num_units; u++) {
-            if (!z->lay.params_here[u]) { continue; }
-            memcpy(z->params + z->lay.local[u], params + z->lay.offset[u], z->lay.size[u] * sizeof(float));
+            if (z->lay.params_here[u]) { zero_unit_from_full(&z->lay, u, params, z->params + z->lay.local[u]); }
         }
     } else {
         z->param_shard = zero_alloc(z->lay.shard_params, "parameter shard");
+        float* unit = zero_alloc(z->max_padded, "parameter unit");
         for (int u = 0; u < z->lay.num_units; u++) {
+            if (!z->lay.params_here[u]) { continue; }
+            zero_unit_from_full(&z->lay, u, params, unit);
             size_t b, e;
             zero_shard_range(&z->lay, u, z->rank, &b, &e);
-            memcpy(z->param_shard + z->lay.shard_base[u], params + z->lay.offset[u] + b, (e - b) * sizeof(float));
+            memcpy(z->param_shard + z->lay.shard_base[u], unit + b, (e - b) * sizeof(float));
         }
+        free(unit);
     }
     size_t opt = stage == 0 ? z->lay.local_params : z->lay.shard_params;
     z->m = zero_alloc(opt, "AdamW m");
@@ -515,10 +537,11 @@ static inline void zero_finish_grads(Zero* z) {
     free(recv);
 }
 
-// ||gradient|| over the P parameters: exact sum of squares of this rank's ranges (wte on the
-// first stage only), summed over the dp and pipeline groups (integer sums: the same bits for
-// every layout).
-static inline float zero_grad_norm(Zero* z) {
+// ||gradient|| over the P parameters: exact sum of squares of this rank's ranges, each
+// parameter counted once (wte on the first stage, replicated tensors on tensor-parallel rank
+// 0), summed over the dp, tp and pipeline groups (integer sums: the same bits for every
+// layout).
+static inline float zero_grad_norm(Zero* z, CommGroup* tp) {
     SumSq total;
     canon_sumsq_init(&total);
     for (int u = 0; u < z->lay.num_units; u++) {
@@ -526,25 +549,33 @@ static inline float zero_grad_norm(Zero* z) {
         size_t b, e;
         zero_my_range(z, u, &b, &e);
         const float* g = u == ZERO_WTE ? zero_wte_grad_at(z, b) : zero_grad_at(z, u, b);
-        size_t n = e - b;
-        #pragma omp parallel
-        {
-            SumSq mine;
-            canon_sumsq_init(&mine);
-            #pragma omp for schedule(static)
-            for (size_t i = 0; i < n; i++) { canon_sumsq_add(&mine, g[i]); }
-            #pragma omp critical
-            canon_sumsq_merge(&total, &mine);
+        for (int k = 0; k < z->lay.npieces[u]; k++) {
+            const TPPiece* p = &z->lay.pieces[u][k];
+            if (p->split == TP_REPLICATED && z->lay.tp_rank != 0) { continue; }
+            size_t lo = p->local > b ? p->local : b, hi = p->local + tp_piece_elements(p);
+            if (hi > e) { hi = e; }
+            if (lo >= hi) { continue; }
+            const float* gp = g + (lo - b);
+            size_t n = hi - lo;
+            #pragma omp parallel
+            {
+                SumSq mine;
+                canon_sumsq_init(&mine);
+                #pragma omp for schedule(static)
+                for (size_t i = 0; i < n; i++) { canon_sumsq_add(&mine, gp[i]); }
+                #pragma omp critical
+                canon_sumsq_merge(&total, &mine);
+            }
         }
     }
     if (z->stage >= 1) { comm_all_reduce_sumsq(z->group, &total, COMM_KIND_OTHER); }
+    comm_all_reduce_sumsq(tp, &total, COMM_KIND_OTHER);
     comm_all_reduce_sumsq(z->pp, &total, COMM_KIND_OTHER);
     return (float)sqrt(canon_sumsq_value(&total));
 }
 
 // AdamW on this rank's ranges, then (stages 1-2) all-gather every unit's parameters.
 static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_decay) {
-    const GPT2Config* c = z->config;
     for (int u = 0; u < z->lay.num_units; u++) {
         if (!z->lay.params_here[u]) { continue; }
         size_t b, e;
@@ -552,19 +583,14 @@ static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_dec
         float* p = zero_param_at(z, u, b);
         const float* g = u == ZERO_WTE ? zero_wte_grad_at(z, b) : zero_grad_at(z, u, b);
         size_t o = zero_opt_index(z, u, b);
-        // the tensors overlapping [b, e) of the unit: weight decay is per tensor
-        size_t cb = z->lay.offset[u] + b, ce = z->lay.offset[u] + e;
-        for (int t = 0; t < NUM_PARAMETER_TENSORS; t++) {
-            int layers = param_is_layer_tensor(t) ? c->num_layers : 1;
-            for (int l = 0; l < layers; l++) {
-                size_t tb = param_offset(c, t, l), te = tb + param_tensor_elements(c, t);
-                size_t lo = tb > cb ? tb : cb, hi = te < ce ? te : ce;
-                if (lo >= hi) { continue; }
-                float wd = param_is_decayed(t) ? weight_decay : 0.0f;
-                #pragma omp parallel for
-                for (size_t i = lo - cb; i < hi - cb; i++) {
-                    adamw_update_elem(&p[i], &z->m[o + i], &z->v[o + i], g[i], s, wd);
-                }
+        for (int k = 0; k < z->lay.npieces[u]; k++) {   // weight decay is per tensor
+            const TPPiece* piece = &z->lay.pieces[u][k];
+            size_t lo = piece->local > b ? piece->local : b, hi = piece->local + tp_piece_elements(piece);
+            if (hi > e) { hi = e; }
+            float wd = param_is_decayed(piece->tensor) ? weight_decay : 0.0f;
+            #pragma omp parallel for
+            for (size_t i = lo - b; i < (lo < hi ? hi : lo) - b; i++) {
+                adamw_update_elem(&p[i], &z->m[o + i], &z->v[o + i], g[i], s, wd);
             }
         }
     }
@@ -586,15 +612,62 @@ static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_dec
     }
 }
 
-// The full parameters of every unit this rank holds, written into dst at their canonical
-// (MEMORY order) offsets when dst != NULL. Stage 3 gathers them: every dp rank must call.
+// This rank's share of the full parameters, written into dst (canonical MEMORY order, P
+// floats) where dst != NULL: each element by exactly one rank of the dp rank-0 ranks (wte by
+// the first stage, replicated tensors by tensor-parallel rank 0); the rest of dst is left as
+// is. Stage 3 gathers the units: every dp rank must call.
+typedef struct { float* dst; const float* src; } ZeroScatterCtx;
+static inline void zero_scatter_run(size_t canonical, size_t local, size_t len, void* vctx) {
+    ZeroScatterCtx* ctx = (ZeroScatterCtx*)vctx;
+    memcpy(ctx->dst + canonical, ctx->src + local, len * sizeof(float));
+}
 static inline void zero_full_params(Zero* z, float* dst) {
     for (int u = 0; u < z->lay.num_units; u++) {
         if (!z->lay.params_here[u]) { continue; }
-        const float* full = zero_params_acquire(z, u, -1);
-        if (dst) { memcpy(dst + z->lay.offset[u], full, z->lay.size[u] * sizeof(float)); }
+        const float* unit = zero_params_acquire(z, u, -1);
+        if (dst && !(u == ZERO_WTE && z->pp_stage != 0)) {
+            ZeroScatterCtx ctx = {dst, unit};
+            for (int k = 0; k < z->lay.npieces[u]; k++) {
+                const TPPiece* p = &z->lay.pieces[u][k];
+                if (p->split == TP_REPLICATED && z->lay.tp_rank != 0) { continue; }
+                tp_piece_runs(p, z->lay.tp_rank, z->lay.K, 0, tp_piece_elements(p), zero_scatter_run, &ctx);
+            }
+        }
         zero_params_release(z, u);
     }
+}
+
+// The optimizer-state ranges of this rank as ranges of the canonical parameter index, with
+// their m and v. writing = 1: only what this rank saves (each parameter by one rank: wte by the
+// first stage, replicated tensors by tensor-parallel rank 0; the caller decides which dp ranks
+// write at ZeRO-0); writing = 0: everything it updates (what it reads on resume). Returns the
+// count; out may be NULL to count.
+typedef struct { StateRange* out; int n; const Zero* z; int u; size_t b; } ZeroRangeCtx;
+static inline void zero_range_run(size_t canonical, size_t local, size_t len, void* vctx) {
+    ZeroRangeCtx* ctx = (ZeroRangeCtx*)vctx;
+    if (ctx->out) {
+        size_t at = zero_opt_index(ctx->z, ctx->u, local);
+        ctx->out[ctx->n] = (StateRange){(int64_t)canonical, (int64_t)(canonical + len),
+                                        ctx->z->m + at, ctx->z->v + at};
+    }
+    ctx->n++;
+}
+static inline int zero_state_ranges(const Zero* z, int writing, StateRange* out) {
+    ZeroRangeCtx ctx = {out, 0, z, 0, 0};
+    for (int u = 0; u < z->lay.num_units; u++) {
+        if (!z->lay.params_here[u] || (writing && u == ZERO_WTE && z->pp_stage != 0)) { continue; }
+        size_t b, e;
+        zero_my_range(z, u, &b, &e);
+        ctx.u = u;
+        for (int k = 0; k < z->lay.npieces[u]; k++) {
+            const TPPiece* p = &z->lay.pieces[u][k];
+            if (writing && p->split == TP_REPLICATED && z->lay.tp_rank != 0) { continue; }
+            size_t lo = p->local > b ? p->local : b, hi = p->local + tp_piece_elements(p);
+            if (hi > e) { hi = e; }
+            if (lo < hi) { tp_piece_runs(p, z->lay.tp_rank, z->lay.K, lo - p->local, hi - p->local, zero_range_run, &ctx); }
+        }
+    }
+    return ctx.n;
 }
 
 // Bytes each rank holds, by kind (what the startup table prints and the tests check).

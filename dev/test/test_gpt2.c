@@ -176,7 +176,7 @@ int main(int argc, char** argv) {
     float* params = gpt2_random_params(&c, 7);
     random_params(params, &c);
     GPT2 model;
-    gpt2_init(&model, &c, params, 0, &comm.dp_group, &comm.pp_group, 1);
+    gpt2_init(&model, &c, params, 0, &comm.dp_group, &comm.pp_group, &comm.tp_group, 1);
     int B = 2, T = 5, BT = B * T;   // T < maxT and T not a multiple of the 8 chunks
     int inp[64], tgt[64];
     for (int i = 0; i < BT; i++) {
@@ -191,8 +191,8 @@ int main(int argc, char** argv) {
 
     Activations acts;
     ActivationGrads ag;
-    activations_alloc(&acts, &c, c.num_layers, 1, 4, T, 1);
-    activation_grads_alloc(&ag, &c, 4, T);
+    activations_alloc(&acts, &c, c.num_layers, 1, 4, T, 1, 1);
+    activation_grads_alloc(&ag, &c, 4, T, 1);
 
     // 1. forward
     double* probs_ref = malloc(sizeof(double) * BT * c.vocab_size);
@@ -262,14 +262,14 @@ int main(int argc, char** argv) {
     size_t G = model.num_parameters + (size_t)c.padded_vocab_size * c.channels;
     float* reference = malloc(sizeof(float) * G);
     GPT2 m1;
-    gpt2_init(&m1, &c, params, 0, &comm.dp_group, &comm.pp_group, 1);
+    gpt2_init(&m1, &c, params, 0, &comm.dp_group, &comm.pp_group, &comm.tp_group, 1);
     float loss_ref4 = step_grads(&m1, &acts, &ag, inp4, tgt4, 4, T, 1);
     memcpy(reference, m1.zero.grads, sizeof(float) * G);
     gpt2_free(&m1);
     for (int M = 2; M <= 4; M *= 2) {
         int Bm = 4 / M;
         GPT2 mm;
-        gpt2_init(&mm, &c, params, 0, &comm.dp_group, &comm.pp_group, M);
+        gpt2_init(&mm, &c, params, 0, &comm.dp_group, &comm.pp_group, &comm.tp_group, M);
         float loss_m = step_grads(&mm, &acts, &ag, inp4, tgt4, Bm, T, M);
         size_t diff = 0;
         for (size_t i = 0; i < G; i++) {

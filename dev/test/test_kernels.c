@@ -416,11 +416,55 @@ static void test_crossentropy(int BT, int V, int Vp) {
         for (int v = 0; v < Vp; v++) { e[v] = v < V ? e[v] / z : 0.0f; }
         wlosses[i] = canon_logf(z) - (l[tgt[i]] - mx);
     }
-    crossentropy_forward(logits, losses, tgt, BT, V, Vp);
+    float* logits_copy = malloc(sizeof(float) * BT * Vp);
+    memcpy(logits_copy, logits, sizeof(float) * BT * Vp);
+    float* ce = malloc(sizeof(float) * 3 * BT);
+    crossentropy_max(ce, logits, BT, V, 0, Vp);
+    crossentropy_exps(ce + BT, ce + 2 * BT, logits, ce, tgt, BT, V, 0, Vp, CANON_R);
+    crossentropy_normalize(logits, losses, ce + BT, ce + 2 * BT, ce, tgt, BT, V, 0, Vp);
     char what[96];
     snprintf(what, sizeof(what), "crossentropy probs BT=%d V=%d Vp=%d", BT, V, Vp);
     expect_same(what, logits, want, (size_t)BT * Vp);
     expect_same("crossentropy losses", losses, wlosses, BT);
+    // vocab-parallel: K slices of the vocabulary, each its 8/K chunks; the max over slices,
+    // the R1 tree over the slices' partial sums, the target logit from its slice (-0 elsewhere)
+    for (int K = 2; K <= 4 && Vp % K == 0; K *= 2) {
+        int Vl = Vp / K;
+        float* sl = malloc(sizeof(float) * BT * Vl);
+        float* sce = malloc(sizeof(float) * 3 * BT * K);
+        float* slosses = malloc(sizeof(float) * BT);
+        float* probs_all = malloc(sizeof(float) * BT * Vp);
+        float* m = calloc(BT, sizeof(float)), *zz = calloc(BT, sizeof(float)), *tl = calloc(BT, sizeof(float));
+        for (int i = 0; i < BT; i++) { m[i] = -INFINITY; }
+        for (int r = 0; r < K; r++) {   // phase 1 on every slice, then the max
+            for (int i = 0; i < BT; i++) { memcpy(sl + (size_t)i * Vl, logits_copy + (size_t)i * Vp + r * Vl, sizeof(float) * Vl); }
+            crossentropy_max(sce + (size_t)r * 3 * BT, sl, BT, V, r * Vl, Vl);
+            for (int i = 0; i < BT; i++) { if (sce[(size_t)r * 3 * BT + i] > m[i]) { m[i] = sce[(size_t)r * 3 * BT + i]; } }
+        }
+        for (int r = 0; r < K; r++) {   // phase 2 with the global max
+            for (int i = 0; i < BT; i++) { memcpy(sl + (size_t)i * Vl, logits_copy + (size_t)i * Vp + r * Vl, sizeof(float) * Vl); }
+            float* rc = sce + (size_t)r * 3 * BT;
+            crossentropy_exps(rc + BT, rc + 2 * BT, sl, m, tgt, BT, V, r * Vl, Vl, CANON_R / K);
+            for (int i = 0; i < BT; i++) { memcpy(probs_all + (size_t)i * Vp + r * Vl, sl + (size_t)i * Vl, sizeof(float) * Vl); }
+        }
+        for (int i = 0; i < BT; i++) {   // the cross-slice sums: R1 over slices
+            float zv[8], tv[8];
+            for (int r = 0; r < K; r++) { zv[r] = sce[(size_t)r * 3 * BT + BT + i]; tv[r] = sce[(size_t)r * 3 * BT + 2 * BT + i]; }
+            zz[i] = r1(zv, K);
+            tl[i] = r1(tv, K);
+        }
+        for (int r = 0; r < K; r++) {   // phase 3 per slice
+            for (int i = 0; i < BT; i++) { memcpy(sl + (size_t)i * Vl, probs_all + (size_t)i * Vp + r * Vl, sizeof(float) * Vl); }
+            crossentropy_normalize(sl, slosses, zz, tl, m, tgt, BT, V, r * Vl, Vl);
+            for (int i = 0; i < BT; i++) { memcpy(probs_all + (size_t)i * Vp + r * Vl, sl + (size_t)i * Vl, sizeof(float) * Vl); }
+        }
+        snprintf(what, sizeof(what), "vocab-parallel crossentropy (K=%d) probs", K);
+        expect_same(what, probs_all, want, (size_t)BT * Vp);
+        snprintf(what, sizeof(what), "vocab-parallel crossentropy (K=%d) losses", K);
+        expect_same(what, slosses, wlosses, BT);
+        free(sl); free(sce); free(slosses); free(probs_all); free(m); free(zz); free(tl);
+    }
+    free(logits_copy); free(ce);
     free(logits); free(want); free(losses); free(wlosses); free(tgt);
 }
 
@@ -428,10 +472,10 @@ static void test_encoder_backward(int B, int T, int C, int V, int maxT) {
     int Vp = padded_vocab(V);
     int BT = B * T;
     int* inp = malloc(sizeof(int) * BT);
-    for (int i = 0; i < BT; i++) { inp[i] = (int)(random_u32(&rng_state) % 5); }   // many repeats
+    for (int i = 0; i < BT; i++) { inp[i] = (int)(random_u32(&rng_state) % 5) * (Vp / 5); }   // repeats, both halves
     float* dout = rand_buf((size_t)BT * C);
     float* dwte = rand_buf((size_t)Vp * C), *dwpe = rand_buf((size_t)maxT * C);   // garbage in: must be overwritten
-    encoder_backward(dwte, dwpe, dout, inp, B, T, C, Vp, maxT);
+    encoder_backward(dwte, dwpe, dout, inp, B, T, C, 0, Vp, maxT);
     float* wdwte = calloc((size_t)Vp * C, sizeof(float)), *wdwpe = calloc((size_t)maxT * C, sizeof(float));
     float* masked = malloc(sizeof(float) * BT);
     for (int v = 0; v < Vp; v++) {
@@ -465,6 +509,15 @@ static void test_encoder_backward(int B, int T, int C, int V, int maxT) {
     expect_same(what, dwte, wdwte, (size_t)Vp * C);
     snprintf(what, sizeof(what), "encoder_backward dwpe B=%d T=%d C=%d", B, T, C);
     expect_same(what, dwpe, wdwpe, (size_t)maxT * C);
+    // a vocab-parallel rank's rows: [v0, v0 + Vl) of the same
+    for (int r = 0; r < 2; r++) {
+        int Vl = Vp / 2;
+        float* part = rand_buf((size_t)Vl * C);
+        encoder_backward(part, dwpe, dout, inp, B, T, C, r * Vl, Vl, maxT);
+        snprintf(what, sizeof(what), "encoder_backward vocab rows of rank %d of 2", r);
+        expect_same(what, part, wdwte + (size_t)r * Vl * C, (size_t)Vl * C);
+        free(part);
+    }
     free(inp); free(dout); free(dwte); free(dwpe); free(wdwte); free(wdwpe); free(masked);
 }
 

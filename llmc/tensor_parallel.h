@@ -1,0 +1,174 @@
+/*
+ * tensor_parallel.h: Megatron-LM's tensor parallelism over a group of K ranks (--tp K).
+ *
+ * WHO HOLDS WHAT. Rank r of the tensor-parallel group holds, of every transformer layer:
+ *   qkvw, qkvb   column-parallel: the rows (outputs) of its NH/K heads, of q, of k and of v
+ *                (rows [g*C + r*C/K, g*C + (r+1)*C/K) for g = q, k, v)
+ *   attprojw     row-parallel: the columns (inputs) of its heads, [r*C/K, (r+1)*C/K)
+ *   fcw, fcb     column-parallel: rows [r*4C/K, (r+1)*4C/K)
+ *   fcprojw      row-parallel: columns [r*4C/K, (r+1)*4C/K)
+ *   ln1, ln2, attprojb, fcprojb: replicated (the bias of a row-parallel layer is added once,
+ *                after the all-reduce)
+ * and of the embeddings: wte vocab-parallel (rows [r*Vp/K, (r+1)*Vp/K)), wpe and the final
+ * layernorm replicated. Parameters are always initialised and saved in the full (unsharded)
+ * llm.c layout: a rank takes its slices from the full tensors, so --tp 1 and --tp K start
+ * identical and read and write the same files.
+ *
+ * THE COMMUNICATION (per layer; all on the tensor-parallel group; B*T*C floats each)
+ *   forward:  f = identity before qkv and before fc;
+ *             g = all-reduce after attproj and after fcproj            2 all-reduces
+ *   backward: g = identity; f = all-reduce of the input gradient of qkv and of fc
+ *                                                                       2 all-reduces
+ *   embedding: all-reduce of the lookup (each position's row lives on one rank)
+ *   LM head + cross-entropy (vocab-parallel): all-reduce MAX of the row maxima, all-reduce
+ *             of the sums of exponentials and of the target logits (B*T floats each); the
+ *             backward needs none, then the input gradient of the LM head is all-reduced.
+ *
+ * EXACTNESS. A row-parallel layer's reduction over its inputs, and a column-parallel layer's
+ * input gradient (a reduction over its outputs), are canonical.h R2 reductions whose 8 chunks
+ * split evenly over K | 8 ranks: each rank reduces its 8/K chunks (the kernels' `nchunks`), and
+ * the all-reduce (comm.h: the R1 tree over ranks) finishes the same tree: bit-identical to one
+ * rank. The vocabulary sum of the cross-entropy likewise (Vp chunks). A sum where exactly one
+ * rank holds the value (the embedding lookup, the target logit) has the other ranks
+ * contribute -0.0f, because x + (-0) == x for every x (with +0, a -0 would come out +0).
+ * Requires K a power of two dividing 8, NH and Vp.
+ */
+#ifndef LLMC_TENSOR_PARALLEL_H
+#define LLMC_TENSOR_PARALLEL_H
+
+#include <stddef.h>
+#include "llmc/canonical.h"
+#include "llmc/comm.h"
+#include "llmc/model.h"
+#include "llmc/utils.h"
+
+typedef enum { TP_REPLICATED, TP_ROWS, TP_COLS } TPSplit;
+
+// How tensor t is split, as a 2-D (rows, cols) view (1-D tensors: one row), in `groups` equal
+// fused blocks along the split dimension (qkv: q, k, v) that are each cut in K slices.
+static inline TPSplit tp_split_of(int t, int* groups) {
+    *groups = 1;
+    switch (t) {
+        case P_WTE: case P_FCW: return TP_ROWS;
+        case P_QKVW: *groups = 3; return TP_ROWS;
+        case P_QKVB: *groups = 3; return TP_COLS;
+        case P_FCB: case P_ATTPROJW: case P_FCPROJW: return TP_COLS;
+        default: return TP_REPLICATED;
+    }
+}
+
+// One tensor of a unit as rank r of K holds it.
+typedef struct {
+    int tensor, layer;
+    TPSplit split;
+    int groups;
+    size_t rows, cols;          // the full tensor
+    size_t lrows, lcols;        // this rank's part
+    size_t canon;               // the full tensor's canonical offset (model.h MEMORY order)
+    size_t local;               // offset of this rank's part in the unit's local buffer
+} TPPiece;
+
+static inline size_t tp_piece_elements(const TPPiece* p) { return p->lrows * p->lcols; }
+
+// The canonical index of element `i` (in this rank's part, row-major) of piece p on rank r.
+static inline size_t tp_piece_canonical(const TPPiece* p, int r, int K, size_t i) {
+    size_t row = i / p->lcols, col = i % p->lcols;
+    if (p->split == TP_ROWS) {
+        size_t per = p->rows / p->groups / K, g = row / per;
+        row = g * (p->rows / p->groups) + (size_t)r * per + row % per;
+    } else if (p->split == TP_COLS) {
+        size_t per = p->cols / p->groups / K, g = col / per;
+        col = g * (p->cols / p->groups) + (size_t)r * per + col % per;
+    }
+    return p->canon + row * p->cols + col;
+}
+
+// The pieces of parameter unit u (zero.h numbering: 0 wte, 1 wpe, 2.. layers, L+2 lnf) on a
+// rank of a K-way tensor-parallel group; returns their count, local offsets from 0.
+#define TP_MAX_PIECES 12
+static inline int tp_unit_pieces(const GPT2Config* c, int K, int u, TPPiece* out) {
+    int L = c->num_layers, n = 0, first, last, layer = 0;
+    if (u == 0) { first = last = P_WTE; }
+    else if (u == 1) { first = last = P_WPE; }
+    else if (u == L + 2) { first = P_LNFW; last = P_LNFB; }
+    else { first = P_LN1W; last = P_FCPROJB; layer = u - 2; }
+    size_t local = 0;
+    for (int t = first; t <= last; t++) {
+        TPPiece* p = &out[n++];
+        p->tensor = t;
+        p->layer = layer;
+        p->split = tp_split_of(t, &p->groups);
+        param_shape(c, t, &p->rows, &p->cols);
+        p->lrows = p->split == TP_ROWS ? p->rows / K : p->rows;
+        p->lcols = p->split == TP_COLS ? p->cols / K : p->cols;
+        p->canon = param_offset(c, t, layer);
+        p->local = local;
+        local += tp_piece_elements(p);
+    }
+    return n;
+}
+
+// Calls fn(canonical_begin, local_begin, length, ctx) for the maximal runs of consecutive
+// canonical indices covering the local elements [lb, le) of piece p on rank r.
+typedef void (*TPRunFn)(size_t canonical, size_t local, size_t len, void* ctx);
+static inline void tp_piece_runs(const TPPiece* p, int r, int K, size_t lb, size_t le, TPRunFn fn, void* ctx) {
+    size_t i = lb;
+    while (i < le) {
+        size_t start = tp_piece_canonical(p, r, K, i), len = 1;
+        while (i + len < le && tp_piece_canonical(p, r, K, i + len) == start + len) { len++; }
+        fn(start, p->local + i, len, ctx);
+        i += len;
+    }
+}
+
+// Checks the layout can be split K ways exactly; returns NULL or what is wrong.
+static inline const char* tp_problem(const GPT2Config* c, int K) {
+    if (K != 1 && K != 2 && K != 4 && K != 8) { return "the tensor-parallel degree must be 1, 2, 4 or 8 (a divisor of the 8 canonical chunks)"; }
+    if (c->num_heads % K != 0) { return "the number of heads NH must be a multiple of the tensor-parallel degree"; }
+    if (c->padded_vocab_size % K != 0) { return "the padded vocabulary Vp must be a multiple of the tensor-parallel degree"; }
+    return NULL;
+}
+
+// ------------------------------------------------------------------------------------------
+// the f and g operators (Megatron's names), on activations of B*T*C floats
+
+// f before a column-parallel layer: forward is the identity (every rank has the full input).
+static inline void tp_f_forward(CommGroup* tp, float* x, size_t n) { (void)tp; (void)x; (void)n; }
+
+// f backward: the input gradient is summed over the ranks (each computed it from its slice of
+// the outputs): all-reduce (tensor-parallel group), the R1 tree over ranks.
+static inline void tp_f_backward(CommGroup* tp, float* dx, size_t n) {
+    if (tp->size > 1) { comm_all_reduce_sum(tp, dx, n, COMM_KIND_TP); }
+}
+
+// g after a row-parallel layer: forward all-reduces the partial outputs (each rank reduced its
+// slice of the inputs) - the R1 tree over ranks finishes the canonical R2 tree.
+static inline void tp_g_forward(CommGroup* tp, float* y, size_t n) {
+    if (tp->size > 1) { comm_all_reduce_sum(tp, y, n, COMM_KIND_TP); }
+}
+
+// g backward: the identity (every rank needs the full output gradient).
+static inline void tp_g_backward(CommGroup* tp, float* dy, size_t n) { (void)tp; (void)dy; (void)n; }
+
+// ------------------------------------------------------------------------------------------
+// vocab-parallel embedding (the vocab-parallel cross-entropy is head_forward in train_gpt2.c:
+// the kernel's three phases with the group's reductions between them)
+
+// out (B*T, C) = wte[tok] for tokens in this rank's rows [v0, v0 + Vl), -0.0f elsewhere; then
+// the all-reduce (tp group) leaves every rank with the full lookup (x + -0 == x exactly).
+static inline void tp_embedding_lookup(CommGroup* tp, float* out, const int* tok, const float* wte_local,
+                                       int v0, int Vl, int BT, int C) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        int v = tok[i] - v0;
+        float* o = out + (size_t)i * C;
+        if (v >= 0 && v < Vl) {
+            for (int c = 0; c < C; c++) { o[c] = wte_local[(size_t)v * C + c]; }
+        } else {
+            for (int c = 0; c < C; c++) { o[c] = -0.0f; }
+        }
+    }
+    if (tp->size > 1) { comm_all_reduce_sum(tp, out, (size_t)BT * C, COMM_KIND_TP); }
+}
+
+#endif // LLMC_TENSOR_PARALLEL_H
