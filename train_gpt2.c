@@ -196,9 +196,14 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
 // dres (BT,C) <- dres + dinp_ln, where with n = (x-mean)*rstd, dnorm = dout*weight:
 // dinp_ln = ((dnorm - mean(dnorm)) - n * mean(dnorm*n)) * rstd  (the means are R2 over C).
 // dweight[c] = R3 over positions of dout*n (fmaf), dbias[c] = R3 of dout.  B,T for R3.
+// Under sequence parallelism a rank holds T = T_full/K positions of each sequence, i.e.
+// nchunks = 8/K of every sequence's 8 canonical chunks: then seq_partials (2,B,C) receives
+// each sequence's subtree for dweight and dbias, for the caller to finish over the group and
+// over the sequences (sequence_tree); otherwise (seq_partials NULL, nchunks 8) the R3 is done
+// here.
 void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
                         const float* inp, const float* weight, const float* mean,
-                        const float* rstd, int B, int T, int C) {
+                        const float* rstd, int B, int T, int C, int nchunks, float* seq_partials) {
     int BT = B * T;
     #pragma omp parallel for
     for (int i = 0; i < BT; i++) {
@@ -227,17 +232,18 @@ void layernorm_backward(float* dres, float* dweight, float* dbias, const float* 
             dr[c] = dr[c] + dx;
         }
     }
-    // parameter gradients: R3, vectorised across channels
+    // parameter gradients: R3 (or its per-sequence subtrees), vectorised across channels
     #pragma omp parallel for
     for (int c0 = 0; c0 < C; c0 += 64) {
         int cn = C - c0 < 64 ? C - c0 : 64;
         float sw[40][64], sb[40][64];
         int top = 0;
         for (int b = 0; b < B; b++) {
-            for (int ch = 0; ch < CANON_R; ch++) {
+            for (int ch = 0; ch < nchunks; ch++) {
                 float aw[64], ab[64];
                 for (int j = 0; j < cn; j++) { aw[j] = 0.0f; ab[j] = 0.0f; }
-                for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
+                long tb = ((long)T * ch) / nchunks, te = ((long)T * (ch + 1)) / nchunks;
+                for (long t = tb; t < te; t++) {
                     size_t i = (size_t)b * T + t;
                     const float* x = inp + i * C + c0;
                     const float* dy = dout + i * C + c0;
@@ -250,7 +256,9 @@ void layernorm_backward(float* dres, float* dweight, float* dbias, const float* 
                 memcpy(sw[top], aw, sizeof(float) * cn);
                 memcpy(sb[top], ab, sizeof(float) * cn);
                 top++;
-                for (int mg = canon_pos_merges_after(b, B, ch); mg > 0; mg--) {
+                int merges = canon_tree_merges_after(ch, nchunks);
+                if (!seq_partials && ch == nchunks - 1) { merges += canon_tree_merges_after(b, B); }
+                for (int mg = merges; mg > 0; mg--) {
                     for (int j = 0; j < cn; j++) {
                         sw[top - 2][j] = sw[top - 2][j] + sw[top - 1][j];
                         sb[top - 2][j] = sb[top - 2][j] + sb[top - 1][j];
@@ -258,10 +266,24 @@ void layernorm_backward(float* dres, float* dweight, float* dbias, const float* 
                     top--;
                 }
             }
+            if (seq_partials) {   // this sequence's subtree; the caller finishes the tree
+                memcpy(seq_partials + (size_t)b * C + c0, sw[0], sizeof(float) * cn);
+                memcpy(seq_partials + ((size_t)B + b) * C + c0, sb[0], sizeof(float) * cn);
+                top = 0;
+            }
         }
-        memcpy(dweight + c0, sw[0], sizeof(float) * cn);
-        memcpy(dbias + c0, sb[0], sizeof(float) * cn);
+        if (!seq_partials) {
+            memcpy(dweight + c0, sw[0], sizeof(float) * cn);
+            memcpy(dbias + c0, sb[0], sizeof(float) * cn);
+        }
     }
+}
+
+// out[c] = the R1 tree over sequences b of partials[b][c] (B,n): the last level of an R3
+// reduction whose per-sequence sums were finished elsewhere (sequence parallelism).
+void sequence_tree(float* out, const float* partials, int B, int n) {
+    #pragma omp parallel for
+    for (int c = 0; c < n; c++) { out[c] = canon_tree_sum(partials + c, B, n); }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -854,8 +876,11 @@ float position_sum(const float* x, int B, int T) {
 // positions lays its tensors out with its own B, T inside the same memory.
 // With tensor parallelism the per-head and per-neuron tensors hold this rank's part: qkv
 // 3C/K, atty C/K, att NH/K heads, fch 4C/K, probs Vp/K (the widths below).
+// With sequence parallelism (SPK = K; else 1) the residual stream, the layernorms' inputs and
+// statistics hold T/SPK positions of each sequence: encoded, residual2, residual3, the means
+// and rstds; the layernorm outputs are stored all-gathered (full T).
 typedef struct {
-    int layers, cap_B, cap_T, recompute;
+    int layers, cap_B, cap_T, recompute, SPK;
     int C3, Ca, NHl, C4, Vl;   // local widths: qkv, atty, heads, fch, vocabulary
     float* encoded;     // (B,T,C)   the stage's input: embedding output, or received activation
     float* ln1;         // (L,B,T,C)
@@ -877,13 +902,18 @@ typedef struct {
     float* probs;       // (B,T,Vp)   logits, then probabilities, then dlogits
     float* losses;      // (B,T)
     float* proj;        // (B,T,C)    scratch: a projection's output before the residual add
+    float* proj_s;      // (B,T/K,C)  ... after sequence parallelism's reduce-scatter
+    float* ln_s;        // (B,T/K,C)  a layernorm's output before sequence parallelism's all-gather
     float* ce;          // (3,B,T)    cross-entropy's per-position max, sum of exps, target logit
     size_t bytes;
 } Activations;
 
 // Gradients of activations during backward: one set, reused by every layer.
 typedef struct {
-    float* dresidual;   // (B,T,C)
+    float* dresidual;   // (B,T,C)    d(residual stream); (B,T/K,C) under sequence parallelism
+    float* dfull;       // (B,T,C)    ... all-gathered (sequence parallelism)
+    float* dln_s;       // (B,T/K,C)  a layernorm output's gradient after the reduce-scatter
+    float* ln_partials; // (2,B,C)    layernorm weight/bias gradients per sequence (SP)
     float* dbtc;        // (B,T,C)
     float* datty;       // (B,T,C/K)
     float* dqkv;        // (B,T,3C/K)
@@ -898,6 +928,8 @@ typedef struct {
     int is_first, is_last;      // first stage: embeddings; last stage: final layernorm + LM head
     CommGroup* tp;              // tensor-parallel group (size K; tensor_parallel.h)
     int K, v0, Vl;              // ... and this rank's vocabulary rows [v0, v0 + Vl) of wte
+    int sp;                     // sequence parallelism over the tensor-parallel group
+    float* sp_scratch;          // (B,T,C) reordering for its all-gathers and reduce-scatters
     Zero zero;                  // parameters, gradients and AdamW state, possibly sharded (zero.h)
 } GPT2;
 
@@ -914,53 +946,61 @@ static float* act_alloc(size_t n, size_t* total) {
 }
 
 void activations_alloc(Activations* a, const GPT2Config* c, int layers, int with_head, int B,
-                       int T, int recompute, int K) {
+                       int T, int recompute, int K, int sp) {
     size_t L = layers, C = c->channels, BT = (size_t)B * T, H = with_head ? 1 : 0;
+    size_t BTs = BT / (sp ? K : 1);   // positions of the sequence-split tensors
     memset(a, 0, sizeof(*a));
     a->layers = layers;
     a->cap_B = B;
     a->cap_T = T;
     a->recompute = recompute;
+    a->SPK = sp ? K : 1;
     a->C3 = 3 * c->channels / K;
     a->Ca = c->channels / K;
     a->NHl = c->num_heads / K;
     a->C4 = 4 * c->channels / K;
     a->Vl = c->padded_vocab_size / K;
-    a->encoded = act_alloc(BT * C, &a->bytes);
+    a->encoded = act_alloc(BTs * C, &a->bytes);
     a->ln1 = act_alloc(L * BT * C, &a->bytes);
-    a->ln1_mean = act_alloc(L * BT, &a->bytes);
-    a->ln1_rstd = act_alloc(L * BT, &a->bytes);
+    a->ln1_mean = act_alloc(L * BTs, &a->bytes);
+    a->ln1_rstd = act_alloc(L * BTs, &a->bytes);
     a->qkv = act_alloc(L * BT * a->C3, &a->bytes);
     a->atty = act_alloc(L * BT * a->Ca, &a->bytes);
     a->att = act_alloc(L * (size_t)B * a->NHl * T * T, &a->bytes);
-    a->residual2 = act_alloc(L * BT * C, &a->bytes);
+    a->residual2 = act_alloc(L * BTs * C, &a->bytes);
     a->ln2 = act_alloc(L * BT * C, &a->bytes);
-    a->ln2_mean = act_alloc(L * BT, &a->bytes);
-    a->ln2_rstd = act_alloc(L * BT, &a->bytes);
+    a->ln2_mean = act_alloc(L * BTs, &a->bytes);
+    a->ln2_rstd = act_alloc(L * BTs, &a->bytes);
     a->fch = act_alloc(L * BT * a->C4, &a->bytes);
     a->fch_gelu = act_alloc((recompute ? 1 : L) * BT * a->C4, &a->bytes);
-    a->residual3 = act_alloc(L * BT * C, &a->bytes);
+    a->residual3 = act_alloc(L * BTs * C, &a->bytes);
     a->lnf = act_alloc(H * BT * C, &a->bytes);
-    a->lnf_mean = act_alloc(H * BT, &a->bytes);
-    a->lnf_rstd = act_alloc(H * BT, &a->bytes);
+    a->lnf_mean = act_alloc(H * BTs, &a->bytes);
+    a->lnf_rstd = act_alloc(H * BTs, &a->bytes);
     a->probs = act_alloc(H * BT * a->Vl, &a->bytes);
     a->losses = act_alloc(H * BT, &a->bytes);
     a->proj = act_alloc(BT * C, &a->bytes);
+    a->proj_s = act_alloc(sp ? BTs * C : 0, &a->bytes);
+    a->ln_s = act_alloc(sp ? BTs * C : 0, &a->bytes);
     a->ce = act_alloc(H * 3 * BT, &a->bytes);
 }
 
 void activations_free(Activations* a) {
     float* all[] = {a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty, a->att,
                     a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu,
-                    a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj, a->ce};
+                    a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj,
+                    a->proj_s, a->ln_s, a->ce};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { free(all[i]); }
     memset(a, 0, sizeof(*a));
 }
 
-void activation_grads_alloc(ActivationGrads* g, const GPT2Config* c, int B, int T, int K) {
+void activation_grads_alloc(ActivationGrads* g, const GPT2Config* c, int B, int T, int K, int sp) {
     size_t BTC = (size_t)B * T * c->channels;
     g->bytes = 0;
     g->dresidual = act_alloc(BTC, &g->bytes);
+    g->dfull = act_alloc(sp ? BTC : 0, &g->bytes);
+    g->dln_s = act_alloc(sp ? BTC / K : 0, &g->bytes);
+    g->ln_partials = act_alloc(sp ? 2 * (size_t)B * c->channels : 0, &g->bytes);
     g->dbtc = act_alloc(BTC, &g->bytes);
     g->datty = act_alloc(BTC / K, &g->bytes);
     g->dqkv = act_alloc(3 * BTC / K, &g->bytes);
@@ -968,7 +1008,8 @@ void activation_grads_alloc(ActivationGrads* g, const GPT2Config* c, int B, int 
 }
 
 void activation_grads_free(ActivationGrads* g) {
-    free(g->dresidual); free(g->dbtc); free(g->datty); free(g->dqkv); free(g->dbt4c);
+    free(g->dresidual); free(g->dfull); free(g->dln_s); free(g->ln_partials);
+    free(g->dbtc); free(g->datty); free(g->dqkv); free(g->dbt4c);
 }
 
 // Per-layer views of the activations for a pass over (B, T); l counts the stage's layers.
@@ -978,28 +1019,30 @@ typedef struct {
 } LayerActs;
 
 static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, int B, int T) {
-    size_t C = c->channels, BT = (size_t)B * T;
+    size_t C = c->channels, BT = (size_t)B * T, BTs = BT / a->SPK;
     LayerActs v;
-    v.residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BT * C;
+    v.residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BTs * C;
     v.ln1 = a->ln1 + l * BT * C;
-    v.ln1_mean = a->ln1_mean + l * BT;
-    v.ln1_rstd = a->ln1_rstd + l * BT;
+    v.ln1_mean = a->ln1_mean + l * BTs;
+    v.ln1_rstd = a->ln1_rstd + l * BTs;
     v.qkv = a->qkv + l * BT * a->C3;
     v.atty = a->atty + l * BT * a->Ca;
     v.att = a->att + l * (size_t)B * a->NHl * T * T;
-    v.residual2 = a->residual2 + l * BT * C;
+    v.residual2 = a->residual2 + l * BTs * C;
     v.ln2 = a->ln2 + l * BT * C;
-    v.ln2_mean = a->ln2_mean + l * BT;
-    v.ln2_rstd = a->ln2_rstd + l * BT;
+    v.ln2_mean = a->ln2_mean + l * BTs;
+    v.ln2_rstd = a->ln2_rstd + l * BTs;
     v.fch = a->fch + l * BT * a->C4;
     v.fch_gelu = a->fch_gelu + (a->recompute ? 0 : l * BT * a->C4);
-    v.residual3 = a->residual3 + l * BT * C;
+    v.residual3 = a->residual3 + l * BTs * C;
     return v;
 }
 
-// The output of the stage's layers (B,T,C): what the next stage, or the head, receives.
+// The output of the stage's layers (B,T,C), or its sequence slice: what the next stage, or
+// the head, receives.
 static float* stage_output(const Activations* a, const GPT2Config* c, int B, int T) {
-    return a->layers > 0 ? a->residual3 + (size_t)(a->layers - 1) * B * T * c->channels : a->encoded;
+    size_t BTs = (size_t)B * T / a->SPK;
+    return a->layers > 0 ? a->residual3 + (size_t)(a->layers - 1) * BTs * c->channels : a->encoded;
 }
 
 // Views of layer unit u's tensors (this rank's tensor-parallel parts, zero.h's unit layout)
@@ -1018,19 +1061,60 @@ static LayerTensors layer_unit(const Zero* z, int u, const float* base) {
 // LM head, cross-entropy; last stage). Parameters come unit by unit from zero.h (ZeRO-3
 // gathers each unit just before use, prefetching the next, and frees it after).
 
-// (first stage) encoded (B,T,C) = wte[inputs] + wpe
+// Sequence parallelism's f and g (tensor_parallel.h) on the activations of a (B,T) pass; they
+// are the identity / all-reduce of tp_f_* and tp_g_* without it.
+static int sp_on(const GPT2* model) { return model->sp && model->K > 1; }
+
+// (first stage) encoded (B,T,C) = wte[inputs] + wpe (with SP: this rank's positions)
 void embed_forward(GPT2* model, Activations* a, const int* inputs, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
-    int C = c->channels;
+    int C = c->channels, Ts = T / a->SPK;
     const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
-    encoder_lookup(a->encoded, inputs, wte, model->v0, model->Vl, B * T, C);
+    float* lookup = sp_on(model) ? a->proj : a->encoded;
+    encoder_lookup(lookup, inputs, wte, model->v0, model->Vl, B * T, C);
     zero_params_release(z, ZERO_WTE);
-    // all-reduce (tp group, the vocab-parallel lookup): each row came from the rank holding it
-    if (model->K > 1) { comm_all_reduce_sum(model->tp, a->encoded, (size_t)B * T * C, COMM_KIND_TP); }
+    // sum over the tp group (the vocab-parallel lookup: each row came from the rank holding
+    // it): all-reduce, or with SP reduce-scatter along T
+    if (sp_on(model)) {
+        tp_sp_reduce_scatter(model->tp, lookup, a->encoded, B, T, C, model->sp_scratch);
+    } else if (model->K > 1) {
+        comm_all_reduce_sum(model->tp, a->encoded, (size_t)B * T * C, COMM_KIND_TP);
+    }
     const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
-    encoder_add_positions(a->encoded, wpe, B, T, C);
+    int t0 = sp_on(model) ? model->tp->rank * Ts : 0;
+    encoder_add_positions(a->encoded, wpe + (size_t)t0 * C, B, Ts, C);
     zero_params_release(z, ZERO_WPE);
+}
+
+// A layernorm before a column-parallel layer: ln (B,T,C) = LN(x); with SP, x holds this
+// rank's positions and the output is all-gathered along T (Megatron's f).
+static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, float* rstd,
+                         const float* x, const float* w, const float* b, int B, int T) {
+    int C = model->config.channels;
+    if (sp_on(model)) {
+        layernorm_forward(a->ln_s, mean, rstd, x, w, b, B * T / a->SPK, C);
+        tp_sp_all_gather(model->tp, a->ln_s, ln, B, T, C, model->sp_scratch);
+    } else {
+        layernorm_forward(ln, mean, rstd, x, w, b, B * T, C);
+        tp_f_forward(model->tp, ln, (size_t)B * T * C);
+    }
+}
+
+// After a row-parallel layer: the partial outputs a->proj (B,T,C) summed over the tp group
+// (Megatron's g: all-reduce, or with SP reduce-scatter along T), then its bias; returns the
+// result (with SP, this rank's positions).
+static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B, int T) {
+    int C = model->config.channels;
+    float* out = a->proj;
+    if (sp_on(model)) {
+        tp_sp_reduce_scatter(model->tp, a->proj, a->proj_s, B, T, C, model->sp_scratch);
+        out = a->proj_s;
+    } else {
+        tp_g_forward(model->tp, a->proj, (size_t)B * T * C);
+    }
+    bias_forward(out, bias, B * T / a->SPK, C);
+    return out;
 }
 
 // this stage's layers: a->encoded (B,T,C) -> stage_output. Megatron's split: qkv and fc are
@@ -1040,27 +1124,21 @@ void layers_forward(GPT2* model, Activations* a, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
     int C = c->channels, BT = B * T, K = model->K;
-    size_t BTC = (size_t)BT * C;
+    size_t BTCs = (size_t)BT / a->SPK * C;
     for (int l = model->first_layer; l < model->last_layer; l++) {
         int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->is_last ? z->lay.num_units - 1 : -1;
         LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next));
         LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
-        layernorm_forward(x.ln1, x.ln1_mean, x.ln1_rstd, x.residual, w.ln1w, w.ln1b, BT, C);
-        tp_f_forward(model->tp, x.ln1, BTC);
+        ln_forward_f(model, a, x.ln1, x.ln1_mean, x.ln1_rstd, x.residual, w.ln1w, w.ln1b, B, T);
         matmul_forward(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, a->C3, CANON_R);
         attention_forward(x.atty, x.att, x.qkv, B, T, a->Ca, a->NHl);
         matmul_forward(a->proj, x.atty, w.attprojw, NULL, BT, a->Ca, C, CANON_R / K);
-        tp_g_forward(model->tp, a->proj, BTC);
-        bias_forward(a->proj, w.attprojb, BT, C);
-        residual_forward(x.residual2, x.residual, a->proj, BTC);
-        layernorm_forward(x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2w, w.ln2b, BT, C);
-        tp_f_forward(model->tp, x.ln2, BTC);
+        residual_forward(x.residual2, x.residual, proj_g_bias(model, a, w.attprojb, B, T), BTCs);
+        ln_forward_f(model, a, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2w, w.ln2b, B, T);
         matmul_forward(x.fch, x.ln2, w.fcw, w.fcb, BT, C, a->C4, CANON_R);
         gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4);
         matmul_forward(a->proj, x.fch_gelu, w.fcprojw, NULL, BT, a->C4, C, CANON_R / K);
-        tp_g_forward(model->tp, a->proj, BTC);
-        bias_forward(a->proj, w.fcprojb, BT, C);
-        residual_forward(x.residual3, x.residual2, a->proj, BTC);
+        residual_forward(x.residual3, x.residual2, proj_g_bias(model, a, w.fcprojb, B, T), BTCs);
         zero_params_release(z, ZERO_LAYER(l));
     }
 }
@@ -1075,8 +1153,7 @@ void head_forward(GPT2* model, Activations* a, const int* targets, int B, int T,
     int C = c->channels, V = c->vocab_size, BT = B * T, K = model->K;
     int LNF = z->lay.num_units - 1;
     const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
-    layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, stage_output(a, c, B, T), lnf, lnf + C, BT, C);
-    tp_f_forward(model->tp, a->lnf, (size_t)BT * C);
+    ln_forward_f(model, a, a->lnf, a->lnf_mean, a->lnf_rstd, stage_output(a, c, B, T), lnf, lnf + C, B, T);
     const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
     matmul_forward(a->probs, a->lnf, wte, NULL, BT, C, model->Vl, CANON_R);
     float *maxes = a->ce, *zs = a->ce + BT, *target_logits = a->ce + 2 * BT;
@@ -1094,6 +1171,41 @@ void head_forward(GPT2* model, Activations* a, const int* targets, int B, int T,
     }
 }
 
+// Backward of a layernorm that feeds a column-parallel layer, from the gradient of its full
+// output dln (B,T,C) as this rank computed it (its slice of the layer's outputs): summed over
+// the tp group (Megatron's f backward: all-reduce, or with SP reduce-scatter along T), then
+// dres += the layernorm's input gradient, and its weight/bias gradients. With SP those are
+// sums over positions held by K ranks: each rank's per-sequence subtrees (over its chunks of
+// T) are all-reduced (tp group, the R1 tree) and the R1 tree over sequences finishes them.
+static void ln_backward_f(GPT2* model, ActivationGrads* g, float* dres, float* dweight, float* dbias,
+                          float* dln, const float* inp, const float* weight, const float* mean,
+                          const float* rstd, int B, int T) {
+    int C = model->config.channels;
+    if (sp_on(model)) {
+        int K = model->K;
+        tp_sp_reduce_scatter(model->tp, dln, g->dln_s, B, T, C, model->sp_scratch);
+        layernorm_backward(dres, dweight, dbias, g->dln_s, inp, weight, mean, rstd, B, T / K, C,
+                           CANON_R / K, g->ln_partials);
+        comm_all_reduce_sum(model->tp, g->ln_partials, 2 * (size_t)B * C, COMM_KIND_TP);
+        sequence_tree(dweight, g->ln_partials, B, C);
+        sequence_tree(dbias, g->ln_partials + (size_t)B * C, B, C);
+    } else {
+        tp_f_backward(model->tp, dln, (size_t)B * T * C);
+        layernorm_backward(dres, dweight, dbias, dln, inp, weight, mean, rstd, B, T, C, CANON_R, NULL);
+    }
+}
+
+// The gradient of a row-parallel layer's output, full (B,T,C), from d(residual) (Megatron's g
+// backward: the identity, or with SP an all-gather along T).
+static const float* dres_g_backward(GPT2* model, ActivationGrads* g, int B, int T) {
+    if (!sp_on(model)) {
+        tp_g_backward(model->tp, g->dresidual, (size_t)B * T * model->config.channels);
+        return g->dresidual;
+    }
+    tp_sp_all_gather(model->tp, g->dresidual, g->dfull, B, T, model->config.channels, model->sp_scratch);
+    return g->dfull;
+}
+
 // (last stage) backward of the head: g->dresidual = d(loss)/d(stage_output). dloss =
 // d(loss)/d(per-position loss) = 1 / (tokens in the global batch).
 void head_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* targets, int B,
@@ -1106,15 +1218,14 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* t
     float* dwte_lm = zero_grad_unit(z, ZERO_WTE);    // the LM-head half of wte's gradient
     crossentropy_backward(a->probs, targets, dloss, BT, V, model->v0, model->Vl);
     matmul_backward(g->dbtc, dwte_lm, NULL, a->probs, a->lnf, wte, B, T, C, model->Vl, 1, CANON_R / model->K);
-    tp_f_backward(model->tp, g->dbtc, (size_t)BT * C);
     zero_grad_unit_done(z, ZERO_WTE);
     zero_params_release(z, ZERO_WTE);
     int next = model->last_layer > model->first_layer ? ZERO_LAYER(model->last_layer - 1) : -1;
     const float* lnf = zero_params_acquire(z, LNF, next);
     float* dlnf = zero_grad_unit(z, LNF);
-    memset(g->dresidual, 0, sizeof(float) * (size_t)BT * C);
-    layernorm_backward(g->dresidual, dlnf, dlnf + C, g->dbtc, stage_output(a, c, B, T), lnf,
-                       a->lnf_mean, a->lnf_rstd, B, T, C);
+    memset(g->dresidual, 0, sizeof(float) * (size_t)BT / a->SPK * C);
+    ln_backward_f(model, g, g->dresidual, dlnf, dlnf + C, g->dbtc, stage_output(a, c, B, T), lnf,
+                  a->lnf_mean, a->lnf_rstd, B, T);
     zero_grad_unit_done(z, LNF);
     zero_params_release(z, LNF);
 }
@@ -1126,7 +1237,6 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
     int C = c->channels, BT = B * T, K = model->K;
-    size_t BTC = (size_t)BT * C;
     for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
         int next = l - 1 >= model->first_layer ? ZERO_LAYER(l - 1) : -1;
         LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next));
@@ -1134,31 +1244,31 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
         if (a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4); }
         // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-        tp_g_backward(model->tp, g->dresidual, BTC);
-        matmul_backward(g->dbt4c, dw.fcprojw, dw.fcprojb, g->dresidual, x.fch_gelu, w.fcprojw, B, T, a->C4, C, 1, CANON_R);
+        const float* dres = dres_g_backward(model, g, B, T);
+        matmul_backward(g->dbt4c, dw.fcprojw, dw.fcprojb, dres, x.fch_gelu, w.fcprojw, B, T, a->C4, C, 1, CANON_R);
         gelu_backward(g->dbt4c, x.fch, g->dbt4c, (size_t)BT * a->C4);
         matmul_backward(g->dbtc, dw.fcw, dw.fcb, g->dbt4c, x.ln2, w.fcw, B, T, C, a->C4, 1, CANON_R / K);
-        tp_f_backward(model->tp, g->dbtc, BTC);
-        layernorm_backward(g->dresidual, dw.ln2w, dw.ln2b, g->dbtc, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, B, T, C);
+        ln_backward_f(model, g, g->dresidual, dw.ln2w, dw.ln2b, g->dbtc, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, B, T);
         // attention: residual2 = residual + attproj(attention(qkv(ln1(residual))))
-        tp_g_backward(model->tp, g->dresidual, BTC);
-        matmul_backward(g->datty, dw.attprojw, dw.attprojb, g->dresidual, x.atty, w.attprojw, B, T, a->Ca, C, 1, CANON_R);
+        dres = dres_g_backward(model, g, B, T);
+        matmul_backward(g->datty, dw.attprojw, dw.attprojb, dres, x.atty, w.attprojw, B, T, a->Ca, C, 1, CANON_R);
         attention_backward(g->dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
         matmul_backward(g->dbtc, dw.qkvw, dw.qkvb, g->dqkv, x.ln1, w.qkvw, B, T, C, a->C3, 3, CANON_R / K);
-        tp_f_backward(model->tp, g->dbtc, BTC);
-        layernorm_backward(g->dresidual, dw.ln1w, dw.ln1b, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, B, T, C);
+        ln_backward_f(model, g, g->dresidual, dw.ln1w, dw.ln1b, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, B, T);
         zero_grad_unit_done(z, ZERO_LAYER(l));
         zero_params_release(z, ZERO_LAYER(l));
     }
 }
 
 // (first stage) the embeddings' gradients from g->dresidual = d(loss)/d(encoded): the lookup
-// half of wte's gradient (unit E; this rank's vocabulary rows) and wpe's.
+// half of wte's gradient (unit E; this rank's vocabulary rows) and wpe's. Both sum over all
+// positions: with SP the gradient is all-gathered along T first.
 void embed_backward(GPT2* model, ActivationGrads* g, const int* inputs, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = &model->zero;
     int E = zero_unit_E(z);
-    encoder_backward(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), g->dresidual, inputs, B, T,
+    const float* dencoded = dres_g_backward(model, g, B, T);
+    encoder_backward(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), dencoded, inputs, B, T,
                      c->channels, model->v0, model->Vl, c->max_seq_len);
     zero_grad_unit_done(z, ZERO_WPE);
     zero_grad_unit_done(z, E);
@@ -1241,10 +1351,21 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const float* params, int s
     model->is_first = pp->rank == 0;
     model->is_last = pp->rank == S - 1;
     free(first);
+    model->sp = 0;
+    model->sp_scratch = NULL;
     zero_init(&model->zero, &model->config, stage, dp, pp, tp, model->first_layer, model->last_layer, params, M);
 }
 
-void gpt2_free(GPT2* model) { zero_free(&model->zero); }
+// Megatron's sequence parallelism for passes over up to (B, T) positions (T a multiple of K).
+void gpt2_enable_sequence_parallel(GPT2* model, int B, int T) {
+    model->sp = 1;
+    model->sp_scratch = (float*)aligned_calloc_or_die(sizeof(float) * B * T * model->config.channels, "sequence parallelism");
+}
+
+void gpt2_free(GPT2* model) {
+    zero_free(&model->zero);
+    free(model->sp_scratch);
+}
 
 static double now_seconds(void) {
     struct timespec ts;
@@ -1320,12 +1441,12 @@ static void pipeline_init(Pipeline* p, GPT2* model, CommGroup* pp, PipelineSched
     p->next = pp->rank < pp->size - 1 ? pp->rank + 1 : COMM_NO_PEER;
     p->nslots = pipeline_max_in_flight(p->actions, n);
     p->slots = (MicroSlot*)calloc_or_die((size_t)p->nslots, sizeof(MicroSlot), "pipeline slots");
-    p->msg_floats = (size_t)B * T * model->config.channels;
+    p->msg_floats = (size_t)B * T / (sp_on(model) ? model->K : 1) * model->config.channels;
     for (int i = 0; i < p->nslots; i++) {
         MicroSlot* s = &p->slots[i];
         s->microbatch = -1;
         activations_alloc(&s->acts, &model->config, model->last_layer - model->first_layer,
-                          model->is_last, B, T, recompute, model->K);
+                          model->is_last, B, T, recompute, model->K, sp_on(model));
         s->inputs = (int*)malloc_or_die(sizeof(int) * B * T, "tokens");
         s->targets = (int*)malloc_or_die(sizeof(int) * B * T, "tokens");
         s->grad_out = (float*)aligned_calloc_or_die(sizeof(float) * p->msg_floats, "pipeline gradient");
@@ -1478,7 +1599,7 @@ static void pipeline_step(Pipeline* p, GPT2* model, ActivationGrads* g, DataLoad
 // head. Blocking sends and receives: every stage handles the batch in the same order.
 static void pipeline_forward_only(Pipeline* p, GPT2* model, Activations* a, const int* inputs,
                                   const int* targets, int B, int T) {
-    size_t BTC = (size_t)B * T * model->config.channels;
+    size_t BTC = (size_t)B * T / a->SPK * model->config.channels;
     if (model->is_first) {
         embed_forward(model, a, inputs, B, T);
     } else {
@@ -1556,6 +1677,8 @@ static float gpt2_validate(GPT2* model, Pipeline* p, Comm* comm, Activations* ac
 // rank takes part (the forward gathers parameters); world rank 0 prints.
 static void sample_text(GPT2* model, Pipeline* p, Comm* comm, Activations* acts, Tokenizer* tok, int genT) {
     int V = model->config.vocab_size, Vp = model->config.padded_vocab_size;
+    int sp = model->sp;
+    model->sp = 0;   // the length changes token by token; without SP the arithmetic is the same
     int printing = comm->world_rank == 0;
     int* gen = (int*)malloc_or_die(sizeof(int) * genT, "sample tokens");
     float* probs = (float*)malloc_or_die(sizeof(float) * Vp, "sample probabilities");
@@ -1585,6 +1708,7 @@ static void sample_text(GPT2* model, Pipeline* p, Comm* comm, Activations* acts,
         fflush(stdout);
     }
     if (printing) { printf("\n---\n"); }
+    model->sp = sp;
     free(probs);
     free(gen);
 }
@@ -1649,7 +1773,7 @@ int main(int argc, char** argv) {
         return 0;
     }
     train_args_validate(&args);
-    if (args.sp != 0) { fatal("--sp: sequence parallelism is not in this build yet (see README)"); }
+    if (args.sp && args.tp == 1) { fatal("--sp 1: sequence parallelism splits the sequence over the tensor-parallel group; it needs --tp > 1"); }
     if (args.deterministic) { fatal("--deterministic is a flag of the CUDA build (train_gpt2cu)"); }
     if (comm.world_size % (args.tp * args.pp) != 0) {
         fatal("--tp %d x --pp %d does not divide the %d ranks of this job", args.tp, args.pp, comm.world_size);
@@ -1700,9 +1824,13 @@ int main(int argc, char** argv) {
     }
     int M = (int)(total_batch / tokens_per_micro);   // microbatches per step, over all dp ranks
 
+    if (args.sp && T % args.tp != 0) {
+        fatal("--sp 1: the sequence length -t %d must be a multiple of --tp %d", T, args.tp);
+    }
     GPT2 model;
     gpt2_init(&model, &config, params, args.zero_stage, &comm.dp_group, &comm.pp_group, &comm.tp_group, M);
     free(params);
+    if (args.sp) { gpt2_enable_sequence_parallel(&model, B, T); }
     Zero* z = &model.zero;
 
     DataLoader train_loader, val_loader;
@@ -1739,12 +1867,12 @@ int main(int argc, char** argv) {
     Pipeline pipe;
     pipeline_init(&pipe, &model, &comm.pp_group, pp_kind, z->local_microbatches, B, T, args.recompute);
     ActivationGrads agrads;
-    activation_grads_alloc(&agrads, &config, B, T, comm.tp);
+    activation_grads_alloc(&agrads, &config, B, T, comm.tp, args.sp);
     int genT = args.gen_T < config.max_seq_len ? args.gen_T : config.max_seq_len;
     int do_sample = args.sample_every > 0 && (comm.dp_rank == 0 || z->stage == 3);
     Activations sample_acts;
     if (do_sample) {
-        activations_alloc(&sample_acts, &config, model.last_layer - model.first_layer, model.is_last, 1, genT, 0, comm.tp);
+        activations_alloc(&sample_acts, &config, model.last_layer - model.first_layer, model.is_last, 1, genT, 0, comm.tp, 0);
     }
 
     TrainProgress progress = {0, 0, tokens_per_micro, args.shuffle, (uint64_t)args.seed};
@@ -1788,8 +1916,8 @@ int main(int argc, char** argv) {
                config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len);
         printf("| init          %s\n", resume_step >= 0 ? path : args.model);
         printf("| parameters    P = %zu (%.1f M)\n", P, P / 1e6);
-        printf("| ranks         %d = %d data x %d tensor x %d pipeline; ZeRO stage %d\n", comm.world_size, N,
-               comm.tp, comm.pp, z->stage);
+        printf("| ranks         %d = %d data x %d tensor%s x %d pipeline; ZeRO stage %d\n", comm.world_size, N,
+               comm.tp, args.sp ? " (+ sequence parallel)" : "", comm.pp, z->stage);
         printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
                B, T, M, z->local_microbatches, total_batch);
         if (comm.pp > 1) {

@@ -151,24 +151,41 @@ static inline void tp_g_forward(CommGroup* tp, float* y, size_t n) {
 static inline void tp_g_backward(CommGroup* tp, float* dy, size_t n) { (void)tp; (void)dy; (void)n; }
 
 // ------------------------------------------------------------------------------------------
-// vocab-parallel embedding (the vocab-parallel cross-entropy is head_forward in train_gpt2.c:
-// the kernel's three phases with the group's reductions between them)
+// Megatron's sequence parallelism (--sp 1): outside the tensor-parallel regions (layernorms,
+// residual stream, dropout) rank r keeps positions [r*T/K, (r+1)*T/K) of every sequence, a
+// (B, T/K, C) slice. f becomes an all-gather along T (forward) / reduce-scatter (backward), g a
+// reduce-scatter along T (forward) / all-gather (backward): the same bytes as the all-reduces
+// they replace (an all-reduce is a reduce-scatter plus an all-gather), and the reduce-scatter
+// sums by the same R1 tree. The layernorm weight and bias gradients, summed over positions
+// that are now on K ranks, are finished per sequence over the group (train_gpt2.c).
 
-// out (B*T, C) = wte[tok] for tokens in this rank's rows [v0, v0 + Vl), -0.0f elsewhere; then
-// the all-reduce (tp group) leaves every rank with the full lookup (x + -0 == x exactly).
-static inline void tp_embedding_lookup(CommGroup* tp, float* out, const int* tok, const float* wte_local,
-                                       int v0, int Vl, int BT, int C) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        int v = tok[i] - v0;
-        float* o = out + (size_t)i * C;
-        if (v >= 0 && v < Vl) {
-            for (int c = 0; c < C; c++) { o[c] = wte_local[(size_t)v * C + c]; }
-        } else {
-            for (int c = 0; c < C; c++) { o[c] = -0.0f; }
+// full (B,T,C) <- every rank's slice (B,T/K,C): all-gather (tp group) and reorder.
+static inline void tp_sp_all_gather(CommGroup* tp, const float* slice, float* full, int B, int T,
+                                    int C, float* scratch /* B*T*C */) {
+    int K = tp->size, Tl = T / K;
+    size_t n = (size_t)B * Tl * C, row = (size_t)Tl * C;
+    comm_all_gather(tp, slice, scratch, n, COMM_KIND_TP);
+    #pragma omp parallel for collapse(2)
+    for (int r = 0; r < K; r++) {
+        for (int b = 0; b < B; b++) {
+            memcpy(full + ((size_t)b * T + (size_t)r * Tl) * C, scratch + r * n + b * row, row * sizeof(float));
         }
     }
-    if (tp->size > 1) { comm_all_reduce_sum(tp, out, (size_t)BT * C, COMM_KIND_TP); }
+}
+
+// slice (B,T/K,C) <- the sum over the group of everyone's full (B,T,C), this rank's positions:
+// reorder to rank-major, then reduce-scatter (tp group, the R1 tree over ranks).
+static inline void tp_sp_reduce_scatter(CommGroup* tp, const float* full, float* slice, int B, int T,
+                                        int C, float* scratch /* B*T*C */) {
+    int K = tp->size, Tl = T / K;
+    size_t n = (size_t)B * Tl * C, row = (size_t)Tl * C;
+    #pragma omp parallel for collapse(2)
+    for (int r = 0; r < K; r++) {
+        for (int b = 0; b < B; b++) {
+            memcpy(scratch + r * n + b * row, full + ((size_t)b * T + (size_t)r * Tl) * C, row * sizeof(float));
+        }
+    }
+    comm_reduce_scatter(tp, scratch, slice, n, COMM_KIND_TP);
 }
 
 #endif // LLMC_TENSOR_PARALLEL_H

@@ -245,7 +245,7 @@ static void test_layernorm(int B, int T, int C) {
     float* wdres = malloc(sizeof(float) * BT * C);
     memcpy(wdres, dres, sizeof(float) * BT * C);
     float* dw = malloc(sizeof(float) * C), *db = malloc(sizeof(float) * C);
-    layernorm_backward(dres, dw, db, dy, x, w, mean, rstd, B, T, C);
+    layernorm_backward(dres, dw, db, dy, x, w, mean, rstd, B, T, C, CANON_R, NULL);
     float* dnorm = malloc(sizeof(float) * C);
     float* nrm = malloc(sizeof(float) * (size_t)BT * C);
     for (int i = 0; i < BT; i++) {
@@ -277,6 +277,40 @@ static void test_layernorm(int B, int T, int C) {
     }
     expect_same("layernorm dweight", dw, wdw, C);
     expect_same("layernorm dbias", db, wdb, C);
+    // sequence parallelism: K ranks hold T/K positions of each sequence; each gives per-sequence
+    // subtrees over its 8/K chunks, finished by R1 over ranks, then R1 over sequences
+    for (int K = 2; K <= 4 && T % K == 0; K *= 2) {
+        int Tl = T / K;
+        float* parts = malloc(sizeof(float) * 2 * B * C * K);
+        float* sx = malloc(sizeof(float) * B * Tl * C), *sdy = malloc(sizeof(float) * B * Tl * C);
+        float* sm = malloc(sizeof(float) * B * Tl), *sr = malloc(sizeof(float) * B * Tl);
+        float* sdres = calloc((size_t)B * Tl * C, sizeof(float));
+        for (int r = 0; r < K; r++) {
+            for (int b = 0; b < B; b++) {
+                size_t src = (size_t)b * T + (size_t)r * Tl, dst = (size_t)b * Tl;
+                memcpy(sx + dst * C, x + src * C, sizeof(float) * Tl * C);
+                memcpy(sdy + dst * C, dy + src * C, sizeof(float) * Tl * C);
+                memcpy(sm + dst, mean + src, sizeof(float) * Tl);
+                memcpy(sr + dst, rstd + src, sizeof(float) * Tl);
+            }
+            layernorm_backward(sdres, NULL, NULL, sdy, sx, w, sm, sr, B, Tl, C, CANON_R / K,
+                               parts + (size_t)r * 2 * B * C);
+        }
+        float* combined = malloc(sizeof(float) * 2 * B * C);
+        for (size_t i = 0; i < 2 * (size_t)B * C; i++) {
+            float v[8];
+            for (int r = 0; r < K; r++) { v[r] = parts[(size_t)r * 2 * B * C + i]; }
+            combined[i] = r1(v, K);
+        }
+        float* sdw = malloc(sizeof(float) * C), *sdb = malloc(sizeof(float) * C);
+        sequence_tree(sdw, combined, B, C);
+        sequence_tree(sdb, combined + (size_t)B * C, B, C);
+        snprintf(what, sizeof(what), "layernorm dweight, sequence-parallel over %d", K);
+        expect_same(what, sdw, wdw, C);
+        snprintf(what, sizeof(what), "layernorm dbias, sequence-parallel over %d", K);
+        expect_same(what, sdb, wdb, C);
+        free(parts); free(sx); free(sdy); free(sm); free(sr); free(sdres); free(combined); free(sdw); free(sdb);
+    }
     free(x); free(w); free(bb); free(dy); free(out); free(mean); free(rstd); free(wout); free(wmean);
     free(wrstd); free(d); free(n); free(dres); free(wdres); free(dw); free(db); free(dnorm); free(nrm);
     free(wdw); free(wdb);
