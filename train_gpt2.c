@@ -622,6 +622,31 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
 //   att[t][t2] = exp(s - max_t2 s) / Z_t,  Z_t = R2 over keys (chunks of T) of the exps
 //   out[t] = R2 over keys t2 <= t of att[t][t2] * v_t2        out (B,T,C), att (B,NH,T,T)
 // Keys past t are not part of any sum (an empty stretch of a chunk adds nothing).
+// out (n) = R2 over j of w[j] * rows[j] for the j in [lo, hi) of a dimension of length T (the
+// keys, or the queries): chunk c of T accumulates its j's in order with fmaf, the 8 partial
+// rows are combined by R1; positions outside [lo, hi) are not part of the sum.
+static void attention_weighted_rows(float* out, const float* w, long wstride, const float* rows,
+                                    long rstride, int T, long lo, long hi, int n) {
+    float stack[CANON_LOG2_R + 1][256];
+    int top = 0;
+    for (int ch = 0; ch < CANON_R; ch++) {
+        float* acc = stack[top];
+        for (int d = 0; d < n; d++) { acc[d] = 0.0f; }
+        long b = canon_chunk_begin(T, ch), e = canon_chunk_begin(T, ch + 1);
+        for (long j = b < lo ? lo : b; j < e && j < hi; j++) {
+            float wj = w[j * wstride];
+            const float* r = rows + j * rstride;
+            for (int d = 0; d < n; d++) { acc[d] = fmaf(wj, r[d], acc[d]); }
+        }
+        top++;
+        for (int m = canon_tree_merges_after(ch, CANON_R); m > 0; m--) {
+            for (int d = 0; d < n; d++) { stack[top - 2][d] = stack[top - 2][d] + stack[top - 1][d]; }
+            top--;
+        }
+    }
+    memcpy(out, stack[0], sizeof(float) * n);
+}
+
 void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
     int hs = C / NH;
     size_t C3 = 3 * (size_t)C;
@@ -651,25 +676,8 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
                 float z = canon_tree8(partial);
                 for (int t2 = 0; t2 <= t; t2++) { a[t2] = a[t2] / z; }
                 for (int t2 = t + 1; t2 < T; t2++) { a[t2] = 0.0f; }
-                float* o = out + ((size_t)b * T + t) * C + h * hs;
-                float stack[CANON_R][256];
-                int top = 0;
-                for (int ch = 0; ch < CANON_R; ch++) {
-                    float* acc = stack[top];
-                    for (int d = 0; d < hs; d++) { acc[d] = 0.0f; }
-                    long end = canon_chunk_begin(T, ch + 1);
-                    for (long t2 = canon_chunk_begin(T, ch); t2 < end && t2 <= t; t2++) {
-                        const float* v = qkv + ((size_t)b * T + t2) * C3 + 2 * C + h * hs;
-                        float w = a[t2];
-                        for (int d = 0; d < hs; d++) { acc[d] = fmaf(w, v[d], acc[d]); }
-                    }
-                    top++;
-                    for (int m = canon_tree_merges_after(ch, CANON_R); m > 0; m--) {
-                        for (int d = 0; d < hs; d++) { stack[top - 2][d] = stack[top - 2][d] + stack[top - 1][d]; }
-                        top--;
-                    }
-                }
-                memcpy(o, stack[0], sizeof(float) * hs);
+                attention_weighted_rows(out + ((size_t)b * T + t) * C + h * hs, a, 1,
+                                        qkv + (size_t)b * T * C3 + 2 * C + h * hs, C3, T, 0, t + 1, hs);
             }
         }
     }
@@ -711,56 +719,16 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
                 float S = canon_tree8(partial);
                 for (int t2 = 0; t2 <= t; t2++) { dst[t2] = at[(size_t)t * T + t2] * (dst[t2] - S) * scale; }
             }
-            float stack[CANON_R][256];
-            // dq: over keys
-            for (int t = 0; t < T; t++) {
-                int top = 0;
-                for (int ch = 0; ch < CANON_R; ch++) {
-                    float* acc = stack[top];
-                    for (int d = 0; d < hs; d++) { acc[d] = 0.0f; }
-                    long end = canon_chunk_begin(T, ch + 1);
-                    for (long t2 = canon_chunk_begin(T, ch); t2 < end && t2 <= t; t2++) {
-                        const float* k = qkv + ((size_t)b * T + t2) * C3 + C + h * hs;
-                        float w = ds[(size_t)t * T + t2];
-                        for (int d = 0; d < hs; d++) { acc[d] = fmaf(w, k[d], acc[d]); }
-                    }
-                    top++;
-                    for (int m = canon_tree_merges_after(ch, CANON_R); m > 0; m--) {
-                        for (int d = 0; d < hs; d++) { stack[top - 2][d] = stack[top - 2][d] + stack[top - 1][d]; }
-                        top--;
-                    }
-                }
-                memcpy(dqkv + ((size_t)b * T + t) * C3 + h * hs, stack[0], sizeof(float) * hs);
+            const float* seq = qkv + (size_t)b * T * C3 + h * hs;   // q of position 0, head h
+            for (int t = 0; t < T; t++) {   // dq: over keys t2 <= t
+                attention_weighted_rows(dqkv + ((size_t)b * T + t) * C3 + h * hs, ds + (size_t)t * T, 1,
+                                        seq + C, C3, T, 0, t + 1, hs);
             }
-            // dk and dv: over queries
-            for (int t2 = 0; t2 < T; t2++) {
-                for (int which = 0; which < 2; which++) {   // 0: dk, 1: dv
-                    int top = 0;
-                    for (int ch = 0; ch < CANON_R; ch++) {
-                        float* acc = stack[top];
-                        for (int d = 0; d < hs; d++) { acc[d] = 0.0f; }
-                        long begin = canon_chunk_begin(T, ch), end = canon_chunk_begin(T, ch + 1);
-                        for (long t = begin < t2 ? t2 : begin; t < end; t++) {
-                            float w;
-                            const float* x;
-                            if (which == 0) {
-                                w = ds[(size_t)t * T + t2];
-                                x = qkv + ((size_t)b * T + t) * C3 + h * hs;
-                            } else {
-                                w = at[(size_t)t * T + t2];
-                                x = dout + ((size_t)b * T + t) * C + h * hs;
-                            }
-                            for (int d = 0; d < hs; d++) { acc[d] = fmaf(w, x[d], acc[d]); }
-                        }
-                        top++;
-                        for (int m = canon_tree_merges_after(ch, CANON_R); m > 0; m--) {
-                            for (int d = 0; d < hs; d++) { stack[top - 2][d] = stack[top - 2][d] + stack[top - 1][d]; }
-                            top--;
-                        }
-                    }
-                    memcpy(dqkv + ((size_t)b * T + t2) * C3 + (size_t)(which + 1) * C + h * hs,
-                           stack[0], sizeof(float) * hs);
-                }
+            for (int t2 = 0; t2 < T; t2++) {   // dk, dv: over queries t >= t2
+                attention_weighted_rows(dqkv + ((size_t)b * T + t2) * C3 + C + h * hs, ds + t2, T,
+                                        seq, C3, T, t2, T, hs);
+                attention_weighted_rows(dqkv + ((size_t)b * T + t2) * C3 + 2 * C + h * hs, at + t2, T,
+                                        dout + (size_t)b * T * C + h * hs, C, T, t2, T, hs);
             }
         }
     }

@@ -60,7 +60,7 @@ static const ArgSpec arg_specs[] = {
     {"-i", ARG_STR, ARG_FIELD(train_pattern), "train token files (glob)"},
     {"-j", ARG_STR, ARG_FIELD(val_pattern), "validation token files (glob)"},
     {"-e", ARG_STR, ARG_FIELD(model), "model: llm.c checkpoint file, or dN[cC][hNH][vV][tMAXT] for a fresh GPT-2 of depth N (e.g. d12)"},
-    {"-o", ARG_STR, ARG_FIELD(output_dir), "output dir for main.log and checkpoints (default: none)"},
+    {"-o", ARG_STR, ARG_FIELD(output_dir), "output dir for main.log and checkpoints"},
     {"-b", ARG_INT, ARG_FIELD(B), "microbatch size B (sequences per rank per microbatch)"},
     {"-t", ARG_INT, ARG_FIELD(T), "sequence length T (<= the model's maxT)"},
     {"-d", ARG_LLONG, ARG_FIELD(total_batch), "total batch in tokens per step; -1 = B*T*DP (no accumulation)"},

@@ -12,24 +12,17 @@
 set -u
 cd "$(dirname "$0")/../.."
 command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun"; exit 0; }
-MPI=dev/test/mpi.sh
-BIN=./train_gpt2
 DATA=build/testdata
 W=$(mktemp -d /tmp/llmc_dp_test.XXXXXX)
 trap 'rm -rf "$W"' EXIT
 export OMP_NUM_THREADS=1
-fail() { echo "FAIL: $*"; exit 1; }
-pass() { echo "ok   $*"; }
+source dev/test/lib.sh
 
 $DATA tokens "$W/train.bin" 20000 64 1 && $DATA tokens "$W/val.bin" 3000 64 2 || fail "test data"
 # model d2c32h2v64t32: L=2, C=32, V=64 (Vp=128), maxT=32
 L=2; C=32; Vp=128; maxT=32
 COMMON=(-e d2c32h2v64t32 -i "$W/train.bin" -j "$W/val.bin" -b 2 -t 16 -v 3 -m 3 -s 0 -l 3e-3 --shuffle 0 -c 0.1)
 
-run() {   # run NAME NP args...
-  local name=$1 np=$2; shift 2
-  $MPI "$np" $BIN "$@" >"$W/$name.out" 2>&1 || { tail -20 "$W/$name.out"; fail "$name: exit code $?"; }
-}
 
 # --- bit-exact against one rank ---
 run ref 1 "${COMMON[@]}" -d 128 -x 6 -n 6 -o "$W/ref"
@@ -105,14 +98,6 @@ grep -q "error: \[rank 1\].*token id 1000" "$W/bad.out" || { cat "$W/bad.out"; f
 [ $(( $(date +%s) - start )) -lt 60 ] || fail "the failing job took too long to end"
 pass "a bad input seen by one rank ends the job with that rank's message"
 # kill one rank of a running job
-$MPI 2 $BIN "${COMMON[@]}" -d 64 -x 100000 -v 0 -o "$W/kill" >"$W/kill.out" 2>&1 &
-job=$!
-for _ in $(seq 100); do [ -s "$W/kill/main.log" ] && break; sleep 0.1; done
-victim=$(pgrep -f "train_gpt2 .*$W/kill" | tail -1)
-[ -n "$victim" ] || fail "could not find a rank to kill"
-kill -9 "$victim"
-start=$(date +%s)
-wait $job && fail "the job survived a killed rank"
-[ $(( $(date +%s) - start )) -lt 60 ] || fail "the job took too long to notice a killed rank"
+kill_one_rank 2 2 "${COMMON[@]}" -d 64 -x 100000 -v 0
 pass "killing one rank mid-run ends the job with an error"
 echo "all data-parallel tests passed"

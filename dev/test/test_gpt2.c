@@ -191,8 +191,8 @@ int main(int argc, char** argv) {
 
     Activations acts;
     ActivationGrads ag;
-    activations_alloc(&acts, &c, c.num_layers, 1, 4, T, 1, 1);
-    activation_grads_alloc(&ag, &c, 4, T, 1);
+    activations_alloc(&acts, &c, c.num_layers, 1, 4, T, 1, 1, 0);
+    activation_grads_alloc(&ag, &c, 4, T, 1, 0);
 
     // 1. forward
     double* probs_ref = malloc(sizeof(double) * BT * c.vocab_size);

@@ -9,25 +9,13 @@
 set -u
 cd "$(dirname "$0")/../.."
 command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun"; exit 0; }
-MPI=dev/test/mpi.sh
-BIN=./train_gpt2
 W=$(mktemp -d /tmp/llmc_pp_test.XXXXXX)
 trap 'rm -rf "$W"' EXIT
 export OMP_NUM_THREADS=1
-fail() { echo "FAIL: $*"; exit 1; }
-pass() { echo "ok   $*"; }
+source dev/test/lib.sh
 
 build/testdata tokens "$W/train.bin" 20000 64 1 && build/testdata tokens "$W/val.bin" 3000 64 2 || fail "test data"
 COMMON=(-e d4c32h2v64t32 -i "$W/train.bin" -j "$W/val.bin" -b 2 -t 16 -v 3 -m 3 -s 3 -g 5 -l 3e-3 --shuffle 0 -c 0.1)
-run() {   # run NAME NP args...
-  local name=$1 np=$2; shift 2
-  $MPI "$np" $BIN "$@" >"$W/$name.out" 2>&1 || { tail -20 "$W/$name.out"; fail "$name: exit code $?"; }
-}
-same() {   # same REF NAME STEP: logs, samples and the final checkpoint identical
-  cmp -s "$W/$1/main.log" "$W/$2/main.log" || fail "$2: losses differ from one rank"
-  cmp -s "$W/$1/model_$(printf %08d "$3").bin" "$W/$2/model_$(printf %08d "$3").bin" || fail "$2: parameters differ from one rank"
-  diff <(grep -A2 generating "$W/$1.out") <(grep -A2 generating "$W/$2.out") >/dev/null || fail "$2: samples differ"
-}
 
 run ref 1 "${COMMON[@]}" -d 128 -x 6 -n 6 -o "$W/ref"
 for layout in "2 --pp 2 --schedule 1f1b" "2 --pp 2 --schedule gpipe" "4 --pp 4 --schedule 1f1b" \
@@ -76,14 +64,6 @@ grep -q "error: .*does not divide" "$W/bad2.out" || fail "no clear error for --p
 pass "bad layouts: clear errors"
 
 # kill the middle of a 4-stage pipeline
-$MPI 4 $BIN "${COMMON[@]}" -d 128 -x 100000 -v 0 -s 0 --pp 4 -o "$W/kill" >"$W/kill.out" 2>&1 &
-job=$!
-for _ in $(seq 200); do [ -s "$W/kill/main.log" ] && break; sleep 0.1; done
-victim=$(pgrep -f "train_gpt2 .*$W/kill" | sed -n 3p)
-[ -n "$victim" ] || fail "could not find a rank to kill"
-kill -9 "$victim"
-start=$(date +%s)
-wait $job && fail "the job survived a killed stage"
-[ $(( $(date +%s) - start )) -lt 60 ] || fail "the job took too long to notice the killed stage"
+kill_one_rank 4 3 "${COMMON[@]}" -d 128 -x 100000 -v 0 -s 0 --pp 4
 pass "a stage killed mid-pipeline ends the job with an error"
 echo "all pipeline-parallel tests passed"

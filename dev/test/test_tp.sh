@@ -14,13 +14,10 @@
 set -u
 cd "$(dirname "$0")/../.."
 command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun"; exit 0; }
-MPI=dev/test/mpi.sh
-BIN=./train_gpt2
 W=$(mktemp -d /tmp/llmc_tp_test.XXXXXX)
 trap 'rm -rf "$W"' EXIT
 export OMP_NUM_THREADS=1
-fail() { echo "FAIL: $*"; exit 1; }
-pass() { echo "ok   $*"; }
+source dev/test/lib.sh
 
 for n in 2 4; do $MPI $n build/test_tp_ops || fail "test_tp_ops on $n ranks"; done
 pass "f/g operators, vocab-parallel embedding and cross-entropy on 2 and 4 ranks: identical to unsplit"
@@ -28,15 +25,6 @@ pass "f/g operators, vocab-parallel embedding and cross-entropy on 2 and 4 ranks
 build/testdata tokens "$W/train.bin" 20000 64 1 && build/testdata tokens "$W/val.bin" 3000 64 2 || fail "test data"
 # L=4, C=32, NH=4, V=64 (Vp=128), maxT=32; B=2, T=16, 4 microbatches per step
 COMMON=(-e d4c32h4v64t32 -i "$W/train.bin" -j "$W/val.bin" -b 2 -t 16 -v 3 -m 3 -s 3 -g 5 -l 3e-3 --shuffle 0 -c 0.1)
-run() {   # run NAME NP args...
-  local name=$1 np=$2; shift 2
-  $MPI "$np" $BIN "$@" >"$W/$name.out" 2>&1 || { tail -20 "$W/$name.out"; fail "$name: exit code $?"; }
-}
-same() {   # same REF NAME STEP
-  cmp -s "$W/$1/main.log" "$W/$2/main.log" || fail "$2: losses differ from one rank"
-  cmp -s "$W/$1/model_$(printf %08d "$3").bin" "$W/$2/model_$(printf %08d "$3").bin" || fail "$2: parameters differ from one rank"
-  diff <(grep -A2 generating "$W/$1.out") <(grep -A2 generating "$W/$2.out") >/dev/null || fail "$2: samples differ"
-}
 
 run ref 1 "${COMMON[@]}" -d 128 -x 6 -n 6 -o "$W/ref"
 for layout in "2 --tp 2" "4 --tp 4" "4 --tp 2 -z 1" "4 --tp 2 -z 3" "4 --tp 2 --pp 2 --schedule gpipe" \
