@@ -52,6 +52,13 @@ TEST_BINS :=
 .PHONY: all train test bench clean data
 all: train_gpt2
 
+# The quick start: tiny Shakespeare (downloaded, or from ../shared/data offline), then a fresh
+# GPT-2 of depth 4 (L=4, C=256, 16M parameters) trained for 200 steps on the CPU, with the
+# validation loss, a checkpoint and a text sample at the end. About 2-3 minutes on 2 cores.
+train: train_gpt2 data
+	./train_gpt2 -e d4 -b 8 -t 64 -x 200 -l 2e-3 -u 20 -q 0.1 -c 0.1 -v 50 -m 10 -s 200 -g 96 \
+	    -n 200 -o out/quickstart
+
 train_gpt2: train_gpt2.c $(LLMC_HEADERS)
 ifneq ($(HAVE_MPI),1)
 	@echo "note: mpicc not found (or NO_MPI=1): building train_gpt2 for a single rank only"
@@ -79,6 +86,14 @@ TEST_BINS += build/test_canonical build/test_kernels build/test_kernels_scalar b
              build/test_tp_ops
 TESTS += build/test_canonical build/test_kernels build/test_kernels_scalar build/test_gpt2 dev/test/test_train.sh \
          dev/test/test_dp.sh dev/test/test_pp.sh dev/test/test_tp.sh
+
+# --- benchmarks (dev/bench: tables, not tests) ---------------------------------------------
+build/bench_kernels: dev/bench/bench_kernels.c train_gpt2.c $(LLMC_HEADERS) | build
+	$(CC) $(TEST_CFLAGS) -o $@ $< $(LDLIBS)
+build/fma_peak: dev/bench/fma_peak.c $(LLMC_HEADERS) | build
+	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+bench: train_gpt2 build/bench_kernels build/fma_peak
+	dev/bench/bench_cpu.sh
 
 include $(sort $(wildcard mk/*.mk))
 
