@@ -27,6 +27,7 @@
 #include "llmc/checkpoint.h"
 #include "llmc/adamw.h"
 #include "llmc/rand.h"
+#include "llmc/gpt2_init.h"
 #include "llmc/dataloader.h"
 #include "llmc/tokenizer.h"
 #include "llmc/logger.h"
@@ -295,40 +296,44 @@ void sequence_tree(float* out, const float* partials, int B, int n) {
 // The CPU kernel vectorises across ROWS: a tile of MR rows x up to 6 outputs keeps 12 vector
 // accumulators; inp is packed transposed so each k gives one vector load per MR/VLEN rows.
 #define MM_NO 6
-#define MR (2 * VLEN)
+#define MM_MV (VLEN == 16 ? 4 : 2)   // vectors of rows per tile: 24 accumulators with AVX-512's 32 registers
+#define MR (MM_MV * VLEN)
 
 ALWAYS_INLINE void matmul_forward_tile(float* out, const float* packed, const float* weight,
                                        const float* bias, int K, int OC, int o0, const int no,
                                        int bt0, int nbt, int nchunks) {
-    vf acc[MM_NO][2];
-    vf stack[CANON_LOG2_R + 2][MM_NO][2];
+    vf acc[MM_NO][MM_MV];
+    vf stack[CANON_LOG2_R + 2][MM_NO][MM_MV];
     int top = 0;
     for (int ch = 0; ch < nchunks; ch++) {
         int kb = (int)(((long)K * ch) / nchunks), ke = (int)(((long)K * (ch + 1)) / nchunks);
-        _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) { acc[j][0] = vf_zero(); acc[j][1] = vf_zero(); }
+        _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < MM_MV; v++) { acc[j][v] = vf_zero(); }
+        }
         for (int k = kb; k < ke; k++) {
-            vf a0 = vf_load(packed + (size_t)k * MR);
-            vf a1 = vf_load(packed + (size_t)k * MR + VLEN);
+            vf a[MM_MV];
+            _Pragma("GCC unroll 4") for (int v = 0; v < MM_MV; v++) { a[v] = vf_load(packed + (size_t)k * MR + v * VLEN); }
             _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                 vf w = vf_set1(weight[(size_t)(o0 + j) * K + k]);
-                acc[j][0] = vf_fma(a0, w, acc[j][0]);
-                acc[j][1] = vf_fma(a1, w, acc[j][1]);
+                _Pragma("GCC unroll 4") for (int v = 0; v < MM_MV; v++) { acc[j][v] = vf_fma(a[v], w, acc[j][v]); }
             }
         }
-        _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) { stack[top][j][0] = acc[j][0]; stack[top][j][1] = acc[j][1]; }
+        _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < MM_MV; v++) { stack[top][j][v] = acc[j][v]; }
+        }
         top++;
         for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
             _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                stack[top - 2][j][0] = vf_add(stack[top - 2][j][0], stack[top - 1][j][0]);
-                stack[top - 2][j][1] = vf_add(stack[top - 2][j][1], stack[top - 1][j][1]);
+                _Pragma("GCC unroll 4") for (int v = 0; v < MM_MV; v++) {
+                    stack[top - 2][j][v] = vf_add(stack[top - 2][j][v], stack[top - 1][j][v]);
+                }
             }
             top--;
         }
     }
     float tile[MR];
-    _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-        vf_store(tile, stack[0][j][0]);
-        vf_store(tile + VLEN, stack[0][j][1]);
+    for (int j = 0; j < no; j++) {
+        for (int v = 0; v < MM_MV; v++) { vf_store(tile + v * VLEN, stack[0][j][v]); }
         float* o = out + (size_t)bt0 * OC + o0 + j;
         if (bias) {
             float bj = bias[o0 + j];
@@ -1260,31 +1265,10 @@ void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* i
 
 // --- building the model -------------------------------------------------------------------
 
-// GPT-2's initialisation: weights ~ N(0, 0.02), the two projections back into the residual
-// stream (attproj, fcproj) ~ N(0, 0.02/sqrt(2L)), biases 0, layernorm weights 1, padded
-// vocabulary rows 0. Drawn tensor by tensor in llm.c's file order, layer by layer, from one
-// generator seeded with `seed` (rand.h: the same bits on every machine).
-typedef struct { float* params; const GPT2Config* c; uint64_t rng; } InitCtx;
-
-static void init_piece(int t, int layer, size_t offset, size_t elements, void* vctx) {
-    InitCtx* ctx = (InitCtx*)vctx;
-    float* dst = ctx->params + offset;
-    if (t == P_LN1W || t == P_LN2W || t == P_LNFW) {
-        for (size_t i = 0; i < elements; i++) { dst[i] = 1.0f; }
-    } else if (param_is_decayed(t)) {
-        float std = 0.02f;
-        if (t == P_ATTPROJW || t == P_FCPROJW) {
-            std = (float)(0.02 / sqrt(2.0 * ctx->c->num_layers));
-        }
-        size_t n = t == P_WTE ? (size_t)ctx->c->vocab_size * ctx->c->channels : elements;
-        random_normal_fill(dst, n, 0.0f, std, &ctx->rng);
-    }
-}
-
+// A fresh GPT-2 with GPT-2's initialisation (llmc/gpt2_init.h, shared with train_gpt2.cu).
 float* gpt2_random_params(const GPT2Config* config, uint64_t seed) {
     float* params = (float*)aligned_calloc_or_die(param_count(config) * sizeof(float), "parameters");
-    InitCtx ctx = {params, config, seed ? seed : 1};
-    param_for_each_in_file_order(config, init_piece, &ctx);
+    gpt2_init_params(params, config, seed);
     return params;
 }
 

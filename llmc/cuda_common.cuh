@@ -1,0 +1,85 @@
+/*
+ * cuda_common.cuh: what every CUDA file of the trainer needs: error checks that end the
+ * program with one clear line (utils.h fatal), device memory with a running total, the bf16
+ * storage type of fast mode, and warp-level helpers.
+ */
+#ifndef LLMC_CUDA_COMMON_CUH
+#define LLMC_CUDA_COMMON_CUH
+
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include "llmc/utils.h"
+
+// fast mode's storage type for weights and activations (fp32 master weights in AdamW)
+typedef __nv_bfloat16 floatX;
+
+static inline void cuda_check_(cudaError_t err, const char* what, const char* file, int line) {
+    if (err != cudaSuccess) {
+        fatal("CUDA error in %s (%s:%d): %s", what, file, line, cudaGetErrorString(err));
+    }
+}
+#define cudaCheck(call) cuda_check_((call), #call, __FILE__, __LINE__)
+// after a kernel launch: a bad configuration is reported here, a fault at the next sync
+#define cudaLaunchCheck(name) cuda_check_(cudaGetLastError(), name, __FILE__, __LINE__)
+
+static inline unsigned ceil_div_u(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
+
+// Grid of a grid-stride elementwise kernel over n elements.
+static inline unsigned elementwise_blocks(size_t n, int threads) {
+    size_t blocks = (n + threads - 1) / threads;
+    return (unsigned)(blocks > 65536 * 8 ? 65536 * 8 : (blocks ? blocks : 1));
+}
+
+// --- device memory ------------------------------------------------------------------------
+static size_t device_bytes_allocated = 0;
+
+static inline void* device_alloc(size_t bytes, const char* what) {
+    void* p = NULL;
+    if (bytes == 0) { return NULL; }
+    cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+        size_t free_b = 0, total_b = 0;
+        cudaMemGetInfo(&free_b, &total_b);
+        fatal("out of GPU memory allocating %.2f GiB for %s (%.2f GiB allocated so far, %.2f GiB "
+              "free of %.2f): lower -b or use -r 1", bytes / 1073741824.0, what,
+              device_bytes_allocated / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0);
+    }
+    device_bytes_allocated += (bytes + 255) / 256 * 256;
+    return p;
+}
+
+// --- warp helpers -------------------------------------------------------------------------
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) { v += __shfl_xor_sync(FULL_MASK, v, o); }
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) { v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o)); }
+    return v;
+}
+
+// 8 bf16 in 16 bytes: the unit of vectorized loads and stores in fast-mode kernels
+struct alignas(16) bf16x8 {
+    __nv_bfloat162 h[4];
+};
+
+__device__ __forceinline__ void bf16x8_to_float(const bf16x8& v, float f[8]) {
+    for (int i = 0; i < 4; i++) {
+        float2 t = __bfloat1622float2(v.h[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+
+__device__ __forceinline__ bf16x8 float_to_bf16x8(const float f[8]) {
+    bf16x8 v;
+    for (int i = 0; i < 4; i++) { v.h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]); }
+    return v;
+}
+
+#endif // LLMC_CUDA_COMMON_CUH

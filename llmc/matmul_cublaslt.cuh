@@ -1,0 +1,147 @@
+/*
+ * matmul_cublaslt.cuh: fast mode's matmuls on tensor cores through cuBLASLt: bf16 inputs,
+ * fp32 accumulation, bf16 activations out, fp32 weight gradients out (written fresh per
+ * microbatch: the microbatch tree adds them, as in train_gpt2.c). Epilogues fuse the bias
+ * and GELU of the forward (GELU_AUX_BIAS keeps the pre-GELU input for the backward) and the
+ * GELU derivative of the backward (DGELU).
+ *
+ * Row-major (BT,K) activations and (OC,K) weights are column-major (K,BT) and (K,OC) to
+ * cuBLAS, so:  out (OC x BT) = W^T(OC x K) . inp (K x BT)        forward
+ *              dinp (K x BT) = W (K x OC) . dout (OC x BT)        backward, data
+ *              dW (K x OC)   = inp (K x BT) . dout^T (BT x OC)    backward, weights
+ */
+#ifndef LLMC_MATMUL_CUBLASLT_CUH
+#define LLMC_MATMUL_CUBLASLT_CUH
+
+#include <cublasLt.h>
+#include "llmc/cuda_common.cuh"
+#include "llmc/kernels_det.cuh"
+
+static inline void cublas_check_(cublasStatus_t st, const char* what, const char* file, int line) {
+    if (st != CUBLAS_STATUS_SUCCESS) { fatal("cuBLASLt error %d in %s (%s:%d)", (int)st, what, file, line); }
+}
+#define cublasCheck(call) cublas_check_((call), #call, __FILE__, __LINE__)
+
+static cublasLtHandle_t cublaslt_handle;
+static void* cublaslt_workspace;
+
+static void cublaslt_init(void* workspace) {
+    cublasCheck(cublasLtCreate(&cublaslt_handle));
+    cublaslt_workspace = workspace;
+}
+
+static void cublaslt_free(void) { cublasCheck(cublasLtDestroy(cublaslt_handle)); }
+
+// the largest power of two (up to 256) dividing the address: the alignment cuBLASLt may assume
+static inline uint32_t ptr_alignment(const void* p) {
+    uintptr_t a = (uintptr_t)p;
+    uint32_t al = 256;
+    while (al > 1 && (a % al) != 0) { al /= 2; }
+    return al;
+}
+
+// The heuristic's choice for a problem, cached (the same dozen shapes recur every step).
+typedef struct {
+    int transa, transb, m, n, k, d_fp32, epilogue, has_bias;
+    uint32_t align[4];
+    cublasLtMatmulAlgo_t algo;
+} LtCacheEntry;
+#define LT_CACHE_SIZE 64
+static LtCacheEntry lt_cache[LT_CACHE_SIZE];
+static int lt_cache_count = 0;
+
+// D (m x n, column-major, ld m) = op(A) . op(B) [+ bias] [epilogue], A/B bf16; D bf16 or fp32
+// (d_fp32). transa: A stored k x m (else m x k); transb: B stored n x k (else k x n).
+static void lt_matmul(void* D, int d_fp32, const floatX* A, int transa, const floatX* B, int transb,
+                      int m, int n, int k, cublasLtEpilogue_t epilogue, const floatX* bias,
+                      floatX* aux, const char* name) {
+    cublasLtMatmulDesc_t desc;
+    cublasCheck(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t opa = transa ? CUBLAS_OP_T : CUBLAS_OP_N, opb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+    cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+    cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    if (bias) {
+        cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    }
+    if (aux) {
+        int64_t ld = m;
+        cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+        cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
+    }
+    cublasLtMatrixLayout_t la, lb, ld;
+    cublasCheck(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, transa ? k : m, transa ? m : k, transa ? k : m));
+    cublasCheck(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, transb ? n : k, transb ? k : n, transb ? n : k));
+    cublasCheck(cublasLtMatrixLayoutCreate(&ld, d_fp32 ? CUDA_R_32F : CUDA_R_16BF, m, n, m));
+
+    LtCacheEntry key;
+    memset(&key, 0, sizeof(key));
+    key.transa = transa; key.transb = transb; key.m = m; key.n = n; key.k = k;
+    key.d_fp32 = d_fp32; key.epilogue = (int)epilogue; key.has_bias = bias != NULL;
+    key.align[0] = ptr_alignment(A); key.align[1] = ptr_alignment(B);
+    key.align[2] = ptr_alignment(D); key.align[3] = bias ? ptr_alignment(bias) : 0;
+    const cublasLtMatmulAlgo_t* algo = NULL;
+    for (int i = 0; i < lt_cache_count; i++) {
+        if (memcmp(&lt_cache[i], &key, offsetof(LtCacheEntry, algo)) == 0) { algo = &lt_cache[i].algo; break; }
+    }
+    if (algo == NULL) {
+        cublasLtMatmulPreference_t pref;
+        cublasCheck(cublasLtMatmulPreferenceCreate(&pref));
+        size_t ws = CUBLASLT_WORKSPACE_BYTES;
+        cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+        cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align[0], 4));
+        cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align[1], 4));
+        cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align[2], 4));
+        cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align[2], 4));
+        cublasLtMatmulHeuristicResult_t result;
+        int found = 0;
+        cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cublaslt_handle, desc, la, lb, ld, ld, pref, 1,
+                                                           &result, &found);
+        cublasCheck(cublasLtMatmulPreferenceDestroy(pref));
+        if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+            fatal("cuBLASLt has no algorithm for %s (m=%d n=%d k=%d, epilogue %d, status %d)", name, m, n, k,
+                  (int)epilogue, (int)st);
+        }
+        if (lt_cache_count == LT_CACHE_SIZE) { lt_cache_count = 0; }   // start over; shapes are few
+        key.algo = result.algo;
+        lt_cache[lt_cache_count] = key;
+        algo = &lt_cache[lt_cache_count++].algo;
+    }
+    const float alpha = 1.0f, beta = 0.0f;
+    cublasCheck(cublasLtMatmul(cublaslt_handle, desc, &alpha, A, la, B, lb, &beta, D, ld, D, ld, algo,
+                               cublaslt_workspace, CUBLASLT_WORKSPACE_BYTES, 0));
+    cublasCheck(cublasLtMatmulDescDestroy(desc));
+    cublasCheck(cublasLtMatrixLayoutDestroy(la));
+    cublasCheck(cublasLtMatrixLayoutDestroy(lb));
+    cublasCheck(cublasLtMatrixLayoutDestroy(ld));
+}
+
+// out (BT,OC) = inp (BT,K) @ weight (OC,K)^T + bias; with gelu_pre: gelu_pre = that, and
+// out = gelu(that) (the fc layer's matmul and GELU in one)
+static void matmul_forward_fast(floatX* out, const floatX* inp, const floatX* weight, const floatX* bias,
+                                int BT, int K, int OC, floatX* gelu_pre) {
+    cublasLtEpilogue_t epi = gelu_pre ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                      : (bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
+    lt_matmul(out, 0, weight, 1, inp, 0, OC, BT, K, epi, bias, gelu_pre, "matmul_forward");
+}
+
+// dinp (BT,K) = dout @ weight, times gelu'(gelu_pre) when given (the fcproj backward and the
+// GELU backward in one); dweight (OC,K) fp32 = dout^T @ inp; dbias (OC) fp32 by the exact R3
+// kernel of deterministic mode. Any output may be NULL. leaves: B*8*OC floats.
+static void matmul_backward_fast(floatX* dinp, float* dweight, float* dbias, const floatX* dout,
+                                 const floatX* inp, const floatX* weight, int B, int T, int K, int OC,
+                                 const floatX* gelu_pre, float* leaves) {
+    int BT = B * T;
+    if (dinp) {
+        lt_matmul(dinp, 0, weight, 0, dout, 0, K, BT, OC,
+                  gelu_pre ? CUBLASLT_EPILOGUE_DGELU : CUBLASLT_EPILOGUE_DEFAULT, NULL,
+                  (floatX*)gelu_pre, "matmul_backward dinp");
+    }
+    if (dweight) {
+        lt_matmul(dweight, 1, inp, 0, dout, 1, K, OC, BT, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL,
+                  "matmul_backward dweight");
+    }
+    if (dbias) { position_reduce(dbias, leaves, dout, 1, B, T, OC); }
+}
+
+#endif // LLMC_MATMUL_CUBLASLT_CUH
