@@ -235,6 +235,8 @@ static inline void comm_max_op_fn(void* in, void* inout, int* len, MPI_Datatype*
 }
 
 static inline void comm_fatal_hook(int exit_code) { MPI_Abort(MPI_COMM_WORLD, exit_code); }
+// A job of one rank has no one to stop: finalize quietly instead of MPI_Abort's banner.
+static inline void comm_fatal_hook_single(int exit_code) { (void)exit_code; MPI_Finalize(); }
 
 static inline void comm_check(int err, const char* what) {
     if (err != MPI_SUCCESS) {
@@ -398,6 +400,8 @@ static inline void comm_init(Comm* c, int* argc, char*** argv) {
     MPI_Comm_size(c->world.mpi, &c->world.size);
     if (c->world.size > 1) {
         snprintf(llmc_fatal_prefix, sizeof(llmc_fatal_prefix), "[rank %d] ", c->world.rank);
+    } else {
+        llmc_fatal_hook = comm_fatal_hook_single;
     }
     comm_check(MPI_Op_create(comm_max_op_fn, 1, &comm_max_op), "MPI_Op_create");
 #else

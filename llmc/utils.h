@@ -143,15 +143,25 @@ static inline void atomic_writer_commit(AtomicWriter* w) {
     }
 }
 
-// Creates DIR (one level) if needed; dies with a clear message if it cannot be written to.
+// Creates DIR (and its parents) if needed; dies with a clear message if it cannot be written to.
 static inline void ensure_writable_dir(const char* dir, const char* flag) {
-    struct stat st;
-    if (stat(dir, &st) != 0) {
-        if (mkdir(dir, 0755) != 0) {
-            fatal("%s: cannot create output directory '%s': %s", flag, dir, strerror(errno));
+    char path[1024];
+    if (strlen(dir) >= sizeof(path)) { fatal("%s: output directory path too long: '%s'", flag, dir); }
+    snprintf(path, sizeof(path), "%s", dir);
+    for (char* p = path + 1; ; p++) {   // each prefix ending at a '/', then the whole path
+        int end = *p == '\0';
+        if (*p != '/' && !end) { continue; }
+        *p = '\0';
+        struct stat st;
+        if (stat(path, &st) != 0) {
+            if (mkdir(path, 0755) != 0) {
+                fatal("%s: cannot create output directory '%s': %s", flag, path, strerror(errno));
+            }
+        } else if (!S_ISDIR(st.st_mode)) {
+            fatal("%s: '%s' exists and is not a directory", flag, path);
         }
-    } else if (!S_ISDIR(st.st_mode)) {
-        fatal("%s: '%s' exists and is not a directory", flag, dir);
+        if (end) { break; }
+        *p = '/';
     }
     if (access(dir, W_OK | X_OK) != 0) {
         fatal("%s: output directory '%s' is not writable: %s", flag, dir, strerror(errno));

@@ -148,7 +148,7 @@ mkdir -p "$W/ro" && chmod 500 "$W/ro"
 if [ "$(id -u)" != 0 ]; then   # root can write anywhere
   expect_error "not writable"   -e $MODEL "${GOOD[@]}" -o "$W/ro"
 fi
-expect_error "cannot create output directory" -e $MODEL "${GOOD[@]}" -o "$W/garbage.bin/sub"
+expect_error "cannot create output directory" -e $MODEL "${GOOD[@]}" -o /proc/llmc_no_such_dir/sub
 # a failed run leaves an existing checkpoint alone
 cp "$W/a/model_00000010.bin" "$W/keep.bin"
 expect_error "magic 777" -e $MODEL -i "$W/badtok_magic.bin" -j "$W/val.bin" -b 4 -t 16 -x 2 -v 0 -s 0 -n 1 -o "$W/a" -y 1
