@@ -19,7 +19,7 @@ cd "$(dirname "$0")/../.."
 
 SHAKESPEARE_URL=https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
 GPT2_URL=https://openaipublic.blob.core.windows.net/gpt-2/models/124M
-SHARED=../shared/data
+SHARED=${LLMC_SHARED_DATA:-../shared/data}   # override with LLMC_SHARED_DATA
 
 # path | sha256 | url | file under ../shared/data
 INPUTS=(

@@ -607,7 +607,8 @@ static const char* find_gpt2_file(const char* name) {
     int slot = strcmp(name, "encoder.json") == 0 ? 0 : 1;
     snprintf(paths[slot], sizeof(paths[slot]), "dev/data/gpt2/%s", name);
     if (file_exists(paths[slot])) { return paths[slot]; }
-    snprintf(paths[slot], sizeof(paths[slot]), "../shared/data/gpt2/%s", name);
+    const char* shared = getenv("LLMC_SHARED_DATA");   // as in test_tokenizer.sh
+    snprintf(paths[slot], sizeof(paths[slot]), "%s/gpt2/%s", shared ? shared : "../shared/data", name);
     return file_exists(paths[slot]) ? paths[slot] : NULL;
 }
 

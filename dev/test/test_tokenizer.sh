@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/../.."
 
 TOK=dev/data/tokenize
-SHARED=../shared/data
+SHARED=${LLMC_SHARED_DATA:-../shared/data}   # override with LLMC_SHARED_DATA
 WORK=build/test_tokenizer_sh
 fails=0
 fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
