@@ -1373,6 +1373,7 @@ typedef struct {
     int prev, next;            // pp-group ranks of the neighbouring stages (COMM_NO_PEER)
     CommGroup* pp;
     double busy;               // seconds of FORWARD/BACKWARD in the last step
+    double fwd, bwd;           // ... of which forwards, backwards
     size_t slot_bytes;
 } Pipeline;
 
@@ -1467,7 +1468,7 @@ static void pipeline_step(Pipeline* p, GPT2* model, ActivationGrads* g, DataLoad
     Zero* z = &model->zero;
     size_t BTC = p->msg_floats;
     float dloss = 1.0f / (float)((double)B * T * M_global);
-    p->busy = 0.0;
+    p->busy = p->fwd = p->bwd = 0.0;
     for (int k = 0; k < p->nactions; k++) {
         const PipelineAction* act = &p->actions[k];
         int i = act->microbatch;
@@ -1501,7 +1502,7 @@ static void pipeline_step(Pipeline* p, GPT2* model, ActivationGrads* g, DataLoad
                     head_forward(model, &s->acts, s->targets, B, T, 1);
                     local_loss[i] = position_sum(s->acts.losses, B, T);
                 }
-                p->busy += now_seconds() - t0;
+                p->fwd += now_seconds() - t0;
                 break;
             case PP_SEND_FORWARD:
                 // isend (pp group): the stage output of microbatch i to the next stage
@@ -1531,7 +1532,7 @@ static void pipeline_step(Pipeline* p, GPT2* model, ActivationGrads* g, DataLoad
                 }
                 zero_end_microbatch(z);
                 s->microbatch = -1;   // its activations are no longer needed
-                p->busy += now_seconds() - t0;
+                p->bwd += now_seconds() - t0;
                 break;
             case PP_SEND_BACKWARD:
                 // isend (pp group): d(loss)/d(stage input) of microbatch i to the previous stage
@@ -1543,6 +1544,7 @@ static void pipeline_step(Pipeline* p, GPT2* model, ActivationGrads* g, DataLoad
     }
     for (int k = 0; k < p->nslots; k++) { comm_wait(p->slots[k].send_act); p->slots[k].send_act = NULL; }
     for (int k = 0; k < p->nmsgs; k++) { comm_wait(p->msgs[k].req); p->msgs[k].req = NULL; p->msgs[k].state = MSG_FREE; }
+    p->busy = p->fwd + p->bwd;
     zero_finish_grads(z);
 }
 
@@ -1946,17 +1948,29 @@ int main(int argc, char** argv) {
         progress.microbatches_done += M;
         progress.step = step + 1;
         double dt = now_seconds() - t0;
-        // the pipeline bubble: the fraction of the step each stage spent not computing
-        float idle = (float)(1.0 - pipe.busy / dt), idle_all[64];
-        if (comm.pp > 1 && comm.pp <= 64) { comm_all_gather(&comm.pp_group, &idle, idle_all, 1, COMM_KIND_OTHER); }
+        // the pipeline bubble: the fraction of the step each stage spent not computing, and
+        // each stage's mean forward and backward time per microbatch (all-gather, pp group)
+        float timing[3] = {(float)(1.0 - pipe.busy / dt), (float)(pipe.fwd / z->local_microbatches * 1e3),
+                           (float)(pipe.bwd / z->local_microbatches * 1e3)};
+        float timing_all[3 * 64];
+        if (comm.pp > 1 && comm.pp <= 64) { comm_all_gather(&comm.pp_group, timing, timing_all, 3, COMM_KIND_OTHER); }
         if (step > (int)0) { total_time += dt; timed_steps++; }
         if (root) {
             printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %.1f GFLOP/s\n",
                    step + 1, train_steps, loss, lr, norm, dt * 1e3, total_batch / dt, flops_per_step / dt / 1e9);
             if (comm.pp > 1 && comm.pp <= 64) {
                 printf("           pipeline idle per stage:");
-                for (int st = 0; st < comm.pp; st++) { printf(" %.2f", idle_all[st]); }
+                for (int st = 0; st < comm.pp; st++) { printf(" %.2f", timing_all[3 * st]); }
                 printf(" (model %.2f)\n", pipeline_bubble_fraction(&pipe.cfg));
+                if (timed_steps == 0) {   // the measured costs, ready for the schedule drawing tool
+                    printf("draw this step's schedule from its measured costs (ms per microbatch):\n"
+                           "  dev/tools/pp_schedule --stages %d --microbatches %d --schedule %s --svg pipeline.svg --fwd ",
+                           comm.pp, z->local_microbatches, args.pp_schedule);
+                    for (int st = 0; st < comm.pp; st++) { printf("%s%.3f", st ? "," : "", timing_all[3 * st + 1]); }
+                    printf(" --bwd ");
+                    for (int st = 0; st < comm.pp; st++) { printf("%s%.3f", st ? "," : "", timing_all[3 * st + 2]); }
+                    printf("\n");
+                }
             }
             if (timed_steps == 0) {   // the first step of this run: what it sent, and the memory plan
                 printf("communication per rank in this step (bytes sent):\n");
