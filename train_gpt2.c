@@ -2,10 +2,13 @@
  * train_gpt2.c: GPT-2 training on the CPU, the reference build.
  *
  * Read top to bottom: the kernels (each forward beside its backward, with the shapes above
- * them), the model (parameters, activations, forward, backward, AdamW), then the training
- * loop. Every floating-point reduction follows the canonical order of llmc/canonical.h (rules
- * R1-R6), which is what makes this file the arithmetic truth: the CUDA build in deterministic
- * mode and every parallel layout reproduce its bits.
+ * them), the model (activations; the forward and backward in three parts - embeddings,
+ * layers, head - with the tensor-parallel f/g operators where Megatron puts them), the
+ * pipeline executor (every run is a pipeline, of one stage without --pp), then the training
+ * loop. Parameters, gradients and AdamW live in llmc/zero.h (data parallelism, ZeRO); the
+ * communication is llmc/comm.h. Every floating-point reduction follows the canonical order of
+ * llmc/canonical.h (rules R1-R6), which is what makes this file the arithmetic truth: the CUDA
+ * build in deterministic mode and every parallel layout reproduce its bits.
  *
  * Shapes: B sequences of T tokens, C channels, NH heads of hs = C/NH, vocabulary V padded to
  * Vp, L layers. "BT" is B*T positions, row-major (b, t).
@@ -1247,8 +1250,8 @@ void embed_backward(GPT2* model, ActivationGrads* g, const int* inputs, int B, i
     zero_grad_unit_done(z, E);
 }
 
-// The whole model on a rank that holds all of it (one pipeline stage): used by sampling,
-// validation and the tests.
+// The whole model on a rank that holds all of it (one pipeline stage, no sequence
+// parallelism): the tests' entry points.
 void gpt2_forward(GPT2* model, Activations* a, const int* inputs, const int* targets, int B, int T,
                   int training) {
     embed_forward(model, a, inputs, B, T);
