@@ -88,7 +88,7 @@ expect_error "missing prepare input" "cannot open input file '$WORK/nope.txt'" \
 touch $WORK/a_file
 expect_error "output dir is a file" "'$WORK/a_file' exists and is not a directory" \
   $TOK prepare "${GPT2[@]}" --out $WORK/a_file "$SHAKESPEARE"
-expect_error "output dir not creatable" "cannot create output directory" \
+expect_error "output dir under a file" "exists and is not a directory" \
   $TOK prepare "${GPT2[@]}" --out $WORK/a_file/sub "$SHAKESPEARE"
 expect_error "too few tokens" "nothing is left for training" \
   $TOK prepare "${GPT2[@]}" --out $WORK/few --val-tokens 400000 "$SHAKESPEARE"
