@@ -402,29 +402,28 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
 ALWAYS_INLINE void matmul_dinp_tile(float* acc_mem, const float* dout, const float* weight,
                                     int K, int OC, int ob, int oe, int start, int bt0,
                                     const int nr, int k0, const int nv) {
-    vf acc[MM_NO][2];
+    vf acc[MM_NO][MM_MV];
     _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-        _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) {
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
             acc[r][v] = start ? vf_zero() : vf_load(acc_mem + (size_t)(bt0 + r) * K + k0 + v * VLEN);
         }
     }
     for (int o = ob; o < oe; o++) {
         const float* w = weight + (size_t)o * K + k0;
-        vf w0 = vf_load(w);
-        vf w1 = nv > 1 ? vf_load(w + VLEN) : w0;
+        vf wv[MM_MV];
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { wv[v] = vf_load(w + v * VLEN); }
         _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
             vf d = vf_set1(dout[(size_t)(bt0 + r) * OC + o]);
-            acc[r][0] = vf_fma(d, w0, acc[r][0]);
-            if (nv > 1) { acc[r][1] = vf_fma(d, w1, acc[r][1]); }
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(d, wv[v], acc[r][v]); }
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-        _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) { vf_store(acc_mem + (size_t)(bt0 + r) * K + k0 + v * VLEN, acc[r][v]); }
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { vf_store(acc_mem + (size_t)(bt0 + r) * K + k0 + v * VLEN, acc[r][v]); }
     }
 }
 
-ALWAYS_INLINE void matmul_dinp_block(float* acc_mem, const float* dout, const float* weight, int BT,
-                                     int K, int OC, int ob, int oe, int start, int k0, const int nv) {
+ALWAYS_INLINE void matmul_dinp_rows(float* acc_mem, const float* dout, const float* weight, int BT,
+                                    int K, int OC, int ob, int oe, int start, int k0, const int nv) {
     int bt0 = 0;
     for (; bt0 + MM_NO <= BT; bt0 += MM_NO) {
         matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, MM_NO, k0, nv);
@@ -436,6 +435,20 @@ ALWAYS_INLINE void matmul_dinp_block(float* acc_mem, const float* dout, const fl
         case 2: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 2, k0, nv); break;
         case 1: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 1, k0, nv); break;
         default: break;
+    }
+}
+
+// all rows, columns [k0, k0 + nv*VLEN), nv <= MM_MV (a compile-time constant in each case)
+static void matmul_dinp_block(float* acc_mem, const float* dout, const float* weight, int BT,
+                              int K, int OC, int ob, int oe, int start, int k0, int nv) {
+    switch (nv) {
+        case 1: matmul_dinp_rows(acc_mem, dout, weight, BT, K, OC, ob, oe, start, k0, 1); break;
+        case 2: matmul_dinp_rows(acc_mem, dout, weight, BT, K, OC, ob, oe, start, k0, 2); break;
+#if MM_MV > 2
+        case 3: matmul_dinp_rows(acc_mem, dout, weight, BT, K, OC, ob, oe, start, k0, 3); break;
+        case 4: matmul_dinp_rows(acc_mem, dout, weight, BT, K, OC, ob, oe, start, k0, 4); break;
+#endif
+        default: fatal("internal: matmul_dinp_block with %d vectors", nv);
     }
 }
 
@@ -472,12 +485,12 @@ static void matmul_backward_dinp(float* dinp, const float* dout, const float* we
     level[0] = dinp;
     for (int i = 1; i < CANON_LOG2_R + 2; i++) { level[i] = extra + (size_t)(i - 1) * BT * K; }
     int kvec_end = K / VLEN * VLEN;
-    int ktiles = (kvec_end + 2 * VLEN - 1) / (2 * VLEN);
+    int ktiles = (kvec_end + MM_MV * VLEN - 1) / (MM_MV * VLEN);
     int og = OC / groups;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int kt = 0; kt < ktiles; kt++) {
-        int k0 = kt * 2 * VLEN;
-        int nv = kvec_end - k0 >= 2 * VLEN ? 2 : 1;
+        int k0 = kt * MM_MV * VLEN;
+        int nv = kvec_end - k0 >= MM_MV * VLEN ? MM_MV : (kvec_end - k0) / VLEN;
         int top = 0;
         for (int ch = 0; ch < nchunks; ch++) {
             float* acc = level[top];
@@ -487,8 +500,7 @@ static void matmul_backward_dinp(float* dinp, const float* dout, const float* we
                 int se = g * og + (int)(((long)og * (ch + 1)) / nchunks);
                 for (int ob = sb; ob < se; ob += MM_DINP_OB) {
                     int oe = se - ob < MM_DINP_OB ? se : ob + MM_DINP_OB;
-                    if (nv == 2) { matmul_dinp_block(acc, dout, weight, BT, K, OC, ob, oe, start, k0, 2); }
-                    else { matmul_dinp_block(acc, dout, weight, BT, K, OC, ob, oe, start, k0, 1); }
+                    matmul_dinp_block(acc, dout, weight, BT, K, OC, ob, oe, start, k0, nv);
                     start = 0;
                 }
             }
@@ -525,28 +537,31 @@ static void matmul_backward_dinp(float* dinp, const float* dout, const float* we
 ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const float* inp,
                                        int B, int T, int K, int OC, int o0, const int no,
                                        int k0, const int nv) {
-    vf acc[MM_NO][2];
-    vf stack[CANON_LOG2_R + 34][MM_NO][2];
+    vf acc[MM_NO][MM_MV];
+    vf stack[CANON_LOG2_R + 34][MM_NO][MM_MV];
     int top = 0;
     for (int b = 0; b < B; b++) {
         for (int ch = 0; ch < CANON_R; ch++) {
-            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) { for (int v = 0; v < nv; v++) { acc[j][v] = vf_zero(); } }
+            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
+                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_zero(); }
+            }
             for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
                 size_t pos = (size_t)b * T + t;
                 const float* x = inp + pos * K + k0;
-                vf x0 = vf_load(x);
-                vf x1 = nv > 1 ? vf_load(x + VLEN) : x0;
+                vf xv[MM_MV];
+                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(x + v * VLEN); }
                 _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                     vf d = vf_set1(dout[pos * OC + o0 + j]);
-                    acc[j][0] = vf_fma(d, x0, acc[j][0]);
-                    if (nv > 1) { acc[j][1] = vf_fma(d, x1, acc[j][1]); }
+                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_fma(d, xv[v], acc[j][v]); }
                 }
             }
-            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) { for (int v = 0; v < nv; v++) { stack[top][j][v] = acc[j][v]; } }
+            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
+                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][j][v] = acc[j][v]; }
+            }
             top++;
             for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
                 _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                    _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) {
+                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
                         stack[top - 2][j][v] = vf_add(stack[top - 2][j][v], stack[top - 1][j][v]);
                     }
                 }
@@ -555,7 +570,7 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
         }
     }
     _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-        _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) { vf_store(dweight + (size_t)(o0 + j) * K + k0 + v * VLEN, stack[0][j][v]); }
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { vf_store(dweight + (size_t)(o0 + j) * K + k0 + v * VLEN, stack[0][j][v]); }
     }
 }
 
@@ -584,11 +599,14 @@ static float position_reduce_elem(const float* dout, int OC, int o, const float*
 ALWAYS_INLINE void matmul_dweight_cols(float* dweight, const float* dout, const float* inp,
                                        int B, int T, int K, int OC, int o0, const int no) {
     int kvec_end = K / VLEN * VLEN;
-    for (int k0 = 0; k0 < kvec_end; k0 += 2 * VLEN) {
-        if (kvec_end - k0 >= 2 * VLEN) {
-            matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 2);
-        } else {
-            matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 1);
+    for (int k0 = 0; k0 < kvec_end; k0 += MM_MV * VLEN) {
+        switch ((kvec_end - k0) / VLEN < MM_MV ? (kvec_end - k0) / VLEN : MM_MV) {
+            case 1: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 1); break;
+#if MM_MV > 2
+            case 3: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 3); break;
+            case 4: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 4); break;
+#endif
+            default: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 2); break;
         }
     }
     _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
@@ -745,13 +763,13 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 // ------------------------------------------------------------------------------------------
 // GELU (tanh form), elementwise
 void gelu_forward(float* out, const float* inp, size_t n) {
-    #pragma omp parallel for
+    #pragma omp parallel for simd
     for (size_t i = 0; i < n; i++) { out[i] = canon_gelu(inp[i]); }
 }
 
 // dinp = gelu'(inp) * dout (may be in place: dinp == dout)
 void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
-    #pragma omp parallel for
+    #pragma omp parallel for simd
     for (size_t i = 0; i < n; i++) { dinp[i] = canon_gelu_grad(inp[i]) * dout[i]; }
 }
 

@@ -163,13 +163,15 @@ HD float canon_pow2i(int k) { return canon_bits_to_float((uint32_t)(k + 127) << 
 // of degree 7 (truncation error < 6e-9, below half an ulp), then the exact scaling by 2^k in
 // two steps so results in the subnormal range are rounded once. Max error about 1 ulp.
 HD float canon_expf(float x) {
-    if (x != x) { return x; }
-    if (x > 88.72283935546875f) { return canon_inf(); }
-    if (x < -103.972084045410156f) { return 0.0f; }
-    float kf = x * 1.44269502162933349609f;               // x / ln2
+    // written without early returns (selects at the end), so loops over it vectorise; the
+    // special cases: NaN -> NaN, above ln(FLT_MAX) -> inf, below half the smallest subnormal -> 0
+    float xc = x > 88.72283935546875f ? 88.72283935546875f : x;
+    xc = xc < -103.972084045410156f ? -103.972084045410156f : xc;
+    xc = xc == xc ? xc : 0.0f;
+    float kf = xc * 1.44269502162933349609f;               // x / ln2
     int k = (int)(kf >= 0.0f ? kf + 0.5f : kf - 0.5f);     // round half away from zero
     kf = (float)k;
-    float r = fmaf(-kf, 0.693145751953125f, x);            // ln2 high part: 16 bits, exact
+    float r = fmaf(-kf, 0.693145751953125f, xc);           // ln2 high part: 16 bits, exact
     r = fmaf(-kf, 1.42860676533018704e-06f, r);            // ln2 low part
     float p = 1.98412698412698413e-04f;                    // 1/5040
     p = fmaf(p, r, 1.38888888888888889e-03f);              // 1/720
@@ -180,7 +182,10 @@ HD float canon_expf(float x) {
     p = fmaf(p, r, 1.0f);
     p = fmaf(p, r, 1.0f);
     int k1 = k / 2;
-    return (p * canon_pow2i(k1)) * canon_pow2i(k - k1);
+    float y = (p * canon_pow2i(k1)) * canon_pow2i(k - k1);
+    y = x > 88.72283935546875f ? canon_inf() : y;
+    y = x < -103.972084045410156f ? 0.0f : y;
+    return x == x ? y : x;
 }
 
 // log(x) for x > 0: x = 2^e * m with m in [sqrt(1/2), sqrt(2)), f = m - 1, s = f/(2+f),
@@ -280,22 +285,45 @@ HD void canon_sumsq_normalize(SumSq* s) {
     s->pending = 0;
 }
 
+// Adds the integer v (< 2^64) times 2^pos (pos in fixed-point units) to the digits.
+HD void canon_sumsq_add_scaled(SumSq* s, uint64_t v, uint32_t pos) {
+    uint32_t d = pos >> 5, sh = pos & 31;
+    uint64_t lo = v << sh;                                  // bits 0..63 of v << sh
+    uint64_t hi = sh ? (v >> (64 - sh)) : 0;                // bits 64..95
+    s->digit[d] += lo & 0xffffffffu;
+    s->digit[d + 1] += lo >> 32;
+    if (hi) { s->digit[d + 2] += hi; }
+    if (++s->pending >= (1u << 30)) { canon_sumsq_normalize(s); }
+}
+
 HD void canon_sumsq_add(SumSq* s, float x) {
     uint32_t u = canon_float_to_bits(x) & 0x7fffffffu;
     uint32_t e = u >> 23;
     if (e == 255) { s->nonfinite++; return; }
     uint64_t m = (u & 0x007fffffu) | (e ? 0x00800000u : 0u);
-    if (e == 0) { e = 1; }
-    uint64_t m2 = m * m;                                   // < 2^48
-    uint32_t pos = 2 * (e - 1);                            // bit position of m2's unit
-    uint32_t d = pos >> 5, sh = pos & 31;
-    // m2 << sh spans at most 80 bits: low 64 bits and the bits above
-    uint64_t lo = m2 << sh;
-    uint64_t hi = sh ? (m2 >> (64 - sh)) : 0;
-    s->digit[d] += lo & 0xffffffffu;
-    s->digit[d + 1] += lo >> 32;
-    if (hi) { s->digit[d + 2] += hi; }
-    if (++s->pending == (1u << 30)) { canon_sumsq_normalize(s); }
+    canon_sumsq_add_scaled(s, m * m, 2 * ((e ? e : 1) - 1));   // m^2 < 2^48 at bit 2(e-1)
+}
+
+// The same exact sum over an array, faster: the squared mantissas m^2 (< 2^48) of elements
+// with the same exponent are first summed in a 64-bit bucket per exponent (2^16 of them fit),
+// and the buckets are added to the digits at their positions. Integer sums: the same digits as
+// adding the elements one by one.
+static inline void canon_sumsq_add_array(SumSq* s, const float* x, size_t n) {
+    uint64_t bucket[256];
+    for (size_t i0 = 0; i0 < n; i0 += 65536) {
+        size_t i1 = n - i0 < 65536 ? n : i0 + 65536;
+        memset(bucket, 0, sizeof(bucket));
+        for (size_t i = i0; i < i1; i++) {
+            uint32_t u = canon_float_to_bits(x[i]) & 0x7fffffffu;
+            uint32_t e = u >> 23;
+            uint64_t m = (u & 0x007fffffu) | (e && e < 255 ? 0x00800000u : 0u);
+            bucket[e] += m * m;
+            if (e == 255) { s->nonfinite++; }
+        }
+        for (uint32_t e = 0; e < 255; e++) {
+            if (bucket[e]) { canon_sumsq_add_scaled(s, bucket[e], 2 * ((e ? e : 1) - 1)); }
+        }
+    }
 }
 
 // Adds the digits of b into a (both normalized or not; normalize before reading).

@@ -60,6 +60,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include "llmc/adamw.h"
 #include "llmc/canonical.h"
 #include "llmc/comm.h"
@@ -559,10 +562,15 @@ static inline float zero_grad_norm(Zero* z, CommGroup* tp) {
             size_t n = hi - lo;
             #pragma omp parallel
             {
+                int threads = 1, t = 0;
+#ifdef _OPENMP
+                threads = omp_get_num_threads();
+                t = omp_get_thread_num();
+#endif
+                size_t begin = n * t / threads, end = n * (t + 1) / threads;
                 SumSq mine;
                 canon_sumsq_init(&mine);
-                #pragma omp for schedule(static)
-                for (size_t i = 0; i < n; i++) { canon_sumsq_add(&mine, gp[i]); }
+                canon_sumsq_add_array(&mine, gp + begin, end - begin);
                 #pragma omp critical
                 canon_sumsq_merge(&total, &mine);
             }
@@ -588,9 +596,13 @@ static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_dec
             size_t lo = piece->local > b ? piece->local : b, hi = piece->local + tp_piece_elements(piece);
             if (hi > e) { hi = e; }
             float wd = param_is_decayed(piece->tensor) ? weight_decay : 0.0f;
-            #pragma omp parallel for
+            float* m = z->m + o;
+            float* v = z->v + o;
+            AdamWStep st = *s;
+            // elementwise and exact in every lane (IEEE division and sqrt), so vectorised
+            #pragma omp parallel for simd
             for (size_t i = lo - b; i < (lo < hi ? hi : lo) - b; i++) {
-                adamw_update_elem(&p[i], &z->m[o + i], &z->v[o + i], g[i], s, wd);
+                adamw_update_elem(&p[i], &m[i], &v[i], g[i], &st, wd);
             }
         }
     }
