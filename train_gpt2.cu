@@ -21,7 +21,8 @@
  * the step's gradient is complete, as zero.h's zero_finish_grads does) and the microbatch
  * gradients are combined by the R1 tree over the global microbatch index; the loss is
  * position_sum per microbatch and the same tree. One GPU, one process for now: --tp, --pp,
- * --sp, -z > 0 and multi-process launches are refused (NCCL behind llmc/comm.h is not done).
+ * --sp and multi-process launches are refused (NCCL behind llmc/comm.h is not done); -z is
+ * accepted and changes nothing, as on one CPU rank.
  */
 #include <math.h>
 #include <stdint.h>
@@ -486,9 +487,11 @@ int main(int argc, char** argv) {
         return 0;
     }
     train_args_validate(&args);
-    if (args.tp != 1 || args.pp != 1 || args.sp != 0 || args.zero_stage != 0) {
-        fatal("--tp/--pp/--sp/-z: the CUDA build trains on one GPU only; tensor, pipeline and sequence "
-              "parallelism and ZeRO over NCCL are not done yet");
+    // -z is accepted: ZeRO shards over the data-parallel ranks, and with one rank every stage
+    // trains bit for bit as stage 0 (train_gpt2 accepts it on one rank too)
+    if (args.tp != 1 || args.pp != 1 || args.sp != 0) {
+        fatal("--tp/--pp/--sp: the CUDA build trains on one GPU only; tensor, pipeline and sequence "
+              "parallelism (and data parallelism over NCCL) are not done yet");
     }
     refuse_multi_process();
     LRScheduleKind sched_kind;
@@ -524,10 +527,12 @@ int main(int argc, char** argv) {
     if (T > config.max_seq_len) {
         fatal("-t: sequence length %d exceeds the model's maxT = %d", T, config.max_seq_len);
     }
-    if (!det && !flash_head_size_supported(C / NH)) {
-        fatal("-e: head size C/NH = %d; fast mode's flash attention supports 16, 32 and 64 (use "
-              "--deterministic 1 for others)", C / NH);
-    }
+    int genT = args.gen_T < config.max_seq_len ? args.gen_T : config.max_seq_len;
+    int do_sample = args.sample_every > 0;
+    char launch_err[256];
+    const char* launch_problem = gpu_launch_problem(&config, B, T, det, do_sample ? genT : 0, launch_err,
+                                                    sizeof(launch_err));
+    if (launch_problem) { fatal("-e/-b/-t: %s", launch_problem); }
     long long tokens_per_micro = (long long)B * T;
     long long total_batch = args.total_batch == -1 ? tokens_per_micro : args.total_batch;
     if (total_batch % tokens_per_micro != 0) {
@@ -561,8 +566,6 @@ int main(int argc, char** argv) {
                 tokenizer.vocab_size, config.vocab_size);
         tokenizer_free(&tokenizer);
     }
-    int genT = args.gen_T < config.max_seq_len ? args.gen_T : config.max_seq_len;
-    int do_sample = args.sample_every > 0;
 
     // ---- device memory: every buffer of the plan, checked against what is free ----
     GpuMemoryPlan plan = gpu_memory_plan(&config, B, T, M, det, args.recompute, do_sample ? genT : 0);
@@ -677,6 +680,10 @@ int main(int argc, char** argv) {
     printf("| init          %s\n", resume_step >= 0 ? path : args.model);
     printf("| parameters    %zu (%.1f M)\n", P, P / 1e6);
     printf("| batch         B=%d T=%d, %d microbatch(es) per step = %lld tokens\n", B, T, M, total_batch);
+    if (args.zero_stage != 0) {
+        printf("| ZeRO          stage %d over one GPU: nothing to shard (the same training as stage 0)\n",
+               args.zero_stage);
+    }
     printf("| steps         %d (lr %g %s, warmup %d, final fraction %g, weight decay %g)\n", train_steps,
            args.lr, args.lr_schedule, args.warmup, args.final_lr_frac, args.weight_decay);
     printf("| AdamW         beta1 %g beta2 %g eps %g, grad clip %g\n", args.beta1, args.beta2, args.eps, args.grad_clip);
@@ -708,6 +715,7 @@ int main(int argc, char** argv) {
         if (do_val && (step % args.val_every == 0 || last_step)) {
             float stack[64];
             int top = 0;
+            stack[0] = 0.0f;   // no batches: train_gpt2's empty tree is 0 too
             for (int i = 0; i < val_batches; i++) {
                 dataloader_load(&val_loader, i);
                 upload_microbatch(&scratch, NULL, val_loader.inputs, val_loader.targets, B * T, Vp);

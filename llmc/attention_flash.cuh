@@ -23,6 +23,7 @@
 #define LLMC_ATTENTION_FLASH_CUH
 
 #include "llmc/cuda_common.cuh"
+#include "llmc/gpu_plan.h"
 
 #define FA_ROWS 64        // rows of a block tile (queries, or keys in the dK/dV kernel)
 #define FA_COLS 64        // columns of a score tile
@@ -457,7 +458,7 @@ __global__ void __launch_bounds__(FA_THREADS) flash_backward_dkdv_kernel(
 
 // ---- launchers ---------------------------------------------------------------------------
 
-static bool flash_head_size_supported(int hs) { return hs == 16 || hs == 32 || hs == 64; }
+static bool flash_head_size_supported(int hs) { return gpu_flash_head_size(hs); }
 
 template <int HS> static size_t fa_forward_smem() { return 5 * FaTile<HS>::ELEMS * sizeof(floatX); }
 template <int HS> static size_t fa_dq_smem() { return 6 * FaTile<HS>::ELEMS * sizeof(floatX); }

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include "llmc/utils.h"
+#include "llmc/gpu_plan.h"
 
 // fast mode's storage type for weights and activations (fp32 master weights in AdamW)
 typedef __nv_bfloat16 floatX;
@@ -24,13 +25,8 @@ static inline void cuda_check_(cudaError_t err, const char* what, const char* fi
 // after a kernel launch: a bad configuration is reported here, a fault at the next sync
 #define cudaLaunchCheck(name) cuda_check_(cudaGetLastError(), name, __FILE__, __LINE__)
 
-static inline unsigned ceil_div_u(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
-
-// Grid of a grid-stride elementwise kernel over n elements.
-static inline unsigned elementwise_blocks(size_t n, int threads) {
-    size_t blocks = (n + threads - 1) / threads;
-    return (unsigned)(blocks > 65536 * 8 ? 65536 * 8 : (blocks ? blocks : 1));
-}
+// ceil_div_u and elementwise_blocks (the grids of the elementwise kernels) are in gpu_plan.h,
+// where the host test checks them
 
 // --- device memory ------------------------------------------------------------------------
 static size_t device_bytes_allocated = 0;

@@ -45,6 +45,26 @@ HD float det_load(const void* p, size_t i, int bf16) {
 #define DET_NT 64         // columns n of a block tile
 #define DET_KT 16         // reduction indices per shared-memory tile
 #define DET_THREADS 256   // 16 x 16 threads, 8 x 4 outputs each
+#define DET_A_PER_THREAD (DET_MT * DET_KT / DET_THREADS)   // 8 elements of the A tile
+#define DET_B_PER_THREAD (DET_NT * DET_KT / DET_THREADS)   // 4 elements of the B tile
+
+// Which elements of a tile thread tid loads and which outputs it owns (det_gemm_kernel; the
+// host test checks that the 256 threads cover each tile and each output exactly once).
+// Element e of the thread's share of the A tile (DET_MT rows x DET_KT reduction indices) is
+// (row *mi, index *kk): consecutive threads walk r when A is contiguous along r (a_rc), else
+// m, so that global reads coalesce. Likewise the B tile (DET_NT columns x DET_KT).
+HD void det_tile_a_slot(int tid, int e, int a_rc, int* mi, int* kk) {
+    *mi = a_rc ? tid / DET_KT + (DET_THREADS / DET_KT) * e : tid % DET_MT;
+    *kk = a_rc ? tid % DET_KT : tid / DET_MT + (DET_THREADS / DET_MT) * e;
+}
+HD void det_tile_b_slot(int tid, int e, int b_rc, int* ni, int* kk) {
+    *ni = b_rc ? tid / DET_KT + (DET_THREADS / DET_KT) * e : tid % DET_NT;
+    *kk = b_rc ? tid % DET_KT : tid / DET_NT + (DET_THREADS / DET_NT) * e;
+}
+// Thread tid's outputs: rows det_out_row(tid, i) for i < 8 (two runs of 4, read as float4
+// from the A tile) and columns det_out_col(tid, j) for j < 4 (one float4 of the B tile).
+HD int det_out_row(int tid, int i) { return (i < 4 ? 0 : DET_MT / 2) + (tid / 16) * 4 + i % 4; }
+HD int det_out_col(int tid, int j) { return (tid % 16) * 4 + j; }
 
 // Which terms of row m take part (the causal attention products):
 enum {
@@ -390,6 +410,14 @@ HD float det_ln_bwd_dx(float x, float dy, float w, float m, float s, float dnorm
 // 2. Host planning
 // ==========================================================================================
 
+static inline unsigned ceil_div_u(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
+
+// Grid of a grid-stride elementwise kernel over n elements (at most 2^19 blocks).
+static inline unsigned elementwise_blocks(size_t n, int threads) {
+    size_t blocks = (n + threads - 1) / threads;
+    return (unsigned)(blocks > 65536 * 8 ? 65536 * 8 : (blocks ? blocks : 1));
+}
+
 // Grid of a deterministic tiled kernel over M x N outputs and Z batches (x: column tiles,
 // y: row tiles, z: batches). Returns 0 if a dimension exceeds CUDA's grid limits.
 static inline int det_gemm_grid(long M, long N, long Z, unsigned* gx, unsigned* gy, unsigned* gz) {
@@ -399,6 +427,61 @@ static inline int det_gemm_grid(long M, long N, long Z, unsigned* gx, unsigned* 
     *gy = (unsigned)y;
     *gz = (unsigned)Z;
     return 1;
+}
+
+// Flash attention (fast mode): head sizes it is built for; its grid is (T/64 query or key
+// tiles, B*NH).
+static inline int gpu_flash_head_size(int hs) { return hs == 16 || hs == 32 || hs == 64; }
+
+// Every launch a run over (B, T) positions makes (and the sampler's, B = 1, T = genT; genT 0:
+// no sampling), checked against CUDA's limits and the kernels' assumptions before anything is
+// allocated, so that an impossible shape fails at startup with one line instead of in the
+// middle of a step. Returns NULL if the run fits, else what does not (written to buf).
+static inline const char* gpu_launch_problem(const GPT2Config* c, long B, long T, int det, int genT,
+                                             char* buf, size_t cap) {
+    long C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size, hs = C / NH;
+    long BT = B * T, Ta = T > genT ? T : genT;   // the sampler's attention has genT rows
+    unsigned gx, gy, gz;
+    size_t P = param_count(c);
+    if (BT > 2147483647L / CANON_R || B * NH * Ta > 2147483647L / 32) {
+        snprintf(buf, cap, "B*T = %ld positions (B*NH*T = %ld attention rows) are more than the kernels' "
+                 "32-bit position and row indices take", BT, B * NH * Ta);
+        return buf;
+    }
+    if (P >= ((size_t)1 << 31)) {   // kernels_det.cuh gradient_norm: its digits stay below 2^63
+        snprintf(buf, cap, "%zu parameters: the exact gradient norm kernel sums fewer than 2^31 values", P);
+        return buf;
+    }
+    if (det) {
+        // det_gemm grids: matmuls (BT rows), per-sequence weight gradients (B batches of OC rows),
+        // attention (B*NH batches of T rows; the sampler's NH batches of genT rows)
+        long rows[] = {BT, 4 * C, Vp, Ta};
+        long batches[] = {1, B, B, B * NH};
+        for (int i = 0; i < 4; i++) {
+            if (!det_gemm_grid(rows[i], 4 * C > Vp ? 4 * C : Vp, batches[i], &gx, &gy, &gz)) {
+                snprintf(buf, cap, "a deterministic tiled kernel over %ld rows in %ld batches exceeds CUDA's "
+                         "grid (65535 tiles of %d rows, 65535 batches): lower -b or -t", rows[i], batches[i], DET_MT);
+                return buf;
+            }
+        }
+        return NULL;
+    }
+    if (!gpu_flash_head_size((int)hs)) {
+        snprintf(buf, cap, "head size C/NH = %ld; fast mode's flash attention supports 16, 32 and 64 (use "
+                 "--deterministic 1 for others)", hs);
+        return buf;
+    }
+    if (C % 8 != 0 || Vp % 8 != 0) {   // bf16x8 (16-byte) accesses along C and along the vocabulary
+        snprintf(buf, cap, "fast mode needs C and the padded vocabulary Vp to be multiples of 8 (C = %ld, "
+                 "Vp = %ld; llm.c pads V to a multiple of 128)", C, Vp);
+        return buf;
+    }
+    if (B * NH > 65535) {
+        snprintf(buf, cap, "B*NH = %ld (batch x heads) is more than the 65535 blocks of flash attention's "
+                 "grid.y: lower -b", B * NH);
+        return buf;
+    }
+    return NULL;   // the sampler (B = 1, T = genT) launches within the same limits
 }
 
 // The most gradient buffers alive at once while the R1 tree over M microbatches is streamed

@@ -41,7 +41,7 @@ template <bool A_RC, bool B_RC, int CAUSAL, bool OUT_LOWER>
 __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const DetGemmArgs g) {
     __shared__ __align__(16) float As[2][DET_KT][DET_MT + 4];
     __shared__ __align__(16) float Bs[2][DET_KT][DET_NT + 4];
-    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    const int tid = threadIdx.x;
     const int z = blockIdx.z;
     const int m0 = blockIdx.y * DET_MT, n0 = blockIdx.x * DET_NT;
     const int m_last = min(m0 + DET_MT, g.M) - 1;
@@ -50,10 +50,10 @@ __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const DetGemmA
     const float* Bm = g.B + det_zoff(z, g.zdiv, g.b_zhi, g.b_zlo);
     const DetReduction red = det_tile_reduction(g.R, g.groups, CAUSAL, m0, m_last);
 
-    // this thread's outputs: rows m0 + row_of(i), columns n0 + tx*4 + j
+    // this thread's outputs: rows m0 + row_of[i], columns n0 + det_out_col(tid, j) (gpu_plan.h)
     int row_of[8];
     #pragma unroll
-    for (int i = 0; i < 4; i++) { row_of[i] = ty * 4 + i; row_of[i + 4] = DET_MT / 2 + ty * 4 + i; }
+    for (int i = 0; i < 8; i++) { row_of[i] = det_out_row(tid, i); }
 
     float acc[8][4], s0[8][4], s1[8][4], s2[8][4];
     #pragma unroll
@@ -63,43 +63,43 @@ __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const DetGemmA
     }
 
     // global -> registers (the next tile, in flight while the current one is computed)
-    float ra[8], rb[4];
+    float ra[DET_A_PER_THREAD], rb[DET_B_PER_THREAD];
     auto load_tile = [&](int k0, int klen) {
         #pragma unroll
-        for (int e = 0; e < 8; e++) {
-            int mi = A_RC ? tid / DET_KT + 16 * e : tid % DET_MT;
-            int kk = A_RC ? tid % DET_KT : tid / DET_MT + 2 * e;
+        for (int e = 0; e < DET_A_PER_THREAD; e++) {
+            int mi, kk;
+            det_tile_a_slot(tid, e, A_RC, &mi, &kk);
             int m = m0 + mi;
             ra[e] = m < g.M && kk < klen ? A[(long)m * g.a_m + (long)(k0 + kk) * g.a_r] : 0.0f;
         }
         #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int ni = B_RC ? tid / DET_KT + 16 * e : tid % DET_NT;
-            int kk = B_RC ? tid % DET_KT : tid / DET_NT + 4 * e;
+        for (int e = 0; e < DET_B_PER_THREAD; e++) {
+            int ni, kk;
+            det_tile_b_slot(tid, e, B_RC, &ni, &kk);
             int n = n0 + ni;
             rb[e] = n < g.N && kk < klen ? Bm[(long)n * g.b_n + (long)(k0 + kk) * g.b_r] : 0.0f;
         }
     };
     auto store_tile = [&](int buf) {
         #pragma unroll
-        for (int e = 0; e < 8; e++) {
-            int mi = A_RC ? tid / DET_KT + 16 * e : tid % DET_MT;
-            int kk = A_RC ? tid % DET_KT : tid / DET_MT + 2 * e;
+        for (int e = 0; e < DET_A_PER_THREAD; e++) {
+            int mi, kk;
+            det_tile_a_slot(tid, e, A_RC, &mi, &kk);
             As[buf][kk][mi] = ra[e];
         }
         #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int ni = B_RC ? tid / DET_KT + 16 * e : tid % DET_NT;
-            int kk = B_RC ? tid % DET_KT : tid / DET_NT + 4 * e;
+        for (int e = 0; e < DET_B_PER_THREAD; e++) {
+            int ni, kk;
+            det_tile_b_slot(tid, e, B_RC, &ni, &kk);
             Bs[buf][kk][ni] = rb[e];
         }
     };
     // one reduction index: every output of the thread takes its term (or, under a causal
     // rule, the outputs whose row includes r), in increasing r
     auto step = [&](int buf, int kk, int r, bool all_in) {
-        float4 alo = *reinterpret_cast<const float4*>(&As[buf][kk][ty * 4]);
-        float4 ahi = *reinterpret_cast<const float4*>(&As[buf][kk][DET_MT / 2 + ty * 4]);
-        float4 bv = *reinterpret_cast<const float4*>(&Bs[buf][kk][tx * 4]);
+        float4 alo = *reinterpret_cast<const float4*>(&As[buf][kk][row_of[0]]);
+        float4 ahi = *reinterpret_cast<const float4*>(&As[buf][kk][row_of[4]]);
+        float4 bv = *reinterpret_cast<const float4*>(&Bs[buf][kk][det_out_col(tid, 0)]);
         const float a[8] = {alo.x, alo.y, alo.z, alo.w, ahi.x, ahi.y, ahi.z, ahi.w};
         const float b[4] = {bv.x, bv.y, bv.z, bv.w};
         #pragma unroll
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const DetGemmA
         if (m >= g.M) { continue; }
         #pragma unroll
         for (int j = 0; j < 4; j++) {
-            int n = n0 + tx * 4 + j;
+            int n = n0 + det_out_col(tid, j);
             if (n >= g.N || (OUT_LOWER && n > m)) { continue; }
             float v = s0[i][j] * g.scale;
             if (g.bias) { v = v + g.bias[n]; }

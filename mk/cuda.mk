@@ -26,7 +26,9 @@ HAVE_CUDA := $(if $(and $(NVCC),$(wildcard $(CUDA_HOME)/include/cublasLt.h),$(CU
 
 CUDA_ARCHS ?= 80 90
 NVCC_FLAGS ?= -O3
-NVCC_FLAGS += -std=c++17 $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) --threads 0 \
+# SASS for each listed architecture, and PTX of the last one so that a newer GPU (JIT) still runs
+NVCC_FLAGS += -std=c++17 $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+              -gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS)) --threads 0 \
               -fmad=false -prec-div=true -prec-sqrt=true -ftz=false -I. \
               -Xcompiler -ffp-contract=off,-Wall,-Wextra,-Wno-unused-parameter,-Wno-sign-compare
 NVCC_LDLIBS = -L$(dir $(CUDA_LIBDIR)) -Xlinker -rpath=$(dir $(CUDA_LIBDIR)) -lcublasLt

@@ -11,11 +11,16 @@
  *        grouping by token), and compared BIT FOR BIT with train_gpt2.c's kernels on awkward
  *        shapes: sizes below 8 chunks, tiles cut short, several tiles, the qkv groups, T past
  *        one 128-row tile in attention, bf16 inputs of the shared reductions.
+ *        The tiled kernel's thread mapping: every tile element loaded and every output
+ *        owned by exactly one of its 256 threads, float4 reads aligned.
  *     2. The plan: launch grids, buffer sizes, the gradient tree's depth, AdamW's
  *        weight-decay runs, the state file's ranges (against train_gpt2.c's own), the
- *        initialisation (llmc/gpt2_init.h against train_gpt2.c's), the MFU peaks.
- *     3. The binary, when built: train_gpt2cu --help; the refusals of what is not done yet;
- *        without a GPU, one clear error line and exit status 1.
+ *        initialisation (llmc/gpt2_init.h against train_gpt2.c's), the MFU peaks; the
+ *        startup launch check (gpu_launch_problem): GPT-2 124M at B=64, T=1024 (logits past
+ *        2^31 elements) fits in both modes, impossible shapes are refused with a reason.
+ *     3. The binary, when built: train_gpt2cu --help; the refusals of what is not done yet
+ *        (and -z accepted on one GPU, as train_gpt2 accepts it on one rank); without a GPU,
+ *        one clear error line and exit status 1.
  *  - build/test_cuda_kernels, by nvcc as CUDA: the same, and on a GPU every kernel of
  *    llmc/kernels_det.cuh against its train_gpt2.c twin, bit for bit, and fast mode's kernels
  *    (cuBLASLt matmuls, flash attention, fused classifier, layernorms) against the reference
@@ -518,6 +523,110 @@ static void test_sumsq(void) {
 // 2. the plan
 // ==========================================================================================
 
+// det_gemm_kernel's thread mapping (gpu_plan.h): the 256 threads load every element of the A
+// and B tiles exactly once, in both load orders, and own every output of the 128 x 64 block
+// tile exactly once, with the float4 reads of the tiles 16-byte aligned.
+static void test_det_gemm_threads(void) {
+    for (int rc = 0; rc <= 1; rc++) {
+        static int a_seen[DET_MT][DET_KT], b_seen[DET_NT][DET_KT];
+        memset(a_seen, 0, sizeof(a_seen));
+        memset(b_seen, 0, sizeof(b_seen));
+        int bad = 0;
+        for (int tid = 0; tid < DET_THREADS; tid++) {
+            for (int e = 0; e < DET_A_PER_THREAD; e++) {
+                int mi, kk;
+                det_tile_a_slot(tid, e, rc, &mi, &kk);
+                if (mi < 0 || mi >= DET_MT || kk < 0 || kk >= DET_KT) { bad++; } else { a_seen[mi][kk]++; }
+            }
+            for (int e = 0; e < DET_B_PER_THREAD; e++) {
+                int ni, kk;
+                det_tile_b_slot(tid, e, rc, &ni, &kk);
+                if (ni < 0 || ni >= DET_NT || kk < 0 || kk >= DET_KT) { bad++; } else { b_seen[ni][kk]++; }
+            }
+        }
+        for (int i = 0; i < DET_MT; i++) { for (int k = 0; k < DET_KT; k++) { bad += a_seen[i][k] != 1; } }
+        for (int i = 0; i < DET_NT; i++) { for (int k = 0; k < DET_KT; k++) { bad += b_seen[i][k] != 1; } }
+        CHECK(bad == 0, "det_gemm tile loads (along %s): %d elements not loaded exactly once", rc ? "r" : "m/n", bad);
+    }
+    static int out_seen[DET_MT][DET_NT];
+    memset(out_seen, 0, sizeof(out_seen));
+    int bad = 0;
+    for (int tid = 0; tid < DET_THREADS; tid++) {
+        for (int i = 0; i < 8; i++) {
+            int r = det_out_row(tid, i);
+            // rows i = 0..3 and 4..7 are each one float4 of the A tile: consecutive, aligned
+            if (i % 4 != 0 ? r != det_out_row(tid, i - 1) + 1 : r % 4 != 0) { bad++; }
+            for (int j = 0; j < 4; j++) {
+                int n = det_out_col(tid, j);
+                if (j != 0 ? n != det_out_col(tid, j - 1) + 1 : n % 4 != 0) { bad++; }
+                if (r < 0 || r >= DET_MT || n < 0 || n >= DET_NT) { bad++; } else { out_seen[r][n]++; }
+            }
+        }
+    }
+    for (int r = 0; r < DET_MT; r++) { for (int n = 0; n < DET_NT; n++) { bad += out_seen[r][n] != 1; } }
+    CHECK(bad == 0, "det_gemm outputs: %d not owned by exactly one thread (or float4 reads misaligned)", bad);
+    // the shared tiles' rows (pitch DET_MT + 4, DET_NT + 4 floats) keep float4 reads aligned
+    CHECK((DET_MT + 4) % 4 == 0 && (DET_NT + 4) % 4 == 0, "det_gemm shared-memory pitch breaks float4 alignment");
+    CHECK(2 * DET_KT * ((DET_MT + 4) + (DET_NT + 4)) * 4 <= 48 * 1024, "det_gemm static shared memory over 48 KB");
+}
+
+// The startup check of every launch (gpu_plan.h gpu_launch_problem) and the sizes it guards:
+// GPT-2 124M at B=64, T=1024 fits in both modes (its B*T*Vp logits are past 2^31 elements,
+// which every kernel indexes in 64 bits); impossible shapes are refused with a reason.
+static void test_launch_plans(void) {
+    char buf[256];
+    GPT2Config d12;
+    config_from_descriptor("d12", &d12);
+    for (int det = 0; det <= 1; det++) {
+        const char* p = gpu_launch_problem(&d12, 64, 1024, det, 1024, buf, sizeof(buf));
+        CHECK(p == NULL, "d12 B=64 T=1024 %s mode: %s", det ? "deterministic" : "fast", p ? p : "");
+    }
+    CHECK((size_t)64 * 1024 * d12.padded_vocab_size > ((size_t)1 << 31), "the d12 B=64 logits exceed 2^31 elements");
+    // every det_gemm of d12 at B=64, T=1024 has a grid within CUDA's limits
+    {
+        int B = 64, T = 1024, C = 768, NH = 12, Vp = d12.padded_vocab_size, BT = B * T;
+        DetGemmArgs gs[] = {
+            det_args_matmul_forward(NULL, NULL, NULL, NULL, BT, C, Vp),
+            det_args_matmul_forward(NULL, NULL, NULL, NULL, BT, 4 * C, C),
+            det_args_matmul_dinp(NULL, NULL, NULL, BT, C, Vp, 1),
+            det_args_matmul_dinp(NULL, NULL, NULL, BT, C, 3 * C, 3),
+            det_args_matmul_dweight(NULL, NULL, NULL, B, T, C, Vp),
+            det_args_matmul_dweight(NULL, NULL, NULL, B, T, 4 * C, C),
+            det_args_attention_scores(NULL, NULL, B, T, C, NH),
+            det_args_attention_datt(NULL, NULL, NULL, B, T, C, NH),
+            det_args_attention_by_keys(NULL, C, NULL, NULL, 3L * C, B, T, C, NH),
+            det_args_attention_by_queries(NULL, 3L * C, NULL, NULL, 3L * C, B, T, C, NH),
+        };
+        int ok = 1;
+        unsigned gx, gy, gz;
+        for (size_t i = 0; i < sizeof(gs) / sizeof(gs[0]); i++) {
+            ok &= det_gemm_grid(gs[i].M, gs[i].N, gs[i].Z, &gx, &gy, &gz) && gy <= 65535 && gz <= 65535;
+            // the largest offset the kernel forms, (Z-1) z-stride + (M-1) m-stride + ..., is a long
+            long zmax = det_zoff(gs[i].Z - 1, gs[i].zdiv, gs[i].o_zhi, gs[i].o_zlo);
+            ok &= zmax + (long)(gs[i].M - 1) * gs[i].o_m + gs[i].N - 1 >= 0;
+        }
+        CHECK(ok, "a deterministic d12 B=64 T=1024 launch exceeds CUDA's grid");
+        // the elementwise and row kernels: grid-stride (capped) or one block per row
+        CHECK(elementwise_blocks((size_t)BT * Vp, 256) == 65536 * 8 && ceil_div_u((size_t)BT, 1) == (unsigned)BT, "elementwise grid");
+        CHECK((size_t)B * NH * T * 32 / 256 <= 2147483647u && (long)B * NH <= 65535, "attention rows / flash grid");
+    }
+    // refused: head sizes flash attention lacks (fast), Vp not a multiple of 8 (fast), B*NH past
+    // flash attention's grid.y, row tiles past det_gemm's grid.y, more than 2^31 gradient values
+    GPT2Config c = d12;
+    c.num_heads = 6;   // hs = 128
+    CHECK(gpu_launch_problem(&c, 4, 64, 0, 0, buf, sizeof(buf)) != NULL && strstr(buf, "head size"), "hs=128 fast");
+    CHECK(gpu_launch_problem(&c, 4, 64, 1, 0, buf, sizeof(buf)) == NULL, "hs=128 deterministic is fine");
+    c = d12;
+    c.padded_vocab_size = c.vocab_size;   // 50257: an llm.c file could say so
+    CHECK(gpu_launch_problem(&c, 4, 64, 0, 0, buf, sizeof(buf)) != NULL && strstr(buf, "multiples of 8"), "Vp=V fast");
+    CHECK(gpu_launch_problem(&c, 4, 64, 1, 0, buf, sizeof(buf)) == NULL, "Vp=V deterministic is fine");
+    CHECK(gpu_launch_problem(&d12, 6000, 16, 0, 0, buf, sizeof(buf)) != NULL && strstr(buf, "grid.y"), "B*NH > 65535");
+    CHECK(gpu_launch_problem(&d12, 65536, 256, 1, 0, buf, sizeof(buf)) != NULL, "B*T past the det grid / 32-bit rows");
+    GPT2Config big;
+    config_from_descriptor("d48c4096h32", &big);
+    CHECK(gpu_launch_problem(&big, 1, 64, 0, 0, buf, sizeof(buf)) != NULL && strstr(buf, "2^31"), "2^31 gradient values");
+}
+
 static void test_plan(void) {
     int depths[][2] = {{1, 1}, {2, 2}, {3, 2}, {4, 3}, {5, 3}, {8, 4}, {16, 5}, {24, 5}};
     for (size_t i = 0; i < sizeof(depths) / sizeof(depths[0]); i++) {
@@ -657,6 +766,7 @@ static void test_plan(void) {
     CHECK(det_gemm_grid(50304, 768, 64, &gx, &gy, &gz) && gz == 64, "LM head weight-gradient grid");
     CHECK(det_gemm_grid(1024, 1024, 64 * 12, &gx, &gy, &gz) && gx == 16 && gy == 8, "attention grid");
     CHECK(!det_gemm_grid((long)DET_MT * 65536, 64, 1, &gx, &gy, &gz), "too many row tiles must be refused");
+    test_launch_plans();
 
     const char* name;
     CHECK(gpu_peak_tflops(9, 0, "NVIDIA H100 80GB HBM3", 0, &name) == 989.0, "H100 bf16 peak");
@@ -702,7 +812,7 @@ static void test_binary(void) {
     CHECK(rc == 0 && strstr(out, "--deterministic") && strstr(out, "--grad-clip"), "train_gpt2cu --help (exit %d)", rc);
     const char* refused[][2] = {
         {"./train_gpt2cu --tp 2", "not done yet"},
-        {"./train_gpt2cu -z 1", "not done yet"},
+        {"./train_gpt2cu --sp 1", "not done yet"},
         {"./train_gpt2cu --pp 2", "not done yet"},
         {"OMPI_COMM_WORLD_SIZE=2 ./train_gpt2cu", "not done yet"},
         {"./train_gpt2cu -b 0", "microbatch size"},
@@ -719,6 +829,13 @@ static void test_binary(void) {
     int no_gpu = strstr(out, "no CUDA GPU") != NULL;
     CHECK(rc == 1 && count_error_lines(out) == 1 && (no_gpu || strstr(out, "no token files")),
           "train_gpt2cu without a GPU (or without data) must fail with one error line (exit %d): %s", rc, out);
+    // -z on one GPU is accepted as train_gpt2 accepts it on one rank (ZeRO over one rank is
+    // stage 0): the run gets as far as the GPU (or the data), like the one above
+    rc = run_cmd("./train_gpt2cu -z 3 --tp 1 --pp 1 --schedule gpipe -e d2c32h2v64t32 -i /nonexistent/train.bin "
+                 "-j /nonexistent/val.bin -b 2 -t 8 -x 1", out, sizeof(out));
+    CHECK(rc == 1 && count_error_lines(out) == 1 && !strstr(out, "not done yet") &&
+          (strstr(out, "no CUDA GPU") || strstr(out, "no token files")),
+          "train_gpt2cu -z 3 --tp 1 --pp 1 on one GPU must be accepted (exit %d): %s", rc, out);
     printf("train_gpt2cu: %s\n", no_gpu ? "no GPU here: fails with one clear line" : "a GPU is present");
 }
 
@@ -1197,6 +1314,7 @@ static void test_device(void) {
 
 int main(void) {
     test_walk();
+    test_det_gemm_threads();
     test_matmul();
     test_layernorm();
     test_attention();
