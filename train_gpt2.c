@@ -1809,22 +1809,10 @@ int main(int argc, char** argv) {
     Zero* z = &model.zero;
 
     DataLoader train_loader, val_loader;
-    dataloader_init(&train_loader, args.train_pattern, "-i", B, T, config.vocab_size, args.shuffle, (uint64_t)args.seed);
     int do_val = args.val_every > 0;
-    int val_batches = 0;
-    if (do_val) {
-        dataloader_init(&val_loader, args.val_pattern, "-j", B, T, config.vocab_size, 0, 0);
-        val_batches = args.val_max_steps == -1 || args.val_max_steps > val_loader.microbatches_per_epoch
-                    ? (int)val_loader.microbatches_per_epoch : args.val_max_steps;
-    }
-    int train_steps = args.max_steps;
-    if (train_steps == -1) {
-        train_steps = (int)(train_loader.total_tokens / total_batch);
-        if (train_steps < 1) {
-            fatal("-i: the train data has %lld tokens, less than one step of -d %lld tokens",
-                  (long long)train_loader.total_tokens, total_batch);
-        }
-    }
+    int val_batches, train_steps;
+    train_data_open(&args, B, T, config.vocab_size, total_batch, &train_loader, &val_loader, &val_batches,
+                    &train_steps);
     LRSchedule schedule = {sched_kind, args.lr, args.warmup, train_steps, args.final_lr_frac};
 
     Tokenizer tokenizer;
@@ -1909,15 +1897,7 @@ int main(int argc, char** argv) {
                 free(acts);
             }
         }
-        printf("| steps         %d (lr %g %s, warmup %d, final fraction %g, weight decay %g)\n", train_steps,
-               args.lr, args.lr_schedule, args.warmup, args.final_lr_frac, args.weight_decay);
-        printf("| AdamW         beta1 %g beta2 %g eps %g, grad clip %g\n", args.beta1, args.beta2, args.eps, args.grad_clip);
-        printf("| train data    %s: %d shard(s), %lld tokens, shuffle %d\n", args.train_pattern,
-               train_loader.num_shards, (long long)train_loader.total_tokens, args.shuffle);
-        if (do_val) {
-            printf("| val data      %s: %lld tokens, %d batch(es) every %d steps\n", args.val_pattern,
-                   (long long)val_loader.total_tokens, val_batches, args.val_every);
-        }
+        train_data_print_summary(&args, train_steps, &train_loader, &val_loader, val_batches);
         printf("| memory/rank   params %.1f MiB, grads %.1f MiB, AdamW %.1f MiB, activations %.1f MiB\n",
                mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576,
                (pipe.nslots * pipe.slot_bytes + agrads.bytes) / 1048576.0);

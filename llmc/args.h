@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "llmc/utils.h"
+#include "llmc/dataloader.h"
 
 typedef struct {
     const char* train_pattern;
@@ -245,6 +246,41 @@ static inline void train_args_validate(const TrainArgs* a) {
         fatal("--schedule must be 1f1b or gpipe, got '%s'", a->pp_schedule);
     }
     if (a->deterministic != 0 && a->deterministic != 1) { fatal("--deterministic must be 0 or 1"); }
+}
+
+// The data flags of both trainers resolved into loaders: -i (train), -j and -m (validation
+// batches, when -v > 0), and -x -1 = one epoch of -i at -d tokens per step.
+static inline void train_data_open(const TrainArgs* a, int B, int T, int V, long long total_batch,
+                                   DataLoader* train, DataLoader* val, int* val_batches, int* train_steps) {
+    dataloader_init(train, a->train_pattern, "-i", B, T, V, a->shuffle, (uint64_t)a->seed);
+    *val_batches = 0;
+    if (a->val_every > 0) {
+        dataloader_init(val, a->val_pattern, "-j", B, T, V, 0, 0);
+        *val_batches = a->val_max_steps == -1 || a->val_max_steps > val->microbatches_per_epoch
+                     ? (int)val->microbatches_per_epoch : a->val_max_steps;
+    }
+    *train_steps = a->max_steps;
+    if (*train_steps == -1) {
+        *train_steps = (int)(train->total_tokens / total_batch);
+        if (*train_steps < 1) {
+            fatal("-i: the train data has %lld tokens, less than one step of -d %lld tokens",
+                  (long long)train->total_tokens, total_batch);
+        }
+    }
+}
+
+// The start-of-run summary lines both trainers print about the schedule and the data.
+static inline void train_data_print_summary(const TrainArgs* a, int train_steps, const DataLoader* train,
+                                            const DataLoader* val, int val_batches) {
+    printf("| steps         %d (lr %g %s, warmup %d, final fraction %g, weight decay %g)\n", train_steps,
+           a->lr, a->lr_schedule, a->warmup, a->final_lr_frac, a->weight_decay);
+    printf("| AdamW         beta1 %g beta2 %g eps %g, grad clip %g\n", a->beta1, a->beta2, a->eps, a->grad_clip);
+    printf("| train data    %s: %d shard(s), %lld tokens, shuffle %d\n", a->train_pattern,
+           train->num_shards, (long long)train->total_tokens, a->shuffle);
+    if (a->val_every > 0) {
+        printf("| val data      %s: %lld tokens, %d batch(es) every %d steps\n", a->val_pattern,
+               (long long)val->total_tokens, val_batches, a->val_every);
+    }
 }
 
 #endif // LLMC_ARGS_H
