@@ -1286,13 +1286,6 @@ void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* i
 
 // --- building the model -------------------------------------------------------------------
 
-// A fresh GPT-2 with GPT-2's initialisation (llmc/gpt2_init.h, shared with train_gpt2.cu).
-float* gpt2_random_params(const GPT2Config* config, uint64_t seed) {
-    float* params = (float*)aligned_calloc_or_die(param_count(config) * sizeof(float), "parameters");
-    gpt2_init_params(params, config, seed);
-    return params;
-}
-
 // The cost of the head (LM head matmuls and cross-entropy) in units of one transformer
 // layer, per token: the LM head is 2*C*Vp flops forward, a layer about 24*C^2.
 static double head_cost_in_layers(const GPT2Config* c) {
@@ -1764,23 +1757,8 @@ int main(int argc, char** argv) {
 
     // resume from the latest complete checkpoint in the output dir?
     int resume_step = args.resume ? checkpoint_latest_step(args.output_dir) : -1;
-    char path[1200];
     GPT2Config config;
-    float* params;
-    if (resume_step >= 0) {
-        snprintf(path, sizeof(path), "%s/model_%08d.bin", args.output_dir, resume_step);
-        params = checkpoint_read_model(path, &config);
-    } else if (config_from_descriptor(args.model, &config)) {
-        const char* problem = config_problem(&config);
-        if (problem) { fatal("-e %s: %s", args.model, problem); }
-        params = gpt2_random_params(&config, (uint64_t)args.seed);
-    } else {
-        if (!file_exists(args.model)) {
-            fatal("-e: model file '%s' not found; pass -e dN for a fresh GPT-2 of depth N (e.g. -e d12), "
-                  "or import OpenAI's weights with scripts/download_gpt2_weights.sh", args.model);
-        }
-        params = checkpoint_read_model(args.model, &config);
-    }
+    float* params = gpt2_starting_params(args.model, args.output_dir, resume_step, (uint64_t)args.seed, &config);
     int B = args.B, T = args.T, N = comm.dp;
     if (T > config.max_seq_len) {
         fatal("-t: sequence length %d exceeds the model's maxT = %d", T, config.max_seq_len);
@@ -1877,7 +1855,8 @@ int main(int argc, char** argv) {
         printf("+--------------------------------------------------------------------------+\n");
         printf("| model         L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n", config.num_layers, config.channels,
                config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len);
-        printf("| init          %s\n", resume_step >= 0 ? path : args.model);
+        if (resume_step >= 0) { printf("| init          %s/model_%08d.bin\n", args.output_dir, resume_step); }
+        else { printf("| init          %s\n", args.model); }
         printf("| parameters    P = %zu (%.1f M)\n", P, P / 1e6);
         printf("| ranks         %d = %d data x %d tensor%s x %d pipeline; ZeRO stage %d\n", comm.world_size, N,
                comm.tp, args.sp ? " (+ sequence parallel)" : "", comm.pp, z->stage);

@@ -506,22 +506,8 @@ int main(int argc, char** argv) {
     int resume_step = args.resume ? checkpoint_latest_step(args.output_dir) : -1;
     char path[1200];
     GPT2Config config;
-    float* host_params;
-    if (resume_step >= 0) {
-        snprintf(path, sizeof(path), "%s/model_%08d.bin", args.output_dir, resume_step);
-        host_params = checkpoint_read_model(path, &config);
-    } else if (config_from_descriptor(args.model, &config)) {
-        const char* problem = config_problem(&config);
-        if (problem) { fatal("-e %s: %s", args.model, problem); }
-        host_params = (float*)aligned_calloc_or_die(param_count(&config) * sizeof(float), "parameters");
-        gpt2_init_params(host_params, &config, (uint64_t)args.seed);
-    } else {
-        if (!file_exists(args.model)) {
-            fatal("-e: model file '%s' not found; pass -e dN for a fresh GPT-2 of depth N (e.g. -e d12), "
-                  "or import OpenAI's weights with scripts/download_gpt2_weights.sh", args.model);
-        }
-        host_params = checkpoint_read_model(args.model, &config);
-    }
+    float* host_params = gpt2_starting_params(args.model, args.output_dir, resume_step, (uint64_t)args.seed,
+                                              &config);
     int B = args.B, T = args.T;
     int C = config.channels, NH = config.num_heads, Vp = config.padded_vocab_size;
     if (T > config.max_seq_len) {
@@ -665,7 +651,8 @@ int main(int argc, char** argv) {
     printf("| MFU peak      %s\n", peak_name);
     printf("| model         L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n", config.num_layers, C, NH,
            config.vocab_size, Vp, config.max_seq_len);
-    printf("| init          %s\n", resume_step >= 0 ? path : args.model);
+    if (resume_step >= 0) { printf("| init          %s/model_%08d.bin\n", args.output_dir, resume_step); }
+    else { printf("| init          %s\n", args.model); }
     printf("| parameters    %zu (%.1f M)\n", P, P / 1e6);
     printf("| batch         B=%d T=%d, %d microbatch(es) per step = %lld tokens\n", B, T, M, total_batch);
     if (args.zero_stage != 0) {

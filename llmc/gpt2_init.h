@@ -5,6 +5,7 @@
  * 0, layernorm weights 1, padded vocabulary rows 0, drawn tensor by tensor in llm.c's file
  * order, layer by layer, from one generator seeded with `seed` (rand.h: the same bits on
  * every machine). Every rank of every layout draws the full model and takes its part.
+ * gpt2_starting_params picks what a run starts from (resume, fresh, or a model file).
  */
 #ifndef LLMC_GPT2_INIT_H
 #define LLMC_GPT2_INIT_H
@@ -13,6 +14,8 @@
 #include <stdint.h>
 #include "llmc/model.h"
 #include "llmc/rand.h"
+#include "llmc/checkpoint.h"
+#include "llmc/utils.h"
 
 typedef struct {
     float* params;
@@ -40,6 +43,34 @@ static inline void gpt2_init_piece(int t, int layer, size_t offset, size_t eleme
 static inline void gpt2_init_params(float* params, const GPT2Config* c, uint64_t seed) {
     Gpt2InitCtx ctx = {params, c, seed ? seed : 1};
     param_for_each_in_file_order(c, gpt2_init_piece, &ctx);
+}
+
+// A fresh GPT-2 with GPT-2's initialisation.
+static inline float* gpt2_random_params(const GPT2Config* config, uint64_t seed) {
+    float* params = (float*)aligned_calloc_or_die(param_count(config) * sizeof(float), "parameters");
+    gpt2_init_params(params, config, seed);
+    return params;
+}
+
+// The full parameters a run starts from, on the host: the checkpoint of resume_step in
+// output_dir when resuming (resume_step >= 0), a fresh GPT-2 for -e dN, else the model file -e.
+static inline float* gpt2_starting_params(const char* model, const char* output_dir, int resume_step,
+                                          uint64_t seed, GPT2Config* config) {
+    if (resume_step >= 0) {
+        char path[1200];
+        snprintf(path, sizeof(path), "%s/model_%08d.bin", output_dir, resume_step);
+        return checkpoint_read_model(path, config);
+    }
+    if (config_from_descriptor(model, config)) {
+        const char* problem = config_problem(config);
+        if (problem) { fatal("-e %s: %s", model, problem); }
+        return gpt2_random_params(config, seed);
+    }
+    if (!file_exists(model)) {
+        fatal("-e: model file '%s' not found; pass -e dN for a fresh GPT-2 of depth N (e.g. -e d12), "
+              "or import OpenAI's weights with scripts/download_gpt2_weights.sh", model);
+    }
+    return checkpoint_read_model(model, config);
 }
 
 #endif // LLMC_GPT2_INIT_H
