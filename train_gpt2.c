@@ -1796,13 +1796,7 @@ int main(int argc, char** argv) {
     Tokenizer tokenizer;
     memset(&tokenizer, 0, sizeof(tokenizer));   // only world rank 0 prints samples
     if (root) {
-        tokenizer_init(&tokenizer, args.tokenizer_path);
-        if (tokenizer.init_ok && (int)tokenizer.vocab_size != config.vocab_size) {
-            fprintf(stderr, "warning: tokenizer file %s has %u tokens but the model has V=%d; "
-                    "samples will be printed as token ids\n", args.tokenizer_path,
-                    tokenizer.vocab_size, config.vocab_size);
-            tokenizer_free(&tokenizer);
-        }
+        tokenizer_init_for_model(&tokenizer, args.tokenizer_path, config.vocab_size);
     }
 
     Pipeline pipe;

@@ -533,13 +533,7 @@ int main(int argc, char** argv) {
                     &train_steps);
     LRSchedule schedule = {sched_kind, args.lr, args.warmup, train_steps, args.final_lr_frac};
     Tokenizer tokenizer;
-    tokenizer_init(&tokenizer, args.tokenizer_path);
-    if (tokenizer.init_ok && (int)tokenizer.vocab_size != config.vocab_size) {
-        fprintf(stderr, "warning: tokenizer file %s has %u tokens but the model has V=%d; "
-                "samples will be printed as token ids\n", args.tokenizer_path,
-                tokenizer.vocab_size, config.vocab_size);
-        tokenizer_free(&tokenizer);
-    }
+    tokenizer_init_for_model(&tokenizer, args.tokenizer_path, config.vocab_size);
 
     // ---- device memory: every buffer of the plan, checked against what is free ----
     GpuMemoryPlan plan = gpu_memory_plan(&config, B, T, M, det, args.recompute, do_sample ? genT : 0);

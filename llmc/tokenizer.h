@@ -132,6 +132,17 @@ static inline void tokenizer_free(Tokenizer* t) {
     memset(t, 0, sizeof(*t));
 }
 
+// The trainers' tokenizer for printing samples: one whose vocabulary is not the model's V is
+// dropped with a warning (samples then print as token ids).
+static inline void tokenizer_init_for_model(Tokenizer* t, const char* filename, int model_vocab_size) {
+    tokenizer_init(t, filename);
+    if (t->init_ok && (int)t->vocab_size != model_vocab_size) {
+        fprintf(stderr, "warning: tokenizer file %s has %u tokens but the model has V=%d; "
+                "samples will be printed as token ids\n", filename, t->vocab_size, model_vocab_size);
+        tokenizer_free(t);
+    }
+}
+
 // Prints a decoded piece, except a lone byte that is neither printable nor whitespace: such a
 // byte is usually one part of a multi-byte UTF-8 character split across tokens (or a control
 // byte), and printing it alone garbles the terminal.
