@@ -2,13 +2,16 @@
  * train_gpt2.c: GPT-2 training on the CPU, the reference build.
  *
  * Read top to bottom: the kernels (each forward beside its backward, with the shapes above
- * them), the model (activations; the forward and backward in three parts - embeddings,
- * layers, head - with the tensor-parallel f/g operators where Megatron puts them), the
- * pipeline executor (every run is a pipeline, of one stage without --pp), then the training
- * loop. Parameters, gradients and AdamW live in llmc/zero.h (data parallelism, ZeRO); the
- * communication is llmc/comm.h. Every floating-point reduction follows the canonical order of
- * llmc/canonical.h (rules R1-R6), which is what makes this file the arithmetic truth: the CUDA
- * build in deterministic mode and every parallel layout reproduce its bits.
+ * them), then the model (activations; the forward and backward in three parts - embeddings,
+ * layers, head - with the tensor-parallel f/g operators where Megatron puts them), then a
+ * short main. Everything else is shared with the CUDA build and lives in llmc/: the training
+ * loop, the pipeline executor, validation, sampling and checkpoints in engine.h; parameters,
+ * gradients and AdamW in zero.h (data parallelism, ZeRO); the communication in comm.h. Every
+ * floating-point reduction follows the canonical order of llmc/canonical.h (rules R1-R6),
+ * which is what makes this file the arithmetic truth: the CUDA build in deterministic mode
+ * runs this very model on device kernels of the same names and arguments (train_gpt2.cu
+ * includes this file with LLMC_DEVICE_KERNELS defined, which leaves out the CPU kernels and
+ * main), and every parallel layout reproduces its bits.
  *
  * Shapes: B sequences of T tokens, C channels, NH heads of hs = C/NH, vocabulary V padded to
  * Vp, L layers. "BT" is B*T positions, row-major (b, t).
@@ -18,27 +21,21 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "llmc/utils.h"
 #include "llmc/canonical.h"
-#include "llmc/simd.h"
 #include "llmc/model.h"
-#include "llmc/checkpoint.h"
-#include "llmc/adamw.h"
-#include "llmc/rand.h"
-#include "llmc/gpt2_init.h"
-#include "llmc/dataloader.h"
-#include "llmc/tokenizer.h"
-#include "llmc/logger.h"
-#include "llmc/args.h"
+#include "llmc/memory.h"
 #include "llmc/comm.h"
 #include "llmc/zero.h"
-#include "llmc/pipeline.h"
 #include "llmc/tensor_parallel.h"
+#include "llmc/engine.h"
+
+#ifndef LLMC_DEVICE_KERNELS
+#include "llmc/simd.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -861,21 +858,30 @@ float position_sum(const float* x, int B, int T) {
     return position_reduce_elem(x, 1, 0, NULL, 0, 0, B, T);
 }
 
+#endif // LLMC_DEVICE_KERNELS
+
 // ==========================================================================================
 // The model
 // ==========================================================================================
+//
+// Written once, on the kernels above: the CUDA build's deterministic mode (train_gpt2.cu)
+// compiles this same section on its device kernels, which take the same arguments. So the
+// model never touches tensor memory itself: it allocates and fills through the MemOps of
+// memory.h (host here, device there), and its parameters come unit by unit from zero.h.
 
 // Activations of one forward pass of a pipeline stage (its `layers` transformer layers, and
 // the head on the last stage), allocated for a capacity of (B, T) positions; a pass with fewer
 // positions lays its tensors out with its own B, T inside the same memory.
 // With tensor parallelism the per-head and per-neuron tensors hold this rank's part: qkv
 // 3C/K, atty C/K, att NH/K heads, fch 4C/K, probs Vp/K (the widths below).
-// With sequence parallelism (SPK = K; else 1) the residual stream, the layernorms' inputs and
-// statistics hold T/SPK positions of each sequence: encoded, residual2, residual3, the means
-// and rstds; the layernorm outputs are stored all-gathered (full T).
+// With sequence parallelism (seq_split = K; else 1) the residual stream, the layernorms'
+// inputs and statistics hold T/K positions of each sequence: encoded, residual2, residual3,
+// the means and rstds; the layernorm outputs are stored all-gathered (full T).
 typedef struct {
-    int layers, cap_B, cap_T, recompute, SPK;
+    int layers, cap_B, cap_T, recompute, seq_split;
     int C3, Ca, NHl, C4, Vl;   // local widths: qkv, atty, heads, fch, vocabulary
+    int* inputs;        // (B,T)     the pass's tokens
+    int* targets;       // (B,T)     ... and the next tokens (the loss), or NULL: none
     float* encoded;     // (B,T,C)   the stage's input: embedding output, or received activation
     float* ln1;         // (L,B,T,C)
     float* ln1_mean;    // (L,B,T)
@@ -904,6 +910,7 @@ typedef struct {
 
 // Gradients of activations during backward: one set, reused by every layer.
 typedef struct {
+    int seq_split;      // as in Activations
     float* dresidual;   // (B,T,C)    d(residual stream); (B,T/K,C) under sequence parallelism
     float* dfull;       // (B,T,C)    ... all-gathered (sequence parallelism)
     float* dln_s;       // (B,T/K,C)  a layernorm output's gradient after the reduce-scatter
@@ -917,14 +924,14 @@ typedef struct {
 
 typedef struct {
     GPT2Config config;
-    size_t num_parameters;      // P
     int first_layer, last_layer; // this pipeline stage's layers [first, last)
     int is_first, is_last;      // first stage: embeddings; last stage: final layernorm + LM head
     CommGroup* tp;              // tensor-parallel group (size K; tensor_parallel.h)
     int K, v0, Vl;              // ... and this rank's vocabulary rows [v0, v0 + Vl) of wte
-    int sp;                     // sequence parallelism over the tensor-parallel group
-    float* sp_scratch;          // (B,T,C) reordering for its all-gathers and reduce-scatters
-    Zero zero;                  // parameters, gradients and AdamW state, possibly sharded (zero.h)
+    float* sp_scratch;          // (B,T,C) reordering for sequence parallelism's collectives
+    float* probs_all;           // (Vp) one position's probabilities, all-gathered (sampling)
+    Zero* zero;                 // parameters, gradients and AdamW state, possibly sharded (zero.h)
+    const MemOps* mem;          // the memory of every tensor (zero.h's)
 } GPT2;
 
 // The tied token embedding gets two gradients: from the LM head (wte as the output matmul)
@@ -934,76 +941,94 @@ typedef struct {
 // embedding on the first (Megatron sums the two copies' gradients after the data-parallel
 // reduction). zero_finish_grads() does the addition.
 
-static float* act_alloc(size_t n, size_t* total) {
+static float* act_alloc(const GPT2* model, size_t n, size_t* total) {
     *total += n * sizeof(float);
-    return (float*)aligned_calloc_or_die(n * sizeof(float), "activations");
+    return n ? mem_floats(model->mem, n, "activations") : NULL;
 }
 
-void activations_alloc(Activations* a, const GPT2Config* c, int layers, int with_head, int B,
-                       int T, int recompute, int K, int sp) {
-    size_t L = layers, C = c->channels, BT = (size_t)B * T, H = with_head ? 1 : 0;
+// sp: the residual stream is split along T over the tensor-parallel group (Megatron's
+// sequence parallelism)
+void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int sp) {
+    const GPT2Config* c = &model->config;
+    int K = model->K;
+    size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T;
+    size_t H = model->is_last ? 1 : 0;
     size_t BTs = BT / (sp ? K : 1);   // positions of the sequence-split tensors
     memset(a, 0, sizeof(*a));
-    a->layers = layers;
+    a->layers = (int)L;
     a->cap_B = B;
     a->cap_T = T;
     a->recompute = recompute;
-    a->SPK = sp ? K : 1;
+    a->seq_split = sp ? K : 1;
     a->C3 = 3 * c->channels / K;
     a->Ca = c->channels / K;
     a->NHl = c->num_heads / K;
     a->C4 = 4 * c->channels / K;
     a->Vl = c->padded_vocab_size / K;
-    a->encoded = act_alloc(BTs * C, &a->bytes);
-    a->ln1 = act_alloc(L * BT * C, &a->bytes);
-    a->ln1_mean = act_alloc(L * BTs, &a->bytes);
-    a->ln1_rstd = act_alloc(L * BTs, &a->bytes);
-    a->qkv = act_alloc(L * BT * a->C3, &a->bytes);
-    a->atty = act_alloc(L * BT * a->Ca, &a->bytes);
-    a->att = act_alloc(L * (size_t)B * a->NHl * T * T, &a->bytes);
-    a->residual2 = act_alloc(L * BTs * C, &a->bytes);
-    a->ln2 = act_alloc(L * BT * C, &a->bytes);
-    a->ln2_mean = act_alloc(L * BTs, &a->bytes);
-    a->ln2_rstd = act_alloc(L * BTs, &a->bytes);
-    a->fch = act_alloc(L * BT * a->C4, &a->bytes);
-    a->fch_gelu = act_alloc((recompute ? 1 : L) * BT * a->C4, &a->bytes);
-    a->residual3 = act_alloc(L * BTs * C, &a->bytes);
-    a->lnf = act_alloc(H * BT * C, &a->bytes);
-    a->lnf_mean = act_alloc(H * BTs, &a->bytes);
-    a->lnf_rstd = act_alloc(H * BTs, &a->bytes);
-    a->probs = act_alloc(H * BT * a->Vl, &a->bytes);
-    a->losses = act_alloc(H * BT, &a->bytes);
-    a->proj = act_alloc(BT * C, &a->bytes);
-    a->proj_s = act_alloc(sp ? BTs * C : 0, &a->bytes);
-    a->ln_s = act_alloc(sp ? BTs * C : 0, &a->bytes);
-    a->ce = act_alloc(H * 3 * BT, &a->bytes);
+    a->inputs = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
+    a->targets = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
+    a->bytes = 2 * BT * sizeof(int);
+    a->encoded = act_alloc(model, BTs * C, &a->bytes);
+    a->ln1 = act_alloc(model, L * BT * C, &a->bytes);
+    a->ln1_mean = act_alloc(model, L * BTs, &a->bytes);
+    a->ln1_rstd = act_alloc(model, L * BTs, &a->bytes);
+    a->qkv = act_alloc(model, L * BT * a->C3, &a->bytes);
+    a->atty = act_alloc(model, L * BT * a->Ca, &a->bytes);
+    a->att = act_alloc(model, L * (size_t)B * a->NHl * T * T, &a->bytes);
+    a->residual2 = act_alloc(model, L * BTs * C, &a->bytes);
+    a->ln2 = act_alloc(model, L * BT * C, &a->bytes);
+    a->ln2_mean = act_alloc(model, L * BTs, &a->bytes);
+    a->ln2_rstd = act_alloc(model, L * BTs, &a->bytes);
+    a->fch = act_alloc(model, L * BT * a->C4, &a->bytes);
+    a->fch_gelu = act_alloc(model, (recompute ? 1 : L) * BT * a->C4, &a->bytes);
+    a->residual3 = act_alloc(model, L * BTs * C, &a->bytes);
+    a->lnf = act_alloc(model, H * BT * C, &a->bytes);
+    a->lnf_mean = act_alloc(model, H * BTs, &a->bytes);
+    a->lnf_rstd = act_alloc(model, H * BTs, &a->bytes);
+    a->probs = act_alloc(model, H * BT * a->Vl, &a->bytes);
+    a->losses = act_alloc(model, H * BT, &a->bytes);
+    a->proj = act_alloc(model, BT * C, &a->bytes);
+    a->proj_s = act_alloc(model, sp ? BTs * C : 0, &a->bytes);
+    a->ln_s = act_alloc(model, sp ? BTs * C : 0, &a->bytes);
+    a->ce = act_alloc(model, H * 3 * BT, &a->bytes);
 }
 
-void activations_free(Activations* a) {
-    float* all[] = {a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty, a->att,
-                    a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu,
-                    a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj,
-                    a->proj_s, a->ln_s, a->ce};
-    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { free(all[i]); }
+void activations_free(const GPT2* model, Activations* a) {
+    void* all[] = {a->inputs, a->targets, a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty,
+                   a->att, a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu,
+                   a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj,
+                   a->proj_s, a->ln_s, a->ce};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
     memset(a, 0, sizeof(*a));
 }
 
-void activation_grads_alloc(ActivationGrads* g, const GPT2Config* c, int B, int T, int K, int sp) {
-    size_t BTC = (size_t)B * T * c->channels;
-    g->bytes = 0;
-    g->dresidual = act_alloc(BTC, &g->bytes);
-    g->dfull = act_alloc(sp ? BTC : 0, &g->bytes);
-    g->dln_s = act_alloc(sp ? BTC / K : 0, &g->bytes);
-    g->ln_partials = act_alloc(sp ? 2 * (size_t)B * c->channels : 0, &g->bytes);
-    g->dbtc = act_alloc(BTC, &g->bytes);
-    g->datty = act_alloc(BTC / K, &g->bytes);
-    g->dqkv = act_alloc(3 * BTC / K, &g->bytes);
-    g->dbt4c = act_alloc(4 * BTC / K, &g->bytes);
+// The pass's tokens, from host memory; targets NULL: the pass computes no loss.
+void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs, const int* targets,
+                            int B, int T) {
+    size_t bytes = (size_t)B * T * sizeof(int);
+    model->mem->from_host(a->inputs, inputs, bytes);
+    if (targets) { model->mem->from_host(a->targets, targets, bytes); }
+    a->targets = targets ? a->targets : NULL;
 }
 
-void activation_grads_free(ActivationGrads* g) {
-    free(g->dresidual); free(g->dfull); free(g->dln_s); free(g->ln_partials);
-    free(g->dbtc); free(g->datty); free(g->dqkv); free(g->dbt4c);
+void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T, int sp) {
+    int K = model->K;
+    size_t BTC = (size_t)B * T * model->config.channels;
+    memset(g, 0, sizeof(*g));
+    g->seq_split = sp ? K : 1;
+    g->dresidual = act_alloc(model, BTC, &g->bytes);
+    g->dfull = act_alloc(model, sp ? BTC : 0, &g->bytes);
+    g->dln_s = act_alloc(model, sp ? BTC / K : 0, &g->bytes);
+    g->ln_partials = act_alloc(model, sp ? 2 * (size_t)B * model->config.channels : 0, &g->bytes);
+    g->dbtc = act_alloc(model, BTC, &g->bytes);
+    g->datty = act_alloc(model, BTC / K, &g->bytes);
+    g->dqkv = act_alloc(model, 3 * BTC / K, &g->bytes);
+    g->dbt4c = act_alloc(model, 4 * BTC / K, &g->bytes);
+}
+
+void activation_grads_free(const GPT2* model, ActivationGrads* g) {
+    void* all[] = {g->dresidual, g->dfull, g->dln_s, g->ln_partials, g->dbtc, g->datty, g->dqkv, g->dbt4c};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
 }
 
 // Per-layer views of the activations for a pass over (B, T); l counts the stage's layers.
@@ -1013,7 +1038,7 @@ typedef struct {
 } LayerActs;
 
 static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, int B, int T) {
-    size_t C = c->channels, BT = (size_t)B * T, BTs = BT / a->SPK;
+    size_t C = c->channels, BT = (size_t)B * T, BTs = BT / a->seq_split;
     LayerActs v;
     v.residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BTs * C;
     v.ln1 = a->ln1 + l * BT * C;
@@ -1035,7 +1060,7 @@ static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, in
 // The output of the stage's layers (B,T,C), or its sequence slice: what the next stage, or
 // the head, receives.
 static float* stage_output(const Activations* a, const GPT2Config* c, int B, int T) {
-    size_t BTs = (size_t)B * T / a->SPK;
+    size_t BTs = (size_t)B * T / a->seq_split;
     return a->layers > 0 ? a->residual3 + (size_t)(a->layers - 1) * BTs * c->channels : a->encoded;
 }
 
@@ -1054,29 +1079,29 @@ static LayerTensors layer_unit(const Zero* z, int u, const float* base) {
 // embeddings (first stage), the transformer layers of a stage, and the head (final layernorm,
 // LM head, cross-entropy; last stage). Parameters come unit by unit from zero.h (ZeRO-3
 // gathers each unit just before use, prefetching the next, and frees it after).
-
-// Sequence parallelism's f and g (tensor_parallel.h) on the activations of a (B,T) pass; they
-// are the identity / all-reduce of tp_f_* and tp_g_* without it.
-static int sp_on(const GPT2* model) { return model->sp && model->K > 1; }
+//
+// Sequence parallelism's f and g (tensor_parallel.h) apply to passes whose activations are
+// split along T (seq_split > 1); they are the identity / all-reduce of tp_f_* and tp_g_*
+// without it.
 
 // (first stage) encoded (B,T,C) = wte[inputs] + wpe (with SP: this rank's positions)
-void embed_forward(GPT2* model, Activations* a, const int* inputs, int B, int T) {
+void embed_forward(GPT2* model, Activations* a, int B, int T) {
     const GPT2Config* c = &model->config;
-    Zero* z = &model->zero;
-    int C = c->channels, Ts = T / a->SPK;
+    Zero* z = model->zero;
+    int C = c->channels, Ts = T / a->seq_split, sp = a->seq_split > 1;
     const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
-    float* lookup = sp_on(model) ? a->proj : a->encoded;
-    encoder_lookup(lookup, inputs, wte, model->v0, model->Vl, B * T, C);
+    float* lookup = sp ? a->proj : a->encoded;
+    encoder_lookup(lookup, a->inputs, wte, model->v0, model->Vl, B * T, C);
     zero_params_release(z, ZERO_WTE);
     // sum over the tp group (the vocab-parallel lookup: each row came from the rank holding
     // it): all-reduce, or with SP reduce-scatter along T
-    if (sp_on(model)) {
+    if (sp) {
         tp_sp_reduce_scatter(model->tp, lookup, a->encoded, B, T, C, model->sp_scratch);
     } else if (model->K > 1) {
         comm_all_reduce_sum(model->tp, a->encoded, (size_t)B * T * C, COMM_KIND_TP);
     }
     const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
-    int t0 = sp_on(model) ? model->tp->rank * Ts : 0;
+    int t0 = sp ? model->tp->rank * Ts : 0;
     encoder_add_positions(a->encoded, wpe + (size_t)t0 * C, B, Ts, C);
     zero_params_release(z, ZERO_WPE);
 }
@@ -1086,8 +1111,8 @@ void embed_forward(GPT2* model, Activations* a, const int* inputs, int B, int T)
 static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, float* rstd,
                          const float* x, const float* w, const float* b, int B, int T) {
     int C = model->config.channels;
-    if (sp_on(model)) {
-        layernorm_forward(a->ln_s, mean, rstd, x, w, b, B * T / a->SPK, C);
+    if (a->seq_split > 1) {
+        layernorm_forward(a->ln_s, mean, rstd, x, w, b, B * T / a->seq_split, C);
         tp_sp_all_gather(model->tp, a->ln_s, ln, B, T, C, model->sp_scratch);
     } else {
         layernorm_forward(ln, mean, rstd, x, w, b, B * T, C);
@@ -1101,13 +1126,13 @@ static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, fl
 static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B, int T) {
     int C = model->config.channels;
     float* out = a->proj;
-    if (sp_on(model)) {
+    if (a->seq_split > 1) {
         tp_sp_reduce_scatter(model->tp, a->proj, a->proj_s, B, T, C, model->sp_scratch);
         out = a->proj_s;
     } else {
         tp_g_forward(model->tp, a->proj, (size_t)B * T * C);
     }
-    bias_forward(out, bias, B * T / a->SPK, C);
+    bias_forward(out, bias, B * T / a->seq_split, C);
     return out;
 }
 
@@ -1116,9 +1141,9 @@ static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B,
 // bias); attention runs on this rank's heads.
 void layers_forward(GPT2* model, Activations* a, int B, int T) {
     const GPT2Config* c = &model->config;
-    Zero* z = &model->zero;
+    Zero* z = model->zero;
     int C = c->channels, BT = B * T, K = model->K;
-    size_t BTCs = (size_t)BT / a->SPK * C;
+    size_t BTCs = (size_t)BT / a->seq_split * C;
     for (int l = model->first_layer; l < model->last_layer; l++) {
         int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->is_last ? z->lay.num_units - 1 : -1;
         LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next));
@@ -1138,12 +1163,12 @@ void layers_forward(GPT2* model, Activations* a, int B, int T) {
 }
 
 // (last stage) stage_output -> probs (B,T,Vl) of this rank's vocabulary rows, and per-position
-// losses (B,T) when targets != NULL. The LM head is column-parallel over the vocabulary; the
-// cross-entropy's three reductions are finished over the tp group. With `training`, the
+// losses (B,T) when the pass has targets. The LM head is column-parallel over the vocabulary;
+// the cross-entropy's three reductions are finished over the tp group. With `training`, the
 // units the backward starts with (wte, the final layernorm) stay held for it.
-void head_forward(GPT2* model, Activations* a, const int* targets, int B, int T, int training) {
+void head_forward(GPT2* model, Activations* a, int B, int T, int training) {
     const GPT2Config* c = &model->config;
-    Zero* z = &model->zero;
+    Zero* z = model->zero;
     int C = c->channels, V = c->vocab_size, BT = B * T, K = model->K;
     int LNF = z->lay.num_units - 1;
     const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
@@ -1154,11 +1179,11 @@ void head_forward(GPT2* model, Activations* a, const int* targets, int B, int T,
     crossentropy_max(maxes, a->probs, BT, V, model->v0, model->Vl);
     // all-reduce MAX (tp group): the largest logit over the whole vocabulary
     if (K > 1) { comm_all_reduce_max(model->tp, maxes, (size_t)BT, COMM_KIND_TP); }
-    crossentropy_exps(zs, target_logits, a->probs, maxes, targets, BT, V, model->v0, model->Vl, CANON_R / K);
+    crossentropy_exps(zs, target_logits, a->probs, maxes, a->targets, BT, V, model->v0, model->Vl, CANON_R / K);
     // all-reduce (tp group): Z (each rank's chunks of the vocabulary sum, finished by the R1
     // tree) and the target logit (held by one rank, -0.0f elsewhere)
     if (K > 1) { comm_all_reduce_sum(model->tp, a->ce + BT, 2 * (size_t)BT, COMM_KIND_TP); }
-    crossentropy_normalize(a->probs, a->losses, zs, target_logits, maxes, targets, BT, V, model->v0, model->Vl);
+    crossentropy_normalize(a->probs, a->losses, zs, target_logits, maxes, a->targets, BT, V, model->v0, model->Vl);
     if (!training) {
         zero_params_release(z, ZERO_WTE);
         zero_params_release(z, LNF);
@@ -1175,7 +1200,7 @@ static void ln_backward_f(GPT2* model, ActivationGrads* g, float* dres, float* d
                           float* dln, const float* inp, const float* weight, const float* mean,
                           const float* rstd, int B, int T) {
     int C = model->config.channels;
-    if (sp_on(model)) {
+    if (g->seq_split > 1) {
         int K = model->K;
         tp_sp_reduce_scatter(model->tp, dln, g->dln_s, B, T, C, model->sp_scratch);
         layernorm_backward(dres, dweight, dbias, g->dln_s, inp, weight, mean, rstd, B, T / K, C,
@@ -1192,7 +1217,7 @@ static void ln_backward_f(GPT2* model, ActivationGrads* g, float* dres, float* d
 // The gradient of a row-parallel layer's output, full (B,T,C), from d(residual) (Megatron's g
 // backward: the identity, or with SP an all-gather along T).
 static const float* dres_g_backward(GPT2* model, ActivationGrads* g, int B, int T) {
-    if (!sp_on(model)) {
+    if (g->seq_split == 1) {
         tp_g_backward(model->tp, g->dresidual, (size_t)B * T * model->config.channels);
         return g->dresidual;
     }
@@ -1202,22 +1227,21 @@ static const float* dres_g_backward(GPT2* model, ActivationGrads* g, int B, int 
 
 // (last stage) backward of the head: g->dresidual = d(loss)/d(stage_output). dloss =
 // d(loss)/d(per-position loss) = 1 / (tokens in the global batch).
-void head_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* targets, int B,
-                   int T, float dloss) {
+void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, float dloss) {
     const GPT2Config* c = &model->config;
-    Zero* z = &model->zero;
+    Zero* z = model->zero;
     int C = c->channels, V = c->vocab_size, BT = B * T;
     int LNF = z->lay.num_units - 1;
     const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
     float* dwte_lm = zero_grad_unit(z, ZERO_WTE);    // the LM-head half of wte's gradient
-    crossentropy_backward(a->probs, targets, dloss, BT, V, model->v0, model->Vl);
+    crossentropy_backward(a->probs, a->targets, dloss, BT, V, model->v0, model->Vl);
     matmul_backward(g->dbtc, dwte_lm, NULL, a->probs, a->lnf, wte, B, T, C, model->Vl, 1, CANON_R / model->K);
     zero_grad_unit_done(z, ZERO_WTE);
     zero_params_release(z, ZERO_WTE);
     int next = model->last_layer > model->first_layer ? ZERO_LAYER(model->last_layer - 1) : -1;
     const float* lnf = zero_params_acquire(z, LNF, next);
     float* dlnf = zero_grad_unit(z, LNF);
-    memset(g->dresidual, 0, sizeof(float) * (size_t)BT / a->SPK * C);
+    model->mem->fill(g->dresidual, 0.0f, (size_t)BT / g->seq_split * C);
     ln_backward_f(model, g, g->dresidual, dlnf, dlnf + C, g->dbtc, stage_output(a, c, B, T), lnf,
                   a->lnf_mean, a->lnf_rstd, B, T);
     zero_grad_unit_done(z, LNF);
@@ -1229,7 +1253,7 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* t
 // backward of the layers below.
 void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T) {
     const GPT2Config* c = &model->config;
-    Zero* z = &model->zero;
+    Zero* z = model->zero;
     int C = c->channels, BT = B * T, K = model->K;
     for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
         int next = l - 1 >= model->first_layer ? ZERO_LAYER(l - 1) : -1;
@@ -1257,721 +1281,155 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
 // (first stage) the embeddings' gradients from g->dresidual = d(loss)/d(encoded): the lookup
 // half of wte's gradient (unit E; this rank's vocabulary rows) and wpe's. Both sum over all
 // positions: with SP the gradient is all-gathered along T first.
-void embed_backward(GPT2* model, ActivationGrads* g, const int* inputs, int B, int T) {
+void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T) {
     const GPT2Config* c = &model->config;
-    Zero* z = &model->zero;
+    Zero* z = model->zero;
     int E = zero_unit_E(z);
     const float* dencoded = dres_g_backward(model, g, B, T);
-    encoder_backward(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), dencoded, inputs, B, T,
+    encoder_backward(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), dencoded, a->inputs, B, T,
                      c->channels, model->v0, model->Vl, c->max_seq_len);
     zero_grad_unit_done(z, ZERO_WPE);
     zero_grad_unit_done(z, E);
 }
 
-// The whole model on a rank that holds all of it (one pipeline stage, no sequence
-// parallelism): the tests' entry points.
-void gpt2_forward(GPT2* model, Activations* a, const int* inputs, const int* targets, int B, int T,
-                  int training) {
-    embed_forward(model, a, inputs, B, T);
-    layers_forward(model, a, B, T);
-    head_forward(model, a, targets, B, T, training);
+// The probabilities of one position over the whole vocabulary, into host memory: this rank's
+// slice, all-gathered over the tp group (sampling).
+void probs_at(GPT2* model, Activations* a, int position, float* host_probs) {
+    // all-gather (tp group): every rank's vocabulary slice of the position's probabilities
+    comm_all_gather(model->tp, a->probs + (size_t)position * model->Vl, model->probs_all, (size_t)model->Vl,
+                    COMM_KIND_OTHER);
+    model->mem->to_host(host_probs, model->probs_all, sizeof(float) * model->config.padded_vocab_size);
 }
 
-void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, const int* inputs,
-                   const int* targets, int B, int T, float dloss) {
-    head_backward(model, a, g, targets, B, T, dloss);
+// The whole model on a rank that holds all of it (one pipeline stage): the tests' entry points.
+void gpt2_forward(GPT2* model, Activations* a, const int* inputs, const int* targets, int B, int T,
+                  int training) {
+    activations_set_tokens(model, a, inputs, targets, B, T);
+    embed_forward(model, a, B, T);
+    layers_forward(model, a, B, T);
+    head_forward(model, a, B, T, training);
+}
+
+void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, float dloss) {
+    head_backward(model, a, g, B, T, dloss);
     layers_backward(model, a, g, B, T);
-    embed_backward(model, g, inputs, B, T);
+    embed_backward(model, a, g, B, T);
 }
 
 // --- building the model -------------------------------------------------------------------
 
-// The cost of the head (LM head matmuls and cross-entropy) in units of one transformer
-// layer, per token: the LM head is 2*C*Vp flops forward, a layer about 24*C^2.
-static double head_cost_in_layers(const GPT2Config* c) {
-    return (double)c->padded_vocab_size / (12.0 * c->channels);
-}
-
-// The model from full parameters (every rank the same): this rank's pipeline stage (pp group
-// rank) gets a balanced contiguous range of layers (pipeline.h), its tensor-parallel slices of
-// them (tensor_parallel.h), placed and sharded over the data-parallel group as ZeRO `stage`
-// says; M microbatches per step.
-void gpt2_init(GPT2* model, const GPT2Config* config, const float* params, int stage,
-               CommGroup* dp, CommGroup* pp, CommGroup* tp, int M) {
+// The model of a pipeline stage (`place`: its layers, whether it has the embeddings and the
+// head) on the parameters zero.h holds, its tensor-parallel slices over tp (tensor_parallel.h);
+// sp: sequence parallelism for passes over up to (B, T) positions (T a multiple of K).
+void gpt2_init(GPT2* model, const GPT2Config* config, const StagePlace* place, Zero* zero,
+               CommGroup* tp, int sp, int B, int T) {
+    memset(model, 0, sizeof(*model));
     model->config = *config;
-    model->num_parameters = param_count(config);
     const char* problem = tp_problem(config, tp->size);
     if (problem) { fatal("--tp %d: %s (model: NH=%d, Vp=%d)", tp->size, problem, config->num_heads, config->padded_vocab_size); }
     model->tp = tp;
     model->K = tp->size;
     model->Vl = config->padded_vocab_size / tp->size;
     model->v0 = tp->rank * model->Vl;
-    int S = pp->size;
-    int* first = (int*)malloc_or_die(sizeof(int) * (S + 1), "pipeline partition");
-    char err[256];
-    if (pipeline_partition_layers(config->num_layers, S, 0.0, head_cost_in_layers(config), first, err, sizeof(err)) != 0) {
-        fatal("--pp: %s", err);
-    }
-    model->first_layer = first[pp->rank];
-    model->last_layer = first[pp->rank + 1];
-    model->is_first = pp->rank == 0;
-    model->is_last = pp->rank == S - 1;
-    free(first);
-    model->sp = 0;
-    model->sp_scratch = NULL;
-    zero_init(&model->zero, &model->config, stage, dp, pp, tp, model->first_layer, model->last_layer, params, M);
-}
-
-// Megatron's sequence parallelism for passes over up to (B, T) positions (T a multiple of K).
-void gpt2_enable_sequence_parallel(GPT2* model, int B, int T) {
-    model->sp = 1;
-    model->sp_scratch = (float*)aligned_calloc_or_die(sizeof(float) * B * T * model->config.channels, "sequence parallelism");
+    model->first_layer = place->first_layer;
+    model->last_layer = place->last_layer;
+    model->is_first = place->is_first;
+    model->is_last = place->is_last;
+    model->zero = zero;
+    model->mem = zero->mem;
+    model->sp_scratch = sp ? mem_floats(model->mem, (size_t)B * T * config->channels, "sequence parallelism") : NULL;
+    model->probs_all = place->is_last ? mem_floats(model->mem, config->padded_vocab_size, "probabilities") : NULL;
 }
 
 void gpt2_free(GPT2* model) {
-    zero_free(&model->zero);
-    free(model->sp_scratch);
+    model->mem->release(model->sp_scratch);
+    model->mem->release(model->probs_all);
 }
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+// --- the model as the engine drives it (engine.h ModelOps) --------------------------------
+
+static void* model_create(const GPT2Config* config, const StagePlace* place, Zero* zero, CommGroup* tp,
+                          int sp, int B, int T) {
+    GPT2* model = (GPT2*)malloc_or_die(sizeof(GPT2), "model");
+    gpt2_init(model, config, place, zero, tp, sp, B, T);
+    return model;
 }
+static void model_destroy(void* m) { gpt2_free((GPT2*)m); free(m); }
+static void* model_acts_create(void* m, int B, int T, int recompute, int sp, size_t* bytes) {
+    Activations* a = (Activations*)malloc_or_die(sizeof(Activations), "activations");
+    activations_alloc(a, (GPT2*)m, B, T, recompute, sp);
+    *bytes = a->bytes;
+    return a;
+}
+static void model_acts_destroy(void* m, void* a) { activations_free((GPT2*)m, (Activations*)a); free(a); }
+static void model_set_tokens(void* m, void* a, const int* inputs, const int* targets, int B, int T) {
+    activations_set_tokens((GPT2*)m, (Activations*)a, inputs, targets, B, T);
+}
+static float* model_stage_input(void* m, void* a) { (void)m; return ((Activations*)a)->encoded; }
+static float* model_stage_output(void* m, void* a, int B, int T) {
+    return stage_output((Activations*)a, &((GPT2*)m)->config, B, T);
+}
+static void model_embed_forward(void* m, void* a, int B, int T) { embed_forward((GPT2*)m, (Activations*)a, B, T); }
+static void model_layers_forward(void* m, void* a, int B, int T) { layers_forward((GPT2*)m, (Activations*)a, B, T); }
+static void model_head_forward(void* m, void* a, int B, int T, int training) {
+    head_forward((GPT2*)m, (Activations*)a, B, T, training);
+}
+static float model_loss_sum(void* m, void* a, int B, int T) { (void)m; return position_sum(((Activations*)a)->losses, B, T); }
+static void model_probs_at(void* m, void* a, int position, float* host_probs) {
+    probs_at((GPT2*)m, (Activations*)a, position, host_probs);
+}
+static void* model_grads_create(void* m, int B, int T, int sp, size_t* bytes) {
+    ActivationGrads* g = (ActivationGrads*)malloc_or_die(sizeof(ActivationGrads), "activation gradients");
+    activation_grads_alloc(g, (GPT2*)m, B, T, sp);
+    *bytes = g->bytes;
+    return g;
+}
+static void model_grads_destroy(void* m, void* g) { activation_grads_free((GPT2*)m, (ActivationGrads*)g); free(g); }
+static float* model_grad_residual(void* m, void* g) { (void)m; return ((ActivationGrads*)g)->dresidual; }
+static void model_head_backward(void* m, void* a, void* g, int B, int T, float dloss) {
+    head_backward((GPT2*)m, (Activations*)a, (ActivationGrads*)g, B, T, dloss);
+}
+static void model_layers_backward(void* m, void* a, void* g, int B, int T) {
+    layers_backward((GPT2*)m, (Activations*)a, (ActivationGrads*)g, B, T);
+}
+static void model_embed_backward(void* m, void* a, void* g, int B, int T) {
+    embed_backward((GPT2*)m, (Activations*)a, (ActivationGrads*)g, B, T);
+}
+
+static const ModelOps gpt2_model_ops = {
+    model_create, model_destroy, model_acts_create, model_acts_destroy, model_set_tokens,
+    model_stage_input, model_stage_output, model_embed_forward, model_layers_forward,
+    model_head_forward, model_loss_sum, model_probs_at, model_grads_create, model_grads_destroy,
+    model_grad_residual, model_head_backward, model_layers_backward, model_embed_backward
+};
 
 // ==========================================================================================
-// Pipeline execution: a stage runs its list of actions from llmc/pipeline.h
+// main: the shared engine (llmc/engine.h) on this model and host memory
 // ==========================================================================================
-//
-// Every rank runs a pipeline, of one stage when --pp is 1 (then the list is just F0 B0 F1
-// B1 ...). A microbatch owns a slot from its FORWARD to its BACKWARD on this stage: its
-// activations, its tokens and the received gradient of its output; the schedule bounds how
-// many are alive (1F1B: S - stage). Messages are non-blocking: a receive is posted at its RECV
-// action and waited for right before the computation that reads it; a send is posted at its
-// SEND action and waited for before its buffer is reused. Received activations and sent input
-// gradients live in small message buffers of their own, so a receive posted early never needs
-// a second slot. The schedule's message order makes this deadlock-free (pipeline.h).
-// Tags: 2*microbatch (+1 for gradients).
-
-typedef struct {
-    int microbatch;            // -1: free
-    Activations acts;
-    int* inputs;               // (B,T) the microbatch's tokens
-    int* targets;              // (B,T)
-    float* grad_out;           // (B,T,C) received d(loss)/d(stage output) (not the last stage)
-    CommRequest* recv_grad;
-    CommRequest* send_act;     // the stage output being sent (the slot is not reused before)
-} MicroSlot;
-
-typedef enum { MSG_FREE, MSG_RECEIVING, MSG_TO_SEND, MSG_SENDING } MessageState;
-
-typedef struct {
-    float* buf;                // (B,T,C)
-    CommRequest* req;
-    int microbatch;
-    MessageState state;        // RECEIVING: an input activation until its FORWARD; TO_SEND: an
-                               // input gradient from BACKWARD until its SEND_BACKWARD
-} MessageBuffer;
-
-#define PP_MAX_MESSAGES 64
-
-typedef struct {
-    PipelineConfig cfg;
-    PipelineAction* actions;
-    int nactions;
-    MicroSlot* slots;
-    int nslots;
-    MessageBuffer msgs[PP_MAX_MESSAGES];
-    int nmsgs;
-    size_t msg_floats;
-    int prev, next;            // pp-group ranks of the neighbouring stages (COMM_NO_PEER)
-    CommGroup* pp;
-    double busy;               // seconds of FORWARD/BACKWARD in the last step
-    double fwd, bwd;           // ... of which forwards, backwards
-    size_t slot_bytes;
-} Pipeline;
-
-static void pipeline_init(Pipeline* p, GPT2* model, CommGroup* pp, PipelineScheduleKind kind, int M,
-                          int B, int T, int recompute) {
-    memset(p, 0, sizeof(*p));
-    p->pp = pp;
-    p->cfg = (PipelineConfig){pp->size, M, kind, 1};
-    char err[256];
-    int n = pipeline_stage_actions(&p->cfg, pp->rank, NULL, 0, err, sizeof(err));
-    if (n < 0) { fatal("--pp/--schedule: %s", err); }
-    p->actions = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "pipeline actions");
-    if (pipeline_stage_actions(&p->cfg, pp->rank, p->actions, n, err, sizeof(err)) != n) {
-        fatal("--pp/--schedule: %s", err);
-    }
-    p->nactions = n;
-    p->prev = pp->rank > 0 ? pp->rank - 1 : COMM_NO_PEER;
-    p->next = pp->rank < pp->size - 1 ? pp->rank + 1 : COMM_NO_PEER;
-    p->nslots = pipeline_max_in_flight(p->actions, n);
-    p->slots = (MicroSlot*)calloc_or_die((size_t)p->nslots, sizeof(MicroSlot), "pipeline slots");
-    p->msg_floats = (size_t)B * T / (sp_on(model) ? model->K : 1) * model->config.channels;
-    for (int i = 0; i < p->nslots; i++) {
-        MicroSlot* s = &p->slots[i];
-        s->microbatch = -1;
-        activations_alloc(&s->acts, &model->config, model->last_layer - model->first_layer,
-                          model->is_last, B, T, recompute, model->K, sp_on(model));
-        s->inputs = (int*)malloc_or_die(sizeof(int) * B * T, "tokens");
-        s->targets = (int*)malloc_or_die(sizeof(int) * B * T, "tokens");
-        s->grad_out = (float*)aligned_calloc_or_die(sizeof(float) * p->msg_floats, "pipeline gradient");
-        p->slot_bytes = s->acts.bytes + sizeof(float) * p->msg_floats + 2 * sizeof(int) * B * T;
-    }
-}
-
-static void pipeline_free(Pipeline* p) {
-    for (int i = 0; i < p->nslots; i++) {
-        activations_free(&p->slots[i].acts);
-        free(p->slots[i].inputs); free(p->slots[i].targets); free(p->slots[i].grad_out);
-    }
-    for (int i = 0; i < p->nmsgs; i++) { free(p->msgs[i].buf); }
-    free(p->slots);
-    free(p->actions);
-}
-
-// The slot of microbatch i; with `take`, a free one (its output's send completed) if it has none.
-static MicroSlot* pipeline_slot(Pipeline* p, int i, int take) {
-    for (int k = 0; k < p->nslots; k++) { if (p->slots[k].microbatch == i) { return &p->slots[k]; } }
-    if (!take) { fatal("internal: microbatch %d has no pipeline slot", i); }
-    for (int k = 0; k < p->nslots; k++) {
-        if (p->slots[k].microbatch < 0) {
-            comm_wait(p->slots[k].send_act);
-            p->slots[k].send_act = NULL;
-            p->slots[k].microbatch = i;
-            return &p->slots[k];
-        }
-    }
-    fatal("internal: more microbatches in flight than the schedule's bound");
-}
-
-// A message buffer for microbatch i in `state`: a free one (a completed send's is reused).
-static MessageBuffer* pipeline_message_new(Pipeline* p, int i, MessageState state) {
-    MessageBuffer* m = NULL;
-    for (int k = 0; k < p->nmsgs && m == NULL; k++) {
-        MessageBuffer* q = &p->msgs[k];
-        if (q->state == MSG_SENDING && comm_test(q->req)) { q->req = NULL; q->state = MSG_FREE; }
-        if (q->state == MSG_FREE) { m = q; }
-    }
-    if (m == NULL) {
-        if (p->nmsgs == PP_MAX_MESSAGES) { fatal("internal: too many pipeline messages in flight"); }
-        m = &p->msgs[p->nmsgs++];
-        m->buf = (float*)aligned_calloc_or_die(sizeof(float) * p->msg_floats, "pipeline message");
-    }
-    m->microbatch = i;
-    m->state = state;
-    return m;
-}
-
-// The message buffer of microbatch i in `state`.
-static MessageBuffer* pipeline_message(Pipeline* p, int i, MessageState state) {
-    for (int k = 0; k < p->nmsgs; k++) {
-        if (p->msgs[k].state == state && p->msgs[k].microbatch == i) { return &p->msgs[k]; }
-    }
-    fatal("internal: no pipeline message for microbatch %d", i);
-}
-
-// Runs this stage's actions for one optimizer step: forward and backward of this dp rank's
-// Ml microbatches (global indices from zero.h), gradients reduced, the tied halves summed.
-// local_loss[i] gets microbatch i's loss sum on the last stage.
-static void pipeline_step(Pipeline* p, GPT2* model, ActivationGrads* g, DataLoader* loader,
-                          int64_t first_microbatch, int M_global, int B, int T, int overfit,
-                          float* local_loss) {
-    const GPT2Config* c = &model->config;
-    Zero* z = &model->zero;
-    size_t BTC = p->msg_floats;
-    float dloss = 1.0f / (float)((double)B * T * M_global);
-    p->busy = p->fwd = p->bwd = 0.0;
-    for (int k = 0; k < p->nactions; k++) {
-        const PipelineAction* act = &p->actions[k];
-        int i = act->microbatch;
-        MicroSlot* s;
-        MessageBuffer* m;
-        double t0;
-        switch (act->kind) {
-            case PP_RECV_FORWARD:
-                // irecv (pp group): microbatch i's input activation from the previous stage
-                m = pipeline_message_new(p, i, MSG_RECEIVING);
-                m->req = comm_irecv(p->pp, m->buf, BTC, act->peer, 2 * i, COMM_KIND_PP);
-                break;
-            case PP_FORWARD:
-                s = pipeline_slot(p, i, 1);
-                if (model->is_first || model->is_last) {
-                    dataloader_load(loader, overfit ? 0 : zero_global_microbatch(z, first_microbatch, i));
-                    memcpy(s->inputs, loader->inputs, sizeof(int) * B * T);
-                    memcpy(s->targets, loader->targets, sizeof(int) * B * T);
-                }
-                if (!model->is_first) {   // waiting for the input is idle time, not compute
-                    m = pipeline_message(p, i, MSG_RECEIVING);
-                    comm_wait(m->req);
-                    memcpy(s->acts.encoded, m->buf, sizeof(float) * BTC);
-                    m->req = NULL;
-                    m->state = MSG_FREE;
-                }
-                t0 = now_seconds();
-                if (model->is_first) { embed_forward(model, &s->acts, s->inputs, B, T); }
-                layers_forward(model, &s->acts, B, T);
-                if (model->is_last) {
-                    head_forward(model, &s->acts, s->targets, B, T, 1);
-                    local_loss[i] = position_sum(s->acts.losses, B, T);
-                }
-                p->fwd += now_seconds() - t0;
-                break;
-            case PP_SEND_FORWARD:
-                // isend (pp group): the stage output of microbatch i to the next stage
-                s = pipeline_slot(p, i, 0);
-                s->send_act = comm_isend(p->pp, stage_output(&s->acts, c, B, T), BTC, act->peer, 2 * i, COMM_KIND_PP);
-                break;
-            case PP_RECV_BACKWARD:
-                // irecv (pp group): d(loss)/d(stage output) of microbatch i from the next stage
-                s = pipeline_slot(p, i, 0);
-                s->recv_grad = comm_irecv(p->pp, s->grad_out, BTC, act->peer, 2 * i + 1, COMM_KIND_PP);
-                break;
-            case PP_BACKWARD:
-                s = pipeline_slot(p, i, 0);
-                if (!model->is_last) {
-                    comm_wait(s->recv_grad);
-                    s->recv_grad = NULL;
-                    memcpy(g->dresidual, s->grad_out, sizeof(float) * BTC);
-                }
-                t0 = now_seconds();
-                zero_begin_microbatch(z, i);
-                if (model->is_last) { head_backward(model, &s->acts, g, s->targets, B, T, dloss); }
-                layers_backward(model, &s->acts, g, B, T);
-                if (model->is_first) {
-                    embed_backward(model, g, s->inputs, B, T);
-                } else {   // keep d(loss)/d(stage input) until its SEND_BACKWARD
-                    memcpy(pipeline_message_new(p, i, MSG_TO_SEND)->buf, g->dresidual, sizeof(float) * BTC);
-                }
-                zero_end_microbatch(z);
-                s->microbatch = -1;   // its activations are no longer needed
-                p->bwd += now_seconds() - t0;
-                break;
-            case PP_SEND_BACKWARD:
-                // isend (pp group): d(loss)/d(stage input) of microbatch i to the previous stage
-                m = pipeline_message(p, i, MSG_TO_SEND);
-                m->state = MSG_SENDING;
-                m->req = comm_isend(p->pp, m->buf, BTC, act->peer, 2 * i + 1, COMM_KIND_PP);
-                break;
-        }
-    }
-    for (int k = 0; k < p->nslots; k++) { comm_wait(p->slots[k].send_act); p->slots[k].send_act = NULL; }
-    for (int k = 0; k < p->nmsgs; k++) { comm_wait(p->msgs[k].req); p->msgs[k].req = NULL; p->msgs[k].state = MSG_FREE; }
-    p->busy = p->fwd + p->bwd;
-    zero_finish_grads(z);
-}
-
-// A forward-only pass through the pipeline of one batch (validation, sampling): the first
-// stage embeds `inputs`, each stage receives, runs its layers, sends; the last stage runs the
-// head. Blocking sends and receives: every stage handles the batch in the same order.
-static void pipeline_forward_only(Pipeline* p, GPT2* model, Activations* a, const int* inputs,
-                                  const int* targets, int B, int T) {
-    size_t BTC = (size_t)B * T / a->SPK * model->config.channels;
-    if (model->is_first) {
-        embed_forward(model, a, inputs, B, T);
-    } else {
-        comm_wait(comm_irecv(p->pp, a->encoded, BTC, p->prev, 0, COMM_KIND_PP));
-    }
-    layers_forward(model, a, B, T);
-    if (model->is_last) {
-        head_forward(model, a, targets, B, T, 0);
-    } else {
-        comm_wait(comm_isend(p->pp, stage_output(a, &model->config, B, T), BTC, p->next, 0, COMM_KIND_PP));
-    }
-}
-
-// ==========================================================================================
-// Training
-// ==========================================================================================
-
-// The R1 tree over n values gathered from the dp ranks (`per_rank` each, rank-major in all):
-// value j of the canonical order is microbatch j's (zero.h's assignment), or with
-// round_robin value j = all[(j % N) * per_rank + j / N].
-static float tree_in_order(const float* all, int per_rank, int n, const Zero* z, int round_robin) {
-    float* ordered = (float*)malloc_or_die(sizeof(float) * (n > 0 ? n : 1), "ordered values");
-    for (int j = 0; j < n; j++) {
-        int r, local;
-        if (round_robin) { r = j % z->N; local = j / z->N; }
-        else { zero_owner_of_microbatch(z, j, &r, &local); }
-        ordered[j] = all[(size_t)r * per_rank + local];
-    }
-    float sum = canon_tree_sum(ordered, n, 1);
-    free(ordered);
-    return sum;
-}
-
-// The mean loss over the global batch: the last stage's dp ranks gather their microbatch loss
-// sums (all-gather, dp group), sum them by the R1 tree in global order, and the last stage
-// broadcasts the result to the other stages (pp group).
-static float global_mean_loss(GPT2* model, Comm* comm, const float* local, int per_rank, int n,
-                              int round_robin, double tokens) {
-    Zero* z = &model->zero;
-    float loss = 0.0f;
-    if (model->is_last) {
-        float* all = (float*)malloc_or_die(sizeof(float) * (size_t)per_rank * z->N + 1, "losses");
-        comm_all_gather(&comm->dp_group, local, all, (size_t)per_rank, COMM_KIND_OTHER);
-        loss = tree_in_order(all, per_rank, n, z, round_robin) / (float)tokens;
-        free(all);
-    }
-    comm_broadcast(&comm->pp_group, &loss, sizeof(float), comm->pp - 1, COMM_KIND_OTHER);
-    return loss;
-}
-
-// Validation loss over the first `batches` microbatches of the val data: batch j is done by
-// dp rank j % N (through the pipeline), and the batch sums are summed in batch order.
-static float gpt2_validate(GPT2* model, Pipeline* p, Comm* comm, Activations* acts,
-                           DataLoader* loader, int batches, int B, int T) {
-    Zero* z = &model->zero;
-    int per_rank = (batches + z->N - 1) / z->N;
-    float* local = (float*)calloc_or_die((size_t)per_rank + 1, sizeof(float), "val losses");
-    for (int k = 0; k < per_rank; k++) {
-        int j = k * z->N + z->rank;
-        // under ZeRO-3 every dp rank must take part in every forward's parameter gathers
-        if (j >= batches && z->stage != 3) { continue; }
-        dataloader_load(loader, j < batches ? j : 0);
-        pipeline_forward_only(p, model, acts, loader->inputs, loader->targets, B, T);
-        if (model->is_last && j < batches) { local[k] = position_sum(acts->losses, B, T); }
-    }
-    float loss = global_mean_loss(model, comm, local, per_rank, batches, 1, (double)batches * B * T);
-    free(local);
-    return loss;
-}
-
-// Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler), each
-// token a forward pass over the tokens so far (B = 1) through the pipeline; the last stage
-// draws the token (from the whole vocabulary: its tensor-parallel ranks all-gather their
-// slices of the probabilities) and broadcasts it to the other stages. Under ZeRO-3 every dp
-// rank takes part (the forward gathers parameters); world rank 0 prints.
-static void sample_text(GPT2* model, Pipeline* p, Comm* comm, Activations* acts, Tokenizer* tok, int genT) {
-    int V = model->config.vocab_size, Vp = model->config.padded_vocab_size;
-    int sp = model->sp;
-    model->sp = 0;   // the length changes token by token; without SP the arithmetic is the same
-    int printing = comm->world_rank == 0;
-    int* gen = (int*)malloc_or_die(sizeof(int) * genT, "sample tokens");
-    float* probs = (float*)malloc_or_die(sizeof(float) * Vp, "sample probabilities");
-    uint64_t rng = 1337;
-    gen[0] = V > 50256 ? 50256 : V - 1;   // <|endoftext|> for GPT-2's vocabulary
-    if (printing) { printf("generating:\n---\n"); }
-    for (int t = 1; t < genT; t++) {
-        pipeline_forward_only(p, model, acts, gen, NULL, 1, t);
-        int next = V - 1;
-        if (model->is_last) {
-            // all-gather (tp group): the probabilities of the last position over the vocabulary
-            comm_all_gather(model->tp, acts->probs + (size_t)(t - 1) * model->Vl, probs, (size_t)model->Vl, COMM_KIND_OTHER);
-            float coin = random_f32(&rng), cdf = 0.0f;
-            for (int v = 0; v < V; v++) {
-                cdf += probs[v];
-                if (coin < cdf) { next = v; break; }
-            }
-        }
-        comm_broadcast(&comm->pp_group, &next, sizeof(int), comm->pp - 1, COMM_KIND_OTHER);
-        gen[t] = next;
-        if (!printing) { continue; }
-        if (tok->init_ok) {
-            safe_printf(tokenizer_decode(tok, next));
-        } else {
-            printf("%d ", next);
-        }
-        fflush(stdout);
-    }
-    if (printing) { printf("\n---\n"); }
-    model->sp = sp;
-    free(probs);
-    free(gen);
-}
-
-// Checkpoint of step progress->step: the model (world rank 0, llm.c format), every rank's
-// piece of the optimizer state, then the DONE marker once all of it is on disk. The full
-// parameters are assembled by a sum: every dp-rank-0 rank writes the elements it owns
-// (zero_full_params: each element by exactly one rank) into a buffer of -0.0f, and an
-// all-reduce over the tp group, then over the pp group, adds them (x + -0 == x: exact).
-static void write_checkpoint(GPT2* model, const char* dir, TrainProgress* progress, Comm* comm) {
-    Zero* z = &model->zero;
-    char path[1200];
-    int step = (int)progress->step;
-    size_t P = model->num_parameters;
-    float* full = NULL;
-    if (comm->dp_rank == 0) {
-        full = (float*)aligned_calloc_or_die(P * sizeof(float), "checkpoint");
-        for (size_t i = 0; i < P; i++) { full[i] = -0.0f; }
-    }
-    zero_full_params(z, full);
-    if (full) {
-        // all-reduce (tp group, then pp group): every rank's owned elements into the full model
-        if (comm->tp > 1) { comm_all_reduce_sum(&comm->tp_group, full, P, COMM_KIND_OTHER); }
-        if (comm->pp > 1) { comm_all_reduce_sum(&comm->pp_group, full, P, COMM_KIND_OTHER); }
-    }
-    if (comm->world_rank == 0) {
-        snprintf(path, sizeof(path), "%s/model_%08d.bin", dir, step);
-        checkpoint_write_model(path, &model->config, full);
-    }
-    free(full);
-    int per_dp = z->stage == 0 ? 1 : z->N;   // ZeRO-0: dp rank 0 writes its (and everyone's) state
-    if (z->stage != 0 || z->rank == 0) {
-        int n = zero_state_ranges(z, 1, NULL);
-        StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (n + 1), "state ranges");
-        zero_state_ranges(z, 1, ranges);
-        int piece = (comm->pp_rank * comm->tp + comm->tp_rank) * per_dp + (z->stage == 0 ? 0 : z->rank);
-        snprintf(path, sizeof(path), "%s/state_%08d_%05d.bin", dir, step, piece);
-        state_write_piece(path, &model->config, progress, comm->pp * comm->tp * per_dp, piece, n, ranges);
-        free(ranges);
-    }
-    comm_barrier(&comm->world);
-    if (comm->world_rank == 0) {
-        checkpoint_write_done(dir, step);
-        printf("checkpoint written: %s/model_%08d.bin\n", dir, step);
-    }
-}
-
-#ifndef TESTING
-int main(int argc, char** argv) {
-    Comm comm;
-    comm_init(&comm, &argc, &argv);
-    int root = comm.world_rank == 0;
-    TrainArgs args;
-    train_args_defaults(&args);
-    if (train_args_parse(&args, argc, argv)) {
-        if (root) {
-            TrainArgs defaults;
-            train_args_defaults(&defaults);
-            train_args_print_help(argv[0], &defaults);
-        }
-        comm_finalize(&comm);
-        return 0;
-    }
-    train_args_validate(&args);
-    if (args.sp && args.tp == 1) { fatal("--sp 1: sequence parallelism splits the sequence over the tensor-parallel group; it needs --tp > 1"); }
-    if (args.deterministic) { fatal("--deterministic is a flag of the CUDA build (train_gpt2cu)"); }
-    if (comm.world_size % (args.tp * args.pp) != 0) {
-        fatal("--tp %d x --pp %d does not divide the %d ranks of this job", args.tp, args.pp, comm.world_size);
-    }
-    comm_setup_grid(&comm, args.tp, args.pp);
-    PipelineScheduleKind pp_kind = strcmp(args.pp_schedule, "gpipe") == 0 ? PP_GPIPE : PP_1F1B;
-    LRScheduleKind sched_kind;
-    if (!lr_schedule_kind(args.lr_schedule, &sched_kind)) {
-        fatal("-k: unknown learning-rate schedule '%s' (cosine, linear or constant)", args.lr_schedule);
-    }
-    if (args.output_dir && root) { ensure_writable_dir(args.output_dir, "-o"); }
-    comm_barrier(&comm.world);
-
-    // resume from the latest complete checkpoint in the output dir?
-    int resume_step = args.resume ? checkpoint_latest_step(args.output_dir) : -1;
-    GPT2Config config;
-    float* params = gpt2_starting_params(args.model, args.output_dir, resume_step, (uint64_t)args.seed, &config);
-    int B = args.B, T = args.T, N = comm.dp;
-    if (T > config.max_seq_len) {
-        fatal("-t: sequence length %d exceeds the model's maxT = %d", T, config.max_seq_len);
-    }
-    if (config.channels / config.num_heads > 256) {
-        fatal("-e: head size C/NH = %d is larger than the 256 this build supports", config.channels / config.num_heads);
-    }
-    if (args.pp > config.num_layers) {
-        fatal("--pp %d: the model has only %d layers; every stage needs at least one", args.pp, config.num_layers);
-    }
-    long long tokens_per_micro = (long long)B * T;
-    long long total_batch = args.total_batch == -1 ? tokens_per_micro * N : args.total_batch;
-    if (total_batch % (tokens_per_micro * N) != 0) {
-        fatal("-d: total batch %lld tokens is not a multiple of B*T*DP = %d*%d*%d = %lld", total_batch,
-              B, T, N, tokens_per_micro * N);
-    }
-    int M = (int)(total_batch / tokens_per_micro);   // microbatches per step, over all dp ranks
-
-    if (args.sp && T % args.tp != 0) {
-        fatal("--sp 1: the sequence length -t %d must be a multiple of --tp %d", T, args.tp);
-    }
-    GPT2 model;
-    gpt2_init(&model, &config, params, args.zero_stage, &comm.dp_group, &comm.pp_group, &comm.tp_group, M);
-    free(params);
-    if (args.sp) { gpt2_enable_sequence_parallel(&model, B, T); }
-    Zero* z = &model.zero;
-
-    DataLoader train_loader, val_loader;
-    int do_val = args.val_every > 0;
-    int val_batches, train_steps;
-    train_data_open(&args, B, T, config.vocab_size, total_batch, &train_loader, &val_loader, &val_batches,
-                    &train_steps);
-    LRSchedule schedule = {sched_kind, args.lr, args.warmup, train_steps, args.final_lr_frac};
-
-    Tokenizer tokenizer;
-    memset(&tokenizer, 0, sizeof(tokenizer));   // only world rank 0 prints samples
-    if (root) {
-        tokenizer_init_for_model(&tokenizer, args.tokenizer_path, config.vocab_size);
-    }
-
-    Pipeline pipe;
-    pipeline_init(&pipe, &model, &comm.pp_group, pp_kind, z->local_microbatches, B, T, args.recompute);
-    ActivationGrads agrads;
-    activation_grads_alloc(&agrads, &config, B, T, comm.tp, args.sp);
-    int genT = args.gen_T < config.max_seq_len ? args.gen_T : config.max_seq_len;
-    int do_sample = args.sample_every > 0 && (comm.dp_rank == 0 || z->stage == 3);
-    Activations sample_acts;
-    if (do_sample) {
-        activations_alloc(&sample_acts, &config, model.last_layer - model.first_layer, model.is_last, 1, genT, 0, comm.tp, 0);
-    }
-
-    TrainProgress progress = {0, 0, tokens_per_micro, args.shuffle, (uint64_t)args.seed};
-    if (resume_step >= 0) {
-        int n = zero_state_ranges(z, 0, NULL);   // every range this rank updates
-        StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (n + 1), "state ranges");
-        zero_state_ranges(z, 0, ranges);
-        TrainProgress saved;
-        state_read(args.output_dir, resume_step, &config, n, ranges, &saved);
-        free(ranges);
-        if (saved.tokens_per_microbatch != tokens_per_micro || saved.shuffle != args.shuffle ||
-            saved.shuffle_seed != (uint64_t)args.seed) {
-            fatal("-y 1: the checkpoint in '%s' was trained with B*T = %lld, --shuffle %d, --seed %llu; "
-                  "resume with the same values", args.output_dir, (long long)saved.tokens_per_microbatch,
-                  saved.shuffle, (unsigned long long)saved.shuffle_seed);
-        }
-        progress = saved;
-    }
-    Logger logger;
-    logger_init(&logger, args.output_dir, root, resume_step >= 0);
-
-    double flops_per_step = (6.0 * (double)model.num_parameters
-                           + 6.0 * config.num_layers * config.channels * T) * (double)total_batch;
-    size_t P = model.num_parameters;
+#if !defined(TESTING) && !defined(LLMC_DEVICE_KERNELS)
+static void cpu_banner(void) {
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    ZeroMemory mem = zero_memory(z);
-    // every stage's layers and activation memory, for the table (all-gather, pp group)
-    float stage_info[3], all_stage_info[3 * 64];
-    stage_info[0] = (float)model.first_layer;
-    stage_info[1] = (float)model.last_layer;
-    stage_info[2] = (float)(pipe.nslots * pipe.slot_bytes / 1048576.0);
-    if (comm.pp <= 64) { comm_all_gather(&comm.pp_group, stage_info, all_stage_info, 3, COMM_KIND_OTHER); }
-    if (root) {
-        printf("+--------------------------------------------------------------------------+\n");
-        printf("| train_gpt2 (CPU reference, canonical arithmetic, %-6s kernels, %2d threads)|\n", LLMC_SIMD_NAME, threads);
-        printf("+--------------------------------------------------------------------------+\n");
-        printf("| model         L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n", config.num_layers, config.channels,
-               config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len);
-        if (resume_step >= 0) { printf("| init          %s/model_%08d.bin\n", args.output_dir, resume_step); }
-        else { printf("| init          %s\n", args.model); }
-        printf("| parameters    P = %zu (%.1f M)\n", P, P / 1e6);
-        printf("| ranks         %d = %d data x %d tensor%s x %d pipeline; ZeRO stage %d\n", comm.world_size, N,
-               comm.tp, args.sp ? " (+ sequence parallel)" : "", comm.pp, z->stage);
-        printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
-               B, T, M, z->local_microbatches, total_batch);
-        if (comm.pp > 1) {
-            printf("| pipeline      %s over %d stages, %d microbatches; bubble model (S-1)/(M+S-1) = %.3f\n",
-                   args.pp_schedule, comm.pp, z->local_microbatches, pipeline_bubble_fraction(&pipe.cfg));
-            for (int st = 0; st < comm.pp && st < 64; st++) {
-                PipelineConfig cfg = pipe.cfg;
-                int n = pipeline_stage_actions(&cfg, st, NULL, 0, NULL, 0);
-                PipelineAction* acts = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "actions");
-                pipeline_stage_actions(&cfg, st, acts, n, NULL, 0);
-                printf("|   stage %-3d   layers [%d, %d)%s%s, peak activations: %d microbatch(es), %.1f MiB\n", st,
-                       (int)all_stage_info[3 * st], (int)all_stage_info[3 * st + 1], st == 0 ? " + embeddings" : "",
-                       st == comm.pp - 1 ? " + head" : "", pipeline_max_in_flight(acts, n), all_stage_info[3 * st + 2]);
-                free(acts);
-            }
-        }
-        train_data_print_summary(&args, train_steps, &train_loader, &val_loader, val_batches);
-        printf("| memory/rank   params %.1f MiB, grads %.1f MiB, AdamW %.1f MiB, activations %.1f MiB\n",
-               mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576,
-               (pipe.nslots * pipe.slot_bytes + agrads.bytes) / 1048576.0);
-        if (comm.pp == 1) {
-            printf("|               ZeRO paper, fp32 AdamW: %s = %.1f MiB (ours: %.1f MiB incl. padding and wte's 2nd gradient half)\n",
-                   z->stage == 0 ? "16P" : z->stage == 1 ? "8P + 8P/N" : z->stage == 2 ? "4P + 12P/N" : "16P/N",
-                   (z->stage == 0 ? 16.0 * P : z->stage == 1 ? 8.0 * P + 8.0 * P / N
-                    : z->stage == 2 ? 4.0 * P + 12.0 * P / N : 16.0 * P / N) / 1048576,
-                   (mem.params + mem.grads + mem.optimizer) / 1048576);
-        }
-        printf("| output        %s\n", args.output_dir ? args.output_dir : "(none)");
-        if (resume_step >= 0) { printf("| resuming      from step %d\n", resume_step); }
-        printf("+--------------------------------------------------------------------------+\n");
-        fflush(stdout);
+    printf("| train_gpt2 (CPU reference, canonical arithmetic, %-6s kernels, %2d threads)|\n", LLMC_SIMD_NAME, threads);
+}
+
+static void cpu_throughput(char* out, size_t len, double flops_per_second) {
+    snprintf(out, len, "%.1f GFLOP/s", flops_per_second / 1e9);
+}
+
+int main(int argc, char** argv) {
+    Trainer t;
+    if (!trainer_begin(&t, argc, argv)) { return 0; }
+    if (t.args.deterministic) { fatal("--deterministic is a flag of the CUDA build (train_gpt2cu)"); }
+    if (t.config.channels / t.config.num_heads > 256) {
+        fatal("-e: head size C/NH = %d is larger than the 256 this build supports", t.config.channels / t.config.num_heads);
     }
-
-    float* local_loss = (float*)calloc_or_die((size_t)z->local_microbatches + 1, sizeof(float), "losses");
-    double total_time = 0.0;
-    int timed_steps = 0;
-    for (int step = (int)progress.step; step <= train_steps; step++) {
-        int last_step = step == train_steps;
-
-        if (do_val && (step % args.val_every == 0 || last_step)) {
-            float val_loss = gpt2_validate(&model, &pipe, &comm, &pipe.slots[0].acts, &val_loader, val_batches, B, T);
-            if (root) { printf("val loss %.6f\n", val_loss); }
-            logger_log_val(&logger, step, val_loss);
-        }
-        if (do_sample && ((step > 0 && step % args.sample_every == 0) || last_step)) {
-            sample_text(&model, &pipe, &comm, &sample_acts, &tokenizer, genT);
-        }
-        if (args.checkpoint_every > 0 && step != resume_step &&
-            ((step > 0 && step % args.checkpoint_every == 0) || last_step)) {
-            progress.step = step;
-            write_checkpoint(&model, args.output_dir, &progress, &comm);
-        }
-        if (last_step) { break; }
-
-        // ---- one optimizer step over M microbatches (M / N on each data-parallel rank) ----
-        comm_reset_stats(&comm);
-        double t0 = now_seconds();
-        pipeline_step(&pipe, &model, &agrads, &train_loader, progress.microbatches_done, M, B, T,
-                      args.overfit_single_batch, local_loss);
-        float loss = global_mean_loss(&model, &comm, local_loss, z->local_microbatches, M, 0, (double)total_batch);
-        float norm = zero_grad_norm(z, &comm.tp_group);
-        float grad_scale = args.grad_clip > 0.0f && norm > args.grad_clip ? args.grad_clip / norm : 1.0f;
-        float lr = lr_at_step(&schedule, step);
-        AdamWStep s = adamw_step_constants(lr, args.beta1, args.beta2, args.eps, step + 1, grad_scale);
-        zero_adamw_step(z, &s, args.weight_decay);
-        progress.microbatches_done += M;
-        progress.step = step + 1;
-        double dt = now_seconds() - t0;
-        // the pipeline bubble: the fraction of the step each stage spent not computing, and
-        // each stage's mean forward and backward time per microbatch (all-gather, pp group)
-        float timing[3] = {(float)(1.0 - pipe.busy / dt), (float)(pipe.fwd / z->local_microbatches * 1e3),
-                           (float)(pipe.bwd / z->local_microbatches * 1e3)};
-        float timing_all[3 * 64];
-        if (comm.pp > 1 && comm.pp <= 64) { comm_all_gather(&comm.pp_group, timing, timing_all, 3, COMM_KIND_OTHER); }
-        if (step > (int)0) { total_time += dt; timed_steps++; }
-        if (root) {
-            printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %.1f GFLOP/s\n",
-                   step + 1, train_steps, loss, lr, norm, dt * 1e3, total_batch / dt, flops_per_step / dt / 1e9);
-            if (comm.pp > 1 && comm.pp <= 64) {
-                printf("           pipeline idle per stage:");
-                for (int st = 0; st < comm.pp; st++) { printf(" %.2f", timing_all[3 * st]); }
-                printf(" (model %.2f)\n", pipeline_bubble_fraction(&pipe.cfg));
-                if (timed_steps == 0) {   // the measured costs, ready for the schedule drawing tool
-                    printf("draw this step's schedule from its measured costs (ms per microbatch):\n"
-                           "  dev/tools/pp_schedule --stages %d --microbatches %d --schedule %s --svg pipeline.svg --fwd ",
-                           comm.pp, z->local_microbatches, args.pp_schedule);
-                    for (int st = 0; st < comm.pp; st++) { printf("%s%.3f", st ? "," : "", timing_all[3 * st + 1]); }
-                    printf(" --bwd ");
-                    for (int st = 0; st < comm.pp; st++) { printf("%s%.3f", st ? "," : "", timing_all[3 * st + 2]); }
-                    printf("\n");
-                }
-            }
-            if (timed_steps == 0) {   // the first step of this run: what it sent, and the memory plan
-                printf("communication per rank in this step (bytes sent):\n");
-                comm_print_stats(&comm, stdout);
-                printf("zero accounting: stage %d N %d P %zu VpC %zu L %d microbatches/rank %d | "
-                       "bytes/rank/step grad %llu param %llu | bytes/rank params %.0f grads %.0f optimizer %.0f\n",
-                       z->stage, N, P, (size_t)config.padded_vocab_size * config.channels, config.num_layers,
-                       z->local_microbatches, (unsigned long long)comm.stats.bytes[COMM_KIND_GRAD],
-                       (unsigned long long)comm.stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
-            }
-            fflush(stdout);
-        }
-        logger_log_train(&logger, step, loss, lr, norm);
-    }
-    if (timed_steps > 0 && root) {
-        printf("average step time %.1f ms (excluding the first)\n", total_time / timed_steps * 1e3);
-    }
-
-    free(local_loss);
-    pipeline_free(&pipe);
-    if (do_sample) { activations_free(&sample_acts); }
-    activation_grads_free(&agrads);
-    dataloader_free(&train_loader);
-    if (do_val) { dataloader_free(&val_loader); }
-    tokenizer_free(&tokenizer);
-    gpt2_free(&model);
-    comm_finalize(&comm);
+    trainer_build(&t, &gpt2_model_ops, &memory_host);
+    BuildInfo build = {"train_gpt2", cpu_banner, NULL, cpu_throughput};
+    trainer_run(&t, &build);
+    trainer_end(&t);
     return 0;
 }
 #endif

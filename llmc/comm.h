@@ -35,6 +35,16 @@
  * counts the call. The bytes are those of the bandwidth-optimal algorithm, the same on every
  * backend (see comm_print_stats for the formulas), so layouts can be compared by them.
  *
+ * WHERE THE BUFFERS LIVE
+ * A group knows the memory the model's tensors live in (its MemOps, memory.h: host memory by
+ * default, the GPU's with comm_set_memory). A buffer in that memory that the host cannot read
+ * (MemOps.holds) is staged through host memory around the MPI calls - copied to a host buffer,
+ * sent, received into a host buffer, summed there by the same R1 tree, copied back - which is
+ * what the CUDA build does when several ranks share one GPU, and what the emulated CUDA build
+ * always does. Like a CUDA-aware MPI, comm.h tells device buffers from host ones by asking
+ * where the pointer lives, so the small host-side collectives (losses, norms, flags) and the
+ * device-side ones (gradients, parameters, activations) use the same calls.
+ *
  * WORKSPACE
  * A reduce-scatter of size*n floats receives size*n floats before summing them (all-reduce: the
  * padded buffer, once or twice). Workspace buffers are kept per group and reused (one per
@@ -70,6 +80,7 @@
 #include <mpi.h>
 #endif
 #include "llmc/canonical.h"
+#include "llmc/memory.h"
 #include "llmc/utils.h"
 
 // What the traffic is for; the caller names it on every call so the counters tell DP, ZeRO,
@@ -97,6 +108,7 @@ typedef struct { float* buf; size_t floats; } CommBuffer;
 // One group of ranks (the world, or this rank's dp, tp or pp group).
 typedef struct {
     int rank, size;
+    const MemOps* mem;         // the memory of the model's tensors (see WHERE THE BUFFERS LIVE)
     CommStats* stats;          // the owning Comm's counters
     CommBuffer pool[COMM_POOL];// idle workspace buffers
     int npool;
@@ -112,6 +124,7 @@ typedef struct {
     int dp_rank, tp_rank, pp_rank;     // this rank's coordinates
     CommGroup world, dp_group, tp_group, pp_group;
     CommStats stats;
+    const MemOps* mem;                 // given to every group
 } Comm;
 
 // A collective or point-to-point operation in flight (comm_*_start, comm_isend, comm_irecv).
@@ -191,7 +204,30 @@ static inline CommBuffer comm_workspace_get(CommGroup* g, size_t floats) {
 }
 
 static inline void comm_workspace_put(CommGroup* g, CommBuffer b) {
+    if (b.buf == NULL) { return; }
     if (g->npool < COMM_POOL) { g->pool[g->npool++] = b; } else { free(b.buf); }
+}
+
+// Staging (see WHERE THE BUFFERS LIVE). comm_stage_in returns what the host reads for p: p
+// itself, or a host copy of its n floats in *stage. comm_stage_out returns where the host
+// writes for p (p, or *stage), and comm_unstage copies a staged result back into p.
+static inline int comm_staged(const CommGroup* g, const void* p) { return g->mem->holds(p); }
+static inline const float* comm_stage_in(CommGroup* g, const float* p, size_t n, CommBuffer* stage) {
+    if (!comm_staged(g, p)) { return p; }
+    *stage = comm_workspace_get(g, n);
+    g->mem->to_host(stage->buf, p, n * sizeof(float));
+    return stage->buf;
+}
+static inline float* comm_stage_out(CommGroup* g, float* p, size_t n, CommBuffer* stage) {
+    if (!comm_staged(g, p)) { return p; }
+    *stage = comm_workspace_get(g, n);
+    return stage->buf;
+}
+static inline void comm_unstage(CommGroup* g, float* p, size_t n, CommBuffer* stage) {
+    if (stage->buf == NULL) { return; }
+    g->mem->from_host(p, stage->buf, n * sizeof(float));
+    comm_workspace_put(g, *stage);
+    stage->buf = NULL;
 }
 
 // out[i] = the R1 tree (canonical.h) over rows r = 0..nrows-1 of rows[r * len + i], nrows >= 2.
@@ -331,6 +367,10 @@ struct CommRequest {
     size_t out_n;          // all-reduce: the caller's length
     CommBuffer work;       // the all-to-all's landing area, and the all-reduce's padded copy
     float* padded;         // all-reduce: the padded buffer (in work) or the caller's buffer
+    CommBuffer stage_in;   // a staged send buffer (host copy of a device buffer)
+    CommBuffer stage_out;  // a staged receive buffer, copied into `device` by comm_wait
+    float* device;         // ... the device buffer it belongs to
+    size_t device_n;       // ... and its length
     int npieces;
     MPI_Request mpi[];     // one per piece
 };
@@ -345,16 +385,26 @@ static inline CommRequest* comm_request_new(CommOp op, CommGroup* g, size_t piec
     return req;
 }
 
+// Where the request receives n floats meant for p: p itself, or a host buffer that comm_wait
+// copies into the device buffer p.
+static inline float* comm_request_stage_out(CommRequest* req, float* p, size_t n) {
+    if (!comm_staged(req->group, p)) { return p; }
+    req->device = p;
+    req->device_n = n;
+    return comm_stage_out(req->group, p, n, &req->stage_out);
+}
+
 #endif // USE_MPI
 
 // ------------------------------------------------------------------------------------------
 // setup
 
-static inline void comm_group_init_single(CommGroup* g, CommStats* stats) {
+static inline void comm_group_init_single(CommGroup* g, CommStats* stats, const MemOps* mem) {
     memset(g, 0, sizeof(*g));
     g->rank = 0;
     g->size = 1;
     g->stats = stats;
+    g->mem = mem;
 #ifdef USE_MPI
     g->mpi = MPI_COMM_NULL;
 #endif
@@ -366,8 +416,10 @@ static inline void comm_group_free(CommGroup* g) {
     if (g->mpi != MPI_COMM_NULL) { MPI_Comm_free(&g->mpi); }
 #endif
     CommStats* stats = g->stats;
+    const MemOps* mem = g->mem;
     memset(g, 0, sizeof(*g));
     g->stats = stats;
+    g->mem = mem;
 #ifdef USE_MPI
     g->mpi = MPI_COMM_NULL;
 #endif
@@ -379,10 +431,11 @@ static inline void comm_setup_grid(Comm* c, int tp, int pp);
 // trivial grid (every rank data parallel) until comm_setup_grid() says otherwise.
 static inline void comm_init(Comm* c, int* argc, char*** argv) {
     memset(c, 0, sizeof(*c));
-    comm_group_init_single(&c->world, &c->stats);
-    comm_group_init_single(&c->dp_group, &c->stats);
-    comm_group_init_single(&c->tp_group, &c->stats);
-    comm_group_init_single(&c->pp_group, &c->stats);
+    c->mem = &memory_host;
+    comm_group_init_single(&c->world, &c->stats, c->mem);
+    comm_group_init_single(&c->dp_group, &c->stats, c->mem);
+    comm_group_init_single(&c->tp_group, &c->stats, c->mem);
+    comm_group_init_single(&c->pp_group, &c->stats, c->mem);
 #ifdef USE_MPI
     int initialized = 0, provided = 0;
     MPI_Initialized(&initialized);
@@ -471,10 +524,16 @@ static inline void comm_setup_grid(Comm* c, int tp, int pp) {
     // Same dp and tp coordinates: one pipeline.
     comm_split(c, &c->pp_group, c->dp_rank * tp + c->tp_rank, c->pp_rank, "pp");
 #else
-    comm_group_init_single(&c->tp_group, &c->stats);
-    comm_group_init_single(&c->dp_group, &c->stats);
-    comm_group_init_single(&c->pp_group, &c->stats);
+    comm_group_init_single(&c->tp_group, &c->stats, c->mem);
+    comm_group_init_single(&c->dp_group, &c->stats, c->mem);
+    comm_group_init_single(&c->pp_group, &c->stats, c->mem);
 #endif
+}
+
+// The memory of the model's tensors, for every group (see WHERE THE BUFFERS LIVE).
+static inline void comm_set_memory(Comm* c, const MemOps* mem) {
+    c->mem = mem;
+    c->world.mem = c->dp_group.mem = c->tp_group.mem = c->pp_group.mem = mem;
 }
 
 // The previous and next pipeline stages' ranks in the pp group, COMM_NO_PEER at the ends.
@@ -533,14 +592,19 @@ static inline void comm_reduce_scatter(CommGroup* g, const float* send, float* r
     comm_check_group(g, "reduce-scatter");
     comm_account(g, kind, (uint64_t)(g->size - 1) * n * sizeof(float), "reduce-scatter");
     if (g->size == 1) {
-        memmove(recv, send, n * sizeof(float));
+        g->mem->copy(recv, send, n * sizeof(float));
         return;
     }
 #ifdef USE_MPI
+    CommBuffer in = {NULL, 0}, out = {NULL, 0};
+    const float* hsend = comm_stage_in(g, send, (size_t)g->size * n, &in);
+    float* hrecv = comm_stage_out(g, recv, n, &out);
     CommBuffer tmp = comm_workspace_get(g, (size_t)g->size * n);
-    comm_alltoall_pieces(g, send, tmp.buf, n, NULL);
-    comm_reduce_pieces(g, tmp.buf, recv, n);
+    comm_alltoall_pieces(g, hsend, tmp.buf, n, NULL);
+    comm_reduce_pieces(g, tmp.buf, hrecv, n);
     comm_workspace_put(g, tmp);
+    comm_workspace_put(g, in);
+    comm_unstage(g, recv, n, &out);
 #endif
 }
 
@@ -551,11 +615,16 @@ static inline void comm_all_gather(CommGroup* g, const float* send, float* recv,
     comm_account(g, kind, (uint64_t)(g->size - 1) * n * sizeof(float), "all-gather");
     comm_check_gather_buffers(g, send, recv, n);
     if (g->size == 1) {
-        memmove(recv, send, n * sizeof(float));
+        g->mem->copy(recv, send, n * sizeof(float));
         return;
     }
 #ifdef USE_MPI
-    comm_allgather_pieces(g, send, recv, n, NULL);
+    CommBuffer in = {NULL, 0}, out = {NULL, 0};
+    const float* hsend = comm_stage_in(g, send, n, &in);
+    float* hrecv = comm_stage_out(g, recv, (size_t)g->size * n, &out);
+    comm_allgather_pieces(g, hsend, hrecv, n, NULL);
+    comm_workspace_put(g, in);
+    comm_unstage(g, recv, (size_t)g->size * n, &out);
 #endif
 }
 
@@ -568,11 +637,14 @@ static inline void comm_all_reduce_sum(CommGroup* g, float* buf, size_t n, CommK
     if (g->size == 1) { return; }
 #ifdef USE_MPI
     size_t shard = (n + g->size - 1) / g->size, npad = shard * g->size;
-    CommBuffer tmp = comm_workspace_get(g, npad + (npad != n ? npad : 0));
+    int staged = comm_staged(g, buf);
+    // a device buffer is staged into the padded copy (made for every staged buffer)
+    CommBuffer tmp = comm_workspace_get(g, npad + (npad != n || staged ? npad : 0));
     float* padded = buf;
-    if (npad != n) {
+    if (npad != n || staged) {
         padded = tmp.buf + npad;
-        memcpy(padded, buf, n * sizeof(float));
+        if (staged) { g->mem->to_host(padded, buf, n * sizeof(float)); }
+        else { memcpy(padded, buf, n * sizeof(float)); }
         memset(padded + n, 0, (npad - n) * sizeof(float));
     }
     // reduce-scatter over the group: this rank's shard of the sum, in place in the buffer
@@ -580,7 +652,8 @@ static inline void comm_all_reduce_sum(CommGroup* g, float* buf, size_t n, CommK
     comm_reduce_pieces(g, tmp.buf, padded + (size_t)g->rank * shard, shard);
     // all-gather over the group: every shard to every rank
     comm_allgather_pieces(g, padded + (size_t)g->rank * shard, padded, shard, NULL);
-    if (padded != buf) { memcpy(buf, padded, n * sizeof(float)); }
+    if (staged) { g->mem->from_host(buf, padded, n * sizeof(float)); }
+    else if (padded != buf) { memcpy(buf, padded, n * sizeof(float)); }
     comm_workspace_put(g, tmp);
 #endif
 }
@@ -590,17 +663,22 @@ static inline void comm_all_reduce_sum(CommGroup* g, float* buf, size_t n, CommK
 static inline void comm_all_reduce_max(CommGroup* g, float* buf, size_t n, CommKind kind) {
     comm_check_group(g, "all-reduce max");
     comm_account(g, kind, comm_all_reduce_bytes(g->size, n, sizeof(float)), "all-reduce max");
+    CommBuffer stage = {NULL, 0};
+    float* host = comm_stage_out(g, buf, n, &stage);
+    if (host != buf) { g->mem->to_host(host, buf, n * sizeof(float)); }
     if (g->size == 1) {
         // the same NaN rule as for several ranks, so the bits do not depend on the group size
-        for (size_t i = 0; i < n; i++) { buf[i] = comm_max2(buf[i], buf[i]); }
-        return;
+        for (size_t i = 0; i < n; i++) { host[i] = comm_max2(host[i], host[i]); }
     }
 #ifdef USE_MPI
-    for (size_t p = 0; p < comm_pieces(n); p++) {
-        comm_check(MPI_Allreduce(MPI_IN_PLACE, buf + p * comm_piece_floats, (int)comm_piece_len(n, p),
-                                 MPI_FLOAT, comm_max_op, g->mpi), "MPI_Allreduce (max)");
+    if (g->size > 1) {
+        for (size_t p = 0; p < comm_pieces(n); p++) {
+            comm_check(MPI_Allreduce(MPI_IN_PLACE, host + p * comm_piece_floats, (int)comm_piece_len(n, p),
+                                     MPI_FLOAT, comm_max_op, g->mpi), "MPI_Allreduce (max)");
+        }
     }
 #endif
+    comm_unstage(g, buf, n, &stage);
 }
 
 // The exact sum of squares over the group (canonical.h R6), in place: the digits are integers,
@@ -625,9 +703,10 @@ static inline void comm_all_reduce_sumsq(CommGroup* g, SumSq* s, CommKind kind) 
 #endif
 }
 
-// Every rank's buf (bytes long) = the root's.
+// Every rank's buf (bytes long, host memory: a loss, a sampled token) = the root's.
 static inline void comm_broadcast(CommGroup* g, void* buf, size_t bytes, int root, CommKind kind) {
     comm_check_group(g, "broadcast");
+    if (comm_staged(g, buf)) { fatal("internal: comm_broadcast of device memory (it takes host values)"); }
     if (root < 0 || root >= g->size) { fatal("broadcast from rank %d of a group of %d", root, g->size); }
     int last_in_chain = (root + g->size - 1) % g->size;
     comm_account(g, kind, g->rank == last_in_chain ? 0 : bytes, "broadcast");
@@ -668,9 +747,9 @@ static inline CommRequest* comm_reduce_scatter_start(CommGroup* g, const float* 
     comm_account(g, kind, (uint64_t)(g->size - 1) * n * sizeof(float), "reduce-scatter");
     CommRequest* req = comm_request_new(COMM_OP_REDUCE_SCATTER, g, comm_pieces(n));
     req->n = n;
-    req->out = recv;
+    req->out = comm_request_stage_out(req, recv, n);
     req->work = comm_workspace_get(g, (size_t)g->size * n);
-    comm_alltoall_pieces(g, send, req->work.buf, n, req->mpi);
+    comm_alltoall_pieces(g, comm_stage_in(g, send, (size_t)g->size * n, &req->stage_in), req->work.buf, n, req->mpi);
     return req;
 #else
     return NULL;       // not reached: without MPI every group has one rank
@@ -689,7 +768,8 @@ static inline CommRequest* comm_all_gather_start(CommGroup* g, const float* send
     comm_account(g, kind, (uint64_t)(g->size - 1) * n * sizeof(float), "all-gather");
     comm_check_gather_buffers(g, send, recv, n);
     CommRequest* req = comm_request_new(COMM_OP_ALL_GATHER, g, comm_pieces(n));
-    comm_allgather_pieces(g, send, recv, n, req->mpi);
+    const float* hsend = comm_stage_in(g, send, n, &req->stage_in);
+    comm_allgather_pieces(g, hsend, comm_request_stage_out(req, recv, (size_t)g->size * n), n, req->mpi);
     return req;
 #else
     return NULL;       // not reached: without MPI every group has one rank
@@ -708,15 +788,18 @@ static inline CommRequest* comm_all_reduce_sum_start(CommGroup* g, float* buf, s
     comm_account(g, kind, comm_all_reduce_bytes(g->size, n, sizeof(float)), "all-reduce");
     size_t shard = (n + g->size - 1) / g->size, npad = shard * g->size;
     CommRequest* req = comm_request_new(COMM_OP_ALL_REDUCE, g, comm_pieces(shard));
+    int staged = comm_staged(g, buf);
     req->n = shard;
     req->out = buf;
     req->out_n = n;
-    req->work = comm_workspace_get(g, npad + (npad != n ? npad : 0));
+    req->work = comm_workspace_get(g, npad + (npad != n || staged ? npad : 0));
     req->padded = buf;
-    if (npad != n) {
+    if (npad != n || staged) {   // a device buffer is staged into the padded copy
         req->padded = req->work.buf + npad;
-        memcpy(req->padded, buf, n * sizeof(float));
+        if (staged) { g->mem->to_host(req->padded, buf, n * sizeof(float)); }
+        else { memcpy(req->padded, buf, n * sizeof(float)); }
         memset(req->padded + n, 0, (npad - n) * sizeof(float));
+        if (staged) { req->device = buf; req->device_n = n; }
     }
     comm_alltoall_pieces(g, req->padded, req->work.buf, shard, req->mpi);
     return req;
@@ -736,6 +819,7 @@ static inline CommRequest* comm_p2p_start(CommGroup* g, float* buf, size_t n, in
     if (peer < 0 || peer >= g->size) { fatal("%s: peer %d is not a rank of a group of %d", what, peer, g->size); }
     if (tag < 0 || tag > 32767) { fatal("%s: tag %d outside 0..32767 (the least MPI guarantees)", what, tag); }
     CommRequest* req = comm_request_new(COMM_OP_P2P, g, comm_pieces(n));
+    buf = is_send ? (float*)comm_stage_in(g, buf, n, &req->stage_in) : comm_request_stage_out(req, buf, n);
     // pieces of one message keep their order: MPI never overtakes between the same two ranks
     // with the same tag
     for (size_t p = 0; p < comm_pieces(n); p++) {
@@ -803,9 +887,13 @@ static inline void comm_wait(CommRequest* req) {
         float* shard = req->padded + (size_t)g->rank * req->n;
         comm_reduce_pieces(g, req->work.buf, shard, req->n);
         comm_allgather_pieces(g, shard, req->padded, req->n, NULL);
-        if (req->padded != req->out) { memcpy(req->out, req->padded, req->out_n * sizeof(float)); }
+        if (req->device) { g->mem->from_host(req->device, req->padded, req->out_n * sizeof(float)); }
+        else if (req->padded != req->out) { memcpy(req->out, req->padded, req->out_n * sizeof(float)); }
+        req->device = NULL;
     }
-    if (req->work.buf) { comm_workspace_put(g, req->work); }
+    if (req->device) { comm_unstage(g, req->device, req->device_n, &req->stage_out); }
+    comm_workspace_put(g, req->stage_in);
+    comm_workspace_put(g, req->work);
     free(req);
 #endif
 }

@@ -1,7 +1,8 @@
 /*
  * tensor_parallel.h: Megatron-LM's tensor parallelism over a group of K ranks (--tp K).
  *
- * WHO HOLDS WHAT. Rank r of the tensor-parallel group holds, of every transformer layer:
+ * WHO HOLDS WHAT (TPSplit below names each tensor's split as Megatron does). Rank r of the
+ * tensor-parallel group holds, of every transformer layer:
  *   qkvw, qkvb   column-parallel: the rows (outputs) of its NH/K heads, of q, of k and of v
  *                (rows [g*C + r*C/K, g*C + (r+1)*C/K) for g = q, k, v)
  *   attprojw     row-parallel: the columns (inputs) of its heads, [r*C/K, (r+1)*C/K)
@@ -42,17 +43,20 @@
 #include "llmc/model.h"
 #include "llmc/utils.h"
 
-typedef enum { TP_REPLICATED, TP_ROWS, TP_COLS } TPSplit;
+// Megatron's names. A column-parallel linear layer splits its OUTPUTS over the ranks: its
+// weight's rows as stored (nn.Linear's [out][in]) and its bias. A row-parallel layer splits its
+// INPUTS: its weight's columns (its bias is replicated, added once after the all-reduce). wte
+// is column-parallel over the vocabulary (the vocab-parallel embedding and LM head).
+typedef enum { TP_REPLICATED, TP_COLUMN_PARALLEL, TP_ROW_PARALLEL } TPSplit;
 
-// How tensor t is split, as a 2-D (rows, cols) view (1-D tensors: one row), in `groups` equal
-// fused blocks along the split dimension (qkv: q, k, v) that are each cut in K slices.
+// How tensor t is split, in `groups` equal fused blocks along the split dimension (qkv: q, k,
+// v) that are each cut in K slices.
 static inline TPSplit tp_split_of(int t, int* groups) {
     *groups = 1;
     switch (t) {
-        case P_WTE: case P_FCW: return TP_ROWS;
-        case P_QKVW: *groups = 3; return TP_ROWS;
-        case P_QKVB: *groups = 3; return TP_COLS;
-        case P_FCB: case P_ATTPROJW: case P_FCPROJW: return TP_COLS;
+        case P_WTE: case P_FCW: case P_FCB: return TP_COLUMN_PARALLEL;
+        case P_QKVW: case P_QKVB: *groups = 3; return TP_COLUMN_PARALLEL;
+        case P_ATTPROJW: case P_FCPROJW: return TP_ROW_PARALLEL;
         default: return TP_REPLICATED;
     }
 }
@@ -66,6 +70,8 @@ typedef struct {
     size_t lrows, lcols;        // this rank's part
     size_t canon;               // the full tensor's canonical offset (model.h MEMORY order)
     size_t local;               // offset of this rank's part in the unit's local buffer
+    int cuts_rows;              // the split cuts the stored rows (a column-parallel weight), else
+                                // the columns (a column-parallel bias, a row-parallel weight)
 } TPPiece;
 
 static inline size_t tp_piece_elements(const TPPiece* p) { return p->lrows * p->lcols; }
@@ -73,10 +79,12 @@ static inline size_t tp_piece_elements(const TPPiece* p) { return p->lrows * p->
 // The canonical index of element `i` (in this rank's part, row-major) of piece p on rank r.
 static inline size_t tp_piece_canonical(const TPPiece* p, int r, int K, size_t i) {
     size_t row = i / p->lcols, col = i % p->lcols;
-    if (p->split == TP_ROWS) {
+    if (p->split == TP_REPLICATED) {
+        // every rank holds the whole tensor
+    } else if (p->cuts_rows) {
         size_t per = p->rows / p->groups / K, g = row / per;
         row = g * (p->rows / p->groups) + (size_t)r * per + row % per;
-    } else if (p->split == TP_COLS) {
+    } else {
         size_t per = p->cols / p->groups / K, g = col / per;
         col = g * (p->cols / p->groups) + (size_t)r * per + col % per;
     }
@@ -99,8 +107,10 @@ static inline int tp_unit_pieces(const GPT2Config* c, int K, int u, TPPiece* out
         p->layer = layer;
         p->split = tp_split_of(t, &p->groups);
         param_shape(c, t, &p->rows, &p->cols);
-        p->lrows = p->split == TP_ROWS ? p->rows / K : p->rows;
-        p->lcols = p->split == TP_COLS ? p->cols / K : p->cols;
+        p->cuts_rows = p->split == TP_COLUMN_PARALLEL && p->rows > 1;   // 1-D tensors are one row
+        int cut = p->split != TP_REPLICATED;
+        p->lrows = cut && p->cuts_rows ? p->rows / K : p->rows;
+        p->lcols = cut && !p->cuts_rows ? p->cols / K : p->cols;
         p->canon = param_offset(c, t, layer);
         p->local = local;
         local += tp_piece_elements(p);
@@ -159,16 +169,16 @@ static inline void tp_g_backward(CommGroup* tp, float* dy, size_t n) { (void)tp;
 // sums by the same R1 tree. The layernorm weight and bias gradients, summed over positions
 // that are now on K ranks, are finished per sequence over the group (train_gpt2.c).
 
-// full (B,T,C) <- every rank's slice (B,T/K,C): all-gather (tp group) and reorder.
+// full (B,T,C) <- every rank's slice (B,T/K,C): all-gather (tp group) and reorder (the
+// buffers live in the group's memory, memory.h).
 static inline void tp_sp_all_gather(CommGroup* tp, const float* slice, float* full, int B, int T,
                                     int C, float* scratch /* B*T*C */) {
     int K = tp->size, Tl = T / K;
     size_t n = (size_t)B * Tl * C, row = (size_t)Tl * C;
     comm_all_gather(tp, slice, scratch, n, COMM_KIND_TP);
-    #pragma omp parallel for collapse(2)
     for (int r = 0; r < K; r++) {
         for (int b = 0; b < B; b++) {
-            memcpy(full + ((size_t)b * T + (size_t)r * Tl) * C, scratch + r * n + b * row, row * sizeof(float));
+            tp->mem->copy(full + ((size_t)b * T + (size_t)r * Tl) * C, scratch + r * n + b * row, row * sizeof(float));
         }
     }
 }
@@ -179,10 +189,9 @@ static inline void tp_sp_reduce_scatter(CommGroup* tp, const float* full, float*
                                         int C, float* scratch /* B*T*C */) {
     int K = tp->size, Tl = T / K;
     size_t n = (size_t)B * Tl * C, row = (size_t)Tl * C;
-    #pragma omp parallel for collapse(2)
     for (int r = 0; r < K; r++) {
         for (int b = 0; b < B; b++) {
-            memcpy(scratch + r * n + b * row, full + ((size_t)b * T + (size_t)r * Tl) * C, row * sizeof(float));
+            tp->mem->copy(scratch + r * n + b * row, full + ((size_t)b * T + (size_t)r * Tl) * C, row * sizeof(float));
         }
     }
     comm_reduce_scatter(tp, scratch, slice, n, COMM_KIND_TP);

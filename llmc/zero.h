@@ -44,6 +44,10 @@
  * Reductions run as non-blocking collectives launched the moment a unit's backward is done,
  * overlapping the backward of the units below it.
  *
+ * WHERE THE BUFFERS LIVE. Every buffer here is allocated, copied, filled, summed and updated
+ * through the MemOps table given to zero_init (memory.h): host memory in the CPU build, device
+ * memory in the CUDA build. Only the layout bookkeeping is host data.
+ *
  * THE CANONICAL ORDER. The step's gradient is the R1 tree (canonical.h) over the M global
  * microbatches of the step. Stages 0 and 1 give rank r the contiguous block of microbatches
  * r*M/N .. (r+1)*M/N - 1: it sums its block (a complete subtree when N is a power of two
@@ -60,13 +64,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include "llmc/adamw.h"
 #include "llmc/canonical.h"
 #include "llmc/comm.h"
 #include "llmc/checkpoint.h"
+#include "llmc/memory.h"
 #include "llmc/model.h"
 #include "llmc/tensor_parallel.h"
 #include "llmc/utils.h"
@@ -182,6 +184,7 @@ typedef struct {
 
 typedef struct {
     int stage, N, rank;
+    const MemOps* mem;         // where the buffers below live
     CommGroup* group;          // data parallel
     CommGroup* pp;             // pipeline (the tied embedding's first <-> last stage swap)
     int pp_stage, pp_stages;
@@ -196,6 +199,9 @@ typedef struct {
     float* grad_shard;         // stages 2-3: this rank's reduced gradient shards (lay.shard_grads)
     float* m;                  // stage 0: lay.local_params; stages 1-3: lay.shard_params
     float* v;
+    size_t opt_len;            // floats in m and in v
+    float *m_host, *v_host;    // m and v readable by the host (checkpoints): m and v themselves
+                               // in host memory, else copies made by zero_state_to_host
     // the local microbatch tree: stages 0-1 over full gradient buffers, 2-3 over shard buffers
     float* stack[40];
     int stack_allocated, stack_top;
@@ -215,14 +221,14 @@ typedef struct {
     int ninflight;
 } Zero;
 
-static inline float* zero_alloc(size_t n, const char* what) {
-    return (float*)aligned_calloc_or_die(n * sizeof(float), what);
+static inline float* zero_alloc(const Zero* z, size_t n, const char* what) {
+    return mem_floats(z->mem, n, what);
 }
 
 static inline int zero_unit_E(const Zero* z) { return z->lay.num_units; }
 
 // Unit u's elements as this rank holds them (its tensor-parallel slices), from the full
-// parameters in canonical (MEMORY) order.
+// parameters in canonical (MEMORY) order; both in host memory.
 typedef struct { float* dst; const float* src; } ZeroCopyCtx;
 static inline void zero_copy_run(size_t canonical, size_t local, size_t len, void* vctx) {
     ZeroCopyCtx* ctx = (ZeroCopyCtx*)vctx;
@@ -240,9 +246,11 @@ static inline void zero_unit_from_full(const ZeroLayout* z, int u, const float* 
 // this rank's part of the units it holds (stage 3: only its shards). M: microbatches per step
 // (global). dp: the data-parallel group; pp: the pipeline group of which this rank is stage
 // pp->rank, holding layers [first_layer, last_layer); tp: the tensor-parallel group.
-static inline void zero_init(Zero* z, const GPT2Config* c, int stage, CommGroup* dp, CommGroup* pp,
-                             CommGroup* tp, int first_layer, int last_layer, const float* params, int M) {
+static inline void zero_init(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
+                             CommGroup* pp, CommGroup* tp, int first_layer, int last_layer,
+                             const float* params, int M) {
     memset(z, 0, sizeof(*z));
+    z->mem = mem;
     z->stage = stage;
     z->N = dp->size;
     z->rank = dp->rank;
@@ -256,32 +264,36 @@ static inline void zero_init(Zero* z, const GPT2Config* c, int stage, CommGroup*
     for (int u = 0; u <= z->lay.num_units; u++) {
         if (z->lay.padded[u] > z->max_padded) { z->max_padded = z->lay.padded[u]; }
     }
+    // each unit is assembled on the host, then its part (stage 3: its shard) copied into place
+    float* unit = (float*)host_alloc(z->max_padded * sizeof(float), "parameter unit");
     if (stage <= 2) {
-        z->params = zero_alloc(z->lay.local_params, "parameters");
-        for (int u = 0; u < z->lay.num_units; u++) {
-            if (z->lay.params_here[u]) { zero_unit_from_full(&z->lay, u, params, z->params + z->lay.local[u]); }
-        }
+        z->params = zero_alloc(z, z->lay.local_params, "parameters");
     } else {
-        z->param_shard = zero_alloc(z->lay.shard_params, "parameter shard");
-        float* unit = zero_alloc(z->max_padded, "parameter unit");
-        for (int u = 0; u < z->lay.num_units; u++) {
-            if (!z->lay.params_here[u]) { continue; }
-            zero_unit_from_full(&z->lay, u, params, unit);
+        z->param_shard = zero_alloc(z, z->lay.shard_params, "parameter shard");
+    }
+    for (int u = 0; u < z->lay.num_units; u++) {
+        if (!z->lay.params_here[u]) { continue; }
+        zero_unit_from_full(&z->lay, u, params, unit);
+        if (stage <= 2) {
+            mem->from_host(z->params + z->lay.local[u], unit, z->lay.size[u] * sizeof(float));
+        } else {
             size_t b, e;
             zero_shard_range(&z->lay, u, z->rank, &b, &e);
-            memcpy(z->param_shard + z->lay.shard_base[u], unit + b, (e - b) * sizeof(float));
+            mem->from_host(z->param_shard + z->lay.shard_base[u], unit + b, (e - b) * sizeof(float));
         }
-        free(unit);
     }
-    size_t opt = stage == 0 ? z->lay.local_params : z->lay.shard_params;
-    z->m = zero_alloc(opt, "AdamW m");
-    z->v = zero_alloc(opt, "AdamW v");
+    free(unit);
+    z->opt_len = stage == 0 ? z->lay.local_params : z->lay.shard_params;
+    z->m = zero_alloc(z, z->opt_len, "AdamW m");
+    z->v = zero_alloc(z, z->opt_len, "AdamW v");
+    mem->fill(z->m, 0.0f, z->opt_len);
+    mem->fill(z->v, 0.0f, z->opt_len);
     if (stage <= 1) {
-        z->grads = zero_alloc(z->lay.local_grads, "gradients");
+        z->grads = zero_alloc(z, z->lay.local_grads, "gradients");
         z->stack_len = z->lay.local_grads;
         z->stack[0] = z->grads;
     } else {
-        z->grad_shard = zero_alloc(z->lay.shard_grads, "gradient shard");
+        z->grad_shard = zero_alloc(z, z->lay.shard_grads, "gradient shard");
         z->stack_len = z->lay.shard_grads;
         z->stack[0] = z->grad_shard;
     }
@@ -303,7 +315,7 @@ static inline void zero_owner_of_microbatch(const Zero* z, int j, int* rank, int
 }
 
 // A free buffer of a pool (slots keep their buffers; a pool grows to what is ever in use).
-static inline ZeroSlot* zero_slot_get(ZeroSlot* slots, int* n, int unit, size_t floats) {
+static inline ZeroSlot* zero_slot_get(const Zero* z, ZeroSlot* slots, int* n, int unit) {
     for (int i = 0; i < *n; i++) {
         if (slots[i].unit < 0) { slots[i].unit = unit; slots[i].req = NULL; return &slots[i]; }
     }
@@ -311,7 +323,7 @@ static inline ZeroSlot* zero_slot_get(ZeroSlot* slots, int* n, int unit, size_t 
     ZeroSlot* s = &slots[(*n)++];
     s->unit = unit;
     s->req = NULL;
-    s->buf = zero_alloc(floats, "ZeRO working buffer");
+    s->buf = zero_alloc(z, z->max_padded, "ZeRO working buffer");
     return s;
 }
 
@@ -321,7 +333,7 @@ static inline ZeroSlot* zero_slot_get(ZeroSlot* slots, int* n, int unit, size_t 
 static inline void zero_params_prefetch(Zero* z, int u) {
     if (z->stage != 3 || u < 0 || u >= z->lay.num_units || !z->lay.params_here[u]) { return; }
     for (int i = 0; i < z->npslots; i++) { if (z->pslots[i].unit == u) { return; } }
-    ZeroSlot* s = zero_slot_get(z->pslots, &z->npslots, u, z->max_padded);
+    ZeroSlot* s = zero_slot_get(z, z->pslots, &z->npslots, u);
     // all-gather (dp group, parameters): every rank's shard of unit u -> the whole unit
     s->req = comm_all_gather_start(z->group, z->param_shard + z->lay.shard_base[u], s->buf,
                                    z->lay.shard[u], COMM_KIND_PARAM);
@@ -356,17 +368,15 @@ static inline void zero_params_release(Zero* z, int u) {
 
 static inline float* zero_stack_push(Zero* z) {
     if (z->stack_top == z->stack_allocated) {
-        z->stack[z->stack_allocated++] = zero_alloc(z->stack_len, "gradient accumulation");
+        z->stack[z->stack_allocated++] = zero_alloc(z, z->stack_len, "gradient accumulation");
     }
     return z->stack[z->stack_top++];
 }
 
 // left <- left + right over [begin, end) of the stack buffers at depth and depth + 1
 static inline void zero_stack_add_range(Zero* z, int depth_left, size_t begin, size_t end) {
-    float* left = z->stack[depth_left];
-    const float* right = z->stack[depth_left + 1];
-    #pragma omp parallel for
-    for (size_t i = begin; i < end; i++) { left[i] = left[i] + right[i]; }
+    float* left = z->stack[depth_left] + begin;
+    z->mem->add(left, left, z->stack[depth_left + 1] + begin, end - begin);
 }
 
 // Starts the backward of local microbatch i: decides where it writes each unit's gradient.
@@ -385,8 +395,8 @@ static inline void zero_begin_microbatch(Zero* z, int i) {
 static inline float* zero_grad_unit(Zero* z, int u) {
     if (!z->lay.grads_here[u]) { fatal("internal: the gradient of unit %d is not computed by this rank", u); }
     if (z->unit_grad[u] == NULL) {   // stages 2-3: a full-size working buffer, zero padding
-        ZeroSlot* s = zero_slot_get(z->gslots, &z->ngslots, u, z->max_padded);
-        memset(s->buf + z->lay.size[u], 0, (z->lay.padded[u] - z->lay.size[u]) * sizeof(float));
+        ZeroSlot* s = zero_slot_get(z, z->gslots, &z->ngslots, u);
+        z->mem->fill(s->buf + z->lay.size[u], 0.0f, z->lay.padded[u] - z->lay.size[u]);
         z->unit_grad[u] = s->buf;
     }
     return z->unit_grad[u];
@@ -431,9 +441,9 @@ static inline void zero_grad_unit_done(Zero* z, int u) {
         top--;
     }
     if (z->N == 1) { return; }
-    ZeroSlot* s = zero_slot_get(z->sslots, &z->nsslots, u, z->max_padded);
-    memcpy(s->buf, z->grads + begin, z->lay.size[u] * sizeof(float));
-    memset(s->buf + z->lay.size[u], 0, (z->lay.padded[u] - z->lay.size[u]) * sizeof(float));
+    ZeroSlot* s = zero_slot_get(z, z->sslots, &z->nsslots, u);
+    z->mem->copy(s->buf, z->grads + begin, z->lay.size[u] * sizeof(float));
+    z->mem->fill(s->buf + z->lay.size[u], 0.0f, z->lay.padded[u] - z->lay.size[u]);
     CommRequest* req;
     if (z->stage == 0) {
         // all-reduce (dp group, gradients): the whole unit, R1 tree over ranks
@@ -455,11 +465,11 @@ static inline void zero_wait_reductions(Zero* z) {
         int u = z->inflight_unit[i];
         ZeroSlot* s = z->inflight_slot[i];
         if (z->stage == 0) {
-            memcpy(z->grads + z->lay.glocal[u], s->buf, z->lay.size[u] * sizeof(float));
+            z->mem->copy(z->grads + z->lay.glocal[u], s->buf, z->lay.size[u] * sizeof(float));
         } else if (z->stage == 1) {
             size_t b, e;
             zero_shard_range(&z->lay, u, z->rank, &b, &e);
-            memcpy(z->grads + z->lay.glocal[u] + b, s->buf + b, (e - b) * sizeof(float));
+            z->mem->copy(z->grads + z->lay.glocal[u] + b, s->buf + b, (e - b) * sizeof(float));
         }
         if (s) { s->unit = -1; }
     }
@@ -528,16 +538,15 @@ static inline void zero_finish_grads(Zero* z) {
     } else if (e > b) {
         // sendrecv (pipeline group, gradients): the first stage's lookup half <-> the last
         // stage's LM-head half, for the same rows (same dp rank, same shard)
-        recv = zero_alloc(e - b, "embedding gradient");
+        recv = zero_alloc(z, e - b, "embedding gradient");
         int peer = has_lm ? 0 : z->pp_stages - 1;
         comm_sendrecv(z->pp, mine, e - b, peer, recv, e - b, peer, 7, COMM_KIND_PP);
         theirs = recv;
     }
     float* lm = has_lm ? mine : theirs;
     const float* lookup = has_lm ? theirs : mine;
-    #pragma omp parallel for
-    for (size_t i = 0; i < e - b; i++) { mine[i] = lm[i] + lookup[i]; }
-    free(recv);
+    z->mem->add(mine, lm, lookup, e - b);
+    z->mem->release(recv);
 }
 
 // ||gradient|| over the P parameters: exact sum of squares of this rank's ranges, each
@@ -558,22 +567,7 @@ static inline float zero_grad_norm(Zero* z, CommGroup* tp) {
             size_t lo = p->local > b ? p->local : b, hi = p->local + tp_piece_elements(p);
             if (hi > e) { hi = e; }
             if (lo >= hi) { continue; }
-            const float* gp = g + (lo - b);
-            size_t n = hi - lo;
-            #pragma omp parallel
-            {
-                int threads = 1, t = 0;
-#ifdef _OPENMP
-                threads = omp_get_num_threads();
-                t = omp_get_thread_num();
-#endif
-                size_t begin = n * t / threads, end = n * (t + 1) / threads;
-                SumSq mine;
-                canon_sumsq_init(&mine);
-                canon_sumsq_add_array(&mine, gp + begin, end - begin);
-                #pragma omp critical
-                canon_sumsq_merge(&total, &mine);
-            }
+            z->mem->sumsq(&total, g + (lo - b), hi - lo);
         }
     }
     if (z->stage >= 1) { comm_all_reduce_sumsq(z->group, &total, COMM_KIND_OTHER); }
@@ -595,49 +589,46 @@ static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_dec
             const TPPiece* piece = &z->lay.pieces[u][k];
             size_t lo = piece->local > b ? piece->local : b, hi = piece->local + tp_piece_elements(piece);
             if (hi > e) { hi = e; }
+            if (lo >= hi) { continue; }
             float wd = param_is_decayed(piece->tensor) ? weight_decay : 0.0f;
-            float* m = z->m + o;
-            float* v = z->v + o;
-            AdamWStep st = *s;
-            // elementwise and exact in every lane (IEEE division and sqrt), so vectorised
-            #pragma omp parallel for simd
-            for (size_t i = lo - b; i < (lo < hi ? hi : lo) - b; i++) {
-                adamw_update_elem(&p[i], &m[i], &v[i], g[i], &st, wd);
-            }
+            size_t i = lo - b;
+            z->mem->adamw(p + i, z->m + o + i, z->v + o + i, g + i, hi - lo, s, wd);
         }
     }
     if (z->stage == 1 || z->stage == 2) {
         // all-gather (dp group, parameters): every rank's updated shard -> the whole unit
         for (int u = 0; u < z->lay.num_units; u++) {
             if (!z->lay.params_here[u]) { continue; }
-            ZeroSlot* slot = zero_slot_get(z->sslots, &z->nsslots, u, z->max_padded);
+            ZeroSlot* slot = zero_slot_get(z, z->sslots, &z->nsslots, u);
             size_t b, e;
             zero_shard_range(&z->lay, u, z->rank, &b, &e);
             float* unit = z->params + z->lay.local[u];
             float* mine = slot->buf + (size_t)z->rank * z->lay.shard[u];
-            memcpy(mine, unit + b, (e - b) * sizeof(float));
-            memset(mine + (e - b), 0, (z->lay.shard[u] - (e - b)) * sizeof(float));
+            z->mem->copy(mine, unit + b, (e - b) * sizeof(float));
+            z->mem->fill(mine + (e - b), 0.0f, z->lay.shard[u] - (e - b));
             comm_all_gather(z->group, mine, slot->buf, z->lay.shard[u], COMM_KIND_PARAM);
-            memcpy(unit, slot->buf, z->lay.size[u] * sizeof(float));
+            z->mem->copy(unit, slot->buf, z->lay.size[u] * sizeof(float));
             slot->unit = -1;
         }
     }
 }
 
-// This rank's share of the full parameters, written into dst (canonical MEMORY order, P
-// floats) where dst != NULL: each element by exactly one rank of the dp rank-0 ranks (wte by
-// the first stage, replicated tensors by tensor-parallel rank 0); the rest of dst is left as
-// is. Stage 3 gathers the units: every dp rank must call.
+// This rank's share of the full parameters, written into dst (host memory, canonical MEMORY
+// order, P floats) where dst != NULL: each element by exactly one rank of the dp rank-0 ranks
+// (wte by the first stage, replicated tensors by tensor-parallel rank 0); the rest of dst is
+// left as is. Stage 3 gathers the units: every dp rank must call.
 typedef struct { float* dst; const float* src; } ZeroScatterCtx;
 static inline void zero_scatter_run(size_t canonical, size_t local, size_t len, void* vctx) {
     ZeroScatterCtx* ctx = (ZeroScatterCtx*)vctx;
     memcpy(ctx->dst + canonical, ctx->src + local, len * sizeof(float));
 }
 static inline void zero_full_params(Zero* z, float* dst) {
+    float* unit = dst ? (float*)host_alloc(z->max_padded * sizeof(float), "parameter unit") : NULL;
     for (int u = 0; u < z->lay.num_units; u++) {
         if (!z->lay.params_here[u]) { continue; }
-        const float* unit = zero_params_acquire(z, u, -1);
+        const float* held = zero_params_acquire(z, u, -1);
         if (dst && !(u == ZERO_WTE && z->pp_stage != 0)) {
+            z->mem->to_host(unit, held, z->lay.size[u] * sizeof(float));
             ZeroScatterCtx ctx = {dst, unit};
             for (int k = 0; k < z->lay.npieces[u]; k++) {
                 const TPPiece* p = &z->lay.pieces[u][k];
@@ -647,10 +638,11 @@ static inline void zero_full_params(Zero* z, float* dst) {
         }
         zero_params_release(z, u);
     }
+    free(unit);
 }
 
 // The optimizer-state ranges of this rank as ranges of the canonical parameter index, with
-// their m and v. writing = 1: only what this rank saves (each parameter by one rank: wte by the
+// their m and v in host memory (z->m_host, z->v_host: see zero_state_to_host). writing = 1: only what this rank saves (each parameter by one rank: wte by the
 // first stage, replicated tensors by tensor-parallel rank 0; the caller decides which dp ranks
 // write at ZeRO-0); writing = 0: everything it updates (what it reads on resume). Returns the
 // count; out may be NULL to count.
@@ -659,8 +651,8 @@ static inline void zero_range_run(size_t canonical, size_t local, size_t len, vo
     ZeroRangeCtx* ctx = (ZeroRangeCtx*)vctx;
     if (ctx->out) {
         size_t at = zero_opt_index(ctx->z, ctx->u, local);
-        ctx->out[ctx->n] = (StateRange){(int64_t)canonical, (int64_t)(canonical + len),
-                                        ctx->z->m + at, ctx->z->v + at};
+        StateRange r = {(int64_t)canonical, (int64_t)(canonical + len), ctx->z->m_host + at, ctx->z->v_host + at};
+        ctx->out[ctx->n] = r;
     }
     ctx->n++;
 }
@@ -682,6 +674,27 @@ static inline int zero_state_ranges(const Zero* z, int writing, StateRange* out)
     return ctx.n;
 }
 
+// The AdamW moments where the host can read and write them (checkpoints): z->m_host and
+// z->v_host are m and v themselves in host memory, else host copies refreshed here.
+// zero_state_from_host copies what a resume read into them back into place.
+static inline void zero_state_host_buffers(Zero* z) {
+    if (z->m_host) { return; }
+    if (z->mem == &memory_host) { z->m_host = z->m; z->v_host = z->v; return; }
+    z->m_host = (float*)host_alloc(z->opt_len * sizeof(float), "AdamW m (host copy)");
+    z->v_host = (float*)host_alloc(z->opt_len * sizeof(float), "AdamW v (host copy)");
+}
+static inline void zero_state_to_host(Zero* z) {
+    zero_state_host_buffers(z);
+    if (z->m_host == z->m) { return; }
+    z->mem->to_host(z->m_host, z->m, z->opt_len * sizeof(float));
+    z->mem->to_host(z->v_host, z->v, z->opt_len * sizeof(float));
+}
+static inline void zero_state_from_host(Zero* z) {
+    if (z->m_host == z->m) { return; }
+    z->mem->from_host(z->m, z->m_host, z->opt_len * sizeof(float));
+    z->mem->from_host(z->v, z->v_host, z->opt_len * sizeof(float));
+}
+
 // Bytes each rank holds, by kind (what the startup table prints and the tests check).
 typedef struct { double params, grads, optimizer; } ZeroMemory;
 
@@ -694,12 +707,14 @@ static inline ZeroMemory zero_memory(const Zero* z) {
 }
 
 static inline void zero_free(Zero* z) {
-    free(z->params); free(z->param_shard); free(z->m); free(z->v);
-    for (int i = 1; i < z->stack_allocated; i++) { free(z->stack[i]); }
-    free(z->grads); free(z->grad_shard);
-    for (int i = 0; i < z->ngslots; i++) { free(z->gslots[i].buf); }
-    for (int i = 0; i < z->npslots; i++) { free(z->pslots[i].buf); }
-    for (int i = 0; i < z->nsslots; i++) { free(z->sslots[i].buf); }
+    const MemOps* mem = z->mem;
+    if (z->m_host != z->m) { free(z->m_host); free(z->v_host); }
+    mem->release(z->params); mem->release(z->param_shard); mem->release(z->m); mem->release(z->v);
+    for (int i = 1; i < z->stack_allocated; i++) { mem->release(z->stack[i]); }
+    mem->release(z->grads); mem->release(z->grad_shard);
+    for (int i = 0; i < z->ngslots; i++) { mem->release(z->gslots[i].buf); }
+    for (int i = 0; i < z->npslots; i++) { mem->release(z->pslots[i].buf); }
+    for (int i = 0; i < z->nsslots; i++) { mem->release(z->sslots[i].buf); }
     free(z->unit_grad);
     zero_layout_free(&z->lay);
 }

@@ -664,20 +664,21 @@ static void test_plan(void) {
     Comm comm;
     comm_init(&comm, &argc, &argv);
     float* params = gpt2_random_params(&c, 3);
-    GPT2 model;
-    gpt2_init(&model, &c, params, 0, &comm.dp_group, &comm.pp_group, &comm.tp_group, 1);
-    int n = zero_state_ranges(&model.zero, 1, NULL);
+    Zero zero;
+    zero_init(&zero, &c, &memory_host, 0, &comm.dp_group, &comm.pp_group, &comm.tp_group, 0, c.num_layers, params, 1);
+    zero_state_host_buffers(&zero);
+    int n = zero_state_ranges(&zero, 1, NULL);
     StateRange* ranges = (StateRange*)malloc(sizeof(StateRange) * (n + 1));
-    zero_state_ranges(&model.zero, 1, ranges);
+    zero_state_ranges(&zero, 1, ranges);
     int64_t begin[64], end[64];
     int m = state_tensor_ranges(&c, begin, end);
     int same = n == m;
     for (int r = 0; same && r < n; r++) {
-        same = ranges[r].begin == begin[r] && ranges[r].end == end[r] && ranges[r].m - model.zero.m == begin[r];
+        same = ranges[r].begin == begin[r] && ranges[r].end == end[r] && ranges[r].m - zero.m == begin[r];
     }
     CHECK(same, "state_tensor_ranges differ from train_gpt2.c's zero_state_ranges (%d vs %d ranges)", m, n);
     free(ranges);
-    gpt2_free(&model);
+    zero_free(&zero);
 
     // the initialisation (llmc/gpt2_init.h) against its definition: layernorm weights 1, biases
     // and padded vocabulary rows 0, weights N(0, 0.02) and the residual projections

@@ -149,19 +149,34 @@ static void random_params(float* params, const GPT2Config* c) {
     }
 }
 
+// The whole model on one rank (one pipeline stage), its parameters in zero.h's host buffers,
+// for steps of M microbatches.
+static void model_on_one_rank(GPT2* model, Zero* z, const GPT2Config* c, const float* params, int M,
+                              Comm* comm) {
+    StagePlace place = {0, c->num_layers, 1, 1};
+    zero_init(z, c, &memory_host, 0, &comm->dp_group, &comm->pp_group, &comm->tp_group, 0, c->num_layers,
+              params, M);
+    gpt2_init(model, c, &place, z, &comm->tp_group, 0, 0, 0);
+}
+
+static void model_free(GPT2* model, Zero* z) {
+    gpt2_free(model);
+    zero_free(z);
+}
+
 // One optimizer step's gradient over M microbatches of Bm sequences (inp/tgt hold M*Bm*T
-// tokens), exactly as the trainer computes it: into model->zero.grads, wte halves summed.
+// tokens), exactly as the trainer computes it: into model->zero->grads, wte halves summed.
 // Returns the R1 tree of the microbatch loss sums.
 static float step_grads(GPT2* model, Activations* a, ActivationGrads* g, const int* inp,
                         const int* tgt, int Bm, int T, int M) {
-    Zero* z = &model->zero;
+    Zero* z = model->zero;
     float losses[16];
     float dloss = 1.0f / (float)(Bm * T * M);
     for (int i = 0; i < M; i++) {
         zero_begin_microbatch(z, i);
         gpt2_forward(model, a, inp + i * Bm * T, tgt + i * Bm * T, Bm, T, 1);
         losses[i] = position_sum(a->losses, Bm, T);
-        gpt2_backward(model, a, g, inp + i * Bm * T, tgt + i * Bm * T, Bm, T, dloss);
+        gpt2_backward(model, a, g, Bm, T, dloss);
         zero_end_microbatch(z);
     }
     zero_finish_grads(z);
@@ -176,7 +191,8 @@ int main(int argc, char** argv) {
     float* params = gpt2_random_params(&c, 7);
     random_params(params, &c);
     GPT2 model;
-    gpt2_init(&model, &c, params, 0, &comm.dp_group, &comm.pp_group, &comm.tp_group, 1);
+    Zero zero;
+    model_on_one_rank(&model, &zero, &c, params, 1, &comm);
     int B = 2, T = 5, BT = B * T;   // T < maxT and T not a multiple of the 8 chunks
     int inp[64], tgt[64];
     for (int i = 0; i < BT; i++) {
@@ -184,20 +200,20 @@ int main(int argc, char** argv) {
         tgt[i] = (int)((urand() + 1.0) * 0.5 * c.vocab_size) % c.vocab_size;
     }
     inp[3] = inp[1];   // a repeated token: its embedding gradient sums two positions
-    size_t P = model.num_parameters;
+    size_t P = param_count(&c);
     double* pd = malloc(sizeof(double) * P);
     for (size_t i = 0; i < P; i++) { pd[i] = params[i]; }
     RefModel ref = {&c, pd};
 
     Activations acts;
     ActivationGrads ag;
-    activations_alloc(&acts, &c, c.num_layers, 1, 4, T, 1, 1, 0);
-    activation_grads_alloc(&ag, &c, 4, T, 1, 0);
+    activations_alloc(&acts, &model, 4, T, 1, 0);
+    activation_grads_alloc(&ag, &model, 4, T, 0);
 
     // 1. forward
     double* probs_ref = malloc(sizeof(double) * BT * c.vocab_size);
     double loss_ref = ref_forward(&ref, inp, tgt, B, T, probs_ref);
-    zero_begin_microbatch(&model.zero, 0);
+    zero_begin_microbatch(&zero, 0);
     gpt2_forward(&model, &acts, inp, tgt, B, T, 1);
     float loss = position_sum(acts.losses, B, T) / (float)BT;
     double max_prob_err = 0;
@@ -207,10 +223,10 @@ int main(int argc, char** argv) {
             if (e > max_prob_err) { max_prob_err = e; }
         }
     }
-    gpt2_backward(&model, &acts, &ag, inp, tgt, B, T, 1.0f / (float)BT);
-    zero_end_microbatch(&model.zero);
-    zero_finish_grads(&model.zero);
-    const float* grads = model.zero.grads;
+    gpt2_backward(&model, &acts, &ag, B, T, 1.0f / (float)BT);
+    zero_end_microbatch(&zero);
+    zero_finish_grads(&zero);
+    const float* grads = zero.grads;
     printf("forward: loss float %.9g double %.12g (rel err %.2e), max |prob err| %.2e\n", loss,
            loss_ref, fabs(loss - loss_ref) / loss_ref, max_prob_err);
     // float32 has 24 bits: a loss of ~3 computed through 2 layers is good to a few 1e-7
@@ -259,28 +275,38 @@ int main(int argc, char** argv) {
         inp4[i] = (int)((urand() + 1.0) * 0.5 * c.vocab_size) % c.vocab_size;
         tgt4[i] = (int)((urand() + 1.0) * 0.5 * c.vocab_size) % c.vocab_size;
     }
-    size_t G = model.num_parameters + (size_t)c.padded_vocab_size * c.channels;
+    size_t G = P + (size_t)c.padded_vocab_size * c.channels;
     float* reference = malloc(sizeof(float) * G);
     GPT2 m1;
-    gpt2_init(&m1, &c, params, 0, &comm.dp_group, &comm.pp_group, &comm.tp_group, 1);
+    Zero z1;
+    model_on_one_rank(&m1, &z1, &c, params, 1, &comm);
     float loss_ref4 = step_grads(&m1, &acts, &ag, inp4, tgt4, 4, T, 1);
-    memcpy(reference, m1.zero.grads, sizeof(float) * G);
-    gpt2_free(&m1);
+    memcpy(reference, z1.grads, sizeof(float) * G);
+    model_free(&m1, &z1);
     for (int M = 2; M <= 4; M *= 2) {
         int Bm = 4 / M;
         GPT2 mm;
-        gpt2_init(&mm, &c, params, 0, &comm.dp_group, &comm.pp_group, &comm.tp_group, M);
+        Zero zm;
+        model_on_one_rank(&mm, &zm, &c, params, M, &comm);
         float loss_m = step_grads(&mm, &acts, &ag, inp4, tgt4, Bm, T, M);
         size_t diff = 0;
         for (size_t i = 0; i < G; i++) {
-            if (memcmp(&reference[i], &mm.zero.grads[i], 4) != 0) { diff++; }
+            if (memcmp(&reference[i], &zm.grads[i], 4) != 0) { diff++; }
         }
         printf("microbatches: B=%d x M=%d vs B=4 x M=1: %zu of %zu gradient values differ, loss %s\n",
                Bm, M, diff, G, memcmp(&loss_m, &loss_ref4, 4) == 0 ? "identical" : "DIFFERS");
         CHECK(diff == 0, "B=%d x %d microbatches: %zu gradient values differ from B=4", Bm, M, diff);
         CHECK(memcmp(&loss_m, &loss_ref4, 4) == 0, "B=%d x %d: loss sum %.9g vs %.9g", Bm, M, loss_m, loss_ref4);
-        gpt2_free(&mm);
+        model_free(&mm, &zm);
     }
+    activations_free(&model, &acts);
+    activation_grads_free(&model, &ag);
+    model_free(&model, &zero);
+    free(reference);
+    free(probs_ref);
+    free(pd);
+    free(params);
+    comm_finalize(&comm);
 
     if (failures) { printf("%d check(s) FAILED\n", failures); return 1; }
     printf("all checks passed\n");

@@ -1,0 +1,857 @@
+/*
+ * engine.h: the training engine both builds share. Everything that is not a kernel or the model
+ * is here, written once: the start of a run (flags, the rank grid, what the model starts from,
+ * data, resume), the pipeline executor (every run is a pipeline, of one stage without --pp),
+ * validation, sampling, checkpoints, the training loop and its console and main.log lines.
+ *
+ * A build hands the engine two tables:
+ *   ModelOps (below)  its model of one pipeline stage: activations, the embeddings, a stage's
+ *                     transformer layers and the head, forward and backward. train_gpt2.c's
+ *                     model on the CPU kernels (the CPU build), the same model on the CUDA
+ *                     deterministic kernels (train_gpt2cu --deterministic 1), or fast mode's
+ *                     bf16 model (train_gpt2_fast.cu).
+ *   MemOps (memory.h) the memory the tensors live in (host or device), through which ZeRO
+ *                     (zero.h) and the communicator (comm.h) do all their work.
+ * Both builds therefore print the same lines and write the same files by construction; a
+ * build adds only its banner lines and how it states throughput (GFLOP/s on the CPU, MFU on a
+ * GPU).
+ *
+ * A main is:
+ *   Trainer t;
+ *   if (!trainer_begin(&t, argc, argv)) { return 0; }   // --help
+ *   ... build-specific checks of t.args and t.config, the device ...
+ *   trainer_build(&t, &model_ops, &memory_ops);
+ *   trainer_run(&t, &build);                            // table, the loop, the summary
+ *   trainer_end(&t);
+ */
+#ifndef LLMC_ENGINE_H
+#define LLMC_ENGINE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "llmc/utils.h"
+#include "llmc/canonical.h"
+#include "llmc/model.h"
+#include "llmc/checkpoint.h"
+#include "llmc/adamw.h"
+#include "llmc/gpt2_init.h"
+#include "llmc/dataloader.h"
+#include "llmc/tokenizer.h"
+#include "llmc/logger.h"
+#include "llmc/args.h"
+#include "llmc/memory.h"
+#include "llmc/comm.h"
+#include "llmc/zero.h"
+#include "llmc/pipeline.h"
+
+// ==========================================================================================
+// The model, as the engine drives it
+// ==========================================================================================
+
+// Where a rank's pipeline stage sits in the model.
+typedef struct {
+    int first_layer, last_layer;   // its transformer layers [first_layer, last_layer)
+    int is_first, is_last;         // the embeddings (first stage), the head (last stage)
+} StagePlace;
+
+// One build's model of a pipeline stage. `model`, `acts` and `grads` are the build's own
+// structures; every float* is in the build's memory (MemOps), tokens come from host memory.
+// Forward and backward come in three parts, run by the stages that hold them: the embeddings,
+// the stage's transformer layers, the head (final layernorm, LM head, cross-entropy).
+typedef struct {
+    // the model of this rank's stage; its parameters, gradients and AdamW state are in `zero`;
+    // sp: Megatron's sequence parallelism over the tensor-parallel group, for passes over up to
+    // (B, T) positions
+    void* (*create)(const GPT2Config* config, const StagePlace* place, Zero* zero, CommGroup* tp,
+                    int sp, int B, int T);
+    void (*destroy)(void* model);
+    // activations of one pass over up to (B, T) positions; sp as above (a pass of the sampler
+    // runs without it); *bytes: their size
+    void* (*acts_create)(void* model, int B, int T, int recompute, int sp, size_t* bytes);
+    void (*acts_destroy)(void* model, void* acts);
+    // the microbatch's tokens (host memory; targets NULL: no loss)
+    void (*set_tokens)(void* model, void* acts, const int* inputs, const int* targets, int B, int T);
+    float* (*stage_input)(void* model, void* acts);   // where a received activation goes
+    float* (*stage_output)(void* model, void* acts, int B, int T);
+    void (*embed_forward)(void* model, void* acts, int B, int T);
+    void (*layers_forward)(void* model, void* acts, int B, int T);
+    void (*head_forward)(void* model, void* acts, int B, int T, int training);
+    float (*loss_sum)(void* model, void* acts, int B, int T);   // R3 sum of the last pass's losses
+    // the probabilities at `position` over the whole padded vocabulary (Vp floats, host memory);
+    // every tensor-parallel rank of the last stage calls it
+    void (*probs_at)(void* model, void* acts, int position, float* host_probs);
+    // gradients of activations during backward, one set reused by every microbatch and layer;
+    // its d(residual) is d(loss)/d(stage output) going in and d(loss)/d(stage input) coming out
+    void* (*grads_create)(void* model, int B, int T, int sp, size_t* bytes);
+    void (*grads_destroy)(void* model, void* grads);
+    float* (*grad_residual)(void* model, void* grads);
+    void (*head_backward)(void* model, void* acts, void* grads, int B, int T, float dloss);
+    void (*layers_backward)(void* model, void* acts, void* grads, int B, int T);
+    void (*embed_backward)(void* model, void* acts, void* grads, int B, int T);
+} ModelOps;
+
+// What a build adds to the engine's console output.
+typedef struct {
+    const char* program;                        // "train_gpt2", "train_gpt2cu"
+    void (*banner)(void);                       // its first lines of the startup table
+    void (*memory_line)(void);                  // a line after the memory table (NULL: none)
+    // the throughput field of the step line, e.g. "95.0 GFLOP/s" or "MFU 41.2%"
+    void (*throughput)(char* out, size_t len, double flops_per_second);
+} BuildInfo;
+
+static inline double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// The cost of the head (LM head matmuls and cross-entropy) in units of one transformer
+// layer, per token: the LM head is 2*C*Vp flops forward, a layer about 24*C^2.
+static inline double head_cost_in_layers(const GPT2Config* c) {
+    return (double)c->padded_vocab_size / (12.0 * c->channels);
+}
+
+// ==========================================================================================
+// Pipeline execution: a stage runs its list of actions from llmc/pipeline.h
+// ==========================================================================================
+//
+// Every rank runs a pipeline, of one stage when --pp is 1 (then the list is just F0 B0 F1
+// B1 ...). A microbatch owns a slot from its FORWARD to its BACKWARD on this stage: its
+// activations (with its tokens) and the received gradient of its output; the schedule bounds
+// how many are alive (1F1B: S - stage). Messages are non-blocking: a receive is posted at its
+// RECV action and waited for right before the computation that reads it; a send is posted at
+// its SEND action and waited for before its buffer is reused. Received activations and sent
+// input gradients live in small message buffers of their own, so a receive posted early never
+// needs a second slot. The schedule's message order makes this deadlock-free (pipeline.h).
+// Tags: 2*microbatch (+1 for gradients). Every buffer is in the build's memory.
+
+typedef struct {
+    int microbatch;            // -1: free
+    void* acts;                // the model's activations, with the microbatch's tokens
+    float* grad_out;           // (B,T,C) received d(loss)/d(stage output) (not the last stage)
+    CommRequest* recv_grad;
+    CommRequest* send_act;     // the stage output being sent (the slot is not reused before)
+} MicroSlot;
+
+typedef enum { MSG_FREE, MSG_RECEIVING, MSG_TO_SEND, MSG_SENDING } MessageState;
+
+typedef struct {
+    float* buf;                // (B,T,C)
+    CommRequest* req;
+    int microbatch;
+    MessageState state;        // RECEIVING: an input activation until its FORWARD; TO_SEND: an
+                               // input gradient from BACKWARD until its SEND_BACKWARD
+} MessageBuffer;
+
+#define PP_MAX_MESSAGES 64
+
+typedef struct {
+    PipelineConfig cfg;
+    PipelineAction* actions;
+    int nactions;
+    MicroSlot* slots;
+    int nslots;
+    MessageBuffer msgs[PP_MAX_MESSAGES];
+    int nmsgs;
+    size_t msg_floats;
+    int prev, next;            // pp-group ranks of the neighbouring stages (COMM_NO_PEER)
+    CommGroup* pp;
+    const ModelOps* ops;
+    const MemOps* mem;
+    void* model;
+    StagePlace place;
+    double busy;               // seconds of FORWARD/BACKWARD in the last step
+    double fwd, bwd;           // ... of which forwards, backwards
+    size_t slot_bytes;
+} Pipeline;
+
+static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps* mem, void* model,
+                                 const StagePlace* place, CommGroup* pp, PipelineScheduleKind kind, int M,
+                                 int B, int T, int C, int recompute, int sp_degree) {
+    memset(p, 0, sizeof(*p));
+    p->pp = pp;
+    p->ops = ops;
+    p->mem = mem;
+    p->model = model;
+    p->place = *place;
+    p->cfg = (PipelineConfig){pp->size, M, kind, 1};
+    char err[256];
+    int n = pipeline_stage_actions(&p->cfg, pp->rank, NULL, 0, err, sizeof(err));
+    if (n < 0) { fatal("--pp/--schedule: %s", err); }
+    p->actions = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "pipeline actions");
+    if (pipeline_stage_actions(&p->cfg, pp->rank, p->actions, n, err, sizeof(err)) != n) {
+        fatal("--pp/--schedule: %s", err);
+    }
+    p->nactions = n;
+    p->prev = pp->rank > 0 ? pp->rank - 1 : COMM_NO_PEER;
+    p->next = pp->rank < pp->size - 1 ? pp->rank + 1 : COMM_NO_PEER;
+    p->nslots = pipeline_max_in_flight(p->actions, n);
+    p->slots = (MicroSlot*)calloc_or_die((size_t)p->nslots, sizeof(MicroSlot), "pipeline slots");
+    p->msg_floats = (size_t)B * T / sp_degree * C;
+    for (int i = 0; i < p->nslots; i++) {
+        MicroSlot* s = &p->slots[i];
+        size_t bytes = 0;
+        s->microbatch = -1;
+        s->acts = ops->acts_create(model, B, T, recompute, sp_degree > 1, &bytes);
+        s->grad_out = mem_floats(mem, p->msg_floats, "pipeline gradient");
+        p->slot_bytes = bytes + sizeof(float) * p->msg_floats;
+    }
+}
+
+static inline void pipeline_free(Pipeline* p) {
+    for (int i = 0; i < p->nslots; i++) {
+        p->ops->acts_destroy(p->model, p->slots[i].acts);
+        p->mem->release(p->slots[i].grad_out);
+    }
+    for (int i = 0; i < p->nmsgs; i++) { p->mem->release(p->msgs[i].buf); }
+    free(p->slots);
+    free(p->actions);
+}
+
+// The slot of microbatch i; with `take`, a free one (its output's send completed) if it has none.
+static inline MicroSlot* pipeline_slot(Pipeline* p, int i, int take) {
+    for (int k = 0; k < p->nslots; k++) { if (p->slots[k].microbatch == i) { return &p->slots[k]; } }
+    if (!take) { fatal("internal: microbatch %d has no pipeline slot", i); }
+    for (int k = 0; k < p->nslots; k++) {
+        if (p->slots[k].microbatch < 0) {
+            comm_wait(p->slots[k].send_act);
+            p->slots[k].send_act = NULL;
+            p->slots[k].microbatch = i;
+            return &p->slots[k];
+        }
+    }
+    fatal("internal: more microbatches in flight than the schedule's bound");
+}
+
+// A message buffer for microbatch i in `state`: a free one (a completed send's is reused).
+static inline MessageBuffer* pipeline_message_new(Pipeline* p, int i, MessageState state) {
+    MessageBuffer* m = NULL;
+    for (int k = 0; k < p->nmsgs && m == NULL; k++) {
+        MessageBuffer* q = &p->msgs[k];
+        if (q->state == MSG_SENDING && comm_test(q->req)) { comm_wait(q->req); q->req = NULL; q->state = MSG_FREE; }
+        if (q->state == MSG_FREE) { m = q; }
+    }
+    if (m == NULL) {
+        if (p->nmsgs == PP_MAX_MESSAGES) { fatal("internal: too many pipeline messages in flight"); }
+        m = &p->msgs[p->nmsgs++];
+        m->buf = mem_floats(p->mem, p->msg_floats, "pipeline message");
+    }
+    m->microbatch = i;
+    m->state = state;
+    return m;
+}
+
+// The message buffer of microbatch i in `state`.
+static inline MessageBuffer* pipeline_message(Pipeline* p, int i, MessageState state) {
+    for (int k = 0; k < p->nmsgs; k++) {
+        if (p->msgs[k].state == state && p->msgs[k].microbatch == i) { return &p->msgs[k]; }
+    }
+    fatal("internal: no pipeline message for microbatch %d", i);
+}
+
+// Runs this stage's actions for one optimizer step: forward and backward of this dp rank's
+// microbatches (global indices from zero.h), gradients reduced, the tied halves summed.
+// local_loss[i] gets microbatch i's loss sum on the last stage. The compute times (busy, fwd,
+// bwd) are measured only with several stages (they wait for the device to finish each one).
+static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* loader,
+                                 int64_t first_microbatch, int M_global, int B, int T, int overfit,
+                                 float* local_loss) {
+    const ModelOps* ops = p->ops;
+    void* model = p->model;
+    size_t bytes = p->msg_floats * sizeof(float);
+    int timed = p->cfg.num_stages > 1;
+    float dloss = 1.0f / (float)((double)B * T * M_global);
+    float* dres = ops->grad_residual(model, grads);
+    p->busy = p->fwd = p->bwd = 0.0;
+    for (int k = 0; k < p->nactions; k++) {
+        const PipelineAction* act = &p->actions[k];
+        int i = act->microbatch;
+        MicroSlot* s;
+        MessageBuffer* m;
+        double t0;
+        switch (act->kind) {
+            case PP_RECV_FORWARD:
+                // irecv (pp group): microbatch i's input activation from the previous stage
+                m = pipeline_message_new(p, i, MSG_RECEIVING);
+                m->req = comm_irecv(p->pp, m->buf, p->msg_floats, act->peer, 2 * i, COMM_KIND_PP);
+                break;
+            case PP_FORWARD:
+                s = pipeline_slot(p, i, 1);
+                if (p->place.is_first || p->place.is_last) {
+                    dataloader_load(loader, overfit ? 0 : zero_global_microbatch(z, first_microbatch, i));
+                    ops->set_tokens(model, s->acts, loader->inputs, loader->targets, B, T);
+                }
+                if (!p->place.is_first) {   // waiting for the input is idle time, not compute
+                    m = pipeline_message(p, i, MSG_RECEIVING);
+                    comm_wait(m->req);
+                    p->mem->copy(ops->stage_input(model, s->acts), m->buf, bytes);
+                    m->req = NULL;
+                    m->state = MSG_FREE;
+                }
+                t0 = now_seconds();
+                if (p->place.is_first) { ops->embed_forward(model, s->acts, B, T); }
+                ops->layers_forward(model, s->acts, B, T);
+                if (p->place.is_last) {
+                    ops->head_forward(model, s->acts, B, T, 1);
+                    local_loss[i] = ops->loss_sum(model, s->acts, B, T);
+                }
+                if (timed) { p->mem->sync(); }
+                p->fwd += now_seconds() - t0;
+                break;
+            case PP_SEND_FORWARD:
+                // isend (pp group): the stage output of microbatch i to the next stage
+                s = pipeline_slot(p, i, 0);
+                s->send_act = comm_isend(p->pp, ops->stage_output(model, s->acts, B, T), p->msg_floats,
+                                         act->peer, 2 * i, COMM_KIND_PP);
+                break;
+            case PP_RECV_BACKWARD:
+                // irecv (pp group): d(loss)/d(stage output) of microbatch i from the next stage
+                s = pipeline_slot(p, i, 0);
+                s->recv_grad = comm_irecv(p->pp, s->grad_out, p->msg_floats, act->peer, 2 * i + 1, COMM_KIND_PP);
+                break;
+            case PP_BACKWARD:
+                s = pipeline_slot(p, i, 0);
+                if (!p->place.is_last) {
+                    comm_wait(s->recv_grad);
+                    s->recv_grad = NULL;
+                    p->mem->copy(dres, s->grad_out, bytes);
+                }
+                t0 = now_seconds();
+                zero_begin_microbatch(z, i);
+                if (p->place.is_last) { ops->head_backward(model, s->acts, grads, B, T, dloss); }
+                ops->layers_backward(model, s->acts, grads, B, T);
+                if (p->place.is_first) {
+                    ops->embed_backward(model, s->acts, grads, B, T);
+                } else {   // keep d(loss)/d(stage input) until its SEND_BACKWARD
+                    p->mem->copy(pipeline_message_new(p, i, MSG_TO_SEND)->buf, dres, bytes);
+                }
+                zero_end_microbatch(z);
+                s->microbatch = -1;   // its activations are no longer needed
+                if (timed) { p->mem->sync(); }
+                p->bwd += now_seconds() - t0;
+                break;
+            case PP_SEND_BACKWARD:
+                // isend (pp group): d(loss)/d(stage input) of microbatch i to the previous stage
+                m = pipeline_message(p, i, MSG_TO_SEND);
+                m->state = MSG_SENDING;
+                m->req = comm_isend(p->pp, m->buf, p->msg_floats, act->peer, 2 * i + 1, COMM_KIND_PP);
+                break;
+            default:
+                fatal("--schedule: this trainer does not execute %s actions", pipeline_action_kind_name(act->kind));
+        }
+    }
+    for (int k = 0; k < p->nslots; k++) { comm_wait(p->slots[k].send_act); p->slots[k].send_act = NULL; }
+    for (int k = 0; k < p->nmsgs; k++) { comm_wait(p->msgs[k].req); p->msgs[k].req = NULL; p->msgs[k].state = MSG_FREE; }
+    p->busy = p->fwd + p->bwd;
+    zero_finish_grads(z);
+}
+
+// A forward-only pass through the pipeline of one batch (validation, sampling): the first
+// stage embeds the tokens, each stage receives, runs its layers, sends; the last stage runs
+// the head. Blocking sends and receives: every stage handles the batch in the same order.
+// sp_degree: the tensor-parallel degree if acts are sequence-parallel, else 1.
+static inline void pipeline_forward_only(Pipeline* p, void* acts, const int* inputs, const int* targets,
+                                         int B, int T, int C, int sp_degree) {
+    const ModelOps* ops = p->ops;
+    size_t n = (size_t)B * T / sp_degree * C;
+    ops->set_tokens(p->model, acts, inputs, targets, B, T);
+    if (p->place.is_first) {
+        ops->embed_forward(p->model, acts, B, T);
+    } else {
+        comm_wait(comm_irecv(p->pp, ops->stage_input(p->model, acts), n, p->prev, 0, COMM_KIND_PP));
+    }
+    ops->layers_forward(p->model, acts, B, T);
+    if (p->place.is_last) {
+        ops->head_forward(p->model, acts, B, T, 0);
+    } else {
+        comm_wait(comm_isend(p->pp, ops->stage_output(p->model, acts, B, T), n, p->next, 0, COMM_KIND_PP));
+    }
+}
+
+// ==========================================================================================
+// The trainer
+// ==========================================================================================
+
+typedef struct {
+    Comm comm;
+    TrainArgs args;
+    int root;                       // world rank 0: prints, writes main.log and the model file
+    GPT2Config config;
+    float* start_params;            // host, until trainer_build hands them to zero.h
+    int resume_step;                // -1: a fresh start
+    int B, T, M;                    // microbatch, sequence length, microbatches per step (global)
+    long long tokens_per_micro, total_batch;
+    PipelineScheduleKind pp_kind;
+    LRScheduleKind lr_kind;
+    // built by trainer_build
+    const ModelOps* ops;
+    const MemOps* mem;
+    StagePlace place;
+    Zero zero;
+    void* model;
+    Pipeline pipe;
+    void* grads;
+    size_t grads_bytes;
+    DataLoader train_loader, val_loader;
+    int do_val, val_batches, train_steps;
+    LRSchedule schedule;
+    Tokenizer tokenizer;
+    int do_sample, genT;
+    void* sample_acts;
+    float* sample_probs;            // host, Vp
+    TrainProgress progress;
+    Logger logger;
+} Trainer;
+
+// MPI, the flags (returns 0 after --help), the rank grid, and what the run starts from: the
+// resume step, the full starting parameters (host), the batch. Checks that need only these.
+static inline int trainer_begin(Trainer* t, int argc, char** argv) {
+    memset(t, 0, sizeof(*t));
+    comm_init(&t->comm, &argc, &argv);
+    t->root = t->comm.world_rank == 0;
+    TrainArgs* a = &t->args;
+    train_args_defaults(a);
+    if (train_args_parse(a, argc, argv)) {
+        if (t->root) {
+            TrainArgs defaults;
+            train_args_defaults(&defaults);
+            train_args_print_help(argv[0], &defaults);
+        }
+        comm_finalize(&t->comm);
+        return 0;
+    }
+    train_args_validate(a);
+    if (a->sp && a->tp == 1) { fatal("--sp 1: sequence parallelism splits the sequence over the tensor-parallel group; it needs --tp > 1"); }
+    if (t->comm.world_size % (a->tp * a->pp) != 0) {
+        fatal("--tp %d x --pp %d does not divide the %d ranks of this job", a->tp, a->pp, t->comm.world_size);
+    }
+    comm_setup_grid(&t->comm, a->tp, a->pp);
+    t->pp_kind = strcmp(a->pp_schedule, "gpipe") == 0 ? PP_GPIPE : PP_1F1B;
+    if (!lr_schedule_kind(a->lr_schedule, &t->lr_kind)) {
+        fatal("-k: unknown learning-rate schedule '%s' (cosine, linear or constant)", a->lr_schedule);
+    }
+    if (a->output_dir && t->root) { ensure_writable_dir(a->output_dir, "-o"); }
+    comm_barrier(&t->comm.world);
+
+    // resume from the latest complete checkpoint in the output dir?
+    t->resume_step = a->resume ? checkpoint_latest_step(a->output_dir) : -1;
+    t->start_params = gpt2_starting_params(a->model, a->output_dir, t->resume_step, (uint64_t)a->seed, &t->config);
+    const GPT2Config* c = &t->config;
+    int N = t->comm.dp;
+    t->B = a->B;
+    t->T = a->T;
+    if (t->T > c->max_seq_len) { fatal("-t: sequence length %d exceeds the model's maxT = %d", t->T, c->max_seq_len); }
+    if (a->pp > c->num_layers) {
+        fatal("--pp %d: the model has only %d layers; every stage needs at least one", a->pp, c->num_layers);
+    }
+    if (a->sp && t->T % a->tp != 0) { fatal("--sp 1: the sequence length -t %d must be a multiple of --tp %d", t->T, a->tp); }
+    t->tokens_per_micro = (long long)t->B * t->T;
+    t->total_batch = a->total_batch == -1 ? t->tokens_per_micro * N : a->total_batch;
+    if (t->total_batch % (t->tokens_per_micro * N) != 0) {
+        fatal("-d: total batch %lld tokens is not a multiple of B*T*DP = %d*%d*%d = %lld", t->total_batch,
+              t->B, t->T, N, t->tokens_per_micro * N);
+    }
+    t->M = (int)(t->total_batch / t->tokens_per_micro);
+    return 1;
+}
+
+// The model of this rank's stage on `ops` (its parameters, gradients and AdamW state in
+// zero.h's buffers in `mem`), the data, the tokenizer, the pipeline, the resumed state, main.log.
+static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* mem) {
+    const TrainArgs* a = &t->args;
+    const GPT2Config* c = &t->config;
+    Comm* comm = &t->comm;
+    int B = t->B, T = t->T;
+    t->ops = ops;
+    t->mem = mem;
+    comm_set_memory(comm, mem);
+
+    // this rank's pipeline stage: a balanced contiguous range of layers (pipeline.h)
+    int S = comm->pp;
+    int* first = (int*)malloc_or_die(sizeof(int) * (S + 1), "pipeline partition");
+    char err[256];
+    if (pipeline_partition_layers(c->num_layers, S, 0.0, head_cost_in_layers(c), first, err, sizeof(err)) != 0) {
+        fatal("--pp: %s", err);
+    }
+    t->place.first_layer = first[comm->pp_rank];
+    t->place.last_layer = first[comm->pp_rank + 1];
+    t->place.is_first = comm->pp_rank == 0;
+    t->place.is_last = comm->pp_rank == S - 1;
+    free(first);
+    zero_init(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->pp_group, &comm->tp_group,
+              t->place.first_layer, t->place.last_layer, t->start_params, t->M);
+    free(t->start_params);
+    t->start_params = NULL;
+    t->model = ops->create(c, &t->place, &t->zero, &comm->tp_group, a->sp, B, T);
+
+    t->do_val = a->val_every > 0;
+    train_data_open(a, B, T, c->vocab_size, t->total_batch, &t->train_loader, &t->val_loader, &t->val_batches,
+                    &t->train_steps);
+    t->schedule = (LRSchedule){t->lr_kind, a->lr, a->warmup, t->train_steps, a->final_lr_frac};
+    if (t->root) { tokenizer_init_for_model(&t->tokenizer, a->tokenizer_path, c->vocab_size); }   // only world rank 0 prints samples
+
+    int sp_degree = a->sp ? comm->tp : 1;
+    pipeline_init(&t->pipe, ops, mem, t->model, &t->place, &comm->pp_group, t->pp_kind, t->zero.local_microbatches,
+                  B, T, c->channels, a->recompute, sp_degree);
+    t->grads = ops->grads_create(t->model, B, T, a->sp, &t->grads_bytes);
+    t->genT = a->gen_T < c->max_seq_len ? a->gen_T : c->max_seq_len;
+    t->do_sample = a->sample_every > 0 && (comm->dp_rank == 0 || t->zero.stage == 3);
+    if (t->do_sample) {
+        size_t bytes;
+        t->sample_acts = ops->acts_create(t->model, 1, t->genT, 0, 0, &bytes);
+        t->sample_probs = (float*)malloc_or_die(sizeof(float) * c->padded_vocab_size, "sample probabilities");
+    }
+
+    t->progress = (TrainProgress){0, 0, t->tokens_per_micro, a->shuffle, (uint64_t)a->seed};
+    if (t->resume_step >= 0) {
+        Zero* z = &t->zero;
+        zero_state_host_buffers(z);
+        int n = zero_state_ranges(z, 0, NULL);   // every range this rank updates
+        StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (n + 1), "state ranges");
+        zero_state_ranges(z, 0, ranges);
+        TrainProgress saved;
+        state_read(a->output_dir, t->resume_step, c, n, ranges, &saved);
+        free(ranges);
+        zero_state_from_host(z);
+        if (saved.tokens_per_microbatch != t->tokens_per_micro || saved.shuffle != a->shuffle ||
+            saved.shuffle_seed != (uint64_t)a->seed) {
+            fatal("-y 1: the checkpoint in '%s' was trained with B*T = %lld, --shuffle %d, --seed %llu; "
+                  "resume with the same values", a->output_dir, (long long)saved.tokens_per_microbatch,
+                  saved.shuffle, (unsigned long long)saved.shuffle_seed);
+        }
+        t->progress = saved;
+    }
+    logger_init(&t->logger, a->output_dir, t->root, t->resume_step >= 0);
+}
+
+// ---- what a step computes beyond the pipeline --------------------------------------------
+
+// The R1 tree over n values gathered from the dp ranks (`per_rank` each, rank-major in all):
+// value j of the canonical order is microbatch j's (zero.h's assignment), or with
+// round_robin value j = all[(j % N) * per_rank + j / N].
+static inline float tree_in_order(const float* all, int per_rank, int n, const Zero* z, int round_robin) {
+    float* ordered = (float*)malloc_or_die(sizeof(float) * (n > 0 ? n : 1), "ordered values");
+    for (int j = 0; j < n; j++) {
+        int r, local;
+        if (round_robin) { r = j % z->N; local = j / z->N; }
+        else { zero_owner_of_microbatch(z, j, &r, &local); }
+        ordered[j] = all[(size_t)r * per_rank + local];
+    }
+    float sum = canon_tree_sum(ordered, n, 1);
+    free(ordered);
+    return sum;
+}
+
+// The mean loss over the global batch: the last stage's dp ranks gather their microbatch loss
+// sums (all-gather, dp group), sum them by the R1 tree in global order, and the last stage
+// broadcasts the result to the other stages (pp group).
+static inline float global_mean_loss(Trainer* t, const float* local, int per_rank, int n, int round_robin,
+                                     double tokens) {
+    Zero* z = &t->zero;
+    float loss = 0.0f;
+    if (t->place.is_last) {
+        float* all = (float*)malloc_or_die(sizeof(float) * (size_t)per_rank * z->N + 1, "losses");
+        comm_all_gather(&t->comm.dp_group, local, all, (size_t)per_rank, COMM_KIND_OTHER);
+        loss = tree_in_order(all, per_rank, n, z, round_robin) / (float)tokens;
+        free(all);
+    }
+    comm_broadcast(&t->comm.pp_group, &loss, sizeof(float), t->comm.pp - 1, COMM_KIND_OTHER);
+    return loss;
+}
+
+// Validation loss over the first val_batches microbatches of the val data: batch j is done by
+// dp rank j % N (through the pipeline), and the batch sums are summed in batch order.
+static inline float trainer_validate(Trainer* t) {
+    Zero* z = &t->zero;
+    int B = t->B, T = t->T, batches = t->val_batches;
+    int sp_degree = t->args.sp ? t->comm.tp : 1;
+    void* acts = t->pipe.slots[0].acts;
+    int per_rank = (batches + z->N - 1) / z->N;
+    float* local = (float*)calloc_or_die((size_t)per_rank + 1, sizeof(float), "val losses");
+    for (int k = 0; k < per_rank; k++) {
+        int j = k * z->N + z->rank;
+        // under ZeRO-3 every dp rank must take part in every forward's parameter gathers
+        if (j >= batches && z->stage != 3) { continue; }
+        dataloader_load(&t->val_loader, j < batches ? j : 0);
+        pipeline_forward_only(&t->pipe, acts, t->val_loader.inputs, t->val_loader.targets, B, T,
+                              t->config.channels, sp_degree);
+        if (t->place.is_last && j < batches) { local[k] = t->ops->loss_sum(t->model, acts, B, T); }
+    }
+    float loss = global_mean_loss(t, local, per_rank, batches, 1, (double)batches * B * T);
+    free(local);
+    return loss;
+}
+
+// Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler), each
+// token a forward pass over the tokens so far (B = 1) through the pipeline; the last stage
+// draws the token (from the whole vocabulary) and broadcasts it to the other stages. Under
+// ZeRO-3 every dp rank takes part (the forward gathers parameters); world rank 0 prints.
+static inline void trainer_sample(Trainer* t) {
+    int V = t->config.vocab_size, genT = t->genT;
+    int printing = t->root;
+    int* gen = (int*)malloc_or_die(sizeof(int) * genT, "sample tokens");
+    uint64_t rng = 1337;
+    gen[0] = V > 50256 ? 50256 : V - 1;   // <|endoftext|> for GPT-2's vocabulary
+    if (printing) { printf("generating:\n---\n"); }
+    for (int pos = 1; pos < genT; pos++) {
+        pipeline_forward_only(&t->pipe, t->sample_acts, gen, NULL, 1, pos, t->config.channels, 1);
+        int next = V - 1;
+        if (t->place.is_last) {
+            t->ops->probs_at(t->model, t->sample_acts, pos - 1, t->sample_probs);
+            float coin = random_f32(&rng), cdf = 0.0f;
+            for (int v = 0; v < V; v++) {
+                cdf += t->sample_probs[v];
+                if (coin < cdf) { next = v; break; }
+            }
+        }
+        comm_broadcast(&t->comm.pp_group, &next, sizeof(int), t->comm.pp - 1, COMM_KIND_OTHER);
+        gen[pos] = next;
+        if (!printing) { continue; }
+        if (t->tokenizer.init_ok) {
+            safe_printf(tokenizer_decode(&t->tokenizer, next));
+        } else {
+            printf("%d ", next);
+        }
+        fflush(stdout);
+    }
+    if (printing) { printf("\n---\n"); }
+    free(gen);
+}
+
+// Checkpoint of step progress->step: the model (world rank 0, llm.c format), every rank's
+// piece of the optimizer state, then the DONE marker once all of it is on disk. The full
+// parameters are assembled by a sum: every dp-rank-0 rank writes the elements it owns
+// (zero_full_params: each element by exactly one rank) into a host buffer of -0.0f, and an
+// all-reduce over the tp group, then over the pp group, adds them (x + -0 == x: exact).
+static inline void trainer_write_checkpoint(Trainer* t) {
+    Zero* z = &t->zero;
+    Comm* comm = &t->comm;
+    const char* dir = t->args.output_dir;
+    char path[1200];
+    int step = (int)t->progress.step;
+    size_t P = param_count(&t->config);
+    float* full = NULL;
+    if (comm->dp_rank == 0) {
+        full = (float*)aligned_calloc_or_die(P * sizeof(float), "checkpoint");
+        for (size_t i = 0; i < P; i++) { full[i] = -0.0f; }
+    }
+    zero_full_params(z, full);
+    if (full) {
+        // all-reduce (tp group, then pp group): every rank's owned elements into the full model
+        if (comm->tp > 1) { comm_all_reduce_sum(&comm->tp_group, full, P, COMM_KIND_OTHER); }
+        if (comm->pp > 1) { comm_all_reduce_sum(&comm->pp_group, full, P, COMM_KIND_OTHER); }
+    }
+    if (comm->world_rank == 0) {
+        snprintf(path, sizeof(path), "%s/model_%08d.bin", dir, step);
+        checkpoint_write_model(path, &t->config, full);
+    }
+    free(full);
+    int per_dp = z->stage == 0 ? 1 : z->N;   // ZeRO-0: dp rank 0 writes its (and everyone's) state
+    if (z->stage != 0 || z->rank == 0) {
+        zero_state_to_host(z);
+        int n = zero_state_ranges(z, 1, NULL);
+        StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (n + 1), "state ranges");
+        zero_state_ranges(z, 1, ranges);
+        int piece = (comm->pp_rank * comm->tp + comm->tp_rank) * per_dp + (z->stage == 0 ? 0 : z->rank);
+        snprintf(path, sizeof(path), "%s/state_%08d_%05d.bin", dir, step, piece);
+        state_write_piece(path, &t->config, &t->progress, comm->pp * comm->tp * per_dp, piece, n, ranges);
+        free(ranges);
+    }
+    comm_barrier(&comm->world);
+    if (comm->world_rank == 0) {
+        checkpoint_write_done(dir, step);
+        printf("checkpoint written: %s/model_%08d.bin\n", dir, step);
+    }
+}
+
+// ---- the startup table -------------------------------------------------------------------
+
+static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
+    const TrainArgs* a = &t->args;
+    const GPT2Config* c = &t->config;
+    Comm* comm = &t->comm;
+    Zero* z = &t->zero;
+    Pipeline* pipe = &t->pipe;
+    size_t P = param_count(c);
+    int N = comm->dp;
+    ZeroMemory mem = zero_memory(z);
+    // every stage's layers and activation memory, for the table (all-gather, pp group)
+    float stage_info[3], all_stage_info[3 * 64];
+    stage_info[0] = (float)t->place.first_layer;
+    stage_info[1] = (float)t->place.last_layer;
+    stage_info[2] = (float)(pipe->nslots * pipe->slot_bytes / 1048576.0);
+    if (comm->pp <= 64) { comm_all_gather(&comm->pp_group, stage_info, all_stage_info, 3, COMM_KIND_OTHER); }
+    if (!t->root) { return; }
+    printf("+--------------------------------------------------------------------------+\n");
+    build->banner();
+    printf("+--------------------------------------------------------------------------+\n");
+    printf("| model         L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n", c->num_layers, c->channels,
+           c->num_heads, c->vocab_size, c->padded_vocab_size, c->max_seq_len);
+    if (t->resume_step >= 0) { printf("| init          %s/model_%08d.bin\n", a->output_dir, t->resume_step); }
+    else { printf("| init          %s\n", a->model); }
+    printf("| parameters    P = %zu (%.1f M)\n", P, P / 1e6);
+    printf("| ranks         %d = %d data x %d tensor%s x %d pipeline; ZeRO stage %d\n", comm->world_size, N,
+           comm->tp, a->sp ? " (+ sequence parallel)" : "", comm->pp, z->stage);
+    printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
+           t->B, t->T, t->M, z->local_microbatches, t->total_batch);
+    if (comm->pp > 1) {
+        printf("| pipeline      %s over %d stages, %d microbatches; bubble model (S-1)/(M+S-1) = %.3f\n",
+               a->pp_schedule, comm->pp, z->local_microbatches, pipeline_bubble_fraction(&pipe->cfg));
+        for (int st = 0; st < comm->pp && st < 64; st++) {
+            PipelineConfig cfg = pipe->cfg;
+            int n = pipeline_stage_actions(&cfg, st, NULL, 0, NULL, 0);
+            if (n < 0) { fatal("internal: pipeline stage %d has no schedule", st); }
+            PipelineAction* acts = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "actions");
+            pipeline_stage_actions(&cfg, st, acts, n, NULL, 0);
+            printf("|   stage %-3d   layers [%d, %d)%s%s, peak activations: %d microbatch(es), %.1f MiB\n", st,
+                   (int)all_stage_info[3 * st], (int)all_stage_info[3 * st + 1], st == 0 ? " + embeddings" : "",
+                   st == comm->pp - 1 ? " + head" : "", pipeline_max_in_flight(acts, n), all_stage_info[3 * st + 2]);
+            free(acts);
+        }
+    }
+    train_data_print_summary(a, t->train_steps, &t->train_loader, &t->val_loader, t->val_batches);
+    printf("| memory/rank   params %.1f MiB, grads %.1f MiB, AdamW %.1f MiB, activations %.1f MiB\n",
+           mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576,
+           (pipe->nslots * pipe->slot_bytes + t->grads_bytes) / 1048576.0);
+    if (comm->pp == 1) {
+        printf("|               ZeRO paper, fp32 AdamW: %s = %.1f MiB (ours: %.1f MiB incl. padding and wte's 2nd gradient half)\n",
+               z->stage == 0 ? "16P" : z->stage == 1 ? "8P + 8P/N" : z->stage == 2 ? "4P + 12P/N" : "16P/N",
+               (z->stage == 0 ? 16.0 * P : z->stage == 1 ? 8.0 * P + 8.0 * P / N
+                : z->stage == 2 ? 4.0 * P + 12.0 * P / N : 16.0 * P / N) / 1048576,
+               (mem.params + mem.grads + mem.optimizer) / 1048576);
+    }
+    if (build->memory_line) { build->memory_line(); }
+    printf("| output        %s\n", a->output_dir ? a->output_dir : "(none)");
+    if (t->resume_step >= 0) { printf("| resuming      from step %d\n", t->resume_step); }
+    printf("+--------------------------------------------------------------------------+\n");
+    fflush(stdout);
+}
+
+// ---- the loop ----------------------------------------------------------------------------
+
+// The startup table, then every step: validation, sampling and checkpoints when due, the
+// step's microbatches through the pipeline, the loss, the gradient norm, AdamW; the step line
+// on the console and in main.log. A loss or gradient norm that is not finite stops the run
+// before anything of that step is written (Megatron's NaN check).
+static inline void trainer_run(Trainer* t, const BuildInfo* build) {
+    const TrainArgs* a = &t->args;
+    const GPT2Config* c = &t->config;
+    Comm* comm = &t->comm;
+    Zero* z = &t->zero;
+    Pipeline* pipe = &t->pipe;
+    size_t P = param_count(c);
+    int N = comm->dp;
+    trainer_print_table(t, build);
+    ZeroMemory mem = zero_memory(z);
+    double flops_per_step = (6.0 * (double)P + 6.0 * c->num_layers * c->channels * t->T) * (double)t->total_batch;
+    float* local_loss = (float*)calloc_or_die((size_t)z->local_microbatches + 1, sizeof(float), "losses");
+    double total_time = 0.0;
+    int timed_steps = 0;
+    const int first_step = (int)t->progress.step;   // of this run (after -y, the resumed step)
+    for (int step = first_step; step <= t->train_steps; step++) {
+        int last_step = step == t->train_steps;
+
+        if (t->do_val && (step % a->val_every == 0 || last_step)) {
+            float val_loss = trainer_validate(t);
+            if (t->root) { printf("val loss %.6f\n", val_loss); }
+            logger_log_val(&t->logger, step, val_loss);
+        }
+        if (t->do_sample && ((step > 0 && step % a->sample_every == 0) || last_step)) { trainer_sample(t); }
+        if (a->checkpoint_every > 0 && step != t->resume_step &&
+            ((step > 0 && step % a->checkpoint_every == 0) || last_step)) {
+            t->progress.step = step;
+            trainer_write_checkpoint(t);
+        }
+        if (last_step) { break; }
+
+        // ---- one optimizer step over M microbatches (M / N on each data-parallel rank) ----
+        comm_reset_stats(comm);
+        double t0 = now_seconds();
+        pipeline_step(pipe, z, t->grads, &t->train_loader, t->progress.microbatches_done, t->M, t->B, t->T,
+                      a->overfit_single_batch, local_loss);
+        float loss = global_mean_loss(t, local_loss, z->local_microbatches, t->M, 0, (double)t->total_batch);
+        float norm = zero_grad_norm(z, &comm->tp_group);
+        if (!isfinite(loss) || !isfinite(norm)) {
+            fatal("step %d: the %s is %g: training diverged; stopping before this step updates the model "
+                  "or writes anything (lower -l, check the data; the last checkpoint is intact)",
+                  step + 1, isfinite(loss) ? "gradient norm" : "loss", isfinite(loss) ? norm : loss);
+        }
+        float grad_scale = a->grad_clip > 0.0f && norm > a->grad_clip ? a->grad_clip / norm : 1.0f;
+        float lr = lr_at_step(&t->schedule, step);
+        AdamWStep s = adamw_step_constants(lr, a->beta1, a->beta2, a->eps, step + 1, grad_scale);
+        zero_adamw_step(z, &s, a->weight_decay);
+        t->mem->sync();
+        t->progress.microbatches_done += t->M;
+        t->progress.step = step + 1;
+        double dt = now_seconds() - t0;
+        // the pipeline bubble: the fraction of the step each stage spent not computing, and
+        // each stage's mean forward and backward time per microbatch (all-gather, pp group)
+        float timing[3] = {(float)(1.0 - pipe->busy / dt), (float)(pipe->fwd / z->local_microbatches * 1e3),
+                           (float)(pipe->bwd / z->local_microbatches * 1e3)};
+        float timing_all[3 * 64];
+        if (comm->pp > 1 && comm->pp <= 64) { comm_all_gather(&comm->pp_group, timing, timing_all, 3, COMM_KIND_OTHER); }
+        int first_of_run = step == first_step;   // carries the warm-up: not in the average
+        if (!first_of_run) { total_time += dt; timed_steps++; }
+        if (t->root) {
+            char throughput[64];
+            build->throughput(throughput, sizeof(throughput), flops_per_step / dt);
+            printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %s\n",
+                   step + 1, t->train_steps, loss, lr, norm, dt * 1e3, t->total_batch / dt, throughput);
+            if (comm->pp > 1 && comm->pp <= 64) {
+                printf("           pipeline idle per stage:");
+                for (int st = 0; st < comm->pp; st++) { printf(" %.2f", timing_all[3 * st]); }
+                printf(" (model %.2f)\n", pipeline_bubble_fraction(&pipe->cfg));
+                if (first_of_run) {   // the measured costs, ready for the schedule drawing tool
+                    printf("draw this step's schedule from its measured costs (ms per microbatch):\n"
+                           "  dev/tools/pp_schedule --stages %d --microbatches %d --schedule %s --svg pipeline.svg --fwd ",
+                           comm->pp, z->local_microbatches, a->pp_schedule);
+                    for (int st = 0; st < comm->pp; st++) { printf("%s%.3f", st ? "," : "", timing_all[3 * st + 1]); }
+                    printf(" --bwd ");
+                    for (int st = 0; st < comm->pp; st++) { printf("%s%.3f", st ? "," : "", timing_all[3 * st + 2]); }
+                    printf("\n");
+                }
+            }
+            if (first_of_run) {   // what this run's first step sent, and the memory plan
+                printf("communication per rank in this step (bytes sent):\n");
+                comm_print_stats(comm, stdout);
+                printf("zero accounting: stage %d N %d P %zu VpC %zu L %d microbatches/rank %d | "
+                       "bytes/rank/step grad %llu param %llu | bytes/rank params %.0f grads %.0f optimizer %.0f\n",
+                       z->stage, N, P, (size_t)c->padded_vocab_size * c->channels, c->num_layers,
+                       z->local_microbatches, (unsigned long long)comm->stats.bytes[COMM_KIND_GRAD],
+                       (unsigned long long)comm->stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
+            }
+            fflush(stdout);
+        }
+        logger_log_train(&t->logger, step, loss, lr, norm);
+    }
+    if (timed_steps > 0 && t->root) {
+        double avg = total_time / timed_steps;
+        char throughput[64];
+        build->throughput(throughput, sizeof(throughput), flops_per_step / avg);
+        printf("average step time %.1f ms (excluding the first), %.0f tok/s, %s\n", avg * 1e3,
+               t->total_batch / avg, throughput);
+    }
+    free(local_loss);
+}
+
+static inline void trainer_end(Trainer* t) {
+    pipeline_free(&t->pipe);
+    if (t->do_sample) {
+        t->ops->acts_destroy(t->model, t->sample_acts);
+        free(t->sample_probs);
+    }
+    t->ops->grads_destroy(t->model, t->grads);
+    dataloader_free(&t->train_loader);
+    if (t->do_val) { dataloader_free(&t->val_loader); }
+    tokenizer_free(&t->tokenizer);
+    t->ops->destroy(t->model);
+    zero_free(&t->zero);
+    comm_finalize(&t->comm);
+}
+
+#endif // LLMC_ENGINE_H
