@@ -1,8 +1,10 @@
 # Pipeline-parallel schedules (llmc/pipeline.h): the schedule printing/drawing tool, its unit
-# tests, and a smoke run of the tool.
+# tests, a smoke run of the tool, and the tool's tests (every schedule drawn, textbook
+# makespans, --wgt, bad input).
 TOOLS     += dev/tools/pp_schedule
 TEST_BINS += build/test_pipeline
-TESTS     += build/test_pipeline dev/tools/pp_schedule:--stages:4:--microbatches:8:--schedule:1f1b
+TESTS     += build/test_pipeline dev/tools/pp_schedule:--stages:4:--microbatches:8:--schedule:1f1b \
+             dev/test/test_pipeline_tool.sh
 
 dev/tools/pp_schedule: dev/tools/pp_schedule.c $(LLMC_HEADERS)
 	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)

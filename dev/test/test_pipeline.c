@@ -1,6 +1,7 @@
 /*
- * Unit tests for llmc/pipeline.h: pipeline schedules, their communication, the simulator, the
- * bubble model and the layer partition.
+ * Unit tests for llmc/pipeline.h: pipeline schedules (gpipe, 1f1b, interleaved, zb1, zbv), their
+ * communication, the simulator, the bubble model, the memory bound, the layer partition and
+ * the placement of layers on (stage, chunk).
  *
  * Expected values come from the definitions (written out by hand below, or recomputed here from
  * the rule in a few lines), never from the code under test. Every failed check prints one line
@@ -36,11 +37,24 @@ static int checks = 0, failures = 0;
 // helpers written independently of the code under test
 
 static const char* kind_name(int kind) {
-    return kind == PP_GPIPE ? "gpipe" : kind == PP_1F1B ? "1f1b" : "interleaved";
+    switch (kind) {
+        case PP_GPIPE: return "gpipe";
+        case PP_1F1B: return "1f1b";
+        case PP_INTERLEAVED: return "interleaved";
+        case PP_ZB1: return "zb1";
+        case PP_ZBV: return "zbv";
+    }
+    return "?";
+}
+
+static int splits_backward(int kind) { return kind == PP_ZB1 || kind == PP_ZBV; }
+
+static int is_compute(PipelineActionKind kind) {
+    return kind == PP_FORWARD || kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT || kind == PP_BACKWARD_WEIGHT;
 }
 
 static void describe(char* buf, size_t len, const PipelineConfig* cfg) {
-    if (cfg->kind == PP_INTERLEAVED) {
+    if (cfg->num_chunks > 1) {
         snprintf(buf, len, "%s S=%d M=%d v=%d", kind_name(cfg->kind), cfg->num_stages, cfg->num_microbatches,
                  cfg->num_chunks);
     } else {
@@ -48,23 +62,50 @@ static void describe(char* buf, size_t len, const PipelineConfig* cfg) {
     }
 }
 
-// Tokens: F3 B3 computations; rF3 sF3 rB3 sB3 receive/send forward activation or backward
-// gradient; "c1" for chunk 1 when with_chunk; a trailing "+" marks post_with_next.
+// Where chunk c of stage s sits in the model, by the schedules' definitions: interleaved goes
+// round the ring of stages v times (Megatron-LM), zbv down the stages and back up (the V).
+static int virtual_stage_of(const PipelineConfig* cfg, int s, int c) {
+    if (cfg->kind == PP_ZBV) { return c == 0 ? s : 2 * cfg->num_stages - 1 - s; }
+    return c * cfg->num_stages + s;
+}
+
+// The stage holding virtual stage vs, by search; -1 if none.
+static int stage_of(const PipelineConfig* cfg, int vs) {
+    for (int s = 0; s < cfg->num_stages; s++) {
+        for (int c = 0; c < cfg->num_chunks; c++) {
+            if (virtual_stage_of(cfg, s, c) == vs) { return s; }
+        }
+    }
+    return -1;
+}
+
+// The chunk of stage s holding virtual stage vs; -1 if none.
+static int chunk_of(const PipelineConfig* cfg, int s, int vs) {
+    for (int c = 0; c < cfg->num_chunks; c++) {
+        if (virtual_stage_of(cfg, s, c) == vs) { return c; }
+    }
+    return -1;
+}
+
+// Tokens: F3 B3 I3 W3 computations (forward, backward, its input / weight halves); rF3 sF3 rB3
+// sB3 receive/send forward activation or backward gradient; "c1" for chunk 1 when with_chunk;
+// a trailing "+" marks post_with_next.
 static void format_actions(char* buf, size_t len, const PipelineAction* a, int n, int with_comm, int with_chunk) {
     size_t used = 0;
     buf[0] = '\0';
     for (int i = 0; i < n && used < len; i++) {
-        const char* p = NULL;
+        const char* p = "?";
         switch (a[i].kind) {
             case PP_FORWARD: p = "F"; break;
             case PP_BACKWARD: p = "B"; break;
+            case PP_BACKWARD_INPUT: p = "I"; break;
+            case PP_BACKWARD_WEIGHT: p = "W"; break;
             case PP_RECV_FORWARD: p = "rF"; break;
             case PP_SEND_FORWARD: p = "sF"; break;
             case PP_RECV_BACKWARD: p = "rB"; break;
             case PP_SEND_BACKWARD: p = "sB"; break;
         }
-        int compute = a[i].kind == PP_FORWARD || a[i].kind == PP_BACKWARD;
-        if (!compute && !with_comm) { continue; }
+        if (!is_compute(a[i].kind) && !with_comm) { continue; }
         char chunk[16] = "";
         if (with_chunk) { snprintf(chunk, sizeof(chunk), "c%d", a[i].chunk); }
         used += (size_t)snprintf(buf + used, len - used, "%s%s%d%s%s", used ? " " : "", p, a[i].microbatch, chunk,
@@ -72,8 +113,9 @@ static void format_actions(char* buf, size_t len, const PipelineAction* a, int n
     }
 }
 
-// Parses tokens in the format above into actions of stage s of a 1-chunk pipeline of S stages.
-static int parse_actions(const char* text, int s, PipelineAction* out) {
+// Parses tokens in the format above (chunk 0 when there is no "c") into actions of stage s; a
+// send/receive gets as peer the stage holding the neighbouring virtual stage (-1 if none).
+static int parse_actions(const char* text, const PipelineConfig* cfg, int s, PipelineAction* out) {
     int n = 0;
     const char* p = text;
     while (*p) {
@@ -83,27 +125,47 @@ static int parse_actions(const char* text, int s, PipelineAction* out) {
         memset(&a, 0, sizeof(a));
         int recv = *p == 'r', send = *p == 's';
         if (recv || send) { p++; }
-        int fwd = *p++ == 'F';
-        a.kind = recv ? (fwd ? PP_RECV_FORWARD : PP_RECV_BACKWARD)
-               : send ? (fwd ? PP_SEND_FORWARD : PP_SEND_BACKWARD)
-                      : (fwd ? PP_FORWARD : PP_BACKWARD);
+        char letter = *p++;
+        if (recv || send) {
+            a.kind = letter == 'F' ? (recv ? PP_RECV_FORWARD : PP_SEND_FORWARD)
+                                   : (recv ? PP_RECV_BACKWARD : PP_SEND_BACKWARD);
+        } else {
+            a.kind = letter == 'F' ? PP_FORWARD : letter == 'B' ? PP_BACKWARD : letter == 'I' ? PP_BACKWARD_INPUT
+                   : PP_BACKWARD_WEIGHT;
+        }
         a.microbatch = (int)strtol(p, (char**)&p, 10);
-        a.peer = (recv && fwd) || (send && !fwd) ? s - 1 : (recv || send) ? s + 1 : -1;
+        if (*p == 'c') { p++; a.chunk = (int)strtol(p, (char**)&p, 10); }
+        int vs = virtual_stage_of(cfg, s, a.chunk);
+        int towards_input = a.kind == PP_RECV_FORWARD || a.kind == PP_SEND_BACKWARD;
+        a.peer = recv || send ? stage_of(cfg, towards_input ? vs - 1 : vs + 1) : -1;
         if (*p == '+') { a.post_with_next = 1; p++; }
         out[n++] = a;
     }
     return n;
 }
 
-// Expected compute order from the definitions in the task: gpipe = all forwards then all
-// backwards; 1f1b = warmup min(S-s-1, M) forwards, M - warmup (forward, backward) pairs, then
-// the remaining backwards; interleaved = Megatron-LM's table (groups of S microbatches; forward
-// k is microbatch (k / (S*v))*S + k % S on chunk (k % (S*v)) / S, backwards run chunks reversed),
-// warmup min(2*(S-s-1) + (v-1)*S, v*M).
-static int expected_compute(const PipelineConfig* cfg, int s, int* is_fwd, int* mb, int* chunk) {
+typedef struct {
+    PipelineActionKind kind;
+    int microbatch, chunk;
+} Computation;
+
+static int add_computation(Computation* out, int n, int M, PipelineActionKind kind, int microbatch, int chunk) {
+    if (microbatch >= M) { return n; }
+    out[n].kind = kind;
+    out[n].microbatch = microbatch;
+    out[n].chunk = chunk;
+    return n + 1;
+}
+
+// gpipe = all forwards then all backwards; 1f1b = warmup min(S-s-1, M) forwards, M - warmup
+// (forward, backward) pairs, then the remaining backwards; interleaved = Megatron-LM's table
+// (groups of S microbatches; forward k is microbatch (k / (S*v))*S + k % S on chunk
+// (k % (S*v)) / S, backwards run chunks reversed), warmup min(2*(S-s-1) + (v-1)*S, v*M).
+static int expected_one_forward_one_backward(const PipelineConfig* cfg, int s, Computation* out) {
     int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks, n = v * M;
-    int warmup = cfg->kind == PP_GPIPE ? n : cfg->kind == PP_1F1B ? S - s - 1 : 2 * (S - s - 1) + (v - 1) * S;
+    int warmup = cfg->kind == PP_GPIPE ? n : cfg->kind == PP_INTERLEAVED ? 2 * (S - s - 1) + (v - 1) * S : S - s - 1;
     if (warmup > n) { warmup = n; }
+    int* is_fwd = (int*)malloc(sizeof(int) * 2 * n);
     int count = 0;
     int f = 0, b = 0;  // next forward, next backward unit
     for (int i = 0; i < warmup; i++) { is_fwd[count++] = 1; f++; }
@@ -113,10 +175,83 @@ static int expected_compute(const PipelineConfig* cfg, int s, int* is_fwd, int* 
     for (int i = 0; i < count; i++) {
         int k = is_fwd[i] ? f++ : b++;
         int in_group = k % (S * v);
-        mb[i] = (k / (S * v)) * S + in_group % S;
-        chunk[i] = is_fwd[i] ? in_group / S : v - 1 - in_group / S;
+        out[i].kind = is_fwd[i] ? PP_FORWARD : PP_BACKWARD;
+        out[i].microbatch = (k / (S * v)) * S + in_group % S;
+        out[i].chunk = is_fwd[i] ? in_group / S : v - 1 - in_group / S;
+    }
+    free(is_fwd);
+    return count;
+}
+
+// ZB-H1 (Qi et al. 2023, section 3.1): the 1f1b order with every B(j) replaced by I(j)
+// followed by W(j - s) once j >= s; the W's left at the end, in order.
+static int expected_zb1(const PipelineConfig* cfg, int s, Computation* out) {
+    PipelineConfig one = *cfg;
+    one.kind = PP_1F1B;
+    int M = cfg->num_microbatches;
+    Computation* base = (Computation*)malloc(sizeof(Computation) * 2 * M);
+    int n = expected_one_forward_one_backward(&one, s, base), count = 0, next_w = 0;
+    for (int i = 0; i < n; i++) {
+        int j = base[i].microbatch;
+        if (base[i].kind == PP_FORWARD) {
+            count = add_computation(out, count, M, PP_FORWARD, j, 0);
+            continue;
+        }
+        count = add_computation(out, count, M, PP_BACKWARD_INPUT, j, 0);
+        if (j >= s) { count = add_computation(out, count, M, PP_BACKWARD_WEIGHT, next_w++, 0); }
+    }
+    while (next_w < M) { count = add_computation(out, count, M, PP_BACKWARD_WEIGHT, next_w++, 0); }
+    free(base);
+    return count;
+}
+
+// Runs `pattern` ("F0 I1 W1": kind and chunk) `repeats` times, each step taking that chunk's
+// next microbatch for that kind (next[F=0 / I=1 / W=2][chunk]). There are N forwards per chunk
+// (a forward past them is skipped); microbatches >= M are left out of the list.
+static int zbv_phase(Computation* out, int count, int M, int N, int next[3][2], int repeats, const char* pattern) {
+    for (int r = 0; r < repeats; r++) {
+        for (const char* p = pattern; *p; p += p[2] == ' ' ? 3 : 2) {
+            int k = p[0] == 'F' ? 0 : p[0] == 'I' ? 1 : 2, c = p[1] - '0';
+            if (k == 0 && next[0][c] >= N) { continue; }
+            PipelineActionKind kind = k == 0 ? PP_FORWARD : k == 1 ? PP_BACKWARD_INPUT : PP_BACKWARD_WEIGHT;
+            count = add_computation(out, count, M, kind, next[k][c]++, c);
+        }
     }
     return count;
+}
+
+// ZB-V (Qi et al. 2023, section 6, as PyTorch's ScheduleZBVZeroBubble) on rank r, phase by
+// phase, for N = max(M, 2S-1) microbatches (the pattern's minimum), those >= M left out.
+static int expected_zbv(const PipelineConfig* cfg, int r, Computation* out) {
+    int S = cfg->num_stages, M = cfg->num_microbatches, N = M > 2 * S - 1 ? M : 2 * S - 1;
+    int next[3][2] = {{0, 0}, {0, 0}, {0, 0}};
+    int count = 0;
+    count = zbv_phase(out, count, M, N, next, 2 * (S - r) - 1, "F0");
+    count = zbv_phase(out, count, M, N, next, r, "F1 F0");
+    count = zbv_phase(out, count, M, N, next, S - r, "F1 I1 W1");
+    while (next[0][0] < N || next[0][1] < N) { count = zbv_phase(out, count, M, N, next, 1, "F0 I0 W0 F1 I1 W1"); }
+    count = zbv_phase(out, count, M, N, next, r, "I0 I1");
+    count = zbv_phase(out, count, M, N, next, S - r, "I0 W0");
+    while (next[2][1] < N) { count = zbv_phase(out, count, M, N, next, 1, "W1"); }
+    while (next[2][0] < N) { count = zbv_phase(out, count, M, N, next, 1, "W0"); }
+    return count;
+}
+
+static int expected_compute(const PipelineConfig* cfg, int s, Computation* out) {
+    if (cfg->kind == PP_ZB1) { return expected_zb1(cfg, s, out); }
+    if (cfg->kind == PP_ZBV) { return expected_zbv(cfg, s, out); }
+    return expected_one_forward_one_backward(cfg, s, out);
+}
+
+// The textbook bound on the (microbatch, chunk) activations a stage holds, each from its F to
+// its W (or B): gpipe every microbatch; 1f1b the warmup and one; interleaved Megatron-LM's
+// warmup and one; zb1 1F1B's peak, min(S, M), on every stage (the paper: ZB-H1 keeps 1F1B's
+// peak memory); zbv the paper's p*M_B, S microbatches of a 1f1b stage's layers = 2S chunks.
+static int textbook_memory_bound(const PipelineConfig* cfg, int s) {
+    int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks;
+    int bound = cfg->kind == PP_GPIPE ? M : cfg->kind == PP_1F1B ? S - s
+              : cfg->kind == PP_INTERLEAVED ? 2 * (S - s - 1) + (v - 1) * S + 1 : cfg->kind == PP_ZB1 ? S : 2 * S;
+    return bound < v * M ? bound : v * M;
 }
 
 // Deterministic pseudo-random numbers in [lo, hi) for simulation costs.
@@ -187,16 +322,71 @@ static void test_hand_written(void) {
     check_stage_text(&c6, 0, 1, "F0 sF0 F1 sF1 rB0 B0 rB1 B1");
     check_stage_text(&c6, 1, 1, "rF0 F0 rF1+ sF0 F1 sF1 rB0 B0 sB0+ rB1 B1 sB1");
     check_stage_text(&c6, 2, 1, "rF0 F0 rF1 F1 B0 sB0 B1 sB1");
+
+    // zb1, S=4, M=8: 1f1b's warmup (3, 2, 1, 0 forwards), then per backward j: the next forward
+    // while any is left, I(j), and W(j - s) once j >= s; then the W's left.
+    PipelineConfig z1 = {4, 8, PP_ZB1, 1};
+    check_stage_text(&z1, 0, 0, "F0 F1 F2 F3 I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 I5 W5 I6 W6 I7 W7");
+    check_stage_text(&z1, 1, 0, "F0 F1 F2 I0 F3 I1 W0 F4 I2 W1 F5 I3 W2 F6 I4 W3 F7 I5 W4 I6 W5 I7 W6 W7");
+    check_stage_text(&z1, 3, 0, "F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 F6 I6 W3 F7 I7 W4 W5 W6 W7");
+    // zb1 with M < S (S=4, M=2): stage 2 warms up 1 forward and its W's (j >= 2) never come
+    // in the pairs, so both go at the end.
+    PipelineConfig z2 = {4, 2, PP_ZB1, 1};
+    check_stage_text(&z2, 0, 0, "F0 F1 I0 W0 I1 W1");
+    check_stage_text(&z2, 2, 0, "F0 F1 I0 I1 W0 W1");
+    check_stage_text(&z2, 3, 0, "F0 I0 F1 I1 W0 W1");
+    // Communication, zb1 S=2 M=2. Reference timeline (F = I = W = 1):
+    //   stage 0: F0 [0,1] F1 [1,2] I0 [3,4] W0 [4,5] I1 [5,6] W1 [6,7]
+    //   stage 1: F0 [1,2] I0 [2,3] F1 [3,4] I1 [4,5] W0 [5,6] W1 [6,7]
+    // Nothing has an integer time inside it, so every message goes when it is produced:
+    // activations at 1 and 2, gradients at 3 and 5.
+    PipelineConfig z3 = {2, 2, PP_ZB1, 1};
+    check_stage_text(&z3, 0, 1, "F0 sF0 F1 sF1 rB0 I0 W0 rB1 I1 W1");
+    check_stage_text(&z3, 1, 1, "rF0 F0 rF1 I0 sB0 F1 I1 sB1 W0 W1");
+
+    // zbv, S=2, M=4 (N = max(4, 3) = 4). Rank 0: 3 forwards of chunk 0; no (F c1, F c0);
+    // 2 x (F I W of c1); steady (F c0 while left, I W c0, F I W c1) twice; 2 x (I c0, W c0).
+    // Rank 1: 1 forward of c0; 1 x (F c1, F c0); 1 x (F I W c1); steady twice; 1 x (I c0, I c1);
+    // 1 x (I c0, the oldest W of c0); the W left of c1, then of c0.
+    PipelineConfig v1 = {2, 4, PP_ZBV, 2};
+    check_stage_text(&v1, 0, 0, "F0c0 F1c0 F2c0 F0c1 I0c1 W0c1 F1c1 I1c1 W1c1 F3c0 I0c0 W0c0 F2c1 I2c1 W2c1 "
+                                "I1c0 W1c0 F3c1 I3c1 W3c1 I2c0 W2c0 I3c0 W3c0");
+    check_stage_text(&v1, 1, 0, "F0c0 F0c1 F1c0 F1c1 I0c1 W0c1 F2c0 I0c0 W0c0 F2c1 I1c1 W1c1 F3c0 I1c0 W1c0 "
+                                "F3c1 I2c1 W2c1 I2c0 I3c1 I3c0 W2c0 W3c1 W3c0");
+    // zbv, S=3, M=2: the pattern for N = 5 with microbatches 2..4 left out.
+    PipelineConfig v2 = {3, 2, PP_ZBV, 2};
+    check_stage_text(&v2, 0, 0, "F0c0 F1c0 F0c1 I0c1 W0c1 F1c1 I1c1 W1c1 I0c0 W0c0 I1c0 W1c0");
+    // Communication, zbv S=2 M=1: rank 0 holds virtual stages 0 and 3, rank 1 stages 1 and 2.
+    // Reference timeline (F = I = W = 1):
+    //   rank 0: F0c0 [0,1]  F0c1 [3,4] I0c1 [4,5] W0c1 [5,6]  I0c0 [8,9] W0c0 [9,10]
+    //   rank 1: F0c0 [1,2] F0c1 [2,3]  I0c1 [5,6] W0c1 [6,7] I0c0 [7,8] W0c0 [8,9]
+    // Rank 1 hands chunk 0's output to its own chunk 1 and chunk 1's input gradient back to
+    // chunk 0 without a message; the four messages go when produced (1, 3, 5, 8).
+    PipelineConfig v3 = {2, 1, PP_ZBV, 2};
+    check_stage_text(&v3, 0, 1, "F0c0 sF0c0 rF0c1 F0c1 I0c1 sB0c1 W0c1 rB0c0 I0c0 W0c0");
+    check_stage_text(&v3, 1, 1, "rF0c0 F0c0 F0c1 sF0c1 rB0c1 I0c1 W0c1 I0c0 sB0c0 W0c0");
+    // zbv on one stage: every hand-off is local, so there is no message at all. N = 2:
+    // 1 forward of c0; 1 x (F I W c1); steady once; 1 x (I c0, W c0).
+    PipelineConfig v4 = {1, 2, PP_ZBV, 2};
+    check_stage_text(&v4, 0, 1, "F0c0 F0c1 I0c1 W0c1 F1c0 I0c0 W0c0 F1c1 I1c1 W1c1 I1c0 W1c0");
 }
 
 // ----------------------------------------------------------------------------------------------
 // properties of every schedule
 
+// Time of a computation of `kind` on stage s under the given costs (I = backward - weight).
+static double cost_of(PipelineActionKind kind, int s, const double* fwd, const double* bwd, const double* wgt) {
+    double w = wgt != NULL ? wgt[s] : bwd[s] / 2.0;
+    return kind == PP_FORWARD ? fwd[s] : kind == PP_BACKWARD_INPUT ? bwd[s] - w : kind == PP_BACKWARD_WEIGHT ? w : bwd[s];
+}
+
 // Checks the timeline of a successful simulation against the schedule: each computation lasts
-// its cost and starts after everything before it on its stage and after its input arrived;
-// makespan and idle time add up.
+// its cost and starts after everything before it on its stage and after its input arrived
+// (transfer after its producer ended, or right after it when handed off on the same stage): F
+// after the F of the previous virtual stage, B or I after the B or I of the next one, W after
+// its own I; makespan and idle time add up.
 static void check_timeline(const char* name, const char* model, const PipelineSchedule* sch, const PipelineTimeline* tl,
-                           const double* fwd, const double* bwd, double transfer) {
+                           const double* fwd, const double* bwd, const double* wgt, double transfer) {
     const PipelineConfig* cfg = &sch->cfg;
     int S = cfg->num_stages, M = cfg->num_microbatches, V = S * cfg->num_chunks;
     double* fwd_end = (double*)calloc((size_t)V * M, sizeof(double));
@@ -207,19 +397,20 @@ static void check_timeline(const char* name, const char* model, const PipelineSc
         for (int i = sch->offset[s]; i < sch->offset[s + 1]; i++) {
             const PipelineAction* a = &sch->actions[i];
             if (tl->end[i] > makespan) { makespan = tl->end[i]; }
-            if (a->kind != PP_FORWARD && a->kind != PP_BACKWARD) {
+            if (!is_compute(a->kind)) {
                 CHECK(tl->end[i] >= tl->start[i], "%s %s stage %d action %d: ends before it starts", name, model, s, i);
                 continue;
             }
-            double cost = a->kind == PP_FORWARD ? fwd[s] : bwd[s];
+            double cost = cost_of(a->kind, s, fwd, bwd, wgt);
             busy += cost;
             CHECK(fabs(tl->end[i] - tl->start[i] - cost) <= 1e-9, "%s %s stage %d action %d: lasts %g, cost %g",
                   name, model, s, i, tl->end[i] - tl->start[i], cost);
             CHECK(tl->start[i] >= free_at - 1e-9, "%s %s stage %d action %d: starts at %g before the stage is free at %g",
                   name, model, s, i, tl->start[i], free_at);
             free_at = tl->end[i];
-            int vs = a->chunk * S + s;
-            (a->kind == PP_FORWARD ? fwd_end : bwd_end)[vs * M + a->microbatch] = tl->end[i];
+            int u = virtual_stage_of(cfg, s, a->chunk) * M + a->microbatch;
+            if (a->kind == PP_FORWARD) { fwd_end[u] = tl->end[i]; }
+            if (a->kind == PP_BACKWARD || a->kind == PP_BACKWARD_INPUT) { bwd_end[u] = tl->end[i]; }
         }
         CHECK(fabs(tl->busy[s] - busy) <= 1e-9 && fabs(tl->idle[s] - (tl->makespan - busy)) <= 1e-9,
               "%s %s stage %d: busy %g idle %g, expected %g and %g", name, model, s, tl->busy[s], tl->idle[s], busy,
@@ -227,19 +418,27 @@ static void check_timeline(const char* name, const char* model, const PipelineSc
     }
     CHECK(fabs(tl->makespan - makespan) <= 1e-9, "%s %s: makespan %g, last action ends at %g", name, model, tl->makespan,
           makespan);
-    // dependencies across stages: input activation and output gradient arrive transfer after
-    // the producer ends (the stage-local order above covers the rest)
     for (int s = 0; s < S; s++) {
         for (int i = sch->offset[s]; i < sch->offset[s + 1]; i++) {
             const PipelineAction* a = &sch->actions[i];
-            int u = (a->chunk * S + s) * M + a->microbatch;
-            if (a->kind == PP_FORWARD && u >= M) {
-                CHECK(tl->start[i] >= fwd_end[u - M] + transfer - 1e-9, "%s %s stage %d: F%d starts at %g before its input "
-                      "arrives at %g", name, model, s, a->microbatch, tl->start[i], fwd_end[u - M] + transfer);
+            int vs = virtual_stage_of(cfg, s, a->chunk), u = vs * M + a->microbatch;
+            if (a->kind == PP_FORWARD && vs > 0) {
+                double ready = fwd_end[u - M] + (stage_of(cfg, vs - 1) == s ? 0.0 : transfer);
+                CHECK(tl->start[i] >= ready - 1e-9, "%s %s stage %d: F%d chunk %d starts at %g before its input is "
+                      "there at %g", name, model, s, a->microbatch, a->chunk, tl->start[i], ready);
             }
-            if (a->kind == PP_BACKWARD && u < (V - 1) * M) {
-                CHECK(tl->start[i] >= bwd_end[u + M] + transfer - 1e-9, "%s %s stage %d: B%d starts at %g before its "
-                      "gradient arrives at %g", name, model, s, a->microbatch, tl->start[i], bwd_end[u + M] + transfer);
+            if ((a->kind == PP_BACKWARD || a->kind == PP_BACKWARD_INPUT) && vs < V - 1) {
+                double ready = bwd_end[u + M] + (stage_of(cfg, vs + 1) == s ? 0.0 : transfer);
+                CHECK(tl->start[i] >= ready - 1e-9, "%s %s stage %d: backward %d chunk %d starts at %g before its "
+                      "gradient is there at %g", name, model, s, a->microbatch, a->chunk, tl->start[i], ready);
+            }
+            if (a->kind == PP_BACKWARD || a->kind == PP_BACKWARD_INPUT) {
+                CHECK(tl->start[i] >= fwd_end[u] - 1e-9, "%s %s stage %d: backward %d chunk %d starts before its "
+                      "forward ends", name, model, s, a->microbatch, a->chunk);
+            }
+            if (a->kind == PP_BACKWARD_WEIGHT) {
+                CHECK(tl->start[i] >= bwd_end[u] - 1e-9, "%s %s stage %d: W%d chunk %d starts at %g before its I ends "
+                      "at %g", name, model, s, a->microbatch, a->chunk, tl->start[i], bwd_end[u]);
             }
         }
     }
@@ -251,30 +450,66 @@ static void check_timeline(const char* name, const char* model, const PipelineSc
 // that rendezvous is the slowest: eager runs the same order without senders waiting, batched
 // posts runs of sends/receives at once. (Eager and batched are not ordered: eager still posts a
 // send only after the receive before it completes.) Returns the rendezvous, batched and eager
-// makespans and bubbles in [0], [1], [2].
+// makespans and bubbles in [0], [1], [2]; with `busy_span`, also each stage's time from its
+// first computation's start to its last one's end under rendezvous ([S]).
 static void simulate_all_models(const char* name, const PipelineSchedule* sch, const double* fwd, const double* bwd,
-                                double transfer, double* makespan, double* bubble) {
+                                const double* wgt, double transfer, double* makespan, double* bubble,
+                                double* busy_span) {
     static const PipelineCommModel models[3] = {PP_COMM_RENDEZVOUS, PP_COMM_BATCHED, PP_COMM_EAGER};
     static const char* model_names[3] = {"rendezvous", "batched", "eager"};
     for (int m = 0; m < 3; m++) {
-        PipelineCosts costs = {fwd, bwd, transfer, models[m]};
+        PipelineCosts costs = {fwd, bwd, transfer, models[m], wgt};
         PipelineTimeline tl;
         char err[1024];
         makespan[m] = NAN;
         int rc = pipeline_simulate(sch, &costs, &tl, err, sizeof(err));
         CHECK(rc == 0, "%s: simulation with %s sends failed: %s", name, model_names[m], err);
         if (rc != 0) { continue; }
-        check_timeline(name, model_names[m], sch, &tl, fwd, bwd, transfer);
+        check_timeline(name, model_names[m], sch, &tl, fwd, bwd, wgt, transfer);
         makespan[m] = tl.makespan;
         bubble[m] = pipeline_timeline_bubble(&tl);
+        for (int s = 0; s < sch->cfg.num_stages && busy_span != NULL && m == 0; s++) {
+            double first = INFINITY, last = 0.0;
+            for (int i = sch->offset[s]; i < sch->offset[s + 1]; i++) {
+                if (!is_compute(sch->actions[i].kind)) { continue; }
+                first = tl.start[i] < first ? tl.start[i] : first;
+                last = tl.end[i] > last ? tl.end[i] : last;
+            }
+            busy_span[s] = last - first;
+        }
         pipeline_timeline_free(&tl);
     }
     CHECK(makespan[2] <= makespan[0] + 1e-9 && makespan[1] <= makespan[0] + 1e-9,
           "%s: makespans eager %g or batched %g exceed rendezvous %g", name, makespan[2], makespan[1], makespan[0]);
 }
 
+// Textbook makespan with unit costs: F = 1 and B = 2, or F = I = W = 1 when the backward is split.
+//   gpipe, 1f1b   (M + S - 1) * 3: M forward+backward slots plus S-1 to fill and drain.
+//   interleaved   (v*M + S - 1) * 3 in chunk units (Megatron-LM: bubble (S-1)/(v*M) of the
+//                 ideal v*M*3).
+//   zb1           3M + S - 1 when M >= S: the paper's bubble (p-1)(T_F + T_B - T_W) = S-1 on
+//                 top of 3M. With M < S: the last stage alternates F and I (its W's deferred past
+//                 the end) from S-1, so the last gradient leaves it at S-1 + 2M, crosses S-1
+//                 stages back and stage 0 runs one W: 2M + 2S - 1, the larger of the two.
+//   zbv           6M + S - 1 when the V's pattern runs in full: every rank busy without a gap
+//                 (the paper's zero bubble in the steady state) from when microbatch 0 reaches it
+//                 (rank s at s). With few microbatches 4M + 4S - 2, the larger of the two:
+//                 microbatch 0's gradient reaches rank S-1 at 3S-1 (2S-1 forwards, the last
+//                 stage's F and I, S-2 more I's), rank S-1 then runs I and W of both its chunks per
+//                 microbatch (4 units), and the last gradient crosses S-1 ranks back before rank
+//                 0's last W.
+static double textbook_makespan(const PipelineConfig* cfg) {
+    double S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks;
+    switch (cfg->kind) {
+        case PP_ZB1: return fmax(3.0 * M + S - 1.0, 2.0 * M + 2.0 * S - 1.0);
+        case PP_ZBV: return fmax(6.0 * M + S - 1.0, 4.0 * M + 4.0 * S - 2.0);
+        default: return (v * M + S - 1.0) * 3.0;
+    }
+}
+
 static void test_schedule(const PipelineConfig* cfg) {
     int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks, V = S * v;
+    int split = splits_backward(cfg->kind);
     char name[64], err[512];
     describe(name, sizeof(name), cfg);
     PipelineSchedule sch;
@@ -282,9 +517,7 @@ static void test_schedule(const PipelineConfig* cfg) {
     CHECK(rc == 0, "%s: pipeline_schedule_build failed: %s", name, err);
     if (rc != 0) { return; }
 
-    int* is_fwd = (int*)malloc(sizeof(int) * 2 * v * M);
-    int* mb = (int*)malloc(sizeof(int) * 2 * v * M);
-    int* chunk = (int*)malloc(sizeof(int) * 2 * v * M);
+    Computation* want = (Computation*)malloc(sizeof(Computation) * 3 * v * M);
     for (int s = 0; s < S; s++) {
         const PipelineAction* acts = sch.actions + sch.offset[s];
         int n = sch.offset[s + 1] - sch.offset[s];
@@ -296,104 +529,118 @@ static void test_schedule(const PipelineConfig* cfg) {
         CHECK(count == n && got == n && memcmp(one, acts, sizeof(PipelineAction) * n) == 0,
               "%s stage %d: pipeline_stage_actions (count %d, got %d) differs from pipeline_schedule_build (%d)",
               name, s, count, got, n);
+        CHECK(n <= pipeline_max_actions(cfg), "%s stage %d: %d actions, more than pipeline_max_actions %d", name, s, n,
+              pipeline_max_actions(cfg));
         free(one);
 
         // compute order: exactly the definition
-        int want = expected_compute(cfg, s, is_fwd, mb, chunk);
+        int wanted = expected_compute(cfg, s, want);
         int k = 0, order_ok = 1;
         for (int i = 0; i < n; i++) {
-            if (acts[i].kind != PP_FORWARD && acts[i].kind != PP_BACKWARD) { continue; }
-            if (k >= want || (acts[i].kind == PP_FORWARD) != is_fwd[k] || acts[i].microbatch != mb[k] ||
-                acts[i].chunk != chunk[k] || acts[i].peer != -1) {
+            if (!is_compute(acts[i].kind)) { continue; }
+            if (k >= wanted || acts[i].kind != want[k].kind || acts[i].microbatch != want[k].microbatch ||
+                acts[i].chunk != want[k].chunk || acts[i].peer != -1) {
                 order_ok = 0;
             }
             k++;
         }
-        CHECK(order_ok && k == want, "%s stage %d: compute order differs from the definition", name, s);
+        CHECK(order_ok && k == wanted, "%s stage %d: compute order differs from the definition", name, s);
 
-        // each (microbatch, chunk) forward and backward exactly once, F before B, forwards and
-        // backwards of a chunk in microbatch order
+        // each (microbatch, chunk) exactly once: F, then B (or I, then W); per chunk the F's, the
+        // B's (I's) and the W's each in microbatch order, so weight gradients sum the
+        // microbatches in one rank's order
         for (int c = 0; c < v; c++) {
-            int next_f = 0, next_b = 0, ok = 1;
+            int next_f = 0, next_b = 0, next_w = 0, ok = 1;
             for (int i = 0; i < n; i++) {
                 if (acts[i].chunk != c) { continue; }
-                if (acts[i].kind == PP_FORWARD) { ok &= acts[i].microbatch == next_f++; }
-                if (acts[i].kind == PP_BACKWARD) { ok &= acts[i].microbatch == next_b++ && next_b <= next_f; }
+                PipelineActionKind kind = acts[i].kind;
+                if (kind == PP_FORWARD) { ok &= acts[i].microbatch == next_f++; }
+                if (kind == (split ? PP_BACKWARD_INPUT : PP_BACKWARD)) {
+                    ok &= acts[i].microbatch == next_b++ && next_b <= next_f;
+                }
+                if (kind == PP_BACKWARD_WEIGHT) { ok &= split && acts[i].microbatch == next_w++ && next_w <= next_b; }
+                if (kind == (split ? PP_BACKWARD : PP_BACKWARD_INPUT)) { ok = 0; }
             }
-            CHECK(ok && next_f == M && next_b == M, "%s stage %d chunk %d: forwards/backwards not each once, in "
-                  "microbatch order, F before B", name, s, c);
+            CHECK(ok && next_f == M && next_b == M && next_w == (split ? M : 0), "%s stage %d chunk %d: computations "
+                  "not each once, in microbatch order, F before %s", name, s, c, split ? "I before W" : "B");
         }
 
-        // communication around each computation: a FORWARD off virtual stage 0 has exactly one
-        // RECV_FORWARD of it before it, one off the last virtual stage one SEND_FORWARD after it;
-        // likewise RECV_BACKWARD before / SEND_BACKWARD after a BACKWARD. Nothing else.
+        // communication around each computation: a FORWARD whose previous virtual stage is on
+        // another stage has exactly one RECV_FORWARD of it before it, one whose next virtual
+        // stage is on another stage one SEND_FORWARD after it; likewise RECV_BACKWARD before /
+        // SEND_BACKWARD after the B or I. A hand-off to a virtual stage on the same stage has no
+        // message, and its producer comes first in the list. Nothing else.
         int* seen = (int*)calloc((size_t)4 * v * M, sizeof(int));  // [kind: rF sF rB sB][chunk][mb]
+        char* computed = (char*)calloc((size_t)2 * v * M, 1);       // [forward, input backward][chunk][mb]
         int ok = 1;
         for (int i = 0; i < n; i++) {
             const PipelineAction* a = &acts[i];
-            int vs = a->chunk * S + s, u = a->chunk * M + a->microbatch;
+            int vs = virtual_stage_of(cfg, s, a->chunk), u = a->chunk * M + a->microbatch;
+            int prev = vs > 0 ? stage_of(cfg, vs - 1) : -1, next = vs < V - 1 ? stage_of(cfg, vs + 1) : -1;
             int slot = a->kind == PP_RECV_FORWARD ? 0 : a->kind == PP_SEND_FORWARD ? 1
                      : a->kind == PP_RECV_BACKWARD ? 2 : a->kind == PP_SEND_BACKWARD ? 3 : -1;
             if (slot >= 0) {
                 seen[slot * v * M + u]++;
-                int want_peer = (slot == 0 || slot == 3) ? (vs - 1 + S) % S : (vs + 1) % S;
-                int exists = (slot == 0 || slot == 3) ? vs > 0 : vs < V - 1;
-                CHECK(exists && a->peer == want_peer, "%s stage %d action %d: %s of microbatch %d chunk %d: peer %d, "
-                      "expected %s", name, s, i, pipeline_action_kind_name(a->kind), a->microbatch, a->chunk, a->peer,
-                      exists ? "the neighbouring virtual stage's rank" : "no such action on this boundary");
+                int want_peer = (slot == 0 || slot == 3) ? prev : next;
+                const char* expected = want_peer < 0 ? "no such action on this boundary"
+                                     : want_peer == s ? "no message for a hand-off on the same stage"
+                                                      : "the neighbouring virtual stage's rank";
+                CHECK(want_peer >= 0 && want_peer != s && a->peer == want_peer, "%s stage %d action %d: %s of microbatch "
+                      "%d chunk %d: peer %d, expected %s", name, s, i, pipeline_action_kind_name(a->kind),
+                      a->microbatch, a->chunk, a->peer, expected);
                 // sends after the computation that produces them
-                if (slot == 1 || slot == 3) {
-                    int produced = 0;
-                    for (int j = 0; j < i; j++) {
-                        produced |= acts[j].kind == (slot == 1 ? PP_FORWARD : PP_BACKWARD) &&
-                                    acts[j].microbatch == a->microbatch && acts[j].chunk == a->chunk;
-                    }
-                    ok &= produced;
-                }
+                if (slot == 1) { ok &= computed[u]; }
+                if (slot == 3) { ok &= computed[v * M + u]; }
             }
-            if (a->kind == PP_FORWARD) { ok &= vs == 0 || seen[0 * v * M + u] == 1; }
-            if (a->kind == PP_BACKWARD) { ok &= vs == V - 1 || seen[2 * v * M + u] == 1; }
+            if (a->kind == PP_FORWARD) {
+                ok &= vs == 0 || (prev == s ? computed[chunk_of(cfg, s, vs - 1) * M + a->microbatch] == 1
+                                            : seen[0 * v * M + u] == 1);
+                computed[u] = 1;
+            }
+            if (a->kind == PP_BACKWARD || a->kind == PP_BACKWARD_INPUT) {
+                ok &= vs == V - 1 || (next == s ? computed[v * M + chunk_of(cfg, s, vs + 1) * M + a->microbatch] == 1
+                                                : seen[2 * v * M + u] == 1);
+                computed[v * M + u] = 1;
+            }
         }
         for (int c = 0; c < v; c++) {
-            int vs = c * S + s;
+            int vs = virtual_stage_of(cfg, s, c);
+            int remote_prev = vs > 0 && stage_of(cfg, vs - 1) != s, remote_next = vs < V - 1 && stage_of(cfg, vs + 1) != s;
             for (int i = 0; i < M; i++) {
                 int u = c * M + i;
-                ok &= seen[0 * v * M + u] == (vs > 0) && seen[3 * v * M + u] == (vs > 0);
-                ok &= seen[1 * v * M + u] == (vs < V - 1) && seen[2 * v * M + u] == (vs < V - 1);
+                ok &= seen[0 * v * M + u] == remote_prev && seen[3 * v * M + u] == remote_prev;
+                ok &= seen[1 * v * M + u] == remote_next && seen[2 * v * M + u] == remote_next;
             }
         }
-        CHECK(ok, "%s stage %d: sends/receives are not exactly one per boundary crossing, receives before use and "
-              "sends after production", name, s);
+        CHECK(ok, "%s stage %d: sends/receives are not exactly one per boundary crossing between stages, receives "
+              "before use and sends after production, or a local hand-off comes before its producer", name, s);
         free(seen);
+        free(computed);
 
         // post_with_next only joins sends/receives
         for (int i = 0; i < n; i++) {
             if (!acts[i].post_with_next) { continue; }
-            int comm_here = acts[i].kind != PP_FORWARD && acts[i].kind != PP_BACKWARD;
-            int comm_next = i + 1 < n && acts[i + 1].kind != PP_FORWARD && acts[i + 1].kind != PP_BACKWARD;
-            CHECK(comm_here && comm_next, "%s stage %d action %d: post_with_next joins a computation", name, s, i);
+            int comm_next = i + 1 < n && !is_compute(acts[i + 1].kind);
+            CHECK(!is_compute(acts[i].kind) && comm_next, "%s stage %d action %d: post_with_next joins a computation",
+                  name, s, i);
         }
 
-        // activations held: forwards done minus backwards done
+        // activations held: from F to W, or to B when not split
         int held = 0, most = 0;
         for (int i = 0; i < n; i++) {
-            held += (acts[i].kind == PP_FORWARD) - (acts[i].kind == PP_BACKWARD);
+            held += (acts[i].kind == PP_FORWARD) - (acts[i].kind == (split ? PP_BACKWARD_WEIGHT : PP_BACKWARD));
             if (held > most) { most = held; }
         }
+        int bound = textbook_memory_bound(cfg, s);
         CHECK(pipeline_max_in_flight(acts, n) == most, "%s stage %d: pipeline_max_in_flight %d, counted %d", name, s,
               pipeline_max_in_flight(acts, n), most);
-        if (cfg->kind == PP_1F1B) {
-            int bound = S - s < M ? S - s : M;
-            CHECK(most <= bound, "%s stage %d: holds %d microbatches, more than min(S-s, M) = %d", name, s, most, bound);
-            CHECK(most == bound, "%s stage %d: holds at most %d microbatches; warmup + 1 = min(S-s, M) = %d", name, s,
-                  most, bound);
-        } else if (cfg->kind == PP_GPIPE) {
-            CHECK(most == M, "%s stage %d: holds %d microbatches, gpipe holds M = %d", name, s, most, M);
-        } else {
-            int warmup = 2 * (S - s - 1) + (v - 1) * S;
-            int bound = warmup + 1 < v * M ? warmup + 1 : v * M;
-            CHECK(most == bound, "%s stage %d: holds %d chunk-microbatches, expected min(warmup + 1, v*M) = %d",
-                  name, s, most, bound);
+        CHECK(pipeline_memory_bound(cfg, s) == bound, "%s stage %d: pipeline_memory_bound %d, textbook %d", name, s,
+              pipeline_memory_bound(cfg, s), bound);
+        CHECK(most <= bound, "%s stage %d: holds %d (microbatch, chunk) activations, more than the textbook %d", name, s,
+              most, bound);
+        // the bound is reached (zbv: once the V's pattern has all its microbatches)
+        if (cfg->kind != PP_ZBV || M >= 2 * S - 1) {
+            CHECK(most == bound, "%s stage %d: holds at most %d, the textbook peak is %d", name, s, most, bound);
         }
 
         // Megatron-LM's 1f1b pairing from the second steady-state pair on: right after F(w+k)
@@ -424,11 +671,9 @@ static void test_schedule(const PipelineConfig* cfg) {
             }
         }
     }
-    free(is_fwd);
-    free(mb);
-    free(chunk);
+    free(want);
 
-    // sends and receives match across neighbours: for every ordered pair of stages (a, b), the
+    // sends and receives match across stages: for every ordered pair of stages (a, b), the
     // messages a sends to b, in a's order, are the messages b receives from a, in b's order.
     // A message is (direction, microbatch, sending virtual stage).
     for (int a = 0; a < S; a++) {
@@ -448,8 +693,8 @@ static void test_schedule(const PipelineConfig* cfg) {
                 const PipelineAction* x = &sch.actions[ia];
                 const PipelineAction* y = &sch.actions[ib];
                 int x_fwd = x->kind == PP_SEND_FORWARD, y_fwd = y->kind == PP_RECV_FORWARD;
-                int sender_vs = x->chunk * S + a;
-                int receiver_vs = y->chunk * S + b;
+                int sender_vs = virtual_stage_of(cfg, a, x->chunk);
+                int receiver_vs = virtual_stage_of(cfg, b, y->chunk);
                 match &= x_fwd == y_fwd && x->microbatch == y->microbatch &&
                          receiver_vs == (x_fwd ? sender_vs + 1 : sender_vs - 1);
                 ia++;
@@ -461,47 +706,72 @@ static void test_schedule(const PipelineConfig* cfg) {
         }
     }
 
-    // uniform costs f and b = 2f: the textbook makespan (v*M + S - 1)*(f + b) (v = 1 but
-    // interleaved, where f and b are per chunk), so the bubble is (S-1)/(v*M + S-1). gpipe and
-    // 1f1b reach it with every communication model; interleaved with eager (non-blocking) sends.
-    double fwd[16], bwd[16], makespan[3], bubble[3];
-    double units[2] = {1.0, 0.5};  // 0.5: exact in binary too
+    // unit costs (f = 1, b = 2, so w = i = 1 when split; and scaled by 0.5, exact in binary):
+    // the textbook makespan. gpipe, 1f1b, zb1 and zbv reach it with every communication model,
+    // interleaved with eager (non-blocking) sends.
+    double fwd[16], bwd[16], wgt[16], makespan[3], bubble[3], span[16];
+    double units[2] = {1.0, 0.5};
+    double busy = 3.0 * v * M;  // per stage, in units: F + B = F + I + W = 3 per (microbatch, chunk)
     for (int t = 0; t < 2; t++) {
-        for (int s = 0; s < S; s++) { fwd[s] = units[t]; bwd[s] = 2.0 * units[t]; }
-        simulate_all_models(name, &sch, fwd, bwd, 0.0, makespan, bubble);
-        double want = (double)(v * M + S - 1) * 3.0 * units[t];
-        double want_bubble = (double)(S - 1) / (double)(v * M + S - 1);
-        int first = cfg->kind == PP_INTERLEAVED ? 2 : 0;
-        for (int m = first; m < 3; m++) {
-            CHECK(makespan[m] == want, "%s: f=%g b=%g: makespan %g (model %d), textbook %g", name, units[t],
-                  2 * units[t], makespan[m], m, want);
-            CHECK(fabs(bubble[m] - want_bubble) <= 1e-9, "%s: simulated bubble %g, expected (S-1)/(vM+S-1) = %g", name,
-                  bubble[m], want_bubble);
+        for (int s = 0; s < S; s++) { fwd[s] = units[t]; bwd[s] = 2.0 * units[t]; wgt[s] = units[t]; }
+        // the default split (NULL: half the backward) and an explicit W = f give the same timeline
+        for (int explicit_weight = 0; explicit_weight <= split; explicit_weight++) {
+            simulate_all_models(name, &sch, fwd, bwd, explicit_weight ? wgt : NULL, 0.0, makespan, bubble, span);
+            double T = textbook_makespan(cfg);
+            double want_time = T * units[t], want_bubble = (T - busy) / T;
+            int first = cfg->kind == PP_INTERLEAVED ? 2 : 0;
+            for (int m = first; m < 3; m++) {
+                CHECK(makespan[m] == want_time, "%s: unit %g: makespan %g (model %d), textbook %g", name, units[t],
+                      makespan[m], m, want_time);
+                CHECK(fabs(bubble[m] - want_bubble) <= 1e-9, "%s: simulated bubble %g, textbook %g", name, bubble[m],
+                      want_bubble);
+            }
+            if (cfg->kind == PP_INTERLEAVED) {
+                double megatron = (makespan[2] / units[t] - busy) / busy;
+                CHECK(fabs(megatron - (double)(S - 1) / (v * M)) <= 1e-9, "%s: bubble over ideal time %g, Megatron-LM's "
+                      "(S-1)/(v*M) = %g", name, megatron, (double)(S - 1) / (v * M));
+            }
+            // zero bubble in the steady state: once the V's pattern runs in full, every rank computes
+            // without a gap from its first computation to its last; ZB-H1 with M >= S idles S-1
+            // units on every stage (the paper's (p-1)(T_F + T_B - T_W))
+            for (int s = 0; s < S && cfg->kind == PP_ZBV && M >= 2 * S - 1; s++) {
+                CHECK(fabs(span[s] - busy * units[t]) <= 1e-9, "%s rank %d: computes for %g within %g: a gap", name,
+                      s, busy * units[t], span[s]);
+            }
+            if (cfg->kind == PP_ZB1 && M >= S) {
+                CHECK(fabs(bubble[0] * S * makespan[0] - S * (S - 1) * units[t]) <= 1e-9, "%s: idle time %g in all, "
+                      "expected S-1 units on each stage", name, bubble[0] * S * makespan[0]);
+            }
         }
     }
+    double T = textbook_makespan(cfg);
+    CHECK(fabs(pipeline_bubble_fraction(cfg) - (T - busy) / T) <= 1e-12, "%s: modelled bubble %g, textbook %g", name,
+          pipeline_bubble_fraction(cfg), (T - busy) / T);
     // When stage 0 starts its first backward (f = 1, b = 2): 1f1b sends microbatch 0 straight
     // through (S forwards, every stage has it in time) and its gradient back over S-1 stages:
     // S + 2*(S-1). gpipe first runs all M forwards on the last stage: (M+S-1) + 2*(S-1).
-    if (cfg->kind != PP_INTERLEAVED) {
+    if (cfg->kind == PP_GPIPE || cfg->kind == PP_1F1B) {
         for (int s = 0; s < S; s++) { fwd[s] = 1.0; bwd[s] = 2.0; }
-        PipelineCosts costs = {fwd, bwd, 0.0, PP_COMM_RENDEZVOUS};
+        PipelineCosts costs = {fwd, bwd, 0.0, PP_COMM_RENDEZVOUS, NULL};
         PipelineTimeline tl;
         if (pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)) == 0) {
-            double want = (cfg->kind == PP_1F1B ? S : M + S - 1) + 2.0 * (S - 1), got = -1.0;
+            double want_time = (cfg->kind == PP_1F1B ? S : M + S - 1) + 2.0 * (S - 1), got = -1.0;
             for (int i = sch.offset[0]; i < sch.offset[1]; i++) {
                 if (sch.actions[i].kind == PP_BACKWARD && sch.actions[i].microbatch == 0) { got = tl.start[i]; }
             }
-            CHECK(got == want, "%s: stage 0 starts B0 at %g, expected %g", name, got, want);
+            CHECK(got == want_time, "%s: stage 0 starts B0 at %g, expected %g", name, got, want_time);
             pipeline_timeline_free(&tl);
         }
     }
-    CHECK(fabs(pipeline_bubble_fraction(cfg) - (double)(S - 1) / (double)(v * M + S - 1)) <= 1e-12,
-          "%s: modelled bubble %g", name, pipeline_bubble_fraction(cfg));
 
-    // measured per-stage costs, in any ratio, with transfer time: still no deadlock, and a
-    // timeline that respects every dependency
-    for (int s = 0; s < S; s++) { fwd[s] = rand_in(0.5, 1.5); bwd[s] = rand_in(0.5, 3.5); }
-    simulate_all_models(name, &sch, fwd, bwd, rand_in(0.0, 0.3), makespan, bubble);
+    // measured per-stage costs, in any ratio (W anywhere from nothing to the whole backward),
+    // with transfer time: still no deadlock, and a timeline that respects every dependency
+    for (int s = 0; s < S; s++) {
+        fwd[s] = rand_in(0.5, 1.5);
+        bwd[s] = rand_in(0.5, 3.5);
+        wgt[s] = rand_in(0.0, 1.0) * bwd[s];
+    }
+    simulate_all_models(name, &sch, fwd, bwd, split ? wgt : NULL, rand_in(0.0, 0.3), makespan, bubble, NULL);
     pipeline_schedule_free(&sch);
 }
 
@@ -510,8 +780,12 @@ static void test_all_schedules(void) {
         for (int M = 1; M <= 16; M++) {
             PipelineConfig g = {S, M, PP_GPIPE, 1};
             PipelineConfig f = {S, M, PP_1F1B, 1};
+            PipelineConfig z = {S, M, PP_ZB1, 1};
+            PipelineConfig zv = {S, M, PP_ZBV, 2};
             test_schedule(&g);
             test_schedule(&f);
+            test_schedule(&z);
+            test_schedule(&zv);
             for (int v = 2; v <= 4; v++) {
                 PipelineConfig i = {S, M, PP_INTERLEAVED, v};
                 if (S >= 2 && M % S == 0) { test_schedule(&i); }
@@ -521,7 +795,7 @@ static void test_all_schedules(void) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// layer partition
+// layer partition and placement
 
 static double stage_cost(const int* first, int S, int s, double e, double h) {
     return (first[s + 1] - first[s]) + (s == 0 ? e : 0.0) + (s == S - 1 ? h : 0.0);
@@ -607,13 +881,79 @@ static void test_partition(void) {
           first[1], first[2], first[3], first[4]);
 }
 
-// ----------------------------------------------------------------------------------------------
-// invalid inputs are rejected with a message
-
 static void expect_error(int rc, const char* err, const char* needle, const char* what) {
     CHECK(rc == -1, "%s: accepted (returned %d), expected an error", what, rc);
     CHECK(rc != -1 || strstr(err, needle) != NULL, "%s: message '%s' does not mention '%s'", what, err, needle);
 }
+
+// Placement: chunk c of stage s holds virtual stage virtual_stage_of(s, c) of the balanced
+// partition into S*v pieces, the embedding with virtual stage 0 and the head with the last.
+static void test_placement(void) {
+    static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV};
+    PipelineChunkLayers out[64];
+    int first[65];
+    char err[256], name[64];
+    for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
+        for (int S = 1; S <= 8; S++) {
+            for (int v = 1; v <= 4; v++) {
+                PipelineConfig cfg = {S, 2 * S, kinds[k], v};
+                if (pipeline_check_config(&cfg, NULL, 0) != 0) { continue; }
+                describe(name, sizeof(name), &cfg);
+                int ok = 1;
+                for (int s = 0; s < S; s++) {
+                    for (int c = 0; c < v; c++) {
+                        int vs = virtual_stage_of(&cfg, s, c), owner = -1, owner_chunk = -1;
+                        pipeline_virtual_stage_owner(&cfg, vs, &owner, &owner_chunk);
+                        ok &= pipeline_virtual_stage(&cfg, s, c) == vs && owner == s && owner_chunk == c;
+                        ok &= pipeline_neighbour_stage(&cfg, s, c, -1) == (vs > 0 ? stage_of(&cfg, vs - 1) : -1);
+                        ok &= pipeline_neighbour_stage(&cfg, s, c, +1) == (vs < S * v - 1 ? stage_of(&cfg, vs + 1) : -1);
+                    }
+                }
+                CHECK(ok, "%s: virtual stages, their owners or neighbours differ from the definition", name);
+                for (int L = 1; L <= 48; L += 5) {
+                    double head = L % 3 == 0 ? 5.46 : 0.0;
+                    int rc = pipeline_place_layers(&cfg, L, 0.25, head, out, err, sizeof(err));
+                    CHECK(rc == 0, "%s L=%d: pipeline_place_layers failed: %s", name, L, err);
+                    if (rc != 0) { continue; }
+                    pipeline_partition_layers(L, S * v, 0.25, head, first, err, sizeof(err));
+                    int ok = 1, covered = 0;
+                    for (int s = 0; s < S; s++) {
+                        for (int c = 0; c < v; c++) {
+                            const PipelineChunkLayers* p = &out[s * v + c];
+                            int vs = virtual_stage_of(&cfg, s, c);
+                            ok &= p->virtual_stage == vs && p->first_layer == first[vs] &&
+                                  p->num_layers == first[vs + 1] - first[vs] && p->has_embedding == (vs == 0) &&
+                                  p->has_head == (vs == S * v - 1);
+                            covered += p->num_layers;
+                        }
+                    }
+                    CHECK(ok && covered == L, "%s L=%d: the chunks do not hold the balanced pieces in V/round-robin "
+                          "order", name, L);
+                }
+            }
+        }
+    }
+    // By hand, 8 layers in 4 pieces of 2. zbv S=2: rank 0 holds pieces 0 and 3 (layers 0-1
+    // with the embedding, 6-7 with the head), rank 1 pieces 1 and 2. Interleaved S=2 v=2:
+    // rank 0 pieces 0 and 2, rank 1 pieces 1 and 3.
+    PipelineConfig zbv = {2, 4, PP_ZBV, 2};
+    pipeline_place_layers(&zbv, 8, 0.0, 0.0, out, err, sizeof(err));
+    CHECK(out[0].first_layer == 0 && out[0].has_embedding && out[1].first_layer == 6 && out[1].has_head &&
+          out[2].first_layer == 2 && out[3].first_layer == 4 && out[3].num_layers == 2 && !out[3].has_head,
+          "zbv S=2, 8 layers: got rank 0 at %d and %d, rank 1 at %d and %d", out[0].first_layer, out[1].first_layer,
+          out[2].first_layer, out[3].first_layer);
+    PipelineConfig il = {2, 4, PP_INTERLEAVED, 2};
+    pipeline_place_layers(&il, 8, 0.0, 0.0, out, err, sizeof(err));
+    CHECK(out[0].first_layer == 0 && out[1].first_layer == 4 && out[2].first_layer == 2 && out[3].first_layer == 6 &&
+          out[3].has_head, "interleaved S=2 v=2, 8 layers: got rank 0 at %d and %d, rank 1 at %d and %d",
+          out[0].first_layer, out[1].first_layer, out[2].first_layer, out[3].first_layer);
+    expect_error(pipeline_place_layers(&zbv, 0, 0.0, 0.0, out, err, sizeof(err)), err, "layers", "placement of 0 layers");
+    PipelineConfig bad = {2, 4, PP_ZBV, 3};
+    expect_error(pipeline_place_layers(&bad, 8, 0.0, 0.0, out, err, sizeof(err)), err, "chunks", "zbv with 3 chunks");
+}
+
+// ----------------------------------------------------------------------------------------------
+// invalid inputs are rejected with a message
 
 static void test_invalid_inputs(void) {
     char err[512];
@@ -625,6 +965,8 @@ static void test_invalid_inputs(void) {
     CHECK(pipeline_parse_schedule("gpipe", &kind, err, sizeof(err)) == 0 && kind == PP_GPIPE, "gpipe is not parsed");
     CHECK(pipeline_parse_schedule("interleaved", &kind, err, sizeof(err)) == 0 && kind == PP_INTERLEAVED,
           "interleaved is not parsed");
+    CHECK(pipeline_parse_schedule("zb1", &kind, err, sizeof(err)) == 0 && kind == PP_ZB1, "zb1 is not parsed");
+    CHECK(pipeline_parse_schedule("zbv", &kind, err, sizeof(err)) == 0 && kind == PP_ZBV, "zbv is not parsed");
 
     struct { PipelineConfig cfg; const char* needle; const char* what; } bad[] = {
         {{0, 4, PP_1F1B, 1}, "stages", "1f1b S=0"},
@@ -635,6 +977,10 @@ static void test_invalid_inputs(void) {
         {{4, 8, PP_INTERLEAVED, 1}, "chunks", "interleaved with 1 chunk"},
         {{1, 8, PP_INTERLEAVED, 2}, "stages", "interleaved S=1"},
         {{4, 6, PP_INTERLEAVED, 2}, "multiple", "interleaved M=6 S=4"},
+        {{4, 8, PP_ZB1, 2}, "chunks", "zb1 with 2 chunks"},
+        {{4, 8, PP_ZBV, 1}, "chunks", "zbv with 1 chunk"},
+        {{4, 8, PP_ZBV, 4}, "chunks", "zbv with 4 chunks"},
+        {{4, 0, PP_ZBV, 2}, "microbatches", "zbv M=0"},
         {{4, 8, (PipelineScheduleKind)7, 1}, "unknown", "schedule kind 7"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
@@ -665,37 +1011,49 @@ static void test_invalid_inputs(void) {
     PipelineSchedule sch;
     pipeline_schedule_build(&sch, &ok, err, sizeof(err));
     double f[4] = {1, 1, 1, 1}, b[4] = {2, 2, -2, 2};
-    PipelineCosts costs = {f, b, 0.0, PP_COMM_EAGER};
+    PipelineCosts costs = {f, b, 0.0, PP_COMM_EAGER, NULL};
     PipelineTimeline tl;
     expect_error(pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)), err, "stage 2", "a negative backward time");
     b[2] = 2;
     costs.transfer = NAN;
     expect_error(pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)), err, "transfer", "a NaN transfer time");
+    costs.transfer = 0.0;
+    double w[4] = {1, 1, 2.5, 1};
+    costs.weight = w;
+    expect_error(pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)), err, "weight", "a W longer than the backward");
+    w[2] = -0.5;
+    expect_error(pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)), err, "stage 2", "a negative W time");
     pipeline_schedule_free(&sch);
 }
 
 // ----------------------------------------------------------------------------------------------
 // the simulator on hand-made lists: deadlocks and invalid schedules are reported, not hung on
 
-static int simulate_text(int S, int M, const char* const* stages, PipelineCommModel comm, char* err, size_t errlen) {
+static int simulate_lists(const PipelineConfig* cfg, const char* const* stages, PipelineCommModel comm, char* err,
+                          size_t errlen) {
     PipelineAction acts[256];
     int offset[9];
     offset[0] = 0;
-    for (int s = 0; s < S; s++) { offset[s + 1] = offset[s] + parse_actions(stages[s], s, acts + offset[s]); }
+    for (int s = 0; s < cfg->num_stages; s++) {
+        offset[s + 1] = offset[s] + parse_actions(stages[s], cfg, s, acts + offset[s]);
+    }
     PipelineSchedule sch;
-    sch.cfg.num_stages = S;
-    sch.cfg.num_microbatches = M;
-    sch.cfg.kind = PP_1F1B;
-    sch.cfg.num_chunks = 1;
+    sch.cfg = *cfg;
     sch.offset = offset;
     sch.actions = acts;
     double f[8] = {1, 1, 1, 1, 1, 1, 1, 1}, b[8] = {2, 2, 2, 2, 2, 2, 2, 2};
-    PipelineCosts costs = {f, b, 0.0, comm};
+    PipelineCosts costs = {f, b, 0.0, comm, NULL};
     PipelineTimeline tl;
     err[0] = '\0';
     int rc = pipeline_simulate(&sch, &costs, &tl, err, errlen);
     if (rc == 0) { pipeline_timeline_free(&tl); }
     return rc;
+}
+
+// Hand-made lists for a one-chunk pipeline of S stages.
+static int simulate_text(int S, int M, const char* const* stages, PipelineCommModel comm, char* err, size_t errlen) {
+    PipelineConfig cfg = {S, M, PP_1F1B, 1};
+    return simulate_lists(&cfg, stages, comm, err, errlen);
 }
 
 static void test_simulator_rejects(void) {
@@ -744,12 +1102,43 @@ static void test_simulator_rejects(void) {
     const char* bad_mb[] = {"F0 B0 F5 B5"};
     expect_error(simulate_text(1, 2, bad_mb, PP_COMM_EAGER, err, sizeof(err)), err, "microbatch 5",
                  "a microbatch out of range");
+
+    // split backward
+    const char* split_ok[] = {"F0 I0 F1 I1 W1 W0"};
+    CHECK(simulate_text(1, 2, split_ok, PP_COMM_EAGER, err, sizeof(err)) == 0, "W's in any order after their I: %s", err);
+    const char* early_weight[] = {"F0 W0 I0"};
+    expect_error(simulate_text(1, 1, early_weight, PP_COMM_EAGER, err, sizeof(err)), err, "before its BACKWARD_INPUT",
+                 "a W before its I");
+    const char* weight_after_full[] = {"F0 B0 W0"};
+    expect_error(simulate_text(1, 1, weight_after_full, PP_COMM_EAGER, err, sizeof(err)), err, "second time",
+                 "a W after a full backward");
+    const char* no_weight[] = {"F0 I0"};
+    expect_error(simulate_text(1, 1, no_weight, PP_COMM_EAGER, err, sizeof(err)), err, "never runs the BACKWARD_WEIGHT",
+                 "a missing W");
+    const char* early_gradient_send[] = {"F0 sF0 rB0 I0 W0", "rF0 F0 sB0 I0 W0"};
+    expect_error(simulate_text(2, 1, early_gradient_send, PP_COMM_EAGER, err, sizeof(err)), err, "produces",
+                 "a gradient sent before the I that computes it");
+
+    // local hand-offs (zbv on one stage: virtual stages 0 and 1 both on stage 0)
+    PipelineConfig v1 = {1, 1, PP_ZBV, 2};
+    const char* local_ok[] = {"F0c0 F0c1 I0c1 W0c1 I0c0 W0c0"};
+    CHECK(simulate_lists(&v1, local_ok, PP_COMM_RENDEZVOUS, err, sizeof(err)) == 0, "zbv S=1: %s", err);
+    const char* local_early_forward[] = {"F0c1 F0c0 I0c1 W0c1 I0c0 W0c0"};
+    expect_error(simulate_lists(&v1, local_early_forward, PP_COMM_EAGER, err, sizeof(err)), err, "same stage",
+                 "chunk 1's forward before chunk 0's on the same stage");
+    const char* local_early_backward[] = {"F0c0 F0c1 I0c0 I0c1 W0c1 W0c0"};
+    expect_error(simulate_lists(&v1, local_early_backward, PP_COMM_EAGER, err, sizeof(err)), err, "same stage",
+                 "chunk 0's backward before chunk 1's on the same stage");
+    const char* self_message[] = {"F0c0 sF0c0 rF0c1 F0c1 I0c1 W0c1 I0c0 W0c0"};
+    expect_error(simulate_lists(&v1, self_message, PP_COMM_EAGER, err, sizeof(err)), err, "local hand-off",
+                 "a message from a stage to itself");
 }
 
 int main(void) {
     test_hand_written();
     test_all_schedules();
     test_partition();
+    test_placement();
     test_invalid_inputs();
     test_simulator_rejects();
     if (failures > 0) {

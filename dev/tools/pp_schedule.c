@@ -3,10 +3,13 @@
  *
  *   dev/tools/pp_schedule --stages 4 --microbatches 8 --schedule 1f1b
  *   dev/tools/pp_schedule --stages 4 --microbatches 8 --schedule interleaved --chunks 2 --svg pp.svg
+ *   dev/tools/pp_schedule --stages 4 --microbatches 8 --schedule zbv --fwd 1 --bwd 2.2 --wgt 1 --svg pp.svg
  *
- * For each stage: its actions (F3 / B3 = forward / backward of microbatch 3), then the modelled
- * bubble fraction, the bubble of a simulated run with the given forward/backward times, and the
- * most microbatches whose activations each stage holds. --svg draws the simulated timeline.
+ * For each stage: its actions (F3 / B3 = forward / backward of microbatch 3; I3 / W3 = its
+ * input-gradient / weight-gradient halves under zb1 and zbv), then the modelled bubble
+ * fraction, the bubble of a simulated run with the given times, and the most (microbatch,
+ * chunk) activations each stage holds against the schedule's textbook bound. --svg draws the
+ * simulated timeline.
  */
 #include <math.h>
 #include <stdarg.h>
@@ -19,33 +22,43 @@
 
 static void usage(void) {
     printf(
-        "usage: dev/tools/pp_schedule --stages S --microbatches M --schedule gpipe|1f1b|interleaved [options]\n"
+        "usage: dev/tools/pp_schedule --stages S --microbatches M --schedule NAME [options]\n"
         "\n"
         "Prints every stage's pipeline schedule, the modelled and the simulated bubble fraction and the\n"
-        "most microbatches of activations each stage holds; optionally draws the timeline as SVG.\n"
+        "most activations each stage holds; optionally draws the timeline as SVG.\n"
         "\n"
         "  --stages S          pipeline stages (ranks), >= 1\n"
         "  --microbatches M    microbatches per step, >= 1 (interleaved: a multiple of S)\n"
-        "  --schedule NAME     gpipe, 1f1b (Megatron-LM's non-interleaved 1F1B) or interleaved\n"
-        "  --chunks V          model chunks per stage, interleaved only (default 2)\n"
+        "  --schedule NAME     gpipe, 1f1b (Megatron-LM's non-interleaved 1F1B), interleaved\n"
+        "                      (Megatron-LM's interleaved 1F1B), zb1 (ZB-H1) or zbv (ZB-V, two chunks\n"
+        "                      per stage placed as a V); zb1 and zbv split each backward into I (the\n"
+        "                      input gradient) and W (the weight gradient)\n"
+        "  --chunks V          model chunks per stage, interleaved only (default 2; zbv has 2)\n"
         "  --fwd T[,T,...]     time of one forward (one microbatch, one chunk): one value for every\n"
         "                      stage or one per stage, e.g. measured (default 1)\n"
-        "  --bwd T[,T,...]     time of one backward, likewise (default 2)\n"
+        "  --bwd T[,T,...]     time of one whole backward (input and weight gradients), likewise\n"
+        "                      (default 2)\n"
+        "  --wgt T[,T,...]     time of the weight-gradient part W of that backward, likewise, at most\n"
+        "                      --bwd; I then takes bwd - wgt (default: half of --bwd, so the defaults\n"
+        "                      give F = I = W = 1 as in the zero-bubble paper). Ignored by schedules\n"
+        "                      that do not split the backward, so one command line compares them all\n"
         "  --transfer T        time one activation or gradient takes between stages (default 0)\n"
         "  --comm MODEL        how sends behave in the simulation: eager (default; buffered, never\n"
         "                      wait), batched (runs joined by '+' posted at once, each send waits for\n"
         "                      its receive) or rendezvous (one at a time, each send waits)\n"
         "  --actions           print sends and receives too: rF3 / sF3 receive / send microbatch 3's\n"
         "                      activation, rB3 / sB3 its gradient; '+' joins actions posted together\n"
-        "  --layers L          also print a balanced split of L transformer layers over the stages\n"
-        "                      (interleaved: over the S*V virtual stages)\n"
+        "  --layers L          also print which of L transformer layers each stage (and chunk) holds:\n"
+        "                      balanced over the S*V virtual stages, placed round-robin (interleaved)\n"
+        "                      or as a V (zbv)\n"
         "  --embed-cost E      cost of the embedding for --layers, in layers (default 0)\n"
         "  --head-cost H       cost of final layernorm + LM head + loss for --layers, in layers\n"
         "                      (default 0; GPT-2 124M: 50304/(12*768) = 5.46)\n"
         "  --svg FILE          write the simulated timeline as SVG (replaced atomically)\n"
         "  --help              this text\n"
         "\n"
-        "Interleaved actions carry their chunk: F3c1 is the forward of microbatch 3 on chunk 1.\n");
+        "With several chunks actions carry their chunk: F3c1 is the forward of microbatch 3 on chunk 1.\n"
+        "The SVG draws forwards blue, backwards (or I) orange, W green, later chunks lighter.\n");
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -116,13 +129,16 @@ static void text_printf(Text* t, const char* fmt, ...) {
     }
 }
 
-// Forward boxes blue, backward orange; later chunks (interleaved) lighter, mixed with white.
+// Forward boxes blue, backward (or its input-gradient half) orange, weight gradient green;
+// later chunks lighter, mixed with white.
 static double chunk_lightness(int chunk, int num_chunks) {
     return num_chunks > 1 ? 0.55 * chunk / (num_chunks - 1) : 0.0;
 }
 
-static void box_colour(char* buf, size_t len, int forward, int chunk, int num_chunks) {
-    int rgb[3] = {forward ? 0x3b : 0xe8, forward ? 0x6e : 0x7d, forward ? 0xa8 : 0x1e};
+static void box_colour(char* buf, size_t len, PipelineActionKind kind, int chunk, int num_chunks) {
+    static const int blue[3] = {0x3b, 0x6e, 0xa8}, orange[3] = {0xe8, 0x7d, 0x1e}, green[3] = {0x3f, 0x9b, 0x4f};
+    const int* base = kind == PP_FORWARD ? blue : kind == PP_BACKWARD_WEIGHT ? green : orange;
+    int rgb[3] = {base[0], base[1], base[2]};
     double mix = chunk_lightness(chunk, num_chunks);
     for (int i = 0; i < 3; i++) { rgb[i] = (int)lround(rgb[i] + (255 - rgb[i]) * mix); }
     snprintf(buf, len, "#%02x%02x%02x", rgb[0], rgb[1], rgb[2]);
@@ -139,7 +155,8 @@ static double tick_step(double span) {
     return 10.0 * base;
 }
 
-static void write_svg(const char* path, const PipelineSchedule* sch, const PipelineTimeline* tl, const char* caption) {
+static void write_svg(const char* path, const PipelineSchedule* sch, const PipelineTimeline* tl, double bubble,
+                      const char* caption) {
     const PipelineConfig* cfg = &sch->cfg;
     int S = cfg->num_stages;
     const double left = 70.0, top = 44.0, row_h = 28.0, row_gap = 8.0;
@@ -154,7 +171,7 @@ static void write_svg(const char* path, const PipelineSchedule* sch, const Pipel
     chart_w = chart_w < 1000.0 ? 1000.0 : (chart_w > 4000.0 ? 4000.0 : chart_w);
     double scale = chart_w / span;
     double rows_h = S * (row_h + row_gap);
-    double width = left + chart_w + 30.0, height = top + rows_h + 110.0;
+    double width = left + chart_w + 30.0, height = top + rows_h + 130.0;
     Text t = {NULL, 0, 0};
     text_printf(&t, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
     text_printf(&t, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
@@ -166,7 +183,8 @@ static void write_svg(const char* path, const PipelineSchedule* sch, const Pipel
     char chunks[48] = "";
     if (cfg->num_chunks > 1) { snprintf(chunks, sizeof(chunks), ", %d chunks per stage", cfg->num_chunks); }
     text_printf(&t, "<text x=\"%.1f\" y=\"24\" font-size=\"16\" font-weight=\"bold\">Pipeline schedule: %s, %d stages, "
-                "%d microbatches%s</text>\n", left, pipeline_schedule_name(cfg->kind), S, cfg->num_microbatches, chunks);
+                "%d microbatches%s: bubble %.3f</text>\n", left, pipeline_schedule_name(cfg->kind), S,
+                cfg->num_microbatches, chunks, bubble);
     for (int s = 0; s < S; s++) {
         double y = top + s * (row_h + row_gap);
         text_printf(&t, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"13\" text-anchor=\"end\">stage %d</text>\n", left - 8.0,
@@ -177,19 +195,20 @@ static void write_svg(const char* path, const PipelineSchedule* sch, const Pipel
         for (int i = sch->offset[s]; i < sch->offset[s + 1]; i++) {
             const PipelineAction* a = &sch->actions[i];
             if (!pipeline_is_compute(a->kind)) { continue; }
-            int fwd = a->kind == PP_FORWARD;
             double x = left + tl->start[i] * scale, w = (tl->end[i] - tl->start[i]) * scale;
             char colour[16], label[32];
-            box_colour(colour, sizeof(colour), fwd, a->chunk, cfg->num_chunks);
+            box_colour(colour, sizeof(colour), a->kind, a->chunk, cfg->num_chunks);
             if (cfg->num_chunks > 1) {
                 snprintf(label, sizeof(label), "%dc%d", a->microbatch, a->chunk);
             } else {
                 snprintf(label, sizeof(label), "%d", a->microbatch);
             }
+            const char* what = a->kind == PP_FORWARD ? "forward" : a->kind == PP_BACKWARD ? "backward"
+                             : a->kind == PP_BACKWARD_INPUT ? "input gradient (I)" : "weight gradient (W)";
             text_printf(&t, "<g><title>%s of microbatch %d chunk %d: %g to %g</title>"
                         "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\" stroke=\"white\" "
-                        "stroke-width=\"0.75\"/>", fwd ? "forward" : "backward", a->microbatch, a->chunk, tl->start[i],
-                        tl->end[i], x, y, w, row_h, colour);
+                        "stroke-width=\"0.75\"/>", what, a->microbatch, a->chunk, tl->start[i], tl->end[i], x, y, w,
+                        row_h, colour);
             // the microbatch number, as large as fits the box (about 0.6 em per digit)
             double font = w / (0.62 * strlen(label) + 0.5);
             if (font > 12.0) { font = 12.0; }
@@ -214,25 +233,28 @@ static void write_svg(const char* path, const PipelineSchedule* sch, const Pipel
     }
     text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"11\" text-anchor=\"end\">time</text>\n",
                 left + chart_w, axis_y + 30.0);
-    // legend
-    double ly = axis_y + 42.0;
-    char colour[16];
-    box_colour(colour, sizeof(colour), 1, 0, 1);
-    text_printf(&t, "<rect x=\"%.2f\" y=\"%.2f\" width=\"18\" height=\"12\" fill=\"%s\"/>"
-                "<text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">forward (microbatch number inside)</text>\n",
-                left, ly, colour, left + 24.0, ly + 10.5);
-    box_colour(colour, sizeof(colour), 0, 0, 1);
-    text_printf(&t, "<rect x=\"%.2f\" y=\"%.2f\" width=\"18\" height=\"12\" fill=\"%s\"/>"
-                "<text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">backward</text>\n", left + 250.0, ly, colour,
-                left + 274.0, ly + 10.5);
+    // legend: a colour box and its text per entry, laid out left to right
+    double ly = axis_y + 42.0, lx = left;
+    int split = pipeline_splits_backward(cfg->kind);
+    static const PipelineActionKind legend_kinds[3] = {PP_FORWARD, PP_BACKWARD, PP_BACKWARD_WEIGHT};
+    const char* legend_text[3] = {"forward (microbatch number inside)",
+                                  split ? "input gradient (I)" : "backward", "weight gradient (W)"};
+    for (int k = 0; k < (split ? 3 : 2); k++) {
+        char colour[16];
+        box_colour(colour, sizeof(colour), legend_kinds[k], 0, 1);
+        text_printf(&t, "<rect x=\"%.2f\" y=\"%.2f\" width=\"18\" height=\"12\" fill=\"%s\"/>"
+                    "<text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">%s</text>\n", lx, ly, colour, lx + 24.0, ly + 10.5,
+                    legend_text[k]);
+        lx += 24.0 + 7.0 * strlen(legend_text[k]) + 20.0;
+    }
     text_printf(&t, "<rect x=\"%.2f\" y=\"%.2f\" width=\"18\" height=\"12\" fill=\"url(#idle)\" stroke=\"#bbbbbb\" "
                 "stroke-width=\"0.5\"/><text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">idle (bubble)</text>\n",
-                left + 370.0, ly, left + 394.0, ly + 10.5);
+                lx, ly, lx + 24.0, ly + 10.5);
     if (cfg->num_chunks > 1) {
         text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">lighter: later chunk (label: microbatch c chunk)"
-                    "</text>\n", left + 500.0, ly + 10.5);
+                    "</text>\n", left, ly + 32.0);
     }
-    text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"13\">%s</text>\n", left, ly + 36.0, caption);
+    text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"13\">%s</text>\n", left, ly + 56.0, caption);
     text_printf(&t, "</svg>\n");
 
     AtomicWriter w;
@@ -249,6 +271,7 @@ int main(int argc, char** argv) {
     const char* schedule = NULL;
     const char* fwd_text = "1";
     const char* bwd_text = "2";
+    const char* wgt_text = NULL;
     const char* comm_text = "eager";
     const char* svg = NULL;
     double transfer = 0.0, embed_cost = 0.0, head_cost = 0.0;
@@ -263,7 +286,7 @@ int main(int argc, char** argv) {
             continue;
         }
         static const char* const with_value[] = {"--stages", "--microbatches", "--schedule", "--chunks", "--fwd",
-                                                 "--bwd", "--transfer", "--comm", "--layers", "--embed-cost",
+                                                 "--bwd", "--wgt", "--transfer", "--comm", "--layers", "--embed-cost",
                                                  "--head-cost", "--svg"};
         int known = 0;
         for (size_t k = 0; k < sizeof(with_value) / sizeof(with_value[0]); k++) { known |= strcmp(flag, with_value[k]) == 0; }
@@ -276,6 +299,7 @@ int main(int argc, char** argv) {
         else if (strcmp(flag, "--chunks") == 0) { chunks = parse_int_flag(flag, value, 1); }
         else if (strcmp(flag, "--fwd") == 0) { fwd_text = value; }
         else if (strcmp(flag, "--bwd") == 0) { bwd_text = value; }
+        else if (strcmp(flag, "--wgt") == 0) { wgt_text = value; }
         else if (strcmp(flag, "--transfer") == 0) { transfer = parse_time(flag, value); }
         else if (strcmp(flag, "--comm") == 0) { comm_text = value; }
         else if (strcmp(flag, "--layers") == 0) { layers = parse_int_flag(flag, value, 1); }
@@ -285,14 +309,14 @@ int main(int argc, char** argv) {
     }
     if (S == 0) { fatal("--stages is required (see --help)"); }
     if (M == 0) { fatal("--microbatches is required (see --help)"); }
-    if (schedule == NULL) { fatal("--schedule is required: gpipe, 1f1b or interleaved"); }
+    if (schedule == NULL) { fatal("--schedule is required: gpipe, 1f1b, interleaved, zb1 or zbv"); }
 
     char err[512];
     PipelineConfig cfg;
     cfg.num_stages = S;
     cfg.num_microbatches = M;
     if (pipeline_parse_schedule(schedule, &cfg.kind, err, sizeof(err)) != 0) { fatal("--schedule: %s", err); }
-    cfg.num_chunks = chunks > 0 ? chunks : (cfg.kind == PP_INTERLEAVED ? 2 : 1);
+    cfg.num_chunks = chunks > 0 ? chunks : (cfg.kind == PP_INTERLEAVED || cfg.kind == PP_ZBV ? 2 : 1);
     PipelineCommModel comm;
     if (strcmp(comm_text, "eager") == 0) { comm = PP_COMM_EAGER; }
     else if (strcmp(comm_text, "batched") == 0) { comm = PP_COMM_BATCHED; }
@@ -304,9 +328,17 @@ int main(int argc, char** argv) {
     double* bwd = (double*)malloc_or_die((size_t)S * sizeof(double), "backward times");
     parse_times("--fwd", fwd_text, S, fwd);
     parse_times("--bwd", bwd_text, S, bwd);
+    double* wgt = (double*)malloc_or_die((size_t)S * sizeof(double), "weight-gradient times");
+    for (int s = 0; s < S; s++) { wgt[s] = 0.5 * bwd[s]; }
+    if (wgt_text != NULL) { parse_times("--wgt", wgt_text, S, wgt); }
+    for (int s = 0; s < S; s++) {
+        if (wgt[s] > bwd[s]) {
+            fatal("--wgt: stage %d: W (%g) is part of the backward, so it cannot exceed --bwd (%g)", s, wgt[s], bwd[s]);
+        }
+    }
 
-    int interleaved = cfg.kind == PP_INTERLEAVED;
-    if (interleaved) {
+    int split = pipeline_splits_backward(cfg.kind), with_chunk = cfg.num_chunks > 1;
+    if (with_chunk) {
         printf("schedule %s: %d stages, %d microbatches, %d chunks per stage\n", pipeline_schedule_name(cfg.kind), S, M,
                cfg.num_chunks);
     } else {
@@ -318,66 +350,75 @@ int main(int argc, char** argv) {
             const PipelineAction* a = &sch.actions[i];
             if (!show_actions && !pipeline_is_compute(a->kind)) { continue; }
             char token[32];
-            pipeline_action_token(a, interleaved, token, sizeof(token));
+            pipeline_action_token(a, with_chunk, token, sizeof(token));
             printf(" %s%s", token, show_actions && a->post_with_next ? "+" : "");
         }
         printf("\n");
     }
 
-    PipelineCosts costs = {fwd, bwd, transfer, comm};
+    PipelineCosts costs = {fwd, bwd, transfer, comm, wgt};
     PipelineTimeline tl;
     if (pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)) != 0) { fatal("%s", err); }
     double modelled = pipeline_bubble_fraction(&cfg), simulated = pipeline_timeline_bubble(&tl);
-    const char* formula = interleaved ? "(S-1)/(v*M+S-1)" : "(S-1)/(M+S-1)";
+    const char* formula = cfg.kind == PP_INTERLEAVED ? "(S-1)/(v*M+S-1)"
+                        : cfg.kind == PP_ZB1 ? "with F=I=W: 1 - 3M/max(3M+S-1, 2M+2S-1)"
+                        : cfg.kind == PP_ZBV ? "with F=I=W: 1 - 6M/max(6M+S-1, 4M+4S-2)" : "(S-1)/(M+S-1)";
     printf("bubble fraction, modelled %s: %.4f\n", formula, modelled);
     printf("bubble fraction, simulated (%s sends, transfer %g): %.4f, makespan %g\n", pipeline_comm_model_name(comm),
            transfer, simulated, tl.makespan);
-    printf("stage  fwd    bwd    busy      idle      max in flight%s\n", interleaved ? " (chunk-microbatches)" : "");
+    printf("stage  fwd    bwd    %sbusy      idle      max in flight / bound%s\n", split ? "wgt    " : "",
+           with_chunk ? " (microbatch, chunk pairs)" : "");
     for (int s = 0; s < S; s++) {
         int n = sch.offset[s + 1] - sch.offset[s];
-        printf("%5d  %-5g  %-5g  %-8g  %-8g  %d\n", s, fwd[s], bwd[s], tl.busy[s], tl.idle[s],
-               pipeline_max_in_flight(sch.actions + sch.offset[s], n));
+        char weight[16] = "";
+        if (split) { snprintf(weight, sizeof(weight), "%-5g  ", wgt[s]); }
+        printf("%5d  %-5g  %-5g  %s%-8g  %-8g  %d / %d\n", s, fwd[s], bwd[s], weight, tl.busy[s], tl.idle[s],
+               pipeline_max_in_flight(sch.actions + sch.offset[s], n), pipeline_memory_bound(&cfg, s));
     }
 
     if (layers > 0) {
         int parts = S * cfg.num_chunks;
-        int* first = (int*)malloc_or_die((size_t)(parts + 1) * sizeof(int), "layer partition");
-        if (pipeline_partition_layers(layers, parts, embed_cost, head_cost, first, err, sizeof(err)) != 0) {
+        PipelineChunkLayers* place = (PipelineChunkLayers*)malloc_or_die((size_t)parts * sizeof(PipelineChunkLayers),
+                                                                         "layer placement");
+        if (pipeline_place_layers(&cfg, layers, embed_cost, head_cost, place, err, sizeof(err)) != 0) {
             fatal("--layers: %s", err);
         }
         printf("layers: %d transformer layers, embedding cost %g, head cost %g (in layers)\n", layers, embed_cost,
                head_cost);
         for (int p = 0; p < parts; p++) {
-            int n = first[p + 1] - first[p];
-            char where[48];
-            if (interleaved) {
-                snprintf(where, sizeof(where), "stage %d chunk %d", p % S, p / S);
+            const PipelineChunkLayers* c = &place[p];
+            char where[64];
+            if (with_chunk) {
+                snprintf(where, sizeof(where), "stage %d chunk %d (virtual stage %d)", p / cfg.num_chunks,
+                         p % cfg.num_chunks, c->virtual_stage);
             } else {
                 snprintf(where, sizeof(where), "stage %d", p);
             }
             printf("  %s: ", where);
-            if (n > 0) {
-                printf("layers %d..%d", first[p], first[p + 1] - 1);
+            if (c->num_layers > 0) {
+                printf("layers %d..%d", c->first_layer, c->first_layer + c->num_layers - 1);
             } else {
                 printf("no layers");
             }
-            printf("%s%s, cost %g\n", p == 0 ? " + embedding" : "", p == parts - 1 ? " + head" : "",
-                   pipeline_stage_cost(first, parts, p, embed_cost, head_cost));
+            printf("%s%s, cost %g\n", c->has_embedding ? " + embedding" : "", c->has_head ? " + head" : "",
+                   c->num_layers + (c->has_embedding ? embed_cost : 0.0) + (c->has_head ? head_cost : 0.0));
         }
-        free(first);
+        free(place);
     }
 
     if (svg != NULL) {
-        char caption[256];
+        char caption[512], weight[160] = "";
+        if (split) { snprintf(weight, sizeof(weight), ", wgt %s", wgt_text != NULL ? wgt_text : "bwd/2"); }
         snprintf(caption, sizeof(caption), "bubble fraction: modelled %s = %.3f; simulated %.3f (makespan %g, "
-                 "fwd %s, bwd %s, %s sends)", formula, modelled, simulated, tl.makespan, fwd_text, bwd_text,
+                 "fwd %s, bwd %s%s, %s sends)", formula, modelled, simulated, tl.makespan, fwd_text, bwd_text, weight,
                  pipeline_comm_model_name(comm));
-        write_svg(svg, &sch, &tl, caption);
+        write_svg(svg, &sch, &tl, simulated, caption);
         printf("wrote %s\n", svg);
     }
     pipeline_timeline_free(&tl);
     pipeline_schedule_free(&sch);
     free(fwd);
     free(bwd);
+    free(wgt);
     return 0;
 }
