@@ -103,4 +103,4 @@ test: train_gpt2 $(TOOLS) $(TEST_BINS)
 	@dev/test/run_tests.sh $(TESTS)
 
 clean:
-	rm -rf train_gpt2 train_gpt2cu build
+	rm -rf train_gpt2 train_gpt2cu train_gpt2cu_emu build

@@ -536,6 +536,23 @@ static inline void comm_set_memory(Comm* c, const MemOps* mem) {
     c->world.mem = c->dp_group.mem = c->tp_group.mem = c->pp_group.mem = mem;
 }
 
+// This rank's index among the ranks on its node (a shared-memory split of the world): the GPU
+// it takes. Collective over the world.
+static inline int comm_node_local_rank(const Comm* c) {
+#ifdef USE_MPI
+    MPI_Comm node;
+    comm_check(MPI_Comm_split_type(c->world.mpi, MPI_COMM_TYPE_SHARED, c->world_rank, MPI_INFO_NULL, &node),
+               "MPI_Comm_split_type");
+    int rank = 0;
+    MPI_Comm_rank(node, &rank);
+    MPI_Comm_free(&node);
+    return rank;
+#else
+    (void)c;
+    return 0;
+#endif
+}
+
 // The previous and next pipeline stages' ranks in the pp group, COMM_NO_PEER at the ends.
 static inline void comm_pp_neighbours(const Comm* c, int* prev, int* next) {
     *prev = c->pp_rank > 0 ? c->pp_rank - 1 : COMM_NO_PEER;

@@ -1,7 +1,8 @@
 /*
  * cuda_common.cuh: what every CUDA file of the trainer needs: error checks that end the
- * program with one clear line (utils.h fatal), device memory with a running total, the bf16
- * storage type of fast mode, and warp-level helpers.
+ * program with one clear line (utils.h fatal), kernel launches that the emulated build can
+ * run on the CPU, device memory with a running total, warp helpers, and (not in the emulated
+ * build) the bf16 storage type of fast mode.
  */
 #ifndef LLMC_CUDA_COMMON_CUH
 #define LLMC_CUDA_COMMON_CUH
@@ -9,12 +10,8 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <cuda_runtime.h>
-#include <cuda_bf16.h>
 #include "llmc/utils.h"
 #include "llmc/gpu_plan.h"
-
-// fast mode's storage type for weights and activations (fp32 master weights in AdamW)
-typedef __nv_bfloat16 floatX;
 
 static inline void cuda_check_(cudaError_t err, const char* what, const char* file, int line) {
     if (err != cudaSuccess) {
@@ -25,11 +22,25 @@ static inline void cuda_check_(cudaError_t err, const char* what, const char* fi
 // after a kernel launch: a bad configuration is reported here, a fault at the next sync
 #define cudaLaunchCheck(name) cuda_check_(cudaGetLastError(), name, __FILE__, __LINE__)
 
+// Kernel launches are written LAUNCH(kernel, grid, block, args...): the triple-chevron launch
+// under nvcc; in the emulated build (dev/gpu/emu, g++) every thread of every block calls the
+// kernel with copies of the arguments, on the CPU. `kernel` may be a pointer to a __global__
+// function (a template instance chosen at run time).
+#ifdef LLMC_CUDA_EMU
+void emu_label(const void* p, const char* what);
+extern void (*emu_fatal_hook)(const char* message);
+#define LAUNCH(kernel, grid, block, ...) emu_launch(#kernel, grid, block, [=]() { kernel(__VA_ARGS__); })
+#else
+#define LAUNCH(kernel, grid, block, ...) kernel<<<grid, block>>>(__VA_ARGS__)
+#endif
+
 // ceil_div_u and elementwise_blocks (the grids of the elementwise kernels) are in gpu_plan.h,
 // where the host test checks them
 
 // --- device memory ------------------------------------------------------------------------
-static size_t device_bytes_allocated = 0;
+
+// bytes allocated on the device by this process (both translation units of the CUDA build)
+inline size_t device_bytes_allocated = 0;
 
 static inline void* device_alloc(size_t bytes, const char* what) {
     void* p = NULL;
@@ -39,11 +50,27 @@ static inline void* device_alloc(size_t bytes, const char* what) {
         size_t free_b = 0, total_b = 0;
         cudaMemGetInfo(&free_b, &total_b);
         fatal("out of GPU memory allocating %.2f GiB for %s (%.2f GiB allocated so far, %.2f GiB "
-              "free of %.2f): lower -b or use -r 1", bytes / 1073741824.0, what,
+              "free of %.2f): lower -b, use -r 1, or shard with -z / --tp / --pp", bytes / 1073741824.0, what,
               device_bytes_allocated / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0);
     }
+#ifdef LLMC_CUDA_EMU
+    emu_label(p, what);
+#endif
     device_bytes_allocated += (bytes + 255) / 256 * 256;
     return p;
+}
+
+static inline void device_free(void* p) { if (p) { cudaCheck(cudaFree(p)); } }
+
+// 1 if p is device memory (what a CUDA-aware MPI asks the driver before it stages a buffer)
+static inline int device_holds(const void* p) {
+#ifdef LLMC_CUDA_EMU
+    return emu_is_device_pointer(p);
+#else
+    cudaPointerAttributes attr;
+    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) { cudaGetLastError(); return 0; }
+    return attr.type == cudaMemoryTypeDevice;
+#endif
 }
 
 // --- warp helpers -------------------------------------------------------------------------
@@ -58,6 +85,13 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) { v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o)); }
     return v;
 }
+
+#ifndef LLMC_CUDA_EMU
+// --- fast mode's bf16 (not in the emulated build, which runs the deterministic path only) ---
+#include <cuda_bf16.h>
+
+// fast mode's storage type for weights and activations (fp32 master weights in AdamW)
+typedef __nv_bfloat16 floatX;
 
 // 8 bf16 in 16 bytes: the unit of vectorized loads and stores in fast-mode kernels
 struct alignas(16) bf16x8 {
@@ -77,5 +111,6 @@ __device__ __forceinline__ bf16x8 float_to_bf16x8(const float f[8]) {
     for (int i = 0; i < 4; i++) { v.h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]); }
     return v;
 }
+#endif
 
 #endif // LLMC_CUDA_COMMON_CUH

@@ -8,10 +8,8 @@
  *     and the per-chunk and per-element formulas of the row kernels. Each is written once
  *     here and called by the kernels in llmc/kernels_det.cuh; the host test runs the same
  *     functions over every output and compares with train_gpt2.c's kernels bit for bit.
- *  2. host planning: launch grids, the sizes of every device buffer (one table that the
- *     allocation and the memory check both read), the depth of the microbatch gradient tree,
- *     the AdamW weight-decay runs of the flat parameter buffer, the per-token grouping of
- *     positions for the embedding gradient, FLOPs and the peak used for MFU.
+ *  2. host planning: launch grids, the startup check of every launch's shape, the per-token
+ *     grouping of positions for the embedding gradient, and the peak used for MFU.
  */
 #ifndef LLMC_GPU_PLAN_H
 #define LLMC_GPU_PLAN_H
@@ -37,10 +35,11 @@ HD float det_load(const void* p, size_t i, int bf16) {
 //
 // Every deterministic matmul-shaped kernel computes out[m][n] = (R2 over r of A(m,r)*B(n,r))
 // with the reduction r walked in tiles of at most DET_KT indices: chunk by chunk (the 8
-// chunks of R2), within a chunk group by group (the qkv weight's dinp is chunked per group,
-// see train_gpt2.c matmul_backward), increasing r. A tile never straddles a chunk or group
-// boundary, so each output's terms are accumulated in exactly the reference order, from 0.0f,
-// with fmaf; when the walk leaves chunk c its partial is pushed into the streaming tree.
+// chunks of R2, or a tensor-parallel rank's 8/K of them: `nchunks`), within a chunk group by
+// group (the qkv weight's dinp is chunked per group, see train_gpt2.c matmul_backward),
+// increasing r. A tile never straddles a chunk or group boundary, so each output's terms are
+// accumulated in exactly the reference order, from 0.0f, with fmaf; when the walk leaves
+// chunk c its partial is pushed into the streaming tree.
 #define DET_MT 128        // rows m of a block tile
 #define DET_NT 64         // columns n of a block tile
 #define DET_KT 16         // reduction indices per shared-memory tile
@@ -76,14 +75,16 @@ enum {
 typedef struct {
     int n;        // length of the reduced dimension
     int groups;   // its groups (n / groups each); 1 except for the qkv dinp (3)
+    int nchunks;  // its chunks: 8, or 8/K for a tensor-parallel rank's share (a power of two)
     int lo, hi;   // only r in [lo, hi) can take part in this tile (causal clamp); [0, n) else
 } DetReduction;
 
 // The reduction of a block tile whose rows are m0..m_last.
-HD DetReduction det_tile_reduction(int n, int groups, int causal, int m0, int m_last) {
+HD DetReduction det_tile_reduction(int n, int groups, int nchunks, int causal, int m0, int m_last) {
     DetReduction r;
     r.n = n;
     r.groups = groups;
+    r.nchunks = nchunks;
     r.lo = 0;
     r.hi = n;
     if (causal == DET_CAUSAL_R_LE_M && m_last + 1 < r.hi) { r.hi = m_last + 1; }
@@ -96,11 +97,12 @@ HD int det_term_included(int causal, int r, int m) {
 }
 
 // Indices [*begin, *end) of chunk c, group g (clamped to [lo, hi); may be empty). Chunk c of
-// group g is [g*og + og*c/8, g*og + og*(c+1)/8), og = n / groups, as in train_gpt2.c.
+// group g is [g*og + og*c/nchunks, g*og + og*(c+1)/nchunks), og = n / groups, as in
+// train_gpt2.c.
 HD void det_segment(const DetReduction* r, int c, int g, int* begin, int* end) {
     long og = r->n / r->groups;
-    long b = g * og + (og * c) / CANON_R;
-    long e = g * og + (og * (c + 1)) / CANON_R;
+    long b = g * og + (og * c) / r->nchunks;
+    long e = g * og + (og * (c + 1)) / r->nchunks;
     if (b < r->lo) { b = r->lo; }
     if (e > r->hi) { e = r->hi; }
     *begin = (int)b;
@@ -112,7 +114,7 @@ HD void det_segment(const DetReduction* r, int c, int g, int* begin, int* end) {
 // the tile is [k0, min(k0 + DET_KT, *kend)). Returns 0 when the walk is over. To advance, add
 // DET_KT to k0 and seek again.
 HD int det_walk_seek(const DetReduction* r, int* c, int* g, int* k0, int* kend) {
-    while (*c < CANON_R) {
+    while (*c < r->nchunks) {
         int b, e;
         det_segment(r, *c, *g, &b, &e);
         if (*k0 < b) { *k0 = b; }
@@ -125,7 +127,8 @@ HD int det_walk_seek(const DetReduction* r, int* c, int* g, int* k0, int* kend) 
 
 // Streaming R1 tree over the 8 chunk partials p0..p7 with three open subtrees s0, s1, s2:
 // after chunk 7, s0 = ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)) = canon_tree8. (This is
-// canon_tree_merges_after(c, 8) written out for registers.)
+// canon_tree_merges_after(c, 8) written out for registers.) The first 2^k pushes build the
+// R1 tree of 2^k partials in s0, so a tensor-parallel rank's 8/K chunks use it unchanged.
 HD void det_tree8_push(int c, float p, float* s0, float* s1, float* s2) {
     switch (c) {
         case 0: *s0 = p; break;
@@ -155,6 +158,7 @@ typedef struct {
     float scale;         // multiplied after the tree (attention scores; 1 otherwise, exact)
     int M, N, R;         // outputs M x N, reduction length R
     int groups;          // R's chunk groups (the qkv dinp: 3)
+    int nchunks;         // R's chunks (8, or a tensor-parallel rank's 8/K)
     int zdiv, Z;
     // the kernel variant: a_rc / b_rc: A (B) contiguous along r, else along m (n) (only how
     // tiles are loaded); causal: DET_CAUSAL_*; out_lower: only outputs n <= m exist
@@ -167,15 +171,17 @@ static inline DetGemmArgs det_gemm_args(int M, int N, int R, int a_rc, int b_rc,
     DetGemmArgs g;
     memset(&g, 0, sizeof(g));
     g.M = M; g.N = N; g.R = R;
-    g.groups = 1; g.zdiv = 1; g.Z = 1; g.scale = 1.0f;
+    g.groups = 1; g.nchunks = CANON_R; g.zdiv = 1; g.Z = 1; g.scale = 1.0f;
     g.a_rc = a_rc; g.b_rc = b_rc; g.causal = causal; g.out_lower = out_lower;
     return g;
 }
 
-// matmul_forward: out (BT,OC) = R2 over k of inp (BT,K) . weight (OC,K), then + bias
+// matmul_forward: out (BT,OC) = R2 over k (nchunks chunks) of inp (BT,K) . weight (OC,K),
+// then + bias
 static inline DetGemmArgs det_args_matmul_forward(float* out, const float* inp, const float* weight,
-                                                  const float* bias, int BT, int K, int OC) {
+                                                  const float* bias, int BT, int K, int OC, int nchunks) {
     DetGemmArgs g = det_gemm_args(BT, OC, K, 1, 1, DET_CAUSAL_NONE, 0);
+    g.nchunks = nchunks;
     g.A = inp;     g.a_m = K;  g.a_r = 1;
     g.B = weight;  g.b_n = K;  g.b_r = 1;
     g.out = out;   g.o_m = OC;
@@ -183,10 +189,12 @@ static inline DetGemmArgs det_args_matmul_forward(float* out, const float* inp, 
     return g;
 }
 
-// matmul_backward's dinp (BT,K) = R2 over outputs o (chunked per group) of dout . weight
+// matmul_backward's dinp (BT,K) = R2 over outputs o (nchunks chunks of each group) of
+// dout . weight
 static inline DetGemmArgs det_args_matmul_dinp(float* dinp, const float* dout, const float* weight,
-                                               int BT, int K, int OC, int groups) {
+                                               int BT, int K, int OC, int groups, int nchunks) {
     DetGemmArgs g = det_gemm_args(BT, K, OC, 1, 0, DET_CAUSAL_NONE, 0);
+    g.nchunks = nchunks;
     g.A = dout;    g.a_m = OC; g.a_r = 1;
     g.B = weight;  g.b_n = 1;  g.b_r = K;
     g.out = dinp;  g.o_m = K;
@@ -268,30 +276,37 @@ static inline DetGemmArgs det_args_attention_by_queries(float* out, long ldo, co
 //
 // A position reduction is computed as leaves, one per (sequence b, chunk ch of T), each the
 // sequential sum over its positions from 0.0f, then combined by the R3 tree. Leaf (b, ch) of
-// output o is stored at leaves[(b * CANON_R + ch) * stride + o].
+// output o is stored at leaves[(b * nchunks + ch) * stride + o]. nchunks is 8, or 8/K when a
+// sequence-parallel rank holds T/K positions of each sequence (its chunks of the 8).
 
-// The R3 tree of nseq * 8 leaves: the 8 chunks of each sequence, then R1 over sequences.
-HD float det_pos_tree(const float* leaves, int nseq, long stride) {
-    float stack[CANON_LOG2_R + 34];
+// The R1 tree over the nchunks leaves of sequence b: the sequence's subtree of the R3 tree.
+HD float det_seq_tree(const float* leaves, int b, int nchunks, long stride) {
+    return canon_tree_sum(leaves + (long)b * nchunks * stride, nchunks, stride);
+}
+
+// The R3 tree of nseq * nchunks leaves: the chunks of each sequence, then R1 over sequences.
+HD float det_pos_tree(const float* leaves, int nseq, int nchunks, long stride) {
+    float stack[34];
     int top = 0;
     stack[0] = 0.0f;   // the value of an empty reduction (nseq == 0)
     for (int b = 0; b < nseq; b++) {
-        for (int ch = 0; ch < CANON_R; ch++) {
-            stack[top++] = leaves[((long)b * CANON_R + ch) * stride];
-            for (int m = canon_pos_merges_after(b, nseq, ch); m > 0; m--) {
-                stack[top - 2] = stack[top - 2] + stack[top - 1];
-                top--;
-            }
+        stack[top++] = det_seq_tree(leaves, b, nchunks, stride);
+        for (int m = canon_tree_merges_after(b, nseq); m > 0; m--) {
+            stack[top - 2] = stack[top - 2] + stack[top - 1];
+            top--;
         }
     }
     return stack[0];
 }
 
+// First position of chunk ch of nchunks over T (train_gpt2.c: T*ch/nchunks).
+HD long det_pos_chunk_begin(long T, int ch, int nchunks) { return (T * (long)ch) / nchunks; }
+
 // Leaf (b, ch) of sum over positions of x[pos * OC + o] (x: B*T rows of OC; bias gradients,
 // the loss).
-HD float det_position_leaf(const void* x, int bf16, int OC, int o, int b, int T, int ch) {
+HD float det_position_leaf(const void* x, int bf16, int OC, int o, int b, int T, int ch, int nchunks) {
     float acc = 0.0f;
-    for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
+    for (long t = det_pos_chunk_begin(T, ch, nchunks); t < det_pos_chunk_begin(T, ch + 1, nchunks); t++) {
         acc = acc + det_load(x, ((size_t)b * T + t) * OC + o, bf16);
     }
     return acc;
@@ -300,10 +315,10 @@ HD float det_position_leaf(const void* x, int bf16, int OC, int o, int b, int T,
 // Leaves (b, ch) of layernorm's parameter gradients at channel c: dweight = sum dy * n
 // (fmaf), dbias = sum dy, with n = (x - mean) * rstd (train_gpt2.c layernorm_backward).
 HD void det_ln_param_leaf(const void* x, const void* dy, int bf16, const float* mean,
-                          const float* rstd, int C, int c, int b, int T, int ch,
+                          const float* rstd, int C, int c, int b, int T, int ch, int nchunks,
                           float* leaf_w, float* leaf_b) {
     float aw = 0.0f, ab = 0.0f;
-    for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
+    for (long t = det_pos_chunk_begin(T, ch, nchunks); t < det_pos_chunk_begin(T, ch + 1, nchunks); t++) {
         size_t i = (size_t)b * T + t;
         float d = det_load(dy, i * C + c, bf16);
         float n = (det_load(x, i * C + c, bf16) - mean[i]) * rstd[i];
@@ -484,222 +499,34 @@ static inline const char* gpu_launch_problem(const GPT2Config* c, long B, long T
     return NULL;   // the sampler (B = 1, T = genT) launches within the same limits
 }
 
-// The most gradient buffers alive at once while the R1 tree over M microbatches is streamed
-// (the stack of zero.h's gradient accumulation): at most ceil(log2 M) + 1, e.g. 3 for M = 4.
-static inline int gradstack_depth(int M) {
-    int top = 0, most = 0;
-    for (int i = 0; i < M; i++) {
-        top++;
-        if (top > most) { most = top; }
-        top -= canon_tree_merges_after(i, M);
-    }
-    return most;
-}
-
-// The flat parameter buffer (MEMORY order) as runs of tensors with the same AdamW weight
-// decay (model.h param_is_decayed): run r is [run_end[r-1], run_end[r]) with decay flag
-// run_decay[r]. Returns the number of runs (at most 2 + 12 L + 2), or 0 if max is too small.
-static inline int adamw_decay_runs(const GPT2Config* c, int64_t* run_end, int* run_decay, int max) {
-    int n = 0;
-    int64_t pos = 0;
-    for (int piece = 0; piece < 4 + NUM_LAYER_TENSORS * c->num_layers; piece++) {
-        int t, l = 0;
-        if (piece < 2) { t = piece; }
-        else if (piece < 2 + NUM_LAYER_TENSORS * c->num_layers) {
-            t = P_LN1W + (piece - 2) % NUM_LAYER_TENSORS;
-            l = (piece - 2) / NUM_LAYER_TENSORS;
-        } else { t = piece - 2 - NUM_LAYER_TENSORS * c->num_layers + P_LNFW; }
-        if ((int64_t)param_offset(c, t, l) != pos) { return 0; }   // memory order is contiguous
-        pos += (int64_t)param_tensor_elements(c, t);
-        int decay = param_is_decayed(t);
-        if (n > 0 && run_decay[n - 1] == decay) {
-            run_end[n - 1] = pos;
-        } else {
-            if (n == max) { return 0; }
-            run_end[n] = pos;
-            run_decay[n] = decay;
-            n++;
-        }
-    }
-    return n;
-}
-
-// The optimizer state of a single-rank run of train_gpt2 is written as one range per parameter
-// tensor in MEMORY order (zero.h zero_state_ranges: one run per tensor-parallel piece, and with
-// one rank a piece is a whole tensor); writing the same ranges makes train_gpt2cu's state
-// files byte-identical to train_gpt2's (dev/test/test_cuda_host.c compares the two
-// enumerations). Fills begin/end (4 + 12 L entries) and returns the count.
-static inline int state_tensor_ranges(const GPT2Config* c, int64_t* begin, int64_t* end) {
-    int n = 0;
-    for (int piece = 0; piece < 4 + NUM_LAYER_TENSORS * c->num_layers; piece++) {
-        int t, l = 0;
-        if (piece < 2) { t = piece; }
-        else if (piece < 2 + NUM_LAYER_TENSORS * c->num_layers) {
-            t = P_LN1W + (piece - 2) % NUM_LAYER_TENSORS;
-            l = (piece - 2) / NUM_LAYER_TENSORS;
-        } else { t = piece - 2 - NUM_LAYER_TENSORS * c->num_layers + P_LNFW; }
-        begin[n] = (int64_t)param_offset(c, t, l);
-        end[n] = begin[n] + (int64_t)param_tensor_elements(c, t);
-        n++;
-    }
-    return n;
-}
-
-// Groups the B*T positions of a microbatch by token for the embedding gradient: the u-th
-// distinct token (ascending id) is tokens[u], its positions order[begin[u] .. begin[u+1]) in
-// (b, t) order (a stable counting sort, as train_gpt2.c encoder_backward does). count needs
-// Vp + 1 ints. Returns the number of distinct tokens.
-static inline int encoder_backward_plan(const int* inp, int BT, int Vp, int* count, int* order,
+// Groups the B*T positions of a microbatch by token for the embedding gradient of the
+// vocabulary rows [v0, v0 + Vl) this rank holds (one rank: v0 = 0, Vl = Vp): the u-th distinct
+// token held (ascending id) is v0 + tokens[u], its positions order[begin[u] .. begin[u+1]) in
+// (b, t) order (a stable counting sort, as train_gpt2.c encoder_backward does); positions of
+// tokens other ranks hold are left out. count needs Vl + 1 ints. Returns the number of
+// distinct tokens held.
+static inline int encoder_backward_plan(const int* inp, int BT, int v0, int Vl, int* count, int* order,
                                         int* begin, int* tokens) {
-    memset(count, 0, sizeof(int) * ((size_t)Vp + 1));
-    for (int i = 0; i < BT; i++) { count[inp[i] + 1]++; }
+    memset(count, 0, sizeof(int) * ((size_t)Vl + 1));
+    for (int i = 0; i < BT; i++) {
+        int v = inp[i] - v0;
+        if (v >= 0 && v < Vl) { count[v + 1]++; }
+    }
     int nuniq = 0;
-    for (int v = 0; v < Vp; v++) {
+    for (int v = 0; v < Vl; v++) {
         if (count[v + 1] > 0) { tokens[nuniq++] = v; }
         count[v + 1] += count[v];
     }
-    for (int u = 0; u <= nuniq; u++) { begin[u] = u < nuniq ? count[tokens[u]] : BT; }
-    for (int i = 0; i < BT; i++) { order[count[inp[i]]++] = i; }
+    int held = count[Vl];
+    for (int u = 0; u <= nuniq; u++) { begin[u] = u < nuniq ? count[tokens[u]] : held; }
+    for (int i = 0; i < BT; i++) {
+        int v = inp[i] - v0;
+        if (v >= 0 && v < Vl) { order[count[v]++] = i; }
+    }
     return nuniq;
 }
 
-// ---- device memory ----------------------------------------------------------------------
-//
-// Every device buffer of a run, by name: element count and element size. train_gpt2.cu
-// allocates exactly these, and checks their sum against the free device memory first.
-// "x" tensors are fp32 in deterministic mode and bf16 in fast mode.
-enum {
-    // model
-    BUF_PARAMS, BUF_PARAMS_BF16, BUF_ADAM_M, BUF_ADAM_V, BUF_GRADS,
-    // activations of one forward pass (B, T)
-    BUF_ENCODED, BUF_LN1, BUF_LN1_MEAN, BUF_LN1_RSTD, BUF_QKV, BUF_ATTY, BUF_ATT,
-    BUF_RESIDUAL2, BUF_LN2, BUF_LN2_MEAN, BUF_LN2_RSTD, BUF_FCH, BUF_FCH_GELU, BUF_RESIDUAL3,
-    BUF_LNF, BUF_LNF_MEAN, BUF_LNF_RSTD, BUF_LOGITS, BUF_LOSSES, BUF_PROJ,
-    // gradients of activations
-    BUF_DRESIDUAL, BUF_DBTC, BUF_DQKV, BUF_DBT4C,
-    // scratch
-    BUF_DWEIGHT_SEQ,   // deterministic: per-sequence weight gradients before the R1 over b
-    BUF_ATT_DS,        // deterministic: attention backward's ds (B, NH, T, T)
-    BUF_ATT_D,         // fast: flash attention backward's rowsum(dO * O) (B, NH, T)
-    BUF_LEAVES,        // R3 leaves of bias / layernorm parameter gradients, the loss
-    BUF_INPUTS, BUF_TARGETS, BUF_ENC_ORDER, BUF_ENC_BEGIN, BUF_ENC_TOKENS,
-    BUF_CUBLASLT_WS,   // fast: cuBLASLt workspace
-    // a forward pass of the sampler (B = 1, T = genT), sharing nothing with training
-    BUF_SAMPLE_ACTS,
-    NUM_BUFS
-};
-
-static const char* const gpu_buf_names[NUM_BUFS] = {
-    "parameters", "bf16 parameters", "AdamW m", "AdamW v", "gradients",
-    "encoded", "ln1", "ln1 mean", "ln1 rstd", "qkv", "attention output", "attention",
-    "residual2", "ln2", "ln2 mean", "ln2 rstd", "fch", "fch gelu", "residual3",
-    "lnf", "lnf mean", "lnf rstd", "logits", "losses", "projection",
-    "dresidual", "dbtc", "dqkv", "dbt4c",
-    "per-sequence weight gradients", "attention ds", "attention D", "reduction leaves",
-    "inputs", "targets", "token order", "token ranges", "tokens",
-    "cuBLASLt workspace", "sampler activations"
-};
-
-typedef struct {
-    size_t count[NUM_BUFS];   // elements
-    size_t width[NUM_BUFS];   // bytes per element
-    int grad_buffers;         // depth of the microbatch gradient tree
-} GpuMemoryPlan;
-
-#define CUBLASLT_WORKSPACE_BYTES (32u << 20)
-
-static inline size_t gpu_plan_bytes(const GpuMemoryPlan* p, int buf) {
-    return p->count[buf] * p->width[buf];
-}
-
-// Activation tensors of a pass over (B, T) in the order of the BUF_ENCODED..BUF_PROJ entries.
-static inline void gpu_plan_activations(const GPT2Config* c, long B, long T, int det, int recompute,
-                                        size_t count[], size_t width[]) {
-    size_t L = c->num_layers, C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size;
-    size_t BT = (size_t)(B * T);
-    size_t x = det ? 4 : 2;
-    const size_t n[BUF_PROJ - BUF_ENCODED + 1] = {
-        BT * C, L * BT * C, L * BT, L * BT, L * BT * 3 * C, L * BT * C,
-        det ? L * B * NH * T * T : L * B * NH * T,     // attention probabilities / softmax stats
-        L * BT * C, L * BT * C, L * BT, L * BT, L * BT * 4 * C,
-        (recompute ? 1 : L) * BT * 4 * C, L * BT * C,
-        BT * C, BT, BT, BT * Vp, BT, BT * C
-    };
-    const size_t w[BUF_PROJ - BUF_ENCODED + 1] = {
-        x, x, 4, 4, x, x, 4, x, x, 4, 4, x, x, x, x, 4, 4, det ? (size_t)4 : (size_t)2, 4, x
-    };
-    for (int i = 0; i <= BUF_PROJ - BUF_ENCODED; i++) {
-        count[BUF_ENCODED + i] = n[i];
-        width[BUF_ENCODED + i] = w[i];
-    }
-}
-
-// The sampler's forward pass (B = 1, T = genT) in one allocation: its activations, each
-// starting on a 256-byte boundary, then the genT tokens.
-static inline size_t gpu_round256(size_t bytes) { return (bytes + 255) / 256 * 256; }
-static inline size_t gpu_plan_sample_bytes(const GPT2Config* c, int genT, int det) {
-    size_t sc[NUM_BUFS], sw[NUM_BUFS], bytes = 0;
-    gpu_plan_activations(c, 1, genT, det, 1, sc, sw);
-    for (int i = BUF_ENCODED; i <= BUF_PROJ; i++) { bytes += gpu_round256(sc[i] * sw[i]); }
-    return bytes + gpu_round256((size_t)genT * 4);
-}
-
-// M: microbatches per step; genT: sampled tokens (0 = no sampling).
-static inline GpuMemoryPlan gpu_memory_plan(const GPT2Config* c, int B, int T, int M, int det,
-                                            int recompute, int genT) {
-    GpuMemoryPlan p;
-    memset(&p, 0, sizeof(p));
-    size_t C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size;
-    size_t P = param_count(c), BT = (size_t)B * T;
-    size_t x = det ? 4 : 2;
-    p.grad_buffers = gradstack_depth(M);
-    p.count[BUF_PARAMS] = P;                 p.width[BUF_PARAMS] = 4;
-    p.count[BUF_PARAMS_BF16] = det ? 0 : P;  p.width[BUF_PARAMS_BF16] = 2;
-    p.count[BUF_ADAM_M] = P;                 p.width[BUF_ADAM_M] = 4;
-    p.count[BUF_ADAM_V] = P;                 p.width[BUF_ADAM_V] = 4;
-    p.count[BUF_GRADS] = (size_t)p.grad_buffers * (P + Vp * C);
-    p.width[BUF_GRADS] = 4;
-    gpu_plan_activations(c, B, T, det, recompute, p.count, p.width);
-    p.count[BUF_DRESIDUAL] = BT * C;  p.width[BUF_DRESIDUAL] = x;
-    p.count[BUF_DBTC] = BT * C;       p.width[BUF_DBTC] = x;
-    p.count[BUF_DQKV] = BT * 3 * C;   p.width[BUF_DQKV] = x;
-    p.count[BUF_DBT4C] = BT * 4 * C;  p.width[BUF_DBT4C] = x;
-    // the largest weight gradient per sequence: fc/fcproj (4C x C) or the LM head (Vp x C);
-    // with one sequence the R1 over sequences is the identity and the kernel writes directly
-    size_t big = 4 * C * C > Vp * C ? 4 * C * C : Vp * C;
-    p.count[BUF_DWEIGHT_SEQ] = det && B > 1 ? (size_t)B * big : 0;
-    p.width[BUF_DWEIGHT_SEQ] = 4;
-    p.count[BUF_ATT_DS] = det ? (size_t)B * NH * T * T : 0;   p.width[BUF_ATT_DS] = 4;
-    p.count[BUF_ATT_D] = det ? 0 : (size_t)B * NH * T;       p.width[BUF_ATT_D] = 4;
-    // leaves of the widest position reduction: the fc bias (4C) or layernorm's two C
-    p.count[BUF_LEAVES] = (size_t)B * CANON_R * 4 * C + 1;    p.width[BUF_LEAVES] = 4;
-    p.count[BUF_INPUTS] = BT;         p.width[BUF_INPUTS] = 4;
-    p.count[BUF_TARGETS] = BT;        p.width[BUF_TARGETS] = 4;
-    p.count[BUF_ENC_ORDER] = BT;      p.width[BUF_ENC_ORDER] = 4;
-    p.count[BUF_ENC_BEGIN] = BT + 1;  p.width[BUF_ENC_BEGIN] = 4;
-    p.count[BUF_ENC_TOKENS] = BT;     p.width[BUF_ENC_TOKENS] = 4;
-    p.count[BUF_CUBLASLT_WS] = det ? 0 : CUBLASLT_WORKSPACE_BYTES;
-    p.width[BUF_CUBLASLT_WS] = 1;
-    if (genT > 0) {
-        p.count[BUF_SAMPLE_ACTS] = gpu_plan_sample_bytes(c, genT, det);
-        p.width[BUF_SAMPLE_ACTS] = 1;
-    }
-    return p;
-}
-
-static inline size_t gpu_plan_total_bytes(const GpuMemoryPlan* p) {
-    size_t total = 0;
-    for (int i = 0; i < NUM_BUFS; i++) { total += gpu_round256(gpu_plan_bytes(p, i)); }   // cudaMalloc's granularity
-    return total;
-}
-
 // ---- throughput --------------------------------------------------------------------------
-
-// FLOPs of one optimizer step, the formula train_gpt2.c prints: 6 per parameter per token
-// (forward + backward) plus attention's 6 L C T per token.
-static inline double gpt2_flops_per_step(size_t P, const GPT2Config* c, int T, long long tokens) {
-    return (6.0 * (double)P + 6.0 * c->num_layers * c->channels * T) * (double)tokens;
-}
 
 // The dense peak (TFLOP/s) that MFU is measured against: the bf16 tensor-core peak in fast
 // mode, the plain fp32 (non-tensor) peak in deterministic mode, from the vendor datasheets.

@@ -1,27 +1,35 @@
 /*
  * kernels_det.cuh: the deterministic (--deterministic 1) kernels: fp32, each one the GPU twin
- * of the train_gpt2.c kernel of the same name and argument order, computing every output with
- * that kernel's sequence of floating-point operations (llmc/canonical.h), so the bits agree.
+ * of the train_gpt2.c kernel of the same name and ARGUMENTS, computing every output with that
+ * kernel's sequence of floating-point operations (llmc/canonical.h), so the bits agree. Because
+ * the names and arguments are the same, train_gpt2.cu compiles train_gpt2.c's model on these
+ * kernels: one model, two kernel sets. Tensor and sequence parallelism reach the kernels as on
+ * the CPU: a rank's share of the 8 reduction chunks (`nchunks`), its vocabulary rows (v0, Vl),
+ * per-sequence partials of the layernorm gradients.
  *
  * How the parallel kernels keep the reference order:
  *  - matmul-shaped reductions (matmul forward/backward, the attention products) share one
  *    tiled SIMT kernel, det_gemm_kernel. Threads own OUTPUTS, never parts of a sum: each
  *    output is accumulated by one thread, sequentially within each canonical chunk (the walk
- *    of gpu_plan.h), and the 8 chunk partials are combined by the streaming R1 tree in
+ *    of gpu_plan.h), and the chunk partials are combined by the streaming R1 tree in
  *    registers. Tiling, shared memory and the grid change nothing in that sequence.
  *  - reductions over positions (weight, bias and layernorm-parameter gradients, the loss, the
  *    embedding gradients) are computed as R3 leaves (sequence, chunk of T) by parallel
  *    threads, then combined per output by the R3 tree (det_pos_tree); weight gradients keep
  *    one partial matrix per sequence and finish with the R1 tree over sequences.
  *  - row reductions (layernorm, softmax, cross-entropy) give each of 8 threads one chunk of
- *    the row and combine the partials with the canon_tree8 order through shuffles.
+ *    the row and combine the partials with the canon_tree8 order (through shuffles, or shared
+ *    memory).
  * Per-element math is canonical.h's (canon_expf, canon_gelu, adamw_update_elem, ...), the
  * same functions the CPU calls. Compiled with -fmad=false -prec-div=true -prec-sqrt=true
- * -ftz=false: no contraction, IEEE division and sqrt, subnormals kept.
+ * -ftz=false: no contraction, IEEE division and sqrt, subnormals kept. Every launch is
+ * LAUNCH(...) (cuda_common.cuh), so that the emulated build (dev/gpu/emu) runs them on the CPU;
+ * kernels are static: fast mode's translation unit includes this header too.
  *
- * Also here, shared with fast mode because they are exact AND cheap: the R3 reductions (bias
- * and layernorm parameter gradients, the loss, the embedding gradients; they read fp32 or
- * bf16), the microbatch gradient tree, the gradient norm (exact SumSq) and AdamW.
+ * Also here, shared with fast mode because they are exact AND cheap: the R3 reductions over
+ * positions (bias and layernorm parameter gradients, the loss, the embedding gradients), which
+ * read fp32 or bf16 (the *_x functions), and the device memory operations of memory.h
+ * (memory_device): fill, the tree merge, the exact sum of squares, AdamW.
  */
 #ifndef LLMC_KERNELS_DET_CUH
 #define LLMC_KERNELS_DET_CUH
@@ -30,6 +38,24 @@
 #include "llmc/canonical.h"
 #include "llmc/adamw.h"
 #include "llmc/gpu_plan.h"
+#include "llmc/memory.h"
+
+// ==========================================================================================
+// scratch: device buffers the kernels reuse across calls (kernels run one at a time; slots
+// keep them apart). Grown on demand, never shrunk.
+// ==========================================================================================
+
+enum { DSCRATCH_LEAVES, DSCRATCH_SEQ, DSCRATCH_ATT, DSCRATCH_ENC, DSCRATCH_SUMSQ, DSCRATCH_SUM, NUM_DSCRATCH };
+static void* dscratch_ptr[NUM_DSCRATCH];
+static size_t dscratch_bytes[NUM_DSCRATCH];
+static void* device_scratch(int slot, size_t bytes) {
+    if (bytes > dscratch_bytes[slot]) {
+        device_free(dscratch_ptr[slot]);
+        dscratch_ptr[slot] = device_alloc(bytes, "kernel scratch");
+        dscratch_bytes[slot] = bytes;
+    }
+    return dscratch_ptr[slot];
+}
 
 // ==========================================================================================
 // The tiled canonical reduction: out[z][m][n] = epilogue(R2 over r of A(z,m,r) * B(z,n,r))
@@ -38,7 +64,7 @@
 // One template instance per variant of gpu_plan.h's DetGemmArgs (a_rc, b_rc, causal,
 // out_lower). A_RC / B_RC only change how a tile is loaded, so that global reads coalesce.
 template <bool A_RC, bool B_RC, int CAUSAL, bool OUT_LOWER>
-__global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const DetGemmArgs g) {
+static __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const DetGemmArgs g) {
     __shared__ __align__(16) float As[2][DET_KT][DET_MT + 4];
     __shared__ __align__(16) float Bs[2][DET_KT][DET_NT + 4];
     const int tid = threadIdx.x;
@@ -48,7 +74,7 @@ __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const DetGemmA
     if (OUT_LOWER && n0 > m_last) { return; }   // the tile lies above the diagonal
     const float* A = g.A + det_zoff(z, g.zdiv, g.a_zhi, g.a_zlo);
     const float* Bm = g.B + det_zoff(z, g.zdiv, g.b_zhi, g.b_zlo);
-    const DetReduction red = det_tile_reduction(g.R, g.groups, CAUSAL, m0, m_last);
+    const DetReduction red = det_tile_reduction(g.R, g.groups, g.nchunks, CAUSAL, m0, m_last);
 
     // this thread's outputs: rows m0 + row_of[i], columns n0 + det_out_col(tid, j) (gpu_plan.h)
     int row_of[8];
@@ -150,7 +176,7 @@ __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const DetGemmA
         __syncthreads();
         buf ^= 1;
     }
-    while (cur < CANON_R) { push(cur); cur++; }
+    while (cur < g.nchunks) { push(cur); cur++; }
 
     float* out = g.out + det_zoff(z, g.zdiv, g.o_zhi, g.o_zlo);
     #pragma unroll
@@ -175,16 +201,18 @@ static void det_gemm(const DetGemmArgs& g, const char* name) {
         fatal("%s: %d x %d outputs in %d batches exceed the CUDA grid", name, g.M, g.N, g.Z);
     }
     dim3 grid(gx, gy, gz);
-    int variant = g.a_rc * 1000 + g.b_rc * 100 + g.causal * 10 + g.out_lower;
-    switch (variant) {
-        case 1100: det_gemm_kernel<true, true, DET_CAUSAL_NONE, false><<<grid, DET_THREADS>>>(g); break;
-        case 1000: det_gemm_kernel<true, false, DET_CAUSAL_NONE, false><<<grid, DET_THREADS>>>(g); break;
-        case 0: det_gemm_kernel<false, false, DET_CAUSAL_NONE, false><<<grid, DET_THREADS>>>(g); break;
-        case 1101: det_gemm_kernel<true, true, DET_CAUSAL_NONE, true><<<grid, DET_THREADS>>>(g); break;
-        case 1010: det_gemm_kernel<true, false, DET_CAUSAL_R_LE_M, false><<<grid, DET_THREADS>>>(g); break;
-        case 20: det_gemm_kernel<false, false, DET_CAUSAL_R_GE_M, false><<<grid, DET_THREADS>>>(g); break;
-        default: fatal("%s: no deterministic kernel for variant %04d", name, variant);
+    void (*det_gemm_instance)(const DetGemmArgs) = NULL;
+    switch (g.a_rc * 1000 + g.b_rc * 100 + g.causal * 10 + g.out_lower) {
+        case 1100: det_gemm_instance = det_gemm_kernel<true, true, DET_CAUSAL_NONE, false>; break;
+        case 1000: det_gemm_instance = det_gemm_kernel<true, false, DET_CAUSAL_NONE, false>; break;
+        case 0: det_gemm_instance = det_gemm_kernel<false, false, DET_CAUSAL_NONE, false>; break;
+        case 1101: det_gemm_instance = det_gemm_kernel<true, true, DET_CAUSAL_NONE, true>; break;
+        case 1010: det_gemm_instance = det_gemm_kernel<true, false, DET_CAUSAL_R_LE_M, false>; break;
+        case 20: det_gemm_instance = det_gemm_kernel<false, false, DET_CAUSAL_R_GE_M, false>; break;
+        default: fatal("%s: no deterministic kernel for variant a_rc %d b_rc %d causal %d lower %d", name,
+                       g.a_rc, g.b_rc, g.causal, g.out_lower);
     }
+    LAUNCH(det_gemm_instance, grid, DET_THREADS, g);
     cudaLaunchCheck(name);
 }
 
@@ -192,80 +220,119 @@ static void det_gemm(const DetGemmArgs& g, const char* name) {
 // R3 reductions over positions (shared with fast mode: inputs fp32 or bf16)
 // ==========================================================================================
 
-// leaves[(b*8 + ch) * OC + o] = sum over the positions of chunk ch of sequence b of x[pos][o]
-__global__ void position_leaves_kernel(float* leaves, const void* x, int bf16, int B, int T, int OC) {
-    size_t n = (size_t)B * CANON_R * OC;
+// leaves[(b*nchunks + ch) * OC + o] = sum over the positions of chunk ch of sequence b of x[pos][o]
+static __global__ void position_leaves_kernel(float* leaves, const void* x, int bf16, int B, int T, int OC, int nchunks) {
+    size_t n = (size_t)B * nchunks * OC;
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n;
          idx += (size_t)gridDim.x * blockDim.x) {
         int o = (int)(idx % OC);
         int leaf = (int)(idx / OC);
-        leaves[idx] = det_position_leaf(x, bf16, OC, o, leaf / CANON_R, T, leaf % CANON_R);
+        leaves[idx] = det_position_leaf(x, bf16, OC, o, leaf / nchunks, T, leaf % nchunks, nchunks);
     }
 }
 
-// out[o] = R3 tree of the leaves of output o (n outputs)
-__global__ void position_tree_kernel(float* out, const float* leaves, int B, int n) {
+// out[o] = R3 tree of the leaves of output o (n outputs); or, with seq_out, every sequence's
+// subtree: seq_out[b * n + o]
+static __global__ void position_tree_kernel(float* out, float* seq_out, const float* leaves, int B, int nchunks, int n) {
     int o = blockIdx.x * blockDim.x + threadIdx.x;
-    if (o < n) { out[o] = det_pos_tree(leaves + o, B, n); }
+    if (o >= n) { return; }
+    if (seq_out) {
+        for (int b = 0; b < B; b++) { seq_out[(size_t)b * n + o] = det_seq_tree(leaves + o, b, nchunks, n); }
+    } else {
+        out[o] = det_pos_tree(leaves + o, B, nchunks, n);
+    }
 }
 
-// out (OC) = R3 over positions of x (B,T,OC): bias gradients, and the loss sum (OC = 1)
-static void position_reduce(float* out, float* leaves, const void* x, int bf16, int B, int T, int OC) {
+// out (OC) = R3 over positions of x (B,T,OC), x fp32 or bf16: bias gradients, the loss (OC = 1)
+static inline void position_reduce_x(float* out, const void* x, int bf16, int B, int T, int OC) {
     size_t n = (size_t)B * CANON_R * OC;
-    position_leaves_kernel<<<elementwise_blocks(n, 256), 256>>>(leaves, x, bf16, B, T, OC);
+    float* leaves = (float*)device_scratch(DSCRATCH_LEAVES, sizeof(float) * (n ? n : 1));
+    LAUNCH(position_leaves_kernel, elementwise_blocks(n, 256), 256, leaves, x, bf16, B, T, OC, CANON_R);
     cudaLaunchCheck("position_leaves_kernel");
-    position_tree_kernel<<<ceil_div_u(OC, 256), 256>>>(out, leaves, B, OC);
+    LAUNCH(position_tree_kernel, ceil_div_u(OC, 256), 256, out, (float*)NULL, leaves, B, CANON_R, OC);
     cudaLaunchCheck("position_tree_kernel");
 }
 
-__global__ void ln_param_leaves_kernel(float* leaves_w, float* leaves_b, const void* x, const void* dy,
-                                       int bf16, const float* mean, const float* rstd, int B, int T, int C) {
-    size_t n = (size_t)B * CANON_R * C;
+static __global__ void ln_param_leaves_kernel(float* leaves_w, float* leaves_b, const void* x, const void* dy,
+                                       int bf16, const float* mean, const float* rstd, int B, int T, int C,
+                                       int nchunks) {
+    size_t n = (size_t)B * nchunks * C;
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n;
          idx += (size_t)gridDim.x * blockDim.x) {
         int c = (int)(idx % C);
         int leaf = (int)(idx / C);
-        det_ln_param_leaf(x, dy, bf16, mean, rstd, C, c, leaf / CANON_R, T, leaf % CANON_R,
+        det_ln_param_leaf(x, dy, bf16, mean, rstd, C, c, leaf / nchunks, T, leaf % nchunks, nchunks,
                           &leaves_w[idx], &leaves_b[idx]);
     }
 }
 
-// layernorm's dweight, dbias (C) = R3 of dy * n and of dy (the parameter half of
-// train_gpt2.c layernorm_backward); x, dy fp32 or bf16
-static void layernorm_param_grads(float* dweight, float* dbias, float* leaves, const void* x,
-                                  const void* dy, int bf16, const float* mean, const float* rstd,
-                                  int B, int T, int C) {
-    size_t n = (size_t)B * CANON_R * C;
-    ln_param_leaves_kernel<<<elementwise_blocks(n, 256), 256>>>(leaves, leaves + n, x, dy, bf16,
-                                                                 mean, rstd, B, T, C);
+// layernorm's dweight, dbias (C) = R3 of dy * n and of dy over nchunks chunks of T per
+// sequence (the parameter half of train_gpt2.c layernorm_backward); with seq_partials (2,B,C)
+// each sequence's subtrees instead, for the caller to finish (sequence parallelism). x, dy
+// fp32 or bf16.
+static inline void layernorm_param_grads_x(float* dweight, float* dbias, float* seq_partials, const void* x,
+                                           const void* dy, int bf16, const float* mean, const float* rstd,
+                                           int B, int T, int C, int nchunks) {
+    size_t n = (size_t)B * nchunks * C;
+    float* leaves = (float*)device_scratch(DSCRATCH_LEAVES, 2 * sizeof(float) * (n ? n : 1));
+    LAUNCH(ln_param_leaves_kernel, elementwise_blocks(n, 256), 256, leaves, leaves + n, x, dy, bf16, mean, rstd,
+           B, T, C, nchunks);
     cudaLaunchCheck("ln_param_leaves_kernel");
-    position_tree_kernel<<<ceil_div_u(C, 256), 256>>>(dweight, leaves, B, C);
+    float* seq_w = seq_partials;
+    float* seq_b = seq_partials ? seq_partials + (size_t)B * C : NULL;
+    LAUNCH(position_tree_kernel, ceil_div_u(C, 256), 256, dweight, seq_w, leaves, B, nchunks, C);
     cudaLaunchCheck("position_tree_kernel");
-    position_tree_kernel<<<ceil_div_u(C, 256), 256>>>(dbias, leaves + n, B, C);
+    LAUNCH(position_tree_kernel, ceil_div_u(C, 256), 256, dbias, seq_b, leaves + n, B, nchunks, C);
     cudaLaunchCheck("position_tree_kernel");
 }
 
+// R3 sum of per-position values x (B,T): the loss sum of a microbatch, to the host
+// (train_gpt2.c position_sum).
+static inline float position_sum(const float* x, int B, int T) {
+    float* sum = (float*)device_scratch(DSCRATCH_SUM, sizeof(float));
+    position_reduce_x(sum, x, 0, B, T, 1);
+    float host;
+    cudaCheck(cudaMemcpy(&host, sum, sizeof(float), cudaMemcpyDeviceToHost));
+    return host;
+}
+
 // ==========================================================================================
-// encoder
+// encoder (train_gpt2.c encoder_lookup, encoder_add_positions, encoder_backward)
 // ==========================================================================================
 
-// out (B,T,C) = wte[inp[b,t]] + wpe[t]
-__global__ void encoder_forward_kernel(float* out, const int* inp, const float* wte, const float* wpe,
-                                       int B, int T, int C) {
+// out (B*T,C) = wte row inp[i] - v0 for tokens this rank holds (rows [v0, v0 + Vl)), -0.0f for
+// the others (x + -0 == x: the sum over the tensor-parallel group is exact)
+static __global__ void encoder_lookup_kernel(float* out, const int* inp, const float* wte, int v0, int Vl, int BT, int C) {
+    size_t n = (size_t)BT * C;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t bt = i / C;
+        int c = (int)(i % C);
+        int v = inp[bt] - v0;
+        out[i] = v >= 0 && v < Vl ? wte[(size_t)v * C + c] : -0.0f;
+    }
+}
+
+static inline void encoder_lookup(float* out, const int* inp, const float* wte, int v0, int Vl, int BT, int C) {
+    LAUNCH(encoder_lookup_kernel, elementwise_blocks((size_t)BT * C, 256), 256, out, inp, wte, v0, Vl, BT, C);
+    cudaLaunchCheck("encoder_lookup_kernel");
+}
+
+// out (B,T,C) += wpe[t]
+static __global__ void encoder_add_positions_kernel(float* out, const float* wpe, int B, int T, int C) {
     size_t n = (size_t)B * T * C;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         size_t bt = i / C;
         int c = (int)(i % C);
-        out[i] = wte[(size_t)inp[bt] * C + c] + wpe[(bt % T) * C + c];
+        out[i] = out[i] + wpe[(bt % T) * C + c];
     }
 }
 
-static void encoder_forward(float* out, const int* inp, const float* wte, const float* wpe, int B, int T, int C) {
-    encoder_forward_kernel<<<elementwise_blocks((size_t)B * T * C, 256), 256>>>(out, inp, wte, wpe, B, T, C);
-    cudaLaunchCheck("encoder_forward_kernel");
+static inline void encoder_add_positions(float* out, const float* wpe, int B, int T, int C) {
+    LAUNCH(encoder_add_positions_kernel, elementwise_blocks((size_t)B * T * C, 256), 256, out, wpe, B, T, C);
+    cudaLaunchCheck("encoder_add_positions_kernel");
 }
 
-__global__ void encoder_dwpe_kernel(float* dwpe, const void* dout, int bf16, int B, int T, int C, int maxT) {
+static __global__ void encoder_dwpe_kernel(float* dwpe, const void* dout, int bf16, int B, int T, int C, int maxT) {
     size_t n = (size_t)maxT * C;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         int t = (int)(i / C), c = (int)(i % C);
@@ -274,7 +341,7 @@ __global__ void encoder_dwpe_kernel(float* dwpe, const void* dout, int bf16, int
 }
 
 // one block row per distinct token, threads over channels
-__global__ void encoder_dwte_kernel(float* dwte_emb, const void* dout, int bf16, const int* order,
+static __global__ void encoder_dwte_kernel(float* dwte_emb, const void* dout, int bf16, const int* order,
                                     const int* begin, const int* tokens, int B, int T, int C) {
     int u = blockIdx.x;
     int c = blockIdx.y * blockDim.x + threadIdx.x;
@@ -283,24 +350,38 @@ __global__ void encoder_dwte_kernel(float* dwte_emb, const void* dout, int bf16,
         det_encoder_dwte_elem(dout, bf16, order, begin[u], begin[u + 1], B, T, C, c);
 }
 
-// dwte_emb (Vp,C), dwpe (maxT,C) <- dout (B,T,C), with the positions grouped by token on the
-// host (gpu_plan.h encoder_backward_plan: order, begin, tokens of the nuniq distinct tokens).
-// Rows of tokens not in the batch are 0; every element is written.
-static void encoder_backward(float* dwte_emb, float* dwpe, const void* dout, int bf16, const int* order,
-                             const int* begin, const int* tokens, int nuniq, int B, int T, int C,
-                             int Vp, int maxT) {
-    encoder_dwpe_kernel<<<elementwise_blocks((size_t)maxT * C, 256), 256>>>(dwpe, dout, bf16, B, T, C, maxT);
+// dwte_emb (Vl,C) for the vocabulary rows [v0, v0 + Vl), dwpe (maxT,C) <- dout (B,T,C), dout
+// fp32 or bf16, inp the tokens (device). The positions are grouped by token on the host
+// (gpu_plan.h encoder_backward_plan); rows of tokens not in the batch are 0; every element is
+// written.
+static inline void encoder_backward_x(float* dwte_emb, float* dwpe, const void* dout, int bf16, const int* inp,
+                                      int B, int T, int C, int v0, int Vl, int maxT) {
+    int BT = B * T;
+    int* host = (int*)malloc_or_die(sizeof(int) * (2 * (size_t)BT + 1 + BT + (size_t)Vl + 1 + BT), "token grouping");
+    int *tokens_in = host, *order = host + BT, *begin = order + BT, *tokens = begin + BT + 1, *count = tokens + BT;
+    cudaCheck(cudaMemcpy(tokens_in, inp, sizeof(int) * BT, cudaMemcpyDeviceToHost));
+    int nuniq = encoder_backward_plan(tokens_in, BT, v0, Vl, count, order, begin, tokens);
+    int* plan = (int*)device_scratch(DSCRATCH_ENC, sizeof(int) * (2 * (size_t)BT + 1 + BT));
+    cudaCheck(cudaMemcpy(plan, order, sizeof(int) * (2 * (size_t)BT + 1 + BT), cudaMemcpyHostToDevice));
+    free(host);
+    LAUNCH(encoder_dwpe_kernel, elementwise_blocks((size_t)maxT * C, 256), 256, dwpe, dout, bf16, B, T, C, maxT);
     cudaLaunchCheck("encoder_dwpe_kernel");
-    cudaCheck(cudaMemsetAsync(dwte_emb, 0, sizeof(float) * (size_t)Vp * C));
+    cudaCheck(cudaMemsetAsync(dwte_emb, 0, sizeof(float) * (size_t)Vl * C));
     if (nuniq > 0) {
-        encoder_dwte_kernel<<<dim3(nuniq, ceil_div_u(C, 128)), 128>>>(dwte_emb, dout, bf16, order, begin,
-                                                                      tokens, B, T, C);
+        const int *d_order = plan, *d_begin = plan + BT, *d_tokens = plan + 2 * BT + 1;
+        LAUNCH(encoder_dwte_kernel, dim3(nuniq, ceil_div_u(C, 128)), 128, dwte_emb, dout, bf16, d_order, d_begin,
+               d_tokens, B, T, C);
         cudaLaunchCheck("encoder_dwte_kernel");
     }
 }
 
+static inline void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int* inp, int B, int T,
+                                    int C, int v0, int Vl, int maxT) {
+    encoder_backward_x(dwte_emb, dwpe, dout, 0, inp, B, T, C, v0, Vl, maxT);
+}
+
 // ==========================================================================================
-// row reductions: 8 threads per row, thread ch owns chunk ch
+// layernorm (row reductions: 8 threads per row, thread ch owns chunk ch)
 // ==========================================================================================
 
 // canon_tree8 of the partials of the 8 lanes of this lane's group (lane % 8 = chunk),
@@ -313,7 +394,7 @@ __device__ __forceinline__ float det_tree8_shfl(float p) {
 }
 
 // layernorm per position over C (R2), eps 1e-5 (train_gpt2.c layernorm_forward)
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp,
+static __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp,
                                          const float* weight, const float* bias, int BT, int C) {
     int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / CANON_R);
     int ch = threadIdx.x % CANON_R;
@@ -332,13 +413,14 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, c
     }
 }
 
-static void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
-                              const float* weight, const float* bias, int BT, int C) {
-    layernorm_forward_kernel<<<ceil_div_u((size_t)BT * CANON_R, 256), 256>>>(out, mean, rstd, inp, weight, bias, BT, C);
+static inline void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+                                     const float* weight, const float* bias, int BT, int C) {
+    LAUNCH(layernorm_forward_kernel, ceil_div_u((size_t)BT * CANON_R, 256), 256, out, mean, rstd, inp, weight,
+           bias, BT, C);
     cudaLaunchCheck("layernorm_forward_kernel");
 }
 
-__global__ void layernorm_backward_dinp_kernel(float* dres, const float* dout, const float* inp,
+static __global__ void layernorm_backward_dinp_kernel(float* dres, const float* dout, const float* inp,
                                                const float* weight, const float* mean,
                                                const float* rstd, int BT, int C) {
     int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / CANON_R);
@@ -358,50 +440,60 @@ __global__ void layernorm_backward_dinp_kernel(float* dres, const float* dout, c
     }
 }
 
-// dres (BT,C) <- dres + dinp_ln; dweight, dbias (C) = R3 (train_gpt2.c layernorm_backward)
-static void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
-                               const float* inp, const float* weight, const float* mean,
-                               const float* rstd, int B, int T, int C, float* leaves) {
+// dres (BT,C) <- dres + dinp_ln; dweight, dbias (C) = R3 over positions, each sequence's T
+// positions in nchunks chunks; with seq_partials (2,B,C), each sequence's subtrees instead
+// (sequence parallelism: the caller finishes them over the group). train_gpt2.c
+// layernorm_backward.
+static inline void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
+                                      const float* inp, const float* weight, const float* mean,
+                                      const float* rstd, int B, int T, int C, int nchunks, float* seq_partials) {
     int BT = B * T;
-    layernorm_backward_dinp_kernel<<<ceil_div_u((size_t)BT * CANON_R, 256), 256>>>(dres, dout, inp, weight,
-                                                                                   mean, rstd, BT, C);
+    LAUNCH(layernorm_backward_dinp_kernel, ceil_div_u((size_t)BT * CANON_R, 256), 256, dres, dout, inp, weight,
+           mean, rstd, BT, C);
     cudaLaunchCheck("layernorm_backward_dinp_kernel");
-    layernorm_param_grads(dweight, dbias, leaves, inp, dout, 0, mean, rstd, B, T, C);
+    layernorm_param_grads_x(dweight, dbias, seq_partials, inp, dout, 0, mean, rstd, B, T, C, nchunks);
+}
+
+// R1 over the nseq per-sequence values: out[i] = tree over b of seq[b * n + i]
+static __global__ void sequence_tree_kernel(float* out, const float* seq, int nseq, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        out[i] = canon_tree_sum(seq + i, nseq, (long)n);
+    }
+}
+
+// out[c] = the R1 tree over sequences b of partials[b][c] (B,n) (train_gpt2.c sequence_tree)
+static inline void sequence_tree(float* out, const float* partials, int B, int n) {
+    LAUNCH(sequence_tree_kernel, elementwise_blocks((size_t)n, 256), 256, out, partials, B, (size_t)n);
+    cudaLaunchCheck("sequence_tree_kernel");
 }
 
 // ==========================================================================================
 // matmul: out (BT,OC) = inp (BT,K) @ weight (OC,K)^T + bias (OC)
 // ==========================================================================================
 
-static void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                           int BT, int K, int OC) {
-    det_gemm(det_args_matmul_forward(out, inp, weight, bias, BT, K, OC), "matmul_forward");
+static inline void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
+                                  int BT, int K, int OC, int nchunks) {
+    det_gemm(det_args_matmul_forward(out, inp, weight, bias, BT, K, OC, nchunks), "matmul_forward");
 }
 
-// R1 over the nseq per-sequence weight gradients: out[i] = tree over b of seq[b * n + i]
-__global__ void sequence_tree_kernel(float* out, const float* seq, int nseq, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        out[i] = canon_tree_sum(seq + i, nseq, (long)n);
-    }
-}
-
-// dinp (BT,K) = R2 over outputs o (chunked per group); dweight (OC,K) = R3 over positions;
-// dbias (OC) = R3 (train_gpt2.c matmul_backward). dinp, dweight, dbias may be NULL.
-// Scratch: seq (B * OC * K floats, unused when B == 1) and leaves (B * 8 * OC floats).
-static void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                            const float* inp, const float* weight, int B, int T, int K, int OC,
-                            int groups, float* seq, float* leaves) {
+// dinp (BT,K) = R2 over outputs o (nchunks chunks of each group); dweight (OC,K) = R3 over
+// positions; dbias (OC) = R3 (train_gpt2.c matmul_backward). dinp, dweight, dbias may be NULL.
+static inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                                   const float* inp, const float* weight, int B, int T, int K, int OC,
+                                   int groups, int nchunks) {
     int BT = B * T;
-    if (dinp) { det_gemm(det_args_matmul_dinp(dinp, dout, weight, BT, K, OC, groups), "matmul_backward dinp"); }
+    if (dinp) { det_gemm(det_args_matmul_dinp(dinp, dout, weight, BT, K, OC, groups, nchunks), "matmul_backward dinp"); }
     if (dweight) {
-        det_gemm(det_args_matmul_dweight(B > 1 ? seq : dweight, dout, inp, B, T, K, OC), "matmul_backward dweight");
+        // one partial matrix per sequence, then the R1 tree over sequences (B == 1: direct)
+        size_t n = (size_t)OC * K;
+        float* seq = B > 1 ? (float*)device_scratch(DSCRATCH_SEQ, sizeof(float) * n * B) : dweight;
+        det_gemm(det_args_matmul_dweight(seq, dout, inp, B, T, K, OC), "matmul_backward dweight");
         if (B > 1) {
-            size_t n = (size_t)OC * K;
-            sequence_tree_kernel<<<elementwise_blocks(n, 256), 256>>>(dweight, seq, B, n);
+            LAUNCH(sequence_tree_kernel, elementwise_blocks(n, 256), 256, dweight, (const float*)seq, B, n);
             cudaLaunchCheck("sequence_tree_kernel");
         }
     }
-    if (dbias) { position_reduce(dbias, leaves, dout, 0, B, T, OC); }
+    if (dbias) { position_reduce_x(dbias, dout, 0, B, T, OC); }
 }
 
 // ==========================================================================================
@@ -410,7 +502,7 @@ static void matmul_backward(float* dinp, float* dweight, float* dbias, const flo
 
 // softmax of row (z, t) of the scores over keys t2 <= t, in place: max, exps, R2 over the
 // key chunks (of T), division; 0 past t. One warp per row; lanes 0-7 own the chunk sums.
-__global__ void attention_softmax_kernel(float* att, int rows, int T) {
+static __global__ void attention_softmax_kernel(float* att, int rows, int T) {
     int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x % 32;
     if (row >= rows) { return; }   // whole warps: rows is per warp
@@ -434,7 +526,7 @@ __global__ void attention_softmax_kernel(float* att, int rows, int T) {
 }
 
 // ds row (z, t) <- att * (dst - S) * scale, S = R2 over key chunks of fmaf(att, dst)
-__global__ void attention_softmax_backward_kernel(float* ds, const float* att, int rows, int T, float scale) {
+static __global__ void attention_softmax_backward_kernel(float* ds, const float* att, int rows, int T, float scale) {
     int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x % 32;
     if (row >= rows) { return; }
@@ -451,22 +543,23 @@ __global__ void attention_softmax_backward_kernel(float* ds, const float* att, i
 }
 
 // qkv (B,T,3C) -> out (B,T,C), att (B,NH,T,T) the probabilities (0 above the diagonal)
-static void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+static inline void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
     det_gemm(det_args_attention_scores(att, qkv, B, T, C, NH), "attention_forward scores");
     int rows = B * NH * T;
-    attention_softmax_kernel<<<ceil_div_u((size_t)rows * 32, 256), 256>>>(att, rows, T);
+    LAUNCH(attention_softmax_kernel, ceil_div_u((size_t)rows * 32, 256), 256, att, rows, T);
     cudaLaunchCheck("attention_softmax_kernel");
     det_gemm(det_args_attention_by_keys(out, C, att, qkv + 2 * C, 3L * C, B, T, C, NH), "attention_forward att@v");
 }
 
-// dqkv (B,T,3C) <- dout (B,T,C); ds scratch (B,NH,T,T)
-static void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
-                               int B, int T, int C, int NH, float* ds) {
+// dqkv (B,T,3C) <- dout (B,T,C)
+static inline void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                                      int B, int T, int C, int NH) {
     long C3 = 3L * C;
+    float* ds = (float*)device_scratch(DSCRATCH_ATT, sizeof(float) * (size_t)B * NH * T * T);
     det_gemm(det_args_attention_datt(ds, dout, qkv, B, T, C, NH), "attention_backward datt");
     int rows = B * NH * T;
-    attention_softmax_backward_kernel<<<ceil_div_u((size_t)rows * 32, 256), 256>>>(
-        ds, att, rows, T, canon_rsqrtf((float)(C / NH)));
+    LAUNCH(attention_softmax_backward_kernel, ceil_div_u((size_t)rows * 32, 256), 256, ds, att, rows, T,
+           canon_rsqrtf((float)(C / NH)));
     cudaLaunchCheck("attention_softmax_backward_kernel");
     det_gemm(det_args_attention_by_keys(dqkv, C3, ds, qkv + C, C3, B, T, C, NH), "attention_backward dq");
     det_gemm(det_args_attention_by_queries(dqkv + C, C3, ds, qkv, C3, B, T, C, NH), "attention_backward dk");
@@ -477,113 +570,166 @@ static void attention_backward(float* dqkv, const float* dout, const float* qkv,
 // elementwise
 // ==========================================================================================
 
-__global__ void gelu_forward_kernel(float* out, const float* inp, size_t n) {
+static __global__ void gelu_forward_kernel(float* out, const float* inp, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         out[i] = canon_gelu(inp[i]);
     }
 }
 
-static void gelu_forward(float* out, const float* inp, size_t n) {
-    gelu_forward_kernel<<<elementwise_blocks(n, 256), 256>>>(out, inp, n);
+static inline void gelu_forward(float* out, const float* inp, size_t n) {
+    LAUNCH(gelu_forward_kernel, elementwise_blocks(n, 256), 256, out, inp, n);
     cudaLaunchCheck("gelu_forward_kernel");
 }
 
 // dinp = gelu'(inp) * dout (may be in place)
-__global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, size_t n) {
+static __global__ void gelu_backward_kernel(float* dinp, const float* inp, const float* dout, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         dinp[i] = canon_gelu_grad(inp[i]) * dout[i];
     }
 }
 
-static void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
-    gelu_backward_kernel<<<elementwise_blocks(n, 256), 256>>>(dinp, inp, dout, n);
+static inline void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
+    LAUNCH(gelu_backward_kernel, elementwise_blocks(n, 256), 256, dinp, inp, dout, n);
     cudaLaunchCheck("gelu_backward_kernel");
 }
 
-// out = a + b (the residual stream; also the microbatch tree's merge and the tied embedding's
-// two gradient halves)
-__global__ void add_kernel(float* out, const float* a, const float* b, size_t n) {
+// out = a + b (the residual stream; also memory_device's tree merge)
+static __global__ void add_kernel(float* out, const float* a, const float* b, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         out[i] = a[i] + b[i];
     }
 }
 
-static void residual_forward(float* out, const float* a, const float* b, size_t n) {
-    add_kernel<<<elementwise_blocks(n, 256), 256>>>(out, a, b, n);
+static inline void residual_forward(float* out, const float* a, const float* b, size_t n) {
+    LAUNCH(add_kernel, elementwise_blocks(n, 256), 256, out, a, b, n);
     cudaLaunchCheck("add_kernel");
 }
 
+// out (BT,OC) += bias: a row-parallel layer's bias, added once after its all-reduce
+static __global__ void bias_forward_kernel(float* out, const float* bias, int BT, int OC) {
+    size_t n = (size_t)BT * OC;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        out[i] = out[i] + bias[i % OC];
+    }
+}
+
+static inline void bias_forward(float* out, const float* bias, int BT, int OC) {
+    LAUNCH(bias_forward_kernel, elementwise_blocks((size_t)BT * OC, 256), 256, out, bias, BT, OC);
+    cudaLaunchCheck("bias_forward_kernel");
+}
+
 // ==========================================================================================
-// softmax + cross-entropy over the vocabulary (padding v >= V: probability 0, in no sum)
+// softmax + cross-entropy over this rank's vocabulary entries [v0, v0 + Vl) (train_gpt2.c's
+// three phases; entries v >= V are padding: probability 0, in no sum)
 // ==========================================================================================
 
-// One block per position: max (exact in any order), exps, the R2 chunk sums over Vp by
-// threads 0-7, canon_tree8, division, loss = log(Z) - (logit_target - max).
-__global__ void crossentropy_forward_kernel(float* probs_logits, float* losses, const int* targets,
-                                            int V, int Vp) {
-    __shared__ float s_red[32];
-    __shared__ float s_part[CANON_R];
-    __shared__ float s_target;
-    int i = blockIdx.x;
-    float* p = probs_logits + (size_t)i * Vp;
-    float maxv = -canon_inf();
-    for (int v = threadIdx.x; v < V; v += blockDim.x) { if (p[v] > maxv) { maxv = p[v]; } }
+// maxes (BT) = the largest real logit of each position among this rank's entries: one warp
+// per position
+static __global__ void crossentropy_max_kernel(float* maxes, const float* logits, int BT, int V, int v0, int Vl) {
+    int i = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
+    int lane = threadIdx.x % 32;
+    if (i >= BT) { return; }   // whole warps: a warp is one position
+    const float* p = logits + (size_t)i * Vl;
+    float m = -canon_inf();
+    for (int v = lane; v < Vl && v0 + v < V; v += 32) { if (p[v] > m) { m = p[v]; } }
     for (int o = 16; o > 0; o >>= 1) {
-        float other = __shfl_xor_sync(FULL_MASK, maxv, o);
-        if (other > maxv) { maxv = other; }
+        float other = __shfl_xor_sync(FULL_MASK, m, o);
+        if (other > m) { m = other; }
     }
-    if (threadIdx.x % 32 == 0) { s_red[threadIdx.x / 32] = maxv; }
-    __syncthreads();
-    maxv = s_red[0];
-    for (int w = 1; w < (int)blockDim.x / 32; w++) { if (s_red[w] > maxv) { maxv = s_red[w]; } }
-    if (threadIdx.x == 0) { s_target = targets ? p[targets[i]] - maxv : 0.0f; }
-    __syncthreads();
-    for (int v = threadIdx.x; v < V; v += blockDim.x) { p[v] = canon_expf(p[v] - maxv); }
-    __syncthreads();
-    if (threadIdx.x < CANON_R) {
-        long begin = canon_chunk_begin(Vp, threadIdx.x), end = canon_chunk_begin(Vp, threadIdx.x + 1);
-        s_part[threadIdx.x] = det_chunk_sum(p, begin < V ? begin : V, end < V ? end : V);
-    }
-    __syncthreads();
-    float zsum = canon_tree8(s_part);
-    for (int v = threadIdx.x; v < Vp; v += blockDim.x) { p[v] = v < V ? p[v] / zsum : 0.0f; }
-    if (threadIdx.x == 0 && targets) { losses[i] = canon_logf(zsum) - s_target; }
+    if (lane == 0) { maxes[i] = m; }
 }
 
-// logits (BT,Vp) are overwritten by probs; losses (BT) only if targets != NULL
-static void crossentropy_forward(float* probs_logits, float* losses, const int* targets, int BT, int V, int Vp) {
-    crossentropy_forward_kernel<<<BT, 256>>>(probs_logits, losses, targets, V, Vp);
-    cudaLaunchCheck("crossentropy_forward_kernel");
+static inline void crossentropy_max(float* maxes, const float* logits, int BT, int V, int v0, int Vl) {
+    LAUNCH(crossentropy_max_kernel, ceil_div_u((size_t)BT * 32, 256), 256, maxes, logits, BT, V, v0, Vl);
+    cudaLaunchCheck("crossentropy_max_kernel");
 }
 
-// dlogits = (probs - onehot(target)) * dloss over v < V, written over probs (padding stays 0)
-__global__ void crossentropy_backward_kernel(float* dlogits_probs, const int* targets, float dloss,
-                                             int BT, int V, int Vp) {
-    size_t n = (size_t)BT * V;
-    for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n;
-         idx += (size_t)gridDim.x * blockDim.x) {
-        size_t i = idx / V;
-        int v = (int)(idx % V);
-        float indicator = v == targets[i] ? 1.0f : 0.0f;
-        float* p = dlogits_probs + i * Vp + v;
-        *p = (*p - indicator) * dloss;
+// One block per position: logits <- exp(logits - max) over real entries, zs = the R1 tree of
+// the nchunks chunk sums (threads 0..nchunks-1 own a chunk each), target_logits = the target's
+// logit where this rank holds it, else -0.0f.
+static __global__ void crossentropy_exps_kernel(float* zs, float* target_logits, float* logits, const float* maxes,
+                                         const int* targets, int V, int v0, int Vl, int nchunks) {
+    __shared__ float s_part[CANON_R];
+    int i = blockIdx.x;
+    float* p = logits + (size_t)i * Vl;
+    float m = maxes[i];
+    if (threadIdx.x == 0) {
+        int t = targets ? targets[i] - v0 : -1;
+        target_logits[i] = t >= 0 && t < Vl ? p[t] : -0.0f;
+    }
+    __syncthreads();   // the target logit is read before the exps overwrite it
+    for (int v = threadIdx.x; v < Vl && v0 + v < V; v += blockDim.x) { p[v] = canon_expf(p[v] - m); }
+    __syncthreads();
+    if ((int)threadIdx.x < nchunks) {
+        long begin = ((long)Vl * threadIdx.x) / nchunks, end = ((long)Vl * (threadIdx.x + 1)) / nchunks;
+        long real = (long)V - v0;   // entries at or past `real` are padding
+        s_part[threadIdx.x] = det_chunk_sum(p, begin < real ? begin : real, end < real ? end : real);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) { zs[i] = canon_tree_sum(s_part, nchunks, 1); }
+}
+
+static inline void crossentropy_exps(float* zs, float* target_logits, float* logits, const float* maxes,
+                                     const int* targets, int BT, int V, int v0, int Vl, int nchunks) {
+    LAUNCH(crossentropy_exps_kernel, BT, 256, zs, target_logits, logits, maxes, targets, V, v0, Vl, nchunks);
+    cudaLaunchCheck("crossentropy_exps_kernel");
+}
+
+// probs = exps / Z (0 for padding); losses = log(Z) - (target logit - max) if targets
+static __global__ void crossentropy_normalize_kernel(float* probs, float* losses, const float* zs,
+                                              const float* target_logits, const float* maxes, const int* targets,
+                                              int BT, int V, int v0, int Vl) {
+    size_t n = (size_t)BT * Vl;
+    for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+        size_t i = idx / Vl;
+        int v = (int)(idx % Vl);
+        probs[idx] = v0 + v < V ? probs[idx] / zs[i] : 0.0f;
+        if (v == 0 && targets) { losses[i] = canon_logf(zs[i]) - (target_logits[i] - maxes[i]); }
     }
 }
 
-static void crossentropy_backward(float* dlogits_probs, const int* targets, float dloss, int BT, int V, int Vp) {
-    crossentropy_backward_kernel<<<elementwise_blocks((size_t)BT * V, 256), 256>>>(dlogits_probs, targets,
-                                                                                    dloss, BT, V, Vp);
+static inline void crossentropy_normalize(float* probs, float* losses, const float* zs, const float* target_logits,
+                                          const float* maxes, const int* targets, int BT, int V, int v0, int Vl) {
+    LAUNCH(crossentropy_normalize_kernel, elementwise_blocks((size_t)BT * Vl, 256), 256, probs, losses, zs,
+           target_logits, maxes, targets, BT, V, v0, Vl);
+    cudaLaunchCheck("crossentropy_normalize_kernel");
+}
+
+// dlogits = (probs - onehot(target)) * dloss over real entries, written over probs (padding
+// stays 0)
+static __global__ void crossentropy_backward_kernel(float* dlogits_probs, const int* targets, float dloss,
+                                             int BT, int V, int v0, int Vl) {
+    size_t n = (size_t)BT * Vl;
+    for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+        size_t i = idx / Vl;
+        int v = (int)(idx % Vl);
+        if (v0 + v >= V) { continue; }
+        float indicator = v0 + v == targets[i] ? 1.0f : 0.0f;
+        dlogits_probs[idx] = (dlogits_probs[idx] - indicator) * dloss;
+    }
+}
+
+static inline void crossentropy_backward(float* dlogits_probs, const int* targets, float dloss, int BT, int V,
+                                         int v0, int Vl) {
+    LAUNCH(crossentropy_backward_kernel, elementwise_blocks((size_t)BT * Vl, 256), 256, dlogits_probs, targets,
+           dloss, BT, V, v0, Vl);
     cudaLaunchCheck("crossentropy_backward_kernel");
 }
 
 // ==========================================================================================
-// the optimizer step (both modes)
+// memory_device: memory.h's operations on device memory (ZeRO, the communicator, the engine)
 // ==========================================================================================
+
+static __global__ void fill_kernel(float* dst, float value, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        dst[i] = value;
+    }
+}
 
 // R6: the exact sum of squares. Each thread keeps a SumSq; the block adds the integer digits
 // with shared-memory atomics, then the global ones: integer additions in any order are
 // exact, so the total's digits are those of one sequential accumulator.
-__global__ void sumsq_kernel(SumSq* total, const float* x, size_t n) {
+static __global__ void sumsq_kernel(SumSq* total, const float* x, size_t n) {
     __shared__ unsigned long long block_digits[CANON_SUMSQ_DIGITS + 1];
     if (threadIdx.x <= CANON_SUMSQ_DIGITS) { block_digits[threadIdx.x] = 0; }
     __syncthreads();
@@ -604,42 +750,59 @@ __global__ void sumsq_kernel(SumSq* total, const float* x, size_t n) {
     }
 }
 
-// ||x|| over n elements (n < 2^31, so no digit can reach 2^63 before the host normalizes):
-// the exact sum of squares rounded once (train_gpt2.c gradient_norm). d_sumsq: device scratch.
-static float gradient_norm(const float* x, size_t n, SumSq* d_sumsq) {
-    if (n >= ((size_t)1 << 31)) { fatal("gradient_norm: %zu elements, more than the 2^31 this kernel sums", n); }
-    cudaCheck(cudaMemsetAsync(d_sumsq, 0, sizeof(SumSq)));
-    sumsq_kernel<<<elementwise_blocks(n, 256) < 1024 ? elementwise_blocks(n, 256) : 1024, 256>>>(d_sumsq, x, n);
-    cudaLaunchCheck("sumsq_kernel");
-    SumSq total;
-    cudaCheck(cudaMemcpy(&total, d_sumsq, sizeof(SumSq), cudaMemcpyDeviceToHost));
-    total.pending = 0;
-    return (float)sqrt(canon_sumsq_value(&total));
-}
-
-// AdamW over the flat parameters; the weight decay of element i comes from the run holding it
-// (gpu_plan.h adamw_decay_runs). params_bf16 (fast mode): the rounded copy the model reads.
-__global__ void adamw_kernel(float* params, floatX* params_bf16, float* m, float* v, const float* grads,
-                             size_t n, const int64_t* run_end, const int* run_decay, int nruns,
-                             AdamWStep s, float weight_decay) {
+static __global__ void adamw_kernel(float* p, float* m, float* v, const float* g, size_t n, AdamWStep s, float weight_decay) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        int lo = 0, hi = nruns - 1;
-        while (lo < hi) {   // the first run ending after i
-            int mid = (lo + hi) / 2;
-            if (run_end[mid] > (int64_t)i) { hi = mid; } else { lo = mid + 1; }
-        }
-        float wd = run_decay[lo] ? weight_decay : 0.0f;
-        adamw_update_elem(&params[i], &m[i], &v[i], grads[i], &s, wd);
-        if (params_bf16) { params_bf16[i] = __float2bfloat16_rn(params[i]); }
+        adamw_update_elem(&p[i], &m[i], &v[i], g[i], &s, weight_decay);
     }
 }
 
-static void adamw_update(float* params, floatX* params_bf16, float* m, float* v, const float* grads,
-                         size_t n, const int64_t* run_end, const int* run_decay, int nruns,
-                         const AdamWStep* s, float weight_decay) {
-    adamw_kernel<<<elementwise_blocks(n, 256), 256>>>(params, params_bf16, m, v, grads, n, run_end,
-                                                      run_decay, nruns, *s, weight_decay);
+static void* device_mem_alloc(size_t bytes, const char* what) { return device_alloc(bytes, what); }
+static void device_mem_release(void* p) { device_free(p); }
+static void device_mem_copy(void* dst, const void* src, size_t bytes) {
+    if (bytes) { cudaCheck(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault)); }
+}
+static void device_mem_to_host(void* dst, const void* src, size_t bytes) {
+    if (bytes) { cudaCheck(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost)); }
+}
+static void device_mem_from_host(void* dst, const void* src, size_t bytes) {
+    if (bytes) { cudaCheck(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice)); }
+}
+static void device_mem_fill(float* dst, float value, size_t n) {
+    if (n == 0) { return; }
+    LAUNCH(fill_kernel, elementwise_blocks(n, 256), 256, dst, value, n);
+    cudaLaunchCheck("fill_kernel");
+}
+static void device_mem_add(float* out, const float* a, const float* b, size_t n) {
+    if (n) { residual_forward(out, a, b, n); }
+}
+// R6 on the device: integer digits summed with atomics (exact in any order), added to the
+// host total. Each call sums fewer than 2^31 values, so no digit reaches 2^63 before the host
+// normalizes.
+static void device_mem_sumsq(SumSq* total, const float* x, size_t n) {
+    if (n == 0) { return; }
+    if (n >= ((size_t)1 << 31)) { fatal("gradient norm: %zu values in one range, more than the 2^31 the kernel sums", n); }
+    SumSq* d = (SumSq*)device_scratch(DSCRATCH_SUMSQ, sizeof(SumSq));
+    cudaCheck(cudaMemsetAsync(d, 0, sizeof(SumSq)));
+    unsigned blocks = elementwise_blocks(n, 256);
+    LAUNCH(sumsq_kernel, blocks < 1024 ? blocks : 1024, 256, d, x, n);
+    cudaLaunchCheck("sumsq_kernel");
+    SumSq part;
+    cudaCheck(cudaMemcpy(&part, d, sizeof(SumSq), cudaMemcpyDeviceToHost));
+    part.pending = 0;
+    canon_sumsq_normalize(&part);
+    canon_sumsq_merge(total, &part);
+}
+static void device_mem_adamw(float* p, float* m, float* v, const float* g, size_t n, const AdamWStep* s,
+                             float weight_decay) {
+    if (n == 0) { return; }
+    LAUNCH(adamw_kernel, elementwise_blocks(n, 256), 256, p, m, v, g, n, *s, weight_decay);
     cudaLaunchCheck("adamw_kernel");
 }
+static void device_mem_sync(void) { cudaCheck(cudaDeviceSynchronize()); }
+
+static const MemOps memory_device = {
+    "device", device_mem_alloc, device_mem_release, device_mem_copy, device_mem_to_host, device_mem_from_host,
+    device_mem_fill, device_mem_add, device_mem_sumsq, device_mem_adamw, device_holds, device_mem_sync
+};
 
 #endif // LLMC_KERNELS_DET_CUH

@@ -22,15 +22,14 @@ static inline void cublas_check_(cublasStatus_t st, const char* what, const char
 }
 #define cublasCheck(call) cublas_check_((call), #call, __FILE__, __LINE__)
 
+#define CUBLASLT_WORKSPACE_BYTES (32u << 20)
 static cublasLtHandle_t cublaslt_handle;
 static void* cublaslt_workspace;
 
-static void cublaslt_init(void* workspace) {
+static void cublaslt_init(void) {
     cublasCheck(cublasLtCreate(&cublaslt_handle));
-    cublaslt_workspace = workspace;
+    cublaslt_workspace = device_alloc(CUBLASLT_WORKSPACE_BYTES, "cuBLASLt workspace");
 }
-
-static void cublaslt_free(void) { cublasCheck(cublasLtDestroy(cublaslt_handle)); }
 
 // the largest power of two (up to 256) dividing the address: the alignment cuBLASLt may assume
 static inline uint32_t ptr_alignment(const void* p) {
@@ -40,27 +39,43 @@ static inline uint32_t ptr_alignment(const void* p) {
     return al;
 }
 
-// The heuristic's choice for a problem, cached (the same dozen shapes recur every step).
+// Per-problem cache: the matmul descriptor, the three layouts and the heuristic's algorithm,
+// built once per problem (the same dozen shapes recur every step) and reused; only the bias
+// and aux pointers, which change from call to call, are set on every call. The key is every
+// field before `algo` (all 32-bit, no padding). A least-recently-used table: a new problem
+// takes a free slot, or when all LT_CACHE_SIZE are taken evicts the one used longest ago
+// (destroying its descriptors); entries are never dropped wholesale.
 typedef struct {
-    int transa, transb, m, n, k, d_fp32, epilogue, has_bias;
-    uint32_t align[4];
+    int transa, transb, m, n, k, d_fp32, epilogue, has_bias, has_aux;
+    uint32_t align[5];   // A, B, D, bias, aux (0 when absent)
+    // ---- not part of the key ----
     cublasLtMatmulAlgo_t algo;
-} LtCacheEntry;
-#define LT_CACHE_SIZE 64
-static LtCacheEntry lt_cache[LT_CACHE_SIZE];
-static int lt_cache_count = 0;
-
-// D (m x n, column-major, ld m) = op(A) . op(B) [+ bias] [epilogue], A/B bf16; D bf16 or fp32
-// (d_fp32). transa: A stored k x m (else m x k); transb: B stored n x k (else k x n).
-static void lt_matmul(void* D, int d_fp32, const floatX* A, int transa, const floatX* B, int transb,
-                      int m, int n, int k, cublasLtEpilogue_t epilogue, const floatX* bias,
-                      floatX* aux, const char* name) {
     cublasLtMatmulDesc_t desc;
-    cublasCheck(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t opa = transa ? CUBLAS_OP_T : CUBLAS_OP_N, opb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
-    cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
-    cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
-    cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    cublasLtMatrixLayout_t la, lb, ld;
+    uint64_t last_use;   // 0: free slot
+} LtCacheEntry;
+#define LT_CACHE_SIZE 128
+#define LT_KEY_BYTES offsetof(LtCacheEntry, algo)
+static LtCacheEntry lt_cache[LT_CACHE_SIZE];
+static uint64_t lt_cache_clock = 0;
+
+static void lt_cache_release(LtCacheEntry* e) {
+    if (e->last_use == 0) { return; }
+    cublasCheck(cublasLtMatmulDescDestroy(e->desc));
+    cublasCheck(cublasLtMatrixLayoutDestroy(e->la));
+    cublasCheck(cublasLtMatrixLayoutDestroy(e->lb));
+    cublasCheck(cublasLtMatrixLayoutDestroy(e->ld));
+    memset(e, 0, sizeof(*e));
+}
+
+static void cublaslt_free(void) {
+    for (int i = 0; i < LT_CACHE_SIZE; i++) { lt_cache_release(&lt_cache[i]); }
+    lt_cache_clock = 0;
+    cublasCheck(cublasLtDestroy(cublaslt_handle));
+}
+
+// the pointers that change from call to call, on a cached descriptor
+static void lt_set_pointers(cublasLtMatmulDesc_t desc, const floatX* bias, floatX* aux, int m) {
     if (bias) {
         cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
     }
@@ -69,22 +84,40 @@ static void lt_matmul(void* D, int d_fp32, const floatX* A, int transa, const fl
         cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
         cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
     }
-    cublasLtMatrixLayout_t la, lb, ld;
-    cublasCheck(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, transa ? k : m, transa ? m : k, transa ? k : m));
-    cublasCheck(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, transb ? n : k, transb ? k : n, transb ? n : k));
-    cublasCheck(cublasLtMatrixLayoutCreate(&ld, d_fp32 ? CUDA_R_32F : CUDA_R_16BF, m, n, m));
+}
 
+// D (m x n, column-major, ld m) = op(A) . op(B) [+ bias] [epilogue], A/B bf16; D bf16 or fp32
+// (d_fp32). transa: A stored k x m (else m x k); transb: B stored n x k (else k x n).
+static void lt_matmul(void* D, int d_fp32, const floatX* A, int transa, const floatX* B, int transb,
+                      int m, int n, int k, cublasLtEpilogue_t epilogue, const floatX* bias,
+                      floatX* aux, const char* name) {
     LtCacheEntry key;
     memset(&key, 0, sizeof(key));
     key.transa = transa; key.transb = transb; key.m = m; key.n = n; key.k = k;
-    key.d_fp32 = d_fp32; key.epilogue = (int)epilogue; key.has_bias = bias != NULL;
-    key.align[0] = ptr_alignment(A); key.align[1] = ptr_alignment(B);
-    key.align[2] = ptr_alignment(D); key.align[3] = bias ? ptr_alignment(bias) : 0;
-    const cublasLtMatmulAlgo_t* algo = NULL;
-    for (int i = 0; i < lt_cache_count; i++) {
-        if (memcmp(&lt_cache[i], &key, offsetof(LtCacheEntry, algo)) == 0) { algo = &lt_cache[i].algo; break; }
+    key.d_fp32 = d_fp32; key.epilogue = (int)epilogue; key.has_bias = bias != NULL; key.has_aux = aux != NULL;
+    key.align[0] = ptr_alignment(A); key.align[1] = ptr_alignment(B); key.align[2] = ptr_alignment(D);
+    key.align[3] = bias ? ptr_alignment(bias) : 0;
+    key.align[4] = aux ? ptr_alignment(aux) : 0;
+    LtCacheEntry* e = NULL;
+    int victim = 0;
+    for (int i = 0; i < LT_CACHE_SIZE; i++) {
+        LtCacheEntry* c = &lt_cache[i];
+        if (c->last_use != 0 && memcmp(c, &key, LT_KEY_BYTES) == 0) { e = c; break; }
+        if (c->last_use < lt_cache[victim].last_use) { victim = i; }   // a free slot (0) wins
     }
-    if (algo == NULL) {
+    if (e == NULL) {
+        e = &lt_cache[victim];
+        lt_cache_release(e);   // the least recently used, when the table is full
+        memcpy(e, &key, LT_KEY_BYTES);
+        cublasCheck(cublasLtMatmulDescCreate(&e->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        cublasOperation_t opa = transa ? CUBLAS_OP_T : CUBLAS_OP_N, opb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+        cublasCheck(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+        cublasCheck(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+        cublasCheck(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+        cublasCheck(cublasLtMatrixLayoutCreate(&e->la, CUDA_R_16BF, transa ? k : m, transa ? m : k, transa ? k : m));
+        cublasCheck(cublasLtMatrixLayoutCreate(&e->lb, CUDA_R_16BF, transb ? n : k, transb ? k : n, transb ? n : k));
+        cublasCheck(cublasLtMatrixLayoutCreate(&e->ld, d_fp32 ? CUDA_R_32F : CUDA_R_16BF, m, n, m));
+        lt_set_pointers(e->desc, bias, aux, m);
         cublasLtMatmulPreference_t pref;
         cublasCheck(cublasLtMatmulPreferenceCreate(&pref));
         size_t ws = CUBLASLT_WORKSPACE_BYTES;
@@ -95,25 +128,21 @@ static void lt_matmul(void* D, int d_fp32, const floatX* A, int transa, const fl
         cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align[2], 4));
         cublasLtMatmulHeuristicResult_t result;
         int found = 0;
-        cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cublaslt_handle, desc, la, lb, ld, ld, pref, 1,
-                                                           &result, &found);
+        cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cublaslt_handle, e->desc, e->la, e->lb, e->ld, e->ld, pref,
+                                                           1, &result, &found);
         cublasCheck(cublasLtMatmulPreferenceDestroy(pref));
         if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
             fatal("cuBLASLt has no algorithm for %s (m=%d n=%d k=%d, epilogue %d, status %d)", name, m, n, k,
                   (int)epilogue, (int)st);
         }
-        if (lt_cache_count == LT_CACHE_SIZE) { lt_cache_count = 0; }   // start over; shapes are few
-        key.algo = result.algo;
-        lt_cache[lt_cache_count] = key;
-        algo = &lt_cache[lt_cache_count++].algo;
+        e->algo = result.algo;
+    } else {
+        lt_set_pointers(e->desc, bias, aux, m);
     }
+    e->last_use = ++lt_cache_clock;
     const float alpha = 1.0f, beta = 0.0f;
-    cublasCheck(cublasLtMatmul(cublaslt_handle, desc, &alpha, A, la, B, lb, &beta, D, ld, D, ld, algo,
-                               cublaslt_workspace, CUBLASLT_WORKSPACE_BYTES, 0));
-    cublasCheck(cublasLtMatmulDescDestroy(desc));
-    cublasCheck(cublasLtMatrixLayoutDestroy(la));
-    cublasCheck(cublasLtMatrixLayoutDestroy(lb));
-    cublasCheck(cublasLtMatrixLayoutDestroy(ld));
+    cublasCheck(cublasLtMatmul(cublaslt_handle, e->desc, &alpha, A, e->la, B, e->lb, &beta, D, e->ld, D, e->ld,
+                               &e->algo, cublaslt_workspace, CUBLASLT_WORKSPACE_BYTES, 0));
 }
 
 // out (BT,OC) = inp (BT,K) @ weight (OC,K)^T + bias; with gelu_pre: gelu_pre = that, and
@@ -127,10 +156,10 @@ static void matmul_forward_fast(floatX* out, const floatX* inp, const floatX* we
 
 // dinp (BT,K) = dout @ weight, times gelu'(gelu_pre) when given (the fcproj backward and the
 // GELU backward in one); dweight (OC,K) fp32 = dout^T @ inp; dbias (OC) fp32 by the exact R3
-// kernel of deterministic mode. Any output may be NULL. leaves: B*8*OC floats.
+// kernel of deterministic mode. Any output may be NULL.
 static void matmul_backward_fast(floatX* dinp, float* dweight, float* dbias, const floatX* dout,
                                  const floatX* inp, const floatX* weight, int B, int T, int K, int OC,
-                                 const floatX* gelu_pre, float* leaves) {
+                                 const floatX* gelu_pre) {
     int BT = B * T;
     if (dinp) {
         lt_matmul(dinp, 0, weight, 0, dout, 0, K, BT, OC,
@@ -141,7 +170,7 @@ static void matmul_backward_fast(floatX* dinp, float* dweight, float* dbias, con
         lt_matmul(dweight, 1, inp, 0, dout, 1, K, OC, BT, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL,
                   "matmul_backward dweight");
     }
-    if (dbias) { position_reduce(dbias, leaves, dout, 1, B, T, OC); }
+    if (dbias) { position_reduce_x(dbias, dout, 1, B, T, OC); }
 }
 
 #endif // LLMC_MATMUL_CUBLASLT_CUH

@@ -3,8 +3,9 @@
 #
 #   dev/test/mpi.sh N CMD ARGS...
 #
-# under `timeout` (MPI_TIMEOUT seconds, default 300) so a hang fails instead of blocking CI;
-# exits with the command's status (124 when it timed out).
+# under `timeout` (MPI_TIMEOUT seconds, default 300) so a hang fails instead of blocking CI, with
+# the cores shared out among the ranks' OpenMP threads; exits with the command's status (124
+# when it timed out).
 #   --oversubscribe     more ranks than cores (this machine has 2)
 #   --bind-to none      ranks float over the cores instead of each being pinned to one
 #   --allow-run-as-root CI runs as root; mpirun refuses to otherwise
@@ -29,6 +30,14 @@ ptrace_scope=$(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo 0)
 seccomp=$(awk '/^Seccomp:/ {print $2}' /proc/self/status 2>/dev/null)
 if [ "${ptrace_scope:-0}" -ge 2 ] || [ "${seccomp:-0}" = 2 ]; then
   export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
+fi
+
+# OpenMP threads: the cores shared out among the ranks (4 ranks of 2 threads each on 2 cores run
+# 10-40x slower than 4 ranks of 1), unless the caller chose
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+  cores=$(nproc 2>/dev/null || echo 1)
+  per=$(( cores / np ))
+  export OMP_NUM_THREADS=$(( per > 0 ? per : 1 ))
 fi
 
 # -k: if mpirun ignores the TERM, kill it 10 s later (timeout then exits 137, which is also

@@ -1,0 +1,374 @@
+/*
+ * train_gpt2_fast.cu: fast mode of the CUDA build (train_gpt2cu without --deterministic 1), in a
+ * translation unit of its own so that its kernels are compiled WITHOUT the deterministic
+ * kernels' -fmad=false -prec-div=true -prec-sqrt=true (mk/cuda.mk).
+ *
+ * The same GPT-2 as train_gpt2.c's model, driven by the same engine (llmc/engine.h) through
+ * the same ModelOps table, with its parameters, gradients and AdamW state in zero.h's fp32
+ * buffers: only the arithmetic differs. Weights and activations are bf16 (the units zero.h
+ * holds in fp32 are rounded to bf16 as they are acquired), matmuls run on tensor cores through
+ * cuBLASLt with the bias and GELU fused (llmc/matmul_cublaslt.cuh), attention is our flash
+ * kernels (llmc/attention_flash.cuh), the residual add and the next layernorm are one kernel,
+ * the classifier is fused (llmc/kernels_fast.cuh). Weight gradients are fp32, and the bias,
+ * layernorm and embedding gradients use deterministic mode's exact R3 reductions on the bf16
+ * activations (kernels_det.cuh), so a fast run is repeatable run to run.
+ *
+ * Fast mode runs one pipeline stage without tensor parallelism: data parallelism and ZeRO 0-3
+ * (train_gpt2.cu refuses --tp/--pp/--sp in fast mode and says to use --deterministic 1).
+ */
+#include "llmc/engine.h"
+#include "llmc/kernels_det.cuh"
+#include "llmc/kernels_fast.cuh"
+#include "llmc/matmul_cublaslt.cuh"
+#include "llmc/attention_flash.cuh"
+#include "llmc/gpt2_fast.h"
+
+typedef struct {
+    GPT2Config config;
+    Zero* zero;
+    const MemOps* mem;
+    floatX* params_bf16;   // the held units rounded to bf16, at zero.h's unit offsets (lay.local)
+    float* att_D;          // flash attention backward's rowsum(dO * O) (B,NH,T)
+} FastModel;
+
+// Activations of one pass over up to (B, T) positions (layouts as train_gpt2.c's; att holds
+// flash attention's per-row softmax statistics (L,B,NH,T)).
+typedef struct {
+    int recompute;
+    int* inputs;
+    int* targets;           // NULL: no loss
+    int* targets_buf;
+    floatX *encoded, *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3, *lnf, *logits, *proj;
+    float *ln1_mean, *ln1_rstd, *att, *ln2_mean, *ln2_rstd, *lnf_mean, *lnf_rstd, *losses;
+} FastActs;
+
+typedef struct {
+    floatX *dresidual, *dbtc, *dqkv, *dbt4c;
+} FastGrads;
+
+// Typed views of one layer's tensors in a unit buffer (zero.h's unit layout: one rank holds
+// the whole layer in fast mode, so the pieces are the 12 tensors in order).
+template <typename X> struct LayerViews {
+    X *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
+};
+template <typename X> static LayerViews<X> layer_views(const Zero* z, int u, X* base) {
+    const TPPiece* p = z->lay.pieces[u];
+    LayerViews<X> v = {base + p[0].local, base + p[1].local, base + p[2].local, base + p[3].local,
+                       base + p[4].local, base + p[5].local, base + p[6].local, base + p[7].local,
+                       base + p[8].local, base + p[9].local, base + p[10].local, base + p[11].local};
+    return v;
+}
+
+// Unit u's parameters in bf16: acquired from zero.h (ZeRO-3 gathers it, prefetching `next`)
+// and rounded; zero_params_release(z, u) when done.
+static floatX* fast_params(FastModel* m, int u, int next) {
+    const float* p = zero_params_acquire(m->zero, u, next);
+    floatX* dst = m->params_bf16 + m->zero->lay.local[u];
+    float_to_bf16(dst, p, m->zero->lay.size[u]);
+    return dst;
+}
+
+static floatX* act(FastModel* m, size_t n, size_t* bytes) {
+    *bytes += n * sizeof(floatX);
+    return n ? (floatX*)m->mem->alloc(n * sizeof(floatX), "activations") : NULL;
+}
+static float* act_f(FastModel* m, size_t n, size_t* bytes) {
+    *bytes += n * sizeof(float);
+    return n ? (float*)m->mem->alloc(n * sizeof(float), "activations") : NULL;
+}
+
+// ---- ModelOps ----------------------------------------------------------------------------
+
+static void* fast_create(const GPT2Config* c, const StagePlace* place, Zero* zero, CommGroup* tp, int sp, int B, int T) {
+    if (tp->size != 1 || sp || !place->is_first || !place->is_last) {
+        fatal("internal: fast mode runs one pipeline stage without tensor parallelism");
+    }
+    FastModel* m = (FastModel*)calloc_or_die(1, sizeof(FastModel), "model");
+    m->config = *c;
+    m->zero = zero;
+    m->mem = zero->mem;
+    m->params_bf16 = (floatX*)m->mem->alloc(zero->lay.local_params * sizeof(floatX), "bf16 parameters");
+    m->att_D = (float*)m->mem->alloc(sizeof(float) * (size_t)B * c->num_heads * T, "attention D");
+    return m;
+}
+
+static void fast_destroy(void* vm) {
+    FastModel* m = (FastModel*)vm;
+    m->mem->release(m->params_bf16);
+    m->mem->release(m->att_D);
+    free(m);
+}
+
+static void* fast_acts_create(void* vm, int B, int T, int recompute, int sp, size_t* bytes) {
+    FastModel* m = (FastModel*)vm;
+    const GPT2Config* c = &m->config;
+    size_t L = c->num_layers, C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size, BT = (size_t)B * T;
+    (void)sp;
+    FastActs* a = (FastActs*)calloc_or_die(1, sizeof(FastActs), "activations");
+    *bytes = 2 * BT * sizeof(int);
+    a->recompute = recompute;
+    a->inputs = (int*)m->mem->alloc(BT * sizeof(int), "tokens");
+    a->targets_buf = (int*)m->mem->alloc(BT * sizeof(int), "tokens");
+    a->encoded = act(m, BT * C, bytes);
+    a->ln1 = act(m, L * BT * C, bytes);
+    a->ln1_mean = act_f(m, L * BT, bytes);
+    a->ln1_rstd = act_f(m, L * BT, bytes);
+    a->qkv = act(m, L * BT * 3 * C, bytes);
+    a->atty = act(m, L * BT * C, bytes);
+    a->att = act_f(m, L * B * NH * T, bytes);
+    a->residual2 = act(m, L * BT * C, bytes);
+    a->ln2 = act(m, L * BT * C, bytes);
+    a->ln2_mean = act_f(m, L * BT, bytes);
+    a->ln2_rstd = act_f(m, L * BT, bytes);
+    a->fch = act(m, L * BT * 4 * C, bytes);
+    a->fch_gelu = act(m, (recompute ? 1 : L) * BT * 4 * C, bytes);
+    a->residual3 = act(m, L * BT * C, bytes);
+    a->lnf = act(m, BT * C, bytes);
+    a->lnf_mean = act_f(m, BT, bytes);
+    a->lnf_rstd = act_f(m, BT, bytes);
+    a->logits = act(m, BT * Vp, bytes);
+    a->losses = act_f(m, BT, bytes);
+    a->proj = act(m, BT * C, bytes);
+    return a;
+}
+
+static void fast_acts_destroy(void* vm, void* va) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    void* all[] = {a->inputs, a->targets_buf, a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty, a->att,
+                   a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu, a->residual3, a->lnf,
+                   a->lnf_mean, a->lnf_rstd, a->logits, a->losses, a->proj};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { m->mem->release(all[i]); }
+    free(a);
+}
+
+static void fast_set_tokens(void* vm, void* va, const int* inputs, const int* targets, int B, int T) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    size_t bytes = (size_t)B * T * sizeof(int);
+    m->mem->from_host(a->inputs, inputs, bytes);
+    if (targets) { m->mem->from_host(a->targets_buf, targets, bytes); }
+    a->targets = targets ? a->targets_buf : NULL;
+}
+
+// fast mode runs one stage: nothing is received or sent between stages
+static float* fast_stage_input(void* vm, void* va) { (void)vm; return (float*)((FastActs*)va)->encoded; }
+static float* fast_stage_output(void* vm, void* va, int B, int T) {
+    (void)vm; (void)B; (void)T;
+    return (float*)((FastActs*)va)->residual3;
+}
+
+// Per-layer views of the activations of layer l for a pass over (B, T).
+struct FastLayerActs {
+    floatX *residual, *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3;
+    float *ln1_mean, *ln1_rstd, *att, *ln2_mean, *ln2_rstd;
+};
+static FastLayerActs fast_layer_acts(const FastActs* a, const GPT2Config* c, int l, int B, int T) {
+    size_t C = c->channels, BT = (size_t)B * T, NH = c->num_heads;
+    FastLayerActs v;
+    v.residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BT * C;
+    v.ln1 = a->ln1 + l * BT * C;
+    v.ln1_mean = a->ln1_mean + l * BT;
+    v.ln1_rstd = a->ln1_rstd + l * BT;
+    v.qkv = a->qkv + l * BT * 3 * C;
+    v.atty = a->atty + l * BT * C;
+    v.att = a->att + l * (size_t)B * NH * T;
+    v.residual2 = a->residual2 + l * BT * C;
+    v.ln2 = a->ln2 + l * BT * C;
+    v.ln2_mean = a->ln2_mean + l * BT;
+    v.ln2_rstd = a->ln2_rstd + l * BT;
+    v.fch = a->fch + l * BT * 4 * C;
+    v.fch_gelu = a->fch_gelu + (a->recompute ? 0 : l * BT * 4 * C);
+    v.residual3 = a->residual3 + l * BT * C;
+    return v;
+}
+
+static void fast_embed_forward(void* vm, void* va, int B, int T) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    Zero* z = m->zero;
+    floatX* wte = fast_params(m, ZERO_WTE, ZERO_WPE);
+    floatX* wpe = fast_params(m, ZERO_WPE, ZERO_LAYER(0));
+    encoder_forward_fast(a->encoded, a->inputs, wte, wpe, B, T, m->config.channels);
+    zero_params_release(z, ZERO_WTE);
+    zero_params_release(z, ZERO_WPE);
+}
+
+// The layers, with each layer's residual add fused into the next layernorm (the next layer's
+// ln1, or after the last layer the final layernorm: lnf is computed here, the head reads it).
+static void fast_layers_forward(void* vm, void* va, int B, int T) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    const GPT2Config* c = &m->config;
+    Zero* z = m->zero;
+    int C = c->channels, NH = c->num_heads, L = c->num_layers, BT = B * T;
+    int LNF = z->lay.num_units - 1;
+    floatX* unit = fast_params(m, ZERO_LAYER(0), L > 1 ? ZERO_LAYER(1) : LNF);
+    LayerViews<floatX> w = layer_views(z, ZERO_LAYER(0), unit);
+    FastLayerActs x0 = fast_layer_acts(a, c, 0, B, T);
+    layernorm_forward_fast(x0.ln1, x0.ln1_mean, x0.ln1_rstd, x0.residual, w.ln1w, w.ln1b, BT, C);
+    for (int l = 0; l < L; l++) {
+        FastLayerActs x = fast_layer_acts(a, c, l, B, T);
+        matmul_forward_fast(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, 3 * C, NULL);
+        attention_forward_fast(x.atty, x.att, x.qkv, B, T, C, NH);
+        matmul_forward_fast(a->proj, x.atty, w.attprojw, w.attprojb, BT, C, C, NULL);
+        fused_residual_layernorm(x.residual2, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual, a->proj, w.ln2w, w.ln2b, BT, C);
+        matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, BT, C, 4 * C, x.fch);   // + GELU, keeps fch
+        matmul_forward_fast(a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, BT, 4 * C, C, NULL);
+        if (l + 1 < L) {
+            floatX* next = fast_params(m, ZERO_LAYER(l + 1), l + 2 < L ? ZERO_LAYER(l + 2) : LNF);
+            LayerViews<floatX> wn = layer_views(z, ZERO_LAYER(l + 1), next);
+            FastLayerActs xn = fast_layer_acts(a, c, l + 1, B, T);
+            fused_residual_layernorm(x.residual3, xn.ln1, xn.ln1_mean, xn.ln1_rstd, x.residual2, a->proj,
+                                     wn.ln1w, wn.ln1b, BT, C);
+            zero_params_release(z, ZERO_LAYER(l));
+            w = wn;
+        } else {
+            floatX* lnf = fast_params(m, LNF, ZERO_WTE);
+            fused_residual_layernorm(x.residual3, a->lnf, a->lnf_mean, a->lnf_rstd, x.residual2, a->proj,
+                                     lnf, lnf + C, BT, C);
+            zero_params_release(z, LNF);
+            zero_params_release(z, ZERO_LAYER(l));
+        }
+    }
+}
+
+// logits (B,T,Vp) bf16 and, with targets, the losses. The classifier runs again in the
+// backward to turn the logits into their gradient (it needs the step's dloss).
+static void fast_head_forward(void* vm, void* va, int B, int T, int training) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    const GPT2Config* c = &m->config;
+    int BT = B * T;
+    floatX* wte = fast_params(m, ZERO_WTE, -1);
+    matmul_forward_fast(a->logits, a->lnf, wte, NULL, BT, c->channels, c->padded_vocab_size, NULL);
+    if (a->targets) {
+        fused_classifier(a->logits, a->losses, a->targets, 0.0f, BT, c->vocab_size, c->padded_vocab_size, 0);
+    }
+    if (!training) { zero_params_release(m->zero, ZERO_WTE); }
+}
+
+static float fast_loss_sum(void* vm, void* va, int B, int T) {
+    (void)vm;
+    return position_sum(((FastActs*)va)->losses, B, T);
+}
+
+// The probabilities at one position, from its bf16 logits, formed on the host.
+static void fast_probs_at(void* vm, void* va, int position, float* probs) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    int V = m->config.vocab_size, Vp = m->config.padded_vocab_size;
+    floatX* logits = (floatX*)malloc_or_die(sizeof(floatX) * Vp, "sample logits");
+    m->mem->to_host(logits, a->logits + (size_t)position * Vp, sizeof(floatX) * Vp);
+    float maxv = -canon_inf(), sum = 0.0f;
+    for (int v = 0; v < V; v++) { probs[v] = __bfloat162float(logits[v]); if (probs[v] > maxv) { maxv = probs[v]; } }
+    for (int v = 0; v < V; v++) { probs[v] = canon_expf(probs[v] - maxv); sum += probs[v]; }
+    for (int v = 0; v < Vp; v++) { probs[v] = v < V ? probs[v] / sum : 0.0f; }
+    free(logits);
+}
+
+static void* fast_grads_create(void* vm, int B, int T, int sp, size_t* bytes) {
+    FastModel* m = (FastModel*)vm;
+    size_t BTC = (size_t)B * T * m->config.channels;
+    (void)sp;
+    FastGrads* g = (FastGrads*)calloc_or_die(1, sizeof(FastGrads), "activation gradients");
+    *bytes = 0;
+    g->dresidual = act(m, BTC, bytes);
+    g->dbtc = act(m, BTC, bytes);
+    g->dqkv = act(m, 3 * BTC, bytes);
+    g->dbt4c = act(m, 4 * BTC, bytes);
+    return g;
+}
+
+static void fast_grads_destroy(void* vm, void* vg) {
+    FastModel* m = (FastModel*)vm;
+    FastGrads* g = (FastGrads*)vg;
+    m->mem->release(g->dresidual);
+    m->mem->release(g->dbtc);
+    m->mem->release(g->dqkv);
+    m->mem->release(g->dbt4c);
+    free(g);
+}
+
+static float* fast_grad_residual(void* vm, void* vg) { (void)vm; return (float*)((FastGrads*)vg)->dresidual; }
+
+static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float dloss) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    FastGrads* g = (FastGrads*)vg;
+    const GPT2Config* c = &m->config;
+    Zero* z = m->zero;
+    int C = c->channels, L = c->num_layers, BT = B * T;
+    int LNF = z->lay.num_units - 1;
+    floatX* wte = m->params_bf16 + z->lay.local[ZERO_WTE];   // still held from the forward
+    fused_classifier(a->logits, a->losses, a->targets, dloss, BT, c->vocab_size, c->padded_vocab_size, 1);
+    matmul_backward_fast(g->dbtc, zero_grad_unit(z, ZERO_WTE), NULL, a->logits, a->lnf, wte, B, T, C,
+                         c->padded_vocab_size, NULL);
+    zero_grad_unit_done(z, ZERO_WTE);
+    zero_params_release(z, ZERO_WTE);
+    floatX* lnf = fast_params(m, LNF, ZERO_LAYER(L - 1));
+    float* dlnf = zero_grad_unit(z, LNF);
+    floatX* last = a->residual3 + (size_t)(L - 1) * BT * C;
+    cudaCheck(cudaMemsetAsync(g->dresidual, 0, sizeof(floatX) * (size_t)BT * C));
+    layernorm_backward_fast(g->dresidual, g->dbtc, last, lnf, a->lnf_mean, a->lnf_rstd, BT, C);
+    layernorm_param_grads_x(dlnf, dlnf + C, NULL, last, g->dbtc, 1, a->lnf_mean, a->lnf_rstd, B, T, C, CANON_R);
+    zero_grad_unit_done(z, LNF);
+    zero_params_release(z, LNF);
+}
+
+static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    FastGrads* g = (FastGrads*)vg;
+    const GPT2Config* c = &m->config;
+    Zero* z = m->zero;
+    int C = c->channels, NH = c->num_heads, BT = B * T;
+    for (int l = c->num_layers - 1; l >= 0; l--) {
+        LayerViews<floatX> w = layer_views(z, ZERO_LAYER(l), fast_params(m, ZERO_LAYER(l), l > 0 ? ZERO_LAYER(l - 1) : -1));
+        LayerViews<float> dw = layer_views(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l)));
+        FastLayerActs x = fast_layer_acts(a, c, l, B, T);
+        if (a->recompute) { gelu_forward_fast(x.fch_gelu, x.fch, (size_t)BT * 4 * C); }
+        // MLP; the fcproj backward's epilogue applies gelu'(fch): dbt4c = d fch
+        matmul_backward_fast(g->dbt4c, dw.fcprojw, dw.fcprojb, g->dresidual, x.fch_gelu, w.fcprojw, B, T, 4 * C, C, x.fch);
+        matmul_backward_fast(g->dbtc, dw.fcw, dw.fcb, g->dbt4c, x.ln2, w.fcw, B, T, C, 4 * C, NULL);
+        layernorm_backward_fast(g->dresidual, g->dbtc, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, BT, C);
+        layernorm_param_grads_x(dw.ln2w, dw.ln2b, NULL, x.residual2, g->dbtc, 1, x.ln2_mean, x.ln2_rstd, B, T, C, CANON_R);
+        // attention
+        matmul_backward_fast(g->dbtc, dw.attprojw, dw.attprojb, g->dresidual, x.atty, w.attprojw, B, T, C, C, NULL);
+        attention_backward_fast(g->dqkv, g->dbtc, x.qkv, x.atty, x.att, m->att_D, B, T, C, NH);
+        matmul_backward_fast(g->dbtc, dw.qkvw, dw.qkvb, g->dqkv, x.ln1, w.qkvw, B, T, C, 3 * C, NULL);
+        layernorm_backward_fast(g->dresidual, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, BT, C);
+        layernorm_param_grads_x(dw.ln1w, dw.ln1b, NULL, x.residual, g->dbtc, 1, x.ln1_mean, x.ln1_rstd, B, T, C, CANON_R);
+        zero_grad_unit_done(z, ZERO_LAYER(l));
+        zero_params_release(z, ZERO_LAYER(l));
+    }
+}
+
+static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    FastGrads* g = (FastGrads*)vg;
+    const GPT2Config* c = &m->config;
+    Zero* z = m->zero;
+    int E = zero_unit_E(z);
+    encoder_backward_x(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), g->dresidual, 1, a->inputs, B, T,
+                       c->channels, 0, c->padded_vocab_size, c->max_seq_len);
+    zero_grad_unit_done(z, ZERO_WPE);
+    zero_grad_unit_done(z, E);
+}
+
+static const ModelOps fast_model_ops = {
+    fast_create, fast_destroy, fast_acts_create, fast_acts_destroy, fast_set_tokens, fast_stage_input,
+    fast_stage_output, fast_embed_forward, fast_layers_forward, fast_head_forward, fast_loss_sum, fast_probs_at,
+    fast_grads_create, fast_grads_destroy, fast_grad_residual, fast_head_backward, fast_layers_backward,
+    fast_embed_backward
+};
+
+const ModelOps* gpt2_fast_model_ops(void) { return &fast_model_ops; }
+
+void gpt2_fast_setup(void) {
+    cublaslt_init();
+    flash_attention_setup();
+}
+
+void gpt2_fast_teardown(void) { cublaslt_free(); }
