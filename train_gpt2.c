@@ -292,7 +292,27 @@ void sequence_tree(float* out, const float* partials, int B, int n) {
 //
 // Each output is the R2 reduction over k with `nchunks` chunks (CANON_R; a tensor-parallel
 // rank holding a 1/tp slice of k uses CANON_R/tp chunks and finishes the tree across ranks),
-// products fused with fmaf, and the bias added after the tree.
+// products fused with fmaf, and the bias added after the tree. The specification, one output
+// at a time (the kernel after it computes exactly these bits, faster; test_kernels checks):
+void matmul_forward_naive(float* out, const float* inp, const float* weight, const float* bias,
+                          int BT, int K, int OC, int nchunks) {
+    #pragma omp parallel for
+    for (int bt = 0; bt < BT; bt++) {
+        for (int o = 0; o < OC; o++) {
+            float partial[CANON_R];
+            for (int ch = 0; ch < nchunks; ch++) {
+                float acc = 0.0f;
+                for (long k = ((long)K * ch) / nchunks; k < ((long)K * (ch + 1)) / nchunks; k++) {
+                    acc = fmaf(inp[(size_t)bt * K + k], weight[(size_t)o * K + k], acc);
+                }
+                partial[ch] = acc;
+            }
+            float sum = canon_tree_sum(partial, nchunks, 1);
+            out[(size_t)bt * OC + o] = bias ? sum + bias[o] : sum;
+        }
+    }
+}
+
 // The CPU kernel vectorises across ROWS: a tile of MR rows x up to 6 outputs keeps 12 vector
 // accumulators; inp is packed transposed so each k gives one vector load per MR/VLEN rows.
 #define MM_NO 6
@@ -394,6 +414,52 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
 //                 heads (rank r owns slice r of q, of k and of v) owns whole chunks.
 //  dweight (OC,K) = R3 over positions of dout[.,o] * inp[.,k];   dbias (OC) = R3 of dout.
 // Every element is written (=), never accumulated.
+// The specification of the backward below, one output at a time.
+void matmul_backward_naive(float* dinp, float* dweight, float* dbias, const float* dout,
+                           const float* inp, const float* weight, int B, int T, int K, int OC,
+                           int groups, int nchunks) {
+    int BT = B * T, og = OC / groups;
+    #pragma omp parallel for
+    for (int bt = 0; bt < BT; bt++) {   // dinp: chunk c is the c-th slice of every group
+        for (int k = 0; dinp && k < K; k++) {
+            float partial[CANON_R];
+            for (int ch = 0; ch < nchunks; ch++) {
+                float acc = 0.0f;
+                for (int g = 0; g < groups; g++) {
+                    for (long j = ((long)og * ch) / nchunks; j < ((long)og * (ch + 1)) / nchunks; j++) {
+                        long o = (long)g * og + j;
+                        acc = fmaf(dout[(size_t)bt * OC + o], weight[(size_t)o * K + k], acc);
+                    }
+                }
+                partial[ch] = acc;
+            }
+            dinp[(size_t)bt * K + k] = canon_tree_sum(partial, nchunks, 1);
+        }
+    }
+    #pragma omp parallel for
+    for (int o = 0; o < OC; o++) {   // dweight, dbias: R3, per sequence the chunks of T, then R1
+        for (int k = -1; k < K; k++) {   // k = -1: the bias
+            if ((k < 0 && !dbias) || (k >= 0 && !dweight)) { continue; }
+            float* seq = (float*)malloc_or_die(sizeof(float) * B, "matmul spec");
+            for (int b = 0; b < B; b++) {
+                float partial[CANON_R];
+                for (int ch = 0; ch < CANON_R; ch++) {
+                    float acc = 0.0f;
+                    for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
+                        size_t pos = (size_t)b * T + t;
+                        acc = k < 0 ? acc + dout[pos * OC + o] : fmaf(dout[pos * OC + o], inp[pos * K + k], acc);
+                    }
+                    partial[ch] = acc;
+                }
+                seq[b] = canon_tree8(partial);
+            }
+            float sum = canon_tree_sum(seq, B, 1);
+            if (k < 0) { dbias[o] = sum; } else { dweight[(size_t)o * K + k] = sum; }
+            free(seq);
+        }
+    }
+}
+
 // dinp, one register tile: rows [bt0, bt0+nr) x columns [k0, k0 + nv*VLEN), over the outputs
 // o in [ob, oe) of the current chunk, continuing the partial sums in acc_mem (zero = start).
 ALWAYS_INLINE void matmul_dinp_tile(float* acc_mem, const float* dout, const float* weight,

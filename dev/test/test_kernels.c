@@ -129,27 +129,40 @@ static void test_matmul(int B, int T, int K, int OC, int groups) {
     float* dout = rand_buf((size_t)BT * OC);
     float* got = malloc(sizeof(float) * ((size_t)BT * (K > OC ? K : OC) + (size_t)OC * K + 1));
     float* want = malloc(sizeof(float) * ((size_t)BT * (K > OC ? K : OC) + (size_t)OC * K + 1));
+    // the fast kernel and its written-out specification in train_gpt2.c (matmul_*_naive)
+    // against the rules above
+    float* spec = malloc(sizeof(float) * ((size_t)BT * (K > OC ? K : OC) + 1));
     for (int nch = CANON_R; nch >= 1; nch /= 2) {
         matmul_forward(got, inp, w, nch == CANON_R ? bias : NULL, BT, K, OC, nch);
+        matmul_forward_naive(spec, inp, w, nch == CANON_R ? bias : NULL, BT, K, OC, nch);
         ref_matmul_forward(want, inp, w, nch == CANON_R ? bias : NULL, BT, K, OC, nch);
         snprintf(what, sizeof(what), "matmul_forward BT=%d K=%d OC=%d chunks=%d", BT, K, OC, nch);
         expect_same(what, got, want, (size_t)BT * OC);
+        snprintf(what, sizeof(what), "matmul_forward_naive BT=%d K=%d OC=%d chunks=%d", BT, K, OC, nch);
+        expect_same(what, spec, want, (size_t)BT * OC);
     }
     float* dw = malloc(sizeof(float) * OC * K);
     float* db = malloc(sizeof(float) * OC);
+    float* dw_spec = malloc(sizeof(float) * OC * K);
+    float* db_spec = malloc(sizeof(float) * OC);
     matmul_backward(got, dw, db, dout, inp, w, B, T, K, OC, groups, CANON_R);
+    matmul_backward_naive(spec, dw_spec, db_spec, dout, inp, w, B, T, K, OC, groups, CANON_R);
     ref_matmul_dinp(want, dout, w, BT, K, OC, groups, CANON_R);
     snprintf(what, sizeof(what), "matmul dinp B=%d T=%d K=%d OC=%d groups=%d", B, T, K, OC, groups);
     expect_same(what, got, want, (size_t)BT * K);
+    expect_same("matmul_backward_naive dinp", spec, want, (size_t)BT * K);
     for (int o = 0; o < OC; o++) {
         for (int k = 0; k < K; k++) { want[(size_t)o * K + k] = ref_r3(B, T, dout, OC, o, inp, K, k); }
     }
     snprintf(what, sizeof(what), "matmul dweight B=%d T=%d K=%d OC=%d", B, T, K, OC);
     expect_same(what, dw, want, (size_t)OC * K);
+    expect_same("matmul_backward_naive dweight", dw_spec, want, (size_t)OC * K);
     for (int o = 0; o < OC; o++) { want[o] = ref_r3(B, T, dout, OC, o, NULL, 0, 0); }
     snprintf(what, sizeof(what), "matmul dbias B=%d T=%d OC=%d", B, T, OC);
     expect_same(what, db, want, OC);
+    expect_same("matmul_backward_naive dbias", db_spec, want, OC);
     free(inp); free(w); free(bias); free(dout); free(got); free(want); free(dw); free(db);
+    free(spec); free(dw_spec); free(db_spec);
 }
 
 // A row-parallel split: K cut into `parts` slices of whole chunks, each reduced with
