@@ -37,6 +37,7 @@ static cudaDeviceProp device_prop;
 static int device_index, device_deterministic;
 static double device_peak_tflops;
 static const char* device_peak_name;
+static const char* fast_attention = "";   // fast mode: which attention runs
 
 // This rank's GPU (its index among the ranks of its node, modulo the GPUs there), or one
 // clear line saying why there is none.
@@ -64,6 +65,7 @@ static void cuda_banner(void) {
            device_prop.major, device_prop.minor, device_prop.multiProcessorCount,
            device_prop.totalGlobalMem / 1073741824.0, device_index);
     printf("| MFU peak      %s\n", device_peak_name);
+    if (!device_deterministic) { printf("| attention     %s\n", fast_attention); }
 }
 
 static void cuda_memory_line(void) {
@@ -111,7 +113,7 @@ int main(int argc, char** argv) {
     const ModelOps* ops = &gpt2_model_ops;
 #ifndef LLMC_CUDA_EMU
     if (!det) {
-        gpt2_fast_setup();
+        fast_attention = gpt2_fast_setup("auto", &t.config, t.B, t.T, genT);
         ops = gpt2_fast_model_ops();
     }
 #endif

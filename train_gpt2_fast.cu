@@ -7,8 +7,9 @@
  * the same ModelOps table, with its parameters, gradients and AdamW state in zero.h's fp32
  * buffers: only the arithmetic differs. Weights and activations are bf16 (the units zero.h
  * holds in fp32 are rounded to bf16 as they are acquired), matmuls run on tensor cores through
- * cuBLASLt with the bias and GELU fused (llmc/matmul_cublaslt.cuh), attention is our flash
- * kernels (llmc/attention_flash.cuh), the residual add and the next layernorm are one kernel,
+ * cuBLASLt with the bias and GELU fused (llmc/matmul_cublaslt.cuh), attention is cuDNN's fused
+ * attention (llmc/attention_cudnn.cuh) or our flash kernels (llmc/attention_flash.cuh), chosen
+ * by --attention, the residual add and the next layernorm are one kernel,
  * the classifier is fused (llmc/kernels_fast.cuh). Weight gradients are fp32, and the bias,
  * layernorm and embedding gradients use deterministic mode's exact R3 reductions on the bf16
  * activations (kernels_det.cuh), so a fast run is repeatable run to run.
@@ -21,7 +22,38 @@
 #include "llmc/kernels_fast.cuh"
 #include "llmc/matmul_cublaslt.cuh"
 #include "llmc/attention_flash.cuh"
+#ifdef LLMC_CUDNN
+#include "llmc/attention_cudnn.cuh"
+#endif
 #include "llmc/gpt2_fast.h"
+
+// Attention: cuDNN for the training shape (B, T) when chosen, our flash kernels for the rest
+// (the sampler's growing T, where a cuDNN plan per length would be built) when their head
+// sizes allow. The two keep different softmax statistics (cuDNN: natural-log logsumexp, flash:
+// base 2), so a pass's forward and backward always use the same one.
+static int attention_cudnn_B = 0, attention_cudnn_T = 0;   // the shape cuDNN runs (0: none)
+static int attention_uses_cudnn(int B, int T, int hs) {
+    return (B == attention_cudnn_B && T == attention_cudnn_T) || !gpu_flash_head_size(hs);
+}
+static void fast_attention_forward(floatX* out, float* stats, const floatX* qkv, int B, int T, int C, int NH) {
+#ifdef LLMC_CUDNN
+    if (attention_uses_cudnn(B, T, C / NH)) {
+        attention_forward_cudnn(out, stats, qkv, B, T, NH, C / NH, 1);
+        return;
+    }
+#endif
+    attention_forward_fast(out, stats, qkv, B, T, C, NH);
+}
+static void fast_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
+                                    const float* stats, float* D, int B, int T, int C, int NH) {
+#ifdef LLMC_CUDNN
+    if (attention_uses_cudnn(B, T, C / NH)) {
+        attention_backward_cudnn(dqkv, dout, qkv, out, stats, B, T, NH, C / NH);
+        return;
+    }
+#endif
+    attention_backward_fast(dqkv, dout, qkv, out, stats, D, B, T, C, NH);
+}
 
 typedef struct {
     GPT2Config config;
@@ -210,7 +242,7 @@ static void fast_layers_forward(void* vm, void* va, int B, int T) {
     for (int l = 0; l < L; l++) {
         FastLayerActs x = fast_layer_acts(a, c, l, B, T);
         matmul_forward_fast(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, 3 * C, NULL);
-        attention_forward_fast(x.atty, x.att, x.qkv, B, T, C, NH);
+        fast_attention_forward(x.atty, x.att, x.qkv, B, T, C, NH);
         matmul_forward_fast(a->proj, x.atty, w.attprojw, w.attprojb, BT, C, C, NULL);
         fused_residual_layernorm(x.residual2, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual, a->proj, w.ln2w, w.ln2b, BT, C);
         matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, BT, C, 4 * C, x.fch);   // + GELU, keeps fch
@@ -335,7 +367,7 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T) {
         layernorm_param_grads_x(dw.ln2w, dw.ln2b, NULL, x.residual2, g->dbtc, 1, x.ln2_mean, x.ln2_rstd, B, T, C, CANON_R);
         // attention
         matmul_backward_fast(g->dbtc, dw.attprojw, dw.attprojb, g->dresidual, x.atty, w.attprojw, B, T, C, C, NULL);
-        attention_backward_fast(g->dqkv, g->dbtc, x.qkv, x.atty, x.att, m->att_D, B, T, C, NH);
+        fast_attention_backward(g->dqkv, g->dbtc, x.qkv, x.atty, x.att, m->att_D, B, T, C, NH);
         matmul_backward_fast(g->dbtc, dw.qkvw, dw.qkvb, g->dqkv, x.ln1, w.qkvw, B, T, C, 3 * C, NULL);
         layernorm_backward_fast(g->dresidual, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, BT, C);
         layernorm_param_grads_x(dw.ln1w, dw.ln1b, NULL, x.residual, g->dbtc, 1, x.ln1_mean, x.ln1_rstd, B, T, C, CANON_R);
@@ -366,9 +398,45 @@ static const ModelOps fast_model_ops = {
 
 const ModelOps* gpt2_fast_model_ops(void) { return &fast_model_ops; }
 
-void gpt2_fast_setup(void) {
+// Chooses the attention (see above) for training passes of (B, T); the sampler's (B = 1,
+// T < genT) use flash attention unless the head size needs cuDNN. Returns one line saying
+// which runs, or fails with one naming why the choice cannot run.
+const char* gpt2_fast_setup(const char* attention, const GPT2Config* c, int B, int T, int genT) {
+    static char said[256];
+    int hs = c->channels / c->num_heads, want_cudnn = strcmp(attention, "flash") != 0;
+    char why[256] = "this build has no cuDNN (cudnn_graph.h and libcudnn were not found)";
     cublaslt_init();
     flash_attention_setup();
+    int cudnn_ok = 0;
+#ifdef LLMC_CUDNN
+    if (want_cudnn) {
+        cudnn_ok = cudnn_attention_supported(B, T, c->num_heads, hs, why, sizeof(why));
+        for (int t = 1; cudnn_ok && !gpu_flash_head_size(hs) && t < genT; t++) {   // the sampler's shapes
+            cudnn_ok = cudnn_attention_supported(1, t, c->num_heads, hs, why, sizeof(why));
+        }
+    }
+#endif
+    if (strcmp(attention, "cudnn") == 0 && !cudnn_ok) { fatal("--attention cudnn: %s", why); }
+    if (!cudnn_ok && !gpu_flash_head_size(hs)) {
+        fatal("-e: head size C/NH = %d: fast mode's flash attention supports 16, 32 and 64, and cuDNN cannot "
+              "run it (%s); use --deterministic 1", hs, why);
+    }
+    if (cudnn_ok) {
+        attention_cudnn_B = B;
+        attention_cudnn_T = T;
+        snprintf(said, sizeof(said), "cuDNN fused attention (deterministic backward)%s",
+                 gpu_flash_head_size(hs) ? ", flash attention for the sampler" : "");
+    } else {
+        snprintf(said, sizeof(said), "flash attention%s%s", want_cudnn ? " (cuDNN cannot: " : "",
+                 want_cudnn ? why : "");
+        if (want_cudnn) { strncat(said, ")", sizeof(said) - strlen(said) - 1); }
+    }
+    return said;
 }
 
-void gpt2_fast_teardown(void) { cublaslt_free(); }
+void gpt2_fast_teardown(void) {
+#ifdef LLMC_CUDNN
+    cudnn_attention_free();
+#endif
+    cublaslt_free();
+}

@@ -109,6 +109,7 @@ typedef struct { float* buf; size_t floats; } CommBuffer;
 typedef struct {
     int rank, size;
     const MemOps* mem;         // the memory of the model's tensors (see WHERE THE BUFFERS LIVE)
+    struct CommNccl* nccl;     // the NCCL transport of its device buffers, or NULL (comm_nccl.h)
     CommStats* stats;          // the owning Comm's counters
     CommBuffer pool[COMM_POOL];// idle workspace buffers
     int npool;
@@ -130,6 +131,7 @@ typedef struct {
 // A collective or point-to-point operation in flight (comm_*_start, comm_isend, comm_irecv).
 // NULL means nothing is left to do (size-1 groups, missing pipeline neighbours).
 typedef struct CommRequest CommRequest;
+static inline void comm_wait(CommRequest* req);
 
 #define COMM_NO_PEER (-1)              // "no neighbour": point-to-point calls do nothing
 
@@ -230,25 +232,6 @@ static inline void comm_unstage(CommGroup* g, float* p, size_t n, CommBuffer* st
     stage->buf = NULL;
 }
 
-// out[i] = the R1 tree (canonical.h) over rows r = 0..nrows-1 of rows[r * len + i], nrows >= 2.
-// The tree is walked once for all i together: a stack of partial rows, merged in place
-// (left += right) as canon_tree_merges_after says, the root's merge written into out. Each
-// element sees exactly the additions of canon_tree_sum over its column, in the same order.
-static inline void comm_tree_sum_rows(float* rows, size_t len, int nrows, float* out) {
-    float* stack[64];
-    int top = 0;
-    for (int r = 0; r < nrows; r++) {
-        stack[top++] = rows + (size_t)r * len;
-        for (int m = canon_tree_merges_after(r, nrows); m > 0; m--) {
-            float* right = stack[--top];
-            float* left = stack[--top];
-            float* dst = (top == 0 && r == nrows - 1) ? out : left;
-            for (size_t i = 0; i < len; i++) { dst[i] = left[i] + right[i]; }
-            stack[top++] = dst;
-        }
-    }
-}
-
 // Elementwise max, the same bits in any order of combining: a NaN anywhere gives the
 // canonical quiet NaN, and +0 beats -0. (MPI_MAX computes a > b ? a : b, whose answer for a
 // NaN or for -0 vs +0 depends on which rank's value comes first.)
@@ -310,7 +293,7 @@ static inline void comm_block_type_free(CommBlockType* t) {
 
 // All-to-all of size blocks of n floats (send: block r goes to rank r) into tmp, piece by
 // piece: piece p of every block lands at tmp + size*off as size consecutive rows of len floats
-// (row r from rank r), ready for comm_tree_sum_rows. Blocking if reqs is NULL, else one
+// (row r from rank r), ready for host_tree_rows (memory.h). Blocking if reqs is NULL, else one
 // request per piece.
 static inline void comm_alltoall_pieces(CommGroup* g, const float* send, float* tmp, size_t n,
                                         MPI_Request* reqs) {
@@ -333,7 +316,7 @@ static inline void comm_alltoall_pieces(CommGroup* g, const float* send, float* 
 static inline void comm_reduce_pieces(CommGroup* g, float* tmp, float* recv, size_t n) {
     for (size_t p = 0; p < comm_pieces(n); p++) {
         size_t off = p * comm_piece_floats, len = comm_piece_len(n, p);
-        comm_tree_sum_rows(tmp + (size_t)g->size * off, len, g->size, recv + off);
+        host_tree_rows(tmp + (size_t)g->size * off, len, g->size, recv + off);
     }
 }
 
@@ -371,6 +354,7 @@ struct CommRequest {
     CommBuffer stage_out;  // a staged receive buffer, copied into `device` by comm_wait
     float* device;         // ... the device buffer it belongs to
     size_t device_n;       // ... and its length
+    void* nccl_done;       // an NCCL operation: the event after its transfers (comm_nccl.h)
     int npieces;
     MPI_Request mpi[];     // one per piece
 };
@@ -384,6 +368,10 @@ static inline CommRequest* comm_request_new(CommOp op, CommGroup* g, size_t piec
     for (size_t p = 0; p < pieces; p++) { req->mpi[p] = MPI_REQUEST_NULL; }
     return req;
 }
+
+#ifdef USE_NCCL
+#include "llmc/comm_nccl.h"
+#endif
 
 // Where the request receives n floats meant for p: p itself, or a host buffer that comm_wait
 // copies into the device buffer p.
@@ -411,6 +399,9 @@ static inline void comm_group_init_single(CommGroup* g, CommStats* stats, const 
 }
 
 static inline void comm_group_free(CommGroup* g) {
+#ifdef USE_NCCL
+    comm_nccl_free_group(g);
+#endif
     for (int i = 0; i < g->npool; i++) { free(g->pool[i].buf); }
 #ifdef USE_MPI
     if (g->mpi != MPI_COMM_NULL) { MPI_Comm_free(&g->mpi); }
@@ -530,6 +521,16 @@ static inline void comm_setup_grid(Comm* c, int tp, int pp) {
 #endif
 }
 
+#ifdef USE_NCCL
+// The NCCL transport for the device buffers of the dp, tp and pp groups (comm_nccl.h); one GPU
+// per rank. Collective over the world.
+static inline void comm_enable_nccl(Comm* c) {
+    comm_nccl_init_group(&c->dp_group);
+    comm_nccl_init_group(&c->tp_group);
+    comm_nccl_init_group(&c->pp_group);
+}
+#endif
+
 // The memory of the model's tensors, for every group (see WHERE THE BUFFERS LIVE).
 static inline void comm_set_memory(Comm* c, const MemOps* mem) {
     c->mem = mem;
@@ -613,6 +614,9 @@ static inline void comm_reduce_scatter(CommGroup* g, const float* send, float* r
         return;
     }
 #ifdef USE_MPI
+#ifdef USE_NCCL
+    if (comm_nccl_on(g, recv)) { comm_wait(comm_nccl_reduce_scatter_start(g, send, recv, n)); return; }
+#endif
     CommBuffer in = {NULL, 0}, out = {NULL, 0};
     const float* hsend = comm_stage_in(g, send, (size_t)g->size * n, &in);
     float* hrecv = comm_stage_out(g, recv, n, &out);
@@ -636,6 +640,9 @@ static inline void comm_all_gather(CommGroup* g, const float* send, float* recv,
         return;
     }
 #ifdef USE_MPI
+#ifdef USE_NCCL
+    if (comm_nccl_on(g, recv)) { comm_wait(comm_nccl_all_gather_start(g, send, recv, n)); return; }
+#endif
     CommBuffer in = {NULL, 0}, out = {NULL, 0};
     const float* hsend = comm_stage_in(g, send, n, &in);
     float* hrecv = comm_stage_out(g, recv, (size_t)g->size * n, &out);
@@ -653,6 +660,9 @@ static inline void comm_all_reduce_sum(CommGroup* g, float* buf, size_t n, CommK
     comm_account(g, kind, comm_all_reduce_bytes(g->size, n, sizeof(float)), "all-reduce");
     if (g->size == 1) { return; }
 #ifdef USE_MPI
+#ifdef USE_NCCL
+    if (comm_nccl_on(g, buf)) { comm_wait(comm_nccl_all_reduce_start(g, buf, n)); return; }
+#endif
     size_t shard = (n + g->size - 1) / g->size, npad = shard * g->size;
     int staged = comm_staged(g, buf);
     // a device buffer is staged into the padded copy (made for every staged buffer)
@@ -762,6 +772,9 @@ static inline CommRequest* comm_reduce_scatter_start(CommGroup* g, const float* 
     }
 #ifdef USE_MPI
     comm_account(g, kind, (uint64_t)(g->size - 1) * n * sizeof(float), "reduce-scatter");
+#ifdef USE_NCCL
+    if (comm_nccl_on(g, recv)) { return comm_nccl_reduce_scatter_start(g, send, recv, n); }
+#endif
     CommRequest* req = comm_request_new(COMM_OP_REDUCE_SCATTER, g, comm_pieces(n));
     req->n = n;
     req->out = comm_request_stage_out(req, recv, n);
@@ -784,6 +797,9 @@ static inline CommRequest* comm_all_gather_start(CommGroup* g, const float* send
 #ifdef USE_MPI
     comm_account(g, kind, (uint64_t)(g->size - 1) * n * sizeof(float), "all-gather");
     comm_check_gather_buffers(g, send, recv, n);
+#ifdef USE_NCCL
+    if (comm_nccl_on(g, recv)) { return comm_nccl_all_gather_start(g, send, recv, n); }
+#endif
     CommRequest* req = comm_request_new(COMM_OP_ALL_GATHER, g, comm_pieces(n));
     const float* hsend = comm_stage_in(g, send, n, &req->stage_in);
     comm_allgather_pieces(g, hsend, comm_request_stage_out(req, recv, (size_t)g->size * n), n, req->mpi);
@@ -803,6 +819,9 @@ static inline CommRequest* comm_all_reduce_sum_start(CommGroup* g, float* buf, s
     }
 #ifdef USE_MPI
     comm_account(g, kind, comm_all_reduce_bytes(g->size, n, sizeof(float)), "all-reduce");
+#ifdef USE_NCCL
+    if (comm_nccl_on(g, buf)) { return comm_nccl_all_reduce_start(g, buf, n); }
+#endif
     size_t shard = (n + g->size - 1) / g->size, npad = shard * g->size;
     CommRequest* req = comm_request_new(COMM_OP_ALL_REDUCE, g, comm_pieces(shard));
     int staged = comm_staged(g, buf);
@@ -835,6 +854,9 @@ static inline CommRequest* comm_p2p_start(CommGroup* g, float* buf, size_t n, in
     if (peer == COMM_NO_PEER) { return NULL; }
     if (peer < 0 || peer >= g->size) { fatal("%s: peer %d is not a rank of a group of %d", what, peer, g->size); }
     if (tag < 0 || tag > 32767) { fatal("%s: tag %d outside 0..32767 (the least MPI guarantees)", what, tag); }
+#ifdef USE_NCCL
+    if (comm_nccl_on(g, buf)) { return comm_nccl_p2p_start(g, buf, n, peer, is_send); }   // NCCL matches messages in order
+#endif
     CommRequest* req = comm_request_new(COMM_OP_P2P, g, comm_pieces(n));
     buf = is_send ? (float*)comm_stage_in(g, buf, n, &req->stage_in) : comm_request_stage_out(req, buf, n);
     // pieces of one message keep their order: MPI never overtakes between the same two ranks
@@ -883,6 +905,9 @@ static inline CommRequest* comm_irecv(CommGroup* g, float* buf, size_t n, int pe
 static inline int comm_test(CommRequest* req) {
     if (req == NULL) { return 1; }
 #ifdef USE_MPI
+#ifdef USE_NCCL
+    if (req->nccl_done) { return comm_nccl_test(req); }
+#endif
     int done = 0;
     comm_check(MPI_Testall(req->npieces, req->mpi, &done, MPI_STATUSES_IGNORE), "MPI_Testall");
     return done;
@@ -895,6 +920,9 @@ static inline int comm_test(CommRequest* req) {
 static inline void comm_wait(CommRequest* req) {
     if (req == NULL) { return; }
 #ifdef USE_MPI
+#ifdef USE_NCCL
+    if (req->nccl_done) { comm_nccl_finish(req); return; }
+#endif
     CommGroup* g = req->group;
     comm_check(MPI_Waitall(req->npieces, req->mpi, MPI_STATUSES_IGNORE), "MPI_Waitall");
     if (req->op == COMM_OP_REDUCE_SCATTER) {

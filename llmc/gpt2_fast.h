@@ -9,7 +9,9 @@
 #include "llmc/engine.h"
 
 const ModelOps* gpt2_fast_model_ops(void);
-void gpt2_fast_setup(void);      // cuBLASLt handle and workspace, flash attention's shared memory
+// cuBLASLt, and the attention of --attention (auto, cudnn, flash) for training passes of
+// (B, T); returns a line saying which attention runs
+const char* gpt2_fast_setup(const char* attention, const GPT2Config* c, int B, int T, int genT);
 void gpt2_fast_teardown(void);
 
 #endif // LLMC_GPT2_FAST_H

@@ -454,7 +454,7 @@ static inline int gpu_flash_head_size(int hs) { return hs == 16 || hs == 32 || h
 // middle of a step. Returns NULL if the run fits, else what does not (written to buf).
 static inline const char* gpu_launch_problem(const GPT2Config* c, long B, long T, int det, int genT,
                                              char* buf, size_t cap) {
-    long C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size, hs = C / NH;
+    long C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size;
     long BT = B * T, Ta = T > genT ? T : genT;   // the sampler's attention has genT rows
     unsigned gx, gy, gz;
     size_t P = param_count(c);
@@ -480,11 +480,6 @@ static inline const char* gpu_launch_problem(const GPT2Config* c, long B, long T
             }
         }
         return NULL;
-    }
-    if (!gpu_flash_head_size((int)hs)) {
-        snprintf(buf, cap, "head size C/NH = %ld; fast mode's flash attention supports 16, 32 and 64 (use "
-                 "--deterministic 1 for others)", hs);
-        return buf;
     }
     if (C % 8 != 0 || Vp % 8 != 0) {   // bf16x8 (16-byte) accesses along C and along the vocabulary
         snprintf(buf, cap, "fast mode needs C and the padded vocabulary Vp to be multiples of 8 (C = %ld, "

@@ -798,11 +798,19 @@ static void device_mem_adamw(float* p, float* m, float* v, const float* g, size_
     LAUNCH(adamw_kernel, elementwise_blocks(n, 256), 256, p, m, v, g, n, *s, weight_decay);
     cudaLaunchCheck("adamw_kernel");
 }
+// the R1 tree over ranks of a reduce-scatter's landed rows (comm_nccl.h): per element the
+// sequence_tree kernel's tree
+static void device_mem_tree_rows(float* rows, size_t len, int nrows, float* out) {
+    if (len == 0) { return; }
+    LAUNCH(sequence_tree_kernel, elementwise_blocks(len, 256), 256, out, (const float*)rows, nrows, len);
+    cudaLaunchCheck("sequence_tree_kernel (tree over ranks)");
+}
 static void device_mem_sync(void) { cudaCheck(cudaDeviceSynchronize()); }
 
 static const MemOps memory_device = {
     "device", device_mem_alloc, device_mem_release, device_mem_copy, device_mem_to_host, device_mem_from_host,
-    device_mem_fill, device_mem_add, device_mem_sumsq, device_mem_adamw, device_holds, device_mem_sync
+    device_mem_fill, device_mem_add, device_mem_tree_rows, device_mem_sumsq, device_mem_adamw, device_holds,
+    device_mem_sync
 };
 
 #endif // LLMC_KERNELS_DET_CUH

@@ -10,7 +10,8 @@
  * lives.
  *
  * The arithmetic is canonical.h's: add is one IEEE addition per element (the merge step of the
- * R1 trees: the microbatch tree, the tied embedding's two halves), sumsq the exact sum of
+ * R1 trees: the microbatch tree, the tied embedding's two halves), tree_rows the R1 tree over
+ * the rows of a buffer (the local half of a reduce-scatter over ranks), sumsq the exact sum of
  * squares (R6), adamw adamw.h's update of each element. The device versions perform the same
  * operations on each element, so the bits are the same.
  */
@@ -36,6 +37,8 @@ typedef struct MemOps {
     void (*from_host)(void* dst, const void* host_src, size_t bytes);
     void (*fill)(float* dst, float value, size_t n);
     void (*add)(float* out, const float* a, const float* b, size_t n);   // out = a + b (may alias)
+    // out[i] = R1 tree over rows r < nrows of rows[r * len + i] (rows may be overwritten)
+    void (*tree_rows)(float* rows, size_t len, int nrows, float* out);
     void (*sumsq)(SumSq* total, const float* x, size_t n);             // total += exact sum of x^2
     void (*adamw)(float* p, float* m, float* v, const float* g, size_t n, const AdamWStep* s,
                   float weight_decay);
@@ -65,6 +68,24 @@ static inline void host_fill(float* dst, float value, size_t n) {
 static inline void host_add(float* out, const float* a, const float* b, size_t n) {
     #pragma omp parallel for
     for (size_t i = 0; i < n; i++) { out[i] = a[i] + b[i]; }
+}
+// The tree is walked once for all i together: a stack of partial rows, merged in place
+// (left += right) as canon_tree_merges_after says, the root's merge written into out. Each
+// element sees exactly the additions of canon_tree_sum over its column, in the same order.
+static inline void host_tree_rows(float* rows, size_t len, int nrows, float* out) {
+    if (nrows == 1) { memmove(out, rows, len * sizeof(float)); return; }
+    float* stack[64];
+    int top = 0;
+    for (int r = 0; r < nrows; r++) {
+        stack[top++] = rows + (size_t)r * len;
+        for (int m = canon_tree_merges_after(r, nrows); m > 0; m--) {
+            float* right = stack[--top];
+            float* left = stack[--top];
+            float* dst = (top == 0 && r == nrows - 1) ? out : left;
+            for (size_t i = 0; i < len; i++) { dst[i] = left[i] + right[i]; }
+            stack[top++] = dst;
+        }
+    }
 }
 // Each thread sums a contiguous part exactly; the parts' integer digits are merged (exact, so
 // the split does not matter).
@@ -96,7 +117,7 @@ static inline void host_sync(void) {}
 
 static const MemOps memory_host = {
     "host", host_alloc, host_release, host_copy, host_copy, host_copy, host_fill, host_add,
-    host_sumsq, host_adamw, host_holds, host_sync
+    host_tree_rows, host_sumsq, host_adamw, host_holds, host_sync
 };
 
 #endif // LLMC_MEMORY_H

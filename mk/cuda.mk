@@ -29,10 +29,19 @@ CUDA_LIBDIR := $(firstword $(wildcard $(CUDA_HOME)/lib64/libcublasLt.so) \
                            $(wildcard $(CUDA_HOME)/targets/x86_64-linux/lib/libcublasLt.so))
 HAVE_CUDA := $(if $(and $(NVCC),$(wildcard $(CUDA_HOME)/include/cublasLt.h),$(CUDA_LIBDIR)),1)
 
-# Open MPI for the CUDA build (the emulated build uses mpicxx); without it, one rank only
+# Open MPI for the CUDA build (the emulated build uses mpicxx); without it, one rank only.
+# NCCL (nccl.h and libnccl under CUDA_HOME, or NCCL_HOME) for --comm nccl, bootstrapped by MPI.
+NCCL_HOME ?= $(CUDA_HOME)
+NCCL_LIBDIR := $(patsubst %/libnccl.so,%,$(firstword $(wildcard $(NCCL_HOME)/lib64/libnccl.so) \
+                 $(wildcard $(NCCL_HOME)/lib/libnccl.so) $(wildcard /usr/lib/x86_64-linux-gnu/libnccl.so)))
+NCCL_INCDIR := $(patsubst %/nccl.h,%,$(firstword $(wildcard $(NCCL_HOME)/include/nccl.h) $(wildcard /usr/include/nccl.h)))
 ifeq ($(HAVE_MPI),1)
 MPI_CUDA_CFLAGS := $(shell $(MPICC) --showme:compile 2>/dev/null) -DUSE_MPI -DOMPI_SKIP_MPICXX
 MPI_CUDA_LIBS := $(shell $(MPICC) --showme:link 2>/dev/null)
+ifneq ($(and $(NCCL_LIBDIR),$(NCCL_INCDIR)),)
+MPI_CUDA_CFLAGS += -DUSE_NCCL -I$(NCCL_INCDIR)
+MPI_CUDA_LIBS += -L$(NCCL_LIBDIR) -Xlinker -rpath=$(NCCL_LIBDIR) -lnccl
+endif
 EMU_CXX = OMPI_CXX=$(CXX) mpicxx
 EMU_MPI = -DUSE_MPI -DOMPI_SKIP_MPICXX
 else
@@ -103,11 +112,13 @@ all: train_gpt2cu
 build/train_gpt2cu.o: train_gpt2.cu train_gpt2.c $(LLMC_HEADERS) $(CUDA_HEADERS) | build
 	$(NVCC) $(NVCC_FLAGS) $(NVCC_DET_FLAGS) $(MPI_CUDA_CFLAGS) -c -o $@ $<
 
+# fast mode uses cuDNN's attention when mk/cudnn.mk finds cuDNN (read when the recipe runs)
 build/train_gpt2_fast.o: train_gpt2_fast.cu $(LLMC_HEADERS) $(CUDA_HEADERS) | build
-	$(NVCC) $(NVCC_FLAGS) $(MPI_CUDA_CFLAGS) -c -o $@ $<
+	$(NVCC) $(NVCC_FLAGS) $(MPI_CUDA_CFLAGS) $(if $(HAVE_CUDNN),-DLLMC_CUDNN -I$(CUDNN_INCDIR)) -c -o $@ $<
 
 train_gpt2cu: build/train_gpt2cu.o build/train_gpt2_fast.o
-	$(NVCC) $(NVCC_FLAGS) -o $@ $^ $(NVCC_LDLIBS) $(MPI_CUDA_LIBS)
+	$(NVCC) $(NVCC_FLAGS) -o $@ $^ $(NVCC_LDLIBS) $(MPI_CUDA_LIBS) \
+	    $(if $(HAVE_CUDNN),-L$(CUDNN_LIBDIR) -Xlinker -rpath=$(CUDNN_LIBDIR) -lcudnn)
 
 # the host test also runs train_gpt2cu (--help, the no-GPU error) when it exists
 build/test_cuda_host: | train_gpt2cu

@@ -693,13 +693,10 @@ static void test_launch_plans(void) {
         CHECK(elementwise_blocks((size_t)BT * Vp, 256) == 65536 * 8 && ceil_div_u((size_t)BT, 1) == (unsigned)BT, "elementwise grid");
         CHECK((size_t)B * NH * T * 32 / 256 <= 2147483647u && (long)B * NH <= 65535, "attention rows / flash grid");
     }
-    // refused: head sizes flash attention lacks (fast), Vp not a multiple of 8 (fast), B*NH past
-    // flash attention's grid.y, row tiles past det_gemm's grid.y, more than 2^31 gradient values
+    // refused: Vp not a multiple of 8 (fast), B*NH past flash attention's grid.y, row tiles past
+    // det_gemm's grid.y, more than 2^31 gradient values (head sizes are fast mode's attention
+    // setup's to judge: cuDNN runs those flash attention lacks)
     GPT2Config c = d12;
-    c.num_heads = 6;   // hs = 128
-    CHECK(gpu_launch_problem(&c, 4, 64, 0, 0, buf, sizeof(buf)) != NULL && strstr(buf, "head size"), "hs=128 fast");
-    CHECK(gpu_launch_problem(&c, 4, 64, 1, 0, buf, sizeof(buf)) == NULL, "hs=128 deterministic is fine");
-    c = d12;
     c.padded_vocab_size = c.vocab_size;   // 50257: an llm.c file could say so
     CHECK(gpu_launch_problem(&c, 4, 64, 0, 0, buf, sizeof(buf)) != NULL && strstr(buf, "multiples of 8"), "Vp=V fast");
     CHECK(gpu_launch_problem(&c, 4, 64, 1, 0, buf, sizeof(buf)) == NULL, "Vp=V deterministic is fine");
