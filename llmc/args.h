@@ -3,8 +3,15 @@
  *
  * llm.c's single-letter flags where llm.c has the concept (-i -j -e -o -b -t -d -x -l -u -q -k
  * -c -v -m -s -g -n -y -z -r -a), each followed by its value; new options are long options
- * (--beta1 0.9). -h / --help prints the table. An unknown flag, a missing value or a value
- * that does not parse is one clear error line naming the flag.
+ * (--beta1 0.9). -h / --help prints the table. An unknown flag, a missing value, a value that
+ * does not parse or one outside the flag's range is one clear error line naming the flag and
+ * what it accepts.
+ *
+ * Every number flag has its accepted range in the table: the values the trainers can act on
+ * without overflowing an int (steps, microbatches per step, B*T) or training on nonsense
+ * (an infinite or 1e30 learning rate, beta >= 1). Relations between flags that need no model
+ * or data (B*T, microbatches per step) are checked by train_args_validate; the rest where the
+ * facts are known.
  */
 #ifndef LLMC_ARGS_H
 #define LLMC_ARGS_H
@@ -45,54 +52,83 @@ typedef struct {
     int tp, pp, sp;               // tensor / pipeline / sequence parallelism
     const char* pp_schedule;
     int deterministic;            // CUDA build: bit-exact mode
+    const char* comm;             // CUDA build: transport of device buffers (auto, nccl, mpi)
+    const char* attention;        // CUDA build, fast mode: auto, cudnn, flash
 } TrainArgs;
 
+// Checkpoint files carry the step in 8 digits (model_%08d.bin, DONE_%08d): a run longer than
+// this could not resume from its own checkpoints.
+#define MAX_TRAIN_STEPS 99999999
+// Model dimensions (model.h config_problem) stay below this; T and -g cannot exceed maxT.
+#define MAX_SEQ_LEN (1 << 20)
+
 typedef enum { ARG_INT, ARG_LLONG, ARG_FLOAT, ARG_STR } ArgType;
+
+// How a number flag's range [min, max] reads (all bounds inclusive unless flagged).
+enum {
+    ARG_OR_MINUS_ONE = 1,   // -1 is accepted too (a special meaning, see the help)
+    ARG_ABOVE_MIN = 2,      // min itself is excluded: (min, max]
+    ARG_BELOW_MAX = 4,      // max itself is excluded: [min, max)
+    ARG_ANY_VALUE = 8,      // no range: every value of the type means something (a seed)
+};
 
 typedef struct {
     const char* name;     // "-i" or "--beta1"
     ArgType type;
     size_t offset;        // into TrainArgs
+    double min, max;      // accepted range of a number flag (exact for every int bound used)
+    int range_flags;      // ARG_OR_MINUS_ONE ...
     const char* help;
 } ArgSpec;
 
 #define ARG_FIELD(f) offsetof(TrainArgs, f)
+#define ARG_STRING(name, field, help) {name, ARG_STR, ARG_FIELD(field), 0, 0, 0, help}
 static const ArgSpec arg_specs[] = {
-    {"-i", ARG_STR, ARG_FIELD(train_pattern), "train token files (glob)"},
-    {"-j", ARG_STR, ARG_FIELD(val_pattern), "validation token files (glob)"},
-    {"-e", ARG_STR, ARG_FIELD(model), "model: llm.c checkpoint file, or dN[cC][hNH][vV][tMAXT] for a fresh GPT-2 of depth N (e.g. d12)"},
-    {"-o", ARG_STR, ARG_FIELD(output_dir), "output dir for main.log and checkpoints"},
-    {"-b", ARG_INT, ARG_FIELD(B), "microbatch size B (sequences per rank per microbatch)"},
-    {"-t", ARG_INT, ARG_FIELD(T), "sequence length T (<= the model's maxT)"},
-    {"-d", ARG_LLONG, ARG_FIELD(total_batch), "total batch in tokens per step; -1 = B*T*DP (no accumulation)"},
-    {"-x", ARG_INT, ARG_FIELD(max_steps), "optimizer steps; -1 = one epoch of the train data"},
-    {"-l", ARG_FLOAT, ARG_FIELD(lr), "peak learning rate"},
-    {"-u", ARG_INT, ARG_FIELD(warmup), "learning-rate warmup steps"},
-    {"-q", ARG_FLOAT, ARG_FIELD(final_lr_frac), "final learning rate as a fraction of the peak"},
-    {"-k", ARG_STR, ARG_FIELD(lr_schedule), "learning-rate schedule: cosine | linear | constant"},
-    {"-c", ARG_FLOAT, ARG_FIELD(weight_decay), "AdamW weight decay (2-D weights only)"},
-    {"-v", ARG_INT, ARG_FIELD(val_every), "validation loss every N steps; 0 = never"},
-    {"-m", ARG_INT, ARG_FIELD(val_max_steps), "validation batches per evaluation; -1 = all"},
-    {"-s", ARG_INT, ARG_FIELD(sample_every), "sample text every N steps; 0 = never"},
-    {"-g", ARG_INT, ARG_FIELD(gen_T), "tokens to generate when sampling"},
-    {"-n", ARG_INT, ARG_FIELD(checkpoint_every), "write a checkpoint every N steps (and at the end); 0 = never (needs -o)"},
-    {"-y", ARG_INT, ARG_FIELD(resume), "1 = resume from the latest checkpoint in the -o dir"},
-    {"-z", ARG_INT, ARG_FIELD(zero_stage), "ZeRO stage 0-3 (optimizer / gradient / parameter sharding over data-parallel ranks)"},
-    {"-r", ARG_INT, ARG_FIELD(recompute), "1 = recompute GELU in backward instead of storing it (less memory)"},
-    {"-a", ARG_INT, ARG_FIELD(overfit_single_batch), "1 = train on the first microbatch only (debugging)"},
-    {"--beta1", ARG_FLOAT, ARG_FIELD(beta1), "AdamW beta1"},
-    {"--beta2", ARG_FLOAT, ARG_FIELD(beta2), "AdamW beta2"},
-    {"--eps", ARG_FLOAT, ARG_FIELD(eps), "AdamW epsilon"},
-    {"--grad-clip", ARG_FLOAT, ARG_FIELD(grad_clip), "clip the global gradient norm to this; 0 = off"},
-    {"--shuffle", ARG_INT, ARG_FIELD(shuffle), "1 = shuffle the train shards and microbatches each epoch"},
-    {"--seed", ARG_LLONG, ARG_FIELD(seed), "seed of the weight init (-e dN) and of the shuffle"},
-    {"--tokenizer", ARG_STR, ARG_FIELD(tokenizer_path), "llm.c tokenizer file used to print samples"},
-    {"--tp", ARG_INT, ARG_FIELD(tp), "tensor-parallel degree (Megatron column/row splits)"},
-    {"--sp", ARG_INT, ARG_FIELD(sp), "1 = Megatron sequence parallelism within the tensor-parallel group"},
-    {"--pp", ARG_INT, ARG_FIELD(pp), "pipeline-parallel degree (stages)"},
-    {"--schedule", ARG_STR, ARG_FIELD(pp_schedule), "pipeline schedule: 1f1b | gpipe"},
-    {"--deterministic", ARG_INT, ARG_FIELD(deterministic), "CUDA build: 1 = fp32 canonical kernels, bit-identical to the CPU build"},
+    ARG_STRING("-i", train_pattern, "train token files (glob)"),
+    ARG_STRING("-j", val_pattern, "validation token files (glob)"),
+    ARG_STRING("-e", model, "model: llm.c checkpoint file, or dN[cC][hNH][vV][tMAXT] for a fresh GPT-2 of depth N (e.g. d12)"),
+    ARG_STRING("-o", output_dir, "output dir for main.log and checkpoints"),
+    {"-b", ARG_INT, ARG_FIELD(B), 1, INT_MAX, 0, "microbatch size B (sequences per rank per microbatch)"},
+    {"-t", ARG_INT, ARG_FIELD(T), 1, MAX_SEQ_LEN, 0, "sequence length T (<= the model's maxT)"},
+    // 2^62 >= B*T * microbatches for any B*T and microbatch count that fit an int (the
+    // bound that matters, checked by train_args_validate)
+    {"-d", ARG_LLONG, ARG_FIELD(total_batch), 1, 4611686018427387904.0, ARG_OR_MINUS_ONE,
+     "total batch in tokens per step (at most 2^31-1 microbatches of B*T); -1 = B*T*DP (no accumulation)"},
+    {"-x", ARG_INT, ARG_FIELD(max_steps), 1, MAX_TRAIN_STEPS, ARG_OR_MINUS_ONE,
+     "optimizer steps (checkpoint names hold 8 digits); -1 = one epoch of the train data"},
+    // AdamW moves each weight by about lr per step: beyond 1 it destroys any model
+    {"-l", ARG_FLOAT, ARG_FIELD(lr), 0, 1, 0, "peak learning rate"},
+    {"-u", ARG_INT, ARG_FIELD(warmup), 0, MAX_TRAIN_STEPS, 0, "learning-rate warmup steps"},
+    {"-q", ARG_FLOAT, ARG_FIELD(final_lr_frac), 0, 1, 0, "final learning rate as a fraction of the peak"},
+    ARG_STRING("-k", lr_schedule, "learning-rate schedule: cosine | linear | constant"),
+    // decoupled decay scales a weight by 1 - lr*wd per step: with lr <= 1, wd <= 1 never flips its sign
+    {"-c", ARG_FLOAT, ARG_FIELD(weight_decay), 0, 1, 0, "AdamW weight decay (2-D weights only)"},
+    {"-v", ARG_INT, ARG_FIELD(val_every), 0, INT_MAX, 0, "validation loss every N steps; 0 = never"},
+    {"-m", ARG_INT, ARG_FIELD(val_max_steps), 1, INT_MAX, ARG_OR_MINUS_ONE, "validation batches per evaluation; -1 = all"},
+    {"-s", ARG_INT, ARG_FIELD(sample_every), 0, INT_MAX, 0, "sample text every N steps; 0 = never"},
+    {"-g", ARG_INT, ARG_FIELD(gen_T), 1, MAX_SEQ_LEN, 0, "tokens to generate when sampling"},
+    {"-n", ARG_INT, ARG_FIELD(checkpoint_every), 0, INT_MAX, 0, "write a checkpoint every N steps (and at the end); 0 = never (needs -o)"},
+    {"-y", ARG_INT, ARG_FIELD(resume), 0, 1, 0, "1 = resume from the latest checkpoint in the -o dir"},
+    {"-z", ARG_INT, ARG_FIELD(zero_stage), 0, 3, 0, "ZeRO stage 0-3 (optimizer / gradient / parameter sharding over data-parallel ranks)"},
+    {"-r", ARG_INT, ARG_FIELD(recompute), 0, 1, 0, "1 = recompute GELU in backward instead of storing it (less memory)"},
+    {"-a", ARG_INT, ARG_FIELD(overfit_single_batch), 0, 1, 0, "1 = train on the first microbatch only (debugging)"},
+    {"--beta1", ARG_FLOAT, ARG_FIELD(beta1), 0, 1, ARG_BELOW_MAX, "AdamW beta1"},
+    {"--beta2", ARG_FLOAT, ARG_FIELD(beta2), 0, 1, ARG_BELOW_MAX, "AdamW beta2"},
+    {"--eps", ARG_FLOAT, ARG_FIELD(eps), 0, 1, ARG_ABOVE_MIN, "AdamW epsilon"},
+    // any threshold above the largest gradient norms ever seen is the same as no clipping
+    {"--grad-clip", ARG_FLOAT, ARG_FIELD(grad_clip), 0, 1e6, 0, "clip the global gradient norm to this; 0 = off"},
+    {"--shuffle", ARG_INT, ARG_FIELD(shuffle), 0, 1, 0, "1 = shuffle the train shards and microbatches each epoch"},
+    {"--seed", ARG_LLONG, ARG_FIELD(seed), 0, 0, ARG_ANY_VALUE, "seed of the weight init (-e dN) and of the shuffle"},
+    ARG_STRING("--tokenizer", tokenizer_path, "llm.c tokenizer file used to print samples"),
+    {"--tp", ARG_INT, ARG_FIELD(tp), 1, 4096, 0, "tensor-parallel degree (Megatron column/row splits)"},
+    {"--sp", ARG_INT, ARG_FIELD(sp), 0, 1, 0, "1 = Megatron sequence parallelism within the tensor-parallel group"},
+    {"--pp", ARG_INT, ARG_FIELD(pp), 1, 4096, 0, "pipeline-parallel degree (stages)"},
+    ARG_STRING("--schedule", pp_schedule, "pipeline schedule: 1f1b | gpipe"),
+    {"--deterministic", ARG_INT, ARG_FIELD(deterministic), 0, 1, 0, "CUDA build: 1 = fp32 canonical kernels, bit-identical to the CPU build"},
+    ARG_STRING("--comm", comm, "CUDA build: how ranks exchange device buffers: nccl (one GPU per rank), mpi (staged through host memory; ranks may share a GPU) or auto (nccl when every rank has a GPU of its own)"),
+    ARG_STRING("--attention", attention, "CUDA build, fast mode: cudnn (cuDNN's fused attention), flash (our kernels) or auto (cudnn when a plan builds)"),
 };
+#undef ARG_STRING
 #define NUM_ARG_SPECS ((int)(sizeof(arg_specs) / sizeof(arg_specs[0])))
 
 static inline void train_args_defaults(TrainArgs* a) {
@@ -131,6 +167,38 @@ static inline void train_args_defaults(TrainArgs* a) {
     a->sp = 0;
     a->pp_schedule = "1f1b";
     a->deterministic = 0;
+    a->comm = "auto";
+    a->attention = "auto";
+}
+
+// The values a number flag accepts, for messages and --help: "an integer in [1, 8] or -1".
+static inline const char* arg_range_text(const ArgSpec* s, char* out, size_t cap) {
+    int f = s->range_flags;
+    if (f & ARG_ANY_VALUE) {
+        snprintf(out, cap, "a 64-bit integer");
+    } else if (s->type == ARG_FLOAT) {
+        snprintf(out, cap, "a number in %c%g, %g%c", (f & ARG_ABOVE_MIN) ? '(' : '[', s->min, s->max,
+                 (f & ARG_BELOW_MAX) ? ')' : ']');
+    } else {   // integer bounds are below 2^63 and exact in a double: %.0f prints them exactly
+        snprintf(out, cap, "an integer in [%.0f, %.0f]%s", s->min, s->max, (f & ARG_OR_MINUS_ONE) ? " or -1" : "");
+    }
+    return out;
+}
+
+// NaN is in no range (every comparison with it is false).
+static inline int arg_in_range(const ArgSpec* s, double v) {
+    int f = s->range_flags;
+    if (f & ARG_ANY_VALUE) { return 1; }
+    if ((f & ARG_OR_MINUS_ONE) && v == -1.0) { return 1; }
+    int above = (f & ARG_ABOVE_MIN) ? v > s->min : v >= s->min;
+    int below = (f & ARG_BELOW_MAX) ? v < s->max : v <= s->max;
+    return above && below;
+}
+
+__attribute__((noreturn))
+static inline void arg_out_of_range(const ArgSpec* s, const char* value) {
+    char range[96];
+    fatal("%s: expected %s, got '%s' (%s)", s->name, arg_range_text(s, range, sizeof(range)), value, s->help);
 }
 
 static inline void train_args_print_help(const char* prog, const TrainArgs* defaults) {
@@ -139,7 +207,7 @@ static inline void train_args_print_help(const char* prog, const TrainArgs* defa
     for (int i = 0; i < NUM_ARG_SPECS; i++) {
         const ArgSpec* s = &arg_specs[i];
         const char* base = (const char*)defaults + s->offset;
-        char def[256];
+        char def[256], range[96] = "";
         switch (s->type) {
             case ARG_INT: snprintf(def, sizeof(def), "%d", *(const int*)base); break;
             case ARG_LLONG: snprintf(def, sizeof(def), "%lld", *(const long long*)base); break;
@@ -150,13 +218,15 @@ static inline void train_args_print_help(const char* prog, const TrainArgs* defa
                 break;
             }
         }
+        if (s->type != ARG_STR) { arg_range_text(s, range, sizeof(range)); }
         const char* meta = s->type == ARG_STR ? "<str>" : s->type == ARG_FLOAT ? "<float>" : "<int>";
-        printf("  %-16s %-7s %s (default: %s)\n", s->name, meta, s->help, def);
+        printf("  %-16s %-7s %s (default: %s%s%s)\n", s->name, meta, s->help, def, range[0] ? "; " : "", range);
     }
     printf("  %-16s %-7s %s\n", "-h, --help", "", "this help");
 }
 
-// Parses argv into *a (which holds the defaults). Returns 1 if help was requested.
+// Parses argv into *a (which holds the defaults). Returns 1 if help was requested. Every value
+// is checked against its flag's range here, where the text the user typed can be quoted.
 static inline int train_args_parse(TrainArgs* a, int argc, char** argv) {
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) { return 1; }
@@ -171,31 +241,33 @@ static inline int train_args_parse(TrainArgs* a, int argc, char** argv) {
         char* end = NULL;
         errno = 0;
         switch (spec->type) {
-            case ARG_INT: {
-                long v = strtol(value, &end, 10);
-                if (*value == '\0' || *end != '\0' || errno || v < INT_MIN || v > INT_MAX) {
-                    fatal("flag %s expects an integer, got '%s'", spec->name, value);
-                }
-                *(int*)base = (int)v;
-                break;
-            }
+            case ARG_INT:
             case ARG_LLONG: {
                 long long v = strtoll(value, &end, 10);
-                if (*value == '\0' || *end != '\0' || errno) {
+                if (*value == '\0' || *end != '\0') {
                     fatal("flag %s expects an integer, got '%s'", spec->name, value);
                 }
-                *(long long*)base = v;
+                // ERANGE: beyond 64 bits, so beyond every range (a seed too: it is 64 bits)
+                if (errno == ERANGE || !arg_in_range(spec, (double)v)) { arg_out_of_range(spec, value); }
+                if (spec->type == ARG_INT) { *(int*)base = (int)v; }   // the range is within int
+                else { *(long long*)base = v; }
                 break;
             }
             case ARG_FLOAT: {
-                float v = strtof(value, &end);
-                if (*value == '\0' || *end != '\0' || errno || v != v) {
+                // ERANGE is left to the range: an overflow gives +-HUGE_VAL (out of every
+                // range), an underflow a tiny value, which the float check below judges
+                double v = strtod(value, &end);
+                if (*value == '\0' || *end != '\0') {
                     fatal("flag %s expects a number, got '%s'", spec->name, value);
                 }
-                *(float*)base = v;
+                // the double first (converting one beyond float's range is undefined), then
+                // the float the trainer will use (1e-50 is > 0 but becomes 0.0f)
+                if (!arg_in_range(spec, v) || !arg_in_range(spec, (float)v)) { arg_out_of_range(spec, value); }
+                *(float*)base = (float)v;
                 break;
             }
             case ARG_STR:
+                if (*value == '\0') { fatal("flag %s expects a non-empty value (%s)", spec->name, spec->help); }
                 *(const char**)base = value;
                 break;
         }
@@ -203,49 +275,31 @@ static inline int train_args_parse(TrainArgs* a, int argc, char** argv) {
     return 0;
 }
 
-// Range checks that need no model or data; the rest are checked where the facts are known.
+// Checks between flags that need no model or data (each flag's own range is checked by
+// train_args_parse); the rest are checked where the facts are known.
 static inline void train_args_validate(const TrainArgs* a) {
-    if (a->B < 1) { fatal("-b: microbatch size must be >= 1, got %d", a->B); }
-    if (a->T < 1) { fatal("-t: sequence length must be >= 1, got %d", a->T); }
-    if (a->total_batch < -1 || a->total_batch == 0) {
-        fatal("-d: total batch must be a positive number of tokens or -1, got %lld", a->total_batch);
+    long long tokens_per_microbatch = (long long)a->B * a->T;
+    if (tokens_per_microbatch > INT_MAX) {   // the kernels index a microbatch's B*T tokens with an int
+        fatal("-b/-t: B*T = %d*%d = %lld tokens per microbatch; at most %d", a->B, a->T,
+              tokens_per_microbatch, INT_MAX);
     }
-    if (a->max_steps < -1 || a->max_steps == 0) {
-        fatal("-x: steps must be >= 1 or -1 (one epoch), got %d", a->max_steps);
+    if (a->total_batch != -1 && a->total_batch / tokens_per_microbatch > INT_MAX) {
+        fatal("-d: %lld tokens per step is %lld microbatches of B*T = %lld tokens; at most %d", a->total_batch,
+              a->total_batch / tokens_per_microbatch, tokens_per_microbatch, INT_MAX);
     }
-    if (!(a->lr >= 0.0f)) { fatal("-l: learning rate must be >= 0"); }
-    if (a->warmup < 0) { fatal("-u: warmup steps must be >= 0, got %d", a->warmup); }
-    if (!(a->final_lr_frac >= 0.0f && a->final_lr_frac <= 1.0f)) {
-        fatal("-q: final learning-rate fraction must be in [0, 1], got %g", a->final_lr_frac);
-    }
-    if (!(a->weight_decay >= 0.0f)) { fatal("-c: weight decay must be >= 0"); }
-    if (a->val_every < 0) { fatal("-v: must be >= 0 (0 = no validation), got %d", a->val_every); }
-    if (a->val_max_steps < -1 || a->val_max_steps == 0) {
-        fatal("-m: validation batches must be >= 1 or -1 (all), got %d", a->val_max_steps);
-    }
-    if (a->sample_every < 0) { fatal("-s: must be >= 0 (0 = no sampling), got %d", a->sample_every); }
-    if (a->gen_T < 1) { fatal("-g: generated tokens must be >= 1, got %d", a->gen_T); }
-    if (a->checkpoint_every < 0) { fatal("-n: must be >= 0, got %d", a->checkpoint_every); }
     if (a->checkpoint_every > 0 && a->output_dir == NULL) {
         fatal("-n: checkpoints need an output directory: pass -o DIR");
     }
-    if (a->resume != 0 && a->resume != 1) { fatal("-y: must be 0 or 1, got %d", a->resume); }
     if (a->resume == 1 && a->output_dir == NULL) { fatal("-y 1: resuming needs the output directory -o DIR"); }
-    if (a->zero_stage < 0 || a->zero_stage > 3) { fatal("-z: ZeRO stage must be 0, 1, 2 or 3, got %d", a->zero_stage); }
-    if (a->recompute != 0 && a->recompute != 1) { fatal("-r: must be 0 or 1, got %d", a->recompute); }
-    if (a->overfit_single_batch != 0 && a->overfit_single_batch != 1) { fatal("-a: must be 0 or 1"); }
-    if (!(a->beta1 >= 0.0f && a->beta1 < 1.0f)) { fatal("--beta1 must be in [0, 1), got %g", a->beta1); }
-    if (!(a->beta2 >= 0.0f && a->beta2 < 1.0f)) { fatal("--beta2 must be in [0, 1), got %g", a->beta2); }
-    if (!(a->eps > 0.0f)) { fatal("--eps must be > 0, got %g", a->eps); }
-    if (!(a->grad_clip >= 0.0f)) { fatal("--grad-clip must be >= 0 (0 = off), got %g", a->grad_clip); }
-    if (a->shuffle != 0 && a->shuffle != 1) { fatal("--shuffle must be 0 or 1, got %d", a->shuffle); }
-    if (a->tp < 1) { fatal("--tp must be >= 1, got %d", a->tp); }
-    if (a->pp < 1) { fatal("--pp must be >= 1, got %d", a->pp); }
-    if (a->sp != 0 && a->sp != 1) { fatal("--sp must be 0 or 1, got %d", a->sp); }
+    if (strcmp(a->comm, "auto") != 0 && strcmp(a->comm, "nccl") != 0 && strcmp(a->comm, "mpi") != 0) {
+        fatal("--comm must be auto, nccl or mpi, got '%s'", a->comm);
+    }
+    if (strcmp(a->attention, "auto") != 0 && strcmp(a->attention, "cudnn") != 0 && strcmp(a->attention, "flash") != 0) {
+        fatal("--attention must be auto, cudnn or flash, got '%s'", a->attention);
+    }
     if (strcmp(a->pp_schedule, "1f1b") != 0 && strcmp(a->pp_schedule, "gpipe") != 0) {
         fatal("--schedule must be 1f1b or gpipe, got '%s'", a->pp_schedule);
     }
-    if (a->deterministic != 0 && a->deterministic != 1) { fatal("--deterministic must be 0 or 1"); }
 }
 
 // The data flags of both trainers resolved into loaders: -i (train), -j and -m (validation
@@ -256,16 +310,25 @@ static inline void train_data_open(const TrainArgs* a, int B, int T, int V, long
     *val_batches = 0;
     if (a->val_every > 0) {
         dataloader_init(val, a->val_pattern, "-j", B, T, V, 0, 0);
-        *val_batches = a->val_max_steps == -1 || a->val_max_steps > val->microbatches_per_epoch
-                     ? (int)val->microbatches_per_epoch : a->val_max_steps;
+        int64_t all = val->microbatches_per_epoch;
+        if (a->val_max_steps == -1 && all > INT_MAX) {
+            fatal("-m -1: the validation data -j holds %lld batches, more than %d; pass -m N",
+                  (long long)all, INT_MAX);
+        }
+        *val_batches = a->val_max_steps == -1 || a->val_max_steps > all ? (int)all : a->val_max_steps;
     }
     *train_steps = a->max_steps;
     if (*train_steps == -1) {
-        *train_steps = (int)(train->total_tokens / total_batch);
-        if (*train_steps < 1) {
+        long long epoch_steps = train->total_tokens / total_batch;
+        if (epoch_steps < 1) {
             fatal("-i: the train data has %lld tokens, less than one step of -d %lld tokens",
                   (long long)train->total_tokens, total_batch);
         }
+        if (epoch_steps > MAX_TRAIN_STEPS) {
+            fatal("-x -1: one epoch of -i is %lld steps of -d %lld tokens, more than %d (checkpoint "
+                  "names hold 8 digits); pass -x N or a larger -d", epoch_steps, total_batch, MAX_TRAIN_STEPS);
+        }
+        *train_steps = (int)epoch_steps;
     }
 }
 

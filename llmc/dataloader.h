@@ -136,8 +136,12 @@ static inline void dataloader_permutation_(int64_t* out, int64_t n, uint64_t see
     }
 }
 
-// Loads microbatch g of the stream into inputs/targets.
+// Loads microbatch g (>= 0) of the stream into inputs/targets.
 static inline void dataloader_load(DataLoader* d, int64_t g) {
+    if (g < 0) {   // a corrupt data position (state_read checks saved ones; this guards every caller)
+        fatal("%s: asked for microbatch %lld of the data stream: the data position is corrupt", d->flag,
+              (long long)g);
+    }
     int64_t epoch = g / d->microbatches_per_epoch;
     int64_t k = g % d->microbatches_per_epoch;
     if (d->shuffle && d->perm_epoch != epoch) {

@@ -456,6 +456,13 @@ ST_FN const char* st_find_duplicate(char* const* keys, size_t n) {
     return dup;
 }
 
+ST_FN char* st_strdup_or_die(const char* s) {
+    size_t n = strlen(s);
+    char* p = (char*)malloc_or_die(n + 1, "a JSON string");
+    memcpy(p, s, n + 1);
+    return p;
+}
+
 ST_FN void st_json_skip(StJson* J, int depth);
 
 // Skips an object or an array, validating it (keys of an object must be unique).
@@ -478,8 +485,7 @@ ST_FN void st_json_skip_container(StJson* J, int depth) {
             keys = (char**)realloc(keys, cap * sizeof(char*));
             if (keys == NULL) { fatal("out of memory parsing JSON"); }
         }
-        keys[nkeys] = strdup(J->str.p);
-        if (keys[nkeys] == NULL) { fatal("out of memory parsing JSON"); }
+        keys[nkeys] = st_strdup_or_die(J->str.p);
         nkeys++;
         st_json_expect(J, ':', "after an object key");
         st_json_skip(J, depth + 1);
@@ -599,13 +605,6 @@ ST_FN uint64_t st_json_uint(StJson* J, const char* tensor, const char* what) {
               st_printable(tensor, pr, sizeof(pr)), what, shown, text, num.len > 40 ? "..." : "");
     }
     return num.value;
-}
-
-ST_FN char* st_strdup_or_die(const char* s) {
-    size_t n = strlen(s);
-    char* p = (char*)malloc_or_die(n + 1, "a JSON string");
-    memcpy(p, s, n + 1);
-    return p;
 }
 
 // Parses one tensor entry {"dtype":..,"shape":[..],"data_offsets":[b,e]} into *t.

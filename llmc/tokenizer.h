@@ -75,6 +75,7 @@ static inline void tokenizer_init(Tokenizer* t, const char* filename) {
                         "ids; run `make data` to create it\n", filename);
         return;
     }
+    int64_t size = file_size_or_die(f, filename);
     uint32_t header[256];
     size_t got = fread(header, sizeof(uint32_t), 256, f);
     if (got != 256) {
@@ -93,6 +94,13 @@ static inline void tokenizer_init(Tokenizer* t, const char* filename) {
     if (t->vocab_size == 0 || (uint32_t)t->eot_token >= t->vocab_size) {
         fatal("tokenizer file '%s' has vocab_size %u and eot token %d: expected eot < vocab_size",
               filename, t->vocab_size, t->eot_token);
+    }
+    // every token takes at least 2 bytes (a length byte and one byte): a vocab_size beyond that is
+    // corrupt, and must not size an allocation (2^32 tokens would ask for 32 GB)
+    int64_t room = (size - (int64_t)sizeof(header)) / 2;
+    if ((int64_t)t->vocab_size > room) {
+        fatal("tokenizer file '%s' has vocab_size %u but its %lld bytes hold at most %lld tokens",
+              filename, t->vocab_size, (long long)size, (long long)room);
     }
     t->token_table = (char**)malloc_or_die(t->vocab_size * sizeof(char*), "tokenizer table");
     for (uint32_t i = 0; i < t->vocab_size; i++) {

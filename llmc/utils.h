@@ -104,16 +104,19 @@ static inline int64_t file_size_or_die(FILE* f, const char* path) {
 }
 
 // --- atomic replacement of a file ---------------------------------------------------------
+#define ATOMIC_WRITER_PATH_MAX 1023   // the longest path (in bytes) an AtomicWriter writes
+
 typedef struct {
     FILE* f;
-    char final_path[1024];
-    char tmp_path[1100];
+    char final_path[ATOMIC_WRITER_PATH_MAX + 1];
+    char tmp_path[ATOMIC_WRITER_PATH_MAX + 32];   // final_path ".tmp.PID"
 } AtomicWriter;
 
 static inline void atomic_writer_open(AtomicWriter* w, const char* path) {
-    if (strlen(path) >= sizeof(w->final_path)) { fatal("output path too long: '%s'", path); }
-    snprintf(w->final_path, sizeof(w->final_path), "%s", path);
-    snprintf(w->tmp_path, sizeof(w->tmp_path), "%s.tmp.%d", path, (int)getpid());
+    size_t n = strlen(path);
+    if (n > ATOMIC_WRITER_PATH_MAX) { fatal("output path too long: '%s'", path); }
+    memcpy(w->final_path, path, n + 1);
+    snprintf(w->tmp_path, sizeof(w->tmp_path), "%s.tmp.%d", w->final_path, (int)getpid());
     w->f = fopen(w->tmp_path, "wb");
     if (w->f == NULL) {
         fatal("cannot write '%s' (temporary file '%s'): %s", path, w->tmp_path, strerror(errno));
@@ -143,10 +146,21 @@ static inline void atomic_writer_commit(AtomicWriter* w) {
     }
 }
 
-// Creates DIR (and its parents) if needed; dies with a clear message if it cannot be written to.
+// A directory that ensure_writable_dir() accepts has room for file names of up to this many
+// bytes (the longest the trainers write is "state_00000000_00000.bin"), so a run whose output
+// path is too long fails at startup, not at its first checkpoint. (A tool that writes longer
+// names, like dev/data/tokenize --name, checks them itself.)
+#define OUTPUT_NAME_MAX 32
+
+// Creates DIR (and its parents) if needed; dies with a clear message if it cannot be written to
+// or if DIR/NAME would not fit an AtomicWriter for every NAME of up to OUTPUT_NAME_MAX bytes.
 static inline void ensure_writable_dir(const char* dir, const char* flag) {
     char path[1024];
-    if (strlen(dir) >= sizeof(path)) { fatal("%s: output directory path too long: '%s'", flag, dir); }
+    if (dir[0] == '\0') { fatal("%s: expected an output directory, got an empty path", flag); }
+    if (strlen(dir) + 1 + OUTPUT_NAME_MAX > ATOMIC_WRITER_PATH_MAX) {
+        fatal("%s: output directory path is %zu bytes; files inside it need it to be at most %d",
+              flag, strlen(dir), ATOMIC_WRITER_PATH_MAX - 1 - OUTPUT_NAME_MAX);
+    }
     snprintf(path, sizeof(path), "%s", dir);
     for (char* p = path + 1; ; p++) {   // each prefix ending at a '/', then the whole path
         int end = *p == '\0';
