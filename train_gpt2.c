@@ -36,6 +36,7 @@
 
 #ifndef LLMC_DEVICE_KERNELS
 #include "llmc/simd.h"
+#include "llmc/fma_peak.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -1485,15 +1486,24 @@ static void cpu_throughput(char* out, size_t len, double flops_per_second) {
     snprintf(out, len, "%.1f GFLOP/s", flops_per_second / 1e9);
 }
 
+// against this machine's FMA peak, measured now (llmc/fma_peak.h, a fraction of a second)
+static void cpu_summary_throughput(char* out, size_t len, double flops_per_second) {
+    double peak = fma_peak_median(5000000);
+    snprintf(out, len, "%.1f GFLOP/s = %.0f%% of this machine's FMA peak (%.1f GFLOP/s, measured now)",
+             flops_per_second / 1e9, 100.0 * flops_per_second / 1e9 / peak, peak);
+}
+
 int main(int argc, char** argv) {
     Trainer t;
     if (!trainer_begin(&t, argc, argv)) { return 0; }
-    if (t.args.deterministic) { fatal("--deterministic is a flag of the CUDA build (train_gpt2cu)"); }
+    if (t.args.deterministic || strcmp(t.args.comm, "auto") != 0 || strcmp(t.args.attention, "auto") != 0) {
+        fatal("--deterministic, --comm and --attention are flags of the CUDA build (train_gpt2cu)");
+    }
     if (t.config.channels / t.config.num_heads > 256) {
         fatal("-e: head size C/NH = %d is larger than the 256 this build supports", t.config.channels / t.config.num_heads);
     }
     trainer_build(&t, &gpt2_model_ops, &memory_host);
-    BuildInfo build = {"train_gpt2", cpu_banner, NULL, cpu_throughput};
+    BuildInfo build = {"train_gpt2", cpu_banner, NULL, cpu_throughput, cpu_summary_throughput};
     trainer_run(&t, &build);
     trainer_end(&t);
     return 0;

@@ -38,6 +38,7 @@ static int device_index, device_deterministic;
 static double device_peak_tflops;
 static const char* device_peak_name;
 static const char* fast_attention = "";   // fast mode: which attention runs
+static const char* transport_name = "mpi";  // --comm, as chosen
 
 // This rank's GPU (its index among the ranks of its node, modulo the GPUs there), or one
 // clear line saying why there is none.
@@ -65,6 +66,7 @@ static void cuda_banner(void) {
            device_prop.major, device_prop.minor, device_prop.multiProcessorCount,
            device_prop.totalGlobalMem / 1073741824.0, device_index);
     printf("| MFU peak      %s\n", device_peak_name);
+    printf("| transport     %s (device buffers between ranks)\n", transport_name);
     if (!device_deterministic) { printf("| attention     %s\n", fast_attention); }
 }
 
@@ -81,6 +83,46 @@ static void cuda_throughput(char* out, size_t len, double flops_per_second) {
     } else {
         snprintf(out, len, "%.2f TFLOP/s", flops_per_second / 1e12);
     }
+}
+
+static void cuda_summary_throughput(char* out, size_t len, double flops_per_second) {
+    snprintf(out, len, "%.2f TFLOP/s", flops_per_second / 1e12);
+    if (device_peak_tflops > 0) {
+        size_t n = strlen(out);
+        snprintf(out + n, len - n, " = MFU %.1f%% of the %s", 100.0 * flops_per_second / (device_peak_tflops * 1e12),
+                 device_peak_name);
+    }
+}
+
+// How ranks exchange device buffers (--comm): NCCL needs a GPU per rank (it refuses two ranks
+// on one device); otherwise MPI staging through host memory, which the emulated build always
+// uses. A group of one rank exchanges nothing.
+static void choose_transport(Trainer* t) {
+    const char* want = t->args.comm;
+    int count = 1;
+    cudaCheck(cudaGetDeviceCount(&count));
+    float shares = comm_node_local_rank(&t->comm) >= count ? 1.0f : 0.0f;   // this rank shares a GPU
+    comm_all_reduce_max(&t->comm.world, &shares, 1, COMM_KIND_OTHER);
+#ifdef USE_NCCL
+    if (strcmp(want, "nccl") == 0 && shares > 0.0f) {
+        fatal("--comm nccl: ranks of this job share a GPU (%d per node here), which NCCL refuses; use --comm mpi "
+              "or one rank per GPU", count);
+    }
+    if (strcmp(want, "mpi") != 0 && shares == 0.0f && t->comm.world_size > 1) {
+        comm_enable_nccl(&t->comm);
+        transport_name = "nccl";
+    }
+#else
+    if (strcmp(want, "nccl") == 0) {
+        fatal("--comm nccl: this build has no NCCL (%s); use --comm mpi",
+#ifdef LLMC_CUDA_EMU
+              "the emulated GPU runs over MPI only"
+#else
+              "nccl.h and libnccl were not found when it was built, or MPI was not"
+#endif
+              );
+    }
+#endif
 }
 
 #ifdef LLMC_CUDA_EMU
@@ -105,6 +147,7 @@ int main(int argc, char** argv) {
               "and pipeline parallelism run with --deterministic 1");
     }
     select_device(&t.comm);
+    choose_transport(&t);
     device_peak_tflops = gpu_peak_tflops(device_prop.major, device_prop.minor, device_prop.name, det, &device_peak_name);
     char err[256];
     int genT = t.args.sample_every > 0 ? (t.args.gen_T < t.config.max_seq_len ? t.args.gen_T : t.config.max_seq_len) : 0;
@@ -113,12 +156,12 @@ int main(int argc, char** argv) {
     const ModelOps* ops = &gpt2_model_ops;
 #ifndef LLMC_CUDA_EMU
     if (!det) {
-        fast_attention = gpt2_fast_setup("auto", &t.config, t.B, t.T, genT);
+        fast_attention = gpt2_fast_setup(t.args.attention, &t.config, t.B, t.T, genT);
         ops = gpt2_fast_model_ops();
     }
 #endif
     trainer_build(&t, ops, &memory_device);
-    BuildInfo build = {"train_gpt2cu", cuda_banner, cuda_memory_line, cuda_throughput};
+    BuildInfo build = {"train_gpt2cu", cuda_banner, cuda_memory_line, cuda_throughput, cuda_summary_throughput};
     trainer_run(&t, &build);
     trainer_end(&t);
 #ifndef LLMC_CUDA_EMU

@@ -102,6 +102,8 @@ typedef struct {
     void (*memory_line)(void);                  // a line after the memory table (NULL: none)
     // the throughput field of the step line, e.g. "95.0 GFLOP/s" or "MFU 41.2%"
     void (*throughput)(char* out, size_t len, double flops_per_second);
+    // the run summary's, against the machine's peak, e.g. "95.0 GFLOP/s, 41% of ... peak"
+    void (*summary_throughput)(char* out, size_t len, double flops_per_second);
 } BuildInfo;
 
 static inline double now_seconds(void) {
@@ -435,7 +437,10 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     if (!lr_schedule_kind(a->lr_schedule, &t->lr_kind)) {
         fatal("-k: unknown learning-rate schedule '%s' (cosine, linear or constant)", a->lr_schedule);
     }
-    if (a->output_dir && t->root) { ensure_writable_dir(a->output_dir, "-o"); }
+    if (a->output_dir && t->root) {
+        ensure_writable_dir(a->output_dir, "-o");
+        checkpoint_remove_orphans(a->output_dir);   // temp files of a save that was killed
+    }
     comm_barrier(&t->comm.world);
 
     // resume from the latest complete checkpoint in the output dir?
@@ -517,13 +522,10 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
         TrainProgress saved;
         state_read(a->output_dir, t->resume_step, c, n, ranges, &saved);
         free(ranges);
+        // the saved progress must be this run's: B*T, -d, --shuffle, --seed, a step within -x
+        train_progress_check(&saved, a->output_dir, t->M, t->tokens_per_micro, a->shuffle, (uint64_t)a->seed,
+                             t->train_steps);
         zero_state_from_host(z);
-        if (saved.tokens_per_microbatch != t->tokens_per_micro || saved.shuffle != a->shuffle ||
-            saved.shuffle_seed != (uint64_t)a->seed) {
-            fatal("-y 1: the checkpoint in '%s' was trained with B*T = %lld, --shuffle %d, --seed %llu; "
-                  "resume with the same values", a->output_dir, (long long)saved.tokens_per_microbatch,
-                  saved.shuffle, (unsigned long long)saved.shuffle_seed);
-        }
         t->progress = saved;
     }
     logger_init(&t->logger, a->output_dir, t->root, t->resume_step >= 0);
@@ -736,8 +738,9 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
 
 // The startup table, then every step: validation, sampling and checkpoints when due, the
 // step's microbatches through the pipeline, the loss, the gradient norm, AdamW; the step line
-// on the console and in main.log. A loss or gradient norm that is not finite stops the run
-// before anything of that step is written (Megatron's NaN check).
+// on the console and in main.log; at the end a summary of the run. A loss or gradient norm
+// that is not finite stops the run before anything of that step is written (Megatron's NaN
+// check).
 static inline void trainer_run(Trainer* t, const BuildInfo* build) {
     const TrainArgs* a = &t->args;
     const GPT2Config* c = &t->config;
@@ -750,9 +753,11 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
     ZeroMemory mem = zero_memory(z);
     double flops_per_step = (6.0 * (double)P + 6.0 * c->num_layers * c->channels * t->T) * (double)t->total_batch;
     float* local_loss = (float*)calloc_or_die((size_t)z->local_microbatches + 1, sizeof(float), "losses");
-    double total_time = 0.0;
+    double total_time = 0.0, run_start = now_seconds();
     int timed_steps = 0;
     const int first_step = (int)t->progress.step;   // of this run (after -y, the resumed step)
+    float best_val = 0.0f;
+    int best_val_step = -1, last_checkpoint = -1;
     for (int step = first_step; step <= t->train_steps; step++) {
         int last_step = step == t->train_steps;
 
@@ -760,12 +765,14 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
             float val_loss = trainer_validate(t);
             if (t->root) { printf("val loss %.6f\n", val_loss); }
             logger_log_val(&t->logger, step, val_loss);
+            if (best_val_step < 0 || val_loss < best_val) { best_val = val_loss; best_val_step = step; }
         }
         if (t->do_sample && ((step > 0 && step % a->sample_every == 0) || last_step)) { trainer_sample(t); }
         if (a->checkpoint_every > 0 && step != t->resume_step &&
             ((step > 0 && step % a->checkpoint_every == 0) || last_step)) {
             t->progress.step = step;
             trainer_write_checkpoint(t);
+            last_checkpoint = step;
         }
         if (last_step) { break; }
 
@@ -829,12 +836,25 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
         }
         logger_log_train(&t->logger, step, loss, lr, norm);
     }
-    if (timed_steps > 0 && t->root) {
-        double avg = total_time / timed_steps;
-        char throughput[64];
-        build->throughput(throughput, sizeof(throughput), flops_per_step / avg);
-        printf("average step time %.1f ms (excluding the first), %.0f tok/s, %s\n", avg * 1e3,
-               t->total_batch / avg, throughput);
+    if (t->root) {
+        // the run summary: what was trained, how fast (the steps after the first, which
+        // carries the warm-up), the best validation loss, where the model is
+        int steps = t->train_steps - first_step;
+        printf("run summary: %d step(s) (%d -> %d), %.0f tokens in %.1f s", steps, first_step, t->train_steps,
+               (double)steps * t->total_batch, now_seconds() - run_start);
+        if (timed_steps > 0) {
+            double avg = total_time / timed_steps;
+            char throughput[160];
+            build->summary_throughput(throughput, sizeof(throughput), flops_per_step / avg);
+            printf("\n  average step %.1f ms (excluding the first), %.0f tok/s, %s", avg * 1e3, t->total_batch / avg,
+                   throughput);
+        }
+        if (best_val_step >= 0) { printf("\n  best val loss %.6f (step %d)", best_val, best_val_step); }
+        if (last_checkpoint >= 0) {
+            printf("\n  checkpoint: %s/model_%08d.bin (resume with -y 1 -o %s)", a->output_dir, last_checkpoint,
+                   a->output_dir);
+        }
+        printf("\n");
     }
     free(local_loss);
 }

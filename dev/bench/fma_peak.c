@@ -1,52 +1,13 @@
 /*
- * fma_peak.c: this machine's fused multiply-add peak in GFLOP/s (the denominator of the
- * benchmark's "% of peak"): 24 independent accumulators per thread in vector registers (enough
- * to cover the FMA latency on every port), no memory traffic, the widest vectors the build
- * targets (AVX-512, AVX2 or scalar), on every OpenMP thread at once. Prints one number; the
- * median of 5 runs.
+ * fma_peak.c: prints this machine's fused multiply-add peak in GFLOP/s (llmc/fma_peak.h), the
+ * median of 5 runs: the denominator of the benchmark's "% of peak".
  */
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#include "llmc/simd.h"
-
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
-
-static double run_once(long iters) {
-    double t0 = now();
-    float sink = 0.0f;
-    #pragma omp parallel reduction(+:sink)
-    {
-        vf x = vf_set1(0.999f), y = vf_set1(1e-4f);
-        vf a[24];
-        for (int j = 0; j < 24; j++) { a[j] = vf_set1(0.1f * j); }
-        for (long i = 0; i < iters; i++) {
-            #pragma GCC unroll 24
-            for (int j = 0; j < 24; j++) { a[j] = vf_fma(a[j], x, y); }
-        }
-        vf s = a[0];
-        for (int j = 1; j < 24; j++) { s = vf_add(s, a[j]); }
-        float out[VLEN];
-        vf_store(out, s);
-        sink += out[0];
-    }
-    double dt = now() - t0;
-    if (sink == 12345.0f) { printf("unlikely\n"); }
-    int threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
-    return (double)iters * 24 * VLEN * 2 * threads / dt / 1e9;
-}
+#include "llmc/fma_peak.h"
 
 int main(int argc, char** argv) {
     long iters = argc > 1 ? atol(argv[1]) : 50000000;
-    double r[5];
-    for (int i = 0; i < 5; i++) { r[i] = run_once(iters); }
-    for (int i = 0; i < 5; i++) for (int j = i + 1; j < 5; j++) if (r[j] < r[i]) { double t = r[i]; r[i] = r[j]; r[j] = t; }
-    printf("%.1f\n", r[2]);
+    printf("%.1f\n", fma_peak_median(iters));
     return 0;
 }

@@ -1,0 +1,62 @@
+/*
+ * fma_peak.h: this machine's fused multiply-add peak in GFLOP/s, the denominator of every
+ * "% of peak" the CPU build states (the benchmark's tables, the trainer's run summary): 24
+ * independent accumulators per thread in vector registers (enough to cover the FMA latency on
+ * every port), no memory traffic, the widest vectors the build targets (simd.h: AVX-512, AVX2
+ * or scalar), on every OpenMP thread at once.
+ */
+#ifndef LLMC_FMA_PEAK_H
+#define LLMC_FMA_PEAK_H
+
+#include <stdio.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "llmc/simd.h"
+
+static inline double fma_peak_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+// One measurement of `iters` rounds of 24 vector FMAs per thread.
+static inline double fma_peak_gflops(long iters) {
+    double t0 = fma_peak_now();
+    float sink = 0.0f;
+    #pragma omp parallel reduction(+:sink)
+    {
+        vf x = vf_set1(0.999f), y = vf_set1(1e-4f);
+        vf a[24];
+        for (int j = 0; j < 24; j++) { a[j] = vf_set1(0.1f * j); }
+        for (long i = 0; i < iters; i++) {
+            #pragma GCC unroll 24
+            for (int j = 0; j < 24; j++) { a[j] = vf_fma(a[j], x, y); }
+        }
+        vf s = a[0];
+        for (int j = 1; j < 24; j++) { s = vf_add(s, a[j]); }
+        float out[VLEN];
+        vf_store(out, s);
+        sink += out[0];
+    }
+    double dt = fma_peak_now() - t0;
+    if (sink == 12345.0f) { printf("unlikely\n"); }   // keeps the loop from being optimised away
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    return (double)iters * 24 * VLEN * 2 * threads / dt / 1e9;
+}
+
+// The median of 5 measurements.
+static inline double fma_peak_median(long iters) {
+    double r[5];
+    for (int i = 0; i < 5; i++) { r[i] = fma_peak_gflops(iters); }
+    for (int i = 0; i < 5; i++) {
+        for (int j = i + 1; j < 5; j++) { if (r[j] < r[i]) { double t = r[i]; r[i] = r[j]; r[j] = t; } }
+    }
+    return r[2];
+}
+
+#endif // LLMC_FMA_PEAK_H
