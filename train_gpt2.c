@@ -948,7 +948,8 @@ typedef struct {
     int layers, cap_B, cap_T, recompute, seq_split;
     int C3, Ca, NHl, C4, Vl;   // local widths: qkv, atty, heads, fch, vocabulary
     int* inputs;        // (B,T)     the pass's tokens
-    int* targets;       // (B,T)     ... and the next tokens (the loss), or NULL: none
+    int* targets;       // (B,T)     ... and the next tokens (the loss): target_buf, or NULL: none
+    int* target_buf;
     float* encoded;     // (B,T,C)   the stage's input: embedding output, or received activation
     float* ln1;         // (L,B,T,C)
     float* ln1_mean;    // (L,B,T)
@@ -1033,7 +1034,7 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->C4 = 4 * c->channels / K;
     a->Vl = c->padded_vocab_size / K;
     a->inputs = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
-    a->targets = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
+    a->target_buf = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
     a->bytes = 2 * BT * sizeof(int);
     a->encoded = act_alloc(model, BTs * C, &a->bytes);
     a->ln1 = act_alloc(model, L * BT * C, &a->bytes);
@@ -1061,7 +1062,7 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
 }
 
 void activations_free(const GPT2* model, Activations* a) {
-    void* all[] = {a->inputs, a->targets, a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty,
+    void* all[] = {a->inputs, a->target_buf, a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty,
                    a->att, a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu,
                    a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj,
                    a->proj_s, a->ln_s, a->ce};
@@ -1074,8 +1075,8 @@ void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs
                             int B, int T) {
     size_t bytes = (size_t)B * T * sizeof(int);
     model->mem->from_host(a->inputs, inputs, bytes);
-    if (targets) { model->mem->from_host(a->targets, targets, bytes); }
-    a->targets = targets ? a->targets : NULL;
+    if (targets) { model->mem->from_host(a->target_buf, targets, bytes); }
+    a->targets = targets ? a->target_buf : NULL;
 }
 
 void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T, int sp) {

@@ -201,23 +201,29 @@ static inline void arg_out_of_range(const ArgSpec* s, const char* value) {
     fatal("%s: expected %s, got '%s' (%s)", s->name, arg_range_text(s, range, sizeof(range)), value, s->help);
 }
 
+// The value of flag s in *a as text (floats exactly: %.9g), "none" for an unset string.
+static inline void train_arg_value_text(const ArgSpec* s, const TrainArgs* a, char* out, size_t len) {
+    const char* base = (const char*)a + s->offset;
+    switch (s->type) {
+        case ARG_INT: snprintf(out, len, "%d", *(const int*)base); break;
+        case ARG_LLONG: snprintf(out, len, "%lld", *(const long long*)base); break;
+        case ARG_FLOAT: snprintf(out, len, "%.9g", *(const float*)base); break;
+        case ARG_STR: {
+            const char* v = *(const char* const*)base;
+            snprintf(out, len, "%s", v ? v : "none");
+            break;
+        }
+    }
+}
+
 static inline void train_args_print_help(const char* prog, const TrainArgs* defaults) {
     printf("usage: %s [options]\n\n", prog);
     printf("Trains GPT-2 on llm.c token shards, single rank or under mpirun (DP x TP x PP).\n\n");
     for (int i = 0; i < NUM_ARG_SPECS; i++) {
         const ArgSpec* s = &arg_specs[i];
-        const char* base = (const char*)defaults + s->offset;
         char def[256], range[96] = "";
-        switch (s->type) {
-            case ARG_INT: snprintf(def, sizeof(def), "%d", *(const int*)base); break;
-            case ARG_LLONG: snprintf(def, sizeof(def), "%lld", *(const long long*)base); break;
-            case ARG_FLOAT: snprintf(def, sizeof(def), "%g", *(const float*)base); break;
-            case ARG_STR: {
-                const char* v = *(const char* const*)base;
-                snprintf(def, sizeof(def), "%s", v ? v : "none");
-                break;
-            }
-        }
+        train_arg_value_text(s, defaults, def, sizeof(def));
+        if (s->type == ARG_FLOAT) { snprintf(def, sizeof(def), "%g", *(const float*)((const char*)defaults + s->offset)); }
         if (s->type != ARG_STR) { arg_range_text(s, range, sizeof(range)); }
         const char* meta = s->type == ARG_STR ? "<str>" : s->type == ARG_FLOAT ? "<float>" : "<int>";
         printf("  %-16s %-7s %s (default: %s%s%s)\n", s->name, meta, s->help, def, range[0] ? "; " : "", range);

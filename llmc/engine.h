@@ -410,8 +410,27 @@ typedef struct {
     Logger logger;
 } Trainer;
 
+// Every rank must run the same job: each compares its flags with world rank 0's (broadcast, as
+// text) and stops the whole job at the first difference with one line naming the flag; a rank
+// started with other flags would otherwise hang in a collective or train something else.
+static inline void trainer_check_same_flags(Trainer* t) {
+    char mine[128], theirs[128];
+    for (int i = 0; i < NUM_ARG_SPECS; i++) {
+        const ArgSpec* s = &arg_specs[i];
+        train_arg_value_text(s, &t->args, mine, sizeof(mine));
+        memcpy(theirs, mine, sizeof(theirs));
+        // broadcast (world): rank 0's value of this flag
+        comm_broadcast(&t->comm.world, theirs, sizeof(theirs), 0, COMM_KIND_OTHER);
+        if (strncmp(mine, theirs, sizeof(mine)) != 0) {
+            fatal("flag %s is '%s' on this rank but '%s' on rank 0: every rank of a job must run with the same "
+                  "flags", s->name, mine, theirs);
+        }
+    }
+}
+
 // MPI, the flags (returns 0 after --help), the rank grid, and what the run starts from: the
-// resume step, the full starting parameters (host), the batch. Checks that need only these.
+// resume step (world rank 0 decides, every rank resumes from it), the full starting parameters
+// (host), the batch. Checks that need only these.
 static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     memset(t, 0, sizeof(*t));
     comm_init(&t->comm, &argc, &argv);
@@ -428,6 +447,7 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
         return 0;
     }
     train_args_validate(a);
+    trainer_check_same_flags(t);
     if (a->sp && a->tp == 1) { fatal("--sp 1: sequence parallelism splits the sequence over the tensor-parallel group; it needs --tp > 1"); }
     if (t->comm.world_size % (a->tp * a->pp) != 0) {
         fatal("--tp %d x --pp %d does not divide the %d ranks of this job", a->tp, a->pp, t->comm.world_size);
@@ -443,8 +463,11 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     }
     comm_barrier(&t->comm.world);
 
-    // resume from the latest complete checkpoint in the output dir?
-    t->resume_step = a->resume ? checkpoint_latest_step(a->output_dir) : -1;
+    // resume from the latest complete checkpoint in the output dir? World rank 0's decides
+    // (broadcast, world): a rank whose directory lacks that checkpoint stops the job with one
+    // line naming the file, instead of resuming from another step and hanging
+    t->resume_step = a->resume && t->root ? checkpoint_latest_step(a->output_dir) : -1;
+    comm_broadcast(&t->comm.world, &t->resume_step, sizeof(int), 0, COMM_KIND_OTHER);
     t->start_params = gpt2_starting_params(a->model, a->output_dir, t->resume_step, (uint64_t)a->seed, &t->config);
     const GPT2Config* c = &t->config;
     int N = t->comm.dp;
@@ -528,7 +551,7 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
         zero_state_from_host(z);
         t->progress = saved;
     }
-    logger_init(&t->logger, a->output_dir, t->root, t->resume_step >= 0);
+    logger_init(&t->logger, a->output_dir, t->root, t->resume_step);
 }
 
 // ---- what a step computes beyond the pipeline --------------------------------------------

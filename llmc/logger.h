@@ -3,7 +3,9 @@
  *   s:STEP trl:LOSS lr:LR norm:NORM      (training step STEP, 0-based like llm.c)
  *   s:STEP tel:LOSS                      (validation loss before step STEP)
  * Floats are printed with %.9g, which round-trips every float exactly, so the logs of two
- * runs can be compared bit for bit with cmp. Only one rank writes.
+ * runs can be compared bit for bit with cmp. Only one rank writes. A resumed run keeps the
+ * lines of the steps before its checkpoint and drops the later ones (which it trains again),
+ * so the log of a run stopped and resumed reads as one run's.
  */
 #ifndef LLMC_LOGGER_H
 #define LLMC_LOGGER_H
@@ -16,13 +18,27 @@ typedef struct {
     char path[1100];
 } Logger;
 
-// resume = 0 truncates an existing log, 1 appends to it.
-static inline void logger_init(Logger* lg, const char* dir, int active, int resume) {
+// resume_step < 0: a fresh run, an existing log is emptied; else the lines of steps before
+// resume_step are kept (rewritten to a temp file and renamed, like a checkpoint).
+static inline void logger_init(Logger* lg, const char* dir, int active, int resume_step) {
     lg->active = dir != NULL && active;
     if (!lg->active) { return; }
     snprintf(lg->path, sizeof(lg->path), "%s/main.log", dir);
-    FILE* f = fopen_or_die(lg->path, resume ? "a" : "w", "log file");
-    fclose(f);
+    FILE* old = resume_step >= 0 ? fopen(lg->path, "r") : NULL;
+    if (old == NULL) {
+        FILE* f = fopen_or_die(lg->path, "w", "log file");
+        fclose(f);
+        return;
+    }
+    char tmp[1200], line[512];
+    snprintf(tmp, sizeof(tmp), "%s.tmp", lg->path);
+    FILE* f = fopen_or_die(tmp, "w", "log file");
+    while (fgets(line, sizeof(line), old)) {
+        long step = -1;
+        if (sscanf(line, "s:%ld", &step) == 1 && step < resume_step) { fputs(line, f); }
+    }
+    fclose(old);
+    if (fclose(f) != 0 || rename(tmp, lg->path) != 0) { fatal("cannot rewrite log file '%s'", lg->path); }
 }
 
 static inline void logger_line_(Logger* lg, const char* line) {

@@ -100,4 +100,11 @@ pass "a bad input seen by one rank ends the job with that rank's message"
 # kill one rank of a running job
 kill_one_rank 2 2 "${COMMON[@]}" -d 64 -x 100000 -v 0
 pass "killing one rank mid-run ends the job with an error"
+
+# ranks started with different flags (mpirun's MPMD form) stop at once with one line naming the
+# flag, instead of hanging in a collective or training different things
+$MPI 1 $BIN "${COMMON[@]}" -x 5 -o "$W/differ" : -np 1 $BIN "${COMMON[@]}" -x 6 -o "$W/differ" >"$W/differ.out" 2>&1 \
+  && fail "ranks with different -x trained"
+grep -q "flag -x is '6' on this rank but '5' on rank 0" "$W/differ.out" || { tail -3 "$W/differ.out"; fail "different flags per rank were not named"; }
+pass "ranks with different flags: one line naming the flag, the job ends"
 echo "all data-parallel tests passed"

@@ -102,6 +102,8 @@ int main(int argc, char** argv) {
     comm_all_reduce_sumsq(tp, &dummy, COMM_KIND_OTHER);
     total = (int)canon_sumsq_value(&dummy);
     if (r == 0) { printf("tensor-parallel operators on %d ranks: %s\n", K, total ? "FAILED" : "identical to unsplit"); }
+    float* buffers[] = {x, w, full, part, xs, ws, w3, dout, inp, dfull, dpart, dw, wsl, dsl, wte, efull, epart, logits, lsl};
+    for (size_t i = 0; i < sizeof(buffers) / sizeof(buffers[0]); i++) { free(buffers[i]); }
     comm_finalize(&comm);
     return total ? 1 : 0;
 }

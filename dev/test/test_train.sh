@@ -51,6 +51,16 @@ diff <(train_lines "$W/a/main.log" | sed -n '6,10p') <(train_lines "$W/r/main.lo
   || fail "resumed run's losses differ from the uninterrupted run's"
 pass "resume from step 5: identical steps 5-9 and final checkpoint"
 
+# --- a run stopped after its step-10 checkpoint was begun but not finished (no DONE_10)
+# resumes from step 5 in the same directory: main.log reads as one run (the steps after the
+# checkpoint are not repeated) ---
+cp -r "$W/a" "$W/again"
+rm "$W/again/DONE_00000010"
+run again "${COMMON[@]}" -x 10 -n 5 -o "$W/again" -y 1
+grep -q "from step 5" "$W/again.out" || fail "the run without DONE_10 did not resume from step 5"
+cmp -s "$W/a/main.log" "$W/again/main.log" || fail "main.log of a resumed run repeats or loses steps: $(diff "$W/a/main.log" "$W/again/main.log" | head -4)"
+pass "resume in place: main.log identical to the uninterrupted run's"
+
 # --- kill -9 at random moments while checkpointing every step, then resume ---
 run kref "${COMMON[@]}" -x 60 -n 30 -o "$W/kref"
 killed_mid=0

@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
         atomic_writer_write(&w, header, sizeof(header));
         atomic_writer_write(&w, tok, sizeof(uint16_t) * n);
         atomic_writer_commit(&w);
+        free(tok);
         return 0;
     }
     if (argc == 5 && strcmp(argv[1], "bf16") == 0) {
@@ -73,6 +74,8 @@ int main(int argc, char** argv) {
         atomic_writer_write(&w, header, sizeof(header));
         atomic_writer_write(&w, p, sizeof(float) * n);
         atomic_writer_commit(&w);
+        free(p);
+        free(h);
         return 0;
     }
     fatal("usage: testdata tokens OUT N V SEED | testdata bf16 IN OUT5 OUT3");
