@@ -521,7 +521,9 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     train_data_open(a, B, T, c->vocab_size, t->total_batch, &t->train_loader, &t->val_loader, &t->val_batches,
                     &t->train_steps);
     t->schedule = (LRSchedule){t->lr_kind, a->lr, a->warmup, t->train_steps, a->final_lr_frac};
-    if (t->root) { tokenizer_init_for_model(&t->tokenizer, a->tokenizer_path, c->vocab_size); }   // only world rank 0 prints samples
+    // only world rank 0 prints samples, and a run that never samples needs no tokenizer (a
+    // corrupt one must not stop it)
+    if (t->root && a->sample_every > 0) { tokenizer_init_for_model(&t->tokenizer, a->tokenizer_path, c->vocab_size); }
 
     int sp_degree = a->sp ? comm->tp : 1;
     pipeline_init(&t->pipe, ops, mem, t->model, &t->place, &comm->pp_group, t->pp_kind, t->zero.local_microbatches,

@@ -125,6 +125,9 @@ pass "flags: -d microbatches, 8 integer flags beyond int, -x beyond 8 digits, 13
 expect_error "tokenizer file '$W/huge_tokenizer.bin' has vocab_size 4294967295 but its 1034 bytes hold at most 5 tokens" \
   "${COMMON[@]}" -x 1 -s 1 --tokenizer "$W/huge_tokenizer.bin"
 pass "tokenizer: a vocabulary larger than the file is refused before allocating it"
+"$BIN" "${COMMON[@]}" -x 1 -s 0 --tokenizer "$W/huge_tokenizer.bin" >"$W/nosample.out" 2>&1 \
+  || { tail -3 "$W/nosample.out"; fail "a corrupt tokenizer stopped a run that never samples (-s 0)"; }
+pass "tokenizer: a corrupt one does not stop a run that never samples"
 
 # --- temporary files of a killed save: removed at the next start when their writer is gone ---
 sh -c 'exit 0' & dead=$!
