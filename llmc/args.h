@@ -54,6 +54,7 @@ typedef struct {
     int deterministic;            // CUDA build: bit-exact mode
     const char* comm;             // CUDA build: transport of device buffers (auto, nccl, mpi)
     const char* attention;        // CUDA build, fast mode: auto, cudnn, flash
+    int allow_nonfinite;          // load a model file with NaN/inf parameters
 } TrainArgs;
 
 // Checkpoint files carry the step in 8 digits (model_%08d.bin, DONE_%08d): a run longer than
@@ -126,6 +127,7 @@ static const ArgSpec arg_specs[] = {
     ARG_STRING("--schedule", pp_schedule, "pipeline schedule: 1f1b | gpipe"),
     {"--deterministic", ARG_INT, ARG_FIELD(deterministic), 0, 1, 0, "CUDA build: 1 = fp32 canonical kernels, bit-identical to the CPU build"},
     ARG_STRING("--comm", comm, "CUDA build: how ranks exchange device buffers: nccl (one GPU per rank), mpi (staged through host memory; ranks may share a GPU) or auto (nccl when every rank has a GPU of its own)"),
+    {"--allow-nonfinite", ARG_INT, ARG_FIELD(allow_nonfinite), 0, 1, 0, "1 = load a model file whose parameters are not all finite (refused otherwise)"},
     ARG_STRING("--attention", attention, "CUDA build, fast mode: cudnn (cuDNN's fused attention), flash (our kernels) or auto (cudnn when a plan builds)"),
 };
 #undef ARG_STRING

@@ -468,7 +468,8 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     // line naming the file, instead of resuming from another step and hanging
     t->resume_step = a->resume && t->root ? checkpoint_latest_step(a->output_dir) : -1;
     comm_broadcast(&t->comm.world, &t->resume_step, sizeof(int), 0, COMM_KIND_OTHER);
-    t->start_params = gpt2_starting_params(a->model, a->output_dir, t->resume_step, (uint64_t)a->seed, &t->config);
+    t->start_params = gpt2_starting_params(a->model, a->output_dir, t->resume_step, (uint64_t)a->seed,
+                                           a->allow_nonfinite, &t->config);
     const GPT2Config* c = &t->config;
     int N = t->comm.dp;
     t->B = a->B;

@@ -52,14 +52,31 @@ static inline float* gpt2_random_params(const GPT2Config* config, uint64_t seed)
     return params;
 }
 
+// A model file whose parameters are not all finite is refused (training from it could only
+// write more NaN checkpoints), unless allow_nonfinite.
+static inline float* gpt2_read_finite_model(const char* path, GPT2Config* config, int allow_nonfinite) {
+    float* params = checkpoint_read_model(path, config);
+    size_t P = param_count(config);
+    for (size_t i = 0; i < P && !allow_nonfinite; i++) {
+        if (!isfinite(params[i])) {
+            int tensor = 0, layer = 0;
+            param_locate(config, i, &tensor, &layer);
+            fatal("model file '%s' holds a non-finite parameter (%g, in %s of layer %d): it diverged; resume from an "
+                  "earlier checkpoint, or pass --allow-nonfinite 1 to load it anyway", path, params[i],
+                  param_tensor_names[tensor], layer);
+        }
+    }
+    return params;
+}
+
 // The full parameters a run starts from, on the host: the checkpoint of resume_step in
 // output_dir when resuming (resume_step >= 0), a fresh GPT-2 for -e dN, else the model file -e.
 static inline float* gpt2_starting_params(const char* model, const char* output_dir, int resume_step,
-                                          uint64_t seed, GPT2Config* config) {
+                                          uint64_t seed, int allow_nonfinite, GPT2Config* config) {
     if (resume_step >= 0) {
         char path[1200];
         snprintf(path, sizeof(path), "%s/model_%08d.bin", output_dir, resume_step);
-        return checkpoint_read_model(path, config);
+        return gpt2_read_finite_model(path, config, allow_nonfinite);
     }
     if (config_from_descriptor(model, config)) {
         const char* problem = config_problem(config);
@@ -70,7 +87,7 @@ static inline float* gpt2_starting_params(const char* model, const char* output_
         fatal("-e: model file '%s' not found; pass -e dN for a fresh GPT-2 of depth N (e.g. -e d12), "
               "or import OpenAI's weights with scripts/download_gpt2_weights.sh", model);
     }
-    return checkpoint_read_model(model, config);
+    return gpt2_read_finite_model(model, config, allow_nonfinite);
 }
 
 #endif // LLMC_GPT2_INIT_H

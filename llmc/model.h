@@ -100,6 +100,19 @@ static inline size_t param_offset(const GPT2Config* c, int t, int layer) {
     return t == P_LNFW ? off : off + param_tensor_elements(c, P_LNFW);
 }
 
+// The tensor and layer (0 for the tensors outside the layers) holding MEMORY-order index i.
+static inline void param_locate(const GPT2Config* c, size_t i, int* tensor, int* layer) {
+    for (int t = 0; t < NUM_PARAMETER_TENSORS; t++) {
+        int layers = param_is_layer_tensor(t) ? c->num_layers : 1;
+        for (int l = 0; l < layers; l++) {
+            size_t off = param_offset(c, t, l);
+            if (i >= off && i < off + param_tensor_elements(c, t)) { *tensor = t; *layer = l; return; }
+        }
+    }
+    *tensor = 0;
+    *layer = -1;
+}
+
 // Calls fn(tensor, layer, memory_offset, elements, ctx) for every tensor piece in FILE order:
 // the order in which llm.c's checkpoint stores them.
 typedef void (*ParamPieceFn)(int tensor, int layer, size_t offset, size_t elements, void* ctx);

@@ -8,6 +8,7 @@
 #   - flags beyond what the trainer can act on (args.h): -d, -x, -m, -n beyond an int or the
 #     checkpoint names, non-finite or absurd hyperparameters, an empty or too long -o
 #   - a tokenizer file whose header claims 2^32 tokens
+#   - a model file holding a NaN parameter
 #   - temporary files of a killed checkpoint save are removed at the next start, and only
 #     those
 # Exits non-zero on the first failure, saying which.
@@ -128,6 +129,16 @@ pass "tokenizer: a vocabulary larger than the file is refused before allocating 
 "$BIN" "${COMMON[@]}" -x 1 -s 0 --tokenizer "$W/huge_tokenizer.bin" >"$W/nosample.out" 2>&1 \
   || { tail -3 "$W/nosample.out"; fail "a corrupt tokenizer stopped a run that never samples (-s 0)"; }
 pass "tokenizer: a corrupt one does not stop a run that never samples"
+
+# --- a model file with a NaN parameter (the final layernorm's first weight, 256 bytes from
+# the end of a C=32 file: lnfw then lnfb, 32 floats each) is refused unless asked; asked, the
+# run stops at its first non-finite loss, before writing anything ---
+cp "$W/ck0/model_00000004.bin" "$W/nan_model.bin"
+put_u32 "$W/nan_model.bin" $(( $(stat -c %s "$W/nan_model.bin") - 256 )) 2143289344   # 0x7fc00000, NaN
+expect_error "model file '$W/nan_model.bin' holds a non-finite parameter (nan, in lnfw" "${COMMON[@]}" -e "$W/nan_model.bin" -x 1
+expect_error "step 1: the loss is nan" "${COMMON[@]}" -e "$W/nan_model.bin" -x 2 -n 1 -o "$W/nan_run" --allow-nonfinite 1
+ls "$W/nan_run" | grep -q "model_" && fail "a run that diverged wrote a checkpoint"
+pass "a model file with NaN parameters is refused; loaded anyway, the run stops at its first NaN loss and writes nothing"
 
 # --- temporary files of a killed save: removed at the next start when their writer is gone ---
 sh -c 'exit 0' & dead=$!
