@@ -202,11 +202,12 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
 // nchunks = 8/K of every sequence's 8 canonical chunks: then seq_partials (2,B,C) receives
 // each sequence's subtree for dweight and dbias, for the caller to finish over the group and
 // over the sequences (sequence_tree); otherwise (seq_partials NULL, nchunks 8) the R3 is done
-// here.
+// here. The two halves are independent: dres NULL skips the input gradient, dweight and
+// seq_partials NULL the parameter gradients (a split backward runs them at different times).
 void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
                         const float* inp, const float* weight, const float* mean,
                         const float* rstd, int B, int T, int C, int nchunks, float* seq_partials) {
-    int BT = B * T;
+    int BT = dres ? B * T : 0;
     #pragma omp parallel for
     for (int i = 0; i < BT; i++) {
         const float* x = inp + (size_t)i * C;
@@ -235,8 +236,9 @@ void layernorm_backward(float* dres, float* dweight, float* dbias, const float* 
         }
     }
     // parameter gradients: R3 (or its per-sequence subtrees), vectorised across channels
+    int Cp = dweight || seq_partials ? C : 0;
     #pragma omp parallel for
-    for (int c0 = 0; c0 < C; c0 += 64) {
+    for (int c0 = 0; c0 < Cp; c0 += 64) {
         int cn = C - c0 < 64 ? C - c0 : 64;
         float sw[40][64], sb[40][64];
         int top = 0;
@@ -936,8 +938,8 @@ float position_sum(const float* x, int B, int T) {
 // model never touches tensor memory itself: it allocates and fills through the MemOps of
 // memory.h (host here, device there), and its parameters come unit by unit from zero.h.
 
-// Activations of one forward pass of a pipeline stage (its `layers` transformer layers, and
-// the head on the last stage), allocated for a capacity of (B, T) positions; a pass with fewer
+// Activations of one forward pass of a model chunk (its `layers` transformer layers, and
+// the head on the chunk holding it), allocated for a capacity of (B, T) positions; a pass with fewer
 // positions lays its tensors out with its own B, T inside the same memory.
 // With tensor parallelism the per-head and per-neuron tensors hold this rank's part: qkv
 // 3C/K, atty C/K, att NH/K heads, fch 4C/K, probs Vp/K (the widths below).
@@ -964,7 +966,7 @@ typedef struct {
     float* fch;         // (L,B,T,4C)
     float* fch_gelu;    // (L,B,T,4C), or (B,T,4C) reused by every layer with recompute
     float* residual3;   // (L,B,T,C)  residual stream after the MLP = output of layer l
-    float* lnf;         // (B,T,C)    last stage only (like the three below)
+    float* lnf;         // (B,T,C)    the head's chunk only (like the three below)
     float* lnf_mean;    // (B,T)
     float* lnf_rstd;    // (B,T)
     float* probs;       // (B,T,Vp)   logits, then probabilities, then dlogits
@@ -973,27 +975,47 @@ typedef struct {
     float* proj_s;      // (B,T/K,C)  ... after sequence parallelism's reduce-scatter
     float* ln_s;        // (B,T/K,C)  a layernorm's output before sequence parallelism's all-gather
     float* ce;          // (3,B,T)    cross-entropy's per-position max, sum of exps, target logit
+    // A split backward (the zero-bubble schedules) runs the input-gradient half of a
+    // (microbatch, chunk) long before its weight-gradient half, which reads the gradient at the
+    // output of every weight. They are kept here from one half to the other (split = 1; NULL
+    // otherwise: then one set in ActivationGrads serves every layer). With SP the layernorm
+    // outputs' gradients are summed over the tp group and hold T/K positions of each sequence.
+    int split;
+    float* dfcproj;     // (L,B,T,C)   d(the MLP projection's output), full T
+    float* dfch;        // (L,B,T,4C)  d(fc's output), before GELU
+    float* dln2;        // (L,B,T,C)   d(ln2's output), summed over the tp group
+    float* dattproj;    // (L,B,T,C)   d(the attention projection's output), full T
+    float* dqkv;        // (L,B,T,3C)
+    float* dln1;        // (L,B,T,C)   d(ln1's output), summed over the tp group
+    float* dlnf;        // (B,T,C)     head chunk: d(lnf's output), summed over the tp group
+    float* dencoded;    // (B,T,C)     embedding chunk: d(encoded), full T
     size_t bytes;
 } Activations;
 
-// Gradients of activations during backward: one set, reused by every layer.
+// Gradients of activations during backward: one set, reused by every layer. The first six
+// below the scratch are one layer's gradients at the output of its weights (Activations'
+// split set, for a backward that is not split).
 typedef struct {
     int seq_split;      // as in Activations
     float* dresidual;   // (B,T,C)    d(residual stream); (B,T/K,C) under sequence parallelism
-    float* dfull;       // (B,T,C)    ... all-gathered (sequence parallelism)
-    float* dln_s;       // (B,T/K,C)  a layernorm output's gradient after the reduce-scatter
     float* ln_partials; // (2,B,C)    layernorm weight/bias gradients per sequence (SP)
-    float* dbtc;        // (B,T,C)
-    float* datty;       // (B,T,C/K)
+    float* dbtc;        // (B,T,C)    scratch: a layernorm output's gradient before the tp sum (SP)
+    float* datty;       // (B,T,C/K)  scratch: d(attention output)
+    float* dfcproj;     // (B,T,C)    also d(encoded) in the embeddings' backward
+    float* dfch;        // (B,T,4C/K)
+    float* dln2;        // (B,T,C)
+    float* dattproj;    // (B,T,C)
     float* dqkv;        // (B,T,3C/K)
-    float* dbt4c;       // (B,T,4C/K)
+    float* dln1;        // (B,T,C)    also d(lnf's output) in the head's backward
     size_t bytes;
 } ActivationGrads;
 
+
 typedef struct {
     GPT2Config config;
-    int first_layer, last_layer; // this pipeline stage's layers [first, last)
-    int is_first, is_last;      // first stage: embeddings; last stage: final layernorm + LM head
+    int first_layer, last_layer; // this model chunk's layers [first, last) (a pipeline stage's,
+                                // or one of its virtual stages')
+    int has_embedding, has_head; // the embeddings; the final layernorm + LM head
     CommGroup* tp;              // tensor-parallel group (size K; tensor_parallel.h)
     int K, v0, Vl;              // ... and this rank's vocabulary rows [v0, v0 + Vl) of wte
     float* sp_scratch;          // (B,T,C) reordering for sequence parallelism's collectives
@@ -1015,12 +1037,12 @@ static float* act_alloc(const GPT2* model, size_t n, size_t* total) {
 }
 
 // sp: the residual stream is split along T over the tensor-parallel group (Megatron's
-// sequence parallelism)
-void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int sp) {
+// sequence parallelism); split: room for a split backward's kept gradients
+void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int sp, int split) {
     const GPT2Config* c = &model->config;
     int K = model->K;
     size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T;
-    size_t H = model->is_last ? 1 : 0;
+    size_t H = model->has_head ? 1 : 0;
     size_t BTs = BT / (sp ? K : 1);   // positions of the sequence-split tensors
     memset(a, 0, sizeof(*a));
     a->layers = (int)L;
@@ -1059,13 +1081,24 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->proj_s = act_alloc(model, sp ? BTs * C : 0, &a->bytes);
     a->ln_s = act_alloc(model, sp ? BTs * C : 0, &a->bytes);
     a->ce = act_alloc(model, H * 3 * BT, &a->bytes);
+    size_t S = split ? 1 : 0;
+    a->split = split;
+    a->dfcproj = act_alloc(model, S * L * BT * C, &a->bytes);
+    a->dfch = act_alloc(model, S * L * BT * a->C4, &a->bytes);
+    a->dln2 = act_alloc(model, S * L * BTs * C, &a->bytes);
+    a->dattproj = act_alloc(model, S * L * BT * C, &a->bytes);
+    a->dqkv = act_alloc(model, S * L * BT * a->C3, &a->bytes);
+    a->dln1 = act_alloc(model, S * L * BTs * C, &a->bytes);
+    a->dlnf = act_alloc(model, S * H * BTs * C, &a->bytes);
+    a->dencoded = act_alloc(model, S * (model->has_embedding ? BT * C : 0), &a->bytes);
 }
 
 void activations_free(const GPT2* model, Activations* a) {
     void* all[] = {a->inputs, a->target_buf, a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty,
                    a->att, a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu,
                    a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj,
-                   a->proj_s, a->ln_s, a->ce};
+                   a->proj_s, a->ln_s, a->ce, a->dfcproj, a->dfch, a->dln2, a->dattproj, a->dqkv, a->dln1,
+                   a->dlnf, a->dencoded};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
     memset(a, 0, sizeof(*a));
 }
@@ -1085,17 +1118,20 @@ void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T,
     memset(g, 0, sizeof(*g));
     g->seq_split = sp ? K : 1;
     g->dresidual = act_alloc(model, BTC, &g->bytes);
-    g->dfull = act_alloc(model, sp ? BTC : 0, &g->bytes);
-    g->dln_s = act_alloc(model, sp ? BTC / K : 0, &g->bytes);
     g->ln_partials = act_alloc(model, sp ? 2 * (size_t)B * model->config.channels : 0, &g->bytes);
-    g->dbtc = act_alloc(model, BTC, &g->bytes);
+    g->dbtc = act_alloc(model, sp ? BTC : 0, &g->bytes);
     g->datty = act_alloc(model, BTC / K, &g->bytes);
+    g->dfcproj = act_alloc(model, BTC, &g->bytes);
+    g->dfch = act_alloc(model, 4 * BTC / K, &g->bytes);
+    g->dln2 = act_alloc(model, BTC, &g->bytes);
+    g->dattproj = act_alloc(model, BTC, &g->bytes);
     g->dqkv = act_alloc(model, 3 * BTC / K, &g->bytes);
-    g->dbt4c = act_alloc(model, 4 * BTC / K, &g->bytes);
+    g->dln1 = act_alloc(model, BTC, &g->bytes);
 }
 
 void activation_grads_free(const GPT2* model, ActivationGrads* g) {
-    void* all[] = {g->dresidual, g->dfull, g->dln_s, g->ln_partials, g->dbtc, g->datty, g->dqkv, g->dbt4c};
+    void* all[] = {g->dresidual, g->ln_partials, g->dbtc, g->datty, g->dfcproj, g->dfch, g->dln2, g->dattproj,
+                   g->dqkv, g->dln1};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
 }
 
@@ -1125,6 +1161,19 @@ static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, in
     return v;
 }
 
+// Where layer l's backward keeps the gradients at the outputs of its weights, from its input
+// half to its weight half: the split set of a, or g's one set.
+typedef struct { float *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1; } LayerOutGrads;
+
+static LayerOutGrads layer_out_grads(const Activations* a, const ActivationGrads* g, const GPT2Config* c, int l,
+                                     int B, int T) {
+    if (!a->split) { return (LayerOutGrads){g->dfcproj, g->dfch, g->dln2, g->dattproj, g->dqkv, g->dln1}; }
+    size_t C = c->channels, BT = (size_t)B * T, BTs = BT / a->seq_split;
+    LayerOutGrads d = {a->dfcproj + l * BT * C, a->dfch + l * BT * a->C4, a->dln2 + l * BTs * C,
+                       a->dattproj + l * BT * C, a->dqkv + l * BT * a->C3, a->dln1 + l * BTs * C};
+    return d;
+}
+
 // The output of the stage's layers (B,T,C), or its sequence slice: what the next stage, or
 // the head, receives.
 static float* stage_output(const Activations* a, const GPT2Config* c, int B, int T) {
@@ -1144,15 +1193,15 @@ static LayerTensors layer_unit(const Zero* z, int u, const float* base) {
 }
 
 // The forward and backward come in three parts, run by the stages that hold them: the
-// embeddings (first stage), the transformer layers of a stage, and the head (final layernorm,
-// LM head, cross-entropy; last stage). Parameters come unit by unit from zero.h (ZeRO-3
+// embeddings (the first chunk), the transformer layers of a chunk, and the head (final
+// layernorm, LM head, cross-entropy; the last chunk). Parameters come unit by unit from zero.h (ZeRO-3
 // gathers each unit just before use, prefetching the next, and frees it after).
 //
 // Sequence parallelism's f and g (tensor_parallel.h) apply to passes whose activations are
 // split along T (seq_split > 1); they are the identity / all-reduce of tp_f_* and tp_g_*
 // without it.
 
-// (first stage) encoded (B,T,C) = wte[inputs] + wpe (with SP: this rank's positions)
+// (the chunk with the embeddings) encoded (B,T,C) = wte[inputs] + wpe (with SP: this rank's positions)
 void embed_forward(GPT2* model, Activations* a, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
@@ -1204,7 +1253,7 @@ static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B,
     return out;
 }
 
-// this stage's layers: a->encoded (B,T,C) -> stage_output. Megatron's split: qkv and fc are
+// this chunk's layers: a->encoded (B,T,C) -> stage_output. Megatron's split: qkv and fc are
 // column-parallel (f before them), attproj and fcproj row-parallel (g after them, then the
 // bias); attention runs on this rank's heads.
 void layers_forward(GPT2* model, Activations* a, int B, int T) {
@@ -1213,7 +1262,7 @@ void layers_forward(GPT2* model, Activations* a, int B, int T) {
     int C = c->channels, BT = B * T, K = model->K;
     size_t BTCs = (size_t)BT / a->seq_split * C;
     for (int l = model->first_layer; l < model->last_layer; l++) {
-        int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->is_last ? z->lay.num_units - 1 : -1;
+        int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->has_head ? z->lay.num_units - 1 : -1;
         LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next));
         LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
         ln_forward_f(model, a, x.ln1, x.ln1_mean, x.ln1_rstd, x.residual, w.ln1w, w.ln1b, B, T);
@@ -1230,7 +1279,7 @@ void layers_forward(GPT2* model, Activations* a, int B, int T) {
     }
 }
 
-// (last stage) stage_output -> probs (B,T,Vl) of this rank's vocabulary rows, and per-position
+// (the chunk with the head) stage_output -> probs (B,T,Vl) of this rank's vocabulary rows, and per-position
 // losses (B,T) when the pass has targets. The LM head is column-parallel over the vocabulary;
 // the cross-entropy's three reductions are finished over the tp group. With `training`, the
 // units the backward starts with (wte, the final layernorm) stay held for it.
@@ -1258,106 +1307,165 @@ void head_forward(GPT2* model, Activations* a, int B, int T, int training) {
     }
 }
 
-// Backward of a layernorm that feeds a column-parallel layer, from the gradient of its full
-// output dln (B,T,C) as this rank computed it (its slice of the layer's outputs): summed over
-// the tp group (Megatron's f backward: all-reduce, or with SP reduce-scatter along T), then
-// dres += the layernorm's input gradient, and its weight/bias gradients. With SP those are
-// sums over positions held by K ranks: each rank's per-sequence subtrees (over its chunks of
-// T) are all-reduced (tp group, the R1 tree) and the R1 tree over sequences finishes them.
-static void ln_backward_f(GPT2* model, ActivationGrads* g, float* dres, float* dweight, float* dbias,
-                          float* dln, const float* inp, const float* weight, const float* mean,
-                          const float* rstd, int B, int T) {
+// Backward of a layernorm that feeds a column-parallel layer, in two halves. Input half: the
+// gradient of its full output dln (B,T,C) as this rank computed it (its slice of the layer's
+// outputs) is summed over the tp group into dln_sum (Megatron's f backward: all-reduce, in
+// place when dln_sum == dln; with SP a reduce-scatter along T), then dres += the layernorm's
+// input gradient.
+static void ln_backward_f_input(GPT2* model, ActivationGrads* g, float* dres, float* dln, float* dln_sum,
+                                const float* inp, const float* weight, const float* mean, const float* rstd,
+                                int B, int T) {
     int C = model->config.channels;
     if (g->seq_split > 1) {
         int K = model->K;
-        tp_sp_reduce_scatter(model->tp, dln, g->dln_s, B, T, C, model->sp_scratch);
-        layernorm_backward(dres, dweight, dbias, g->dln_s, inp, weight, mean, rstd, B, T / K, C,
-                           CANON_R / K, g->ln_partials);
+        tp_sp_reduce_scatter(model->tp, dln, dln_sum, B, T, C, model->sp_scratch);
+        layernorm_backward(dres, NULL, NULL, dln_sum, inp, weight, mean, rstd, B, T / K, C, CANON_R / K, NULL);
+    } else {
+        tp_f_backward(model->tp, dln, (size_t)B * T * C);
+        layernorm_backward(dres, NULL, NULL, dln, inp, weight, mean, rstd, B, T, C, CANON_R, NULL);
+    }
+}
+
+// Weight half: its weight and bias gradients from dln_sum. With SP those are sums over
+// positions held by K ranks: each rank's per-sequence subtrees (over its chunks of T) are
+// all-reduced (tp group, the R1 tree) and the R1 tree over sequences finishes them.
+static void ln_backward_f_weight(GPT2* model, ActivationGrads* g, float* dweight, float* dbias,
+                                 const float* dln_sum, const float* inp, const float* mean, const float* rstd,
+                                 int B, int T) {
+    int C = model->config.channels;
+    if (g->seq_split > 1) {
+        int K = model->K;
+        layernorm_backward(NULL, NULL, NULL, dln_sum, inp, NULL, mean, rstd, B, T / K, C, CANON_R / K, g->ln_partials);
+        // all-reduce (tp group): every rank's per-sequence subtrees of the two sums
         comm_all_reduce_sum(model->tp, g->ln_partials, 2 * (size_t)B * C, COMM_KIND_TP);
         sequence_tree(dweight, g->ln_partials, B, C);
         sequence_tree(dbias, g->ln_partials + (size_t)B * C, B, C);
     } else {
-        tp_f_backward(model->tp, dln, (size_t)B * T * C);
-        layernorm_backward(dres, dweight, dbias, dln, inp, weight, mean, rstd, B, T, C, CANON_R, NULL);
+        layernorm_backward(NULL, dweight, dbias, dln_sum, inp, NULL, mean, rstd, B, T, C, CANON_R, NULL);
     }
 }
 
-// The gradient of a row-parallel layer's output, full (B,T,C), from d(residual) (Megatron's g
-// backward: the identity, or with SP an all-gather along T).
-static const float* dres_g_backward(GPT2* model, ActivationGrads* g, int B, int T) {
+// The gradient of a row-parallel layer's output, full (B,T,C), from d(residual), into dst
+// (Megatron's g backward: the identity, or with SP an all-gather along T). A copy, because the
+// backward goes on to change d(residual) before the weight half reads it.
+static void dres_g_backward(GPT2* model, ActivationGrads* g, float* dst, int B, int T) {
+    size_t BTC = (size_t)B * T * model->config.channels;
     if (g->seq_split == 1) {
-        tp_g_backward(model->tp, g->dresidual, (size_t)B * T * model->config.channels);
-        return g->dresidual;
+        tp_g_backward(model->tp, g->dresidual, BTC);
+        model->mem->copy(dst, g->dresidual, BTC * sizeof(float));
+        return;
     }
-    tp_sp_all_gather(model->tp, g->dresidual, g->dfull, B, T, model->config.channels, model->sp_scratch);
-    return g->dfull;
+    tp_sp_all_gather(model->tp, g->dresidual, dst, B, T, model->config.channels, model->sp_scratch);
 }
 
-// (last stage) backward of the head: g->dresidual = d(loss)/d(stage_output). dloss =
-// d(loss)/d(per-position loss) = 1 / (tokens in the global batch).
-void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, float dloss) {
+// (the chunk with the head) backward of the head. Input half: g->dresidual = d(loss)/d(stage_output), and
+// the probabilities become d(loss)/d(logits) in place; dloss = d(loss)/d(per-position loss) =
+// 1 / (tokens in the global batch). Weight half: the LM-head half of wte's gradient and the
+// final layernorm's.
+void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, float dloss, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, V = c->vocab_size, BT = B * T;
+    int C = c->channels, V = c->vocab_size, BT = B * T, sp = g->seq_split > 1;
     int LNF = z->lay.num_units - 1;
-    const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
-    float* dwte_lm = zero_grad_unit(z, ZERO_WTE);    // the LM-head half of wte's gradient
-    crossentropy_backward(a->probs, a->targets, dloss, BT, V, model->v0, model->Vl);
-    matmul_backward(g->dbtc, dwte_lm, NULL, a->probs, a->lnf, wte, B, T, C, model->Vl, 1, CANON_R / model->K);
-    zero_grad_unit_done(z, ZERO_WTE);
-    zero_params_release(z, ZERO_WTE);
-    int next = model->last_layer > model->first_layer ? ZERO_LAYER(model->last_layer - 1) : -1;
-    const float* lnf = zero_params_acquire(z, LNF, next);
-    float* dlnf = zero_grad_unit(z, LNF);
-    model->mem->fill(g->dresidual, 0.0f, (size_t)BT / g->seq_split * C);
-    ln_backward_f(model, g, g->dresidual, dlnf, dlnf + C, g->dbtc, stage_output(a, c, B, T), lnf,
-                  a->lnf_mean, a->lnf_rstd, B, T);
-    zero_grad_unit_done(z, LNF);
-    zero_params_release(z, LNF);
-}
-
-// this stage's layers backward: g->dresidual = d(loss)/d(stage_output) in, d(loss)/d(a->encoded)
-// out. Each layer's gradient is handed to zero.h when complete, so its reduction overlaps the
-// backward of the layers below.
-void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T) {
-    const GPT2Config* c = &model->config;
-    Zero* z = model->zero;
-    int C = c->channels, BT = B * T, K = model->K;
-    for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
-        int next = l - 1 >= model->first_layer ? ZERO_LAYER(l - 1) : -1;
-        LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next));
-        LayerTensors dw = layer_unit(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l)));
-        LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
-        if (a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4); }
-        // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-        const float* dres = dres_g_backward(model, g, B, T);
-        matmul_backward(g->dbt4c, dw.fcprojw, dw.fcprojb, dres, x.fch_gelu, w.fcprojw, B, T, a->C4, C, 1, CANON_R);
-        gelu_backward(g->dbt4c, x.fch, g->dbt4c, (size_t)BT * a->C4);
-        matmul_backward(g->dbtc, dw.fcw, dw.fcb, g->dbt4c, x.ln2, w.fcw, B, T, C, a->C4, 1, CANON_R / K);
-        ln_backward_f(model, g, g->dresidual, dw.ln2w, dw.ln2b, g->dbtc, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, B, T);
-        // attention: residual2 = residual + attproj(attention(qkv(ln1(residual))))
-        dres = dres_g_backward(model, g, B, T);
-        matmul_backward(g->datty, dw.attprojw, dw.attprojb, dres, x.atty, w.attprojw, B, T, a->Ca, C, 1, CANON_R);
-        attention_backward(g->dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
-        matmul_backward(g->dbtc, dw.qkvw, dw.qkvb, g->dqkv, x.ln1, w.qkvw, B, T, C, a->C3, 3, CANON_R / K);
-        ln_backward_f(model, g, g->dresidual, dw.ln1w, dw.ln1b, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, B, T);
-        zero_grad_unit_done(z, ZERO_LAYER(l));
-        zero_params_release(z, ZERO_LAYER(l));
+    float* dlnf = a->split ? a->dlnf : g->dln1;
+    if (part & BACKWARD_INPUT) {
+        const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
+        crossentropy_backward(a->probs, a->targets, dloss, BT, V, model->v0, model->Vl);
+        float* dlnf_part = sp ? g->dbtc : dlnf;   // this rank's vocabulary rows' share
+        matmul_backward(dlnf_part, NULL, NULL, a->probs, NULL, wte, B, T, C, model->Vl, 1, CANON_R / model->K);
+        zero_params_release(z, ZERO_WTE);
+        int next = model->last_layer > model->first_layer ? ZERO_LAYER(model->last_layer - 1) : -1;
+        const float* lnf = zero_params_acquire(z, LNF, next);
+        model->mem->fill(g->dresidual, 0.0f, (size_t)BT / g->seq_split * C);
+        ln_backward_f_input(model, g, g->dresidual, dlnf_part, dlnf, stage_output(a, c, B, T), lnf, a->lnf_mean,
+                            a->lnf_rstd, B, T);
+        zero_params_release(z, LNF);
+    }
+    if (part & BACKWARD_WEIGHT) {
+        float* dwte_lm = zero_grad_unit(z, ZERO_WTE);    // the LM-head half of wte's gradient
+        matmul_backward(NULL, dwte_lm, NULL, a->probs, a->lnf, NULL, B, T, C, model->Vl, 1, CANON_R / model->K);
+        zero_grad_unit_done(z, ZERO_WTE);
+        float* dlnfw = zero_grad_unit(z, LNF);
+        ln_backward_f_weight(model, g, dlnfw, dlnfw + C, dlnf, stage_output(a, c, B, T), a->lnf_mean, a->lnf_rstd,
+                             B, T);
+        zero_grad_unit_done(z, LNF);
     }
 }
 
-// (first stage) the embeddings' gradients from g->dresidual = d(loss)/d(encoded): the lookup
+// this chunk's layers backward. Input half: g->dresidual = d(loss)/d(stage_output) in,
+// d(loss)/d(a->encoded) out, each layer's gradients at the outputs of its weights kept
+// (layer_out_grads). Weight half: from those, each layer's weight gradients, handed to zero.h
+// when complete, so that their reduction overlaps the backward of the layers below. Run whole,
+// each weight gradient is computed right after the gradient it reads (while it is in cache).
+void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, int part) {
+    const GPT2Config* c = &model->config;
+    Zero* z = model->zero;
+    int C = c->channels, BT = B * T, K = model->K, sp = g->seq_split > 1;
+    int in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT;
+    for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
+        LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
+        LayerOutGrads d = layer_out_grads(a, g, c, l - model->first_layer, B, T);
+        int next = l - 1 >= model->first_layer ? ZERO_LAYER(l - 1) : -1;
+        LayerTensors w, dw;   // the parameters (input half), where their gradients go (weight half)
+        memset(&w, 0, sizeof(w));
+        memset(&dw, 0, sizeof(dw));
+        if (in) { w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next)); }
+        if (wt) { dw = layer_unit(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l))); }
+        if (wt && a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4); }
+        float* dln2_part = sp ? g->dbtc : d.dln2;   // this rank's share, before the tp sum
+        float* dln1_part = sp ? g->dbtc : d.dln1;
+        // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
+        if (in) { dres_g_backward(model, g, d.dfcproj, B, T); }
+        if (wt) { matmul_backward(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, a->C4, C, 1, CANON_R); }
+        if (in) {
+            matmul_backward(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, a->C4, C, 1, CANON_R);
+            gelu_backward(d.dfch, x.fch, d.dfch, (size_t)BT * a->C4);
+        }
+        if (wt) { matmul_backward(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, a->C4, 1, CANON_R / K); }
+        if (in) {
+            matmul_backward(dln2_part, NULL, NULL, d.dfch, NULL, w.fcw, B, T, C, a->C4, 1, CANON_R / K);
+            ln_backward_f_input(model, g, g->dresidual, dln2_part, d.dln2, x.residual2, w.ln2w, x.ln2_mean,
+                                x.ln2_rstd, B, T);
+        }
+        if (wt) { ln_backward_f_weight(model, g, dw.ln2w, dw.ln2b, d.dln2, x.residual2, x.ln2_mean, x.ln2_rstd, B, T); }
+        // attention: residual2 = residual + attproj(attention(qkv(ln1(residual))))
+        if (in) { dres_g_backward(model, g, d.dattproj, B, T); }
+        if (wt) { matmul_backward(NULL, dw.attprojw, dw.attprojb, d.dattproj, x.atty, NULL, B, T, a->Ca, C, 1, CANON_R); }
+        if (in) {
+            matmul_backward(g->datty, NULL, NULL, d.dattproj, NULL, w.attprojw, B, T, a->Ca, C, 1, CANON_R);
+            attention_backward(d.dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
+        }
+        if (wt) { matmul_backward(NULL, dw.qkvw, dw.qkvb, d.dqkv, x.ln1, NULL, B, T, C, a->C3, 3, CANON_R / K); }
+        if (in) {
+            matmul_backward(dln1_part, NULL, NULL, d.dqkv, NULL, w.qkvw, B, T, C, a->C3, 3, CANON_R / K);
+            ln_backward_f_input(model, g, g->dresidual, dln1_part, d.dln1, x.residual, w.ln1w, x.ln1_mean,
+                                x.ln1_rstd, B, T);
+        }
+        if (wt) {
+            ln_backward_f_weight(model, g, dw.ln1w, dw.ln1b, d.dln1, x.residual, x.ln1_mean, x.ln1_rstd, B, T);
+            zero_grad_unit_done(z, ZERO_LAYER(l));
+        }
+        if (in) { zero_params_release(z, ZERO_LAYER(l)); }
+    }
+}
+
+// (the chunk with the embeddings) the embeddings' gradients from g->dresidual = d(loss)/d(encoded): the lookup
 // half of wte's gradient (unit E; this rank's vocabulary rows) and wpe's. Both sum over all
-// positions: with SP the gradient is all-gathered along T first.
-void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T) {
+// positions: with SP the gradient is all-gathered along T first (the input half, which keeps it).
+void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
     int E = zero_unit_E(z);
-    const float* dencoded = dres_g_backward(model, g, B, T);
-    encoder_backward(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), dencoded, a->inputs, B, T,
-                     c->channels, model->v0, model->Vl, c->max_seq_len);
-    zero_grad_unit_done(z, ZERO_WPE);
-    zero_grad_unit_done(z, E);
+    float* dencoded = a->split ? a->dencoded : g->dfcproj;
+    if (part & BACKWARD_INPUT) { dres_g_backward(model, g, dencoded, B, T); }
+    if (part & BACKWARD_WEIGHT) {
+        float* dwte_lookup = zero_grad_unit(z, E);
+        float* dwpe = zero_grad_unit(z, ZERO_WPE);
+        encoder_backward(dwte_lookup, dwpe, dencoded, a->inputs, B, T, c->channels, model->v0, model->Vl,
+                         c->max_seq_len);
+        zero_grad_unit_done(z, ZERO_WPE);
+        zero_grad_unit_done(z, E);
+    }
 }
 
 // The probabilities of one position over the whole vocabulary, into host memory: this rank's
@@ -1378,18 +1486,18 @@ void gpt2_forward(GPT2* model, Activations* a, const int* inputs, const int* tar
     head_forward(model, a, B, T, training);
 }
 
-void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, float dloss) {
-    head_backward(model, a, g, B, T, dloss);
-    layers_backward(model, a, g, B, T);
-    embed_backward(model, a, g, B, T);
+void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, float dloss, int part) {
+    head_backward(model, a, g, B, T, dloss, part);
+    layers_backward(model, a, g, B, T, part);
+    embed_backward(model, a, g, B, T, part);
 }
 
 // --- building the model -------------------------------------------------------------------
 
-// The model of a pipeline stage (`place`: its layers, whether it has the embeddings and the
+// The model of a model chunk (`place`: its layers, whether it has the embeddings and the
 // head) on the parameters zero.h holds, its tensor-parallel slices over tp (tensor_parallel.h);
 // sp: sequence parallelism for passes over up to (B, T) positions (T a multiple of K).
-void gpt2_init(GPT2* model, const GPT2Config* config, const StagePlace* place, Zero* zero,
+void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Zero* zero,
                CommGroup* tp, int sp, int B, int T) {
     memset(model, 0, sizeof(*model));
     model->config = *config;
@@ -1401,12 +1509,12 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const StagePlace* place, Z
     model->v0 = tp->rank * model->Vl;
     model->first_layer = place->first_layer;
     model->last_layer = place->last_layer;
-    model->is_first = place->is_first;
-    model->is_last = place->is_last;
+    model->has_embedding = place->has_embedding;
+    model->has_head = place->has_head;
     model->zero = zero;
     model->mem = zero->mem;
     model->sp_scratch = sp ? mem_floats(model->mem, (size_t)B * T * config->channels, "sequence parallelism") : NULL;
-    model->probs_all = place->is_last ? mem_floats(model->mem, config->padded_vocab_size, "probabilities") : NULL;
+    model->probs_all = place->has_head ? mem_floats(model->mem, config->padded_vocab_size, "probabilities") : NULL;
 }
 
 void gpt2_free(GPT2* model) {
@@ -1416,16 +1524,16 @@ void gpt2_free(GPT2* model) {
 
 // --- the model as the engine drives it (engine.h ModelOps) --------------------------------
 
-static void* model_create(const GPT2Config* config, const StagePlace* place, Zero* zero, CommGroup* tp,
+static void* model_create(const GPT2Config* config, const ChunkPlace* place, Zero* zero, CommGroup* tp,
                           int sp, int B, int T) {
     GPT2* model = (GPT2*)malloc_or_die(sizeof(GPT2), "model");
     gpt2_init(model, config, place, zero, tp, sp, B, T);
     return model;
 }
 static void model_destroy(void* m) { gpt2_free((GPT2*)m); free(m); }
-static void* model_acts_create(void* m, int B, int T, int recompute, int sp, size_t* bytes) {
+static void* model_acts_create(void* m, int B, int T, int recompute, int sp, int split, size_t* bytes) {
     Activations* a = (Activations*)malloc_or_die(sizeof(Activations), "activations");
-    activations_alloc(a, (GPT2*)m, B, T, recompute, sp);
+    activations_alloc(a, (GPT2*)m, B, T, recompute, sp, split);
     *bytes = a->bytes;
     return a;
 }
@@ -1454,14 +1562,14 @@ static void* model_grads_create(void* m, int B, int T, int sp, size_t* bytes) {
 }
 static void model_grads_destroy(void* m, void* g) { activation_grads_free((GPT2*)m, (ActivationGrads*)g); free(g); }
 static float* model_grad_residual(void* m, void* g) { (void)m; return ((ActivationGrads*)g)->dresidual; }
-static void model_head_backward(void* m, void* a, void* g, int B, int T, float dloss) {
-    head_backward((GPT2*)m, (Activations*)a, (ActivationGrads*)g, B, T, dloss);
+static void model_head_backward(void* m, void* a, void* g, int B, int T, float dloss, int part) {
+    head_backward((GPT2*)m, (Activations*)a, (ActivationGrads*)g, B, T, dloss, part);
 }
-static void model_layers_backward(void* m, void* a, void* g, int B, int T) {
-    layers_backward((GPT2*)m, (Activations*)a, (ActivationGrads*)g, B, T);
+static void model_layers_backward(void* m, void* a, void* g, int B, int T, int part) {
+    layers_backward((GPT2*)m, (Activations*)a, (ActivationGrads*)g, B, T, part);
 }
-static void model_embed_backward(void* m, void* a, void* g, int B, int T) {
-    embed_backward((GPT2*)m, (Activations*)a, (ActivationGrads*)g, B, T);
+static void model_embed_backward(void* m, void* a, void* g, int B, int T, int part) {
+    embed_backward((GPT2*)m, (Activations*)a, (ActivationGrads*)g, B, T, part);
 }
 
 static const ModelOps gpt2_model_ops = {

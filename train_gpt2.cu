@@ -146,6 +146,10 @@ int main(int argc, char** argv) {
         fatal("--tp/--pp/--sp: fast mode runs data parallelism and ZeRO on one pipeline stage; tensor, sequence "
               "and pipeline parallelism run with --deterministic 1");
     }
+    if (!det && strcmp(t.args.pp_schedule, "1f1b") != 0 && strcmp(t.args.pp_schedule, "gpipe") != 0) {
+        fatal("--schedule %s: fast mode runs one pipeline stage with whole backwards; the other schedules run "
+              "with --deterministic 1", t.args.pp_schedule);
+    }
     select_device(&t.comm);
     choose_transport(&t);
     device_peak_tflops = gpu_peak_tflops(device_prop.major, device_prop.minor, device_prop.name, det, &device_peak_name);

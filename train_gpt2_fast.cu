@@ -111,8 +111,8 @@ static float* act_f(FastModel* m, size_t n, size_t* bytes) {
 
 // ---- ModelOps ----------------------------------------------------------------------------
 
-static void* fast_create(const GPT2Config* c, const StagePlace* place, Zero* zero, CommGroup* tp, int sp, int B, int T) {
-    if (tp->size != 1 || sp || !place->is_first || !place->is_last) {
+static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zero, CommGroup* tp, int sp, int B, int T) {
+    if (tp->size != 1 || sp || !place->has_embedding || !place->has_head) {
         fatal("internal: fast mode runs one pipeline stage without tensor parallelism");
     }
     FastModel* m = (FastModel*)calloc_or_die(1, sizeof(FastModel), "model");
@@ -131,7 +131,8 @@ static void fast_destroy(void* vm) {
     free(m);
 }
 
-static void* fast_acts_create(void* vm, int B, int T, int recompute, int sp, size_t* bytes) {
+static void* fast_acts_create(void* vm, int B, int T, int recompute, int sp, int split, size_t* bytes) {
+    if (split) { fatal("internal: fast mode runs whole backwards"); }
     FastModel* m = (FastModel*)vm;
     const GPT2Config* c = &m->config;
     size_t L = c->num_layers, C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size, BT = (size_t)B * T;
@@ -324,7 +325,13 @@ static void fast_grads_destroy(void* vm, void* vg) {
 
 static float* fast_grad_residual(void* vm, void* vg) { (void)vm; return (float*)((FastGrads*)vg)->dresidual; }
 
-static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float dloss) {
+// fast mode runs whole backwards only (train_gpt2.cu refuses the split schedules)
+static void fast_whole_backward(int part) {
+    if (part != BACKWARD_BOTH) { fatal("internal: fast mode runs whole backwards"); }
+}
+
+static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float dloss, int part) {
+    fast_whole_backward(part);
     FastModel* m = (FastModel*)vm;
     FastActs* a = (FastActs*)va;
     FastGrads* g = (FastGrads*)vg;
@@ -348,7 +355,8 @@ static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float
     zero_params_release(z, LNF);
 }
 
-static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T) {
+static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int part) {
+    fast_whole_backward(part);
     FastModel* m = (FastModel*)vm;
     FastActs* a = (FastActs*)va;
     FastGrads* g = (FastGrads*)vg;
@@ -376,7 +384,8 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T) {
     }
 }
 
-static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T) {
+static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T, int part) {
+    fast_whole_backward(part);
     FastModel* m = (FastModel*)vm;
     FastActs* a = (FastActs*)va;
     FastGrads* g = (FastGrads*)vg;

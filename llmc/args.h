@@ -24,6 +24,7 @@
 #include <string.h>
 #include "llmc/utils.h"
 #include "llmc/dataloader.h"
+#include "llmc/pipeline.h"
 
 typedef struct {
     const char* train_pattern;
@@ -51,6 +52,7 @@ typedef struct {
     long long seed;
     int tp, pp, sp;               // tensor / pipeline / sequence parallelism
     const char* pp_schedule;
+    int vpp;                      // model chunks per pipeline rank; 0 = the schedule's own
     int deterministic;            // CUDA build: bit-exact mode
     const char* comm;             // CUDA build: transport of device buffers (auto, nccl, mpi)
     const char* attention;        // CUDA build, fast mode: auto, cudnn, flash
@@ -124,7 +126,8 @@ static const ArgSpec arg_specs[] = {
     {"--tp", ARG_INT, ARG_FIELD(tp), 1, 4096, 0, "tensor-parallel degree (Megatron column/row splits)"},
     {"--sp", ARG_INT, ARG_FIELD(sp), 0, 1, 0, "1 = Megatron sequence parallelism within the tensor-parallel group"},
     {"--pp", ARG_INT, ARG_FIELD(pp), 1, 4096, 0, "pipeline-parallel degree (stages)"},
-    ARG_STRING("--schedule", pp_schedule, "pipeline schedule: 1f1b | gpipe"),
+    ARG_STRING("--schedule", pp_schedule, "pipeline schedule: 1f1b | gpipe | interleaved (Megatron's, --vpp chunks per rank) | zb1 (zero bubble ZB-H1) | zbv (zero bubble, V-shaped, 2 chunks per rank)"),
+    {"--vpp", ARG_INT, ARG_FIELD(vpp), 0, 64, 0, "model chunks (virtual pipeline stages) per pipeline rank: interleaved >= 2, zbv 2, others 1; 0 = the schedule's (interleaved 2)"},
     {"--deterministic", ARG_INT, ARG_FIELD(deterministic), 0, 1, 0, "CUDA build: 1 = fp32 canonical kernels, bit-identical to the CPU build"},
     ARG_STRING("--comm", comm, "CUDA build: how ranks exchange device buffers: nccl (one GPU per rank), mpi (staged through host memory; ranks may share a GPU) or auto (nccl when every rank has a GPU of its own)"),
     {"--allow-nonfinite", ARG_INT, ARG_FIELD(allow_nonfinite), 0, 1, 0, "1 = load a model file whose parameters are not all finite (refused otherwise)"},
@@ -132,6 +135,12 @@ static const ArgSpec arg_specs[] = {
 };
 #undef ARG_STRING
 #define NUM_ARG_SPECS ((int)(sizeof(arg_specs) / sizeof(arg_specs[0])))
+
+// Model chunks per pipeline rank: --vpp, or the schedule's own (interleaved 2, zbv 2, else 1).
+static inline int train_args_chunks(const TrainArgs* a) {
+    if (a->vpp > 0) { return a->vpp; }
+    return strcmp(a->pp_schedule, "interleaved") == 0 || strcmp(a->pp_schedule, "zbv") == 0 ? 2 : 1;
+}
 
 static inline void train_args_defaults(TrainArgs* a) {
     memset(a, 0, sizeof(*a));
@@ -305,8 +314,16 @@ static inline void train_args_validate(const TrainArgs* a) {
     if (strcmp(a->attention, "auto") != 0 && strcmp(a->attention, "cudnn") != 0 && strcmp(a->attention, "flash") != 0) {
         fatal("--attention must be auto, cudnn or flash, got '%s'", a->attention);
     }
-    if (strcmp(a->pp_schedule, "1f1b") != 0 && strcmp(a->pp_schedule, "gpipe") != 0) {
-        fatal("--schedule must be 1f1b or gpipe, got '%s'", a->pp_schedule);
+    PipelineScheduleKind kind;
+    char err[256];
+    if (pipeline_parse_schedule(a->pp_schedule, &kind, err, sizeof(err)) != 0) { fatal("--schedule: %s", err); }
+    int chunks = train_args_chunks(a);
+    if (kind != PP_INTERLEAVED && chunks != (kind == PP_ZBV ? 2 : 1)) {
+        fatal("--vpp %d: the %s schedule runs %d model chunk(s) per pipeline rank; --vpp is for --schedule "
+              "interleaved", a->vpp, a->pp_schedule, kind == PP_ZBV ? 2 : 1);
+    }
+    if (kind == PP_INTERLEAVED && chunks < 2) {
+        fatal("--vpp %d: the interleaved schedule needs at least 2 model chunks per pipeline rank", a->vpp);
     }
 }
 

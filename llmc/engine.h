@@ -5,8 +5,10 @@
  * validation, sampling, checkpoints, the training loop and its console and main.log lines.
  *
  * A build hands the engine two tables:
- *   ModelOps (below)  its model of one pipeline stage: activations, the embeddings, a stage's
- *                     transformer layers and the head, forward and backward. train_gpt2.c's
+ *   ModelOps (below)  its model of one model chunk (a pipeline stage, or one of a stage's
+ *                     virtual stages): activations, the embeddings, the chunk's transformer
+ *                     layers and the head, forward and backward (whole, or its input and
+ *                     weight halves for the zero-bubble schedules). train_gpt2.c's
  *                     model on the CPU kernels (the CPU build), the same model on the CUDA
  *                     deterministic kernels (train_gpt2cu --deterministic 1), or fast mode's
  *                     bf16 model (train_gpt2_fast.cu).
@@ -53,26 +55,30 @@
 // The model, as the engine drives it
 // ==========================================================================================
 
-// Where a rank's pipeline stage sits in the model.
-typedef struct {
-    int first_layer, last_layer;   // its transformer layers [first_layer, last_layer)
-    int is_first, is_last;         // the embeddings (first stage), the head (last stage)
-} StagePlace;
+// Which half of a backward to run: both, the input gradient only (what the stage before waits
+// for) or the weight gradient only (the zero-bubble schedules, pipeline.h). The halves compute
+// exactly the sums of the whole, so splitting changes no bits.
+#define BACKWARD_INPUT 1
+#define BACKWARD_WEIGHT 2
+#define BACKWARD_BOTH (BACKWARD_INPUT | BACKWARD_WEIGHT)
 
-// One build's model of a pipeline stage. `model`, `acts` and `grads` are the build's own
-// structures; every float* is in the build's memory (MemOps), tokens come from host memory.
-// Forward and backward come in three parts, run by the stages that hold them: the embeddings,
-// the stage's transformer layers, the head (final layernorm, LM head, cross-entropy).
+// One build's model of one model chunk (ChunkPlace, zero.h: a pipeline stage's layers, or one
+// of its virtual stages'; every chunk of a rank shares the rank's Zero). `model`, `acts` and
+// `grads` are the build's own structures; every float* is in the build's memory (MemOps),
+// tokens come from host memory. Forward and backward come in three parts, run by the chunks
+// that hold them: the embeddings, the chunk's transformer layers, the head (final layernorm,
+// LM head, cross-entropy).
 typedef struct {
-    // the model of this rank's stage; its parameters, gradients and AdamW state are in `zero`;
-    // sp: Megatron's sequence parallelism over the tensor-parallel group, for passes over up to
-    // (B, T) positions
-    void* (*create)(const GPT2Config* config, const StagePlace* place, Zero* zero, CommGroup* tp,
+    // the model of one chunk of this rank; its parameters, gradients and AdamW state are in
+    // `zero`; sp: Megatron's sequence parallelism over the tensor-parallel group, for passes
+    // over up to (B, T) positions
+    void* (*create)(const GPT2Config* config, const ChunkPlace* place, Zero* zero, CommGroup* tp,
                     int sp, int B, int T);
     void (*destroy)(void* model);
     // activations of one pass over up to (B, T) positions; sp as above (a pass of the sampler
-    // runs without it); *bytes: their size
-    void* (*acts_create)(void* model, int B, int T, int recompute, int sp, size_t* bytes);
+    // runs without it); split: room for what a split backward keeps between its halves;
+    // *bytes: their size
+    void* (*acts_create)(void* model, int B, int T, int recompute, int sp, int split, size_t* bytes);
     void (*acts_destroy)(void* model, void* acts);
     // the microbatch's tokens (host memory; targets NULL: no loss)
     void (*set_tokens)(void* model, void* acts, const int* inputs, const int* targets, int B, int T);
@@ -83,16 +89,18 @@ typedef struct {
     void (*head_forward)(void* model, void* acts, int B, int T, int training);
     float (*loss_sum)(void* model, void* acts, int B, int T);   // R3 sum of the last pass's losses
     // the probabilities at `position` over the whole padded vocabulary (Vp floats, host memory);
-    // every tensor-parallel rank of the last stage calls it
+    // every tensor-parallel rank of the head's stage calls it
     void (*probs_at)(void* model, void* acts, int position, float* host_probs);
-    // gradients of activations during backward, one set reused by every microbatch and layer;
-    // its d(residual) is d(loss)/d(stage output) going in and d(loss)/d(stage input) coming out
+    // gradients of activations during backward, one set reused by every microbatch, chunk and
+    // layer; its d(residual) is d(loss)/d(chunk output) going in and d(loss)/d(chunk input)
+    // coming out of an input half. part: BACKWARD_BOTH, _INPUT or _WEIGHT (the weight half of
+    // a (microbatch, chunk) after its input half, from what that kept in acts)
     void* (*grads_create)(void* model, int B, int T, int sp, size_t* bytes);
     void (*grads_destroy)(void* model, void* grads);
     float* (*grad_residual)(void* model, void* grads);
-    void (*head_backward)(void* model, void* acts, void* grads, int B, int T, float dloss);
-    void (*layers_backward)(void* model, void* acts, void* grads, int B, int T);
-    void (*embed_backward)(void* model, void* acts, void* grads, int B, int T);
+    void (*head_backward)(void* model, void* acts, void* grads, int B, int T, float dloss, int part);
+    void (*layers_backward)(void* model, void* acts, void* grads, int B, int T, int part);
+    void (*embed_backward)(void* model, void* acts, void* grads, int B, int T, int part);
 } ModelOps;
 
 // What a build adds to the engine's console output.
@@ -123,65 +131,95 @@ static inline double head_cost_in_layers(const GPT2Config* c) {
 // ==========================================================================================
 //
 // Every rank runs a pipeline, of one stage when --pp is 1 (then the list is just F0 B0 F1
-// B1 ...). A microbatch owns a slot from its FORWARD to its BACKWARD on this stage: its
+// B1 ...). A rank holds v model chunks (virtual stages; v = 1 but for interleaved and zbv),
+// each with its own model on the rank's one Zero. A (microbatch, chunk) pair owns a slot of its
+// chunk from its FORWARD to its BACKWARD (or, split, its BACKWARD_WEIGHT) on this stage: its
 // activations (with its tokens) and the received gradient of its output; the schedule bounds
 // how many are alive (1F1B: S - stage). Messages are non-blocking: a receive is posted at its
 // RECV action and waited for right before the computation that reads it; a send is posted at
 // its SEND action and waited for before its buffer is reused. Received activations and sent
 // input gradients live in small message buffers of their own, so a receive posted early never
 // needs a second slot. The schedule's message order makes this deadlock-free (pipeline.h).
-// Tags: 2*microbatch (+1 for gradients). Every buffer is in the build's memory.
+// Consecutive virtual stages on one rank (zbv's tip of the V) hand over in memory: the forward
+// reads the producer slot's output, the backward an input gradient kept in a message buffer.
+// Tags name (microbatch, the boundary between virtual stages w and w+1, direction).
+// Every buffer is in the build's memory.
 
 typedef struct {
+    int chunk;                 // the chunk whose activations these are
     int microbatch;            // -1: free
     void* acts;                // the model's activations, with the microbatch's tokens
-    float* grad_out;           // (B,T,C) received d(loss)/d(stage output) (not the last stage)
+    float* grad_out;           // (B,T,C) received d(loss)/d(chunk output)
     CommRequest* recv_grad;
-    CommRequest* send_act;     // the stage output being sent (the slot is not reused before)
+    CommRequest* send_act;     // the chunk output being sent (the slot is not reused before)
 } MicroSlot;
 
-typedef enum { MSG_FREE, MSG_RECEIVING, MSG_TO_SEND, MSG_SENDING } MessageState;
+typedef enum { MSG_FREE, MSG_RECEIVING, MSG_TO_SEND, MSG_SENDING, MSG_HANDOFF } MessageState;
 
 typedef struct {
     float* buf;                // (B,T,C)
     CommRequest* req;
-    int microbatch;
+    int microbatch, chunk;
     MessageState state;        // RECEIVING: an input activation until its FORWARD; TO_SEND: an
-                               // input gradient from BACKWARD until its SEND_BACKWARD
+                               // input gradient from BACKWARD until its SEND_BACKWARD; HANDOFF:
+                               // an input gradient for this rank's chunk `chunk`, until its
+                               // BACKWARD
 } MessageBuffer;
 
-#define PP_MAX_MESSAGES 64
+#define PP_MAX_MESSAGES 256
 
 typedef struct {
     PipelineConfig cfg;
     PipelineAction* actions;
     int nactions;
-    MicroSlot* slots;
+    int nchunks;               // v
+    void** models;             // [v] the model of each chunk
+    ChunkPlace* places;        // [v]
+    int* vstage;               // [v] each chunk's virtual stage
+    int head_chunk;            // the chunk holding the head, or -1
+    MicroSlot* slots;          // every chunk's slots
     int nslots;
     MessageBuffer msgs[PP_MAX_MESSAGES];
     int nmsgs;
     size_t msg_floats;
-    int prev, next;            // pp-group ranks of the neighbouring stages (COMM_NO_PEER)
     CommGroup* pp;
     const ModelOps* ops;
     const MemOps* mem;
-    void* model;
-    StagePlace place;
-    double busy;               // seconds of FORWARD/BACKWARD in the last step
-    double fwd, bwd;           // ... of which forwards, backwards
-    size_t slot_bytes;
+    int split;                 // the schedule splits backwards into input and weight halves
+    double busy;               // seconds of computation in the last step
+    double fwd, bwd, wgt;      // ... of which forwards, backwards (whole or input halves), weight halves
+    int held, peak_held;       // (microbatch, chunk) activations alive now / at most in the last step
+    size_t slot_bytes;         // every slot's bytes
 } Pipeline;
 
-static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps* mem, void* model,
-                                 const StagePlace* place, CommGroup* pp, PipelineScheduleKind kind, int M,
-                                 int B, int T, int C, int recompute, int sp_degree) {
+// The chunk of this stage holding virtual stage vs (-1: another stage's).
+static inline int pipeline_chunk_of(const Pipeline* p, int vs) {
+    int stage, chunk;
+    pipeline_virtual_stage_owner(&p->cfg, vs, &stage, &chunk);
+    return stage == p->pp->rank ? chunk : -1;
+}
+
+// The message tag of microbatch i crossing boundary w (between virtual stages w and w+1), forward
+// or backward; modulo the 32768 every MPI accepts (the lists' message order pairs sends and
+// receives anyway, pipeline.h).
+static inline int pipeline_tag(const Pipeline* p, int i, int boundary, int backward) {
+    long long V = (long long)p->cfg.num_stages * p->cfg.num_chunks;
+    return (int)((((long long)i * V + boundary) * 2 + backward) % 32768);
+}
+
+static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps* mem, void** models,
+                                 const ChunkPlace* places, CommGroup* pp, PipelineScheduleKind kind, int nchunks,
+                                 int M, int B, int T, int C, int recompute, int sp_degree) {
     memset(p, 0, sizeof(*p));
     p->pp = pp;
     p->ops = ops;
     p->mem = mem;
-    p->model = model;
-    p->place = *place;
-    p->cfg = (PipelineConfig){pp->size, M, kind, 1};
+    p->nchunks = nchunks;
+    p->models = models;
+    p->places = (ChunkPlace*)malloc_or_die(sizeof(ChunkPlace) * nchunks, "pipeline chunks");
+    memcpy(p->places, places, sizeof(ChunkPlace) * nchunks);
+    p->cfg = (PipelineConfig){pp->size, M, kind, nchunks};
+    p->split = pipeline_splits_backward(kind);
     char err[256];
     int n = pipeline_stage_actions(&p->cfg, pp->rank, NULL, 0, err, sizeof(err));
     if (n < 0) { fatal("--pp/--schedule: %s", err); }
@@ -190,48 +228,84 @@ static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps*
         fatal("--pp/--schedule: %s", err);
     }
     p->nactions = n;
-    p->prev = pp->rank > 0 ? pp->rank - 1 : COMM_NO_PEER;
-    p->next = pp->rank < pp->size - 1 ? pp->rank + 1 : COMM_NO_PEER;
-    p->nslots = pipeline_max_in_flight(p->actions, n);
-    p->slots = (MicroSlot*)calloc_or_die((size_t)p->nslots, sizeof(MicroSlot), "pipeline slots");
-    p->msg_floats = (size_t)B * T / sp_degree * C;
-    for (int i = 0; i < p->nslots; i++) {
-        MicroSlot* s = &p->slots[i];
-        size_t bytes = 0;
-        s->microbatch = -1;
-        s->acts = ops->acts_create(model, B, T, recompute, sp_degree > 1, &bytes);
-        s->grad_out = mem_floats(mem, p->msg_floats, "pipeline gradient");
-        p->slot_bytes = bytes + sizeof(float) * p->msg_floats;
+    p->vstage = (int*)malloc_or_die(sizeof(int) * nchunks, "pipeline chunks");
+    p->head_chunk = -1;
+    for (int c = 0; c < nchunks; c++) {
+        p->vstage[c] = pipeline_virtual_stage(&p->cfg, pp->rank, c);
+        if (places[c].has_head) { p->head_chunk = c; }
     }
+    // each chunk gets as many slots as its own actions ever hold at once
+    PipelineAction* mine = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "pipeline actions");
+    int* count = (int*)calloc_or_die((size_t)nchunks, sizeof(int), "pipeline chunks");
+    for (int c = 0; c < nchunks; c++) {
+        int k = 0;
+        for (int j = 0; j < n; j++) { if (p->actions[j].chunk == c) { mine[k++] = p->actions[j]; } }
+        count[c] = pipeline_max_in_flight(mine, k);
+        p->nslots += count[c];
+    }
+    free(mine);
+    p->slots = (MicroSlot*)calloc_or_die((size_t)(p->nslots ? p->nslots : 1), sizeof(MicroSlot), "pipeline slots");
+    p->msg_floats = (size_t)B * T / sp_degree * C;
+    for (int c = 0, k = 0; c < nchunks; c++) {
+        for (int j = 0; j < count[c]; j++, k++) {
+            MicroSlot* s = &p->slots[k];
+            size_t bytes = 0;
+            s->chunk = c;
+            s->microbatch = -1;
+            s->acts = ops->acts_create(models[c], B, T, recompute, sp_degree > 1, p->split, &bytes);
+            s->grad_out = mem_floats(mem, p->msg_floats, "pipeline gradient");
+            p->slot_bytes += bytes + sizeof(float) * p->msg_floats;
+        }
+    }
+    free(count);
 }
 
 static inline void pipeline_free(Pipeline* p) {
     for (int i = 0; i < p->nslots; i++) {
-        p->ops->acts_destroy(p->model, p->slots[i].acts);
+        p->ops->acts_destroy(p->models[p->slots[i].chunk], p->slots[i].acts);
         p->mem->release(p->slots[i].grad_out);
     }
     for (int i = 0; i < p->nmsgs; i++) { p->mem->release(p->msgs[i].buf); }
     free(p->slots);
     free(p->actions);
+    free(p->places);
+    free(p->vstage);
 }
 
-// The slot of microbatch i; with `take`, a free one (its output's send completed) if it has none.
-static inline MicroSlot* pipeline_slot(Pipeline* p, int i, int take) {
-    for (int k = 0; k < p->nslots; k++) { if (p->slots[k].microbatch == i) { return &p->slots[k]; } }
-    if (!take) { fatal("internal: microbatch %d has no pipeline slot", i); }
+// The first slot of chunk c (forward-only passes use it between steps).
+static inline void* pipeline_chunk_acts(Pipeline* p, int c) {
+    for (int k = 0; k < p->nslots; k++) { if (p->slots[k].chunk == c) { return p->slots[k].acts; } }
+    fatal("internal: chunk %d has no pipeline slot", c);
+}
+
+// The slot of (microbatch i, chunk c); with `take`, a free one of the chunk (its output's send
+// completed) if it has none.
+static inline MicroSlot* pipeline_slot(Pipeline* p, int i, int c, int take) {
     for (int k = 0; k < p->nslots; k++) {
-        if (p->slots[k].microbatch < 0) {
-            comm_wait(p->slots[k].send_act);
-            p->slots[k].send_act = NULL;
-            p->slots[k].microbatch = i;
-            return &p->slots[k];
+        if (p->slots[k].microbatch == i && p->slots[k].chunk == c) { return &p->slots[k]; }
+    }
+    if (!take) { fatal("internal: microbatch %d of chunk %d has no pipeline slot", i, c); }
+    for (int k = 0; k < p->nslots; k++) {
+        MicroSlot* s = &p->slots[k];
+        if (s->chunk == c && s->microbatch < 0) {
+            comm_wait(s->send_act);
+            s->send_act = NULL;
+            s->microbatch = i;
+            if (++p->held > p->peak_held) { p->peak_held = p->held; }
+            return s;
         }
     }
     fatal("internal: more microbatches in flight than the schedule's bound");
 }
 
-// A message buffer for microbatch i in `state`: a free one (a completed send's is reused).
-static inline MessageBuffer* pipeline_message_new(Pipeline* p, int i, MessageState state) {
+static inline void pipeline_slot_release(Pipeline* p, MicroSlot* s) {
+    s->microbatch = -1;   // its activations are no longer needed
+    p->held--;
+}
+
+// A message buffer for (microbatch i, chunk c) in `state`: a free one (a completed send's is
+// reused).
+static inline MessageBuffer* pipeline_message_new(Pipeline* p, int i, int c, MessageState state) {
     MessageBuffer* m = NULL;
     for (int k = 0; k < p->nmsgs && m == NULL; k++) {
         MessageBuffer* q = &p->msgs[k];
@@ -244,61 +318,76 @@ static inline MessageBuffer* pipeline_message_new(Pipeline* p, int i, MessageSta
         m->buf = mem_floats(p->mem, p->msg_floats, "pipeline message");
     }
     m->microbatch = i;
+    m->chunk = c;
     m->state = state;
     return m;
 }
 
-// The message buffer of microbatch i in `state`.
-static inline MessageBuffer* pipeline_message(Pipeline* p, int i, MessageState state) {
+// The message buffer of (microbatch i, chunk c) in `state`.
+static inline MessageBuffer* pipeline_message(Pipeline* p, int i, int c, MessageState state) {
     for (int k = 0; k < p->nmsgs; k++) {
-        if (p->msgs[k].state == state && p->msgs[k].microbatch == i) { return &p->msgs[k]; }
+        MessageBuffer* m = &p->msgs[k];
+        if (m->state == state && m->microbatch == i && m->chunk == c) { return m; }
     }
-    fatal("internal: no pipeline message for microbatch %d", i);
+    fatal("internal: no pipeline message for microbatch %d of chunk %d", i, c);
 }
 
 // Runs this stage's actions for one optimizer step: forward and backward of this dp rank's
-// microbatches (global indices from zero.h), gradients reduced, the tied halves summed.
-// local_loss[i] gets microbatch i's loss sum on the last stage. The compute times (busy, fwd,
-// bwd) are measured only with several stages (they wait for the device to finish each one).
+// microbatches (global indices from zero.h) on each of its chunks, gradients reduced, the tied
+// halves summed. local_loss[i] gets microbatch i's loss sum on the head's stage. The compute
+// times (busy, fwd, bwd, wgt) are measured only with several stages (they wait for the device
+// to finish each computation).
 static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* loader,
                                  int64_t first_microbatch, int M_global, int B, int T, int overfit,
                                  float* local_loss) {
     const ModelOps* ops = p->ops;
-    void* model = p->model;
     size_t bytes = p->msg_floats * sizeof(float);
-    int timed = p->cfg.num_stages > 1;
+    int timed = p->cfg.num_stages > 1, last_vs = p->cfg.num_stages * p->cfg.num_chunks - 1;
     float dloss = 1.0f / (float)((double)B * T * M_global);
-    float* dres = ops->grad_residual(model, grads);
-    p->busy = p->fwd = p->bwd = 0.0;
+    float* dres = ops->grad_residual(p->models[0], grads);
+    p->busy = p->fwd = p->bwd = p->wgt = 0.0;
+    p->peak_held = p->held;
     for (int k = 0; k < p->nactions; k++) {
         const PipelineAction* act = &p->actions[k];
-        int i = act->microbatch;
+        int i = act->microbatch, c = act->chunk, vs = p->vstage[c];
+        void* model = p->models[c];
+        const ChunkPlace* place = &p->places[c];
         MicroSlot* s;
         MessageBuffer* m;
         double t0;
+        int part = act->kind == PP_BACKWARD ? BACKWARD_BOTH : act->kind == PP_BACKWARD_INPUT ? BACKWARD_INPUT
+                 : BACKWARD_WEIGHT;
         switch (act->kind) {
             case PP_RECV_FORWARD:
-                // irecv (pp group): microbatch i's input activation from the previous stage
-                m = pipeline_message_new(p, i, MSG_RECEIVING);
-                m->req = comm_irecv(p->pp, m->buf, p->msg_floats, act->peer, 2 * i, COMM_KIND_PP);
+                // irecv (pp group): the input activation of (microbatch i, chunk c) from the
+                // stage holding virtual stage vs - 1
+                m = pipeline_message_new(p, i, c, MSG_RECEIVING);
+                m->req = comm_irecv(p->pp, m->buf, p->msg_floats, act->peer, pipeline_tag(p, i, vs - 1, 0), COMM_KIND_PP);
                 break;
             case PP_FORWARD:
-                s = pipeline_slot(p, i, 1);
-                if (p->place.is_first || p->place.is_last) {
+                s = pipeline_slot(p, i, c, 1);
+                if (place->has_embedding || place->has_head) {
                     dataloader_load(loader, overfit ? 0 : zero_global_microbatch(z, first_microbatch, i));
                     ops->set_tokens(model, s->acts, loader->inputs, loader->targets, B, T);
                 }
-                if (!p->place.is_first) {   // waiting for the input is idle time, not compute
-                    m = pipeline_message(p, i, MSG_RECEIVING);
-                    comm_wait(m->req);
-                    p->mem->copy(ops->stage_input(model, s->acts), m->buf, bytes);
-                    m->req = NULL;
-                    m->state = MSG_FREE;
+                if (!place->has_embedding) {   // waiting for the input is idle time, not compute
+                    int producer = pipeline_chunk_of(p, vs - 1);
+                    if (producer >= 0) {        // a hand-off on this rank
+                        MicroSlot* from = pipeline_slot(p, i, producer, 0);
+                        p->mem->copy(ops->stage_input(model, s->acts),
+                                     ops->stage_output(p->models[producer], from->acts, B, T), bytes);
+                    } else {
+                        m = pipeline_message(p, i, c, MSG_RECEIVING);
+                        comm_wait(m->req);
+                        p->mem->copy(ops->stage_input(model, s->acts), m->buf, bytes);
+                        m->req = NULL;
+                        m->state = MSG_FREE;
+                    }
                 }
                 t0 = now_seconds();
-                if (p->place.is_first) { ops->embed_forward(model, s->acts, B, T); }
+                if (place->has_embedding) { ops->embed_forward(model, s->acts, B, T); }
                 ops->layers_forward(model, s->acts, B, T);
-                if (p->place.is_last) {
+                if (place->has_head) {
                     ops->head_forward(model, s->acts, B, T, 1);
                     local_loss[i] = ops->loss_sum(model, s->acts, B, T);
                 }
@@ -306,72 +395,106 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
                 p->fwd += now_seconds() - t0;
                 break;
             case PP_SEND_FORWARD:
-                // isend (pp group): the stage output of microbatch i to the next stage
-                s = pipeline_slot(p, i, 0);
+                // isend (pp group): the output of (microbatch i, chunk c) to the stage holding
+                // virtual stage vs + 1
+                s = pipeline_slot(p, i, c, 0);
                 s->send_act = comm_isend(p->pp, ops->stage_output(model, s->acts, B, T), p->msg_floats,
-                                         act->peer, 2 * i, COMM_KIND_PP);
+                                         act->peer, pipeline_tag(p, i, vs, 0), COMM_KIND_PP);
                 break;
             case PP_RECV_BACKWARD:
-                // irecv (pp group): d(loss)/d(stage output) of microbatch i from the next stage
-                s = pipeline_slot(p, i, 0);
-                s->recv_grad = comm_irecv(p->pp, s->grad_out, p->msg_floats, act->peer, 2 * i + 1, COMM_KIND_PP);
+                // irecv (pp group): d(loss)/d(output of (microbatch i, chunk c)) from the stage
+                // holding virtual stage vs + 1
+                s = pipeline_slot(p, i, c, 0);
+                s->recv_grad = comm_irecv(p->pp, s->grad_out, p->msg_floats, act->peer, pipeline_tag(p, i, vs, 1),
+                                          COMM_KIND_PP);
                 break;
             case PP_BACKWARD:
-                s = pipeline_slot(p, i, 0);
-                if (!p->place.is_last) {
-                    comm_wait(s->recv_grad);
-                    s->recv_grad = NULL;
-                    p->mem->copy(dres, s->grad_out, bytes);
+            case PP_BACKWARD_INPUT:
+            case PP_BACKWARD_WEIGHT:
+                s = pipeline_slot(p, i, c, 0);
+                if ((part & BACKWARD_INPUT) && vs < last_vs) {   // d(loss)/d(chunk output)
+                    if (pipeline_chunk_of(p, vs + 1) >= 0) {     // a hand-off on this rank
+                        m = pipeline_message(p, i, c, MSG_HANDOFF);
+                        p->mem->copy(dres, m->buf, bytes);
+                        m->state = MSG_FREE;
+                    } else {
+                        comm_wait(s->recv_grad);
+                        s->recv_grad = NULL;
+                        p->mem->copy(dres, s->grad_out, bytes);
+                    }
                 }
                 t0 = now_seconds();
-                zero_begin_microbatch(z, i);
-                if (p->place.is_last) { ops->head_backward(model, s->acts, grads, B, T, dloss); }
-                ops->layers_backward(model, s->acts, grads, B, T);
-                if (p->place.is_first) {
-                    ops->embed_backward(model, s->acts, grads, B, T);
-                } else {   // keep d(loss)/d(stage input) until its SEND_BACKWARD
-                    p->mem->copy(pipeline_message_new(p, i, MSG_TO_SEND)->buf, dres, bytes);
+                // the weight gradients go into the chunk's microbatch tree (zero.h)
+                if (part & BACKWARD_WEIGHT) { zero_begin_microbatch(z, c, i); }
+                if (place->has_head) { ops->head_backward(model, s->acts, grads, B, T, dloss, part); }
+                ops->layers_backward(model, s->acts, grads, B, T, part);
+                if (place->has_embedding) { ops->embed_backward(model, s->acts, grads, B, T, part); }
+                if ((part & BACKWARD_INPUT) && vs > 0) {   // keep d(loss)/d(chunk input)
+                    int consumer = pipeline_chunk_of(p, vs - 1);
+                    m = consumer >= 0 ? pipeline_message_new(p, i, consumer, MSG_HANDOFF)
+                                      : pipeline_message_new(p, i, c, MSG_TO_SEND);
+                    p->mem->copy(m->buf, dres, bytes);
                 }
-                zero_end_microbatch(z);
-                s->microbatch = -1;   // its activations are no longer needed
+                if (part & BACKWARD_WEIGHT) {
+                    zero_end_microbatch(z);
+                    pipeline_slot_release(p, s);
+                }
                 if (timed) { p->mem->sync(); }
-                p->bwd += now_seconds() - t0;
+                if (part == BACKWARD_WEIGHT) { p->wgt += now_seconds() - t0; } else { p->bwd += now_seconds() - t0; }
                 break;
             case PP_SEND_BACKWARD:
-                // isend (pp group): d(loss)/d(stage input) of microbatch i to the previous stage
-                m = pipeline_message(p, i, MSG_TO_SEND);
+                // isend (pp group): d(loss)/d(input of (microbatch i, chunk c)) to the stage
+                // holding virtual stage vs - 1
+                m = pipeline_message(p, i, c, MSG_TO_SEND);
                 m->state = MSG_SENDING;
-                m->req = comm_isend(p->pp, m->buf, p->msg_floats, act->peer, 2 * i + 1, COMM_KIND_PP);
+                m->req = comm_isend(p->pp, m->buf, p->msg_floats, act->peer, pipeline_tag(p, i, vs - 1, 1), COMM_KIND_PP);
                 break;
-            default:
-                fatal("--schedule: this trainer does not execute %s actions", pipeline_action_kind_name(act->kind));
         }
     }
     for (int k = 0; k < p->nslots; k++) { comm_wait(p->slots[k].send_act); p->slots[k].send_act = NULL; }
     for (int k = 0; k < p->nmsgs; k++) { comm_wait(p->msgs[k].req); p->msgs[k].req = NULL; p->msgs[k].state = MSG_FREE; }
-    p->busy = p->fwd + p->bwd;
+    p->busy = p->fwd + p->bwd + p->wgt;
     zero_finish_grads(z);
 }
 
-// A forward-only pass through the pipeline of one batch (validation, sampling): the first
-// stage embeds the tokens, each stage receives, runs its layers, sends; the last stage runs
-// the head. Blocking sends and receives: every stage handles the batch in the same order.
+// A forward-only pass of one batch through the pipeline (validation, sampling), acts[c] the
+// activations of chunk c: the virtual stages in model order, each on the stage holding it; the
+// first embeds the tokens, each receives its input (or takes it from the chunk before on this
+// rank), runs its layers and sends its output on; the last runs the head. Blocking sends and
+// receives: every stage walks the virtual stages in the same order.
 // sp_degree: the tensor-parallel degree if acts are sequence-parallel, else 1.
-static inline void pipeline_forward_only(Pipeline* p, void* acts, const int* inputs, const int* targets,
+static inline void pipeline_forward_only(Pipeline* p, void** acts, const int* inputs, const int* targets,
                                          int B, int T, int C, int sp_degree) {
     const ModelOps* ops = p->ops;
     size_t n = (size_t)B * T / sp_degree * C;
-    ops->set_tokens(p->model, acts, inputs, targets, B, T);
-    if (p->place.is_first) {
-        ops->embed_forward(p->model, acts, B, T);
-    } else {
-        comm_wait(comm_irecv(p->pp, ops->stage_input(p->model, acts), n, p->prev, 0, COMM_KIND_PP));
-    }
-    ops->layers_forward(p->model, acts, B, T);
-    if (p->place.is_last) {
-        ops->head_forward(p->model, acts, B, T, 0);
-    } else {
-        comm_wait(comm_isend(p->pp, ops->stage_output(p->model, acts, B, T), n, p->next, 0, COMM_KIND_PP));
+    int V = p->cfg.num_stages * p->cfg.num_chunks;
+    for (int vs = 0; vs < V; vs++) {
+        int c = pipeline_chunk_of(p, vs);
+        if (c < 0) { continue; }
+        void* model = p->models[c];
+        const ChunkPlace* place = &p->places[c];
+        if (place->has_embedding || place->has_head) { ops->set_tokens(model, acts[c], inputs, targets, B, T); }
+        if (place->has_embedding) {
+            ops->embed_forward(model, acts[c], B, T);
+        } else {
+            int producer = pipeline_chunk_of(p, vs - 1);
+            if (producer >= 0) {
+                p->mem->copy(ops->stage_input(model, acts[c]),
+                             ops->stage_output(p->models[producer], acts[producer], B, T), n * sizeof(float));
+            } else {
+                // recv (pp group): the output of virtual stage vs - 1
+                comm_wait(comm_irecv(p->pp, ops->stage_input(model, acts[c]), n, pp_owner_stage(&p->cfg, vs - 1),
+                                     pipeline_tag(p, 0, vs - 1, 0), COMM_KIND_PP));
+            }
+        }
+        ops->layers_forward(model, acts[c], B, T);
+        if (place->has_head) {
+            ops->head_forward(model, acts[c], B, T, 0);
+        } else if (pipeline_chunk_of(p, vs + 1) < 0) {
+            // send (pp group): this output to the stage holding virtual stage vs + 1
+            comm_wait(comm_isend(p->pp, ops->stage_output(model, acts[c], B, T), n, pp_owner_stage(&p->cfg, vs + 1),
+                                 pipeline_tag(p, 0, vs, 0), COMM_KIND_PP));
+        }
     }
 }
 
@@ -390,12 +513,14 @@ typedef struct {
     long long tokens_per_micro, total_batch;
     PipelineScheduleKind pp_kind;
     LRScheduleKind lr_kind;
+    int nchunks;                    // model chunks per pipeline rank (--vpp; zbv 2)
     // built by trainer_build
     const ModelOps* ops;
     const MemOps* mem;
-    StagePlace place;
+    ChunkPlace* places;             // [nchunks] this rank's chunks (pipeline.h's placement)
+    int head_stage;                 // the pipeline stage holding the head
     Zero zero;
-    void* model;
+    void** models;                  // [nchunks] the model of each chunk
     Pipeline pipe;
     void* grads;
     size_t grads_bytes;
@@ -404,7 +529,7 @@ typedef struct {
     LRSchedule schedule;
     Tokenizer tokenizer;
     int do_sample, genT;
-    void* sample_acts;
+    void** sample_acts;             // [nchunks]
     float* sample_probs;            // host, Vp
     TrainProgress progress;
     Logger logger;
@@ -453,7 +578,8 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
         fatal("--tp %d x --pp %d does not divide the %d ranks of this job", a->tp, a->pp, t->comm.world_size);
     }
     comm_setup_grid(&t->comm, a->tp, a->pp);
-    t->pp_kind = strcmp(a->pp_schedule, "gpipe") == 0 ? PP_GPIPE : PP_1F1B;
+    if (pipeline_parse_schedule(a->pp_schedule, &t->pp_kind, NULL, 0) != 0) { fatal("internal: --schedule"); }
+    t->nchunks = train_args_chunks(a);
     if (!lr_schedule_kind(a->lr_schedule, &t->lr_kind)) {
         fatal("-k: unknown learning-rate schedule '%s' (cosine, linear or constant)", a->lr_schedule);
     }
@@ -478,6 +604,10 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     if (a->pp > c->num_layers) {
         fatal("--pp %d: the model has only %d layers; every stage needs at least one", a->pp, c->num_layers);
     }
+    if (a->pp * t->nchunks > c->num_layers) {
+        fatal("--pp %d x %d model chunks (--schedule %s) = %d virtual stages: the model has only %d layers; every "
+              "virtual stage needs at least one", a->pp, t->nchunks, a->pp_schedule, a->pp * t->nchunks, c->num_layers);
+    }
     if (a->sp && t->T % a->tp != 0) { fatal("--sp 1: the sequence length -t %d must be a multiple of --tp %d", t->T, a->tp); }
     t->tokens_per_micro = (long long)t->B * t->T;
     t->total_batch = a->total_batch == -1 ? t->tokens_per_micro * N : a->total_batch;
@@ -486,6 +616,13 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
               t->B, t->T, N, t->tokens_per_micro * N);
     }
     t->M = (int)(t->total_batch / t->tokens_per_micro);
+    // the schedule's own requirements (interleaved: microbatches per rank a multiple of --pp)
+    PipelineConfig cfg = {a->pp, t->M / N, t->pp_kind, t->nchunks};
+    char err[256];
+    if (pipeline_check_config(&cfg, err, sizeof(err)) != 0) {
+        fatal("--schedule %s with -d %lld (%d microbatch(es) per data-parallel rank): %s", a->pp_schedule,
+              t->total_batch, t->M / N, err);
+    }
     return 1;
 }
 
@@ -500,23 +637,29 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     t->mem = mem;
     comm_set_memory(comm, mem);
 
-    // this rank's pipeline stage: a balanced contiguous range of layers (pipeline.h)
-    int S = comm->pp;
-    int* first = (int*)malloc_or_die(sizeof(int) * (S + 1), "pipeline partition");
+    // this rank's model chunks: the layers balanced over the S*v virtual stages in model order,
+    // each chunk a contiguous range (pipeline.h's placement: round-robin for interleaved, the V
+    // for zbv)
+    int S = comm->pp, v = t->nchunks;
+    PipelineConfig cfg = {S, t->M / comm->dp, t->pp_kind, v};
+    PipelineChunkLayers* all = (PipelineChunkLayers*)malloc_or_die(sizeof(PipelineChunkLayers) * S * v, "placement");
     char err[256];
-    if (pipeline_partition_layers(c->num_layers, S, 0.0, head_cost_in_layers(c), first, err, sizeof(err)) != 0) {
+    if (pipeline_place_layers(&cfg, c->num_layers, 0.0, head_cost_in_layers(c), all, err, sizeof(err)) != 0) {
         fatal("--pp: %s", err);
     }
-    t->place.first_layer = first[comm->pp_rank];
-    t->place.last_layer = first[comm->pp_rank + 1];
-    t->place.is_first = comm->pp_rank == 0;
-    t->place.is_last = comm->pp_rank == S - 1;
-    free(first);
-    zero_init(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->pp_group, &comm->tp_group,
-              t->place.first_layer, t->place.last_layer, t->start_params, t->M);
+    t->places = (ChunkPlace*)malloc_or_die(sizeof(ChunkPlace) * v, "placement");
+    for (int ch = 0; ch < v; ch++) {
+        const PipelineChunkLayers* q = &all[comm->pp_rank * v + ch];
+        t->places[ch] = (ChunkPlace){q->first_layer, q->first_layer + q->num_layers, q->has_embedding, q->has_head};
+    }
+    for (int k = 0; k < S * v; k++) { if (all[k].has_head) { t->head_stage = k / v; } }
+    free(all);
+    zero_init(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->pp_group, &comm->tp_group, t->places, v,
+              t->head_stage, t->start_params, t->M);
     free(t->start_params);
     t->start_params = NULL;
-    t->model = ops->create(c, &t->place, &t->zero, &comm->tp_group, a->sp, B, T);
+    t->models = (void**)malloc_or_die(sizeof(void*) * v, "models");
+    for (int ch = 0; ch < v; ch++) { t->models[ch] = ops->create(c, &t->places[ch], &t->zero, &comm->tp_group, a->sp, B, T); }
 
     t->do_val = a->val_every > 0;
     train_data_open(a, B, T, c->vocab_size, t->total_batch, &t->train_loader, &t->val_loader, &t->val_batches,
@@ -527,14 +670,15 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     if (t->root && a->sample_every > 0) { tokenizer_init_for_model(&t->tokenizer, a->tokenizer_path, c->vocab_size); }
 
     int sp_degree = a->sp ? comm->tp : 1;
-    pipeline_init(&t->pipe, ops, mem, t->model, &t->place, &comm->pp_group, t->pp_kind, t->zero.local_microbatches,
-                  B, T, c->channels, a->recompute, sp_degree);
-    t->grads = ops->grads_create(t->model, B, T, a->sp, &t->grads_bytes);
+    pipeline_init(&t->pipe, ops, mem, t->models, t->places, &comm->pp_group, t->pp_kind, v,
+                  t->zero.local_microbatches, B, T, c->channels, a->recompute, sp_degree);
+    t->grads = ops->grads_create(t->models[0], B, T, a->sp, &t->grads_bytes);
     t->genT = a->gen_T < c->max_seq_len ? a->gen_T : c->max_seq_len;
     t->do_sample = a->sample_every > 0 && (comm->dp_rank == 0 || t->zero.stage == 3);
     if (t->do_sample) {
         size_t bytes;
-        t->sample_acts = ops->acts_create(t->model, 1, t->genT, 0, 0, &bytes);
+        t->sample_acts = (void**)malloc_or_die(sizeof(void*) * v, "sampler activations");
+        for (int ch = 0; ch < v; ch++) { t->sample_acts[ch] = ops->acts_create(t->models[ch], 1, t->genT, 0, 0, 0, &bytes); }
         t->sample_probs = (float*)malloc_or_die(sizeof(float) * c->padded_vocab_size, "sample probabilities");
     }
 
@@ -575,20 +719,20 @@ static inline float tree_in_order(const float* all, int per_rank, int n, const Z
     return sum;
 }
 
-// The mean loss over the global batch: the last stage's dp ranks gather their microbatch loss
-// sums (all-gather, dp group), sum them by the R1 tree in global order, and the last stage
+// The mean loss over the global batch: the head stage's dp ranks gather their microbatch loss
+// sums (all-gather, dp group), sum them by the R1 tree in global order, and the head stage
 // broadcasts the result to the other stages (pp group).
 static inline float global_mean_loss(Trainer* t, const float* local, int per_rank, int n, int round_robin,
                                      double tokens) {
     Zero* z = &t->zero;
     float loss = 0.0f;
-    if (t->place.is_last) {
+    if (t->pipe.head_chunk >= 0) {
         float* all = (float*)malloc_or_die(sizeof(float) * (size_t)per_rank * z->N + 1, "losses");
         comm_all_gather(&t->comm.dp_group, local, all, (size_t)per_rank, COMM_KIND_OTHER);
         loss = tree_in_order(all, per_rank, n, z, round_robin) / (float)tokens;
         free(all);
     }
-    comm_broadcast(&t->comm.pp_group, &loss, sizeof(float), t->comm.pp - 1, COMM_KIND_OTHER);
+    comm_broadcast(&t->comm.pp_group, &loss, sizeof(float), t->head_stage, COMM_KIND_OTHER);
     return loss;
 }
 
@@ -598,7 +742,9 @@ static inline float trainer_validate(Trainer* t) {
     Zero* z = &t->zero;
     int B = t->B, T = t->T, batches = t->val_batches;
     int sp_degree = t->args.sp ? t->comm.tp : 1;
-    void* acts = t->pipe.slots[0].acts;
+    void** acts = (void**)malloc_or_die(sizeof(void*) * t->nchunks, "validation activations");
+    for (int ch = 0; ch < t->nchunks; ch++) { acts[ch] = pipeline_chunk_acts(&t->pipe, ch); }
+    int hc = t->pipe.head_chunk;
     int per_rank = (batches + z->N - 1) / z->N;
     float* local = (float*)calloc_or_die((size_t)per_rank + 1, sizeof(float), "val losses");
     for (int k = 0; k < per_rank; k++) {
@@ -608,15 +754,16 @@ static inline float trainer_validate(Trainer* t) {
         dataloader_load(&t->val_loader, j < batches ? j : 0);
         pipeline_forward_only(&t->pipe, acts, t->val_loader.inputs, t->val_loader.targets, B, T,
                               t->config.channels, sp_degree);
-        if (t->place.is_last && j < batches) { local[k] = t->ops->loss_sum(t->model, acts, B, T); }
+        if (hc >= 0 && j < batches) { local[k] = t->ops->loss_sum(t->models[hc], acts[hc], B, T); }
     }
     float loss = global_mean_loss(t, local, per_rank, batches, 1, (double)batches * B * T);
     free(local);
+    free(acts);
     return loss;
 }
 
 // Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler), each
-// token a forward pass over the tokens so far (B = 1) through the pipeline; the last stage
+// token a forward pass over the tokens so far (B = 1) through the pipeline; the head's stage
 // draws the token (from the whole vocabulary) and broadcasts it to the other stages. Under
 // ZeRO-3 every dp rank takes part (the forward gathers parameters); world rank 0 prints.
 static inline void trainer_sample(Trainer* t) {
@@ -628,16 +775,16 @@ static inline void trainer_sample(Trainer* t) {
     if (printing) { printf("generating:\n---\n"); }
     for (int pos = 1; pos < genT; pos++) {
         pipeline_forward_only(&t->pipe, t->sample_acts, gen, NULL, 1, pos, t->config.channels, 1);
-        int next = V - 1;
-        if (t->place.is_last) {
-            t->ops->probs_at(t->model, t->sample_acts, pos - 1, t->sample_probs);
+        int next = V - 1, hc = t->pipe.head_chunk;
+        if (hc >= 0) {
+            t->ops->probs_at(t->models[hc], t->sample_acts[hc], pos - 1, t->sample_probs);
             float coin = random_f32(&rng), cdf = 0.0f;
             for (int v = 0; v < V; v++) {
                 cdf += t->sample_probs[v];
                 if (coin < cdf) { next = v; break; }
             }
         }
-        comm_broadcast(&t->comm.pp_group, &next, sizeof(int), t->comm.pp - 1, COMM_KIND_OTHER);
+        comm_broadcast(&t->comm.pp_group, &next, sizeof(int), t->head_stage, COMM_KIND_OTHER);
         gen[pos] = next;
         if (!printing) { continue; }
         if (t->tokenizer.init_ok) {
@@ -708,12 +855,9 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
     size_t P = param_count(c);
     int N = comm->dp;
     ZeroMemory mem = zero_memory(z);
-    // every stage's layers and activation memory, for the table (all-gather, pp group)
-    float stage_info[3], all_stage_info[3 * 64];
-    stage_info[0] = (float)t->place.first_layer;
-    stage_info[1] = (float)t->place.last_layer;
-    stage_info[2] = (float)(pipe->nslots * pipe->slot_bytes / 1048576.0);
-    if (comm->pp <= 64) { comm_all_gather(&comm->pp_group, stage_info, all_stage_info, 3, COMM_KIND_OTHER); }
+    // every stage's activation memory, for the table (all-gather, pp group)
+    float stage_mib = (float)(pipe->slot_bytes / 1048576.0), all_stage_mib[64];
+    if (comm->pp <= 64) { comm_all_gather(&comm->pp_group, &stage_mib, all_stage_mib, 1, COMM_KIND_OTHER); }
     if (!t->root) { return; }
     printf("+--------------------------------------------------------------------------+\n");
     build->banner();
@@ -728,24 +872,37 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
     printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
            t->B, t->T, t->M, z->local_microbatches, t->total_batch);
     if (comm->pp > 1) {
-        printf("| pipeline      %s over %d stages, %d microbatches; bubble model (S-1)/(M+S-1) = %.3f\n",
-               a->pp_schedule, comm->pp, z->local_microbatches, pipeline_bubble_fraction(&pipe->cfg));
+        PipelineConfig cfg = pipe->cfg;
+        int v = cfg.num_chunks;
+        printf("| pipeline      %s over %d stages", a->pp_schedule, comm->pp);
+        if (v > 1) { printf(" x %d model chunks", v); }
+        printf(", %d microbatches; bubble model %.3f\n", z->local_microbatches, pipeline_bubble_fraction(&cfg));
+        PipelineChunkLayers* all = (PipelineChunkLayers*)malloc_or_die(sizeof(PipelineChunkLayers) * comm->pp * v, "placement");
+        pipeline_place_layers(&cfg, c->num_layers, 0.0, head_cost_in_layers(c), all, NULL, 0);
         for (int st = 0; st < comm->pp && st < 64; st++) {
-            PipelineConfig cfg = pipe->cfg;
             int n = pipeline_stage_actions(&cfg, st, NULL, 0, NULL, 0);
             if (n < 0) { fatal("internal: pipeline stage %d has no schedule", st); }
             PipelineAction* acts = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "actions");
             pipeline_stage_actions(&cfg, st, acts, n, NULL, 0);
-            printf("|   stage %-3d   layers [%d, %d)%s%s, peak activations: %d microbatch(es), %.1f MiB\n", st,
-                   (int)all_stage_info[3 * st], (int)all_stage_info[3 * st + 1], st == 0 ? " + embeddings" : "",
-                   st == comm->pp - 1 ? " + head" : "", pipeline_max_in_flight(acts, n), all_stage_info[3 * st + 2]);
+            printf("|   stage %-3d   layers", st);
+            int embed = 0, head = 0;
+            for (int ch = 0; ch < v; ch++) {
+                const PipelineChunkLayers* q = &all[st * v + ch];
+                printf(" [%d, %d)", q->first_layer, q->first_layer + q->num_layers);
+                embed |= q->has_embedding;
+                head |= q->has_head;
+            }
+            printf("%s%s, peak activations: %d %s, %.1f MiB\n", embed ? " + embeddings" : "", head ? " + head" : "",
+                   pipeline_max_in_flight(acts, n), v > 1 ? "(microbatch, chunk) pairs" : "microbatch(es)",
+                   all_stage_mib[st]);
             free(acts);
         }
+        free(all);
     }
     train_data_print_summary(a, t->train_steps, &t->train_loader, &t->val_loader, t->val_batches);
     printf("| memory/rank   params %.1f MiB, grads %.1f MiB, AdamW %.1f MiB, activations %.1f MiB\n",
            mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576,
-           (pipe->nslots * pipe->slot_bytes + t->grads_bytes) / 1048576.0);
+           (pipe->slot_bytes + t->grads_bytes) / 1048576.0);
     if (comm->pp == 1) {
         printf("|               ZeRO paper, fp32 AdamW: %s = %.1f MiB (ours: %.1f MiB incl. padding and wte's 2nd gradient half)\n",
                z->stage == 0 ? "16P" : z->stage == 1 ? "8P + 8P/N" : z->stage == 2 ? "4P + 12P/N" : "16P/N",
@@ -761,6 +918,8 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
 }
 
 // ---- the loop ----------------------------------------------------------------------------
+
+#define PP_TIMING 5   // per stage and step: idle fraction, forward, backward, weight half, peak held
 
 // The startup table, then every step: validation, sampling and checkpoints when due, the
 // step's microbatches through the pipeline, the loss, the gradient norm, AdamW; the step line
@@ -784,6 +943,8 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
     const int first_step = (int)t->progress.step;   // of this run (after -y, the resumed step)
     float best_val = 0.0f;
     int best_val_step = -1, last_checkpoint = -1;
+    float cost_sum[PP_TIMING * 64] = {0};   // the pipeline's measured costs, summed over steps
+    int cost_steps = 0;
     for (int step = first_step; step <= t->train_steps; step++) {
         int last_step = step == t->train_steps;
 
@@ -822,14 +983,23 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
         t->progress.microbatches_done += t->M;
         t->progress.step = step + 1;
         double dt = now_seconds() - t0;
-        // the pipeline bubble: the fraction of the step each stage spent not computing, and
-        // each stage's mean forward and backward time per microbatch (all-gather, pp group)
-        float timing[3] = {(float)(1.0 - pipe->busy / dt), (float)(pipe->fwd / z->local_microbatches * 1e3),
-                           (float)(pipe->bwd / z->local_microbatches * 1e3)};
-        float timing_all[3 * 64];
-        if (comm->pp > 1 && comm->pp <= 64) { comm_all_gather(&comm->pp_group, timing, timing_all, 3, COMM_KIND_OTHER); }
+        // the pipeline bubble: the fraction of the step each stage spent not computing; each
+        // stage's mean time per (microbatch, chunk) of a forward, a whole backward and its
+        // weight half; the most activations it held (all-gather, pp group)
+        double units = (double)z->local_microbatches * pipe->nchunks;
+        float timing[PP_TIMING] = {(float)(1.0 - pipe->busy / dt), (float)(pipe->fwd / units * 1e3),
+                                   (float)((pipe->bwd + pipe->wgt) / units * 1e3), (float)(pipe->wgt / units * 1e3),
+                                   (float)pipe->peak_held};
+        float timing_all[PP_TIMING * 64];
+        if (comm->pp > 1 && comm->pp <= 64) {
+            comm_all_gather(&comm->pp_group, timing, timing_all, PP_TIMING, COMM_KIND_OTHER);
+        }
         int first_of_run = step == first_step;   // carries the warm-up: not in the average
         if (!first_of_run) { total_time += dt; timed_steps++; }
+        if (comm->pp > 1 && comm->pp <= 64 && (!first_of_run || t->train_steps - first_step == 1)) {
+            for (int k = 0; k < PP_TIMING * comm->pp; k++) { cost_sum[k] += timing_all[k]; }
+            cost_steps++;
+        }
         if (t->root) {
             char throughput[64];
             build->throughput(throughput, sizeof(throughput), flops_per_step / dt);
@@ -837,15 +1007,12 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
                    step + 1, t->train_steps, loss, lr, norm, dt * 1e3, t->total_batch / dt, throughput);
             if (comm->pp > 1 && comm->pp <= 64) {
                 printf("           pipeline idle per stage:");
-                for (int st = 0; st < comm->pp; st++) { printf(" %.2f", timing_all[3 * st]); }
+                for (int st = 0; st < comm->pp; st++) { printf(" %.2f", timing_all[PP_TIMING * st]); }
                 printf(" (model %.2f)\n", pipeline_bubble_fraction(&pipe->cfg));
-                if (first_of_run) {   // the measured costs, ready for the schedule drawing tool
-                    printf("draw this step's schedule from its measured costs (ms per microbatch):\n"
-                           "  dev/tools/pp_schedule --stages %d --microbatches %d --schedule %s --svg pipeline.svg --fwd ",
-                           comm->pp, z->local_microbatches, a->pp_schedule);
-                    for (int st = 0; st < comm->pp; st++) { printf("%s%.3f", st ? "," : "", timing_all[3 * st + 1]); }
-                    printf(" --bwd ");
-                    for (int st = 0; st < comm->pp; st++) { printf("%s%.3f", st ? "," : "", timing_all[3 * st + 2]); }
+                if (first_of_run) {
+                    printf("pipeline activations held per stage (peak, %s):",
+                           pipe->nchunks > 1 ? "(microbatch, chunk) pairs" : "microbatches");
+                    for (int st = 0; st < comm->pp; st++) { printf(" %d", (int)timing_all[PP_TIMING * st + 4]); }
                     printf("\n");
                 }
             }
@@ -881,6 +1048,20 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
                    a->output_dir);
         }
         printf("\n");
+        if (cost_steps > 0) {   // the measured costs, ready for the schedule drawing tool
+            printf("draw this run's pipeline schedule from its measured costs (ms per microbatch and chunk, "
+                   "mean over %d step(s)):\n  dev/tools/pp_schedule --stages %d --microbatches %d --schedule %s",
+                   cost_steps, comm->pp, z->local_microbatches, a->pp_schedule);
+            if (pipe->cfg.kind == PP_INTERLEAVED) { printf(" --chunks %d", pipe->nchunks); }
+            const char* flags[3] = {"--fwd", "--bwd", "--wgt"};
+            for (int f = 0; f < (pipe->split ? 3 : 2); f++) {
+                printf(" %s ", flags[f]);
+                for (int st = 0; st < comm->pp; st++) {
+                    printf("%s%.3f", st ? "," : "", cost_sum[PP_TIMING * st + 1 + f] / cost_steps);
+                }
+            }
+            printf(" --svg pipeline.svg\n");
+        }
     }
     free(local_loss);
 }
@@ -888,14 +1069,17 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
 static inline void trainer_end(Trainer* t) {
     pipeline_free(&t->pipe);
     if (t->do_sample) {
-        t->ops->acts_destroy(t->model, t->sample_acts);
+        for (int ch = 0; ch < t->nchunks; ch++) { t->ops->acts_destroy(t->models[ch], t->sample_acts[ch]); }
+        free(t->sample_acts);
         free(t->sample_probs);
     }
-    t->ops->grads_destroy(t->model, t->grads);
+    t->ops->grads_destroy(t->models[0], t->grads);
     dataloader_free(&t->train_loader);
     if (t->do_val) { dataloader_free(&t->val_loader); }
     tokenizer_free(&t->tokenizer);
-    t->ops->destroy(t->model);
+    for (int ch = 0; ch < t->nchunks; ch++) { t->ops->destroy(t->models[ch]); }
+    free(t->models);
+    free(t->places);
     zero_free(&t->zero);
     comm_finalize(&t->comm);
 }

@@ -443,15 +443,19 @@ static __global__ void layernorm_backward_dinp_kernel(float* dres, const float* 
 // dres (BT,C) <- dres + dinp_ln; dweight, dbias (C) = R3 over positions, each sequence's T
 // positions in nchunks chunks; with seq_partials (2,B,C), each sequence's subtrees instead
 // (sequence parallelism: the caller finishes them over the group). train_gpt2.c
-// layernorm_backward.
+// layernorm_backward: dres NULL skips the first half, dweight and seq_partials NULL the second.
 static inline void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
                                       const float* inp, const float* weight, const float* mean,
                                       const float* rstd, int B, int T, int C, int nchunks, float* seq_partials) {
     int BT = B * T;
-    LAUNCH(layernorm_backward_dinp_kernel, ceil_div_u((size_t)BT * CANON_R, 256), 256, dres, dout, inp, weight,
-           mean, rstd, BT, C);
-    cudaLaunchCheck("layernorm_backward_dinp_kernel");
-    layernorm_param_grads_x(dweight, dbias, seq_partials, inp, dout, 0, mean, rstd, B, T, C, nchunks);
+    if (dres) {
+        LAUNCH(layernorm_backward_dinp_kernel, ceil_div_u((size_t)BT * CANON_R, 256), 256, dres, dout, inp, weight,
+               mean, rstd, BT, C);
+        cudaLaunchCheck("layernorm_backward_dinp_kernel");
+    }
+    if (dweight || seq_partials) {
+        layernorm_param_grads_x(dweight, dbias, seq_partials, inp, dout, 0, mean, rstd, B, T, C, nchunks);
+    }
 }
 
 // R1 over the nseq per-sequence values: out[i] = tree over b of seq[b * n + i]

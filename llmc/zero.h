@@ -12,13 +12,20 @@
  * rank r owns shard r of every unit. Unit E is cut exactly like wte, so a rank owns the same
  * rows of both halves and adds them without communication.
  *
- * PIPELINE STAGES. A stage holds its layers; the first stage also wpe, wte (for the lookup)
- * and the lookup half E of wte's gradient; the last stage also the final layernorm, wte (a
- * copy, for the LM head) and the LM-head half of wte's gradient. After the data-parallel
- * reduction, the first and the last stage swap their halves for the rows they own (sendrecv
- * over the pipeline group, Megatron's embedding-gradient all-reduce) and both update their
- * copy of wte with the same sum, so the copies stay identical. wte counts once: on the first
- * stage (gradient norm, optimizer-state files).
+ * PIPELINE STAGES AND CHUNKS. A pipeline rank holds one or more model chunks (virtual
+ * stages, pipeline.h), each a contiguous range of layers; the chunk with the embeddings also
+ * wpe, wte (for the lookup) and the lookup half E of wte's gradient; the chunk with the head
+ * the final layernorm, wte (a copy, for the LM head; one copy when the same rank holds both,
+ * as zbv's rank 0) and the LM-head half of wte's gradient. After the data-parallel reduction,
+ * the two ranks swap their halves for the rows they own (sendrecv over the pipeline group,
+ * Megatron's embedding-gradient all-reduce) and both update their copy of wte with the same
+ * sum, so the copies stay identical. wte counts once: on stage 0, which always holds the
+ * embeddings (gradient norm, optimizer-state files).
+ * Each chunk runs its own microbatch tree: a schedule with several chunks per rank computes
+ * chunk 1's gradient of microbatch 3 while chunk 0 is at microbatch 1, and the zero-bubble
+ * schedules compute a weight gradient (W) long after the input gradient. The tree only needs
+ * every unit's microbatches in order, which pipeline.h guarantees per chunk, and a chunk's
+ * units are disjoint from the others', so the chunks share the tree's buffers.
  *
  * WHO HOLDS WHAT (P parameters, per rank, fp32 AdamW; the ZeRO paper's accounting)
  *   stage 0 (DDP): params P, grads P, m and v 2P                         = 16P
@@ -100,10 +107,19 @@ typedef struct {
     size_t shard_params, shard_grads;   // shard buffer sizes
 } ZeroLayout;
 
-// The layout for a rank of pipeline stage `stage` of `stages` holding layers
-// [first_layer, last_layer), rank tp_rank of a K-way tensor-parallel group.
-static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, int stage,
-                                    int stages, int first_layer, int last_layer, int K, int tp_rank) {
+// What one model chunk of a pipeline rank holds (pipeline.h's virtual stage; a rank without
+// pipeline parallelism holds one chunk: every layer, the embeddings and the head).
+typedef struct {
+    int first_layer, last_layer;   // its transformer layers [first_layer, last_layer)
+    int has_embedding;             // token and position embeddings (virtual stage 0)
+    int has_head;                  // final layernorm, LM head, loss (the last virtual stage)
+} ChunkPlace;
+
+// The layout for a rank holding the chunks places[0 .. nchunks), rank tp_rank of a K-way
+// tensor-parallel group. unit_chunk[u] (U+1 entries, filled here) is the chunk that computes
+// unit u's gradient, -1 for none.
+static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, const ChunkPlace* places,
+                                    int nchunks, int K, int tp_rank, int* unit_chunk) {
     int U = c->num_layers + 3, E = U;
     z->num_units = U;
     z->N = N;
@@ -127,16 +143,26 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, i
         z->npieces[u] = tp_unit_pieces(c, K, u == E ? ZERO_WTE : u, z->pieces[u]);   // E mirrors wte
         const TPPiece* last = &z->pieces[u][z->npieces[u] - 1];
         z->size[u] = last->local + tp_piece_elements(last);
+        unit_chunk[u] = -1;
     }
-    int first = stage == 0, last = stage == stages - 1;
-    for (int l = first_layer; l < last_layer; l++) {
-        z->params_here[ZERO_LAYER(l)] = z->grads_here[ZERO_LAYER(l)] = 1;
+    for (int ch = 0; ch < nchunks; ch++) {
+        const ChunkPlace* p = &places[ch];
+        for (int l = p->first_layer; l < p->last_layer; l++) {
+            z->params_here[ZERO_LAYER(l)] = z->grads_here[ZERO_LAYER(l)] = 1;
+            unit_chunk[ZERO_LAYER(l)] = ch;
+        }
+        if (p->has_embedding) {
+            z->params_here[ZERO_WTE] = 1;
+            z->params_here[ZERO_WPE] = z->grads_here[ZERO_WPE] = 1;
+            z->grads_here[E] = 1;                           // the lookup half
+            unit_chunk[ZERO_WPE] = unit_chunk[E] = ch;
+        }
+        if (p->has_head) {
+            z->params_here[ZERO_WTE] = z->grads_here[ZERO_WTE] = 1;   // the LM-head half
+            z->params_here[U - 1] = z->grads_here[U - 1] = 1;
+            unit_chunk[ZERO_WTE] = unit_chunk[U - 1] = ch;
+        }
     }
-    z->params_here[ZERO_WTE] = first || last;
-    z->grads_here[ZERO_WTE] = last;                        // the LM-head half
-    z->params_here[ZERO_WPE] = z->grads_here[ZERO_WPE] = first;
-    z->grads_here[E] = first;                              // the lookup half
-    z->params_here[U - 1] = z->grads_here[U - 1] = last;
     size_t local = 0, base = 0, glocal = 0, gbase = 0;
     for (int u = 0; u <= U; u++) {
         int params = u < U && z->params_here[u], grads = z->grads_here[u];
@@ -186,8 +212,9 @@ typedef struct {
     int stage, N, rank;
     const MemOps* mem;         // where the buffers below live
     CommGroup* group;          // data parallel
-    CommGroup* pp;             // pipeline (the tied embedding's first <-> last stage swap)
-    int pp_stage, pp_stages;
+    CommGroup* pp;             // pipeline (the tied embedding's swap between the stages below)
+    int pp_stage, head_stage;  // this rank's stage; the stage holding the head (stage 0 holds
+                               // the embeddings)
     const GPT2Config* config;
     ZeroLayout lay;
     int local_microbatches;    // M / N
@@ -202,11 +229,16 @@ typedef struct {
     size_t opt_len;            // floats in m and in v
     float *m_host, *v_host;    // m and v readable by the host (checkpoints): m and v themselves
                                // in host memory, else copies made by zero_state_to_host
-    // the local microbatch tree: stages 0-1 over full gradient buffers, 2-3 over shard buffers
+    // the local microbatch tree: stages 0-1 over full gradient buffers, 2-3 over shard buffers;
+    // one tree per chunk over the chunk's units, all in the same buffers
     float* stack[40];
     int stack_allocated, stack_top;
     size_t stack_len;
-    int micro;                 // local microbatch being computed
+    int nchunks;
+    int* unit_chunk;           // [num_units + 1]: the chunk computing unit u's gradient, or -1
+    int* chunk_top;            // [nchunks]: each chunk's stack depth between its microbatches
+    int* chunk_next;           // [nchunks]: the local microbatch each chunk computes next
+    int chunk, micro;          // the chunk and local microbatch being computed
     float** unit_grad;         // [num_units + 1]: where backward writes each unit's gradient now
     ZeroSlot gslots[ZERO_MAX_INFLIGHT];   // stages 2-3: unit gradients being reduce-scattered
     int ngslots;
@@ -245,10 +277,11 @@ static inline void zero_unit_from_full(const ZeroLayout* z, int u, const float* 
 // params: the full initial parameters (every rank the same, MEMORY order); the engine keeps
 // this rank's part of the units it holds (stage 3: only its shards). M: microbatches per step
 // (global). dp: the data-parallel group; pp: the pipeline group of which this rank is stage
-// pp->rank, holding layers [first_layer, last_layer); tp: the tensor-parallel group.
+// pp->rank, holding the model chunks places[0 .. nchunks), stage head_stage holding the head;
+// tp: the tensor-parallel group.
 static inline void zero_init(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
-                             CommGroup* pp, CommGroup* tp, int first_layer, int last_layer,
-                             const float* params, int M) {
+                             CommGroup* pp, CommGroup* tp, const ChunkPlace* places, int nchunks,
+                             int head_stage, const float* params, int M) {
     memset(z, 0, sizeof(*z));
     z->mem = mem;
     z->stage = stage;
@@ -257,9 +290,13 @@ static inline void zero_init(Zero* z, const GPT2Config* c, const MemOps* mem, in
     z->group = dp;
     z->pp = pp;
     z->pp_stage = pp->rank;
-    z->pp_stages = pp->size;
+    z->head_stage = head_stage;
     z->config = c;
-    zero_layout_init(&z->lay, c, z->N, pp->rank, pp->size, first_layer, last_layer, tp->size, tp->rank);
+    z->nchunks = nchunks;
+    z->unit_chunk = (int*)calloc_or_die((size_t)c->num_layers + 4 + 2 * (size_t)nchunks, sizeof(int), "unit chunks");
+    z->chunk_top = z->unit_chunk + c->num_layers + 4;
+    z->chunk_next = z->chunk_top + nchunks;
+    zero_layout_init(&z->lay, c, z->N, places, nchunks, tp->size, tp->rank, z->unit_chunk);
     z->local_microbatches = M / z->N;
     for (int u = 0; u <= z->lay.num_units; u++) {
         if (z->lay.padded[u] > z->max_padded) { z->max_padded = z->lay.padded[u]; }
@@ -368,6 +405,7 @@ static inline void zero_params_release(Zero* z, int u) {
 
 static inline float* zero_stack_push(Zero* z) {
     if (z->stack_top == z->stack_allocated) {
+        if (z->stack_allocated == 40) { fatal("internal: the microbatch tree is deeper than 40"); }
         z->stack[z->stack_allocated++] = zero_alloc(z, z->stack_len, "gradient accumulation");
     }
     return z->stack[z->stack_top++];
@@ -379,9 +417,32 @@ static inline void zero_stack_add_range(Zero* z, int depth_left, size_t begin, s
     z->mem->add(left, left, z->stack[depth_left + 1] + begin, end - begin);
 }
 
-// Starts the backward of local microbatch i: decides where it writes each unit's gradient.
-static inline void zero_begin_microbatch(Zero* z, int i) {
+// The same over the current chunk's units (their full gradients at stages 0-1, their shards at
+// 2-3), a run of consecutive units at a time.
+static inline void zero_stack_add_chunk(Zero* z, int depth_left) {
+    size_t run_begin = 0, run_end = 0;
+    for (int u = 0; u <= z->lay.num_units; u++) {
+        if (z->unit_chunk[u] != z->chunk) { continue; }
+        size_t b = z->stage <= 1 ? z->lay.glocal[u] : z->lay.gshard_base[u];
+        size_t e = b + (z->stage <= 1 ? z->lay.size[u] : z->lay.shard[u]);
+        if (b != run_end) {
+            if (run_end > run_begin) { zero_stack_add_range(z, depth_left, run_begin, run_end); }
+            run_begin = b;
+        }
+        run_end = e;
+    }
+    if (run_end > run_begin) { zero_stack_add_range(z, depth_left, run_begin, run_end); }
+}
+
+// Starts the backward (its weight-gradient part) of chunk `chunk` on local microbatch i:
+// decides where it writes each unit's gradient. A chunk's microbatches come in order.
+static inline void zero_begin_microbatch(Zero* z, int chunk, int i) {
+    if (chunk < 0 || chunk >= z->nchunks || i != z->chunk_next[chunk]) {
+        fatal("internal: chunk %d computes microbatch %d's gradient out of order", chunk, i);
+    }
+    z->chunk = chunk;
     z->micro = i;
+    z->stack_top = z->chunk_top[chunk];
     if (z->stage <= 1) {
         float* g = zero_stack_push(z);
         for (int u = 0; u <= z->lay.num_units; u++) { z->unit_grad[u] = g + z->lay.glocal[u]; }
@@ -393,7 +454,9 @@ static inline void zero_begin_microbatch(Zero* z, int i) {
 
 // Where backward writes unit u's gradient (every element written).
 static inline float* zero_grad_unit(Zero* z, int u) {
-    if (!z->lay.grads_here[u]) { fatal("internal: the gradient of unit %d is not computed by this rank", u); }
+    if (!z->lay.grads_here[u] || z->unit_chunk[u] != z->chunk) {
+        fatal("internal: the gradient of unit %d is not computed by this rank's chunk %d", u, z->chunk);
+    }
     if (z->unit_grad[u] == NULL) {   // stages 2-3: a full-size working buffer, zero padding
         ZeroSlot* s = zero_slot_get(z, z->gslots, &z->ngslots, u);
         z->mem->fill(s->buf + z->lay.size[u], 0.0f, z->lay.padded[u] - z->lay.size[u]);
@@ -476,20 +539,23 @@ static inline void zero_wait_reductions(Zero* z) {
     z->ninflight = 0;
 }
 
-// Ends the backward of the current local microbatch: stages 2-3 wait for its reduce-scatters
-// and merge the local tree of shard buffers; stages 0-1 merge the local tree (the last
-// microbatch was merged unit by unit in zero_grad_unit_done).
+// Ends the backward of the current chunk and local microbatch: stages 2-3 wait for its
+// reduce-scatters and merge the chunk's local tree of shard buffers; stages 0-1 merge the
+// chunk's local tree (the last microbatch was merged unit by unit in zero_grad_unit_done).
 static inline void zero_end_microbatch(Zero* z) {
     int i = z->micro;
     if (z->stage >= 2) { zero_wait_reductions(z); }
     if (z->stage >= 2 || i != z->local_microbatches - 1) {
         for (int mg = canon_tree_merges_after(i, z->local_microbatches); mg > 0; mg--) {
-            zero_stack_add_range(z, z->stack_top - 2, 0, z->stack_len);
+            zero_stack_add_chunk(z, z->stack_top - 2);
             z->stack_top--;
         }
     } else {
         z->stack_top = 1;
     }
+    z->chunk_top[z->chunk] = z->stack_top;
+    z->chunk_next[z->chunk]++;
+    z->chunk = -1;
 }
 
 // This rank's range [begin, end) of unit u's elements (stage 0: all of it; else its shard).
@@ -524,6 +590,13 @@ static inline float* zero_wte_grad_at(Zero* z, size_t at) {
 // last stage swap their halves first).
 static inline void zero_finish_grads(Zero* z) {
     zero_wait_reductions(z);
+    for (int ch = 0; ch < z->nchunks; ch++) {
+        if (z->chunk_next[ch] != z->local_microbatches) {
+            fatal("internal: chunk %d computed %d of %d microbatch gradients", ch, z->chunk_next[ch],
+                  z->local_microbatches);
+        }
+        z->chunk_top[ch] = z->chunk_next[ch] = 0;
+    }
     z->stack_top = 0;
     int E = zero_unit_E(z);
     int has_lm = z->lay.grads_here[ZERO_WTE], has_lookup = z->lay.grads_here[E];
@@ -536,10 +609,10 @@ static inline void zero_finish_grads(Zero* z) {
     if (has_lm && has_lookup) {
         theirs = zero_grad_at(z, E, b);
     } else if (e > b) {
-        // sendrecv (pipeline group, gradients): the first stage's lookup half <-> the last
-        // stage's LM-head half, for the same rows (same dp rank, same shard)
+        // sendrecv (pipeline group, gradients): stage 0's lookup half <-> the head stage's
+        // LM-head half, for the same rows (same dp rank, same shard)
         recv = zero_alloc(z, e - b, "embedding gradient");
-        int peer = has_lm ? 0 : z->pp_stages - 1;
+        int peer = has_lm ? 0 : z->head_stage;
         comm_sendrecv(z->pp, mine, e - b, peer, recv, e - b, peer, 7, COMM_KIND_PP);
         theirs = recv;
     }
@@ -716,6 +789,7 @@ static inline void zero_free(Zero* z) {
     for (int i = 0; i < z->npslots; i++) { mem->release(z->pslots[i].buf); }
     for (int i = 0; i < z->nsslots; i++) { mem->release(z->sslots[i].buf); }
     free(z->unit_grad);
+    free(z->unit_chunk);
     zero_layout_free(&z->lay);
 }
 

@@ -7,7 +7,7 @@
 # clipping with warmup, a cosine schedule and weight decay, GELU stored (-r 0), resume with -y
 # from its own checkpoint and from the CPU build's (and the other way round). Several ranks
 # (the MPI transport staging device buffers through host memory): DP 2 x ZeRO 0-3, DP 4 x
-# ZeRO 3, TP 2 (+SP), PP 2 (1f1b, gpipe) and the 2x2x2 grid.
+# ZeRO 3, TP 2 (+SP), PP 2 (1f1b, gpipe, zb1, zbv, interleaved) and the 2x2x2 grid.
 # Exits non-zero on the first difference, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -93,6 +93,15 @@ run emu pp2gpipe 2 -x 3 -n 3 --pp 2 -d 256 --schedule gpipe
 same cpu_ref_d256 emu_pp2 "PP 2 1f1b"
 same cpu_ref_d256 emu_pp2gpipe "PP 2 gpipe"
 pass "PP 2 (1f1b, gpipe) = one rank"
+# the schedules with split backwards and several chunks per rank (4 layers: 2 stages x 2 chunks)
+run emu pp2zb1 2 -x 3 -n 3 --pp 2 -d 256 --schedule zb1
+same cpu_ref_d256 emu_pp2zb1 "PP 2 zb1"
+run cpu ref_d4 1 -x 3 -n 3 -d 256 -e d4c32h2v64t32
+run emu pp2zbv 2 -x 3 -n 3 --pp 2 -d 256 -e d4c32h2v64t32 --schedule zbv
+run emu pp2il 2 -x 3 -n 3 --pp 2 -d 256 -e d4c32h2v64t32 --schedule interleaved --vpp 2
+same cpu_ref_d4 emu_pp2zbv "PP 2 zbv"
+same cpu_ref_d4 emu_pp2il "PP 2 interleaved"
+pass "PP 2 zb1, zbv, interleaved (2 chunks per rank) = one rank"
 run cpu ref 1 -x 3 -n 3
 run emu tp2 2 -x 3 -n 3 --tp 2
 run emu tp2sp 2 -x 3 -n 3 --tp 2 --sp 1

@@ -153,9 +153,8 @@ static void random_params(float* params, const GPT2Config* c) {
 // for steps of M microbatches.
 static void model_on_one_rank(GPT2* model, Zero* z, const GPT2Config* c, const float* params, int M,
                               Comm* comm) {
-    StagePlace place = {0, c->num_layers, 1, 1};
-    zero_init(z, c, &memory_host, 0, &comm->dp_group, &comm->pp_group, &comm->tp_group, 0, c->num_layers,
-              params, M);
+    ChunkPlace place = {0, c->num_layers, 1, 1};
+    zero_init(z, c, &memory_host, 0, &comm->dp_group, &comm->pp_group, &comm->tp_group, &place, 1, 0, params, M);
     gpt2_init(model, c, &place, z, &comm->tp_group, 0, 0, 0);
 }
 
@@ -173,10 +172,10 @@ static float step_grads(GPT2* model, Activations* a, ActivationGrads* g, const i
     float losses[16];
     float dloss = 1.0f / (float)(Bm * T * M);
     for (int i = 0; i < M; i++) {
-        zero_begin_microbatch(z, i);
+        zero_begin_microbatch(z, 0, i);
         gpt2_forward(model, a, inp + i * Bm * T, tgt + i * Bm * T, Bm, T, 1);
         losses[i] = position_sum(a->losses, Bm, T);
-        gpt2_backward(model, a, g, Bm, T, dloss);
+        gpt2_backward(model, a, g, Bm, T, dloss, BACKWARD_BOTH);
         zero_end_microbatch(z);
     }
     zero_finish_grads(z);
@@ -207,13 +206,13 @@ int main(int argc, char** argv) {
 
     Activations acts;
     ActivationGrads ag;
-    activations_alloc(&acts, &model, 4, T, 1, 0);
+    activations_alloc(&acts, &model, 4, T, 1, 0, 0);
     activation_grads_alloc(&ag, &model, 4, T, 0);
 
     // 1. forward
     double* probs_ref = malloc(sizeof(double) * BT * c.vocab_size);
     double loss_ref = ref_forward(&ref, inp, tgt, B, T, probs_ref);
-    zero_begin_microbatch(&zero, 0);
+    zero_begin_microbatch(&zero, 0, 0);
     gpt2_forward(&model, &acts, inp, tgt, B, T, 1);
     float loss = position_sum(acts.losses, B, T) / (float)BT;
     double max_prob_err = 0;
@@ -223,7 +222,7 @@ int main(int argc, char** argv) {
             if (e > max_prob_err) { max_prob_err = e; }
         }
     }
-    gpt2_backward(&model, &acts, &ag, B, T, 1.0f / (float)BT);
+    gpt2_backward(&model, &acts, &ag, B, T, 1.0f / (float)BT, BACKWARD_BOTH);
     zero_end_microbatch(&zero);
     zero_finish_grads(&zero);
     const float* grads = zero.grads;

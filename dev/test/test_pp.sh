@@ -4,6 +4,8 @@
 #    ZeRO 0-3: every logged loss, the samples and the final checkpoint bytes are identical;
 #  - one microbatch per step (the pipeline is all bubble), and more microbatches than stages;
 #  - resume across layouts: 4 stages -> 2 x 2 (ZeRO-1) -> one rank continues exactly;
+#  - interleaved 1F1B (2 chunks per rank), zb1 and zbv (split backwards), alone and with DP 2 x
+#    ZeRO-1: identical to one rank, each stage's peak activations the schedule's textbook bound;
 #  - the startup table shows each stage's layers and peak activations (1F1B: S - stage);
 #  - a rank killed in the middle of the pipeline ends the job (no hang).
 set -u
@@ -43,6 +45,35 @@ grep -q "stage 3 .* + head, peak activations: 4 microbatch" "$W/4pp4schedulegpip
 grep -q "pipeline idle per stage" "$W/4pp4schedule1f1b.out" || fail "no measured bubble printed"
 pass "stage table: 1F1B peak activations S - stage, GPipe M; measured idle time printed"
 
+# the schedules with split backwards (zb1, zbv) and several model chunks per rank
+# (interleaved, zbv), alone and with 2 data-parallel ranks under ZeRO-1: identical to one rank.
+# Each stage's measured peak of (microbatch, chunk) activations held is within the textbook bound
+# (M microbatches per data-parallel rank, S stages, v chunks): interleaved
+# min(2(S-s-1) + (v-1)S + 1, vM) (Megatron-LM's warmup + 1), zb1 min(S, M) (ZB-H1 keeps 1F1B's
+# stage-0 memory), zbv min(2S, 2M) (ZB-V: S microbatches of a 1F1B stage's layers).
+peaks=""
+for layout in "2 --pp 2 --schedule interleaved --vpp 2:5 3" "4 --pp 4 --schedule zb1:4 4 4 4" \
+              "2 --pp 2 --schedule zbv:4 4" "4 --pp 2 --schedule interleaved --vpp 2 -z 1:4 3" \
+              "8 --pp 4 --schedule zb1 -z 1:2 2 2 2" "4 --pp 2 --schedule zbv -z 1:4 4"; do
+  peak=${layout##*:}
+  set -- ${layout%%:*}
+  np=$1; shift
+  name=$(echo "${layout%%:*}" | tr -d ' -')
+  run "$name" "$np" "${COMMON[@]}" -d 128 -x 6 -n 6 "$@" -o "$W/$name"
+  same ref "$name" 6
+  got=$(sed -n 's/^pipeline activations held per stage (peak, [^:]*): //p' "$W/$name.out")
+  paste -d' ' <(echo "$got" | tr ' ' '\n') <(echo "$peak" | tr ' ' '\n') | awk '$1 < 1 || $1 > $2 { bad = 1 } END { exit bad }' \
+    || fail "$name: peak activations held per stage '$got', the schedule's bound is '$peak'"
+  [ "$(echo "$got" | wc -w)" = "$(echo "$peak" | wc -w)" ] || fail "$name: no peak activations per stage printed"
+  peaks="$peaks $name: $got (bound $peak);"
+done
+echo "     measured peaks:$peaks"
+grep -q "stage 0 .*layers \[0, 1) \[2, 3) + embeddings" "$W/2pp2scheduleinterleavedvpp2.out" || fail "interleaved: stage 0 should hold layers 0 and 2"
+grep -q "stage 0 .*layers \[0, 1) \[3, 4) + embeddings + head" "$W/2pp2schedulezbv.out" || fail "zbv: stage 0 should hold layers 0 and 3, the embeddings and the head"
+grep -q "^  dev/tools/pp_schedule --stages 2 --microbatches 4 --schedule zbv --fwd [0-9.,]* --bwd [0-9.,]* --wgt [0-9.,]* --svg" \
+  "$W/2pp2schedulezbv.out" || fail "zbv: no command drawing the schedule from its measured F, B and W costs"
+pass "interleaved (2 chunks), zb1 (4 stages), zbv, and each with 2 data x ZeRO-1: identical to one rank; peak activations within the textbook bound"
+
 # resume: 4 stages -> 2 data x 2 stages with ZeRO-1 -> one rank
 run long 1 "${COMMON[@]}" -d 128 -x 9 -n 9 -o "$W/long"
 run a 4 "${COMMON[@]}" -d 128 -x 9 -n 3 --pp 4 -o "$W/a"
@@ -61,6 +92,12 @@ $MPI 2 $BIN "${COMMON[@]}" -e d1c32h2v64t32 --pp 2 -x 1 >"$W/bad.out" 2>&1 && fa
 grep -q "error: .*only 1 layers" "$W/bad.out" || fail "no clear error for --pp > layers"
 $MPI 2 $BIN "${COMMON[@]}" --pp 3 -x 1 >"$W/bad2.out" 2>&1 && fail "--pp 3 on 2 ranks should fail"
 grep -q "error: .*does not divide" "$W/bad2.out" || fail "no clear error for --pp not dividing the ranks"
+$MPI 2 $BIN "${COMMON[@]}" --pp 2 --schedule interleaved --vpp 4 -x 1 >"$W/bad3.out" 2>&1 && fail "8 virtual stages of 4 layers should fail"
+grep -q "error: .*8 virtual stages: the model has only 4 layers" "$W/bad3.out" || fail "no clear error for more virtual stages than layers"
+$MPI 2 $BIN "${COMMON[@]}" --pp 2 --schedule interleaved -d 96 -x 1 >"$W/bad4.out" 2>&1 && fail "interleaved with 3 microbatches on 2 stages should fail"
+grep -q "error: .*--schedule interleaved with -d 96 .*multiple of the number of stages" "$W/bad4.out" || fail "no clear error for interleaved with M not a multiple of S"
+$BIN "${COMMON[@]}" --schedule zbv --vpp 3 -x 1 >"$W/bad5.out" 2>&1 && fail "zbv with 3 chunks should fail"
+grep -q "error: .*--vpp 3: the zbv schedule runs 2 model chunk" "$W/bad5.out" || fail "no clear error for --vpp with zbv"
 pass "bad layouts: clear errors"
 
 # kill the middle of a 4-stage pipeline
