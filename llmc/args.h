@@ -42,6 +42,8 @@ typedef struct {
     float weight_decay;
     int val_every, val_max_steps;
     int sample_every, gen_T;
+    float temperature;            // sampling: 1 = the model's distribution
+    int top_k;                    // sampling: 0 = every token
     int checkpoint_every;
     int resume;
     int zero_stage;
@@ -110,6 +112,8 @@ static const ArgSpec arg_specs[] = {
     {"-m", ARG_INT, ARG_FIELD(val_max_steps), 1, INT_MAX, ARG_OR_MINUS_ONE, "validation batches per evaluation; -1 = all"},
     {"-s", ARG_INT, ARG_FIELD(sample_every), 0, INT_MAX, 0, "sample text every N steps; 0 = never"},
     {"-g", ARG_INT, ARG_FIELD(gen_T), 1, MAX_SEQ_LEN, 0, "tokens to generate when sampling"},
+    {"--temperature", ARG_FLOAT, ARG_FIELD(temperature), 0, 100, ARG_ABOVE_MIN, "sampling temperature (1 = the model's distribution, as llm.c)"},
+    {"--top-k", ARG_INT, ARG_FIELD(top_k), 0, INT_MAX, 0, "sample among the k most likely tokens only; 0 = all (as llm.c)"},
     {"-n", ARG_INT, ARG_FIELD(checkpoint_every), 0, INT_MAX, 0, "write a checkpoint every N steps (and at the end); 0 = never (needs -o)"},
     {"-y", ARG_INT, ARG_FIELD(resume), 0, 1, 0, "1 = resume from the latest checkpoint in the -o dir"},
     {"-z", ARG_INT, ARG_FIELD(zero_stage), 0, 3, 0, "ZeRO stage 0-3 (optimizer / gradient / parameter sharding over data-parallel ranks)"},
@@ -162,6 +166,7 @@ static inline void train_args_defaults(TrainArgs* a) {
     a->val_max_steps = 20;
     a->sample_every = 20;
     a->gen_T = 64;
+    a->temperature = 1.0f;
     a->checkpoint_every = 0;
     a->resume = 0;
     a->zero_stage = 0;

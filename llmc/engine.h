@@ -50,6 +50,7 @@
 #include "llmc/comm.h"
 #include "llmc/zero.h"
 #include "llmc/pipeline.h"
+#include "llmc/sampler.h"
 
 // ==========================================================================================
 // The model, as the engine drives it
@@ -762,7 +763,8 @@ static inline float trainer_validate(Trainer* t) {
     return loss;
 }
 
-// Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler), each
+// Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler, with
+// --temperature and --top-k: llmc/sampler.h), each
 // token a forward pass over the tokens so far (B = 1) through the pipeline; the head's stage
 // draws the token (from the whole vocabulary) and broadcasts it to the other stages. Under
 // ZeRO-3 every dp rank takes part (the forward gathers parameters); world rank 0 prints.
@@ -771,6 +773,8 @@ static inline void trainer_sample(Trainer* t) {
     int printing = t->root;
     int* gen = (int*)malloc_or_die(sizeof(int) * genT, "sample tokens");
     uint64_t rng = 1337;
+    Sampler sampler;
+    sampler_init(&sampler, t->args.temperature, t->args.top_k, V);
     gen[0] = V > 50256 ? 50256 : V - 1;   // <|endoftext|> for GPT-2's vocabulary
     if (printing) { printf("generating:\n---\n"); }
     for (int pos = 1; pos < genT; pos++) {
@@ -778,11 +782,7 @@ static inline void trainer_sample(Trainer* t) {
         int next = V - 1, hc = t->pipe.head_chunk;
         if (hc >= 0) {
             t->ops->probs_at(t->models[hc], t->sample_acts[hc], pos - 1, t->sample_probs);
-            float coin = random_f32(&rng), cdf = 0.0f;
-            for (int v = 0; v < V; v++) {
-                cdf += t->sample_probs[v];
-                if (coin < cdf) { next = v; break; }
-            }
+            next = sampler_draw(&sampler, t->sample_probs, V, random_f32(&rng));
         }
         comm_broadcast(&t->comm.pp_group, &next, sizeof(int), t->head_stage, COMM_KIND_OTHER);
         gen[pos] = next;
@@ -795,6 +795,7 @@ static inline void trainer_sample(Trainer* t) {
         fflush(stdout);
     }
     if (printing) { printf("\n---\n"); }
+    sampler_free(&sampler);
     free(gen);
 }
 

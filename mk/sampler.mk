@@ -1,0 +1,7 @@
+# The sampler's temperature and top-k (llmc/sampler.h) against llm.c's sample_mult and a sorted
+# reference.
+TEST_BINS += build/test_sampler
+TESTS     += build/test_sampler
+
+build/test_sampler: dev/test/test_sampler.c $(LLMC_HEADERS) | build
+	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
