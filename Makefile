@@ -1,7 +1,8 @@
 # Build for the GPT-2 reference trainer.
 #
 #   make            builds train_gpt2 (CPU) and the C tools; train_gpt2cu too when nvcc is found
-#   make train      quick start: prepares tiny Shakespeare, trains a small GPT-2 on the CPU
+#   make train      quick start: tiny Shakespeare, GPT-2 124M fine-tuned on the CPU (offline: a
+#                   fresh small GPT-2); make train_gpu the same on one GPU
 #   make test       every test; exits non-zero when any fails
 #   make bench      CPU benchmark table (dev/bench)
 #
@@ -52,12 +53,13 @@ TEST_BINS :=
 .PHONY: all train test bench clean data
 all: train_gpt2
 
-# The quick start: tiny Shakespeare (downloaded, or from ../shared/data offline), then a fresh
-# GPT-2 of depth 4 (L=4, C=256, 16M parameters) trained for 200 steps on the CPU, with the
-# validation loss, a checkpoint and a text sample at the end. About 2-3 minutes on 2 cores.
-train: train_gpt2 data
-	./train_gpt2 -e d4 -b 8 -t 64 -x 200 -l 2e-3 -u 20 -q 0.1 -c 0.1 -v 50 -m 10 -s 200 -g 96 \
-	    -n 200 -o out/quickstart
+# The quick start (scripts/quickstart.sh): tiny Shakespeare (downloaded, or from ../shared/data
+# offline), then OpenAI's GPT-2 124M fine-tuned on it with llm.c's CPU recipe when its weights can
+# be downloaded (checked against Hugging Face's sha256), else a fresh GPT-2 of depth 4 trained
+# from scratch; validation loss before and after, a sample, the loss curves as SVG.
+# make train_gpu (mk/quickstart.mk) is the same on one GPU.
+train: train_gpt2 dev/tools/gpt2_weights dev/tools/plot_log data
+	scripts/quickstart.sh cpu
 
 train_gpt2: train_gpt2.c $(LLMC_HEADERS)
 ifneq ($(HAVE_MPI),1)
