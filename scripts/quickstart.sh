@@ -24,7 +24,8 @@
 #   QUICKSTART_ARGS    more trainer flags, appended (they win)
 #   QUICKSTART_FALLBACK_MODEL  the fresh model of the offline path (default d4)
 #   GPT2_HF_BASE, GPT2_HF_DIR, GPT2_OUT_DIR, GPT2_HF_API_JSON: as scripts/download_gpt2_weights.sh
-#   (GPT2_OUT_DIR is where gpt2_124M.bin is looked for and written)
+#   (GPT2_OUT_DIR is where gpt2_124M.bin is looked for and written); GPT2_CONNECT_TIMEOUT and
+#   GPT2_RETRIES default to 5 s and 1 here, so that offline fails within seconds
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,7 +36,7 @@ mode=${1:-cpu}
 case "$mode" in
   cpu) trainer=./train_gpt2 ;;
   gpu) trainer=./train_gpt2cu ;;
-  -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
   *) die "unknown mode '$mode': expected cpu (make train) or gpu (make train_gpu)" ;;
 esac
 out=${QUICKSTART_OUT:-out/quickstart}
