@@ -17,7 +17,7 @@
 # Environment: GPT2_HF_BASE (default https://huggingface.co), GPT2_HF_API_JSON (a listing file
 # to use instead of downloading one), GPT2_CONNECT_TIMEOUT (seconds, default 10), GPT2_RETRIES
 # (default 2), GPT2_ERROR_FILE (write the error line there instead of to stderr).
-# Exit status: 0 done, 1 usage or other error, 2 a download failed (offline?), 3 a file does not
+# Exit status: 0 done, 1 usage or other error, 2 a download failed (offline? no curl?), 3 a file does not
 # match the listing (deleted).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,7 +56,7 @@ mkdir -p "$dir" "$out_dir"
 fetch() {
   local url=$1 dest=$2 err=/dev/null rc=0 reason
   if [ -s "$dest" ]; then echo "using existing $dest"; return 0; fi
-  command -v curl >/dev/null || die 1 "curl not found: install it (apt-get install curl), or $by_hand"
+  command -v curl >/dev/null || die 2 "curl not found: install it (apt-get install curl), or $by_hand"
   local opts=(--fail --location --connect-timeout "$connect" --retry "$retries" --retry-connrefused
               --speed-limit 1024 --speed-time 60 -o "$dest.part")
   if [ "${3:-}" = progress ]; then
