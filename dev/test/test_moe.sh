@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A mixture of experts (llmc/moe.h) and expert parallelism (llmc/expert_parallel.h) under real
 # mpirun, against one rank:
-#  - --ep 2 and --ep 4, alone, with data parallelism and ZeRO 0-3: every logged loss and aux
-#    loss, the samples and the final checkpoint bytes are identical to one rank's;
+#  - --ep 2 and --ep 4, alone, with data parallelism and ZeRO 0-3, with tensor parallelism
+#    (+ sequence parallelism) and pipeline parallelism (1F1B, GPipe), and the grid
+#    DP 2 x TP 2 x PP 2 with --ep 2: every logged loss and aux loss, the samples and the final
+#    checkpoint bytes are identical to one rank's;
 #  - resume across layouts: a checkpoint of --ep 2 at ZeRO-0 (each ep rank writes its experts'
 #    optimizer state) continues on one rank exactly;
 #  - rank 0's all-to-all bytes per step equal what its routing counts say it sent: per layer
@@ -30,7 +32,9 @@ run ref 1 "${COMMON[@]}" -d 128 -x 6 -n 6 -o "$W/ref"
 grep -q "aux:" "$W/ref/main.log" || fail "main.log has no aux: field"
 grep -q "tokens per expert" "$W/ref.out" || fail "no expert load line"
 layouts=("2 --ep 2" "4 --ep 4" "4 --ep 2" "2 --ep 2 -z 1" "2 --ep 2 -z 2" "2 --ep 2 -z 3" "4 --ep 2 -z 3"
-         "4 --ep 4 -z 1" "2 -z 2")
+         "4 --ep 4 -z 1" "2 -z 2"
+         "2 --tp 2" "4 --ep 2 --tp 2" "4 --ep 2 --tp 2 --sp 1 -z 2" "4 --ep 2 --pp 2"
+         "4 --ep 2 --pp 2 --schedule gpipe -z 3" "8 --ep 2 --tp 2 --pp 2 -z 1")
 for layout in "${layouts[@]}"; do
   set -- $layout
   np=$1; shift
@@ -38,7 +42,7 @@ for layout in "${layouts[@]}"; do
   run "$name" "$np" "${COMMON[@]}" -d 128 -x 6 -n 6 "$@" -o "$W/$name"
   same ref "$name" 6
 done
-pass "--ep 2/4 alone and x DP with ZeRO 0-3 (and the experts data-parallel): identical to one rank"
+pass "--ep 2/4 alone, x DP with ZeRO 0-3, x TP (+SP), x PP, the 2x2x2 grid: identical to one rank"
 
 # resume: 2 ranks --ep 2 ZeRO-0 -> 1 rank
 run a 2 "${COMMON[@]}" -d 128 -x 6 -n 3 --ep 2 -o "$W/a"
@@ -62,6 +66,8 @@ check_a2a() {   # FILE Q E
 check_a2a "$W/m2ep2.out" 2 4
 check_a2a "$W/m4ep4.out" 4 4
 check_a2a "$W/m4ep2z3.out" 2 4
+check_a2a "$W/m4ep2tp2.out" 2 4
+check_a2a "$W/m8ep2tp2pp2z1.out" 2 4
 grep -q "rows out, 0 in" "$W/m2ep2.out" && fail "--ep 2: rank 0 received no rows, the accounting proves nothing"
 echo "     $(grep -m1 'all-to-all' "$W/m4ep4.out" | sed 's/^ *//')"
 pass "all-to-all bytes per step = what the routing counts say was sent"
