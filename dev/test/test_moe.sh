@@ -6,7 +6,7 @@
 #    DP 2 x TP 2 x PP 2 with --ep 2: every logged loss and aux loss, the samples and the final
 #    checkpoint bytes are identical to one rank's;
 #  - resume across layouts: a checkpoint of --ep 2 at ZeRO-0 (each ep rank writes its experts'
-#    optimizer state) continues on one rank exactly;
+#    optimizer state) continues on one rank, and on 4 ranks with --ep 2 and ZeRO-3, exactly;
 #  - rank 0's all-to-all bytes per step equal what its routing counts say it sent: per layer
 #    pass the counts ((Q-1) E/Q ints) and positions (an int per row it dispatched), and four
 #    exchanges of C floats per row (tokens out, outputs back, output gradients out, input
@@ -51,7 +51,11 @@ mkdir -p "$W/b"
 cp "$W/a/model_00000003.bin" "$W"/a/state_00000003_* "$W/a/DONE_00000003" "$W/b/"
 run b 1 "${COMMON[@]}" -d 128 -x 6 -n 3 -o "$W/b" -y 1
 cmp -s "$W/ref/model_00000006.bin" "$W/b/model_00000006.bin" || fail "resumed --ep 2 -> 1 rank differs"
-pass "resume --ep 2 (ZeRO-0) -> 1 rank: identical final checkpoint"
+mkdir -p "$W/c"
+cp "$W/a/model_00000003.bin" "$W"/a/state_00000003_* "$W/a/DONE_00000003" "$W/c/"
+run c 4 "${COMMON[@]}" -d 128 -x 6 -n 3 --ep 2 -z 3 -o "$W/c" -y 1
+cmp -s "$W/ref/model_00000006.bin" "$W/c/model_00000006.bin" || fail "resumed --ep 2 -> 4 ranks --ep 2 -z 3 differs"
+pass "resume --ep 2 (ZeRO-0) -> 1 rank, and -> 4 ranks --ep 2 ZeRO-3: identical final checkpoint"
 
 # rank 0's all-to-all bytes against its own counts (Q ep ranks, E/Q experts each)
 check_a2a() {   # FILE Q E
