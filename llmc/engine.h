@@ -810,9 +810,10 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
                "ranks)\n", comm->ep, comm->ep, N / comm->ep);
         for (int q = 0; q < comm->ep; q++) {
             int El = c->num_experts / comm->ep;
-            printf("|   ep rank %-3d experts [%d, %d) of each layer: %zu parameters here (rank 0: %.1f MiB params, %.1f MiB "
-                   "AdamW incl. the dense part)\n", q, q * El, (q + 1) * El, experts, mem.params / 1048576,
-                   mem.optimizer / 1048576);
+            // every rank holds as many experts: rank 0's bytes are each rank's
+            printf("|   ep rank %-3d experts [%d, %d) of each layer = %zu expert parameters; per rank (dense part "
+                   "included) params %.1f MiB, grads %.1f MiB, AdamW %.1f MiB\n", q, q * El, (q + 1) * El, experts,
+                   mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576);
         }
     }
     printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
