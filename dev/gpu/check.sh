@@ -10,6 +10,8 @@
 #   a. deterministic mode == the CPU, bit for bit: GPT-2 of depth 4 (C=256, V=50257), B=4,
 #      T=64, 10 steps with validation, samples and checkpoints; main.log, the model and state
 #      files of steps 5 and 10 and the sampled text must be identical
+#   a2. a mixture of experts (8 experts top 2 in every layer of the same model, 4 steps),
+#      deterministic mode == the CPU: main.log (with aux) and the checkpoint identical
 #   b. fast mode follows the CPU within the tolerances below (the same run)
 #   c. resume on the GPU: deterministic mode resumed from the step-5 checkpoint ends with the
 #      same bytes as the run that did not stop (and fast mode's resume is reported)
@@ -182,6 +184,24 @@ if in_time "a. deterministic == CPU (bit for bit)" 90; then
       diff "$W/cpu/main.log" "$W/det/main.log" | head -10
       fail "a. deterministic == CPU (bit for bit)" "differ: ${bad[*]}"
     fi
+  fi
+fi
+
+echo "== a2. a mixture of experts, deterministic mode vs the CPU ($(elapsed)) =="
+MOE=(-e d4e8k2 -i "$TRAIN" -j "$VAL" -b 4 -t 64 -x 4 -v 0 -s 0 -n 4 -l 1e-3)
+if in_time "a2. experts: deterministic == CPU" 120; then
+  run moe_cpu 60 ./train_gpt2 "${MOE[@]}" -o "$W/moe_cpu"; MOE_CPU_RC=$?
+  run moe_det 60 "$GPU_BIN" "${MOE[@]}" --deterministic 1 -o "$W/moe_det"; MOE_DET_RC=$?
+  if [ $MOE_CPU_RC -ne 0 ] || [ $MOE_DET_RC -ne 0 ]; then
+    tail -5 "$LOGS/moe_det.out"
+    fail "a2. experts: deterministic == CPU" "a run failed (cpu: $(why $MOE_CPU_RC), gpu: $(why $MOE_DET_RC))"
+  else
+    bad=()
+    for f in main.log model_00000004.bin; do
+      if ! where=$(same "$W/moe_cpu/$f" "$W/moe_det/$f"); then bad+=("$f ($where)"); fi
+    done
+    if [ ${#bad[@]} -eq 0 ]; then pass "a2. experts: deterministic == CPU" "main.log (aux), checkpoint"
+    else fail "a2. experts: deterministic == CPU" "differ: ${bad[*]}"; fi
   fi
 fi
 
