@@ -32,6 +32,8 @@
 #include "llmc/comm.h"
 #include "llmc/zero.h"
 #include "llmc/tensor_parallel.h"
+#include "llmc/moe.h"
+#include "llmc/expert_parallel.h"
 #include "llmc/engine.h"
 
 #ifndef LLMC_DEVICE_KERNELS
@@ -927,6 +929,10 @@ float position_sum(const float* x, int B, int T) {
     return position_reduce_elem(x, 1, 0, NULL, 0, 0, B, T);
 }
 
+// the mixture-of-experts layer's kernels (llmc/moe.h), on the helpers above
+#define LLMC_CPU_KERNELS
+#include "llmc/moe.h"
+
 #endif // LLMC_DEVICE_KERNELS
 
 // ==========================================================================================
@@ -946,6 +952,27 @@ float position_sum(const float* x, int B, int T) {
 // With sequence parallelism (seq_split = K; else 1) the residual stream, the layernorms'
 // inputs and statistics hold T/K positions of each sequence: encoded, residual2, residual3,
 // the means and rstds; the layernorm outputs are stored all-gathered (full T).
+// A mixture-of-experts layer keeps its routing and its experts' activations in `moe` instead
+// of fch and fch_gelu: the rows its local experts received vary from pass to pass, so those
+// buffers grow to the largest seen.
+typedef struct {
+    MoeRoute route;     // the routing plan (host)
+    float* probs;       // (B,T,E)    the router's logits, then probabilities
+    float* gates;       // (B,T,k)
+    int* chosen;        // (B,T,k)    the chosen experts, ascending
+    int* slot_row;      // (B,T,k)    the dispatch row of each slot
+    int* row_pos;       // (B*T*k)    the position of each dispatch row
+    int* perm;          // (rows)     work row <- received row (expert parallelism)
+    int* inv;           // (rows)     received row <- work row
+    int* leaf;          // the R3 leaves of each local expert's rows
+    float* ret;         // (B*T*k,C)  each slot's expert output, back at the source
+    float* xin;         // (rows,C)   the rows the local experts received, expert-major
+    float* fch;         // (rows,4C/K)
+    float* fch_gelu;    // (rows,4C/K) (recomputed in backward with -r 1)
+    size_t rows_cap;    // rows xin .. fch_gelu and perm, inv hold
+    float aux;          // the load-balancing loss of the last pass
+} MoeLayerActs;
+
 typedef struct {
     int layers, cap_B, cap_T, recompute, seq_split;
     int C3, Ca, NHl, C4, Vl;   // local widths: qkv, atty, heads, fch, vocabulary
@@ -989,6 +1016,7 @@ typedef struct {
     float* dln1;        // (L,B,T,C)   d(ln1's output), summed over the tp group
     float* dlnf;        // (B,T,C)     head chunk: d(lnf's output), summed over the tp group
     float* dencoded;    // (B,T,C)     embedding chunk: d(encoded), full T
+    MoeLayerActs* moe;  // (L)        mixture of experts: each layer's routing and experts
     size_t bytes;
 } Activations;
 
@@ -1007,6 +1035,17 @@ typedef struct {
     float* dattproj;    // (B,T,C)
     float* dqkv;        // (B,T,3C/K)
     float* dln1;        // (B,T,C)    also d(lnf's output) in the head's backward
+    // mixture of experts
+    float* dgate;       // (B,T,k)
+    float* dlogits;     // (B,T,E)
+    float* drouter;     // (B,T,C)    the router's input gradient
+    float* daux;        // (E)        the load-balancing loss's gradient per position
+    float* dslots;      // (B,T*k,C)  the slots' output gradients, then their input gradients
+    float* dwork;       // (rows,C)   at the experts: output gradients, then input gradients
+    float* dwork2;      // (rows,C)   ... in the other order (expert parallelism)
+    float* dh;          // (rows,4C/K)
+    float* hgelu;       // (rows,4C/K) GELU recomputed (-r 1)
+    size_t rows_cap;
     size_t bytes;
 } ActivationGrads;
 
@@ -1022,6 +1061,18 @@ typedef struct {
     float* probs_all;           // (Vp) one position's probabilities, all-gathered (sampling)
     Zero* zero;                 // parameters, gradients and AdamW state, possibly sharded (zero.h)
     const MemOps* mem;          // the memory of every tensor (zero.h's)
+    // mixture of experts (config.num_experts E > 0; llmc/moe.h, llmc/expert_parallel.h)
+    int E, k, Q, El;            // experts, chosen per position, ep group size, experts held
+    CommGroup* ep;              // the expert-parallel group (zero.h's)
+    float* xsend;               // (B*T*k,C) the dispatch rows
+    float* xrecv;               // (rows,C)  the rows received (source-major); outputs to return
+    float* yout;                // (rows,C)  the local experts' outputs (expert-major)
+    float* hgelu;               // (rows,4C/K) the experts' GELU output in a forward with -r 1
+    float* psum;                // (E)       the router's probability sums (the aux loss)
+    float* psum_host;           // (E)       ... on the host
+    float* daux_host;           // (E)       the aux loss's gradient per position, on the host
+    size_t rows_cap, xsend_cap;
+    MoeCounters counters;       // routing since the engine's last reset
 } GPT2;
 
 // The tied token embedding gets two gradients: from the LM head (wte as the output matmul)
@@ -1034,6 +1085,51 @@ typedef struct {
 static float* act_alloc(const GPT2* model, size_t n, size_t* total) {
     *total += n * sizeof(float);
     return n ? mem_floats(model->mem, n, "activations") : NULL;
+}
+static int* act_ints(const GPT2* model, size_t n, size_t* total) {
+    *total += n * sizeof(int);
+    return (int*)model->mem->alloc((n ? n : 1) * sizeof(int), "activations");
+}
+
+// Buffers whose rows are what a rank's experts receive: grown (contents dropped) to `rows`.
+static void moe_grow(const GPT2* model, float** buf, size_t rows, size_t width) {
+    model->mem->release(*buf);
+    *buf = mem_floats(model->mem, (rows ? rows : 1) * (width ? width : 1), "expert activations");
+}
+static void moe_grow_ints(const GPT2* model, int** buf, size_t rows) {
+    model->mem->release(*buf);
+    *buf = (int*)model->mem->alloc((rows ? rows : 1) * sizeof(int), "expert routing");
+}
+static void moe_acts_rows(const GPT2* model, const Activations* a, MoeLayerActs* x, size_t rows) {
+    if (rows <= x->rows_cap && x->rows_cap > 0) { return; }
+    size_t C = model->config.channels;
+    moe_grow(model, &x->xin, rows, C);
+    moe_grow(model, &x->fch, rows, a->C4);
+    if (!a->recompute) { moe_grow(model, &x->fch_gelu, rows, a->C4); }
+    moe_grow_ints(model, &x->perm, rows);
+    moe_grow_ints(model, &x->inv, rows);
+    x->rows_cap = rows;
+}
+static void moe_model_rows(GPT2* model, size_t rows, size_t slots, int C4) {
+    size_t C = model->config.channels;
+    if (slots > model->xsend_cap) {
+        moe_grow(model, &model->xsend, slots, C);
+        model->xsend_cap = slots;
+    }
+    if (rows <= model->rows_cap && model->rows_cap > 0) { return; }
+    moe_grow(model, &model->xrecv, rows, C);
+    moe_grow(model, &model->yout, rows, C);
+    moe_grow(model, &model->hgelu, rows, C4);
+    model->rows_cap = rows;
+}
+static void moe_grads_rows(const GPT2* model, ActivationGrads* g, size_t rows, int C4) {
+    if (rows <= g->rows_cap && g->rows_cap > 0) { return; }
+    size_t C = model->config.channels;
+    moe_grow(model, &g->dwork, rows, C);
+    moe_grow(model, &g->dwork2, rows, C);
+    moe_grow(model, &g->dh, rows, C4);
+    moe_grow(model, &g->hgelu, rows, C4);
+    g->rows_cap = rows;
 }
 
 // sp: the residual stream is split along T over the tensor-parallel group (Megatron's
@@ -1069,8 +1165,9 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->ln2 = act_alloc(model, L * BT * C, &a->bytes);
     a->ln2_mean = act_alloc(model, L * BTs, &a->bytes);
     a->ln2_rstd = act_alloc(model, L * BTs, &a->bytes);
-    a->fch = act_alloc(model, L * BT * a->C4, &a->bytes);
-    a->fch_gelu = act_alloc(model, (recompute ? 1 : L) * BT * a->C4, &a->bytes);
+    size_t dense = model->E > 0 ? 0 : 1;   // the dense MLP's activations
+    a->fch = act_alloc(model, dense * L * BT * a->C4, &a->bytes);
+    a->fch_gelu = act_alloc(model, dense * (recompute ? 1 : L) * BT * a->C4, &a->bytes);
     a->residual3 = act_alloc(model, L * BTs * C, &a->bytes);
     a->lnf = act_alloc(model, H * BT * C, &a->bytes);
     a->lnf_mean = act_alloc(model, H * BTs, &a->bytes);
@@ -1091,6 +1188,24 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->dln1 = act_alloc(model, S * L * BTs * C, &a->bytes);
     a->dlnf = act_alloc(model, S * H * BTs * C, &a->bytes);
     a->dencoded = act_alloc(model, S * (model->has_embedding ? BT * C : 0), &a->bytes);
+    if (model->E > 0) {   // the routing of every layer; the experts' rows start at the balanced load
+        int E = model->E, k = model->k, Q = model->Q;
+        size_t slots = BT * k, rows = slots;
+        a->moe = (MoeLayerActs*)calloc_or_die(L ? L : 1, sizeof(MoeLayerActs), "expert activations");
+        for (size_t l = 0; l < L; l++) {
+            MoeLayerActs* x = &a->moe[l];
+            moe_route_init(&x->route, (int)BT, k, E, Q, B);
+            x->probs = act_alloc(model, BT * E, &a->bytes);
+            x->gates = act_alloc(model, slots, &a->bytes);
+            x->chosen = act_ints(model, slots, &a->bytes);
+            x->slot_row = act_ints(model, slots, &a->bytes);
+            x->row_pos = act_ints(model, slots, &a->bytes);
+            x->leaf = act_ints(model, (size_t)model->El * ((size_t)Q * B * CANON_R + 1), &a->bytes);
+            x->ret = act_alloc(model, slots * C, &a->bytes);
+            moe_acts_rows(model, a, x, rows);
+            a->bytes += rows * (C + (recompute ? 1 : 2) * (size_t)a->C4) * sizeof(float) + 2 * rows * sizeof(int);
+        }
+    }
 }
 
 void activations_free(const GPT2* model, Activations* a) {
@@ -1100,6 +1215,14 @@ void activations_free(const GPT2* model, Activations* a) {
                    a->proj_s, a->ln_s, a->ce, a->dfcproj, a->dfch, a->dln2, a->dattproj, a->dqkv, a->dln1,
                    a->dlnf, a->dencoded};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
+    for (int l = 0; a->moe && l < a->layers; l++) {
+        MoeLayerActs* x = &a->moe[l];
+        void* moe[] = {x->probs, x->gates, x->chosen, x->slot_row, x->row_pos, x->perm, x->inv, x->leaf, x->ret,
+                       x->xin, x->fch, x->fch_gelu};
+        for (size_t i = 0; i < sizeof(moe) / sizeof(moe[0]); i++) { model->mem->release(moe[i]); }
+        moe_route_free(&x->route);
+    }
+    free(a->moe);
     memset(a, 0, sizeof(*a));
 }
 
@@ -1122,16 +1245,27 @@ void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T,
     g->dbtc = act_alloc(model, sp ? BTC : 0, &g->bytes);
     g->datty = act_alloc(model, BTC / K, &g->bytes);
     g->dfcproj = act_alloc(model, BTC, &g->bytes);
-    g->dfch = act_alloc(model, 4 * BTC / K, &g->bytes);
+    g->dfch = act_alloc(model, model->E > 0 ? 0 : 4 * BTC / K, &g->bytes);
     g->dln2 = act_alloc(model, BTC, &g->bytes);
     g->dattproj = act_alloc(model, BTC, &g->bytes);
     g->dqkv = act_alloc(model, 3 * BTC / K, &g->bytes);
     g->dln1 = act_alloc(model, BTC, &g->bytes);
+    if (model->E > 0) {
+        size_t BT = (size_t)B * T, slots = BT * model->k;
+        g->dgate = act_alloc(model, slots, &g->bytes);
+        g->dlogits = act_alloc(model, BT * model->E, &g->bytes);
+        g->drouter = act_alloc(model, BTC, &g->bytes);
+        g->daux = act_alloc(model, model->E, &g->bytes);
+        g->dslots = act_alloc(model, slots * model->config.channels, &g->bytes);
+        moe_grads_rows(model, g, slots, 4 * model->config.channels / K);
+        g->bytes += slots * (2 * model->config.channels + 8 * (size_t)model->config.channels / K) * sizeof(float);
+    }
 }
 
 void activation_grads_free(const GPT2* model, ActivationGrads* g) {
     void* all[] = {g->dresidual, g->ln_partials, g->dbtc, g->datty, g->dfcproj, g->dfch, g->dln2, g->dattproj,
-                   g->dqkv, g->dln1};
+                   g->dqkv, g->dln1, g->dgate, g->dlogits, g->drouter, g->daux, g->dslots, g->dwork, g->dwork2, g->dh,
+                   g->hgelu};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
 }
 
@@ -1155,8 +1289,8 @@ static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, in
     v.ln2 = a->ln2 + l * BT * C;
     v.ln2_mean = a->ln2_mean + l * BTs;
     v.ln2_rstd = a->ln2_rstd + l * BTs;
-    v.fch = a->fch + l * BT * a->C4;
-    v.fch_gelu = a->fch_gelu + (a->recompute ? 0 : l * BT * a->C4);
+    v.fch = a->fch ? a->fch + l * BT * a->C4 : NULL;   // NULL: a mixture-of-experts layer's are in a->moe
+    v.fch_gelu = a->fch_gelu ? a->fch_gelu + (a->recompute ? 0 : l * BT * a->C4) : NULL;
     v.residual3 = a->residual3 + l * BTs * C;
     return v;
 }
@@ -1186,9 +1320,32 @@ static float* stage_output(const Activations* a, const GPT2Config* c, int B, int
 static LayerTensors layer_unit(const Zero* z, int u, const float* base) {
     float* f = (float*)base;
     const TPPiece* p = z->lay.pieces[u];   // ln1w ln1b qkvw qkvb attprojw attprojb ln2w ... fcprojb
+    if (z->lay.npieces[u] == NUM_LAYER_TENSORS) {
+        LayerTensors v = {f + p[0].local, f + p[1].local, f + p[2].local, f + p[3].local, f + p[4].local,
+                          f + p[5].local, f + p[6].local, f + p[7].local, f + p[8].local, f + p[9].local,
+                          f + p[10].local, f + p[11].local, NULL};
+        return v;
+    }
+    // a mixture-of-experts layer: ln1w .. ln2b, routerw (the experts are their own unit)
     LayerTensors v = {f + p[0].local, f + p[1].local, f + p[2].local, f + p[3].local, f + p[4].local,
-                      f + p[5].local, f + p[6].local, f + p[7].local, f + p[8].local, f + p[9].local,
-                      f + p[10].local, f + p[11].local};
+                      f + p[5].local, f + p[6].local, f + p[7].local, NULL, NULL, NULL, NULL, f + p[8].local};
+    return v;
+}
+
+// Views of expert unit u's tensors (this rank's experts, tensor-major): local expert e's fcw
+// is fcw + e * fcw_n, and so on.
+typedef struct {
+    float *fcw, *fcb, *fcprojw, *fcprojb;
+    size_t fcw_n, fcb_n, fcprojw_n, fcprojb_n;
+} ExpertTensors;
+
+static ExpertTensors expert_unit(const Zero* z, int u, const float* base) {
+    float* f = (float*)base;
+    const TPPiece* p = z->lay.pieces[u];
+    int El = z->lay.npieces[u] / 4;
+    ExpertTensors v = {f + p[0].local, f + p[El].local, f + p[2 * El].local, f + p[3 * El].local,
+                       tp_piece_elements(&p[0]), tp_piece_elements(&p[El]), tp_piece_elements(&p[2 * El]),
+                       tp_piece_elements(&p[3 * El])};
     return v;
 }
 
@@ -1253,6 +1410,80 @@ static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B,
     return out;
 }
 
+// A mixture-of-experts layer (llmc/moe.h THE LAYER) in place of layer l's MLP: out (B,T,C)
+// from ln (B,T,C), complete on every tensor-parallel rank. The router and the combine run here
+// on this rank's positions; the slots go to their experts' ranks and back (expert_parallel.h;
+// one rank: the dispatch rows are already the experts' rows). `next`: the unit ZeRO-3
+// prefetches after the experts.
+static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* w, const float* ln, float* out,
+                        int next, int B, int T) {
+    const GPT2Config* c = &model->config;
+    const MemOps* mem = model->mem;
+    Zero* z = model->zero;
+    MoeLayerActs* x = &a->moe[l - model->first_layer];
+    MoeRoute* r = &x->route;
+    int C = c->channels, C4 = a->C4, E = model->E, k = model->k, Q = model->Q, BT = B * T;
+    size_t slots = (size_t)BT * k;
+    // the router: probabilities, the k chosen experts and their gates per position
+    matmul_forward(x->probs, ln, w->routerw, NULL, BT, C, E, CANON_R);
+    moe_router_forward(x->probs, x->chosen, x->gates, x->probs, BT, E, k);
+    mem->to_host(r->chosen, x->chosen, slots * sizeof(int));
+    moe_route_plan(r, model->ep, B, T);   // the counts and positions each expert receives
+    moe_acts_rows(model, a, x, (size_t)r->n_recv);
+    moe_model_rows(model, (size_t)r->n_recv, slots, C4);
+    mem->from_host(x->slot_row, r->slot_row, slots * sizeof(int));
+    mem->from_host(x->row_pos, r->row_pos, slots * sizeof(int));
+    mem->from_host(x->perm, r->perm, (size_t)r->n_recv * sizeof(int));
+    mem->from_host(x->inv, r->inv, (size_t)r->n_recv * sizeof(int));
+    size_t nleaf = (size_t)Q * B * CANON_R + 1;
+    mem->from_host(x->leaf, r->leaf, (size_t)model->El * nleaf * sizeof(int));
+    // the tokens to their experts (expert-major rows)
+    if (Q == 1) {
+        moe_gather_rows(x->xin, ln, x->row_pos, (int)slots, C);
+    } else {
+        moe_gather_rows(model->xsend, ln, x->row_pos, (int)slots, C);
+        moe_route_dispatch(r, model->ep, model->xsend, model->xrecv, C);
+        moe_gather_rows(x->xin, model->xrecv, x->perm, r->n_recv, C);
+    }
+    // the local experts, each one matmul over the rows it received (the grouped matmul)
+    int X = zero_expert_unit(z, l);
+    ExpertTensors ex = expert_unit(z, X, zero_params_acquire(z, X, next));
+    float* h = a->recompute ? model->hgelu : x->fch_gelu;
+    float* y = Q == 1 ? x->ret : model->yout;
+    for (int e = 0; e < model->El; e++) {
+        int r0 = r->first[e], n = r->first[e + 1] - r0;
+        if (n == 0) { continue; }
+        matmul_forward(x->fch + (size_t)r0 * C4, x->xin + (size_t)r0 * C, ex.fcw + e * ex.fcw_n, ex.fcb + e * ex.fcb_n,
+                       n, C, C4, CANON_R);
+        gelu_forward(h + (size_t)r0 * C4, x->fch + (size_t)r0 * C4, (size_t)n * C4);
+        matmul_forward(y + (size_t)r0 * C, h + (size_t)r0 * C4, ex.fcprojw + e * ex.fcprojw_n, NULL, n, C4, C,
+                       CANON_R / model->K);
+    }
+    // g (tp group): each expert's row-parallel partial outputs, all-reduced per row, then its bias
+    if (model->K > 1) { comm_all_reduce_sum(model->tp, y, (size_t)r->n_recv * C, COMM_KIND_TP); }
+    for (int e = 0; e < model->El; e++) {
+        int r0 = r->first[e], n = r->first[e + 1] - r0;
+        if (n > 0) { bias_forward(y + (size_t)r0 * C, ex.fcprojb + e * ex.fcprojb_n, n, C); }
+    }
+    zero_params_release(z, X);
+    if (Q > 1) {   // the outputs back to their sources, in dispatch-row order
+        moe_gather_rows(model->xrecv, model->yout, x->inv, r->n_recv, C);
+        moe_route_return(r, model->ep, model->xrecv, x->ret, C);
+    }
+    moe_combine(out, x->ret, x->gates, x->slot_row, BT, k, C);
+    // the load-balancing loss of this layer and microbatch
+    moe_expert_prob_sums(model->psum, x->probs, B, T, E);
+    mem->to_host(model->psum_host, model->psum, (size_t)E * sizeof(float));
+    x->aux = moe_aux_loss(r->count, model->psum_host, E, k, BT, c->aux_loss_coef);
+    MoeCounters* ct = &model->counters;
+    for (int e = 0; e < E; e++) { ct->tokens[(size_t)(l - model->first_layer) * E + e] += r->count[e]; }
+    long long out_rows, in_rows;
+    moe_route_remote_rows(r, model->ep->rank, &out_rows, &in_rows);
+    ct->passes++;
+    ct->rows_out += out_rows;
+    ct->rows_in += in_rows;
+}
+
 // this chunk's layers: a->encoded (B,T,C) -> stage_output. Megatron's split: qkv and fc are
 // column-parallel (f before them), attproj and fcproj row-parallel (g after them, then the
 // bias); attention runs on this rank's heads.
@@ -1263,7 +1494,8 @@ void layers_forward(GPT2* model, Activations* a, int B, int T) {
     size_t BTCs = (size_t)BT / a->seq_split * C;
     for (int l = model->first_layer; l < model->last_layer; l++) {
         int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->has_head ? z->lay.num_units - 1 : -1;
-        LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next));
+        int moe = model->E > 0;
+        LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), moe ? zero_expert_unit(z, l) : next));
         LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
         ln_forward_f(model, a, x.ln1, x.ln1_mean, x.ln1_rstd, x.residual, w.ln1w, w.ln1b, B, T);
         matmul_forward(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, a->C3, CANON_R);
@@ -1271,6 +1503,13 @@ void layers_forward(GPT2* model, Activations* a, int B, int T) {
         matmul_forward(a->proj, x.atty, w.attprojw, NULL, BT, a->Ca, C, CANON_R / K);
         residual_forward(x.residual2, x.residual, proj_g_bias(model, a, w.attprojb, B, T), BTCs);
         ln_forward_f(model, a, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2w, w.ln2b, B, T);
+        if (moe) {   // complete on every tp rank: with SP this rank keeps its positions
+            moe_forward(model, a, l, &w, x.ln2, a->proj, next, B, T);
+            if (a->seq_split > 1) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, T, C); }
+            residual_forward(x.residual3, x.residual2, a->seq_split > 1 ? a->proj_s : a->proj, BTCs);
+            zero_params_release(z, ZERO_LAYER(l));
+            continue;
+        }
         matmul_forward(x.fch, x.ln2, w.fcw, w.fcb, BT, C, a->C4, CANON_R);
         gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4);
         matmul_forward(a->proj, x.fch_gelu, w.fcprojw, NULL, BT, a->C4, C, CANON_R / K);
@@ -1311,17 +1550,22 @@ void head_forward(GPT2* model, Activations* a, int B, int T, int training) {
 // gradient of its full output dln (B,T,C) as this rank computed it (its slice of the layer's
 // outputs) is summed over the tp group into dln_sum (Megatron's f backward: all-reduce, in
 // place when dln_sum == dln; with SP a reduce-scatter along T), then dres += the layernorm's
-// input gradient.
+// input gradient. complete: dln is already the whole sum on every rank (a mixture-of-experts
+// layer's): no sum, with SP this rank's slice.
 static void ln_backward_f_input(GPT2* model, ActivationGrads* g, float* dres, float* dln, float* dln_sum,
                                 const float* inp, const float* weight, const float* mean, const float* rstd,
-                                int B, int T) {
+                                int B, int T, int complete) {
     int C = model->config.channels;
     if (g->seq_split > 1) {
         int K = model->K;
-        tp_sp_reduce_scatter(model->tp, dln, dln_sum, B, T, C, model->sp_scratch);
+        if (complete) {
+            tp_sp_take_slice(model->tp, dln, dln_sum, B, T, C);
+        } else {
+            tp_sp_reduce_scatter(model->tp, dln, dln_sum, B, T, C, model->sp_scratch);
+        }
         layernorm_backward(dres, NULL, NULL, dln_sum, inp, weight, mean, rstd, B, T / K, C, CANON_R / K, NULL);
     } else {
-        tp_f_backward(model->tp, dln, (size_t)B * T * C);
+        if (!complete) { tp_f_backward(model->tp, dln, (size_t)B * T * C); }
         layernorm_backward(dres, NULL, NULL, dln, inp, weight, mean, rstd, B, T, C, CANON_R, NULL);
     }
 }
@@ -1378,7 +1622,7 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
         const float* lnf = zero_params_acquire(z, LNF, next);
         model->mem->fill(g->dresidual, 0.0f, (size_t)BT / g->seq_split * C);
         ln_backward_f_input(model, g, g->dresidual, dlnf_part, dlnf, stage_output(a, c, B, T), lnf, a->lnf_mean,
-                            a->lnf_rstd, B, T);
+                            a->lnf_rstd, B, T, 0);
         zero_params_release(z, LNF);
     }
     if (part & BACKWARD_WEIGHT) {
@@ -1392,6 +1636,70 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
     }
 }
 
+// The backward of layer l's mixture of experts (moe.h THE BACKWARD): dln (B,T,C), complete on
+// every tensor-parallel rank, from dout (B,T,C); the router's gradient into dw, the experts'
+// into their unit (a slice per source microbatch, expert_parallel.h). `next`: the unit ZeRO-3
+// prefetches after the experts.
+static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l, const LayerTensors* w,
+                         const LayerTensors* dw, const float* ln, const float* dout, float* dln, int next, int B,
+                         int T) {
+    const GPT2Config* c = &model->config;
+    const MemOps* mem = model->mem;
+    Zero* z = model->zero;
+    MoeLayerActs* x = &a->moe[l - model->first_layer];
+    MoeRoute* r = &x->route;
+    int C = c->channels, C4 = a->C4, E = model->E, k = model->k, Q = model->Q, BT = B * T;
+    moe_grads_rows(model, g, (size_t)r->n_recv, C4);
+    moe_combine_backward(g->dgate, g->dslots, dout, x->ret, x->gates, x->slot_row, BT, k, C);
+    // the router, with the load-balancing loss of this microbatch (1/M of the step's loss each)
+    moe_aux_grad(model->daux_host, r->count, E, k, BT, c->aux_loss_coef, z->local_microbatches * z->N);
+    mem->from_host(g->daux, model->daux_host, (size_t)E * sizeof(float));
+    moe_router_backward(g->dlogits, x->probs, x->chosen, x->gates, g->dgate, g->daux, BT, E, k);
+    matmul_backward(g->drouter, dw->routerw, NULL, g->dlogits, ln, w->routerw, B, T, C, E, 1, CANON_R);
+    // the output gradients to the experts (expert-major rows)
+    const float* dy = g->dslots;
+    float* dx = g->dwork;
+    if (Q > 1) {
+        moe_route_dispatch(r, model->ep, g->dslots, g->dwork2, C);
+        moe_gather_rows(g->dwork, g->dwork2, x->perm, r->n_recv, C);
+        dy = g->dwork;
+        dx = g->dwork2;
+    }
+    int X = zero_expert_unit(z, l);
+    ExpertTensors ex = expert_unit(z, X, zero_params_acquire(z, X, next));
+    ExpertTensors dex = expert_unit(z, X, zero_grad_unit(z, X));
+    size_t slice = z->lay.size[X], nleaf = (size_t)Q * B * CANON_R + 1;
+    const float* h = a->recompute ? g->hgelu : x->fch_gelu;
+    for (int e = 0; e < model->El; e++) {
+        int r0 = r->first[e], n = r->first[e + 1] - r0;
+        const int* leaf = x->leaf + e * nleaf;
+        if (a->recompute && n > 0) { gelu_forward(g->hgelu + (size_t)r0 * C4, x->fch + (size_t)r0 * C4, (size_t)n * C4); }
+        moe_expert_dweight(dex.fcprojw + e * dex.fcprojw_n, dex.fcprojb + e * dex.fcprojb_n, slice, dy, h, leaf, Q, B,
+                           C4, C);
+        if (n > 0) {
+            matmul_backward(g->dh + (size_t)r0 * C4, NULL, NULL, dy + (size_t)r0 * C, NULL, ex.fcprojw + e * ex.fcprojw_n,
+                            1, n, C4, C, 1, CANON_R);
+            gelu_backward(g->dh + (size_t)r0 * C4, x->fch + (size_t)r0 * C4, g->dh + (size_t)r0 * C4, (size_t)n * C4);
+        }
+        moe_expert_dweight(dex.fcw + e * dex.fcw_n, dex.fcb + e * dex.fcb_n, slice, g->dh, x->xin, leaf, Q, B, C, C4);
+        if (n > 0) {
+            matmul_backward(dx + (size_t)r0 * C, NULL, NULL, g->dh + (size_t)r0 * C4, NULL, ex.fcw + e * ex.fcw_n, 1, n,
+                            C, C4, 1, CANON_R / model->K);
+        }
+    }
+    zero_grad_unit_done(z, X);
+    zero_params_release(z, X);
+    // f backward (tp group): each expert's column-parallel input gradients, all-reduced per row
+    if (model->K > 1) { comm_all_reduce_sum(model->tp, dx, (size_t)r->n_recv * C, COMM_KIND_TP); }
+    const float* dret = dx;
+    if (Q > 1) {   // the input gradients back to their sources, in dispatch-row order
+        moe_gather_rows(g->dwork, dx, x->inv, r->n_recv, C);
+        moe_route_return(r, model->ep, g->dwork, g->dslots, C);
+        dret = g->dslots;
+    }
+    moe_dinput_combine(dln, g->drouter, dret, x->slot_row, BT, k, C);
+}
+
 // this chunk's layers backward. Input half: g->dresidual = d(loss)/d(stage_output) in,
 // d(loss)/d(a->encoded) out, each layer's gradients at the outputs of its weights kept
 // (layer_out_grads). Weight half: from those, each layer's weight gradients, handed to zero.h
@@ -1401,7 +1709,8 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
     int C = c->channels, BT = B * T, K = model->K, sp = g->seq_split > 1;
-    int in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT;
+    int in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT, moe = model->E > 0;
+    if (moe && part != BACKWARD_BOTH) { fatal("internal: a mixture-of-experts layer runs whole backwards only"); }
     for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
         LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
         LayerOutGrads d = layer_out_grads(a, g, c, l - model->first_layer, B, T);
@@ -1409,23 +1718,29 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         LayerTensors w, dw;   // the parameters (input half), where their gradients go (weight half)
         memset(&w, 0, sizeof(w));
         memset(&dw, 0, sizeof(dw));
-        if (in) { w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next)); }
+        if (in) { w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), moe ? zero_expert_unit(z, l) : next)); }
         if (wt) { dw = layer_unit(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l))); }
-        if (wt && a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4); }
         float* dln2_part = sp ? g->dbtc : d.dln2;   // this rank's share, before the tp sum
         float* dln1_part = sp ? g->dbtc : d.dln1;
-        // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-        if (in) { dres_g_backward(model, g, d.dfcproj, B, T); }
-        if (wt) { matmul_backward(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, a->C4, C, 1, CANON_R); }
-        if (in) {
-            matmul_backward(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, a->C4, C, 1, CANON_R);
-            gelu_backward(d.dfch, x.fch, d.dfch, (size_t)BT * a->C4);
-        }
-        if (wt) { matmul_backward(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, a->C4, 1, CANON_R / K); }
-        if (in) {
-            matmul_backward(dln2_part, NULL, NULL, d.dfch, NULL, w.fcw, B, T, C, a->C4, 1, CANON_R / K);
+        if (moe) {   // residual3 = residual2 + moe(ln2(residual2)); its dln2 is complete on every rank
+            dres_g_backward(model, g, d.dfcproj, B, T);
+            moe_backward(model, a, g, l, &w, &dw, x.ln2, d.dfcproj, dln2_part, next, B, T);
             ln_backward_f_input(model, g, g->dresidual, dln2_part, d.dln2, x.residual2, w.ln2w, x.ln2_mean,
-                                x.ln2_rstd, B, T);
+                                x.ln2_rstd, B, T, 1);
+        } else {     // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
+            if (wt && a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4); }
+            if (in) { dres_g_backward(model, g, d.dfcproj, B, T); }
+            if (wt) { matmul_backward(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, a->C4, C, 1, CANON_R); }
+            if (in) {
+                matmul_backward(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, a->C4, C, 1, CANON_R);
+                gelu_backward(d.dfch, x.fch, d.dfch, (size_t)BT * a->C4);
+            }
+            if (wt) { matmul_backward(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, a->C4, 1, CANON_R / K); }
+            if (in) {
+                matmul_backward(dln2_part, NULL, NULL, d.dfch, NULL, w.fcw, B, T, C, a->C4, 1, CANON_R / K);
+                ln_backward_f_input(model, g, g->dresidual, dln2_part, d.dln2, x.residual2, w.ln2w, x.ln2_mean,
+                                    x.ln2_rstd, B, T, 0);
+            }
         }
         if (wt) { ln_backward_f_weight(model, g, dw.ln2w, dw.ln2b, d.dln2, x.residual2, x.ln2_mean, x.ln2_rstd, B, T); }
         // attention: residual2 = residual + attproj(attention(qkv(ln1(residual))))
@@ -1439,7 +1754,7 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         if (in) {
             matmul_backward(dln1_part, NULL, NULL, d.dqkv, NULL, w.qkvw, B, T, C, a->C3, 3, CANON_R / K);
             ln_backward_f_input(model, g, g->dresidual, dln1_part, d.dln1, x.residual, w.ln1w, x.ln1_mean,
-                                x.ln1_rstd, B, T);
+                                x.ln1_rstd, B, T, 0);
         }
         if (wt) {
             ln_backward_f_weight(model, g, dw.ln1w, dw.ln1b, d.dln1, x.residual, x.ln1_mean, x.ln1_rstd, B, T);
@@ -1515,11 +1830,27 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
     model->mem = zero->mem;
     model->sp_scratch = sp ? mem_floats(model->mem, (size_t)B * T * config->channels, "sequence parallelism") : NULL;
     model->probs_all = place->has_head ? mem_floats(model->mem, config->padded_vocab_size, "probabilities") : NULL;
+    if (config->num_experts > 0) {   // the expert-parallel group and the experts' layout are zero.h's
+        model->E = config->num_experts;
+        model->k = config->top_k;
+        model->ep = zero->ep;
+        model->Q = zero->ep->size;
+        model->El = model->E / model->Q;
+        model->psum = mem_floats(model->mem, (size_t)model->E, "router probability sums");
+        model->psum_host = (float*)malloc_or_die(sizeof(float) * 2 * (size_t)model->E, "router probability sums");
+        model->daux_host = model->psum_host + model->E;
+        int layers = place->last_layer - place->first_layer;
+        model->counters = (MoeCounters){layers, model->E, place->first_layer,
+                                        (double*)calloc_or_die((size_t)(layers ? layers : 1) * model->E, sizeof(double),
+                                                               "expert counters"), 0, 0, 0};
+    }
 }
 
 void gpt2_free(GPT2* model) {
-    model->mem->release(model->sp_scratch);
-    model->mem->release(model->probs_all);
+    void* all[] = {model->sp_scratch, model->probs_all, model->xsend, model->xrecv, model->yout, model->hgelu, model->psum};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
+    free(model->psum_host);
+    free(model->counters.tokens);
 }
 
 // --- the model as the engine drives it (engine.h ModelOps) --------------------------------
@@ -1571,12 +1902,18 @@ static void model_layers_backward(void* m, void* a, void* g, int B, int T, int p
 static void model_embed_backward(void* m, void* a, void* g, int B, int T, int part) {
     embed_backward((GPT2*)m, (Activations*)a, (ActivationGrads*)g, B, T, part);
 }
+static void model_moe_aux(void* m, void* a, float* host_aux) {
+    const Activations* acts = (const Activations*)a;
+    for (int l = 0; l < acts->layers; l++) { host_aux[l] = acts->moe ? acts->moe[l].aux : 0.0f; }
+}
+static MoeCounters* model_moe_counters(void* m) { return ((GPT2*)m)->E > 0 ? &((GPT2*)m)->counters : NULL; }
 
 static const ModelOps gpt2_model_ops = {
     model_create, model_destroy, model_acts_create, model_acts_destroy, model_set_tokens,
     model_stage_input, model_stage_output, model_embed_forward, model_layers_forward,
     model_head_forward, model_loss_sum, model_probs_at, model_grads_create, model_grads_destroy,
-    model_grad_residual, model_head_backward, model_layers_backward, model_embed_backward
+    model_grad_residual, model_head_backward, model_layers_backward, model_embed_backward,
+    model_moe_aux, model_moe_counters
 };
 
 // ==========================================================================================

@@ -142,6 +142,10 @@ int main(int argc, char** argv) {
               "build (train_gpt2cu_emu) runs --deterministic 1 only");
     }
 #endif
+    if (!det && t.config.num_experts > 0) {
+        fatal("-e: fast mode has no mixture-of-experts model yet (E=%d); run it with --deterministic 1",
+              t.config.num_experts);
+    }
     if (!det && (t.args.tp > 1 || t.args.pp > 1 || t.args.sp)) {
         fatal("--tp/--pp/--sp: fast mode runs data parallelism and ZeRO on one pipeline stage; tensor, sequence "
               "and pipeline parallelism run with --deterministic 1");

@@ -402,7 +402,7 @@ static const ModelOps fast_model_ops = {
     fast_create, fast_destroy, fast_acts_create, fast_acts_destroy, fast_set_tokens, fast_stage_input,
     fast_stage_output, fast_embed_forward, fast_layers_forward, fast_head_forward, fast_loss_sum, fast_probs_at,
     fast_grads_create, fast_grads_destroy, fast_grad_residual, fast_head_backward, fast_layers_backward,
-    fast_embed_backward
+    fast_embed_backward, NULL, NULL   // no mixture of experts (train_gpt2.cu refuses one)
 };
 
 const ModelOps* gpt2_fast_model_ops(void) { return &fast_model_ops; }

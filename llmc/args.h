@@ -53,6 +53,8 @@ typedef struct {
     int shuffle;
     long long seed;
     int tp, pp, sp;               // tensor / pipeline / sequence parallelism
+    int ep;                       // expert parallelism (a mixture-of-experts model)
+    float aux_loss;               // alpha of the experts' load-balancing loss
     const char* pp_schedule;
     int vpp;                      // model chunks per pipeline rank; 0 = the schedule's own
     int deterministic;            // CUDA build: bit-exact mode
@@ -91,7 +93,7 @@ typedef struct {
 static const ArgSpec arg_specs[] = {
     ARG_STRING("-i", train_pattern, "train token files (glob)"),
     ARG_STRING("-j", val_pattern, "validation token files (glob)"),
-    ARG_STRING("-e", model, "model: llm.c checkpoint file, or dN[cC][hNH][vV][tMAXT] for a fresh GPT-2 of depth N (e.g. d12)"),
+    ARG_STRING("-e", model, "model: llm.c checkpoint file, or dN[cC][hNH][vV][tMAXT][eE][kK] for a fresh GPT-2 of depth N (e.g. d12; e8k2: a mixture of 8 experts per layer, top 2)"),
     ARG_STRING("-o", output_dir, "output dir for main.log and checkpoints"),
     {"-b", ARG_INT, ARG_FIELD(B), 1, INT_MAX, 0, "microbatch size B (sequences per rank per microbatch)"},
     {"-t", ARG_INT, ARG_FIELD(T), 1, MAX_SEQ_LEN, 0, "sequence length T (<= the model's maxT)"},
@@ -130,6 +132,9 @@ static const ArgSpec arg_specs[] = {
     {"--tp", ARG_INT, ARG_FIELD(tp), 1, 4096, 0, "tensor-parallel degree (Megatron column/row splits)"},
     {"--sp", ARG_INT, ARG_FIELD(sp), 0, 1, 0, "1 = Megatron sequence parallelism within the tensor-parallel group"},
     {"--pp", ARG_INT, ARG_FIELD(pp), 1, 4096, 0, "pipeline-parallel degree (stages)"},
+    {"--ep", ARG_INT, ARG_FIELD(ep), 1, 4096, 0, "expert-parallel degree: the experts split over this many data-parallel ranks (a divisor of E and of the data-parallel size)"},
+    // the load-balancing loss is about 1 when balanced: alpha above 100 would drown the language model
+    {"--aux-loss", ARG_FLOAT, ARG_FIELD(aux_loss), 0, 100, 0, "alpha of the experts' load-balancing loss (Switch Transformer), added to each microbatch's loss"},
     ARG_STRING("--schedule", pp_schedule, "pipeline schedule: 1f1b | gpipe | interleaved (Megatron's, --vpp chunks per rank) | zb1 (zero bubble ZB-H1) | zbv (zero bubble, V-shaped, 2 chunks per rank)"),
     {"--vpp", ARG_INT, ARG_FIELD(vpp), 0, 64, 0, "model chunks (virtual pipeline stages) per pipeline rank: interleaved >= 2, zbv 2, others 1; 0 = the schedule's (interleaved 2)"},
     {"--deterministic", ARG_INT, ARG_FIELD(deterministic), 0, 1, 0, "CUDA build: 1 = fp32 canonical kernels, bit-identical to the CPU build"},
@@ -181,6 +186,8 @@ static inline void train_args_defaults(TrainArgs* a) {
     a->tp = 1;
     a->pp = 1;
     a->sp = 0;
+    a->ep = 1;
+    a->aux_loss = 0.01f;
     a->pp_schedule = "1f1b";
     a->deterministic = 0;
     a->comm = "auto";

@@ -2,9 +2,11 @@
  * checkpoint.h: llm.c's model checkpoint format, and our layout-independent optimizer state.
  *
  * MODEL FILE (llm.c, read and written): 256 int32 header
- *   [0] 20240326 magic  [1] version: 3 = fp32, 5 = bf16 (read only)  [2] maxT  [3] V  [4] L
- *   [5] NH  [6] C  [7] Vp   (the rest zero)
- * followed by the 16 parameter tensors in FILE order (see model.h), fp32 or bf16.
+ *   [0] 20240326 magic  [1] version: 3 = fp32, 5 = bf16 (read only), 7 = fp32 mixture of
+ *   experts (ours: llm.c's readers refuse it)  [2] maxT  [3] V  [4] L  [5] NH  [6] C  [7] Vp
+ *   [8] E experts  [9] k chosen per position (version 7 only; the rest zero)
+ * followed by the parameter tensors in FILE order (see model.h), fp32 or bf16: llm.c's 16, and
+ * with experts routerw after ln2b and E blocks in each of fcw, fcb, fcprojw, fcprojb.
  *
  * STATE FILE (ours; "state_%08d_%05d.bin" per piece like llm.c's per-rank state files): what
  * a resumed run needs beyond the model: AdamW m and v, the step, and the data position.
@@ -17,7 +19,7 @@
  *   uses 1, so neither program mistakes the other's file)  [2] number of pieces  [3] this
  *   piece  [4..9] L C NH V Vp maxT  [10] step (int64)  [12] P (int64)  [14] number of ranges
  *   R  [18] microbatches consumed (int64)  [20] tokens per microbatch (int64)  [22] shuffle
- *   [23] shuffle seed (uint64)  (int64 values take two int32 slots)
+ *   [23] shuffle seed (uint64)  [25] E  [26] k  (int64 values take two int32 slots)
  *   then R pairs of int64 (begin, end), then m of every range in order, then v likewise.
  *
  * Every file is written atomically (utils.h AtomicWriter): a crash mid-save never damages the
@@ -86,8 +88,9 @@ static inline int checkpoint_read_header(FILE* f, const char* path, GPT2Config* 
         fatal("model file '%s' has magic %d, expected %d (an llm.c GPT-2 checkpoint)", path,
               header[0], MODEL_MAGIC);
     }
-    if (header[1] != 3 && header[1] != 5) {
-        fatal("model file '%s' has version %d, expected 3 (fp32) or 5 (bf16)", path, header[1]);
+    if (header[1] != 3 && header[1] != 5 && header[1] != 7) {
+        fatal("model file '%s' has version %d, expected 3 (fp32), 5 (bf16) or 7 (fp32, mixture of experts)", path,
+              header[1]);
     }
     config->max_seq_len = header[2];
     config->vocab_size = header[3];
@@ -95,9 +98,15 @@ static inline int checkpoint_read_header(FILE* f, const char* path, GPT2Config* 
     config->num_heads = header[5];
     config->channels = header[6];
     config->padded_vocab_size = header[7];
+    config->num_experts = header[1] == 7 ? header[8] : 0;
+    config->top_k = header[1] == 7 ? header[9] : 0;
+    config->aux_loss_coef = 0.0f;
+    if (header[1] == 7 && config->num_experts < 1) {
+        fatal("model file '%s' is version 7 (mixture of experts) but says E = %d experts", path, header[8]);
+    }
     const char* problem = config_problem(config);
     if (problem) { fatal("model file '%s' has an invalid header: %s", path, problem); }
-    int64_t expected = 1024 + (int64_t)param_count(config) * (header[1] == 3 ? 4 : 2);
+    int64_t expected = 1024 + (int64_t)param_count(config) * (header[1] == 5 ? 2 : 4);
     if (size != expected) {
         fatal("model file '%s' is %lld bytes, expected %lld for its header (L=%d C=%d V=%d Vp=%d "
               "maxT=%d, version %d)%s", path, (long long)size, (long long)expected,
@@ -129,18 +138,22 @@ static inline void write_piece(int tensor, int layer, size_t offset, size_t elem
     atomic_writer_write(ctx->w, ctx->params + offset, elements * sizeof(float));
 }
 
-// Writes an fp32 (version 3) llm.c checkpoint, atomically.
+// Writes an fp32 llm.c checkpoint (version 3; version 7 with experts), atomically.
 static inline void checkpoint_write_model(const char* path, const GPT2Config* config, const float* params) {
     int header[256];
     memset(header, 0, sizeof(header));
     header[0] = MODEL_MAGIC;
-    header[1] = 3;
+    header[1] = config->num_experts > 0 ? 7 : 3;
     header[2] = config->max_seq_len;
     header[3] = config->vocab_size;
     header[4] = config->num_layers;
     header[5] = config->num_heads;
     header[6] = config->channels;
     header[7] = config->padded_vocab_size;
+    if (config->num_experts > 0) {
+        header[8] = config->num_experts;
+        header[9] = config->top_k;
+    }
     AtomicWriter w;
     atomic_writer_open(&w, path);
     atomic_writer_write(&w, header, sizeof(header));
@@ -187,6 +200,8 @@ static inline void state_write_piece(const char* path, const GPT2Config* c, cons
     put_i64(h, 20, prog->tokens_per_microbatch);
     h[22] = prog->shuffle;
     memcpy(&h[23], &prog->shuffle_seed, 8);
+    h[25] = c->num_experts;
+    h[26] = c->top_k;
     AtomicWriter w;
     atomic_writer_open(&w, path);
     atomic_writer_write(&w, h, sizeof(h));
@@ -328,9 +343,9 @@ static inline void state_read(const char* dir, int step, const GPT2Config* c, in
         }
         if (h[4] != c->num_layers || h[5] != c->channels || h[6] != c->num_heads ||
             h[7] != c->vocab_size || h[8] != c->padded_vocab_size || h[9] != c->max_seq_len ||
-            get_i64(h, 12) != P) {
-            fatal("state file '%s' belongs to a different model (L=%d C=%d NH=%d V=%d Vp=%d maxT=%d)",
-                  path, h[4], h[5], h[6], h[7], h[8], h[9]);
+            h[25] != c->num_experts || h[26] != c->top_k || get_i64(h, 12) != P) {
+            fatal("state file '%s' belongs to a different model (L=%d C=%d NH=%d V=%d Vp=%d maxT=%d E=%d k=%d)",
+                  path, h[4], h[5], h[6], h[7], h[8], h[9], h[25], h[26]);
         }
         TrainProgress here;
         state_read_progress_(h, &here);

@@ -61,6 +61,9 @@
  *   comm_all_reduce_sum(g, buf, n, kind)  comm_all_reduce_max(g, buf, n, kind)
  *   comm_all_reduce_sumsq(g, &sumsq, kind)  comm_broadcast(g, buf, bytes, root, kind)
  *   comm_barrier(g)
+ *   comm_setup_expert_groups(&comm, ep)  (expert parallelism: the ep and edp groups)
+ *   comm_all_to_all_v(g, send, send_counts, recv, recv_counts, kind)   floats, counts per rank
+ *   comm_all_to_all_ints(g, send, send_counts, recv, recv_counts, kind) host ints, likewise
  *   non-blocking: req = comm_reduce_scatter_start / comm_all_gather_start /
  *     comm_all_reduce_sum_start (same arguments), comm_isend(g, buf, n, peer, tag, kind),
  *     comm_irecv(...); comm_test(req); comm_wait(req); comm_wait_all(reqs, count)
@@ -90,11 +93,12 @@ typedef enum {
     COMM_KIND_PARAM,    // parameter all-gather (ZeRO)
     COMM_KIND_TP,       // tensor-parallel activations and their gradients
     COMM_KIND_PP,       // pipeline activations and their gradients
+    COMM_KIND_EP,       // expert parallelism: tokens to their experts and back, their counts
     COMM_KIND_OTHER,    // loss, norms, flags, barriers: small stuff
     COMM_KIND_COUNT
 } CommKind;
 
-static const char* comm_kind_name[COMM_KIND_COUNT] = { "grad", "param", "tp", "pp", "other" };
+static const char* comm_kind_name[COMM_KIND_COUNT] = { "grad", "param", "tp", "pp", "ep", "other" };
 
 typedef struct {
     uint64_t bytes[COMM_KIND_COUNT];   // bytes this rank sent
@@ -124,6 +128,11 @@ typedef struct {
     int dp, tp, pp;                    // grid sizes: world_size == dp * tp * pp
     int dp_rank, tp_rank, pp_rank;     // this rank's coordinates
     CommGroup world, dp_group, tp_group, pp_group;
+    // expert parallelism (comm_setup_expert_groups): the dp group is cut into ep groups of ep
+    // consecutive dp ranks (which exchange tokens), and edp groups of the ranks at the same
+    // place in every ep group (which hold the same experts and reduce their gradients)
+    int ep, ep_rank, edp_rank;
+    CommGroup ep_group, edp_group;
     CommStats stats;
     const MemOps* mem;                 // given to every group
 } Comm;
@@ -427,6 +436,9 @@ static inline void comm_init(Comm* c, int* argc, char*** argv) {
     comm_group_init_single(&c->dp_group, &c->stats, c->mem);
     comm_group_init_single(&c->tp_group, &c->stats, c->mem);
     comm_group_init_single(&c->pp_group, &c->stats, c->mem);
+    comm_group_init_single(&c->ep_group, &c->stats, c->mem);
+    comm_group_init_single(&c->edp_group, &c->stats, c->mem);
+    c->ep = 1;
 #ifdef USE_MPI
     int initialized = 0, provided = 0;
     MPI_Initialized(&initialized);
@@ -500,6 +512,10 @@ static inline void comm_setup_grid(Comm* c, int tp, int pp) {
     comm_group_free(&c->dp_group);
     comm_group_free(&c->tp_group);
     comm_group_free(&c->pp_group);
+    comm_group_free(&c->ep_group);
+    comm_group_free(&c->edp_group);
+    c->ep = 1;
+    c->ep_rank = c->edp_rank = 0;
     c->tp = tp;
     c->pp = pp;
     c->dp = c->world_size / (tp * pp);
@@ -519,6 +535,32 @@ static inline void comm_setup_grid(Comm* c, int tp, int pp) {
     comm_group_init_single(&c->dp_group, &c->stats, c->mem);
     comm_group_init_single(&c->pp_group, &c->stats, c->mem);
 #endif
+    comm_group_init_single(&c->ep_group, &c->stats, c->mem);
+    comm_group_init_single(&c->edp_group, &c->stats, c->mem);
+}
+
+// Expert parallelism over ep ranks, carved from the data-parallel group as Megatron and
+// DeepSpeed do: dp rank d is rank d % ep of the ep group of dp ranks [d - d % ep, ... + ep)
+// and rank d / ep of the edp group of dp ranks d % ep, d % ep + ep, ... Collective over the
+// world (after comm_setup_grid).
+static inline void comm_setup_expert_groups(Comm* c, int ep) {
+    if (ep < 1 || c->dp % ep != 0) {
+        fatal("--ep %d: the expert-parallel degree must divide the %d data-parallel ranks", ep, c->dp);
+    }
+    comm_group_free(&c->ep_group);
+    comm_group_free(&c->edp_group);
+    c->ep = ep;
+    c->ep_rank = c->dp_rank % ep;
+    c->edp_rank = c->dp_rank / ep;
+#ifdef USE_MPI
+    int base = c->pp_rank * c->tp + c->tp_rank;   // the dp group's colour (comm_setup_grid)
+    comm_split(c, &c->ep_group, base * c->dp + c->dp_rank / ep, c->ep_rank, "ep");
+    comm_split(c, &c->edp_group, base * c->dp + c->dp_rank % ep, c->edp_rank, "edp");
+#else
+    comm_group_init_single(&c->ep_group, &c->stats, c->mem);
+    comm_group_init_single(&c->edp_group, &c->stats, c->mem);
+#endif
+    c->ep_group.mem = c->edp_group.mem = c->mem;
 }
 
 #ifdef USE_NCCL
@@ -535,6 +577,7 @@ static inline void comm_enable_nccl(Comm* c) {
 static inline void comm_set_memory(Comm* c, const MemOps* mem) {
     c->mem = mem;
     c->world.mem = c->dp_group.mem = c->tp_group.mem = c->pp_group.mem = mem;
+    c->ep_group.mem = c->edp_group.mem = mem;
 }
 
 // This rank's index among the ranks on its node (a shared-memory split of the world): the GPU
@@ -561,6 +604,8 @@ static inline void comm_pp_neighbours(const Comm* c, int* prev, int* next) {
 }
 
 static inline void comm_finalize(Comm* c) {
+    comm_group_free(&c->ep_group);
+    comm_group_free(&c->edp_group);
     comm_group_free(&c->dp_group);
     comm_group_free(&c->tp_group);
     comm_group_free(&c->pp_group);
@@ -745,6 +790,76 @@ static inline void comm_broadcast(CommGroup* g, void* buf, size_t bytes, int roo
             comm_check(MPI_Bcast((char*)buf + off, (int)len, MPI_BYTE, root, g->mpi), "MPI_Bcast");
         }
     }
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
+// all-to-all with a count per rank (expert parallelism's token exchange): rank r's
+// send_counts[r'] elements (contiguous, in rank order) go to rank r', which receives them in
+// its recv at the block of source r (recv_counts[r] elements, in rank order). Exact (a copy).
+// Bytes sent: the elements for the other ranks.
+
+#ifdef USE_MPI
+static inline void comm_alltoallv_mpi(CommGroup* g, const void* send, const size_t* scounts, void* recv,
+                                      const size_t* rcounts, MPI_Datatype type, const char* what) {
+    int* cd = (int*)malloc_or_die(sizeof(int) * 4 * (size_t)g->size, "all-to-all counts");
+    size_t soff = 0, roff = 0;
+    for (int r = 0; r < g->size; r++) {
+        if (scounts[r] > INT32_MAX || rcounts[r] > INT32_MAX || soff > INT32_MAX || roff > INT32_MAX) {
+            fatal("%s: more than 2^31 elements in one exchange", what);
+        }
+        cd[r] = (int)scounts[r];
+        cd[g->size + r] = (int)soff;
+        cd[2 * g->size + r] = (int)rcounts[r];
+        cd[3 * g->size + r] = (int)roff;
+        soff += scounts[r];
+        roff += rcounts[r];
+    }
+    comm_check(MPI_Alltoallv(send, cd, cd + g->size, type, recv, cd + 2 * g->size, cd + 3 * g->size, type, g->mpi),
+               what);
+    free(cd);
+}
+#endif
+
+static inline uint64_t comm_alltoallv_sent(const CommGroup* g, const size_t* scounts, size_t elem_bytes) {
+    uint64_t n = 0;
+    for (int r = 0; r < g->size; r++) { if (r != g->rank) { n += scounts[r] * elem_bytes; } }
+    return n;
+}
+
+// floats, in the group's memory (staged through host memory like every collective)
+static inline void comm_all_to_all_v(CommGroup* g, const float* send, const size_t* scounts, float* recv,
+                                     const size_t* rcounts, CommKind kind) {
+    comm_check_group(g, "all-to-all");
+    comm_account(g, kind, comm_alltoallv_sent(g, scounts, sizeof(float)), "all-to-all");
+    if (g->size == 1) {
+        if (scounts[0] != rcounts[0]) { fatal("internal: all-to-all of one rank with %zu sent, %zu received", scounts[0], rcounts[0]); }
+        g->mem->copy(recv, send, scounts[0] * sizeof(float));
+        return;
+    }
+#ifdef USE_MPI
+    size_t ns = 0, nr = 0;
+    for (int r = 0; r < g->size; r++) { ns += scounts[r]; nr += rcounts[r]; }
+    CommBuffer in = {NULL, 0}, out = {NULL, 0};
+    const float* hsend = comm_stage_in(g, send, ns, &in);
+    float* hrecv = comm_stage_out(g, recv, nr, &out);
+    comm_alltoallv_mpi(g, hsend, scounts, hrecv, rcounts, MPI_FLOAT, "MPI_Alltoallv");
+    comm_workspace_put(g, in);
+    comm_unstage(g, recv, nr, &out);
+#endif
+}
+
+// ints in host memory (counts, positions)
+static inline void comm_all_to_all_ints(CommGroup* g, const int* send, const size_t* scounts, int* recv,
+                                        const size_t* rcounts, CommKind kind) {
+    comm_check_group(g, "all-to-all");
+    comm_account(g, kind, comm_alltoallv_sent(g, scounts, sizeof(int)), "all-to-all");
+    if (g->size == 1) {
+        memmove(recv, send, scounts[0] * sizeof(int));
+        return;
+    }
+#ifdef USE_MPI
+    comm_alltoallv_mpi(g, send, scounts, recv, rcounts, MPI_INT, "MPI_Alltoallv (ints)");
 #endif
 }
 

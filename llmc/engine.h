@@ -51,6 +51,7 @@
 #include "llmc/zero.h"
 #include "llmc/pipeline.h"
 #include "llmc/sampler.h"
+#include "llmc/expert_parallel.h"
 
 // ==========================================================================================
 // The model, as the engine drives it
@@ -102,6 +103,11 @@ typedef struct {
     void (*head_backward)(void* model, void* acts, void* grads, int B, int T, float dloss, int part);
     void (*layers_backward)(void* model, void* acts, void* grads, int B, int T, int part);
     void (*embed_backward)(void* model, void* acts, void* grads, int B, int T, int part);
+    // a model with experts (llmc/moe.h; NULL without): the load-balancing loss of each of the
+    // chunk's layers in the last forward pass of acts (host, one float per layer), and the
+    // routing counters, which the engine reads and zeroes every step
+    void (*moe_aux)(void* model, void* acts, float* host_aux);
+    MoeCounters* (*moe_counters)(void* model);
 } ModelOps;
 
 // What a build adds to the engine's console output.
@@ -191,6 +197,9 @@ typedef struct {
     double fwd, bwd, wgt;      // ... of which forwards, backwards (whole or input halves), weight halves
     int held, peak_held;       // (microbatch, chunk) activations alive now / at most in the last step
     size_t slot_bytes;         // every slot's bytes
+    float* moe_aux;            // experts: (microbatches x L) each forward's aux loss per layer,
+                               // -0.0f for the layers of other stages
+    int num_layers;            // L
 } Pipeline;
 
 // The chunk of this stage holding virtual stage vs (-1: another stage's).
@@ -388,6 +397,9 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
                 t0 = now_seconds();
                 if (place->has_embedding) { ops->embed_forward(model, s->acts, B, T); }
                 ops->layers_forward(model, s->acts, B, T);
+                if (p->moe_aux) {
+                    ops->moe_aux(model, s->acts, p->moe_aux + (size_t)i * p->num_layers + place->first_layer);
+                }
                 if (place->has_head) {
                     ops->head_forward(model, s->acts, B, T, 1);
                     local_loss[i] = ops->loss_sum(model, s->acts, B, T);
@@ -456,6 +468,23 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
     for (int k = 0; k < p->nmsgs; k++) { comm_wait(p->msgs[k].req); p->msgs[k].req = NULL; p->msgs[k].state = MSG_FREE; }
     p->busy = p->fwd + p->bwd + p->wgt;
     zero_finish_grads(z);
+}
+
+// The step's mean load-balancing loss, logged beside the cross-entropy: per microbatch the
+// sum over the layers in layer order, then the mean over microbatches as global_mean_loss
+// takes it. aux (microbatches x L) holds this stage's layers, -0.0f for the others; every
+// stage's layers are summed into one table (all-reduce, pp group: each value is held by one
+// stage, -0.0f elsewhere, exact).
+static inline void moe_microbatch_aux(CommGroup* pp, int L, const float* aux, int micro, float* out) {
+    float* all = (float*)malloc_or_die(sizeof(float) * (size_t)micro * L + 1, "aux losses");
+    memcpy(all, aux, sizeof(float) * (size_t)micro * L);
+    if (pp->size > 1) { comm_all_reduce_sum(pp, all, (size_t)micro * L, COMM_KIND_OTHER); }
+    for (int i = 0; i < micro; i++) {
+        float s = 0.0f;
+        for (int l = 0; l < L; l++) { s = s + all[(size_t)i * L + l]; }
+        out[i] = s;
+    }
+    free(all);
 }
 
 // A forward-only pass of one batch through the pipeline (validation, sampling), acts[c] the
@@ -534,6 +563,8 @@ typedef struct {
     float* sample_probs;            // host, Vp
     TrainProgress progress;
     Logger logger;
+    int moe;                        // a mixture-of-experts model
+    float* moe_micro_aux;           // (local microbatches) each one's aux loss, summed over layers
 } Trainer;
 
 // Every rank must run the same job: each compares its flags with world rank 0's (broadcast, as
@@ -605,11 +636,24 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     if (a->pp > c->num_layers) {
         fatal("--pp %d: the model has only %d layers; every stage needs at least one", a->pp, c->num_layers);
     }
+    if (c->num_experts > 0 && pipeline_splits_backward(t->pp_kind)) {
+        fatal("--schedule %s: a mixture-of-experts model runs whole backwards (its expert exchanges are not split "
+              "into input and weight halves); use 1f1b, gpipe or interleaved", a->pp_schedule);
+    }
     if (a->pp * t->nchunks > c->num_layers) {
         fatal("--pp %d x %d model chunks (--schedule %s) = %d virtual stages: the model has only %d layers; every "
               "virtual stage needs at least one", a->pp, t->nchunks, a->pp_schedule, a->pp * t->nchunks, c->num_layers);
     }
     if (a->sp && t->T % a->tp != 0) { fatal("--sp 1: the sequence length -t %d must be a multiple of --tp %d", t->T, a->tp); }
+    t->config.aux_loss_coef = a->aux_loss;
+    t->moe = c->num_experts > 0;
+    if (a->ep > 1 && !t->moe) {
+        fatal("--ep %d: expert parallelism needs a mixture-of-experts model (-e with eE, e.g. d4e8k2, or a version 7 file)", a->ep);
+    }
+    if (t->moe && c->num_experts % a->ep != 0) {
+        fatal("--ep %d: the %d experts per layer must split evenly over the expert-parallel ranks", a->ep, c->num_experts);
+    }
+    if (a->ep > 1) { comm_setup_expert_groups(&t->comm, a->ep); }
     t->tokens_per_micro = (long long)t->B * t->T;
     t->total_batch = a->total_batch == -1 ? t->tokens_per_micro * N : a->total_batch;
     if (t->total_batch % (t->tokens_per_micro * N) != 0) {
@@ -655,8 +699,9 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     }
     for (int k = 0; k < S * v; k++) { if (all[k].has_head) { t->head_stage = k / v; } }
     free(all);
-    zero_init(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->pp_group, &comm->tp_group, t->places, v,
-              t->head_stage, t->start_params, t->M);
+    zero_init_ep(&t->zero, c, mem, a->zero_stage, &comm->dp_group, comm->ep > 1 ? &comm->ep_group : NULL,
+                 comm->ep > 1 ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, t->places, v,
+                 t->head_stage, t->start_params, t->M);
     free(t->start_params);
     t->start_params = NULL;
     t->models = (void**)malloc_or_die(sizeof(void*) * v, "models");
@@ -674,8 +719,17 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     pipeline_init(&t->pipe, ops, mem, t->models, t->places, &comm->pp_group, t->pp_kind, v,
                   t->zero.local_microbatches, B, T, c->channels, a->recompute, sp_degree);
     t->grads = ops->grads_create(t->models[0], B, T, a->sp, &t->grads_bytes);
+    if (t->moe) {
+        size_t n = (size_t)t->zero.local_microbatches * c->num_layers;
+        t->pipe.num_layers = c->num_layers;
+        t->pipe.moe_aux = (float*)malloc_or_die(sizeof(float) * n, "aux losses");
+        for (size_t k = 0; k < n; k++) { t->pipe.moe_aux[k] = -0.0f; }
+        t->moe_micro_aux = (float*)calloc_or_die((size_t)t->zero.local_microbatches + 1, sizeof(float), "aux losses");
+    }
     t->genT = a->gen_T < c->max_seq_len ? a->gen_T : c->max_seq_len;
-    t->do_sample = a->sample_every > 0 && (comm->dp_rank == 0 || t->zero.stage == 3);
+    // the sampler's forward passes: every dp rank takes part under ZeRO-3 (parameter gathers)
+    // and with expert parallelism (token exchanges)
+    t->do_sample = a->sample_every > 0 && (comm->dp_rank == 0 || t->zero.stage == 3 || comm->ep > 1);
     if (t->do_sample) {
         size_t bytes;
         t->sample_acts = (void**)malloc_or_die(sizeof(void*) * v, "sampler activations");
@@ -750,8 +804,9 @@ static inline float trainer_validate(Trainer* t) {
     float* local = (float*)calloc_or_die((size_t)per_rank + 1, sizeof(float), "val losses");
     for (int k = 0; k < per_rank; k++) {
         int j = k * z->N + z->rank;
-        // under ZeRO-3 every dp rank must take part in every forward's parameter gathers
-        if (j >= batches && z->stage != 3) { continue; }
+        // under ZeRO-3 every dp rank must take part in every forward's parameter gathers, with
+        // expert parallelism in every forward's token exchanges
+        if (j >= batches && z->stage != 3 && z->ep->size == 1) { continue; }
         dataloader_load(&t->val_loader, j < batches ? j : 0);
         pipeline_forward_only(&t->pipe, acts, t->val_loader.inputs, t->val_loader.targets, B, T,
                               t->config.channels, sp_degree);
@@ -812,13 +867,15 @@ static inline void trainer_write_checkpoint(Trainer* t) {
     int step = (int)t->progress.step;
     size_t P = param_count(&t->config);
     float* full = NULL;
-    if (comm->dp_rank == 0) {
+    if (comm->dp_rank < comm->ep) {   // dp rank 0, and the rest of its ep group for their experts
         full = (float*)aligned_calloc_or_die(P * sizeof(float), "checkpoint");
         for (size_t i = 0; i < P; i++) { full[i] = -0.0f; }
     }
     zero_full_params(z, full);
     if (full) {
-        // all-reduce (tp group, then pp group): every rank's owned elements into the full model
+        // all-reduce (ep group, then tp group, then pp group): every rank's owned elements into
+        // the full model
+        if (comm->ep > 1) { comm_all_reduce_sum(&comm->ep_group, full, P, COMM_KIND_OTHER); }
         if (comm->tp > 1) { comm_all_reduce_sum(&comm->tp_group, full, P, COMM_KIND_OTHER); }
         if (comm->pp > 1) { comm_all_reduce_sum(&comm->pp_group, full, P, COMM_KIND_OTHER); }
     }
@@ -827,13 +884,15 @@ static inline void trainer_write_checkpoint(Trainer* t) {
         checkpoint_write_model(path, &t->config, full);
     }
     free(full);
-    int per_dp = z->stage == 0 ? 1 : z->N;   // ZeRO-0: dp rank 0 writes its (and everyone's) state
-    if (z->stage != 0 || z->rank == 0) {
+    // ZeRO-0: dp rank 0 writes its (and everyone's) state, with expert parallelism the rest of
+    // its ep group their experts'
+    int per_dp = z->stage == 0 ? comm->ep : z->N;
+    if (zero_writes_state(z)) {
         zero_state_to_host(z);
         int n = zero_state_ranges(z, 1, NULL);
         StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (n + 1), "state ranges");
         zero_state_ranges(z, 1, ranges);
-        int piece = (comm->pp_rank * comm->tp + comm->tp_rank) * per_dp + (z->stage == 0 ? 0 : z->rank);
+        int piece = (comm->pp_rank * comm->tp + comm->tp_rank) * per_dp + (z->stage == 0 ? comm->dp_rank : z->rank);
         snprintf(path, sizeof(path), "%s/state_%08d_%05d.bin", dir, step, piece);
         state_write_piece(path, &t->config, &t->progress, comm->pp * comm->tp * per_dp, piece, n, ranges);
         free(ranges);
@@ -843,6 +902,28 @@ static inline void trainer_write_checkpoint(Trainer* t) {
         checkpoint_write_done(dir, step);
         printf("checkpoint written: %s/model_%08d.bin\n", dir, step);
     }
+}
+
+// The fewest and the most slots routed to one expert of one layer in the step, over every
+// rank's microbatches: the stage's counts (its chunks') summed over the dp group, then the
+// stages' layers into one table (pp group; integers below 2^24 are exact in floats).
+static inline void trainer_expert_loads(Trainer* t, double* lo, double* hi) {
+    int L = t->config.num_layers, E = t->config.num_experts;
+    float* all = (float*)calloc_or_die((size_t)L * E, sizeof(float), "expert loads");
+    for (int ch = 0; ch < t->nchunks; ch++) {
+        const MoeCounters* ct = t->ops->moe_counters(t->models[ch]);
+        for (int l = 0; ct && l < ct->layers; l++) {
+            for (int e = 0; e < E; e++) { all[(size_t)(ct->first_layer + l) * E + e] = (float)ct->tokens[(size_t)l * E + e]; }
+        }
+    }
+    comm_all_reduce_sum(&t->comm.dp_group, all, (size_t)L * E, COMM_KIND_OTHER);
+    comm_all_reduce_sum(&t->comm.pp_group, all, (size_t)L * E, COMM_KIND_OTHER);
+    *lo = *hi = all[0];
+    for (size_t i = 1; i < (size_t)L * E; i++) {
+        if (all[i] < *lo) { *lo = all[i]; }
+        if (all[i] > *hi) { *hi = all[i]; }
+    }
+    free(all);
 }
 
 // ---- the startup table -------------------------------------------------------------------
@@ -870,6 +951,21 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
     printf("| parameters    P = %zu (%.1f M)\n", P, P / 1e6);
     printf("| ranks         %d = %d data x %d tensor%s x %d pipeline; ZeRO stage %d\n", comm->world_size, N,
            comm->tp, a->sp ? " (+ sequence parallel)" : "", comm->pp, z->stage);
+    if (t->moe) {
+        size_t active = param_active_count(c), experts = 0;
+        for (int u = z->lay.num_units + 1; u < z->lay.num_all; u++) { if (z->lay.params_here[u]) { experts += z->lay.size[u]; } }
+        printf("| experts       E=%d per layer, top k=%d, load-balancing alpha %g; %zu active parameters per token "
+               "(%.1f%% of P)\n", c->num_experts, c->top_k, c->aux_loss_coef, active, 100.0 * active / P);
+        printf("|               expert parallel %d (ep groups of %d data ranks; the experts' gradients reduced over %d "
+               "ranks)\n", comm->ep, comm->ep, N / comm->ep);
+        for (int q = 0; q < comm->ep; q++) {
+            int El = c->num_experts / comm->ep;
+            // every rank holds as many experts: rank 0's bytes are each rank's
+            printf("|   ep rank %-3d experts [%d, %d) of each layer = %zu expert parameters; per rank (dense part "
+                   "included) params %.1f MiB, grads %.1f MiB, AdamW %.1f MiB\n", q, q * El, (q + 1) * El, experts,
+                   mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576);
+        }
+    }
     printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
            t->B, t->T, t->M, z->local_microbatches, t->total_batch);
     if (comm->pp > 1) {
@@ -937,7 +1033,8 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
     int N = comm->dp;
     trainer_print_table(t, build);
     ZeroMemory mem = zero_memory(z);
-    double flops_per_step = (6.0 * (double)P + 6.0 * c->num_layers * c->channels * t->T) * (double)t->total_batch;
+    double flops_per_step = (6.0 * (double)(t->moe ? param_active_count(c) : P) + 6.0 * c->num_layers * c->channels * t->T) *
+                            (double)t->total_batch;
     float* local_loss = (float*)calloc_or_die((size_t)z->local_microbatches + 1, sizeof(float), "losses");
     double total_time = 0.0, run_start = now_seconds();
     int timed_steps = 0;
@@ -966,10 +1063,23 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
 
         // ---- one optimizer step over M microbatches (M / N on each data-parallel rank) ----
         comm_reset_stats(comm);
+        for (int ch = 0; t->moe && ch < t->nchunks; ch++) {   // every chunk's routing counters
+            MoeCounters* ct = t->ops->moe_counters(t->models[ch]);
+            if (ct == NULL) { continue; }
+            memset(ct->tokens, 0, sizeof(double) * (size_t)ct->layers * ct->experts);
+            ct->passes = ct->rows_out = ct->rows_in = 0;
+        }
         double t0 = now_seconds();
         pipeline_step(pipe, z, t->grads, &t->train_loader, t->progress.microbatches_done, t->M, t->B, t->T,
                       a->overfit_single_batch, local_loss);
         float loss = global_mean_loss(t, local_loss, z->local_microbatches, t->M, 0, (double)t->total_batch);
+        float aux = 0.0f;
+        double load_min = 0, load_max = 0;
+        if (t->moe) {
+            moe_microbatch_aux(&comm->pp_group, c->num_layers, pipe->moe_aux, z->local_microbatches, t->moe_micro_aux);
+            aux = global_mean_loss(t, t->moe_micro_aux, z->local_microbatches, t->M, 0, (double)t->M);
+            trainer_expert_loads(t, &load_min, &load_max);
+        }
         float norm = zero_grad_norm(z, &comm->tp_group);
         if (!isfinite(loss) || !isfinite(norm)) {
             fatal("step %d: the %s is %g: training diverged; stopping before this step updates the model "
@@ -1006,6 +1116,17 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
             build->throughput(throughput, sizeof(throughput), flops_per_step / dt);
             printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %s\n",
                    step + 1, t->train_steps, loss, lr, norm, dt * 1e3, t->total_batch / dt, throughput);
+            if (t->moe) {   // the expert load over the whole step; rank 0's all-to-all traffic
+                long long rows_out = 0, rows_in = 0, passes = 0;
+                for (int ch = 0; ch < t->nchunks; ch++) {
+                    const MoeCounters* ct = t->ops->moe_counters(t->models[ch]);
+                    if (ct) { rows_out += ct->rows_out; rows_in += ct->rows_in; passes += ct->passes; }
+                }
+                printf("           experts: aux %.6f | tokens per expert min %.0f max %.0f (of %lld per layer) | "
+                       "all-to-all %llu bytes: %lld rows out, %lld in, %lld layer passes\n", aux, load_min, load_max,
+                       (long long)c->top_k * t->total_batch, (unsigned long long)comm->stats.bytes[COMM_KIND_EP],
+                       rows_out, rows_in, passes);
+            }
             if (comm->pp > 1 && comm->pp <= 64) {
                 printf("           pipeline idle per stage:");
                 for (int st = 0; st < comm->pp; st++) { printf(" %.2f", timing_all[PP_TIMING * st]); }
@@ -1028,7 +1149,11 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
             }
             fflush(stdout);
         }
-        logger_log_train(&t->logger, step, loss, lr, norm);
+        if (t->moe) {
+            logger_log_train_aux(&t->logger, step, loss, lr, norm, aux);
+        } else {
+            logger_log_train(&t->logger, step, loss, lr, norm);
+        }
     }
     if (t->root) {
         // the run summary: what was trained, how fast (the steps after the first, which
@@ -1068,6 +1193,8 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
 }
 
 static inline void trainer_end(Trainer* t) {
+    free(t->pipe.moe_aux);
+    free(t->moe_micro_aux);
     pipeline_free(&t->pipe);
     if (t->do_sample) {
         for (int ch = 0; ch < t->nchunks; ch++) { t->ops->acts_destroy(t->models[ch], t->sample_acts[ch]); }

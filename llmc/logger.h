@@ -1,6 +1,7 @@
 /*
  * logger.h: DIR/main.log with llm.c's keys, one line per event:
- *   s:STEP trl:LOSS lr:LR norm:NORM      (training step STEP, 0-based like llm.c)
+ *   s:STEP trl:LOSS lr:LR norm:NORM      (training step STEP, 0-based like llm.c; a mixture of
+ *                                         experts adds aux:LOSS, its load-balancing loss)
  *   s:STEP tel:LOSS                      (validation loss before step STEP)
  * Floats are printed with %.9g, which round-trips every float exactly, so the logs of two
  * runs can be compared bit for bit with cmp. Only one rank writes. A resumed run keeps the
@@ -51,6 +52,13 @@ static inline void logger_line_(Logger* lg, const char* line) {
 static inline void logger_log_train(Logger* lg, int step, float loss, float lr, float norm) {
     char line[256];
     snprintf(line, sizeof(line), "s:%d trl:%.9g lr:%.9g norm:%.9g\n", step, loss, lr, norm);
+    logger_line_(lg, line);
+}
+
+// A mixture-of-experts model's step: the load-balancing loss beside the cross-entropy.
+static inline void logger_log_train_aux(Logger* lg, int step, float loss, float lr, float norm, float aux) {
+    char line[256];
+    snprintf(line, sizeof(line), "s:%d trl:%.9g lr:%.9g norm:%.9g aux:%.9g\n", step, loss, lr, norm, aux);
     logger_line_(lg, line);
 }
 

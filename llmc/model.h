@@ -9,6 +9,12 @@
  *    contiguous block, which is what pipeline stages and ZeRO-3 gather units want.
  * The canonical flat index of a parameter is its MEMORY-order index; optimizer state files
  * and ZeRO shards are defined on it.
+ *
+ * A mixture-of-experts model (num_experts E > 0, llmc/moe.h) has a router weight routerw
+ * (E,C) after ln2b in every layer, and E experts in place of the MLP: fcw, fcb, fcprojw and
+ * fcprojb hold the E experts' tensors one after the other (fcw (E,4C,C), fcb (E,4C), fcprojw
+ * (E,C,4C), fcprojb (E,C)). The dense model's routerw has 0 elements, so its layout, files and
+ * offsets are GPT-2's, unchanged.
  */
 #ifndef LLMC_MODEL_H
 #define LLMC_MODEL_H
@@ -26,30 +32,63 @@ typedef struct {
     int num_layers;         // L
     int num_heads;          // NH
     int channels;           // C
+    int num_experts;        // E: experts per layer (mixture of experts); 0 = GPT-2's dense MLP
+    int top_k;              // k: experts each position is routed to (0 for the dense model)
+    float aux_loss_coef;    // alpha of the load-balancing loss: a training setting, not in files
 } GPT2Config;
 
-#define NUM_PARAMETER_TENSORS 16
+// P_ROUTERW comes last in the enumeration (the dense tensors keep llm.c's numbers) but sits
+// between ln2b and fcw in both orders (param_file_order).
+#define NUM_PARAMETER_TENSORS 17
 enum {
     P_WTE, P_WPE, P_LN1W, P_LN1B, P_QKVW, P_QKVB, P_ATTPROJW, P_ATTPROJB,
-    P_LN2W, P_LN2B, P_FCW, P_FCB, P_FCPROJW, P_FCPROJB, P_LNFW, P_LNFB
+    P_LN2W, P_LN2B, P_FCW, P_FCB, P_FCPROJW, P_FCPROJB, P_LNFW, P_LNFB, P_ROUTERW
 };
-#define NUM_LAYER_TENSORS 12   // P_LN1W .. P_FCPROJB
+#define NUM_LAYER_TENSORS 12   // the dense layer's P_LN1W .. P_FCPROJB (llm.c's 12)
 
 static const char* const param_tensor_names[NUM_PARAMETER_TENSORS] = {
     "wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
-    "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb"
+    "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb", "routerw"
 };
 
-static inline int param_is_layer_tensor(int t) { return t >= P_LN1W && t <= P_FCPROJB; }
+// The tensors in FILE order; param_file_order[PARAM_LAYER_FIRST .. PARAM_LAYER_END) are a
+// layer's tensors in MEMORY order.
+static const int param_file_order[NUM_PARAMETER_TENSORS] = {
+    P_WTE, P_WPE, P_LN1W, P_LN1B, P_QKVW, P_QKVB, P_ATTPROJW, P_ATTPROJB, P_LN2W, P_LN2B,
+    P_ROUTERW, P_FCW, P_FCB, P_FCPROJW, P_FCPROJB, P_LNFW, P_LNFB
+};
+#define PARAM_LAYER_FIRST 2
+#define PARAM_LAYER_END 15
+
+static inline int param_is_layer_tensor(int t) { return (t >= P_LN1W && t <= P_FCPROJB) || t == P_ROUTERW; }
+
+// The tensors made of one block per expert in a mixture-of-experts layer.
+static inline int param_is_expert_tensor(int t) {
+    return t == P_FCW || t == P_FCB || t == P_FCPROJW || t == P_FCPROJB;
+}
 
 // AdamW weight decay applies to the 2-D tensors only (llm.c / GPT-2 convention).
 static inline int param_is_decayed(int t) {
-    return t == P_WTE || t == P_WPE || t == P_QKVW || t == P_ATTPROJW || t == P_FCW || t == P_FCPROJW;
+    return t == P_WTE || t == P_WPE || t == P_QKVW || t == P_ATTPROJW || t == P_FCW || t == P_FCPROJW ||
+           t == P_ROUTERW;
+}
+
+// Rows and columns of ONE expert's tensor t: the dense MLP's shapes (fcb is 1 x 4C).
+static inline void param_expert_shape(const GPT2Config* c, int t, size_t* rows, size_t* cols) {
+    size_t C = (size_t)c->channels;
+    *rows = t == P_FCW ? 4 * C : t == P_FCPROJW ? C : 1;
+    *cols = t == P_FCB || t == P_FCPROJW ? 4 * C : C;
 }
 
 // Rows and columns of tensor t (of ONE layer for layer tensors); 1-D tensors have rows = 1.
-// Weights are stored like PyTorch's nn.Linear: [out_features][in_features].
+// Weights are stored like PyTorch's nn.Linear: [out_features][in_features]. The expert tensors
+// of a mixture-of-experts layer stack the E experts' blocks along the rows.
 static inline void param_shape(const GPT2Config* c, int t, size_t* rows, size_t* cols) {
+    if (param_is_expert_tensor(t)) {
+        param_expert_shape(c, t, rows, cols);
+        *rows *= (size_t)(c->num_experts > 0 ? c->num_experts : 1);
+        return;
+    }
     size_t C = (size_t)c->channels;
     size_t r = 1, k = C;
     switch (t) {
@@ -61,6 +100,7 @@ static inline void param_shape(const GPT2Config* c, int t, size_t* rows, size_t*
         case P_FCW:      r = 4 * C; break;
         case P_FCB:      k = 4 * C; break;
         case P_FCPROJW:  r = C; k = 4 * C; break;
+        case P_ROUTERW:  r = (size_t)c->num_experts; break;
         default:         break;   // ln*w, ln*b, attprojb, fcprojb: 1 x C
     }
     *rows = r;
@@ -76,8 +116,13 @@ static inline size_t param_tensor_elements(const GPT2Config* c, int t) {
 
 static inline size_t param_layer_elements(const GPT2Config* c) {
     size_t n = 0;
-    for (int t = P_LN1W; t <= P_FCPROJB; t++) { n += param_tensor_elements(c, t); }
-    return n;   // 12 C^2 + 13 C
+    for (int i = PARAM_LAYER_FIRST; i < PARAM_LAYER_END; i++) { n += param_tensor_elements(c, param_file_order[i]); }
+    return n;   // 12 C^2 + 13 C; with E experts 4 C^2 + 9 C + E C + E (8 C^2 + 5 C)
+}
+
+// Elements of one expert of one layer (fcw, fcb, fcprojw, fcprojb): 8 C^2 + 5 C.
+static inline size_t param_expert_elements(const GPT2Config* c) {
+    return 8 * (size_t)c->channels * c->channels + 5 * (size_t)c->channels;
 }
 
 static inline size_t param_count(const GPT2Config* c) {
@@ -93,7 +138,7 @@ static inline size_t param_offset(const GPT2Config* c, int t, int layer) {
     if (t == P_WPE) { return param_tensor_elements(c, P_WTE); }
     if (param_is_layer_tensor(t)) {
         size_t off = head + (size_t)layer * param_layer_elements(c);
-        for (int u = P_LN1W; u < t; u++) { off += param_tensor_elements(c, u); }
+        for (int i = PARAM_LAYER_FIRST; param_file_order[i] != t; i++) { off += param_tensor_elements(c, param_file_order[i]); }
         return off;
     }
     size_t off = head + (size_t)c->num_layers * param_layer_elements(c);
@@ -117,7 +162,8 @@ static inline void param_locate(const GPT2Config* c, size_t i, int* tensor, int*
 // the order in which llm.c's checkpoint stores them.
 typedef void (*ParamPieceFn)(int tensor, int layer, size_t offset, size_t elements, void* ctx);
 static inline void param_for_each_in_file_order(const GPT2Config* c, ParamPieceFn fn, void* ctx) {
-    for (int t = 0; t < NUM_PARAMETER_TENSORS; t++) {
+    for (int i = 0; i < NUM_PARAMETER_TENSORS; i++) {
+        int t = param_file_order[i];
         int layers = param_is_layer_tensor(t) ? c->num_layers : 1;
         for (int l = 0; l < layers; l++) {
             fn(t, l, param_offset(c, t, l), param_tensor_elements(c, t), ctx);
@@ -129,6 +175,7 @@ static inline void param_for_each_in_file_order(const GPT2Config* c, ParamPieceF
 typedef struct {
     float *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb;
     float *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
+    float* routerw;   // mixture of experts: the router (E,C); fcw .. fcprojb hold the E experts
 } LayerTensors;
 
 static inline LayerTensors layer_tensors(const GPT2Config* c, float* flat, int l) {
@@ -145,6 +192,7 @@ static inline LayerTensors layer_tensors(const GPT2Config* c, float* flat, int l
     v.fcb = flat + param_offset(c, P_FCB, l);
     v.fcprojw = flat + param_offset(c, P_FCPROJW, l);
     v.fcprojb = flat + param_offset(c, P_FCPROJB, l);
+    v.routerw = flat + param_offset(c, P_ROUTERW, l);
     return v;
 }
 
@@ -166,17 +214,31 @@ static inline const char* config_problem(const GPT2Config* c) {
         return "padded_vocab_size Vp must be >= V (and at most 2^20)";
     }
     if (c->max_seq_len < 1 || c->max_seq_len > 1 << 20) { return "max_seq_len must be in 1..2^20"; }
+    if (c->num_experts < 0 || c->num_experts > 4096) { return "num_experts E must be in 0..4096"; }
+    if (c->num_experts == 0 && c->top_k != 0) { return "top_k k must be 0 without experts"; }
+    if (c->num_experts > 0 && (c->top_k < 1 || c->top_k > c->num_experts)) {
+        return "top_k k must be in 1..E (the number of experts)";
+    }
     return NULL;
 }
 
-// Parses a model descriptor "dN[cC][hNH][vV][tMAXT]" (e.g. "d12", "d2c64h4v512t32"): a fresh
-// GPT-2 of depth N. Without c/h the width follows GPT-2's family (d6 384/6, d12 768/12,
-// d24 1024/16, d36 1280/20, d48 1600/25) and otherwise 64*N channels with 64-wide heads;
-// V defaults to 50257 (Vp padded to 128), maxT to 1024. Returns 0 if `s` is not of this form.
+// Parameters one position's forward uses: all of them for the dense model; with E experts,
+// k of each layer's E experts.
+static inline size_t param_active_count(const GPT2Config* c) {
+    size_t unused = c->num_experts > 0 ? (size_t)(c->num_experts - c->top_k) * param_expert_elements(c) : 0;
+    return param_count(c) - (size_t)c->num_layers * unused;
+}
+
+// Parses a model descriptor "dN[cC][hNH][vV][tMAXT][eE][kK]" (e.g. "d12", "d2c64h4v512t32",
+// "d4c64h4v512t32e8k2"): a fresh GPT-2 of depth N. Without c/h the width follows GPT-2's
+// family (d6 384/6, d12 768/12, d24 1024/16, d36 1280/20, d48 1600/25) and otherwise 64*N
+// channels with 64-wide heads; V defaults to 50257 (Vp padded to 128), maxT to 1024. eE: a
+// mixture of E experts per layer, each position routed to k of them (kK, default min(2, E)).
+// Returns 0 if `s` is not of this form.
 static inline int config_from_descriptor(const char* s, GPT2Config* out) {
     if (s[0] != 'd' || s[1] < '0' || s[1] > '9') { return 0; }
-    long vals[5] = {0, 0, 0, 0, 0};   // d c h v t
-    const char* keys = "dchvt";
+    long vals[7] = {0, 0, 0, 0, 0, 0, 0};   // d c h v t e k
+    const char* keys = "dchvtek";
     const char* p = s;
     int seen = 0;
     while (*p) {
@@ -210,6 +272,10 @@ static inline int config_from_descriptor(const char* s, GPT2Config* out) {
     out->vocab_size = vals[3] ? (int)vals[3] : 50257;
     out->padded_vocab_size = padded_vocab(out->vocab_size);
     out->max_seq_len = vals[4] ? (int)vals[4] : 1024;
+    if (vals[6] && !vals[5]) { return 0; }   // k without experts
+    out->num_experts = (int)vals[5];
+    out->top_k = vals[6] ? (int)vals[6] : (vals[5] >= 2 ? 2 : (int)vals[5]);
+    out->aux_loss_coef = 0.0f;
     return 1;
 }
 

@@ -11,7 +11,10 @@
  *   ln1, ln2, attprojb, fcprojb: replicated (the bias of a row-parallel layer is added once,
  *                after the all-reduce)
  * and of the embeddings: wte vocab-parallel (rows [r*Vp/K, (r+1)*Vp/K)), wpe and the final
- * layernorm replicated. Parameters are always initialised and saved in the full (unsharded)
+ * layernorm replicated. In a mixture-of-experts layer the router is replicated, and each
+ * expert's fc and fcproj are split like the dense MLP's (Megatron's expert tensor
+ * parallelism): the pieces of an expert unit (tp_expert_unit_pieces) are one per expert and
+ * tensor. Parameters are always initialised and saved in the full (unsharded)
  * llm.c layout: a rank takes its slices from the full tensors, so --tp 1 and --tp K start
  * identical and read and write the same files.
  *
@@ -91,29 +94,62 @@ static inline size_t tp_piece_canonical(const TPPiece* p, int r, int K, size_t i
     return p->canon + row * p->cols + col;
 }
 
+// Piece of tensor t (rows x cols as held whole, at canonical offset canon) on a rank of K,
+// at local offset `local`.
+static inline void tp_piece_init(TPPiece* p, int t, int layer, size_t rows, size_t cols, size_t canon, int K,
+                                 size_t local) {
+    p->tensor = t;
+    p->layer = layer;
+    p->split = tp_split_of(t, &p->groups);
+    p->rows = rows;
+    p->cols = cols;
+    p->cuts_rows = p->split == TP_COLUMN_PARALLEL && p->rows > 1;   // 1-D tensors are one row
+    int cut = p->split != TP_REPLICATED;
+    p->lrows = cut && p->cuts_rows ? p->rows / K : p->rows;
+    p->lcols = cut && !p->cuts_rows ? p->cols / K : p->cols;
+    p->canon = canon;
+    p->local = local;
+}
+
 // The pieces of parameter unit u (zero.h numbering: 0 wte, 1 wpe, 2.. layers, L+2 lnf) on a
-// rank of a K-way tensor-parallel group; returns their count, local offsets from 0.
+// rank of a K-way tensor-parallel group; returns their count, local offsets from 0. A layer
+// with experts holds its attention, layernorms and router here (TP_MAX_PIECES at most), its
+// experts in expert units.
 #define TP_MAX_PIECES 12
 static inline int tp_unit_pieces(const GPT2Config* c, int K, int u, TPPiece* out) {
     int L = c->num_layers, n = 0, first, last, layer = 0;
-    if (u == 0) { first = last = P_WTE; }
-    else if (u == 1) { first = last = P_WPE; }
-    else if (u == L + 2) { first = P_LNFW; last = P_LNFB; }
-    else { first = P_LN1W; last = P_FCPROJB; layer = u - 2; }
+    if (u == 0) { first = last = 0; }
+    else if (u == 1) { first = last = 1; }
+    else if (u == L + 2) { first = PARAM_LAYER_END; last = PARAM_LAYER_END + 1; }
+    else { first = PARAM_LAYER_FIRST; last = PARAM_LAYER_END - 1; layer = u - 2; }
     size_t local = 0;
-    for (int t = first; t <= last; t++) {
-        TPPiece* p = &out[n++];
-        p->tensor = t;
-        p->layer = layer;
-        p->split = tp_split_of(t, &p->groups);
-        param_shape(c, t, &p->rows, &p->cols);
-        p->cuts_rows = p->split == TP_COLUMN_PARALLEL && p->rows > 1;   // 1-D tensors are one row
-        int cut = p->split != TP_REPLICATED;
-        p->lrows = cut && p->cuts_rows ? p->rows / K : p->rows;
-        p->lcols = cut && !p->cuts_rows ? p->cols / K : p->cols;
-        p->canon = param_offset(c, t, layer);
-        p->local = local;
-        local += tp_piece_elements(p);
+    for (int i = first; i <= last; i++) {
+        int t = param_file_order[i];
+        if (t == P_ROUTERW && c->num_experts == 0) { continue; }
+        if (param_is_expert_tensor(t) && c->num_experts > 0) { continue; }
+        size_t rows, cols;
+        param_shape(c, t, &rows, &cols);
+        tp_piece_init(&out[n], t, layer, rows, cols, param_offset(c, t, layer), K, local);
+        local += tp_piece_elements(&out[n++]);
+    }
+    return n;
+}
+
+// The pieces of the expert unit of `layer` holding experts [e0, e0 + El): fcw, fcb, fcprojw,
+// fcprojb (tensor-major), within each the experts in order, each split like the dense MLP's
+// tensor. Returns their count (4 El).
+static inline int tp_expert_unit_pieces(const GPT2Config* c, int K, int layer, int e0, int El, TPPiece* out) {
+    static const int tensors[4] = {P_FCW, P_FCB, P_FCPROJW, P_FCPROJB};
+    int n = 0;
+    size_t local = 0;
+    for (int i = 0; i < 4; i++) {
+        size_t rows, cols;
+        param_expert_shape(c, tensors[i], &rows, &cols);
+        for (int e = e0; e < e0 + El; e++) {
+            size_t canon = param_offset(c, tensors[i], layer) + (size_t)e * rows * cols;
+            tp_piece_init(&out[n], tensors[i], layer, rows, cols, canon, K, local);
+            local += tp_piece_elements(&out[n++]);
+        }
     }
     return n;
 }
@@ -195,6 +231,17 @@ static inline void tp_sp_reduce_scatter(CommGroup* tp, const float* full, float*
         }
     }
     comm_reduce_scatter(tp, scratch, slice, n, COMM_KIND_TP);
+}
+
+// slice (B,T/K,C) <- this rank's positions of full (B,T,C) when every rank holds the whole of
+// it already (a mixture-of-experts layer's output and input gradient, complete per expert):
+// the sequence-parallel form of "no sum over the group".
+static inline void tp_sp_take_slice(CommGroup* tp, const float* full, float* slice, int B, int T, int C) {
+    int K = tp->size, Tl = T / K;
+    size_t row = (size_t)Tl * C;
+    for (int b = 0; b < B; b++) {
+        tp->mem->copy(slice + b * row, full + ((size_t)b * T + (size_t)tp->rank * Tl) * C, row * sizeof(float));
+    }
 }
 
 #endif // LLMC_TENSOR_PARALLEL_H

@@ -55,6 +55,17 @@
  * through the MemOps table given to zero_init (memory.h): host memory in the CPU build, device
  * memory in the CUDA build. Only the layout bookkeeping is host data.
  *
+ * EXPERT UNITS (a mixture-of-experts model, llmc/moe.h). A layer's unit holds its attention,
+ * layernorms and router; its experts are a unit of their own, unit X(l) = L+4+l
+ * (zero_expert_unit), after E. With expert parallelism (--ep Q, llmc/expert_parallel.h) a rank
+ * holds E/Q of the experts of each layer, so its expert units are its experts' tensors; they
+ * are sharded and reduced over the expert-data-parallel (edp) group, N/Q ranks holding the same
+ * experts, where the dense units use the dp group. An expert unit's gradient comes in Q slices,
+ * one per source microbatch of the ep group (expert_parallel.h THE GRADIENT ORDER): stages 2-3
+ * combine them (the R1 tree over sources) before each reduce-scatter; stages 0-1 keep them
+ * apart in the local microbatch tree and combine them at the step's end, before reducing
+ * (their gradient buffers hold Q slices of each expert unit: the canonical order needs them).
+ *
  * THE CANONICAL ORDER. The step's gradient is the R1 tree (canonical.h) over the M global
  * microbatches of the step. Stages 0 and 1 give rank r the contiguous block of microbatches
  * r*M/N .. (r+1)*M/N - 1: it sums its block (a complete subtree when N is a power of two
@@ -89,12 +100,16 @@
 
 typedef struct {
     int num_units;        // L + 3 parameter units; unit E = num_units is the gradient-only one
+    int num_all;          // every unit: num_units + 1, then the expert units (L of them, or 0)
     int N;                // data-parallel size the shards are cut for
     int K, tp_rank;       // tensor-parallel size and this rank's place in it
+    int Q, ep_rank;       // expert-parallel size and this rank's place in it
     size_t P;             // parameters of the whole model
     size_t* size;         // elements of unit u on this rank (its tensor-parallel slices)
-    TPPiece (*pieces)[TP_MAX_PIECES];   // the tensors of unit u as this rank holds them
+    TPPiece** pieces;     // the tensors of unit u as this rank holds them
     int* npieces;
+    int* Nu;              // the size of the group unit u is sharded over: N, or N/Q (expert units)
+    int* slices;          // gradient slices of unit u: Q for expert units, else 1
     int* params_here;     // this rank holds unit u's parameters
     int* grads_here;      // this rank computes unit u's gradient
     size_t* padded;       // size rounded up to a multiple of N (0 when not held)
@@ -115,34 +130,58 @@ typedef struct {
     int has_head;                  // final layernorm, LM head, loss (the last virtual stage)
 } ChunkPlace;
 
+// Unit u holds parameters (every unit but E).
+static inline int zero_param_unit(const ZeroLayout* z, int u) { return u != z->num_units; }
+static inline int zero_is_expert_unit(const ZeroLayout* z, int u) { return u > z->num_units; }
+
+// The number of units of a model (parameter units, E, and the experts' units).
+static inline int zero_units_all(const GPT2Config* c) {
+    return c->num_layers + 4 + (c->num_experts > 0 ? c->num_layers : 0);
+}
+
 // The layout for a rank holding the chunks places[0 .. nchunks), rank tp_rank of a K-way
-// tensor-parallel group. unit_chunk[u] (U+1 entries, filled here) is the chunk that computes
-// unit u's gradient, -1 for none.
+// tensor-parallel group, rank ep_rank of a Q-way expert-parallel group (Q divides N).
+// unit_chunk[u] (zero_units_all entries, filled here) is the chunk that computes unit u's
+// gradient, -1 for none.
 static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, const ChunkPlace* places,
-                                    int nchunks, int K, int tp_rank, int* unit_chunk) {
-    int U = c->num_layers + 3, E = U;
+                                    int nchunks, int K, int tp_rank, int Q, int ep_rank, int* unit_chunk) {
+    int U = c->num_layers + 3, E = U, A = zero_units_all(c);
     z->num_units = U;
+    z->num_all = A;
     z->N = N;
     z->K = K;
     z->tp_rank = tp_rank;
+    z->Q = Q;
+    z->ep_rank = ep_rank;
     z->P = param_count(c);
-    size_t* all = (size_t*)calloc_or_die(7 * (size_t)(U + 1), sizeof(size_t), "unit layout");
+    size_t* all = (size_t*)calloc_or_die(7 * (size_t)A, sizeof(size_t), "unit layout");
     z->size = all;
-    z->pieces = (TPPiece(*)[TP_MAX_PIECES])calloc_or_die((size_t)U + 1, sizeof(TPPiece[TP_MAX_PIECES]), "unit layout");
-    z->npieces = (int*)calloc_or_die((size_t)U + 1, sizeof(int), "unit layout");
-    z->padded = all + 1 * (U + 1);
-    z->shard = all + 2 * (U + 1);
-    z->local = all + 3 * (U + 1);
-    z->shard_base = all + 4 * (U + 1);
-    z->glocal = all + 5 * (U + 1);
-    z->gshard_base = all + 6 * (U + 1);
-    int* flags = (int*)calloc_or_die(2 * (size_t)(U + 1), sizeof(int), "unit layout");
+    z->pieces = (TPPiece**)calloc_or_die((size_t)A, sizeof(TPPiece*), "unit layout");
+    z->npieces = (int*)calloc_or_die((size_t)A, sizeof(int), "unit layout");
+    z->padded = all + 1 * A;
+    z->shard = all + 2 * A;
+    z->local = all + 3 * A;
+    z->shard_base = all + 4 * A;
+    z->glocal = all + 5 * A;
+    z->gshard_base = all + 6 * A;
+    int* flags = (int*)calloc_or_die(4 * (size_t)A, sizeof(int), "unit layout");
     z->params_here = flags;
-    z->grads_here = flags + (U + 1);
-    for (int u = 0; u <= U; u++) {
-        z->npieces[u] = tp_unit_pieces(c, K, u == E ? ZERO_WTE : u, z->pieces[u]);   // E mirrors wte
+    z->grads_here = flags + A;
+    z->Nu = flags + 2 * A;
+    z->slices = flags + 3 * A;
+    int El = c->num_experts / Q;
+    for (int u = 0; u < A; u++) {
+        if (zero_is_expert_unit(z, u)) {
+            z->pieces[u] = (TPPiece*)calloc_or_die(4 * (size_t)El, sizeof(TPPiece), "unit layout");
+            z->npieces[u] = tp_expert_unit_pieces(c, K, u - U - 1, ep_rank * El, El, z->pieces[u]);
+        } else {
+            z->pieces[u] = (TPPiece*)calloc_or_die(TP_MAX_PIECES, sizeof(TPPiece), "unit layout");
+            z->npieces[u] = tp_unit_pieces(c, K, u == E ? ZERO_WTE : u, z->pieces[u]);   // E mirrors wte
+        }
         const TPPiece* last = &z->pieces[u][z->npieces[u] - 1];
         z->size[u] = last->local + tp_piece_elements(last);
+        z->Nu[u] = zero_is_expert_unit(z, u) ? N / Q : N;
+        z->slices[u] = zero_is_expert_unit(z, u) ? Q : 1;
         unit_chunk[u] = -1;
     }
     for (int ch = 0; ch < nchunks; ch++) {
@@ -150,6 +189,10 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, c
         for (int l = p->first_layer; l < p->last_layer; l++) {
             z->params_here[ZERO_LAYER(l)] = z->grads_here[ZERO_LAYER(l)] = 1;
             unit_chunk[ZERO_LAYER(l)] = ch;
+            if (A > U + 1) {   // the layer's experts
+                z->params_here[U + 1 + l] = z->grads_here[U + 1 + l] = 1;
+                unit_chunk[U + 1 + l] = ch;
+            }
         }
         if (p->has_embedding) {
             z->params_here[ZERO_WTE] = 1;
@@ -164,17 +207,17 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, c
         }
     }
     size_t local = 0, base = 0, glocal = 0, gbase = 0;
-    for (int u = 0; u <= U; u++) {
-        int params = u < U && z->params_here[u], grads = z->grads_here[u];
+    for (int u = 0; u < A; u++) {
+        int params = u != E && z->params_here[u], grads = z->grads_here[u];
         size_t n = params || grads ? z->size[u] : 0;
-        z->padded[u] = (n + N - 1) / N * N;
-        z->shard[u] = z->padded[u] / N;
+        z->padded[u] = (n + z->Nu[u] - 1) / z->Nu[u] * z->Nu[u];
+        z->shard[u] = z->padded[u] / z->Nu[u];
         z->local[u] = local;
         z->shard_base[u] = base;
         z->glocal[u] = glocal;
         z->gshard_base[u] = gbase;
         if (params) { local += n; base += z->shard[u]; }
-        if (grads) { glocal += n; gbase += z->shard[u]; }
+        if (grads) { glocal += n * z->slices[u]; gbase += z->shard[u]; }
     }
     z->local_params = local;
     z->shard_params = base;
@@ -184,6 +227,7 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, c
 
 static inline void zero_layout_free(ZeroLayout* z) {
     free(z->size);
+    for (int u = 0; u < z->num_all; u++) { free(z->pieces[u]); }
     free(z->pieces);
     free(z->npieces);
     free(z->params_here);
@@ -212,6 +256,8 @@ typedef struct {
     int stage, N, rank;
     const MemOps* mem;         // where the buffers below live
     CommGroup* group;          // data parallel
+    CommGroup* ep;             // expert parallel (tokens; the model's), size Q
+    CommGroup* edp;            // expert data parallel (the expert units), size N/Q
     CommGroup* pp;             // pipeline (the tied embedding's swap between the stages below)
     int pp_stage, head_stage;  // this rank's stage; the stage holding the head (stage 0 holds
                                // the embeddings)
@@ -235,7 +281,7 @@ typedef struct {
     int stack_allocated, stack_top;
     size_t stack_len;
     int nchunks;
-    int* unit_chunk;           // [num_units + 1]: the chunk computing unit u's gradient, or -1
+    int* unit_chunk;           // [lay.num_all]: the chunk computing unit u's gradient, or -1
     int* chunk_top;            // [nchunks]: each chunk's stack depth between its microbatches
     int* chunk_next;           // [nchunks]: the local microbatch each chunk computes next
     int chunk, micro;          // the chunk and local microbatch being computed
@@ -259,6 +305,26 @@ static inline float* zero_alloc(const Zero* z, size_t n, const char* what) {
 
 static inline int zero_unit_E(const Zero* z) { return z->lay.num_units; }
 
+// The expert unit of layer l (a model with experts).
+static inline int zero_expert_unit(const Zero* z, int l) { return z->lay.num_units + 1 + l; }
+
+// The group unit u is sharded and reduced over, and this rank's place in it.
+static inline CommGroup* zero_unit_group(const Zero* z, int u) {
+    return zero_is_expert_unit(&z->lay, u) ? z->edp : z->group;
+}
+static inline int zero_unit_rank(const Zero* z, int u) { return zero_unit_group(z, u)->rank; }
+
+// The gradient buffer unit u needs while it is computed: its slices, padded for the reduction.
+static inline size_t zero_unit_work(const ZeroLayout* z, int u) {
+    size_t n = z->size[u] * (size_t)z->slices[u];
+    return n > z->padded[u] ? n : z->padded[u];
+}
+
+// This rank writes optimizer state at checkpoints: every rank from ZeRO-1 on (its shards); at
+// ZeRO-0 dp rank 0 (everything replicated) and, with expert parallelism, the other ranks of
+// its ep group (their experts).
+static inline int zero_writes_state(const Zero* z) { return z->stage != 0 || z->edp->rank == 0; }
+
 // Unit u's elements as this rank holds them (its tensor-parallel slices), from the full
 // parameters in canonical (MEMORY) order; both in host memory.
 typedef struct { float* dst; const float* src; } ZeroCopyCtx;
@@ -276,30 +342,40 @@ static inline void zero_unit_from_full(const ZeroLayout* z, int u, const float* 
 
 // params: the full initial parameters (every rank the same, MEMORY order); the engine keeps
 // this rank's part of the units it holds (stage 3: only its shards). M: microbatches per step
-// (global). dp: the data-parallel group; pp: the pipeline group of which this rank is stage
-// pp->rank, holding the model chunks places[0 .. nchunks), stage head_stage holding the head;
-// tp: the tensor-parallel group.
-static inline void zero_init(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
-                             CommGroup* pp, CommGroup* tp, const ChunkPlace* places, int nchunks,
-                             int head_stage, const float* params, int M) {
+// (global). dp: the data-parallel group; ep, edp: its expert-parallel cut (comm.h
+// comm_setup_expert_groups; both NULL: no expert parallelism, the experts are data-parallel);
+// pp: the pipeline group of which this rank is stage pp->rank, holding the model chunks
+// places[0 .. nchunks), stage head_stage holding the head; tp: the tensor-parallel group.
+static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
+                                CommGroup* ep, CommGroup* edp, CommGroup* pp, CommGroup* tp,
+                                const ChunkPlace* places, int nchunks, int head_stage, const float* params, int M) {
+    static CommGroup single;   // the ep group of a rank without expert parallelism
     memset(z, 0, sizeof(*z));
     z->mem = mem;
     z->stage = stage;
     z->N = dp->size;
     z->rank = dp->rank;
     z->group = dp;
+    if (ep == NULL) {
+        comm_group_init_single(&single, dp->stats, dp->mem);
+        ep = &single;
+        edp = dp;
+    }
+    z->ep = ep;
+    z->edp = edp;
     z->pp = pp;
     z->pp_stage = pp->rank;
     z->head_stage = head_stage;
     z->config = c;
     z->nchunks = nchunks;
-    z->unit_chunk = (int*)calloc_or_die((size_t)c->num_layers + 4 + 2 * (size_t)nchunks, sizeof(int), "unit chunks");
-    z->chunk_top = z->unit_chunk + c->num_layers + 4;
+    int A = zero_units_all(c);
+    z->unit_chunk = (int*)calloc_or_die((size_t)A + 2 * (size_t)nchunks, sizeof(int), "unit chunks");
+    z->chunk_top = z->unit_chunk + A;
     z->chunk_next = z->chunk_top + nchunks;
-    zero_layout_init(&z->lay, c, z->N, places, nchunks, tp->size, tp->rank, z->unit_chunk);
+    zero_layout_init(&z->lay, c, z->N, places, nchunks, tp->size, tp->rank, ep->size, ep->rank, z->unit_chunk);
     z->local_microbatches = M / z->N;
-    for (int u = 0; u <= z->lay.num_units; u++) {
-        if (z->lay.padded[u] > z->max_padded) { z->max_padded = z->lay.padded[u]; }
+    for (int u = 0; u < z->lay.num_all; u++) {
+        if (zero_unit_work(&z->lay, u) > z->max_padded) { z->max_padded = zero_unit_work(&z->lay, u); }
     }
     // each unit is assembled on the host, then its part (stage 3: its shard) copied into place
     float* unit = (float*)host_alloc(z->max_padded * sizeof(float), "parameter unit");
@@ -308,14 +384,14 @@ static inline void zero_init(Zero* z, const GPT2Config* c, const MemOps* mem, in
     } else {
         z->param_shard = zero_alloc(z, z->lay.shard_params, "parameter shard");
     }
-    for (int u = 0; u < z->lay.num_units; u++) {
-        if (!z->lay.params_here[u]) { continue; }
+    for (int u = 0; u < z->lay.num_all; u++) {
+        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) { continue; }
         zero_unit_from_full(&z->lay, u, params, unit);
         if (stage <= 2) {
             mem->from_host(z->params + z->lay.local[u], unit, z->lay.size[u] * sizeof(float));
         } else {
             size_t b, e;
-            zero_shard_range(&z->lay, u, z->rank, &b, &e);
+            zero_shard_range(&z->lay, u, zero_unit_rank(z, u), &b, &e);
             mem->from_host(z->param_shard + z->lay.shard_base[u], unit + b, (e - b) * sizeof(float));
         }
     }
@@ -335,7 +411,13 @@ static inline void zero_init(Zero* z, const GPT2Config* c, const MemOps* mem, in
         z->stack[0] = z->grad_shard;
     }
     z->stack_allocated = 1;
-    z->unit_grad = (float**)calloc_or_die((size_t)z->lay.num_units + 1, sizeof(float*), "unit gradients");
+    z->unit_grad = (float**)calloc_or_die((size_t)z->lay.num_all, sizeof(float*), "unit gradients");
+}
+
+static inline void zero_init(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
+                             CommGroup* pp, CommGroup* tp, const ChunkPlace* places, int nchunks, int head_stage,
+                             const float* params, int M) {
+    zero_init_ep(z, c, mem, stage, dp, NULL, NULL, pp, tp, places, nchunks, head_stage, params, M);
 }
 
 // Global index of this rank's local microbatch i of the step whose first global microbatch
@@ -368,11 +450,14 @@ static inline ZeroSlot* zero_slot_get(const Zero* z, ZeroSlot* slots, int* n, in
 
 // Stage 3 only: start gathering unit u into a free buffer (the prefetch), if not there yet.
 static inline void zero_params_prefetch(Zero* z, int u) {
-    if (z->stage != 3 || u < 0 || u >= z->lay.num_units || !z->lay.params_here[u]) { return; }
+    if (z->stage != 3 || u < 0 || u >= z->lay.num_all || !zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) {
+        return;
+    }
     for (int i = 0; i < z->npslots; i++) { if (z->pslots[i].unit == u) { return; } }
     ZeroSlot* s = zero_slot_get(z, z->pslots, &z->npslots, u);
-    // all-gather (dp group, parameters): every rank's shard of unit u -> the whole unit
-    s->req = comm_all_gather_start(z->group, z->param_shard + z->lay.shard_base[u], s->buf,
+    // all-gather (dp group; edp group for an expert unit; parameters): every rank's shard of
+    // unit u -> the whole unit
+    s->req = comm_all_gather_start(zero_unit_group(z, u), z->param_shard + z->lay.shard_base[u], s->buf,
                                    z->lay.shard[u], COMM_KIND_PARAM);
 }
 
@@ -421,10 +506,10 @@ static inline void zero_stack_add_range(Zero* z, int depth_left, size_t begin, s
 // 2-3), a run of consecutive units at a time.
 static inline void zero_stack_add_chunk(Zero* z, int depth_left) {
     size_t run_begin = 0, run_end = 0;
-    for (int u = 0; u <= z->lay.num_units; u++) {
+    for (int u = 0; u < z->lay.num_all; u++) {
         if (z->unit_chunk[u] != z->chunk) { continue; }
         size_t b = z->stage <= 1 ? z->lay.glocal[u] : z->lay.gshard_base[u];
-        size_t e = b + (z->stage <= 1 ? z->lay.size[u] : z->lay.shard[u]);
+        size_t e = b + (z->stage <= 1 ? z->lay.size[u] * z->lay.slices[u] : z->lay.shard[u]);
         if (b != run_end) {
             if (run_end > run_begin) { zero_stack_add_range(z, depth_left, run_begin, run_end); }
             run_begin = b;
@@ -445,14 +530,15 @@ static inline void zero_begin_microbatch(Zero* z, int chunk, int i) {
     z->stack_top = z->chunk_top[chunk];
     if (z->stage <= 1) {
         float* g = zero_stack_push(z);
-        for (int u = 0; u <= z->lay.num_units; u++) { z->unit_grad[u] = g + z->lay.glocal[u]; }
+        for (int u = 0; u < z->lay.num_all; u++) { z->unit_grad[u] = g + z->lay.glocal[u]; }
     } else {
         zero_stack_push(z);   // this microbatch's reduced shards land in the new top buffer
-        for (int u = 0; u <= z->lay.num_units; u++) { z->unit_grad[u] = NULL; }
+        for (int u = 0; u < z->lay.num_all; u++) { z->unit_grad[u] = NULL; }
     }
 }
 
-// Where backward writes unit u's gradient (every element written).
+// Where backward writes unit u's gradient (every element written; an expert unit's slice q at
+// + q * lay.size[u]).
 static inline float* zero_grad_unit(Zero* z, int u) {
     if (!z->lay.grads_here[u] || z->unit_chunk[u] != z->chunk) {
         fatal("internal: the gradient of unit %d is not computed by this rank's chunk %d", u, z->chunk);
@@ -481,40 +567,52 @@ static inline void zero_progress(Zero* z) {
 // Backward has written all of unit u's gradient for the current microbatch: launch its
 // reduction if this is the moment (see WHAT IS SENT, AND WHEN).
 static inline void zero_grad_unit_done(Zero* z, int u) {
+    size_t size = z->lay.size[u];
+    int slices = z->lay.slices[u];
+    CommGroup* group = zero_unit_group(z, u);
     if (z->stage >= 2) {
-        // reduce-scatter (dp group, gradients): the unit's padded gradient -> this rank's
-        // shard, summed over ranks by the R1 tree, into this microbatch's shard buffer
+        if (slices > 1) {   // the R1 tree over the source microbatches, into slice 0
+            z->mem->tree_rows(z->unit_grad[u], size, slices, z->unit_grad[u]);
+            z->mem->fill(z->unit_grad[u] + size, 0.0f, z->lay.padded[u] - size);
+        }
+        // reduce-scatter (dp group; edp group for an expert unit; gradients): the unit's padded
+        // gradient -> this rank's shard, summed over ranks by the R1 tree, into this
+        // microbatch's shard buffer
         float* dst = z->stack[z->stack_top - 1] + z->lay.gshard_base[u];
         ZeroSlot* slot = NULL;
         for (int i = 0; i < z->ngslots; i++) {
             if (z->gslots[i].buf == z->unit_grad[u]) { slot = &z->gslots[i]; }
         }
-        CommRequest* req = comm_reduce_scatter_start(z->group, z->unit_grad[u], dst, z->lay.shard[u], COMM_KIND_GRAD);
+        CommRequest* req = comm_reduce_scatter_start(group, z->unit_grad[u], dst, z->lay.shard[u], COMM_KIND_GRAD);
         zero_track(z, req, u, slot);
         z->unit_grad[u] = NULL;
         zero_progress(z);
         return;
     }
     if (z->micro != z->local_microbatches - 1) { return; }   // accumulate first, reduce once
-    // the last local microbatch: finish the local tree over this unit's range, then reduce
-    size_t begin = z->lay.glocal[u], end = begin + z->lay.size[u];
+    // the last local microbatch: finish the local tree over this unit's range (every slice),
+    // then the tree over the slices, then reduce
+    size_t begin = z->lay.glocal[u], end = begin + size * slices;
     int top = z->stack_top;
     for (int mg = canon_tree_merges_after(z->micro, z->local_microbatches); mg > 0; mg--) {
         zero_stack_add_range(z, top - 2, begin, end);
         top--;
     }
-    if (z->N == 1) { return; }
+    if (slices > 1) { z->mem->tree_rows(z->grads + begin, size, slices, z->grads + begin); }
+    if (group->size == 1) { return; }
     ZeroSlot* s = zero_slot_get(z, z->sslots, &z->nsslots, u);
-    z->mem->copy(s->buf, z->grads + begin, z->lay.size[u] * sizeof(float));
-    z->mem->fill(s->buf + z->lay.size[u], 0.0f, z->lay.padded[u] - z->lay.size[u]);
+    z->mem->copy(s->buf, z->grads + begin, size * sizeof(float));
+    z->mem->fill(s->buf + size, 0.0f, z->lay.padded[u] - size);
     CommRequest* req;
     if (z->stage == 0) {
-        // all-reduce (dp group, gradients): the whole unit, R1 tree over ranks
-        req = comm_all_reduce_sum_start(z->group, s->buf, z->lay.size[u], COMM_KIND_GRAD);
+        // all-reduce (dp group; edp group for an expert unit; gradients): the whole unit, R1
+        // tree over ranks
+        req = comm_all_reduce_sum_start(group, s->buf, size, COMM_KIND_GRAD);
     } else {
-        // reduce-scatter (dp group, gradients): the unit -> this rank's shard (in place at
-        // the shard's offset in the copy; copied back into the gradient buffer when done)
-        req = comm_reduce_scatter_start(z->group, s->buf, s->buf + (size_t)z->rank * z->lay.shard[u],
+        // reduce-scatter (dp group; edp group for an expert unit; gradients): the unit -> this
+        // rank's shard (in place at the shard's offset in the copy; copied back into the
+        // gradient buffer when done)
+        req = comm_reduce_scatter_start(group, s->buf, s->buf + (size_t)group->rank * z->lay.shard[u],
                                         z->lay.shard[u], COMM_KIND_GRAD);
     }
     zero_track(z, req, u, s);
@@ -531,7 +629,7 @@ static inline void zero_wait_reductions(Zero* z) {
             z->mem->copy(z->grads + z->lay.glocal[u], s->buf, z->lay.size[u] * sizeof(float));
         } else if (z->stage == 1) {
             size_t b, e;
-            zero_shard_range(&z->lay, u, z->rank, &b, &e);
+            zero_shard_range(&z->lay, u, zero_unit_rank(z, u), &b, &e);
             z->mem->copy(z->grads + z->lay.glocal[u] + b, s->buf + b, (e - b) * sizeof(float));
         }
         if (s) { s->unit = -1; }
@@ -561,22 +659,22 @@ static inline void zero_end_microbatch(Zero* z) {
 // This rank's range [begin, end) of unit u's elements (stage 0: all of it; else its shard).
 static inline void zero_my_range(const Zero* z, int u, size_t* begin, size_t* end) {
     if (z->stage == 0) { *begin = 0; *end = z->lay.padded[u] ? z->lay.size[u] : 0; return; }
-    zero_shard_range(&z->lay, u, z->rank, begin, end);
+    zero_shard_range(&z->lay, u, zero_unit_rank(z, u), begin, end);
 }
 
 // Pointers to element `at` of unit u (at in this rank's range) in the reduced gradient, the
 // parameters, and the optimizer state.
 static inline float* zero_grad_at(Zero* z, int u, size_t at) {
     if (z->stage <= 1) { return z->grads + z->lay.glocal[u] + at; }
-    return z->grad_shard + z->lay.gshard_base[u] + (at - (size_t)z->rank * z->lay.shard[u]);
+    return z->grad_shard + z->lay.gshard_base[u] + (at - (size_t)zero_unit_rank(z, u) * z->lay.shard[u]);
 }
 static inline float* zero_param_at(Zero* z, int u, size_t at) {
     if (z->stage <= 2) { return z->params + z->lay.local[u] + at; }
-    return z->param_shard + z->lay.shard_base[u] + (at - (size_t)z->rank * z->lay.shard[u]);
+    return z->param_shard + z->lay.shard_base[u] + (at - (size_t)zero_unit_rank(z, u) * z->lay.shard[u]);
 }
 static inline size_t zero_opt_index(const Zero* z, int u, size_t at) {
     if (z->stage == 0) { return z->lay.local[u] + at; }
-    return z->lay.shard_base[u] + (at - (size_t)z->rank * z->lay.shard[u]);
+    return z->lay.shard_base[u] + (at - (size_t)zero_unit_rank(z, u) * z->lay.shard[u]);
 }
 
 // The final gradient of wte's rows in this rank's range: the LM-head half's slot on the last
@@ -625,12 +723,16 @@ static inline void zero_finish_grads(Zero* z) {
 // ||gradient|| over the P parameters: exact sum of squares of this rank's ranges, each
 // parameter counted once (wte on the first stage, replicated tensors on tensor-parallel rank
 // 0), summed over the dp, tp and pipeline groups (integer sums: the same bits for every
-// layout).
+// layout). At ZeRO-0 with expert parallelism each ep group sums its ranks' experts (every ep
+// group holds all of them, replicated over the edp group).
 static inline float zero_grad_norm(Zero* z, CommGroup* tp) {
-    SumSq total;
+    SumSq total, experts;
     canon_sumsq_init(&total);
-    for (int u = 0; u < z->lay.num_units; u++) {
-        if (!z->lay.params_here[u] || (u == ZERO_WTE && z->pp_stage != 0)) { continue; }
+    canon_sumsq_init(&experts);
+    int split_experts = z->stage == 0 && z->ep->size > 1;
+    for (int u = 0; u < z->lay.num_all; u++) {
+        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u] || (u == ZERO_WTE && z->pp_stage != 0)) { continue; }
+        SumSq* acc = split_experts && zero_is_expert_unit(&z->lay, u) ? &experts : &total;
         size_t b, e;
         zero_my_range(z, u, &b, &e);
         const float* g = u == ZERO_WTE ? zero_wte_grad_at(z, b) : zero_grad_at(z, u, b);
@@ -640,10 +742,14 @@ static inline float zero_grad_norm(Zero* z, CommGroup* tp) {
             size_t lo = p->local > b ? p->local : b, hi = p->local + tp_piece_elements(p);
             if (hi > e) { hi = e; }
             if (lo >= hi) { continue; }
-            z->mem->sumsq(&total, g + (lo - b), hi - lo);
+            z->mem->sumsq(acc, g + (lo - b), hi - lo);
         }
     }
     if (z->stage >= 1) { comm_all_reduce_sumsq(z->group, &total, COMM_KIND_OTHER); }
+    if (split_experts) {
+        comm_all_reduce_sumsq(z->ep, &experts, COMM_KIND_OTHER);
+        canon_sumsq_merge(&total, &experts);
+    }
     comm_all_reduce_sumsq(tp, &total, COMM_KIND_OTHER);
     comm_all_reduce_sumsq(z->pp, &total, COMM_KIND_OTHER);
     return (float)sqrt(canon_sumsq_value(&total));
@@ -651,8 +757,8 @@ static inline float zero_grad_norm(Zero* z, CommGroup* tp) {
 
 // AdamW on this rank's ranges, then (stages 1-2) all-gather every unit's parameters.
 static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_decay) {
-    for (int u = 0; u < z->lay.num_units; u++) {
-        if (!z->lay.params_here[u]) { continue; }
+    for (int u = 0; u < z->lay.num_all; u++) {
+        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) { continue; }
         size_t b, e;
         zero_my_range(z, u, &b, &e);
         float* p = zero_param_at(z, u, b);
@@ -669,17 +775,19 @@ static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_dec
         }
     }
     if (z->stage == 1 || z->stage == 2) {
-        // all-gather (dp group, parameters): every rank's updated shard -> the whole unit
-        for (int u = 0; u < z->lay.num_units; u++) {
-            if (!z->lay.params_here[u]) { continue; }
+        // all-gather (dp group; edp group for an expert unit; parameters): every rank's
+        // updated shard -> the whole unit
+        for (int u = 0; u < z->lay.num_all; u++) {
+            if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) { continue; }
             ZeroSlot* slot = zero_slot_get(z, z->sslots, &z->nsslots, u);
             size_t b, e;
-            zero_shard_range(&z->lay, u, z->rank, &b, &e);
+            int r = zero_unit_rank(z, u);
+            zero_shard_range(&z->lay, u, r, &b, &e);
             float* unit = z->params + z->lay.local[u];
-            float* mine = slot->buf + (size_t)z->rank * z->lay.shard[u];
+            float* mine = slot->buf + (size_t)r * z->lay.shard[u];
             z->mem->copy(mine, unit + b, (e - b) * sizeof(float));
             z->mem->fill(mine + (e - b), 0.0f, z->lay.shard[u] - (e - b));
-            comm_all_gather(z->group, mine, slot->buf, z->lay.shard[u], COMM_KIND_PARAM);
+            comm_all_gather(zero_unit_group(z, u), mine, slot->buf, z->lay.shard[u], COMM_KIND_PARAM);
             z->mem->copy(unit, slot->buf, z->lay.size[u] * sizeof(float));
             slot->unit = -1;
         }
@@ -688,7 +796,8 @@ static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_dec
 
 // This rank's share of the full parameters, written into dst (host memory, canonical MEMORY
 // order, P floats) where dst != NULL: each element by exactly one rank of the dp rank-0 ranks
-// (wte by the first stage, replicated tensors by tensor-parallel rank 0); the rest of dst is
+// (wte by the first stage, replicated tensors by tensor-parallel rank 0), the experts of an
+// expert-parallel run by the ranks of dp rank 0's ep group (edp rank 0); the rest of dst is
 // left as is. Stage 3 gathers the units: every dp rank must call.
 typedef struct { float* dst; const float* src; } ZeroScatterCtx;
 static inline void zero_scatter_run(size_t canonical, size_t local, size_t len, void* vctx) {
@@ -697,10 +806,11 @@ static inline void zero_scatter_run(size_t canonical, size_t local, size_t len, 
 }
 static inline void zero_full_params(Zero* z, float* dst) {
     float* unit = dst ? (float*)host_alloc(z->max_padded * sizeof(float), "parameter unit") : NULL;
-    for (int u = 0; u < z->lay.num_units; u++) {
-        if (!z->lay.params_here[u]) { continue; }
+    for (int u = 0; u < z->lay.num_all; u++) {
+        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) { continue; }
         const float* held = zero_params_acquire(z, u, -1);
-        if (dst && !(u == ZERO_WTE && z->pp_stage != 0)) {
+        int writer = zero_is_expert_unit(&z->lay, u) ? z->edp->rank == 0 : z->rank == 0;
+        if (dst && writer && !(u == ZERO_WTE && z->pp_stage != 0)) {
             z->mem->to_host(unit, held, z->lay.size[u] * sizeof(float));
             ZeroScatterCtx ctx = {dst, unit};
             for (int k = 0; k < z->lay.npieces[u]; k++) {
@@ -731,8 +841,12 @@ static inline void zero_range_run(size_t canonical, size_t local, size_t len, vo
 }
 static inline int zero_state_ranges(const Zero* z, int writing, StateRange* out) {
     ZeroRangeCtx ctx = {out, 0, z, 0, 0};
-    for (int u = 0; u < z->lay.num_units; u++) {
-        if (!z->lay.params_here[u] || (writing && u == ZERO_WTE && z->pp_stage != 0)) { continue; }
+    for (int u = 0; u < z->lay.num_all; u++) {
+        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u] || (writing && u == ZERO_WTE && z->pp_stage != 0)) {
+            continue;
+        }
+        // ZeRO-0 replicates: dp rank 0 writes the dense units, edp rank 0 the expert units
+        if (writing && z->stage == 0 && zero_unit_rank(z, u) != 0) { continue; }
         size_t b, e;
         zero_my_range(z, u, &b, &e);
         ctx.u = u;

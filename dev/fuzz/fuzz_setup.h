@@ -18,6 +18,7 @@
 // The model of the model and state targets: P = 1048 parameters, so a model file is 5 KB.
 static inline GPT2Config fuzz_model_config(void) {
     GPT2Config c;
+    memset(&c, 0, sizeof(c));
     c.num_layers = 1;
     c.channels = 8;
     c.num_heads = 2;

@@ -98,6 +98,18 @@ static void model_seeds(void) {
     }
     seed("model", "ok-bf16", &bf16, 1);
 
+    GPT2Config moe_config = c;   // version 7: a mixture of 2 experts, top 1
+    moe_config.num_experts = 2;
+    moe_config.top_k = 1;
+    float* moe_params = gpt2_random_params(&moe_config, 1);
+    checkpoint_write_model(scratch("moe.bin"), &moe_config, moe_params);
+    free(moe_params);
+    Bytes moe = read_bytes(scratch("moe.bin"));
+    seed("model", "ok-moe", &moe, 1);
+    put_int(&moe, 36, 3);   // header[9]: k = 3 of E = 2 experts
+    seed("model", "bad-moe-top-k", &moe, 1);
+    free(moe.p);
+
     Bytes truncated = {fp32.p, 2000};
     seed("model", "bad-truncated", &truncated, 1);
     Bytes no_layers = read_bytes(scratch("model.bin"));

@@ -38,6 +38,8 @@
 #     (-n 5): main.log, model and state files of steps 5 and 10, DONE_10 and the sampled text
 #     identical to train_gpt2's. Then the GPU run resumed (-y 1) from its own step-5
 #     checkpoint ends with the same bytes (main.log, step-10 model and state, samples).
+#     And a mixture of experts (d4e8k2: 8 experts, top 2, in every layer; 4 steps): main.log
+#     (with the aux loss) and the checkpoint identical to train_gpt2's.
 #  2. fast mode vs the CPU on REAL tokens (synthetic tokens are refused: FAIL, carry the
 #     data): one repeated batch (-a 1 --shuffle 0), d4, B=4 T=64, 60 steps at -l 1e-3, for
 #     --attention cudnn and --attention flash (the banner must say which ran):
@@ -264,6 +266,7 @@ command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 && HAVE_MP
 if [ "$DRY_RUN" = 1 ]; then
   DET_MODEL=d2c32h2v64t32 DET_V=64
   S1=(-e $DET_MODEL -b 4 -t 16 -x 6 -v 3 -m 2 -s 3 -g 8 -n 3 -l 3e-3); S1_MID=3 S1_END=6
+  S1_MOE=(-e d2c32h2v64t32e4k2 -b 4 -t 16 -x 3 -v 0 -s 0 -n 3 -l 3e-3); S1_MOE_END=3
   S2_B=2 S2_T=16
   S2=(-e d2c32h2t32 -b $S2_B -t $S2_T -x 40 -a 1 --shuffle 0 -l 1e-2 -v 40 -m 2 -s 40 -g 8)
   S4=(-e $DET_MODEL -b 2 -t 16 -d 64 -x 3 -v 3 -m 2 -s 3 -g 4 -n 3); S4_END=3
@@ -272,6 +275,7 @@ if [ "$DRY_RUN" = 1 ]; then
 else
   DET_MODEL=d4 DET_V=50257
   S1=(-e d4 -b 4 -t 64 -x 10 -v 5 -m 4 -s 5 -g 16 -n 5 -l 1e-3); S1_MID=5 S1_END=10
+  S1_MOE=(-e d4e8k2 -b 4 -t 64 -x 4 -v 0 -s 0 -n 4 -l 1e-3); S1_MOE_END=4
   S2_B=4 S2_T=64
   S2=(-e d4 -b $S2_B -t $S2_T -x 60 -a 1 --shuffle 0 -l 1e-3 -v 60 -m 4 -s 60 -g 16)
   S4=(-e d4 -b 4 -t 64 -d 512 -x 4 -v 2 -m 2 -s 4 -g 8 -n 4); S4_END=4
@@ -441,7 +445,26 @@ if want 1; then
       else fail "$name" "differ from the uninterrupted run: ${bad[*]}"; fi
     fi
   fi
-  rm -rf "$W/s1_cpu" "$W/s1_gpu" "$W/s1_resume"
+  name="1. experts: deterministic == CPU"   # a mixture of experts (llmc/moe.h), its device twins
+  if in_time "$name" 20; then
+    run s1_moe_cpu $T1 $CPU_BIN "${S1_MOE[@]}" "${D1[@]}" -o "$W/s1_moe_cpu"; rc_cpu=$RC; keep s1_moe_cpu "$W/s1_moe_cpu"
+    run s1_moe_gpu $T1 $GPU_BIN --deterministic 1 "${S1_MOE[@]}" "${D1[@]}" -o "$W/s1_moe_gpu"; rc_gpu=$RC
+    keep s1_moe_gpu "$W/s1_moe_gpu"
+    finite s1_moe_gpu "$W/s1_moe_gpu"
+    if [ $rc_cpu != 0 ] || [ $rc_gpu != 0 ]; then
+      [ $rc_cpu != 0 ] && said s1_moe_cpu
+      [ $rc_gpu != 0 ] && said s1_moe_gpu
+      fail "$name" "a run failed: CPU $(why $rc_cpu), GPU $(why $rc_gpu); see s1_moe_*.out"
+    else
+      bad=()
+      for f in main.log model_$(printf %08d "$S1_MOE_END").bin; do
+        where=$(same "$W/s1_moe_cpu/$f" "$W/s1_moe_gpu/$f") || bad+=("$f ($where)")
+      done
+      if [ ${#bad[@]} = 0 ]; then pass "$name" "main.log (with aux) and the checkpoint identical"
+      else fail "$name" "differ: ${bad[*]}"; fi
+    fi
+  fi
+  rm -rf "$W/s1_cpu" "$W/s1_gpu" "$W/s1_resume" "$W/s1_moe_cpu" "$W/s1_moe_gpu"
   pack
 fi
 

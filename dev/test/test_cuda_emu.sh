@@ -7,7 +7,9 @@
 # clipping with warmup, a cosine schedule and weight decay, GELU stored (-r 0), resume with -y
 # from its own checkpoint and from the CPU build's (and the other way round). Several ranks
 # (the MPI transport staging device buffers through host memory): DP 2 x ZeRO 0-3, DP 4 x
-# ZeRO 3, TP 2 (+SP), PP 2 (1f1b, gpipe, zb1, zbv, interleaved) and the 2x2x2 grid.
+# ZeRO 3, TP 2 (+SP), PP 2 (1f1b, gpipe, zb1, zbv, interleaved) and the 2x2x2 grid; a
+# mixture-of-experts model on one rank and with expert parallelism (--ep 2, alone and with TP 2
+# and ZeRO-3).
 # Exits non-zero on the first difference, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -112,3 +114,13 @@ run cpu ref_d512 1 -x 2 -n 2 -d 512
 run emu grid 8 -x 2 -n 2 --tp 2 --pp 2 -d 512 -z 1
 same cpu_ref_d512 emu_grid "the 2x2x2 grid"
 pass "the 2x2x2 grid (DP 2 x TP 2 x PP 2, ZeRO 1) = one rank"
+
+# a mixture of experts (llmc/moe.h on llmc/kernels_moe_det.cuh): 4 experts, top 2
+MOE=(-e d2c32h2v64t32e4k2 --aux-loss 0.05 -c 0.1)
+both moe 1 -x 3 -n 3 -d 256 "${MOE[@]}"
+pass "a mixture of experts on one rank = train_gpt2"
+run emu moe_ep2 2 -x 3 -n 3 -d 256 "${MOE[@]}" --ep 2
+run emu moe_ep2tp2 4 -x 3 -n 3 -d 256 "${MOE[@]}" --ep 2 --tp 2 -z 3
+same cpu_moe emu_moe_ep2 "--ep 2"
+same cpu_moe emu_moe_ep2tp2 "--ep 2 --tp 2 -z 3"
+pass "expert parallelism --ep 2, and with --tp 2 and ZeRO-3 = one CPU rank"

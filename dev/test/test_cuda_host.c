@@ -710,10 +710,11 @@ static void test_launch_plans(void) {
 static void test_plan(void) {
     // the initialisation (llmc/gpt2_init.h) against its definition: layernorm weights 1, biases
     // and padded vocabulary rows 0, weights N(0, 0.02) and the residual projections
-    // N(0, 0.02/sqrt(2L)) (sample std within 3%), reproducible for a seed, different across seeds
-    {
+    // N(0, 0.02/sqrt(2L)) (sample std within 3%), reproducible for a seed, different across seeds;
+    // with experts, each expert as GPT-2's MLP and the router N(0, 0.02)
+    for (int moe = 0; moe <= 1; moe++) {
         GPT2Config ci;
-        config_from_descriptor("d4", &ci);
+        config_from_descriptor(moe ? "d4e4k2" : "d4", &ci);
         size_t P = param_count(&ci);
         float* a = (float*)aligned_calloc_or_die(P * sizeof(float), "params");
         float* b = (float*)aligned_calloc_or_die(P * sizeof(float), "params");
@@ -723,6 +724,7 @@ static void test_plan(void) {
         gpt2_init_params(b, &ci, 43);
         CHECK(memcmp(a, b, P * sizeof(float)) != 0, "different seeds give the same parameters");
         for (int t = 0; t < NUM_PARAMETER_TENSORS; t++) {
+            if (param_tensor_elements(&ci, t) == 0) { continue; }   // the dense model's router
             int layers = param_is_layer_tensor(t) ? ci.num_layers : 1;
             double sum = 0, sum2 = 0;
             size_t n = 0;
@@ -1292,6 +1294,99 @@ static void test_device_fast(void) {
 }
 #endif
 
+// the mixture-of-experts twins (llmc/kernels_moe_det.cuh) against train_gpt2.c's (llmc/moe.h),
+// on a routing with ties, k = 1 and k = E, and experts that receive nothing from a source
+static void test_device_moe(int B, int T, int E, int k, int C, int Q) {
+    char what[160];
+    int BT = B * T;
+    size_t slots = (size_t)BT * k;
+    float* logits = rand_buf((size_t)BT * E);
+    for (int i = 0; i < BT; i += 2) { logits[(size_t)i * E + E - 1] = logits[(size_t)i * E]; }
+    float *probs = zero_buf((size_t)BT * E), *gates = zero_buf(slots);
+    int* chosen = (int*)calloc(slots, sizeof(int));
+    moe_router_forward(probs, chosen, gates, logits, BT, E, k);
+    float* d_probs = dev_floats(logits, (size_t)BT * E);
+    float* d_gates = (float*)dev_alloc(slots * 4);
+    int* d_chosen = (int*)dev_alloc(slots * 4);
+    gpu::moe_router_forward(d_probs, d_chosen, d_gates, d_probs, BT, E, k);
+    snprintf(what, sizeof(what), "device moe_router_forward BT=%d E=%d k=%d", BT, E, k);
+    expect_device(what, d_probs, probs, (size_t)BT * E);
+    expect_device(what, d_gates, gates, slots);
+    int* got = (int*)host_floats((const float*)d_chosen, slots);
+    checks++;
+    if (memcmp(got, chosen, slots * sizeof(int)) != 0) { failures++; printf("FAIL %s: chosen experts differ\n", what); }
+    free(got);
+    float psum[64], *d_psum = (float*)dev_alloc(64 * 4);
+    moe_expert_prob_sums(psum, probs, B, T, E);
+    gpu::moe_expert_prob_sums(d_psum, d_probs, B, T, E);
+    expect_device("device moe_expert_prob_sums", d_psum, psum, (size_t)E);
+    // the plan (host) and the kernels that move and combine rows
+    int *count = (int*)calloc(E, sizeof(int)), *row_pos = (int*)calloc(slots, sizeof(int));
+    int *slot_row = (int*)calloc(slots, sizeof(int)), *cursor = (int*)calloc(E, sizeof(int));
+    moe_plan_routes(chosen, BT, k, E, count, row_pos, slot_row, cursor);
+    int *d_row_pos = dev_ints(row_pos, slots), *d_slot_row = dev_ints(slot_row, slots);
+    float* x = rand_buf((size_t)BT * C);
+    float *d_x = dev_floats(x, (size_t)BT * C), *rows = zero_buf(slots * C), *d_rows = (float*)dev_alloc(slots * C * 4);
+    moe_gather_rows(rows, x, row_pos, (int)slots, C);
+    gpu::moe_gather_rows(d_rows, d_x, d_row_pos, (int)slots, C);
+    expect_device("device moe_gather_rows", d_rows, rows, slots * C);
+    float *y = rand_buf(slots * C), *d_y = dev_floats(y, slots * C);
+    float *out = zero_buf((size_t)BT * C), *d_out = (float*)dev_alloc((size_t)BT * C * 4);
+    moe_combine(out, y, gates, slot_row, BT, k, C);
+    gpu::moe_combine(d_out, d_y, d_gates, d_slot_row, BT, k, C);
+    expect_device("device moe_combine", d_out, out, (size_t)BT * C);
+    float *dout = rand_buf((size_t)BT * C), *d_dout = dev_floats(dout, (size_t)BT * C);
+    float *dgate = zero_buf(slots), *drows = zero_buf(slots * C);
+    float *d_dgate = (float*)dev_alloc(slots * 4), *d_drows = (float*)dev_alloc(slots * C * 4);
+    moe_combine_backward(dgate, drows, dout, y, gates, slot_row, BT, k, C);
+    gpu::moe_combine_backward(d_dgate, d_drows, d_dout, d_y, d_gates, d_slot_row, BT, k, C);
+    expect_device("device moe_combine_backward dgate", d_dgate, dgate, slots);
+    expect_device("device moe_combine_backward drows", d_drows, drows, slots * C);
+    float *daux = rand_buf(E), *d_daux = dev_floats(daux, E);
+    float *dlogits = zero_buf((size_t)BT * E), *d_dlogits = (float*)dev_alloc((size_t)BT * E * 4);
+    moe_router_backward(dlogits, probs, chosen, gates, dgate, daux, BT, E, k);
+    gpu::moe_router_backward(d_dlogits, d_probs, d_chosen, d_gates, d_dgate, d_daux, BT, E, k);
+    expect_device("device moe_router_backward", d_dlogits, dlogits, (size_t)BT * E);
+    float *drouter = rand_buf((size_t)BT * C), *d_drouter = dev_floats(drouter, (size_t)BT * C);
+    moe_dinput_combine(out, drouter, drows, slot_row, BT, k, C);
+    gpu::moe_dinput_combine(d_out, d_drouter, d_drows, d_slot_row, BT, k, C);
+    expect_device("device moe_dinput_combine", d_out, out, (size_t)BT * C);
+    // an expert's weight gradient from Q sources' rows (this microbatch's rows as every source's)
+    int El = E / Q, nleaf = Q * B * CANON_R + 1;
+    int* rcount = (int*)calloc((size_t)Q * El, sizeof(int));
+    int n = 0;
+    int* pos = (int*)calloc(slots * Q + 1, sizeof(int));
+    for (int q = 0; q < Q; q++) {
+        for (int e = 0; e < El; e++) {
+            rcount[q * El + e] = q == 1 && e == 0 ? 0 : count[e];   // source 1 sends expert 0 nothing
+            int r0 = 0;
+            for (int ee = 0; ee < e; ee++) { r0 += count[ee]; }
+            for (int r = 0; r < rcount[q * El + e]; r++) { pos[n++] = row_pos[r0 + r]; }
+        }
+    }
+    int *perm = (int*)calloc(n + 1, sizeof(int)), *inv = (int*)calloc(n + 1, sizeof(int));
+    int *first = (int*)calloc(El + 1, sizeof(int)), *leaf = (int*)calloc((size_t)El * nleaf, sizeof(int));
+    moe_plan_experts(rcount, pos, Q, El, B, T, perm, inv, first, leaf);
+    int K = 4 * C, OC = C;
+    size_t slice = (size_t)OC * K + OC;
+    float *wd = rand_buf((size_t)n * OC + 1), *wx = rand_buf((size_t)n * K + 1);
+    float *d_wd = dev_floats(wd, (size_t)n * OC + 1), *d_wx = dev_floats(wx, (size_t)n * K + 1);
+    int* d_leaf = dev_ints(leaf, (size_t)El * nleaf);
+    float *dw = zero_buf(Q * slice), *d_dw = (float*)dev_alloc(Q * slice * 4);
+    for (int e = 0; e < El; e++) {
+        moe_expert_dweight(dw, dw + (size_t)OC * K, slice, wd, wx, leaf + (size_t)e * nleaf, Q, B, K, OC);
+        gpu::moe_expert_dweight(d_dw, d_dw + (size_t)OC * K, slice, d_wd, d_wx, d_leaf + (size_t)e * nleaf, Q, B, K, OC);
+        snprintf(what, sizeof(what), "device moe_expert_dweight Q=%d B=%d T=%d expert %d K=%d OC=%d", Q, B, T, e, K, OC);
+        expect_device(what, d_dw, dw, Q * slice);
+    }
+    void* dev[] = {d_probs, d_gates, d_chosen, d_psum, d_row_pos, d_slot_row, d_x, d_rows, d_y, d_out, d_dout, d_dgate,
+                   d_drows, d_daux, d_dlogits, d_drouter, d_wd, d_wx, d_leaf, d_dw};
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) { cudaCheck(cudaFree(dev[i])); }
+    void* host[] = {logits, probs, gates, chosen, count, row_pos, slot_row, cursor, x, rows, y, out, dout, dgate, drows,
+                    daux, dlogits, drouter, rcount, pos, perm, inv, first, leaf, wd, wx, dw};
+    for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) { free(host[i]); }
+}
+
 static void test_device(void) {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
@@ -1304,6 +1399,9 @@ static void test_device(void) {
     printf("device checks on %s\n", prop.name);
     int before = failures;
     test_device_det();
+    test_device_moe(2, 5, 4, 2, 7, 2);
+    test_device_moe(3, 16, 8, 1, 32, 4);
+    test_device_moe(1, 9, 3, 3, 20, 1);
     printf("deterministic kernels: %s\n", failures == before ? "bit-identical to train_gpt2.c" : "MISMATCHES above");
 #ifdef __CUDACC__
     before = failures;

@@ -9,6 +9,11 @@
  *  3. gradient accumulation: one microbatch of B=4 sequences, two of B=2 and four of B=1,
  *     combined by the trainer's microbatch tree, give bit-identical gradients and loss (the
  *     canonical order promises it for power-of-two microbatch counts).
+ *  4. 1 and 2 again for a mixture-of-experts model (llmc/moe.h: router, top-k with
+ *     renormalised gates, E expert MLPs, the load-balancing loss added to the loss): the
+ *     reference routes in double and adds alpha*E*sum f_e P_e per layer (f held constant, as
+ *     its derivative is 0 wherever the choice does not flip; the test checks no choice is
+ *     within reach of the finite-difference step).
  * Exits non-zero on any failure.
  */
 #define TESTING
@@ -51,7 +56,52 @@ static double ref_gelu(double x) {
     return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
 }
 
-// Mean cross-entropy over the B*T positions; probs_out (B,T,V) if not NULL.
+// The smallest gap between a chosen expert's probability and an unchosen one's, over every
+// position and layer of the last forward: the room the finite differences have.
+static double ref_route_gap;
+
+// Layer l's mixture of experts at one position: out (C) from x (C); p (E) the router's
+// probabilities, chosen (k) marked in `taken` (E).
+static void ref_moe(const RefModel* m, int l, const double* x, double* out, double* p, int* taken) {
+    const GPT2Config* c = m->c;
+    int C = c->channels, E = c->num_experts, k = c->top_k;
+    double maxl = -1e300, z = 0, s = 0;
+    for (int e = 0; e < E; e++) {
+        p[e] = 0;
+        for (int i = 0; i < C; i++) { p[e] += refp(m, P_ROUTERW, l)[(size_t)e * C + i] * x[i]; }
+        if (p[e] > maxl) { maxl = p[e]; }
+        taken[e] = 0;
+    }
+    for (int e = 0; e < E; e++) { p[e] = exp(p[e] - maxl); z += p[e]; }
+    for (int e = 0; e < E; e++) { p[e] /= z; }
+    for (int j = 0; j < k; j++) {   // the largest untaken, ties to the lower index
+        int best = -1;
+        for (int e = 0; e < E; e++) { if (!taken[e] && (best < 0 || p[e] > p[best])) { best = e; } }
+        taken[best] = 1;
+        s += p[best];
+    }
+    double lowest_taken = 1, highest_left = 0;
+    for (int e = 0; e < E; e++) {
+        if (taken[e] && p[e] < lowest_taken) { lowest_taken = p[e]; }
+        if (!taken[e] && p[e] > highest_left) { highest_left = p[e]; }
+    }
+    if (k < E && lowest_taken - highest_left < ref_route_gap) { ref_route_gap = lowest_taken - highest_left; }
+    double* h = calloc((size_t)4 * C, sizeof(double));
+    double* y = calloc((size_t)C, sizeof(double));
+    for (int i = 0; i < C; i++) { out[i] = 0; }
+    for (int e = 0; e < E; e++) {
+        if (!taken[e]) { continue; }
+        ref_linear(h, x, refp(m, P_FCW, l) + (size_t)e * 4 * C * C, refp(m, P_FCB, l) + (size_t)e * 4 * C, C, 4 * C);
+        for (int i = 0; i < 4 * C; i++) { h[i] = ref_gelu(h[i]); }
+        ref_linear(y, h, refp(m, P_FCPROJW, l) + (size_t)e * C * 4 * C, refp(m, P_FCPROJB, l) + (size_t)e * C, 4 * C, C);
+        for (int i = 0; i < C; i++) { out[i] += p[e] / s * y[i]; }
+    }
+    free(h);
+    free(y);
+}
+
+// Mean cross-entropy over the B*T positions, plus each layer's load-balancing loss when the
+// model has experts; probs_out (B,T,V) if not NULL.
 static double ref_forward(const RefModel* m, const int* inp, const int* tgt, int B, int T, double* probs_out) {
     const GPT2Config* c = m->c;
     int C = c->channels, NH = c->num_heads, hs = C / NH, V = c->vocab_size, L = c->num_layers;
@@ -63,6 +113,13 @@ static double ref_forward(const RefModel* m, const int* inp, const int* tgt, int
     double* h = calloc((size_t)BT * 4 * C, sizeof(double));
     double* tmp = calloc((size_t)4 * C, sizeof(double));
     double* logits = calloc((size_t)V, sizeof(double));
+    int E = c->num_experts;
+    double* p = calloc((size_t)E + 1, sizeof(double));
+    double* psum = calloc((size_t)E + 1, sizeof(double));
+    int* taken = calloc((size_t)E + 1, sizeof(int));
+    int* count = calloc((size_t)E + 1, sizeof(int));
+    double aux = 0;
+    ref_route_gap = 1;
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < T; t++) {
             for (int i = 0; i < C; i++) {
@@ -104,6 +161,18 @@ static double ref_forward(const RefModel* m, const int* inp, const int* tgt, int
             ref_linear(tmp, y + (size_t)i * C, refp(m, P_ATTPROJW, l), refp(m, P_ATTPROJB, l), C, C);
             for (int j = 0; j < C; j++) { x[(size_t)i * C + j] += tmp[j]; }
             ref_layernorm(ln + (size_t)i * C, x + (size_t)i * C, refp(m, P_LN2W, l), refp(m, P_LN2B, l), C);
+            if (E > 0) {
+                if (i == 0) { for (int e = 0; e < E; e++) { psum[e] = 0; count[e] = 0; } }
+                ref_moe(m, l, ln + (size_t)i * C, tmp, p, taken);
+                for (int e = 0; e < E; e++) { psum[e] += p[e]; count[e] += taken[e]; }
+                for (int j = 0; j < C; j++) { x[(size_t)i * C + j] += tmp[j]; }
+                if (i == BT - 1) {   // Switch Transformer: alpha E sum_e f_e P_e
+                    double s = 0;
+                    for (int e = 0; e < E; e++) { s += (double)count[e] / ((double)c->top_k * BT) * (psum[e] / BT); }
+                    aux += (double)c->aux_loss_coef * E * s;
+                }
+                continue;
+            }
             ref_linear(h + (size_t)i * 4 * C, ln + (size_t)i * C, refp(m, P_FCW, l), refp(m, P_FCB, l), C, 4 * C);
             for (int j = 0; j < 4 * C; j++) { h[(size_t)i * 4 * C + j] = ref_gelu(h[(size_t)i * 4 * C + j]); }
             ref_linear(tmp, h + (size_t)i * 4 * C, refp(m, P_FCPROJW, l), refp(m, P_FCPROJB, l), 4 * C, C);
@@ -121,7 +190,8 @@ static double ref_forward(const RefModel* m, const int* inp, const int* tgt, int
         if (tgt) { loss += -(logits[tgt[i]] - maxl - log(z)); }
     }
     free(x); free(ln); free(qkv); free(y); free(h); free(tmp); free(logits);
-    return loss / BT;
+    free(p); free(psum); free(taken); free(count);
+    return loss / BT + aux;
 }
 
 // --- helpers ------------------------------------------------------------------------------
@@ -182,16 +252,29 @@ static float step_grads(GPT2* model, Activations* a, ActivationGrads* g, const i
     return canon_tree_sum(losses, M, 1);
 }
 
-int main(int argc, char** argv) {
-    Comm comm;   // a single rank: the test runs without mpirun
-    comm_init(&comm, &argc, &argv);
-    GPT2Config c = {.max_seq_len = 8, .vocab_size = 23, .padded_vocab_size = padded_vocab(23),
-                    .num_layers = 2, .num_heads = 2, .channels = 16};
-    float* params = gpt2_random_params(&c, 7);
+// The step's gradient in canonical (MEMORY) order, P floats: every unit's pieces put in place
+// (the expert units are not in canonical order in the gradient buffer; wte has both halves).
+static void full_grads(Zero* z, float* out) {
+    for (int u = 0; u < z->lay.num_all; u++) {
+        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) { continue; }
+        ZeroScatterCtx ctx = {out, u == ZERO_WTE ? zero_wte_grad_at(z, 0) : zero_grad_at(z, u, 0)};
+        for (int k = 0; k < z->lay.npieces[u]; k++) {
+            const TPPiece* p = &z->lay.pieces[u][k];
+            tp_piece_runs(p, 0, 1, 0, tp_piece_elements(p), zero_scatter_run, &ctx);
+        }
+    }
+}
+
+// 1 and 2 for the model of configuration c: the forward against the double reference, every
+// parameter's gradient against central finite differences.
+static void check_model(Comm* comm, GPT2Config c, uint64_t seed, const char* name) {
+    printf("== %s: L=%d C=%d NH=%d V=%d E=%d k=%d alpha %g\n", name, c.num_layers, c.channels, c.num_heads,
+           c.vocab_size, c.num_experts, c.top_k, c.aux_loss_coef);
+    float* params = gpt2_random_params(&c, seed);
     random_params(params, &c);
     GPT2 model;
     Zero zero;
-    model_on_one_rank(&model, &zero, &c, params, 1, &comm);
+    model_on_one_rank(&model, &zero, &c, params, 1, comm);
     int B = 2, T = 5, BT = B * T;   // T < maxT and T not a multiple of the 8 chunks
     int inp[64], tgt[64];
     for (int i = 0; i < BT; i++) {
@@ -212,9 +295,13 @@ int main(int argc, char** argv) {
     // 1. forward
     double* probs_ref = malloc(sizeof(double) * BT * c.vocab_size);
     double loss_ref = ref_forward(&ref, inp, tgt, B, T, probs_ref);
+    double gap = ref_route_gap;
     zero_begin_microbatch(&zero, 0, 0);
     gpt2_forward(&model, &acts, inp, tgt, B, T, 1);
     float loss = position_sum(acts.losses, B, T) / (float)BT;
+    float aux = 0.0f;
+    for (int l = 0; c.num_experts > 0 && l < c.num_layers; l++) { aux = aux + acts.moe[l].aux; }
+    loss = loss + aux;
     double max_prob_err = 0;
     for (int i = 0; i < BT; i++) {
         for (int v = 0; v < c.vocab_size; v++) {
@@ -225,17 +312,23 @@ int main(int argc, char** argv) {
     gpt2_backward(&model, &acts, &ag, B, T, 1.0f / (float)BT, BACKWARD_BOTH);
     zero_end_microbatch(&zero);
     zero_finish_grads(&zero);
-    const float* grads = zero.grads;
-    printf("forward: loss float %.9g double %.12g (rel err %.2e), max |prob err| %.2e\n", loss,
+    float* grads = malloc(sizeof(float) * P);
+    full_grads(&zero, grads);
+    printf("forward: loss float %.9g double %.12g (rel err %.2e), max |prob err| %.2e", loss,
            loss_ref, fabs(loss - loss_ref) / loss_ref, max_prob_err);
+    if (c.num_experts > 0) { printf(", aux %.6g, smallest routing gap %.3g", aux, gap); }
+    printf("\n");
     // float32 has 24 bits: a loss of ~3 computed through 2 layers is good to a few 1e-7
     CHECK(fabs(loss - loss_ref) <= 2e-6 * loss_ref, "loss %.9g vs double %.12g", loss, loss_ref);
     CHECK(max_prob_err <= 2e-6, "probabilities differ from the double reference by %.3g", max_prob_err);
+    // a step of 1e-5 moves a probability by less than 1e-4: no choice flips in the differences
+    CHECK(c.num_experts == 0 || gap > 1e-4, "a routing choice is within %.3g of flipping: pick another seed", gap);
 
     // 2. gradients, every parameter, central differences in double
     double h = 1e-5;
     double worst_rel = 0;
     for (int t = 0; t < NUM_PARAMETER_TENSORS; t++) {
+        if (param_tensor_elements(&c, t) == 0) { continue; }   // the dense model's router
         int layers = param_is_layer_tensor(t) ? c.num_layers : 1;
         double max_abs_fd = 0, max_err = 0, err2 = 0, fd2 = 0;
         for (int l = 0; l < layers; l++) {
@@ -261,12 +354,45 @@ int main(int argc, char** argv) {
                max_abs_fd, max_err, rel);
         // float32 backward vs O(h^2)+roundoff-accurate differences: errors of a few 1e-7
         // relative to the tensor's largest gradient are float rounding; 1e-5 is 20x that.
-        CHECK(max_err <= 1e-5 * max_abs_fd + 1e-9, "gradient of %s: max error %.3g (max |fd| %.3g)",
+        CHECK(max_err <= 1e-5 * max_abs_fd + 1e-9, "%s: gradient of %s: max error %.3g (max |fd| %.3g)", name,
               param_tensor_names[t], max_err, max_abs_fd);
-        CHECK(max_abs_fd > 0 || t == P_WPE, "gradient of %s is identically zero: the check proves nothing",
+        CHECK(max_abs_fd > 0 || t == P_WPE, "%s: gradient of %s is identically zero: the check proves nothing", name,
               param_tensor_names[t]);
     }
     printf("gradient check: worst tensor relative L2 error %.2e\n", worst_rel);
+    activations_free(&model, &acts);
+    activation_grads_free(&model, &ag);
+    model_free(&model, &zero);
+    free(grads);
+    free(probs_ref);
+    free(pd);
+    free(params);
+}
+
+int main(int argc, char** argv) {
+    Comm comm;   // a single rank: the test runs without mpirun
+    comm_init(&comm, &argc, &argv);
+    GPT2Config c = {.max_seq_len = 8, .vocab_size = 23, .padded_vocab_size = padded_vocab(23),
+                    .num_layers = 2, .num_heads = 2, .channels = 16};
+    check_model(&comm, c, 7, "dense GPT-2");
+    // 4 experts, top 2, and an alpha large enough that the load-balancing loss's gradient
+    // is a visible part of the router's
+    GPT2Config moe = c;
+    moe.num_experts = 4;
+    moe.top_k = 2;
+    moe.aux_loss_coef = 0.1f;
+    check_model(&comm, moe, 7, "mixture of experts");
+    int T = 5;
+    float* params = gpt2_random_params(&c, 7);
+    random_params(params, &c);
+    size_t P = param_count(&c);
+    GPT2 model;
+    Zero zero;
+    model_on_one_rank(&model, &zero, &c, params, 1, &comm);
+    Activations acts;
+    ActivationGrads ag;
+    activations_alloc(&acts, &model, 4, T, 1, 0, 0);
+    activation_grads_alloc(&ag, &model, 4, T, 0);
 
     // 3. microbatches: B=4 once vs B=2 twice vs B=1 four times (same 4 sequences)
     int inp4[4 * 5], tgt4[4 * 5];
@@ -302,8 +428,6 @@ int main(int argc, char** argv) {
     activation_grads_free(&model, &ag);
     model_free(&model, &zero);
     free(reference);
-    free(probs_ref);
-    free(pd);
     free(params);
     comm_finalize(&comm);
 

@@ -568,6 +568,151 @@ static void test_encoder_backward(int B, int T, int C, int V, int maxT) {
     free(inp); free(dout); free(dwte); free(dwpe); free(wdwte); free(wdwpe); free(masked);
 }
 
+// --- mixture of experts (llmc/moe.h) --------------------------------------------------------
+
+// The router from its definition: max, exps, Z = R2 over E, p = e / Z; the k largest p with
+// ties to the lower index (a stable sort by p, descending), listed ascending; gates p / S with
+// S summed in that order.
+static void ref_router(float* p, int* chosen, float* gates, const float* logits, int E, int k) {
+    float maxv = -INFINITY;
+    for (int e = 0; e < E; e++) { maxv = logits[e] > maxv ? logits[e] : maxv; }
+    float* ex = malloc(sizeof(float) * E);
+    for (int e = 0; e < E; e++) { ex[e] = canon_expf(logits[e] - maxv); }
+    float partial[CANON_R];
+    for (int c = 0; c < CANON_R; c++) {
+        float acc = 0.0f;
+        for (long e = (long)E * c / CANON_R; e < (long)E * (c + 1) / CANON_R; e++) { acc = acc + ex[e]; }
+        partial[c] = acc;
+    }
+    float z = r1(partial, CANON_R);
+    int* order = malloc(sizeof(int) * E);
+    for (int e = 0; e < E; e++) {
+        p[e] = ex[e] / z;
+        int m = e;   // insertion: after every earlier expert with a probability >= p[e]
+        while (m > 0 && p[order[m - 1]] < p[e]) { order[m] = order[m - 1]; m--; }
+        order[m] = e;
+    }
+    for (int j = 0; j < k; j++) { chosen[j] = order[j]; }
+    for (int j = 0; j < k; j++) {
+        for (int m = j + 1; m < k; m++) { if (chosen[m] < chosen[j]) { int t = chosen[j]; chosen[j] = chosen[m]; chosen[m] = t; } }
+    }
+    float s = 0.0f;
+    for (int j = 0; j < k; j++) { s = s + p[chosen[j]]; }
+    for (int j = 0; j < k; j++) { gates[j] = p[chosen[j]] / s; }
+    free(ex);
+    free(order);
+}
+
+// Q source microbatches of B x T positions, each position routed to k of E experts; this rank
+// holds experts [0, El). The weight gradients of each local expert per source against R3 over
+// the source's positions written out with the positions not routed skipped; the router and the
+// combine against their definitions.
+static void test_moe(int Q, int B, int T, int E, int El, int k, int K, int OC) {
+    char what[160];
+    int BT = B * T;
+    uint64_t s = 1234 + Q * 7 + B * 11 + T;
+    // the router: every position's logits, a few with ties
+    float* logits = rand_buf((size_t)BT * E);
+    for (int i = 0; i < BT; i += 3) { logits[(size_t)i * E + E - 1] = logits[(size_t)i * E]; }
+    if (E > 2) { for (int e = 0; e < E; e++) { logits[e] = 0.5f; } }   // position 0: all tied
+    float *p = malloc(sizeof(float) * BT * E), *pr = malloc(sizeof(float) * BT * E);
+    int *ch = malloc(sizeof(int) * BT * k), *chr = malloc(sizeof(int) * BT * k);
+    float *g = malloc(sizeof(float) * BT * k), *gr = malloc(sizeof(float) * BT * k);
+    moe_router_forward(p, ch, g, logits, BT, E, k);
+    for (int i = 0; i < BT; i++) { ref_router(pr + (size_t)i * E, chr + (size_t)i * k, gr + (size_t)i * k, logits + (size_t)i * E, E, k); }
+    snprintf(what, sizeof(what), "moe_router_forward BT=%d E=%d k=%d", BT, E, k);
+    expect_same(what, p, pr, (size_t)BT * E);
+    expect_same(what, g, gr, (size_t)BT * k);
+    checks++;
+    if (memcmp(ch, chr, sizeof(int) * BT * k) != 0) { failures++; printf("FAIL %s: the chosen experts differ\n", what); }
+    // the combine: out = sum_j fmaf(gate_j, y_j, .) in ascending expert order
+    float* y = rand_buf((size_t)BT * k * OC);
+    int* slot_row = malloc(sizeof(int) * BT * k);
+    for (int i = 0; i < BT * k; i++) { slot_row[i] = (i * 7 + 3) % (BT * k); }
+    float *out = malloc(sizeof(float) * BT * OC), *outr = malloc(sizeof(float) * BT * OC);
+    moe_combine(out, y, g, slot_row, BT, k, OC);
+    for (int i = 0; i < BT; i++) {
+        for (int c = 0; c < OC; c++) {
+            float acc = 0.0f;
+            for (int j = 0; j < k; j++) { acc = fmaf(g[i * k + j], y[(size_t)slot_row[i * k + j] * OC + c], acc); }
+            outr[(size_t)i * OC + c] = acc;
+        }
+    }
+    snprintf(what, sizeof(what), "moe_combine BT=%d k=%d C=%d", BT, k, OC);
+    expect_same(what, out, outr, (size_t)BT * OC);
+    // the choices of Q sources, and what this rank's El experts receive from them
+    int* count = calloc((size_t)Q * E, sizeof(int));
+    int* pos = malloc(sizeof(int) * Q * BT * k);
+    int n = 0;
+    for (int q = 0; q < Q; q++) {
+        int* chosen = malloc(sizeof(int) * BT * k);
+        for (int i = 0; i < BT; i++) {   // k distinct experts, some sequences never reaching expert 0
+            for (int j = 0; j < k; j++) {
+                int e;
+                do { e = (int)(random_u32(&s) % E); } while (i / T == 1 && e == 0 && E > k);
+                int dup = 0;
+                for (int m = 0; m < j; m++) { dup |= chosen[i * k + m] == e; }
+                if (dup) { j--; continue; }
+                chosen[i * k + j] = e;
+            }
+        }
+        int *cnt = malloc(sizeof(int) * E), *row_pos = malloc(sizeof(int) * BT * k), *sr = malloc(sizeof(int) * BT * k);
+        int* cursor = malloc(sizeof(int) * E);
+        moe_plan_routes(chosen, BT, k, E, cnt, row_pos, sr, cursor);
+        int first = 0;   // rows of experts [0, El) lead the dispatch order
+        for (int e = 0; e < El; e++) { count[q * El + e] = cnt[e]; first += cnt[e]; }
+        for (int r = 0; r < first; r++) { pos[n++] = row_pos[r]; }
+        free(chosen); free(cnt); free(row_pos); free(sr); free(cursor);
+    }
+    int nleaf = Q * B * CANON_R + 1;
+    int *perm = malloc(sizeof(int) * (n + 1)), *inv = malloc(sizeof(int) * (n + 1)), *efirst = malloc(sizeof(int) * (El + 1));
+    int* leaf = malloc(sizeof(int) * El * nleaf);
+    moe_plan_experts(count, pos, Q, El, B, T, perm, inv, efirst, leaf);
+    float *dout = rand_buf((size_t)n * OC), *x = rand_buf((size_t)n * K);
+    size_t slice = (size_t)OC * K + OC;
+    float *dw = malloc(sizeof(float) * Q * slice), *dwn = malloc(sizeof(float) * Q * slice), *dwr = malloc(sizeof(float) * Q * slice);
+    for (int e = 0; e < El; e++) {
+        moe_expert_dweight(dw, dw + (size_t)OC * K, slice, dout, x, leaf + (size_t)e * nleaf, Q, B, K, OC);
+        moe_expert_dweight_naive(dwn, dwn + (size_t)OC * K, slice, dout, x, leaf + (size_t)e * nleaf, Q, B, K, OC);
+        // the reference: per source, R3 over its positions, the rows routed to e taking part
+        for (int q = 0; q < Q; q++) {
+            int* row_at = malloc(sizeof(int) * BT);   // the work row of position pos, or -1
+            for (int i = 0; i < BT; i++) { row_at[i] = -1; }
+            int r0 = 0;
+            for (int qq = 0; qq < q; qq++) { for (int ee = 0; ee < El; ee++) { r0 += count[qq * El + ee]; } }
+            for (int ee = 0; ee < e; ee++) { r0 += count[q * El + ee]; }
+            for (int r = r0; r < r0 + count[q * El + e]; r++) { row_at[pos[r]] = inv[r]; }
+            for (int o = 0; o < OC; o++) {
+                for (int kk = -1; kk < K; kk++) {
+                    float seq[64];
+                    for (int b = 0; b < B; b++) {
+                        float partial[CANON_R];
+                        for (int c = 0; c < CANON_R; c++) {
+                            float acc = 0.0f;
+                            for (long t = (long)T * c / CANON_R; t < (long)T * (c + 1) / CANON_R; t++) {
+                                int w = row_at[b * T + t];
+                                if (w < 0) { continue; }
+                                acc = kk < 0 ? acc + dout[(size_t)w * OC + o] : fmaf(dout[(size_t)w * OC + o], x[(size_t)w * K + kk], acc);
+                            }
+                            partial[c] = acc;
+                        }
+                        seq[b] = r1(partial, CANON_R);
+                    }
+                    dwr[q * slice + (kk < 0 ? (size_t)OC * K + o : (size_t)o * K + kk)] = r1(seq, B);
+                }
+            }
+            free(row_at);
+        }
+        snprintf(what, sizeof(what), "moe_expert_dweight Q=%d B=%d T=%d expert %d of %d K=%d OC=%d", Q, B, T, e, El, K, OC);
+        expect_same(what, dw, dwr, Q * slice);
+        snprintf(what, sizeof(what), "moe_expert_dweight_naive Q=%d B=%d T=%d expert %d K=%d OC=%d", Q, B, T, e, K, OC);
+        expect_same(what, dwn, dwr, Q * slice);
+    }
+    free(logits); free(p); free(pr); free(ch); free(chr); free(g); free(gr); free(y); free(slot_row); free(out);
+    free(outr); free(count); free(pos); free(perm); free(inv); free(efirst); free(leaf); free(dout); free(x);
+    free(dw); free(dwn); free(dwr);
+}
+
 int main(void) {
     int shapes[][5] = {   // B, T, K, OC, groups
         {1, 1, 1, 1, 1}, {1, 5, 7, 5, 1}, {2, 3, 16, 6, 1}, {3, 11, 40, 13, 1}, {2, 17, 33, 48, 3},
@@ -591,6 +736,10 @@ int main(void) {
     test_crossentropy(2, 1000, 1024);
     test_encoder_backward(2, 5, 7, 9, 8);
     test_encoder_backward(3, 13, 20, 30, 16);
+    test_moe(1, 2, 5, 4, 4, 2, 7, 5);      // one rank, T < 8 chunks
+    test_moe(2, 3, 16, 8, 4, 2, 33, 13);   // two sources, columns past a vector
+    test_moe(4, 2, 11, 8, 2, 1, 64, 6);    // four sources, top 1
+    test_moe(2, 2, 9, 3, 3, 3, 20, 9);     // every expert chosen
     printf("%d kernel checks (%s kernels), %d failed\n", checks, LLMC_SIMD_NAME, failures);
     return failures ? 1 : 0;
 }

@@ -2,7 +2,8 @@
 # The test drivers and the trainer run clean under AddressSanitizer + UndefinedBehaviorSanitizer
 # with leak checking (mk/sanitize.mk builds them in build/asan/, single-process, no MPI, so every
 # allocation is ours): the unit tests, the token writer, the tensor-parallel operators on one
-# rank, and train_gpt2 through validation, sampling, checkpoints, a resume and a bad input.
+# rank, and train_gpt2 through validation, sampling, checkpoints, a resume and a bad input (and
+# a mixture-of-experts model's training, validation, sampling and checkpoints).
 # Any sanitizer report fails the program, and so this test.
 set -u
 cd "$(dirname "$0")/../.."
@@ -38,3 +39,5 @@ build/asan/train_gpt2 -e d2c32h2v64t32 -i "$W/bad.bin" -j "$W/val.bin" -t 16 -x 
   && fail "a bad token file was accepted"
 grep -q "ERROR: AddressSanitizer\|ERROR: LeakSanitizer\|runtime error:" "$W/bad.log" && { cat "$W/bad.log"; fail "sanitizer report on a bad input"; }
 pass "train_gpt2: training, validation, sampling, checkpoints, resume, a bad input"
+san moe "${T[@]}" -e d2c32h2v64t32e4k2 -x 3 -n 3 -r 0 -o "$W/moe"
+pass "train_gpt2 with a mixture of experts: training, validation, sampling, checkpoints"

@@ -8,6 +8,9 @@
  *                                  model as a bf16 (version 5) file, OUT3 = its values
  *                                  rounded to bf16 but stored as fp32 (what loading OUT5 must
  *                                  give)
+ *   testdata moe-skew IN OUT E     from a mixture-of-experts checkpoint IN: OUT, in which every
+ *                                  position's router prefers expert E (ln2 outputs its bias
+ *                                  for every position, and only E's router row sees it)
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -15,6 +18,7 @@
 #include <string.h>
 #include "llmc/utils.h"
 #include "llmc/rand.h"
+#include "llmc/checkpoint.h"
 
 static uint16_t to_bf16(float f) {   // round to nearest even
     uint32_t u;
@@ -78,5 +82,26 @@ int main(int argc, char** argv) {
         free(h);
         return 0;
     }
-    fatal("usage: testdata tokens OUT N V SEED | testdata bf16 IN OUT5 OUT3");
+    if (argc == 5 && strcmp(argv[1], "moe-skew") == 0) {
+        GPT2Config c;
+        float* p = checkpoint_read_model(argv[2], &c);
+        int target = atoi(argv[4]);
+        if (c.num_experts < 1 || target < 0 || target >= c.num_experts) {
+            fatal("moe-skew: '%s' has %d experts; expert %d does not exist", argv[2], c.num_experts, target);
+        }
+        size_t C = (size_t)c.channels;
+        for (int l = 0; l < c.num_layers; l++) {
+            for (size_t i = 0; i < C; i++) {
+                p[param_offset(&c, P_LN2W, l) + i] = 0.0f;
+                p[param_offset(&c, P_LN2B, l) + i] = 1.0f;
+            }
+            for (size_t i = 0; i < (size_t)c.num_experts * C; i++) {
+                p[param_offset(&c, P_ROUTERW, l) + i] = i / C == (size_t)target ? 0.1f : 0.0f;
+            }
+        }
+        checkpoint_write_model(argv[3], &c, p);
+        free(p);
+        return 0;
+    }
+    fatal("usage: testdata tokens OUT N V SEED | testdata bf16 IN OUT5 OUT3 | testdata moe-skew IN OUT EXPERT");
 }

@@ -511,6 +511,10 @@ static void cmd_export(int argc, char** argv) {
     const char* out = argv[1];
     GPT2Config c;
     float* params = checkpoint_read_model(in, &c);
+    if (c.num_experts > 0) {
+        fatal("export: '%s' is a mixture-of-experts model (E=%d), which Hugging Face's GPT-2 layout cannot hold", in,
+              c.num_experts);
+    }
     int n = 4 + NUM_LAYER_TENSORS * c.num_layers;
     StWriteTensor* wt = (StWriteTensor*)calloc_or_die((size_t)n, sizeof(StWriteTensor), "tensor list");
     char (*names)[64] = (char (*)[64])calloc_or_die((size_t)n, 64, "tensor names");
@@ -518,6 +522,7 @@ static void cmd_export(int argc, char** argv) {
     int* layer = (int*)malloc_or_die((size_t)n * sizeof(int), "tensor list");
     int k = 0;
     for (int t = 0; t < NUM_PARAMETER_TENSORS; t++) {
+        if (t == P_ROUTERW) { continue; }   // the dense model has none
         int layers = param_is_layer_tensor(t) ? c.num_layers : 1;
         for (int l = 0; l < layers; l++, k++) {
             hf_name(t, l, names[k], sizeof(names[k]));

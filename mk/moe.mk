@@ -1,0 +1,9 @@
+# Mixture of experts and expert parallelism (llmc/moe.h, llmc/expert_parallel.h): the
+# end-to-end test, one rank against every expert-parallel layout (dev/test/test_moe.sh; the
+# gradient check is test_gpt2's, the kernels test_kernels' and test_cuda_kernels_emu's).
+TESTS += dev/test/test_moe.sh
+
+# the benchmark: d4 dense against d4 with 8 experts top 2 (a table, not a test)
+.PHONY: bench-moe
+bench-moe: train_gpt2
+	dev/bench/bench_moe.sh
