@@ -86,10 +86,10 @@ void encoder_add_positions(float* out, const float* wpe, int B, int T, int C) {
 
 // dwte_emb (Vl,C) for the vocabulary rows [v0, v0 + Vl), dwpe (maxT,C) <- dout (B,T,C). Both
 // are R3 reductions over positions:
-// dwpe[t] gets one term per sequence (its R2 chunk sum is 0.0f + dout[b,t]), combined by the
-// R1 tree over sequences; dwte_emb[v] sums the positions holding token v: per sequence the R2
-// chunk sums over t (0.0f for chunks without v), then R1 over sequences. Rows of tokens not
-// in the batch are 0. Every element is written (no accumulation into old values).
+// dwpe[t] gets one term per sequence (its chunk sum is 0.0f + dout[b,t]), combined by the
+// R1 tree over sequences; dwte_emb[v] sums the positions holding token v: per sequence the
+// R2Z chunk sums over t (0.0f for chunks without v), then R1 over sequences. Rows of tokens
+// not in the batch are 0. Every element is written (no accumulation into old values).
 void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int* inp,
                       int B, int T, int C, int v0, int Vl, int maxT) {
     #pragma omp parallel for
@@ -143,16 +143,24 @@ void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int
 #endif
         float* stack = stacks + (size_t)tid * depth * C;
         int top = 0;
-        int next = begin;   // next position of token v, in (b, t) order
+        int next = begin;   // first position of token v in sequence b, in (b, t) order
         for (int b = 0; b < B; b++) {
+            // piece_at[p]: the first of v's positions in sequence b at or past piece p of 16
+            int piece_at[2 * CANON_R + 1];
+            for (int p = 0; p <= 2 * CANON_R; p++) {
+                long start = (long)b * T + canon_piece_begin(T, 2 * CANON_R, p);
+                while (next < end && order[next] < start) { next++; }
+                piece_at[p] = next;
+            }
             for (int ch = 0; ch < CANON_R; ch++) {
-                int t_end = (int)canon_chunk_begin(T, ch + 1);
                 float* acc = stack + (size_t)top * C;
                 for (int c = 0; c < C; c++) { acc[c] = 0.0f; }
-                while (next < end && order[next] < b * T + t_end) {
-                    const float* d = dout + (size_t)order[next] * C;
-                    for (int c = 0; c < C; c++) { acc[c] = acc[c] + d[c]; }
-                    next++;
+                int pieces[2] = {ch, 2 * CANON_R - 1 - ch};
+                for (int half = 0; half < 2; half++) {
+                    for (int i = piece_at[pieces[half]]; i < piece_at[pieces[half] + 1]; i++) {
+                        const float* d = dout + (size_t)order[i] * C;
+                        for (int c = 0; c < C; c++) { acc[c] = acc[c] + d[c]; }
+                    }
                 }
                 top++;
                 for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
@@ -198,11 +206,11 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
 // dres (BT,C) <- dres + dinp_ln, where with n = (x-mean)*rstd, dnorm = dout*weight:
 // dinp_ln = ((dnorm - mean(dnorm)) - n * mean(dnorm*n)) * rstd  (the means are R2 over C).
 // dweight[c] = R3 over positions of dout*n (fmaf), dbias[c] = R3 of dout.  B,T for R3.
-// Under sequence parallelism a rank holds T = T_full/K positions of each sequence, i.e.
-// nchunks = 8/K of every sequence's 8 canonical chunks: then seq_partials (2,B,C) receives
-// each sequence's subtree for dweight and dbias, for the caller to finish over the group and
-// over the sequences (sequence_tree); otherwise (seq_partials NULL, nchunks 8) the R3 is done
-// here.
+// Under sequence (or context) parallelism a rank holds a zig-zag slice of T = T_full/K
+// positions of each sequence, i.e. nchunks = 8/K of every sequence's 8 R2Z chunks: then
+// seq_partials (2,B,C) receives each sequence's subtree for dweight and dbias, for the caller
+// to finish over the group and over the sequences (sequence_tree); otherwise (seq_partials
+// NULL, nchunks 8) the R3 is done here.
 void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
                         const float* inp, const float* weight, const float* mean,
                         const float* rstd, int B, int T, int C, int nchunks, float* seq_partials) {
@@ -244,15 +252,18 @@ void layernorm_backward(float* dres, float* dweight, float* dbias, const float* 
             for (int ch = 0; ch < nchunks; ch++) {
                 float aw[64], ab[64];
                 for (int j = 0; j < cn; j++) { aw[j] = 0.0f; ab[j] = 0.0f; }
-                long tb = ((long)T * ch) / nchunks, te = ((long)T * (ch + 1)) / nchunks;
-                for (long t = tb; t < te; t++) {
-                    size_t i = (size_t)b * T + t;
-                    const float* x = inp + i * C + c0;
-                    const float* dy = dout + i * C + c0;
-                    for (int j = 0; j < cn; j++) {
-                        float n = (x[j] - mean[i]) * rstd[i];
-                        aw[j] = fmaf(dy[j], n, aw[j]);
-                        ab[j] = ab[j] + dy[j];
+                for (int half = 0; half < 2; half++) {
+                    long tb, te;
+                    canon_zz_half(T, nchunks, ch, half, &tb, &te);
+                    for (long t = tb; t < te; t++) {
+                        size_t i = (size_t)b * T + t;
+                        const float* x = inp + i * C + c0;
+                        const float* dy = dout + i * C + c0;
+                        for (int j = 0; j < cn; j++) {
+                            float n = (x[j] - mean[i]) * rstd[i];
+                            aw[j] = fmaf(dy[j], n, aw[j]);
+                            ab[j] = ab[j] + dy[j];
+                        }
                     }
                 }
                 memcpy(sw[top], aw, sizeof(float) * cn);
@@ -438,7 +449,7 @@ void matmul_backward_naive(float* dinp, float* dweight, float* dbias, const floa
         }
     }
     #pragma omp parallel for
-    for (int o = 0; o < OC; o++) {   // dweight, dbias: R3, per sequence the chunks of T, then R1
+    for (int o = 0; o < OC; o++) {   // dweight, dbias: R3, per sequence the R2Z chunks of T, then R1
         for (int k = -1; k < K; k++) {   // k = -1: the bias
             if ((k < 0 && !dbias) || (k >= 0 && !dweight)) { continue; }
             float* seq = (float*)malloc_or_die(sizeof(float) * B, "matmul spec");
@@ -446,9 +457,13 @@ void matmul_backward_naive(float* dinp, float* dweight, float* dbias, const floa
                 float partial[CANON_R];
                 for (int ch = 0; ch < CANON_R; ch++) {
                     float acc = 0.0f;
-                    for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
-                        size_t pos = (size_t)b * T + t;
-                        acc = k < 0 ? acc + dout[pos * OC + o] : fmaf(dout[pos * OC + o], inp[pos * K + k], acc);
+                    for (int half = 0; half < 2; half++) {
+                        long tb, te;
+                        canon_zz_half(T, CANON_R, ch, half, &tb, &te);
+                        for (long t = tb; t < te; t++) {
+                            size_t pos = (size_t)b * T + t;
+                            acc = k < 0 ? acc + dout[pos * OC + o] : fmaf(dout[pos * OC + o], inp[pos * K + k], acc);
+                        }
                     }
                     partial[ch] = acc;
                 }
@@ -609,14 +624,18 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
             _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                 _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_zero(); }
             }
-            for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
-                size_t pos = (size_t)b * T + t;
-                const float* x = inp + pos * K + k0;
-                vf xv[MM_MV];
-                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(x + v * VLEN); }
-                _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                    vf d = vf_set1(dout[pos * OC + o0 + j]);
-                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_fma(d, xv[v], acc[j][v]); }
+            for (int half = 0; half < 2; half++) {
+                long tb, te;
+                canon_zz_half(T, CANON_R, ch, half, &tb, &te);
+                for (long t = tb; t < te; t++) {
+                    size_t pos = (size_t)b * T + t;
+                    const float* x = inp + pos * K + k0;
+                    vf xv[MM_MV];
+                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(x + v * VLEN); }
+                    _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
+                        vf d = vf_set1(dout[pos * OC + o0 + j]);
+                        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_fma(d, xv[v], acc[j][v]); }
+                    }
                 }
             }
             _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
@@ -646,9 +665,13 @@ static float position_reduce_elem(const float* dout, int OC, int o, const float*
     for (int b = 0; b < B; b++) {
         for (int ch = 0; ch < CANON_R; ch++) {
             float acc = 0.0f;
-            for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
-                size_t pos = (size_t)b * T + t;
-                acc = x ? fmaf(dout[pos * OC + o], x[pos * K + k], acc) : acc + dout[pos * OC + o];
+            for (int half = 0; half < 2; half++) {
+                long tb, te;
+                canon_zz_half(T, CANON_R, ch, half, &tb, &te);
+                for (long t = tb; t < te; t++) {
+                    size_t pos = (size_t)b * T + t;
+                    acc = x ? fmaf(dout[pos * OC + o], x[pos * K + k], acc) : acc + dout[pos * OC + o];
+                }
             }
             stack[top++] = acc;
             for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
@@ -709,12 +732,12 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
 // attention, causal, per (b, h) with hs = C/NH:
 //   qkv (B,T,3C) holds q | k | v, head h at channels [h*hs, (h+1)*hs) of each
 //   s[t][t2] = dot(q_t, k_t2) * (1/sqrt(hs))     R2 over hs, for t2 <= t
-//   att[t][t2] = exp(s - max_t2 s) / Z_t,  Z_t = R2 over keys (chunks of T) of the exps
-//   out[t] = R2 over keys t2 <= t of att[t][t2] * v_t2        out (B,T,C), att (B,NH,T,T)
+//   att[t][t2] = exp(s - max_t2 s) / Z_t,  Z_t = R2Z over keys of the exps (the max is exact)
+//   out[t] = R2Z over keys t2 <= t of att[t][t2] * v_t2       out (B,T,C), att (B,NH,T,T)
 // Keys past t are not part of any sum (an empty stretch of a chunk adds nothing).
-// out (n) = R2 over j of w[j] * rows[j] for the j in [lo, hi) of a dimension of length T (the
-// keys, or the queries): chunk c of T accumulates its j's in order with fmaf, the 8 partial
-// rows are combined by R1; positions outside [lo, hi) are not part of the sum.
+// out (n) = R2Z over j of w[j] * rows[j] for the j in [lo, hi) of a dimension of length T (the
+// keys, or the queries): zig-zag chunk c of T accumulates its j's in order with fmaf, the 8
+// partial rows are combined by R1; positions outside [lo, hi) are not part of the sum.
 static void attention_weighted_rows(float* out, const float* w, long wstride, const float* rows,
                                     long rstride, int T, long lo, long hi, int n) {
     float stack[CANON_LOG2_R + 1][256];
@@ -722,11 +745,14 @@ static void attention_weighted_rows(float* out, const float* w, long wstride, co
     for (int ch = 0; ch < CANON_R; ch++) {
         float* acc = stack[top];
         for (int d = 0; d < n; d++) { acc[d] = 0.0f; }
-        long b = canon_chunk_begin(T, ch), e = canon_chunk_begin(T, ch + 1);
-        for (long j = b < lo ? lo : b; j < e && j < hi; j++) {
-            float wj = w[j * wstride];
-            const float* r = rows + j * rstride;
-            for (int d = 0; d < n; d++) { acc[d] = fmaf(wj, r[d], acc[d]); }
+        for (int half = 0; half < 2; half++) {
+            long b, e;
+            canon_zz_half(T, CANON_R, ch, half, &b, &e);
+            for (long j = b < lo ? lo : b; j < e && j < hi; j++) {
+                float wj = w[j * wstride];
+                const float* r = rows + j * rstride;
+                for (int d = 0; d < n; d++) { acc[d] = fmaf(wj, r[d], acc[d]); }
+            }
         }
         top++;
         for (int m = canon_tree_merges_after(ch, CANON_R); m > 0; m--) {
@@ -753,13 +779,14 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
                     a[t2] = canon_dot(q, 1, k, 1, hs) * scale;
                     if (a[t2] > maxv) { maxv = a[t2]; }
                 }
+                for (int t2 = 0; t2 <= t; t2++) { a[t2] = canon_expf(a[t2] - maxv); }
                 float partial[CANON_R];
                 for (int ch = 0; ch < CANON_R; ch++) {
                     float acc = 0.0f;
-                    long end = canon_chunk_begin(T, ch + 1);
-                    for (long t2 = canon_chunk_begin(T, ch); t2 < end && t2 <= t; t2++) {
-                        a[t2] = canon_expf(a[t2] - maxv);
-                        acc = acc + a[t2];
+                    for (int half = 0; half < 2; half++) {
+                        long b0, e0;
+                        canon_zz_half(T, CANON_R, ch, half, &b0, &e0);
+                        for (long t2 = b0; t2 < e0 && t2 <= t; t2++) { acc = acc + a[t2]; }
                     }
                     partial[ch] = acc;
                 }
@@ -775,10 +802,10 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
 
 // Backward, per (b, h):
 //   datt[t][t2] = dot(dout_t, v_t2)                       R2 over hs
-//   S_t = R2 over keys of fmaf(att, datt);  ds = att * (datt - S_t) * scale
-//   dq_t  = R2 over keys t2 <= t of ds[t][t2] * k_t2
-//   dk_t2 = R2 over queries t >= t2 (chunks of T) of ds[t][t2] * q_t
-//   dv_t2 = R2 over queries t >= t2 of att[t][t2] * dout_t          dqkv (B,T,3C) written
+//   S_t = R2Z over keys of fmaf(att, datt);  ds = att * (datt - S_t) * scale
+//   dq_t  = R2Z over keys t2 <= t of ds[t][t2] * k_t2
+//   dk_t2 = R2Z over queries t >= t2 of ds[t][t2] * q_t
+//   dv_t2 = R2Z over queries t >= t2 of att[t][t2] * dout_t         dqkv (B,T,3C) written
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
                         int B, int T, int C, int NH) {
     int hs = C / NH;
@@ -800,9 +827,10 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
                 float partial[CANON_R];
                 for (int ch = 0; ch < CANON_R; ch++) {
                     float acc = 0.0f;
-                    long end = canon_chunk_begin(T, ch + 1);
-                    for (long t2 = canon_chunk_begin(T, ch); t2 < end && t2 <= t; t2++) {
-                        acc = fmaf(at[(size_t)t * T + t2], dst[t2], acc);
+                    for (int half = 0; half < 2; half++) {
+                        long b0, e0;
+                        canon_zz_half(T, CANON_R, ch, half, &b0, &e0);
+                        for (long t2 = b0; t2 < e0 && t2 <= t; t2++) { acc = fmaf(at[(size_t)t * T + t2], dst[t2], acc); }
                     }
                     partial[ch] = acc;
                 }
@@ -823,6 +851,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         }
     }
 }
+
 
 // ------------------------------------------------------------------------------------------
 // GELU (tanh form), elementwise
@@ -1152,11 +1181,24 @@ static LayerTensors layer_unit(const Zero* z, int u, const float* base) {
 // split along T (seq_split > 1); they are the identity / all-reduce of tp_f_* and tp_g_*
 // without it.
 
+// out (B,T/D,C) += wpe at the global positions of rank r's D-way zig-zag slice (canonical.h
+// R2Z): its two stretches per sequence (D = 1: all of T)
+static void add_positions_slice(float* out, const float* wpe, int B, int T, int C, int D, int r) {
+    if (D == 1) { encoder_add_positions(out, wpe, B, T, C); return; }
+    int Tl = T / D, h = Tl / 2;
+    for (int b = 0; b < B; b++) {
+        for (int half = 0; half < 2; half++) {
+            long t0 = canon_zz_global(half * h, T, D, r);
+            encoder_add_positions(out + ((size_t)b * Tl + half * h) * C, wpe + t0 * C, 1, h, C);
+        }
+    }
+}
+
 // (first stage) encoded (B,T,C) = wte[inputs] + wpe (with SP: this rank's positions)
 void embed_forward(GPT2* model, Activations* a, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, Ts = T / a->seq_split, sp = a->seq_split > 1;
+    int C = c->channels, sp = a->seq_split > 1;
     const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
     float* lookup = sp ? a->proj : a->encoded;
     encoder_lookup(lookup, a->inputs, wte, model->v0, model->Vl, B * T, C);
@@ -1169,8 +1211,7 @@ void embed_forward(GPT2* model, Activations* a, int B, int T) {
         comm_all_reduce_sum(model->tp, a->encoded, (size_t)B * T * C, COMM_KIND_TP);
     }
     const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
-    int t0 = sp ? model->tp->rank * Ts : 0;
-    encoder_add_positions(a->encoded, wpe + (size_t)t0 * C, B, Ts, C);
+    add_positions_slice(a->encoded, wpe, B, T, C, a->seq_split, sp ? model->tp->rank : 0);
     zero_params_release(z, ZERO_WPE);
 }
 

@@ -478,7 +478,10 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     if (a->pp > c->num_layers) {
         fatal("--pp %d: the model has only %d layers; every stage needs at least one", a->pp, c->num_layers);
     }
-    if (a->sp && t->T % a->tp != 0) { fatal("--sp 1: the sequence length -t %d must be a multiple of --tp %d", t->T, a->tp); }
+    if (a->sp && t->T % (2 * a->tp) != 0) {
+        fatal("--sp 1: the sequence length -t %d must be a multiple of 2 x --tp %d (each rank holds two stretches "
+              "of every sequence)", t->T, a->tp);
+    }
     t->tokens_per_micro = (long long)t->B * t->T;
     t->total_batch = a->total_batch == -1 ? t->tokens_per_micro * N : a->total_batch;
     if (t->total_batch % (t->tokens_per_micro * N) != 0) {

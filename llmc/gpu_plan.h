@@ -37,7 +37,9 @@ HD float det_load(const void* p, size_t i, int bf16) {
 // with the reduction r walked in tiles of at most DET_KT indices: chunk by chunk (the 8
 // chunks of R2, or a tensor-parallel rank's 8/K of them: `nchunks`), within a chunk group by
 // group (the qkv weight's dinp is chunked per group, see train_gpt2.c matmul_backward),
-// increasing r. A tile never straddles a chunk or group boundary, so each output's terms are
+// increasing r. A reduction along the positions of a sequence (over T, keys or queries) is
+// zig-zag (canonical.h R2Z): its chunk c is walked as two groups, piece c then piece
+// 2*nchunks-1-c. A tile never straddles a chunk or group boundary, so each output's terms are
 // accumulated in exactly the reference order, from 0.0f, with fmaf; when the walk leaves
 // chunk c its partial is pushed into the streaming tree.
 #define DET_MT 128        // rows m of a block tile
@@ -74,17 +76,19 @@ enum {
 
 typedef struct {
     int n;        // length of the reduced dimension
-    int groups;   // its groups (n / groups each); 1 except for the qkv dinp (3)
+    int groups;   // its groups (n / groups each); 1 except for the qkv dinp (3); 2 if zigzag
     int nchunks;  // its chunks: 8, or 8/K for a tensor-parallel rank's share (a power of two)
+    int zigzag;   // R2Z: group 0 of chunk c is piece c, group 1 piece 2*nchunks-1-c
     int lo, hi;   // only r in [lo, hi) can take part in this tile (causal clamp); [0, n) else
 } DetReduction;
 
 // The reduction of a block tile whose rows are m0..m_last.
-HD DetReduction det_tile_reduction(int n, int groups, int nchunks, int causal, int m0, int m_last) {
+HD DetReduction det_tile_reduction(int n, int groups, int nchunks, int zigzag, int causal, int m0, int m_last) {
     DetReduction r;
     r.n = n;
-    r.groups = groups;
+    r.groups = zigzag ? 2 : groups;
     r.nchunks = nchunks;
+    r.zigzag = zigzag;
     r.lo = 0;
     r.hi = n;
     if (causal == DET_CAUSAL_R_LE_M && m_last + 1 < r.hi) { r.hi = m_last + 1; }
@@ -98,11 +102,12 @@ HD int det_term_included(int causal, int r, int m) {
 
 // Indices [*begin, *end) of chunk c, group g (clamped to [lo, hi); may be empty). Chunk c of
 // group g is [g*og + og*c/nchunks, g*og + og*(c+1)/nchunks), og = n / groups, as in
-// train_gpt2.c.
+// train_gpt2.c; zig-zag, group g is stretch g of R2Z chunk c (canon_zz_half).
 HD void det_segment(const DetReduction* r, int c, int g, int* begin, int* end) {
     long og = r->n / r->groups;
     long b = g * og + (og * c) / r->nchunks;
     long e = g * og + (og * (c + 1)) / r->nchunks;
+    if (r->zigzag) { canon_zz_half(r->n, r->nchunks, c, g, &b, &e); }
     if (b < r->lo) { b = r->lo; }
     if (e > r->hi) { e = r->hi; }
     *begin = (int)b;
@@ -159,6 +164,7 @@ typedef struct {
     int M, N, R;         // outputs M x N, reduction length R
     int groups;          // R's chunk groups (the qkv dinp: 3)
     int nchunks;         // R's chunks (8, or a tensor-parallel rank's 8/K)
+    int zigzag;          // R is along a sequence: R2Z chunks
     int zdiv, Z;
     // the kernel variant: a_rc / b_rc: A (B) contiguous along r, else along m (n) (only how
     // tiles are loaded); causal: DET_CAUSAL_*; out_lower: only outputs n <= m exist
@@ -202,11 +208,12 @@ static inline DetGemmArgs det_args_matmul_dinp(float* dinp, const float* dout, c
     return g;
 }
 
-// matmul_backward's dweight per sequence b: seq[b] (OC,K) = R2 over t of dout[b,t,o] * inp[b,t,k]
+// matmul_backward's dweight per sequence b: seq[b] (OC,K) = R2Z over t of dout[b,t,o] * inp[b,t,k]
 // (the R1 tree over b finishes the R3 reduction; with B = 1, seq is dweight itself)
 static inline DetGemmArgs det_args_matmul_dweight(float* seq, const float* dout, const float* inp,
                                                   int B, int T, int K, int OC) {
     DetGemmArgs g = det_gemm_args(OC, K, T, 0, 0, DET_CAUSAL_NONE, 0);
+    g.zigzag = 1;
     g.A = dout;  g.a_zhi = (long)T * OC;  g.a_m = 1;  g.a_r = OC;
     g.B = inp;   g.b_zhi = (long)T * K;   g.b_n = 1;  g.b_r = K;
     g.out = seq; g.o_zhi = (long)OC * K;  g.o_m = K;
@@ -242,13 +249,14 @@ static inline DetGemmArgs det_args_attention_datt(float* ds, const float* dout, 
     return g;
 }
 
-// out rows t of head h (stride ldo) = R2 over key chunks t2 <= t of w[b,h][t][t2] * x rows t2
+// out rows t of head h (stride ldo) = R2Z over keys t2 <= t of w[b,h][t][t2] * x rows t2
 // of head h (stride ldx): the forward's att @ v (x = v) and the backward's ds @ k (x = k)
 static inline DetGemmArgs det_args_attention_by_keys(float* out, long ldo, const float* w, const float* x,
                                                      long ldx, int B, int T, int C, int NH) {
     int hs = C / NH;
     long TT = (long)T * T;
     DetGemmArgs g = det_gemm_args(T, hs, T, 1, 0, DET_CAUSAL_R_LE_M, 0);
+    g.zigzag = 1;
     g.A = w;    g.a_zhi = NH * TT;         g.a_zlo = TT;  g.a_m = T;  g.a_r = 1;
     g.B = x;    g.b_zhi = (long)T * ldx;   g.b_zlo = hs;  g.b_n = 1;  g.b_r = ldx;
     g.out = out; g.o_zhi = (long)T * ldo;  g.o_zlo = hs;  g.o_m = ldo;
@@ -257,13 +265,14 @@ static inline DetGemmArgs det_args_attention_by_keys(float* out, long ldo, const
     return g;
 }
 
-// out rows t2 of head h (stride ldo) = R2 over query chunks t >= t2 of w[b,h][t][t2] * x rows
+// out rows t2 of head h (stride ldo) = R2Z over queries t >= t2 of w[b,h][t][t2] * x rows
 // t of head h (stride ldx): the backward's ds^T @ q (dk) and att^T @ dout (dv)
 static inline DetGemmArgs det_args_attention_by_queries(float* out, long ldo, const float* w, const float* x,
                                                         long ldx, int B, int T, int C, int NH) {
     int hs = C / NH;
     long TT = (long)T * T;
     DetGemmArgs g = det_gemm_args(T, hs, T, 0, 0, DET_CAUSAL_R_GE_M, 0);
+    g.zigzag = 1;
     g.A = w;    g.a_zhi = NH * TT;         g.a_zlo = TT;  g.a_m = 1;  g.a_r = T;
     g.B = x;    g.b_zhi = (long)T * ldx;   g.b_zlo = hs;  g.b_n = 1;  g.b_r = ldx;
     g.out = out; g.o_zhi = (long)T * ldo;  g.o_zlo = hs;  g.o_m = ldo;
@@ -274,10 +283,11 @@ static inline DetGemmArgs det_args_attention_by_queries(float* out, long ldo, co
 
 // ---- reductions over positions (R3) -------------------------------------------------------
 //
-// A position reduction is computed as leaves, one per (sequence b, chunk ch of T), each the
-// sequential sum over its positions from 0.0f, then combined by the R3 tree. Leaf (b, ch) of
-// output o is stored at leaves[(b * nchunks + ch) * stride + o]. nchunks is 8, or 8/K when a
-// sequence-parallel rank holds T/K positions of each sequence (its chunks of the 8).
+// A position reduction is computed as leaves, one per (sequence b, R2Z chunk ch of T), each
+// the sequential sum over its positions from 0.0f, then combined by the R3 tree. Leaf (b, ch)
+// of output o is stored at leaves[(b * nchunks + ch) * stride + o]. nchunks is 8, or 8/K when
+// a sequence-parallel rank holds a zig-zag slice of T/K positions of each sequence (its
+// chunks of the 8).
 
 // The R1 tree over the nchunks leaves of sequence b: the sequence's subtree of the R3 tree.
 HD float det_seq_tree(const float* leaves, int b, int nchunks, long stride) {
@@ -299,15 +309,14 @@ HD float det_pos_tree(const float* leaves, int nseq, int nchunks, long stride) {
     return stack[0];
 }
 
-// First position of chunk ch of nchunks over T (train_gpt2.c: T*ch/nchunks).
-HD long det_pos_chunk_begin(long T, int ch, int nchunks) { return (T * (long)ch) / nchunks; }
-
 // Leaf (b, ch) of sum over positions of x[pos * OC + o] (x: B*T rows of OC; bias gradients,
 // the loss).
 HD float det_position_leaf(const void* x, int bf16, int OC, int o, int b, int T, int ch, int nchunks) {
     float acc = 0.0f;
-    for (long t = det_pos_chunk_begin(T, ch, nchunks); t < det_pos_chunk_begin(T, ch + 1, nchunks); t++) {
-        acc = acc + det_load(x, ((size_t)b * T + t) * OC + o, bf16);
+    for (int half = 0; half < 2; half++) {
+        long tb, te;
+        canon_zz_half(T, nchunks, ch, half, &tb, &te);
+        for (long t = tb; t < te; t++) { acc = acc + det_load(x, ((size_t)b * T + t) * OC + o, bf16); }
     }
     return acc;
 }
@@ -318,12 +327,16 @@ HD void det_ln_param_leaf(const void* x, const void* dy, int bf16, const float* 
                           const float* rstd, int C, int c, int b, int T, int ch, int nchunks,
                           float* leaf_w, float* leaf_b) {
     float aw = 0.0f, ab = 0.0f;
-    for (long t = det_pos_chunk_begin(T, ch, nchunks); t < det_pos_chunk_begin(T, ch + 1, nchunks); t++) {
-        size_t i = (size_t)b * T + t;
-        float d = det_load(dy, i * C + c, bf16);
-        float n = (det_load(x, i * C + c, bf16) - mean[i]) * rstd[i];
-        aw = fmaf(d, n, aw);
-        ab = ab + d;
+    for (int half = 0; half < 2; half++) {
+        long tb, te;
+        canon_zz_half(T, nchunks, ch, half, &tb, &te);
+        for (long t = tb; t < te; t++) {
+            size_t i = (size_t)b * T + t;
+            float d = det_load(dy, i * C + c, bf16);
+            float n = (det_load(x, i * C + c, bf16) - mean[i]) * rstd[i];
+            aw = fmaf(d, n, aw);
+            ab = ab + d;
+        }
     }
     *leaf_w = aw;
     *leaf_b = ab;
@@ -347,7 +360,7 @@ HD float det_encoder_dwpe_elem(const void* dout, int bf16, int B, int T, int C, 
 }
 
 // dwte_emb[v][c] for a token v present in the batch: its positions order[begin..end) in
-// (b, t) order; per sequence the R2 chunk sums over t (0.0f for chunks without v), then R1
+// (b, t) order; per sequence the R2Z chunk sums over t (0.0f for chunks without v), then R1
 // over sequences (R3).
 HD float det_encoder_dwte_elem(const void* dout, int bf16, const int* order, int begin, int end,
                                int B, int T, int C, int c) {
@@ -356,12 +369,19 @@ HD float det_encoder_dwte_elem(const void* dout, int bf16, const int* order, int
     stack[0] = 0.0f;   // the value of an empty reduction (B == 0)
     int next = begin;
     for (int b = 0; b < B; b++) {
+        int piece_at[2 * CANON_R + 1];   // v's first position in sequence b at or past piece p
+        for (int p = 0; p <= 2 * CANON_R; p++) {
+            long start = (long)b * T + canon_piece_begin(T, 2 * CANON_R, p);
+            while (next < end && order[next] < start) { next++; }
+            piece_at[p] = next;
+        }
         for (int ch = 0; ch < CANON_R; ch++) {
-            long t_end = canon_chunk_begin(T, ch + 1);
             float acc = 0.0f;
-            while (next < end && order[next] < (long)b * T + t_end) {
-                acc = acc + det_load(dout, (size_t)order[next] * C + c, bf16);
-                next++;
+            int pieces[2] = {ch, 2 * CANON_R - 1 - ch};
+            for (int half = 0; half < 2; half++) {
+                for (int i = piece_at[pieces[half]]; i < piece_at[pieces[half] + 1]; i++) {
+                    acc = acc + det_load(dout, (size_t)order[i] * C + c, bf16);
+                }
             }
             stack[top++] = acc;
             for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
@@ -386,6 +406,18 @@ HD float det_chunk_sum(const float* x, long begin, long end) {
 HD float det_chunk_dot(const float* a, const float* b, long begin, long end) {
     float acc = 0.0f;
     for (long i = begin; i < end; i++) { acc = fmaf(a[i], b[i], acc); }
+    return acc;
+}
+
+// An attention row's R2Z chunk c over the keys t2 <= t (of T): the sum of a[t2] (b NULL), or
+// the fmaf-accumulated dot product of a and b, from 0.0f, piece c then piece 15-c
+HD float det_zz_chunk_row(const float* a, const float* b, long T, int c, long t) {
+    float acc = 0.0f;
+    for (int half = 0; half < 2; half++) {
+        long kb, ke;
+        canon_zz_half(T, CANON_R, c, half, &kb, &ke);
+        for (long t2 = kb; t2 < ke && t2 <= t; t2++) { acc = b ? fmaf(a[t2], b[t2], acc) : acc + a[t2]; }
+    }
     return acc;
 }
 

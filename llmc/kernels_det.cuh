@@ -74,7 +74,7 @@ static __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const D
     if (OUT_LOWER && n0 > m_last) { return; }   // the tile lies above the diagonal
     const float* A = g.A + det_zoff(z, g.zdiv, g.a_zhi, g.a_zlo);
     const float* Bm = g.B + det_zoff(z, g.zdiv, g.b_zhi, g.b_zlo);
-    const DetReduction red = det_tile_reduction(g.R, g.groups, g.nchunks, CAUSAL, m0, m_last);
+    const DetReduction red = det_tile_reduction(g.R, g.groups, g.nchunks, g.zigzag, CAUSAL, m0, m_last);
 
     // this thread's outputs: rows m0 + row_of[i], columns n0 + det_out_col(tid, j) (gpu_plan.h)
     int row_of[8];
@@ -500,8 +500,8 @@ static inline void matmul_backward(float* dinp, float* dweight, float* dbias, co
 // attention (train_gpt2.c attention_forward / attention_backward), causal, per (b, h)
 // ==========================================================================================
 
-// softmax of row (z, t) of the scores over keys t2 <= t, in place: max, exps, R2 over the
-// key chunks (of T), division; 0 past t. One warp per row; lanes 0-7 own the chunk sums.
+// softmax of row (z, t) of the scores over keys t2 <= t, in place: max, exps, R2Z over the
+// keys, division; 0 past t. One warp per row; lanes 0-7 own the chunk sums.
 static __global__ void attention_softmax_kernel(float* att, int rows, int T) {
     int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x % 32;
@@ -517,15 +517,12 @@ static __global__ void attention_softmax_kernel(float* att, int rows, int T) {
     for (int t2 = lane; t2 <= t; t2 += 32) { a[t2] = canon_expf(a[t2] - maxv); }
     __syncwarp();
     float p = 0.0f;
-    if (lane < CANON_R) {
-        long end = canon_chunk_begin(T, lane + 1);
-        p = det_chunk_sum(a, canon_chunk_begin(T, lane), end < t + 1 ? end : t + 1);
-    }
+    if (lane < CANON_R) { p = det_zz_chunk_row(a, NULL, T, lane, t); }
     float zsum = __shfl_sync(FULL_MASK, det_tree8_shfl(p), 0);
     for (int t2 = lane; t2 < T; t2 += 32) { a[t2] = t2 <= t ? a[t2] / zsum : 0.0f; }
 }
 
-// ds row (z, t) <- att * (dst - S) * scale, S = R2 over key chunks of fmaf(att, dst)
+// ds row (z, t) <- att * (dst - S) * scale, S = R2Z over keys of fmaf(att, dst)
 static __global__ void attention_softmax_backward_kernel(float* ds, const float* att, int rows, int T, float scale) {
     int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x % 32;
@@ -534,10 +531,7 @@ static __global__ void attention_softmax_backward_kernel(float* ds, const float*
     float* d = ds + (size_t)row * T;
     const float* at = att + (size_t)row * T;
     float p = 0.0f;
-    if (lane < CANON_R) {
-        long end = canon_chunk_begin(T, lane + 1);
-        p = det_chunk_dot(at, d, canon_chunk_begin(T, lane), end < t + 1 ? end : t + 1);
-    }
+    if (lane < CANON_R) { p = det_zz_chunk_row(at, d, T, lane, t); }
     float S = __shfl_sync(FULL_MASK, det_tree8_shfl(p), 0);
     for (int t2 = lane; t2 <= t; t2 += 32) { d[t2] = at[t2] * (d[t2] - S) * scale; }
 }

@@ -118,7 +118,7 @@ static float thread_gemm_out(const DetGemmArgs* g, int z, int m, int n) {
     const float* B = g->B + det_zoff(z, g->zdiv, g->b_zhi, g->b_zlo);
     int m0 = m / DET_MT * DET_MT;
     int m_last = (m0 + DET_MT < g->M ? m0 + DET_MT : g->M) - 1;
-    DetReduction red = det_tile_reduction(g->R, g->groups, g->nchunks, g->causal, m0, m_last);
+    DetReduction red = det_tile_reduction(g->R, g->groups, g->nchunks, g->zigzag, g->causal, m0, m_last);
     float acc = 0.0f, s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
     int c = 0, grp = 0, k0 = -1, kend = 0, cur = 0;
     while (det_walk_seek(&red, &c, &grp, &k0, &kend)) {
@@ -237,10 +237,7 @@ static void thread_softmax_row(float* a, int t, int T) {
     for (int t2 = 0; t2 <= t; t2++) { if (a[t2] > maxv) { maxv = a[t2]; } }
     for (int t2 = 0; t2 <= t; t2++) { a[t2] = canon_expf(a[t2] - maxv); }
     float p[CANON_R];
-    for (int ch = 0; ch < CANON_R; ch++) {
-        long end = canon_chunk_begin(T, ch + 1);
-        p[ch] = det_chunk_sum(a, canon_chunk_begin(T, ch), end < t + 1 ? end : t + 1);
-    }
+    for (int ch = 0; ch < CANON_R; ch++) { p[ch] = det_zz_chunk_row(a, NULL, T, ch, t); }
     float z = canon_tree8(p);
     for (int t2 = 0; t2 < T; t2++) { a[t2] = t2 <= t ? a[t2] / z : 0.0f; }
 }
@@ -265,10 +262,7 @@ static void thread_attention_backward(float* dqkv, const float* dout, const floa
         float* d = ds + row * T;
         const float* at = att + row * T;
         float p[CANON_R];
-        for (int ch = 0; ch < CANON_R; ch++) {
-            long end = canon_chunk_begin(T, ch + 1);
-            p[ch] = det_chunk_dot(at, d, canon_chunk_begin(T, ch), end < t + 1 ? end : t + 1);
-        }
+        for (int ch = 0; ch < CANON_R; ch++) { p[ch] = det_zz_chunk_row(at, d, T, ch, t); }
         float S = canon_tree8(p);
         for (int t2 = 0; t2 <= t; t2++) { d[t2] = at[t2] * (d[t2] - S) * scale; }
     }
@@ -348,11 +342,12 @@ static void test_walk(void) {
         CHECK(memcmp(&s0, &want, 4) == 0, "det_tree8_push differs from canon_tree8 (trial %d)", trial);
     }
     // the walk visits each index of each segment once, in canonical order, in tiles <= DET_KT
+    // (plain chunks, the qkv groups, R2Z chunks along a sequence)
     int ns[] = {1, 3, 7, 8, 16, 17, 100, 129, 768};
     for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]); i++) {
-        for (int groups = 1; groups <= 3; groups += 2) {
-            int n = ns[i] * groups;
-            DetReduction r = {n, groups, CANON_R, 0, n};
+        for (int kind = 0; kind < 3; kind++) {
+            int groups = kind == 1 ? 3 : 1, n = ns[i] * groups;
+            DetReduction r = det_tile_reduction(n, groups, CANON_R, kind == 2, DET_CAUSAL_NONE, 0, 0);
             int c = 0, g = 0, k0 = -1, kend = 0, expect_c = 0, expect_g = 0, visited = 0, ok = 1;
             int expect_r = -1;
             while (det_walk_seek(&r, &c, &g, &k0, &kend)) {

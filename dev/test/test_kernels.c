@@ -3,7 +3,8 @@
  *
  * The reference functions here implement the rules of llmc/canonical.h directly from their
  * text (R1 as a recursion with the ceil(n/2) split, R2 as 8 chunks [c*n/8, (c+1)*n/8)
- * accumulated from 0.0f, R3 as R2 over t per sequence then R1 over sequences), scalar and
+ * accumulated from 0.0f, R2Z as 8 chunks of piece c then piece 15-c of 16 pieces
+ * [p*n/16, (p+1)*n/16), R3 as R2Z over t per sequence then R1 over sequences), scalar and
  * without the kernels' tiling, SIMD or stacks. The optimised kernels must match them BIT FOR
  * BIT on awkward shapes (sizes that fill no vector, tiles cut short, T < 8 chunks, ...).
  * Also checked: a reduction split in 2 or 4 slices of whole chunks and finished by the R1
@@ -44,6 +45,15 @@ static float r1(const float* v, int n) {
     if (n == 1) { return v[0]; }
     int mid = (n + 1) / 2;
     return r1(v, mid) + r1(v + mid, n - mid);
+}
+
+// R2Z: the stretch `half` of zig-zag chunk c of nchunks over a sequence of length n, from the
+// rule's text: 2*nchunks pieces [p*n/(2*nchunks), (p+1)*n/(2*nchunks)); chunk c is piece c,
+// then piece 2*nchunks-1-c
+static void zz(long n, int nchunks, int c, int half, long* b, long* e) {
+    long p = half == 0 ? c : 2 * nchunks - 1 - c;
+    *b = n * p / (2 * nchunks);
+    *e = n * (p + 1) / (2 * nchunks);
 }
 
 typedef float (*TermFn)(long i, const void* ctx);   // i-th term of a reduction
@@ -109,9 +119,13 @@ static float ref_r3(int B, int T, const float* f, long fstride, long foff, const
         float partial[CANON_R];
         for (int c = 0; c < CANON_R; c++) {
             float acc = 0.0f;
-            for (long t = (long)T * c / CANON_R; t < (long)T * (c + 1) / CANON_R; t++) {
-                long pos = (long)b * T + t;
-                acc = g ? fmaf(f[pos * fstride + foff], g[pos * gstride + goff], acc) : acc + f[pos * fstride + foff];
+            for (int half = 0; half < 2; half++) {
+                long tb, te;
+                zz(T, CANON_R, c, half, &tb, &te);
+                for (long t = tb; t < te; t++) {
+                    long pos = (long)b * T + t;
+                    acc = g ? fmaf(f[pos * fstride + foff], g[pos * gstride + goff], acc) : acc + f[pos * fstride + foff];
+                }
             }
             partial[c] = acc;
         }
@@ -290,21 +304,25 @@ static void test_layernorm(int B, int T, int C) {
     }
     expect_same("layernorm dweight", dw, wdw, C);
     expect_same("layernorm dbias", db, wdb, C);
-    // sequence parallelism: K ranks hold T/K positions of each sequence; each gives per-sequence
-    // subtrees over its 8/K chunks, finished by R1 over ranks, then R1 over sequences
-    for (int K = 2; K <= 4 && T % K == 0; K *= 2) {
-        int Tl = T / K;
+    // sequence parallelism: K ranks hold zig-zag slices of each sequence (rank r: stretches r
+    // and 2K-1-r of T/2K positions, low one first); each gives per-sequence subtrees over its
+    // 8/K chunks, finished by R1 over ranks, then R1 over sequences
+    for (int K = 2; K <= 8 && T % (2 * K) == 0; K *= 2) {
+        int Tl = T / K, h = Tl / 2;
         float* parts = malloc(sizeof(float) * 2 * B * C * K);
         float* sx = malloc(sizeof(float) * B * Tl * C), *sdy = malloc(sizeof(float) * B * Tl * C);
         float* sm = malloc(sizeof(float) * B * Tl), *sr = malloc(sizeof(float) * B * Tl);
         float* sdres = calloc((size_t)B * Tl * C, sizeof(float));
         for (int r = 0; r < K; r++) {
             for (int b = 0; b < B; b++) {
-                size_t src = (size_t)b * T + (size_t)r * Tl, dst = (size_t)b * Tl;
-                memcpy(sx + dst * C, x + src * C, sizeof(float) * Tl * C);
-                memcpy(sdy + dst * C, dy + src * C, sizeof(float) * Tl * C);
-                memcpy(sm + dst, mean + src, sizeof(float) * Tl);
-                memcpy(sr + dst, rstd + src, sizeof(float) * Tl);
+                for (int t = 0; t < Tl; t++) {
+                    size_t src = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+                    size_t dst = (size_t)b * Tl + t;
+                    memcpy(sx + dst * C, x + src * C, sizeof(float) * C);
+                    memcpy(sdy + dst * C, dy + src * C, sizeof(float) * C);
+                    sm[dst] = mean[src];
+                    sr[dst] = rstd[src];
+                }
             }
             layernorm_backward(sdres, NULL, NULL, sdy, sx, w, sm, sr, B, Tl, C, CANON_R / K,
                                parts + (size_t)r * 2 * B * C);
@@ -354,13 +372,14 @@ static void test_attention(int B, int T, int C, int NH) {
             a[t2] = r1(partial, CANON_R) * scale;
             if (a[t2] > mx) { mx = a[t2]; }
         }
+        for (int t2 = 0; t2 <= t; t2++) { a[t2] = canon_expf(a[t2] - mx); }
         float partial[CANON_R];
         for (int c = 0; c < CANON_R; c++) {
             float acc = 0.0f;
-            for (long t2 = (long)T * c / CANON_R; t2 < (long)T * (c + 1) / CANON_R; t2++) {
-                if (t2 > t) { break; }
-                a[t2] = canon_expf(a[t2] - mx);
-                acc = acc + a[t2];
+            for (int half = 0; half < 2; half++) {
+                long kb, ke;
+                zz(T, CANON_R, c, half, &kb, &ke);
+                for (long t2 = kb; t2 < ke && t2 <= t; t2++) { acc = acc + a[t2]; }
             }
             partial[c] = acc;
         }
@@ -370,8 +389,12 @@ static void test_attention(int B, int T, int C, int NH) {
             float pd[CANON_R];
             for (int c = 0; c < CANON_R; c++) {
                 float acc = 0.0f;
-                for (long t2 = (long)T * c / CANON_R; t2 < (long)T * (c + 1) / CANON_R && t2 <= t; t2++) {
-                    acc = fmaf(a[t2], qkv[((size_t)b * T + t2) * C3 + 2 * C + h * hs + d], acc);
+                for (int half = 0; half < 2; half++) {
+                    long kb, ke;
+                    zz(T, CANON_R, c, half, &kb, &ke);
+                    for (long t2 = kb; t2 < ke && t2 <= t; t2++) {
+                        acc = fmaf(a[t2], qkv[((size_t)b * T + t2) * C3 + 2 * C + h * hs + d], acc);
+                    }
                 }
                 pd[c] = acc;
             }
@@ -405,8 +428,10 @@ static void test_attention(int B, int T, int C, int NH) {
             float partial[CANON_R];
             for (int c = 0; c < CANON_R; c++) {
                 float acc = 0.0f;
-                for (long t2 = (long)T * c / CANON_R; t2 < (long)T * (c + 1) / CANON_R && t2 <= t; t2++) {
-                    acc = fmaf(a[(size_t)t * T + t2], datt[t2], acc);
+                for (int half = 0; half < 2; half++) {
+                    long kb, ke;
+                    zz(T, CANON_R, c, half, &kb, &ke);
+                    for (long t2 = kb; t2 < ke && t2 <= t; t2++) { acc = fmaf(a[(size_t)t * T + t2], datt[t2], acc); }
                 }
                 partial[c] = acc;
             }
@@ -418,11 +443,15 @@ static void test_attention(int B, int T, int C, int NH) {
                 float pq[CANON_R], pk[CANON_R], pv[CANON_R];
                 for (int c = 0; c < CANON_R; c++) {
                     float aq = 0.0f, ak = 0.0f, av = 0.0f;
-                    for (long u = (long)T * c / CANON_R; u < (long)T * (c + 1) / CANON_R; u++) {
-                        if (u <= t) { aq = fmaf(ds[(size_t)t * T + u], qkv[((size_t)b * T + u) * C3 + C + h * hs + d], aq); }
-                        if (u >= t) {
-                            ak = fmaf(ds[(size_t)u * T + t], qkv[((size_t)b * T + u) * C3 + h * hs + d], ak);
-                            av = fmaf(a[(size_t)u * T + t], dy[((size_t)b * T + u) * C + h * hs + d], av);
+                    for (int half = 0; half < 2; half++) {
+                        long ub, ue;
+                        zz(T, CANON_R, c, half, &ub, &ue);
+                        for (long u = ub; u < ue; u++) {
+                            if (u <= t) { aq = fmaf(ds[(size_t)t * T + u], qkv[((size_t)b * T + u) * C3 + C + h * hs + d], aq); }
+                            if (u >= t) {
+                                ak = fmaf(ds[(size_t)u * T + t], qkv[((size_t)b * T + u) * C3 + h * hs + d], ak);
+                                av = fmaf(a[(size_t)u * T + t], dy[((size_t)b * T + u) * C + h * hs + d], av);
+                            }
                         }
                     }
                     pq[c] = aq; pk[c] = ak; pv[c] = av;
@@ -534,8 +563,12 @@ static void test_encoder_backward(int B, int T, int C, int V, int maxT) {
                 float partial[CANON_R];
                 for (int ch = 0; ch < CANON_R; ch++) {
                     float acc = 0.0f;
-                    for (long t = (long)T * ch / CANON_R; t < (long)T * (ch + 1) / CANON_R; t++) {
-                        if (inp[b * T + t] == v) { acc = acc + masked[b * T + t]; }
+                    for (int half = 0; half < 2; half++) {
+                        long tb, te;
+                        zz(T, CANON_R, ch, half, &tb, &te);
+                        for (long t = tb; t < te; t++) {
+                            if (inp[b * T + t] == v) { acc = acc + masked[b * T + t]; }
+                        }
                     }
                     partial[ch] = acc;
                 }
