@@ -41,7 +41,8 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 // Scratch memory reused across calls (kernels run one at a time; slots keep them apart).
-enum { SCRATCH_PACK, SCRATCH_DINP, SCRATCH_ATT, SCRATCH_SORT, SCRATCH_TREE, NUM_SCRATCH };
+enum { SCRATCH_PACK, SCRATCH_DINP, SCRATCH_ATT, SCRATCH_ATT_PACK, SCRATCH_ATT_TILE, SCRATCH_SORT, SCRATCH_TREE,
+       NUM_SCRATCH };
 static float* scratch_ptr[NUM_SCRATCH];
 static size_t scratch_bytes[NUM_SCRATCH];
 static float* scratch(int slot, size_t bytes) {
@@ -729,7 +730,8 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
 }
 
 // ------------------------------------------------------------------------------------------
-// attention, causal, per (b, h) with hs = C/NH:
+// attention, causal, per (b, h) with hs = C/NH. The specification, written plainly (the fast
+// kernels after it compute exactly these bits):
 //   qkv (B,T,3C) holds q | k | v, head h at channels [h*hs, (h+1)*hs) of each
 //   s[t][t2] = dot(q_t, k_t2) * (1/sqrt(hs))     R2 over hs, for t2 <= t
 //   att[t][t2] = exp(s - max_t2 s) / Z_t,  Z_t = R2Z over keys of the exps (the max is exact)
@@ -763,7 +765,7 @@ static void attention_weighted_rows(float* out, const float* w, long wstride, co
     memcpy(out, stack[0], sizeof(float) * n);
 }
 
-void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+void attention_forward_naive(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
     int hs = C / NH;
     size_t C3 = 3 * (size_t)C;
     float scale = canon_rsqrtf((float)hs);
@@ -806,8 +808,8 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
 //   dq_t  = R2Z over keys t2 <= t of ds[t][t2] * k_t2
 //   dk_t2 = R2Z over queries t >= t2 of ds[t][t2] * q_t
 //   dv_t2 = R2Z over queries t >= t2 of att[t][t2] * dout_t         dqkv (B,T,3C) written
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
-                        int B, int T, int C, int NH) {
+void attention_backward_naive(float* dqkv, const float* dout, const float* qkv, const float* att,
+                              int B, int T, int C, int NH) {
     int hs = C / NH;
     size_t C3 = 3 * (size_t)C;
     float scale = canon_rsqrtf((float)hs);
@@ -852,6 +854,414 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
     }
 }
 
+// ------------------------------------------------------------------------------------------
+// attention, fast: exactly the bits of attention_forward_naive and attention_backward_naive
+// (test_kernels checks), vectorised across outputs and blocked so that a tile's rows of att
+// stay in cache. Every product has one of two shapes:
+//  - scores (s = q.k, datt = dout.v): a tile of up to ATT_NR query rows x vectors of keys; the
+//    keys packed transposed (kt[d][j], zero past T), the query broadcast; R2 over hs in
+//    registers, as matmul_forward's tiles do.
+//  - weighted rows (att@v and ds@k over keys; ds^T@q and att^T@dout over queries): a tile of up
+//    to ATT_NR output rows x vectors of the head's channels; the weight broadcast, the x row
+//    loaded; R2Z over j, where output row r takes only the j in [lo[r], hi[r]) (the causal
+//    mask: a term outside is skipped, never added as a zero).
+// The row reductions of the softmax (Z) and of its backward (S) run the tile's rows side by
+// side, each row's chunks in its own order.
+#define ATT_NR 6
+
+// out row r (r < nr) = R2Z over j < nj (nchunks chunks) of w(r, j) * x row j, j in [lo[r], hi[r])
+typedef struct {
+    const float* w; long wr, wj;   // w(r, j) = w[r * wr + j * wj]
+    const float* x; long ldx;      // x row j at x + j * ldx
+    float* out; long ldo;          // out row r at out + r * ldo
+    long nj; int nchunks;          // the reduced dimension: its length and R2Z chunks
+    const int* lo; const int* hi;  // row r's terms: j in [lo[r], hi[r])
+} AttRows;
+
+// One register tile: rows [0, nr) x channels [d0, d0 + nv*VLEN).
+ALWAYS_INLINE void attn_rows_tile(const AttRows* a, const int nr, int d0, const int nv) {
+    int lo_any = a->lo[0], hi_any = a->hi[0], lo_all = a->lo[0], hi_all = a->hi[0];
+    _Pragma("GCC unroll 8") for (int r = 1; r < nr; r++) {
+        lo_any = a->lo[r] < lo_any ? a->lo[r] : lo_any;
+        hi_any = a->hi[r] > hi_any ? a->hi[r] : hi_any;
+        lo_all = a->lo[r] > lo_all ? a->lo[r] : lo_all;
+        hi_all = a->hi[r] < hi_all ? a->hi[r] : hi_all;
+    }
+    vf acc[ATT_NR][MM_MV];
+    vf stack[CANON_LOG2_R + 2][ATT_NR][MM_MV];
+    int top = 0;
+    for (int c = 0; c < a->nchunks; c++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_zero(); }
+        }
+        for (int half = 0; half < 2; half++) {
+            long pb, pe;
+            canon_zz_half(a->nj, a->nchunks, c, half, &pb, &pe);
+            if (pb < lo_any) { pb = lo_any; }
+            if (pe > hi_any) { pe = hi_any; }
+            for (long j = pb; j < pe; j++) {
+                const float* xr = a->x + j * a->ldx + d0;
+                const float* wc = a->w + j * a->wj;
+                vf xv[MM_MV];
+                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(xr + v * VLEN); }
+                if (j >= lo_all && j < hi_all) {
+                    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+                        vf wv = vf_set1(wc[r * a->wr]);
+                        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(wv, xv[v], acc[r][v]); }
+                    }
+                } else {
+                    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+                        if (j < a->lo[r] || j >= a->hi[r]) { continue; }
+                        vf wv = vf_set1(wc[r * a->wr]);
+                        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(wv, xv[v], acc[r][v]); }
+                    }
+                }
+            }
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][r][v] = acc[r][v]; }
+        }
+        top++;
+        for (int m = canon_tree_merges_after(c, a->nchunks); m > 0; m--) {
+            _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+                    stack[top - 2][r][v] = vf_add(stack[top - 2][r][v], stack[top - 1][r][v]);
+                }
+            }
+            top--;
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { vf_store(a->out + r * a->ldo + d0 + v * VLEN, stack[0][r][v]); }
+    }
+}
+
+// One output of the same, scalar (the channels that do not fill a vector).
+static float attn_rows_elem(const AttRows* a, int r, int d) {
+    float stack[CANON_LOG2_R + 2];
+    int top = 0;
+    for (int c = 0; c < a->nchunks; c++) {
+        float acc = 0.0f;
+        for (int half = 0; half < 2; half++) {
+            long pb, pe;
+            canon_zz_half(a->nj, a->nchunks, c, half, &pb, &pe);
+            for (long j = pb < a->lo[r] ? a->lo[r] : pb; j < pe && j < a->hi[r]; j++) {
+                acc = fmaf(a->w[r * a->wr + j * a->wj], a->x[j * a->ldx + d], acc);
+            }
+        }
+        stack[top++] = acc;
+        for (int m = canon_tree_merges_after(c, a->nchunks); m > 0; m--) {
+            stack[top - 2] = stack[top - 2] + stack[top - 1];
+            top--;
+        }
+    }
+    return stack[0];
+}
+
+ALWAYS_INLINE void attn_rows_nv(const AttRows* a, const int nr, int d0, int nv) {
+    switch (nv) {
+        case 1: attn_rows_tile(a, nr, d0, 1); break;
+#if MM_MV > 2
+        case 3: attn_rows_tile(a, nr, d0, 3); break;
+        case 4: attn_rows_tile(a, nr, d0, 4); break;
+#endif
+        default: attn_rows_tile(a, nr, d0, 2); break;
+    }
+}
+
+// The outputs of nr <= ATT_NR rows, channels [0, n).
+static void attn_rows(const AttRows* a, int nr, int n) {
+    int nvec = n / VLEN;
+    for (int d0 = 0; d0 < nvec * VLEN; d0 += MM_MV * VLEN) {
+        int nv = nvec - d0 / VLEN < MM_MV ? nvec - d0 / VLEN : MM_MV;
+        switch (nr) {
+            case 6: attn_rows_nv(a, 6, d0, nv); break;
+            case 5: attn_rows_nv(a, 5, d0, nv); break;
+            case 4: attn_rows_nv(a, 4, d0, nv); break;
+            case 3: attn_rows_nv(a, 3, d0, nv); break;
+            case 2: attn_rows_nv(a, 2, d0, nv); break;
+            default: attn_rows_nv(a, 1, d0, nv); break;
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        for (int d = nvec * VLEN; d < n; d++) { a->out[r * a->ldo + d] = attn_rows_elem(a, r, d); }
+    }
+}
+
+// s rows r < nr (stride lds), keys [j0, j0 + nv*VLEN) = (R2 over d < hs of fmaf(q[r][d], kt[d][j]))
+// times scale (1: none)
+ALWAYS_INLINE void attn_scores_tile(float* s, long lds, const float* q, long ldq, const float* kt, long ldk,
+                                    int hs, const int nr, int j0, const int nv, float scale) {
+    vf acc[ATT_NR][MM_MV];
+    vf stack[CANON_LOG2_R + 2][ATT_NR][MM_MV];
+    int top = 0;
+    for (int c = 0; c < CANON_R; c++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_zero(); }
+        }
+        for (long d = canon_chunk_begin(hs, c); d < canon_chunk_begin(hs, c + 1); d++) {
+            vf kv[MM_MV];
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { kv[v] = vf_load(kt + d * ldk + j0 + v * VLEN); }
+            _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+                vf qv = vf_set1(q[r * ldq + d]);
+                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(qv, kv[v], acc[r][v]); }
+            }
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][r][v] = acc[r][v]; }
+        }
+        top++;
+        for (int m = canon_tree_merges_after(c, CANON_R); m > 0; m--) {
+            _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+                    stack[top - 2][r][v] = vf_add(stack[top - 2][r][v], stack[top - 1][r][v]);
+                }
+            }
+            top--;
+        }
+    }
+    vf sc = vf_set1(scale);
+    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+            vf_store(s + r * lds + j0 + v * VLEN, scale == 1.0f ? stack[0][r][v] : vf_mul(stack[0][r][v], sc));
+        }
+    }
+}
+
+ALWAYS_INLINE void attn_scores_nv(float* s, long lds, const float* q, long ldq, const float* kt, long ldk, int hs,
+                                  const int nr, int j0, int nv, float scale) {
+    switch (nv) {
+        case 1: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 1, scale); break;
+#if MM_MV > 2
+        case 3: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 3, scale); break;
+        case 4: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 4, scale); break;
+#endif
+        default: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 2, scale); break;
+    }
+}
+
+// Scores of nr <= ATT_NR query rows against the keys [0, nkeys) (rounded up to whole vectors:
+// s rows and kt rows hold at least that many).
+static void attn_scores(float* s, long lds, const float* q, long ldq, const float* kt, long ldk, int hs, int nr,
+                        int nkeys, float scale) {
+    int nvec = (nkeys + VLEN - 1) / VLEN;
+    for (int j0 = 0; j0 < nvec * VLEN; j0 += MM_MV * VLEN) {
+        int nv = nvec - j0 / VLEN < MM_MV ? nvec - j0 / VLEN : MM_MV;
+        switch (nr) {
+            case 6: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 6, j0, nv, scale); break;
+            case 5: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 5, j0, nv, scale); break;
+            case 4: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 4, j0, nv, scale); break;
+            case 3: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 3, j0, nv, scale); break;
+            case 2: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 2, j0, nv, scale); break;
+            default: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 1, j0, nv, scale); break;
+        }
+    }
+}
+
+// kt[bh][d][j] (hs x ldk per head, zero for j >= T) <- the rows x[b, j] + h*hs (stride ldx)
+static void attn_pack_transposed(float* kt, long ldk, const float* x, long ldx, int B, int T, int NH, int hs) {
+    #pragma omp parallel for collapse(2)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < NH; h++) {
+            float* dst = kt + ((size_t)b * NH + h) * hs * ldk;
+            const float* src = x + (size_t)b * T * ldx + h * hs;
+            for (int d = 0; d < hs; d++) {
+                for (int j = 0; j < T; j++) { dst[d * ldk + j] = src[j * ldx + d]; }
+                for (long j = T; j < ldk; j++) { dst[d * ldk + j] = 0.0f; }
+            }
+        }
+    }
+}
+
+// rows[bh][j][d] (T x hs per head, contiguous) <- x[b, j] + h*hs (stride ldx): a head's rows
+// read in the reductions over j, packed so that they stream from cache
+static void attn_pack_rows(float* rows, const float* x, long ldx, int B, int T, int NH, int hs) {
+    #pragma omp parallel for collapse(2)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < NH; h++) {
+            float* dst = rows + ((size_t)b * NH + h) * T * hs;
+            const float* src = x + (size_t)b * T * ldx + h * hs;
+            for (int j = 0; j < T; j++) { memcpy(dst + (size_t)j * hs, src + j * ldx, sizeof(float) * hs); }
+        }
+    }
+}
+
+// The largest of x[0..n): `if (x > m) m = x` from -inf, in any order (exact; a NaN never wins).
+static float attn_row_max(const float* x, long n) {
+    vf mv = vf_set1(-canon_inf());
+    long j = 0;
+    for (; j + VLEN <= n; j += VLEN) { mv = vf_max_gt(mv, vf_load(x + j)); }
+    float lanes[VLEN], m = -canon_inf();
+    vf_store(lanes, mv);
+    for (int i = 0; i < VLEN; i++) { m = lanes[i] > m ? lanes[i] : m; }
+    for (; j < n; j++) { m = x[j] > m ? x[j] : m; }
+    return m;
+}
+
+// x[j] <- canon_expf(x[j] - m) for j < n, vectorised (vf_expf is canon_expf in every lane)
+static void exps_shifted(float* x, long n, float m) {
+    vf mv = vf_set1(m);
+    long j = 0;
+    for (; j + VLEN <= n; j += VLEN) { vf_store(x + j, vf_expf(vf_sub(vf_load(x + j), mv))); }
+    for (; j < n; j++) { x[j] = canon_expf(x[j] - m); }
+}
+
+// R2Z sums (nchunks chunks over nj) of the nr rows x (stride ldx), row r over j < hi[r]: the
+// sum of x (y NULL), or the fmaf-accumulated dot product with y (stride ldy); rows side by side.
+static void attn_row_sums(float* out, const float* x, long ldx, const float* y, long ldy, int nr, const int* hi,
+                          long nj, int nchunks) {
+    float part[CANON_R][ATT_NR];
+    int hi_any = 0;
+    for (int r = 0; r < nr; r++) { hi_any = hi[r] > hi_any ? hi[r] : hi_any; }
+    for (int c = 0; c < nchunks; c++) {
+        float acc[ATT_NR] = {0.0f};
+        for (int half = 0; half < 2; half++) {
+            long pb, pe;
+            canon_zz_half(nj, nchunks, c, half, &pb, &pe);
+            for (long j = pb; j < pe && j < hi_any; j++) {
+                for (int r = 0; r < nr; r++) {
+                    if (j < hi[r]) { acc[r] = y ? fmaf(x[r * ldx + j], y[r * ldy + j], acc[r]) : acc[r] + x[r * ldx + j]; }
+                }
+            }
+        }
+        for (int r = 0; r < nr; r++) { part[c][r] = acc[r]; }
+    }
+    for (int r = 0; r < nr; r++) {
+        float p[CANON_R];
+        for (int c = 0; c < nchunks; c++) { p[c] = part[c][r]; }
+        out[r] = canon_tree_sum(p, nchunks, 1);
+    }
+}
+
+// The causal bounds of ATT_NR rows at positions p0, p0 + 1, ...: keys [0, p + 1), or, for the
+// reductions over queries, queries [p, T).
+static void attn_bounds(int* lo, int* hi, int p0, int over_queries, int T) {
+    for (int r = 0; r < ATT_NR; r++) {
+        lo[r] = over_queries ? p0 + r : 0;
+        hi[r] = over_queries ? T : p0 + r + 1;
+    }
+}
+
+static int attn_thread(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static int attn_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+// Keys (or queries) padded to whole tiles of key vectors.
+static long attn_padded(int T) { return ((long)T + MM_MV * VLEN - 1) / (MM_MV * VLEN) * (MM_MV * VLEN); }
+
+void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+    int hs = C / NH, BH = B * NH;
+    long C3 = 3L * C, Tp = attn_padded(T);
+    float scale = canon_rsqrtf((float)hs);
+    float* kt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * hs * (Tp + T));
+    float* vr = kt + (size_t)BH * hs * Tp;
+    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)attn_threads() * ATT_NR * Tp);
+    attn_pack_transposed(kt, Tp, qkv + C, C3, B, T, NH, hs);
+    attn_pack_rows(vr, qkv + 2 * C, C3, B, T, NH, hs);
+    int ntiles = (T + ATT_NR - 1) / ATT_NR;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * ntiles; idx++) {   // a head's tiles in a row, longest rows first
+        int tile = ntiles - 1 - (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
+        int t0 = tile * ATT_NR, nr = T - t0 < ATT_NR ? T - t0 : ATT_NR;
+        int lo[ATT_NR], hi[ATT_NR];
+        attn_bounds(lo, hi, t0, 0, T);
+        float* s = tiles + (size_t)attn_thread() * ATT_NR * Tp;
+        float* a = att + ((size_t)bh * T + t0) * T;
+        attn_scores(s, Tp, qkv + ((size_t)b * T + t0) * C3 + h * hs, C3, kt + (size_t)bh * hs * Tp, Tp, hs, nr,
+                    t0 + nr, scale);
+        // softmax: the max (exact), the exps, Z = R2Z over the keys, the division; 0 past t
+        float z[ATT_NR];
+        for (int r = 0; r < nr; r++) {
+            float* sr = s + r * Tp;
+            exps_shifted(sr, hi[r], attn_row_max(sr, hi[r]));
+        }
+        attn_row_sums(z, s, Tp, NULL, 0, nr, hi, T, CANON_R);
+        for (int r = 0; r < nr; r++) {
+            float* ar = a + (size_t)r * T;
+            const float* sr = s + r * Tp;
+            float zr = z[r];
+            #pragma omp simd
+            for (int j = 0; j < hi[r]; j++) { ar[j] = sr[j] / zr; }
+            for (int j = hi[r]; j < T; j++) { ar[j] = 0.0f; }
+        }
+        AttRows av = {a, T, 1, vr + (size_t)bh * T * hs, hs, out + ((size_t)b * T + t0) * C + h * hs, C, T, CANON_R, lo, hi};
+        attn_rows(&av, nr, hs);
+    }
+}
+
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                        int B, int T, int C, int NH) {
+    int hs = C / NH, BH = B * NH;
+    long C3 = 3L * C, Tp = attn_padded(T);
+    float scale = canon_rsqrtf((float)hs);
+    size_t head = (size_t)T * hs;
+    float* vt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * (hs * Tp + 3 * head));
+    float* kr = vt + (size_t)BH * hs * Tp;   // the rows of k, q and dout of every head
+    float* qr = kr + BH * head;
+    float* dr = qr + BH * head;
+    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)attn_threads() * ATT_NR * Tp);
+    float* ds_all = scratch(SCRATCH_ATT, sizeof(float) * (size_t)BH * T * T);
+    attn_pack_transposed(vt, Tp, qkv + 2 * C, C3, B, T, NH, hs);
+    attn_pack_rows(kr, qkv + C, C3, B, T, NH, hs);
+    attn_pack_rows(qr, qkv, C3, B, T, NH, hs);
+    attn_pack_rows(dr, dout, C, B, T, NH, hs);
+    int ntiles = (T + ATT_NR - 1) / ATT_NR;
+    // per query tile: datt, S, ds (kept for the second part), dq = R2Z over keys of ds * k
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * ntiles; idx++) {   // a head's tiles in a row, longest rows first
+        int tile = ntiles - 1 - (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
+        int t0 = tile * ATT_NR, nr = T - t0 < ATT_NR ? T - t0 : ATT_NR;
+        int lo[ATT_NR], hi[ATT_NR];
+        attn_bounds(lo, hi, t0, 0, T);
+        float* datt = tiles + (size_t)attn_thread() * ATT_NR * Tp;
+        const float* a = att + ((size_t)bh * T + t0) * T;
+        float* ds = ds_all + ((size_t)bh * T + t0) * T;
+        attn_scores(datt, Tp, dout + ((size_t)b * T + t0) * C + h * hs, C, vt + (size_t)bh * hs * Tp, Tp, hs, nr,
+                    t0 + nr, 1.0f);
+        float S[ATT_NR];
+        attn_row_sums(S, a, T, datt, Tp, nr, hi, T, CANON_R);
+        for (int r = 0; r < nr; r++) {
+            const float* ar = a + (size_t)r * T;
+            const float* dr = datt + r * Tp;
+            float* sr = ds + (size_t)r * T;
+            float Sr = S[r];
+            #pragma omp simd
+            for (int j = 0; j < hi[r]; j++) { sr[j] = ar[j] * (dr[j] - Sr) * scale; }
+        }
+        AttRows dq = {ds, T, 1, kr + bh * head, hs, dqkv + ((size_t)b * T + t0) * C3 + h * hs, C3, T, CANON_R, lo, hi};
+        attn_rows(&dq, nr, hs);
+    }
+    // per strip of keys (tiles of ATT_NR, a few in a row so the strip of ds and att columns
+    // stays in cache): dk = R2Z over queries of ds * q, dv = R2Z over queries of att * dout
+    int strip = 3, nstrips = (ntiles + strip - 1) / strip;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * nstrips; idx++) {   // a head's strips in a row, longest first
+        int bh = (int)(idx / nstrips), b = bh / NH, h = bh % NH, first = (int)(idx % nstrips) * strip;
+        for (int tile = first; tile < first + strip && tile < ntiles; tile++) {
+            int t0 = tile * ATT_NR, nr = T - t0 < ATT_NR ? T - t0 : ATT_NR;
+            int lo[ATT_NR], hi[ATT_NR];
+            attn_bounds(lo, hi, t0, 1, T);
+            size_t tt = (size_t)bh * T * T;
+            float* drow = dqkv + ((size_t)b * T + t0) * C3 + h * hs;
+            AttRows dk = {ds_all + tt + t0, 1, T, qr + bh * head, hs, drow + C, C3, T, CANON_R, lo, hi};
+            AttRows dv = {att + tt + t0, 1, T, dr + bh * head, hs, drow + 2 * C, C3, T, CANON_R, lo, hi};
+            attn_rows(&dk, nr, hs);
+            attn_rows(&dv, nr, hs);
+        }
+    }
+}
 
 // ------------------------------------------------------------------------------------------
 // GELU (tanh form), elementwise
@@ -901,14 +1311,13 @@ void crossentropy_exps(float* zs, float* target_logits, float* logits, const flo
         float* p = logits + (size_t)i * Vl;
         int t = targets ? targets[i] - v0 : -1;
         target_logits[i] = t >= 0 && t < Vl ? p[t] : -0.0f;
+        long real = V - v0 < Vl ? V - v0 : Vl;   // entries at or past `real` are padding
+        exps_shifted(p, real > 0 ? real : 0, maxes[i]);
         float partial[CANON_R];
         for (int ch = 0; ch < nchunks; ch++) {
             float acc = 0.0f;
             long end = ((long)Vl * (ch + 1)) / nchunks;
-            for (long v = ((long)Vl * ch) / nchunks; v < end && v0 + v < V; v++) {
-                p[v] = canon_expf(p[v] - maxes[i]);
-                acc = acc + p[v];
-            }
+            for (long v = ((long)Vl * ch) / nchunks; v < end && v < real; v++) { acc = acc + p[v]; }
             partial[ch] = acc;
         }
         zs[i] = canon_tree_sum(partial, nchunks, 1);

@@ -355,7 +355,9 @@ static void test_attention(int B, int T, int C, int NH) {
     for (size_t i = 0; i < (size_t)B * T * C3; i++) { qkv[i] *= 0.3f; }
     float* out = malloc(sizeof(float) * B * T * C), *att = malloc(sizeof(float) * B * NH * T * T);
     float* wout = malloc(sizeof(float) * B * T * C), *watt = calloc((size_t)B * NH * T * T, sizeof(float));
+    float* sout = malloc(sizeof(float) * B * T * C), *satt = malloc(sizeof(float) * B * NH * T * T);
     attention_forward(out, att, qkv, B, T, C, NH);
+    attention_forward_naive(sout, satt, qkv, B, T, C, NH);
     float scale = 1.0f / sqrtf((float)hs);
     for (int b = 0; b < B; b++) for (int h = 0; h < NH; h++) for (int t = 0; t < T; t++) {
         float* a = watt + (((size_t)b * NH + h) * T + t) * T;
@@ -405,10 +407,14 @@ static void test_attention(int B, int T, int C, int NH) {
     snprintf(what, sizeof(what), "attention_forward B=%d T=%d C=%d NH=%d", B, T, C, NH);
     expect_same(what, out, wout, (size_t)B * T * C);
     expect_same("attention probabilities", att, watt, (size_t)B * NH * T * T);
+    expect_same("attention_forward_naive", sout, wout, (size_t)B * T * C);
+    expect_same("attention_forward_naive probabilities", satt, watt, (size_t)B * NH * T * T);
     // backward
     float* dy = rand_buf((size_t)B * T * C);
     float* dqkv = malloc(sizeof(float) * B * T * C3), *wdqkv = malloc(sizeof(float) * B * T * C3);
+    float* sdqkv = malloc(sizeof(float) * B * T * C3);
     attention_backward(dqkv, dy, qkv, att, B, T, C, NH);
+    attention_backward_naive(sdqkv, dy, qkv, att, B, T, C, NH);
     float* ds = malloc(sizeof(float) * T * T);
     for (int b = 0; b < B; b++) for (int h = 0; h < NH; h++) {
         const float* a = att + ((size_t)b * NH + h) * T * T;
@@ -464,7 +470,9 @@ static void test_attention(int B, int T, int C, int NH) {
     }
     snprintf(what, sizeof(what), "attention_backward B=%d T=%d C=%d NH=%d", B, T, C, NH);
     expect_same(what, dqkv, wdqkv, (size_t)B * T * C3);
+    expect_same("attention_backward_naive", sdqkv, wdqkv, (size_t)B * T * C3);
     free(qkv); free(out); free(att); free(wout); free(watt); free(dy); free(dqkv); free(wdqkv); free(ds);
+    free(sout); free(satt); free(sdqkv);
 }
 
 // --- cross-entropy and the embedding ------------------------------------------------------
@@ -601,7 +609,39 @@ static void test_encoder_backward(int B, int T, int C, int V, int maxT) {
     free(inp); free(dout); free(dwte); free(dwpe); free(wdwte); free(wdwpe); free(masked);
 }
 
+// vf_expf (simd.h) is canon_expf in every lane: every exponent of both signs (and many
+// mantissas of each), the boundaries of its clamps, infinities and NaN
+static void test_vector_exp(void) {
+    float special[] = {0.0f, -0.0f, 1.0f, -1.0f, 88.72283935546875f, 88.7228469848632812f, 88.72283172607421875f,
+                       -103.972084045410156f, -103.97209167480469f, -103.97207641601562f, -87.33654f, -87.33655f,
+                       canon_inf(), -canon_inf(), canon_nan(), 1e-40f, -1e-40f, 0.5f, -0.5f, 0.34657359f, -0.34657359f};
+    int bad = 0;
+    long n = 0;
+    float x[VLEN], y[VLEN];
+    for (uint64_t i = 0; i < (1u << 24) + sizeof(special) / sizeof(special[0]); i++) {
+        float v;
+        if (i < sizeof(special) / sizeof(special[0])) {
+            v = special[i];
+        } else {   // sign, all 256 exponents, 2^15 mantissas spread over the 23 bits
+            uint64_t j = i - sizeof(special) / sizeof(special[0]);
+            uint32_t u = (uint32_t)((j & 1) << 31) | (uint32_t)(((j >> 1) & 255) << 23) | (uint32_t)(((j >> 9) * 255u) & 0x7fffffu);
+            memcpy(&v, &u, 4);
+        }
+        x[n % VLEN] = v;
+        if (++n % VLEN == 0) {
+            vf_store(y, vf_expf(vf_load(x)));
+            for (int l = 0; l < VLEN; l++) {
+                float want = canon_expf(x[l]);
+                if (memcmp(&y[l], &want, 4) != 0 && bad++ < 5) { printf("FAIL vf_expf(%.9g) = %.9g, canon_expf %.9g\n", x[l], y[l], want); }
+            }
+        }
+    }
+    checks++;
+    if (bad) { failures++; }
+}
+
 int main(void) {
+    test_vector_exp();
     int shapes[][5] = {   // B, T, K, OC, groups
         {1, 1, 1, 1, 1}, {1, 5, 7, 5, 1}, {2, 3, 16, 6, 1}, {3, 11, 40, 13, 1}, {2, 17, 33, 48, 3},
         {1, 70, 100, 50, 1}, {4, 9, 64, 96, 3}, {2, 40, 48, 7, 1}, {5, 8, 24, 66, 3},
@@ -619,6 +659,9 @@ int main(void) {
     test_attention(2, 5, 16, 2);
     test_attention(1, 19, 24, 3);
     test_attention(2, 12, 128, 2);
+    test_attention(1, 70, 128, 2);    // head size 64: whole vector tiles, several row tiles
+    test_attention(2, 37, 48, 1);     // head size 48: a partial tile of channel vectors
+    test_attention(1, 33, 40, 2);     // head size 20: a vector and a scalar tail
     test_crossentropy(3, 5, 128);
     test_crossentropy(4, 100, 128);
     test_crossentropy(2, 1000, 1024);
