@@ -613,21 +613,27 @@ static void matmul_backward_dinp(float* dinp, const float* dout, const float* we
     }
 }
 
-// dW tile: MM_NO outputs x (nv*VLEN) columns, all positions (R3).
+// R3's merges after leaf (sequence b of B, chunk ch of the tchunks R2Z chunks of its positions).
+static int position_merges_after(int b, int B, int ch, int tchunks) {
+    return canon_tree_merges_after(ch, tchunks) + (ch == tchunks - 1 ? canon_tree_merges_after(b, B) : 0);
+}
+
+// dW tile: MM_NO outputs x (nv*VLEN) columns, all positions (R3; each sequence's T positions in
+// tchunks R2Z chunks: 8, or a zig-zag slice's 8/D).
 ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const float* inp,
                                        int B, int T, int K, int OC, int o0, const int no,
-                                       int k0, const int nv) {
+                                       int k0, const int nv, int tchunks) {
     vf acc[MM_NO][MM_MV];
     vf stack[CANON_LOG2_R + 34][MM_NO][MM_MV];
     int top = 0;
     for (int b = 0; b < B; b++) {
-        for (int ch = 0; ch < CANON_R; ch++) {
+        for (int ch = 0; ch < tchunks; ch++) {
             _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                 _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_zero(); }
             }
             for (int half = 0; half < 2; half++) {
                 long tb, te;
-                canon_zz_half(T, CANON_R, ch, half, &tb, &te);
+                canon_zz_half(T, tchunks, ch, half, &tb, &te);
                 for (long t = tb; t < te; t++) {
                     size_t pos = (size_t)b * T + t;
                     const float* x = inp + pos * K + k0;
@@ -643,7 +649,7 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
                 _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][j][v] = acc[j][v]; }
             }
             top++;
-            for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
+            for (int m = position_merges_after(b, B, ch, tchunks); m > 0; m--) {
                 _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                     _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
                         stack[top - 2][j][v] = vf_add(stack[top - 2][j][v], stack[top - 1][j][v]);
@@ -660,22 +666,22 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
 
 // R3 over positions of dout[pos][o] * x[pos][k] (x = NULL: of dout[pos][o] alone), scalar.
 static float position_reduce_elem(const float* dout, int OC, int o, const float* x, int K, int k,
-                                  int B, int T) {
+                                  int B, int T, int tchunks) {
     float stack[CANON_LOG2_R + 34];
     int top = 0;
     for (int b = 0; b < B; b++) {
-        for (int ch = 0; ch < CANON_R; ch++) {
+        for (int ch = 0; ch < tchunks; ch++) {
             float acc = 0.0f;
             for (int half = 0; half < 2; half++) {
                 long tb, te;
-                canon_zz_half(T, CANON_R, ch, half, &tb, &te);
+                canon_zz_half(T, tchunks, ch, half, &tb, &te);
                 for (long t = tb; t < te; t++) {
                     size_t pos = (size_t)b * T + t;
                     acc = x ? fmaf(dout[pos * OC + o], x[pos * K + k], acc) : acc + dout[pos * OC + o];
                 }
             }
             stack[top++] = acc;
-            for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
+            for (int m = position_merges_after(b, B, ch, tchunks); m > 0; m--) {
                 stack[top - 2] = stack[top - 2] + stack[top - 1];
                 top--;
             }
@@ -685,29 +691,28 @@ static float position_reduce_elem(const float* dout, int OC, int o, const float*
 }
 
 ALWAYS_INLINE void matmul_dweight_cols(float* dweight, const float* dout, const float* inp,
-                                       int B, int T, int K, int OC, int o0, const int no) {
+                                       int B, int T, int K, int OC, int o0, const int no, int tchunks) {
     int kvec_end = K / VLEN * VLEN;
     for (int k0 = 0; k0 < kvec_end; k0 += MM_MV * VLEN) {
         switch ((kvec_end - k0) / VLEN < MM_MV ? (kvec_end - k0) / VLEN : MM_MV) {
-            case 1: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 1); break;
+            case 1: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 1, tchunks); break;
 #if MM_MV > 2
-            case 3: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 3); break;
-            case 4: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 4); break;
+            case 3: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 3, tchunks); break;
+            case 4: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 4, tchunks); break;
 #endif
-            default: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 2); break;
+            default: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 2, tchunks); break;
         }
     }
     _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
         for (int k = kvec_end; k < K; k++) {
-            dweight[(size_t)(o0 + j) * K + k] = position_reduce_elem(dout, OC, o0 + j, inp, K, k, B, T);
+            dweight[(size_t)(o0 + j) * K + k] = position_reduce_elem(dout, OC, o0 + j, inp, K, k, B, T, tchunks);
         }
     }
 }
 
-void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                     const float* inp, const float* weight, int B, int T, int K, int OC,
-                     int groups, int nchunks) {
-    if (dinp) { matmul_backward_dinp(dinp, dout, weight, B * T, K, OC, groups, nchunks); }
+// dweight (OC,K), dbias (OC) = R3 over positions, each sequence's in tchunks R2Z chunks
+static void matmul_weight_grads(float* dweight, float* dbias, const float* dout, const float* inp, int B, int T,
+                                int K, int OC, int tchunks) {
     // dweight: tasks of MM_NO outputs
     int ogroups = dweight ? (OC + MM_NO - 1) / MM_NO : 0;
     #pragma omp parallel for schedule(static)
@@ -715,17 +720,36 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
         int o0 = g * MM_NO;
         int no = OC - o0 < MM_NO ? OC - o0 : MM_NO;
         switch (no) {
-            case 6: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 6); break;
-            case 5: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 5); break;
-            case 4: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 4); break;
-            case 3: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 3); break;
-            case 2: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 2); break;
-            default: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 1); break;
+            case 6: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 6, tchunks); break;
+            case 5: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 5, tchunks); break;
+            case 4: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 4, tchunks); break;
+            case 3: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 3, tchunks); break;
+            case 2: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 2, tchunks); break;
+            default: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 1, tchunks); break;
         }
     }
     if (dbias) {
         #pragma omp parallel for
-        for (int o = 0; o < OC; o++) { dbias[o] = position_reduce_elem(dout, OC, o, NULL, 0, 0, B, T); }
+        for (int o = 0; o < OC; o++) { dbias[o] = position_reduce_elem(dout, OC, o, NULL, 0, 0, B, T, tchunks); }
+    }
+}
+
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                     const float* inp, const float* weight, int B, int T, int K, int OC,
+                     int groups, int nchunks) {
+    if (dinp) { matmul_backward_dinp(dinp, dout, weight, B * T, K, OC, groups, nchunks); }
+    matmul_weight_grads(dweight, dbias, dout, inp, B, T, K, OC, CANON_R);
+}
+
+// Each sequence's subtree of matmul_backward's weight and bias gradients, for a rank that holds
+// a zig-zag slice of T positions of every sequence (context parallelism: tchunks = 8/D of the
+// R2Z chunks), which the group finishes: sequence b's at dweight + b*seq_stride (OC,K) and
+// dbias + b*seq_stride (OC; NULL: none).
+void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const float* dout, const float* inp,
+                          int B, int T, int K, int OC, int tchunks) {
+    for (int b = 0; b < B; b++) {
+        matmul_weight_grads(dweight + b * seq_stride, dbias ? dbias + b * seq_stride : NULL, dout + (size_t)b * T * OC,
+                            inp + (size_t)b * T * K, 1, T, K, OC, tchunks);
     }
 }
 
@@ -1264,6 +1288,208 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 }
 
 // ------------------------------------------------------------------------------------------
+// context parallelism's attention, one block of keys at a time (llmc/context_parallel.h drives
+// them around the group). Rank r of an N-way context-parallel group holds the queries of its
+// zig-zag slice of each sequence (Tq = T/N local positions, canonical.h R2Z) and sees the keys
+// and values of every rank's slice in turn: block s. att (B,NH,Tq,T) keeps block s in columns
+// [s*Tq, (s+1)*Tq); a query attends to the keys of block s at global positions up to its own,
+// a prefix of the block (canon_zz_count_le). Each reduction over keys is R2Z within a block
+// (8/N chunks of the block's local sequence: a complete subtree of the one-rank tree) and R1
+// over the blocks in rank order; the reductions over queries (dk, dv) likewise, over each
+// rank's queries, then R1 over the ranks. With N = 1 these are attention_forward and
+// attention_backward cut into passes: the same helpers, the same bits.
+//   qkv (B,Tq,3C) this rank's; kblk, vblk (B,Tq,C) block s's keys or values; C, NH this
+//   rank's channels and heads (tensor parallelism splits them as usual)
+
+// The keys of block s that query rows t0, t0+1, ... (nr of them, of rank r's slice) attend to:
+// [lo[i], hi[i]) = [0, count); rows past nr repeat the last one.
+static void cp_key_bounds(int* lo, int* hi, int t0, int nr, int T, int N, int r, int s) {
+    for (int i = 0; i < ATT_NR; i++) {
+        int t = t0 + (i < nr ? i : nr - 1);
+        lo[i] = 0;
+        hi[i] = canon_zz_count_le(canon_zz_global(t, T, N, r), T, N, s);
+    }
+}
+
+// The queries of rank r that block s's keys j0, j0+1, ... are attended by: [lo[i], Tq).
+static void cp_query_bounds(int* lo, int* hi, int j0, int nr, int T, int N, int r, int s) {
+    int Tq = T / N;
+    for (int i = 0; i < ATT_NR; i++) {
+        int j = j0 + (i < nr ? i : nr - 1);
+        lo[i] = Tq - canon_zz_count_ge(canon_zz_global(j, T, N, s), T, N, r);
+        hi[i] = Tq;
+    }
+}
+
+static int cp_max(const int* x, int n) {
+    int m = 0;
+    for (int i = 0; i < n; i++) { m = x[i] > m ? x[i] : m; }
+    return m;
+}
+
+// q.k (or dout.v: scale 1) of this rank's queries against block s, into att's (or ds's) block
+// columns: the entries each query attends to
+static void cp_block_products(float* att, const float* q, long ldq, const float* kblk, int B, int T, int C, int NH,
+                              int N, int r, int s, float scale) {
+    int hs = C / NH, BH = B * NH, Tq = T / N;
+    long Tp = attn_padded(Tq);
+    float* kt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * hs * Tp);
+    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)attn_threads() * ATT_NR * Tp);
+    attn_pack_transposed(kt, Tp, kblk, C, B, Tq, NH, hs);
+    int ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * ntiles; idx++) {
+        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
+        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
+        int lo[ATT_NR], hi[ATT_NR];
+        cp_key_bounds(lo, hi, t0, nr, T, N, r, s);
+        int nkeys = cp_max(hi, nr);
+        if (nkeys == 0) { continue; }
+        float* tile_s = tiles + (size_t)attn_thread() * ATT_NR * Tp;
+        attn_scores(tile_s, Tp, q + ((size_t)b * Tq + t0) * ldq + h * hs, ldq, kt + (size_t)bh * hs * Tp, Tp, hs, nr,
+                    nkeys, scale);
+        for (int i = 0; i < nr; i++) {
+            memcpy(att + ((size_t)bh * Tq + t0 + i) * T + (size_t)s * Tq, tile_s + i * Tp, sizeof(float) * hi[i]);
+        }
+    }
+}
+
+// att block s <- the scores q.k * (1/sqrt(hs)) of the keys each query attends to
+void attention_scores_block(float* att, const float* qkv, const float* kblk, int B, int T, int C, int NH, int N,
+                            int r, int s) {
+    cp_block_products(att, qkv, 3L * C, kblk, B, T, C, NH, N, r, s, canon_rsqrtf((float)(C / NH)));
+}
+
+// The softmax of every row over all N blocks: the max (exact), the exps, Z = R1 over blocks of
+// each block's R2Z subtree, the division; 0 for the keys a query does not attend to.
+void attention_softmax_blocks(float* att, int B, int T, int NH, int N, int r) {
+    int Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)B * NH * ntiles; idx++) {
+        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles);
+        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
+        float* rows = att + ((size_t)bh * Tq + t0) * T;
+        int lo[CANON_R][ATT_NR], hi[CANON_R][ATT_NR];
+        float zs[CANON_R][ATT_NR], maxv[ATT_NR];
+        for (int s = 0; s < N; s++) { cp_key_bounds(lo[s], hi[s], t0, nr, T, N, r, s); }
+        for (int i = 0; i < nr; i++) {
+            float m = -canon_inf();
+            for (int s = 0; s < N; s++) {
+                float ms = attn_row_max(rows + (size_t)i * T + (size_t)s * Tq, hi[s][i]);
+                m = ms > m ? ms : m;
+            }
+            maxv[i] = m;
+        }
+        for (int s = 0; s < N; s++) {
+            for (int i = 0; i < nr; i++) { exps_shifted(rows + (size_t)i * T + (size_t)s * Tq, hi[s][i], maxv[i]); }
+            attn_row_sums(zs[s], rows + (size_t)s * Tq, T, NULL, 0, nr, hi[s], Tq, CANON_R / N);
+        }
+        for (int i = 0; i < nr; i++) {
+            float part[CANON_R];
+            for (int s = 0; s < N; s++) { part[s] = zs[s][i]; }
+            float z = canon_tree_sum(part, N, 1);
+            for (int s = 0; s < N; s++) {
+                float* a = rows + (size_t)i * T + (size_t)s * Tq;
+                #pragma omp simd
+                for (int j = 0; j < hi[s][i]; j++) { a[j] = a[j] / z; }
+                for (int j = hi[s][i]; j < Tq; j++) { a[j] = 0.0f; }
+            }
+        }
+    }
+}
+
+// out (B,Tq,C) = block s's subtree of att @ v: R2Z over the block's keys (8/N chunks)
+void attention_values_block(float* out, const float* att, const float* vblk, int B, int T, int C, int NH, int N,
+                            int r, int s) {
+    int hs = C / NH, BH = B * NH, Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    float* vr = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * Tq * hs);
+    attn_pack_rows(vr, vblk, C, B, Tq, NH, hs);
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * ntiles; idx++) {
+        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
+        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
+        int lo[ATT_NR], hi[ATT_NR];
+        cp_key_bounds(lo, hi, t0, nr, T, N, r, s);
+        AttRows av = {att + ((size_t)bh * Tq + t0) * T + (size_t)s * Tq, T, 1, vr + (size_t)bh * Tq * hs, hs,
+                      out + ((size_t)b * Tq + t0) * C + h * hs, C, Tq, CANON_R / N, lo, hi};
+        attn_rows(&av, nr, hs);
+    }
+}
+
+// ds block s <- datt = dout . v of the keys each query attends to
+void attention_datt_block(float* ds, const float* dout, const float* vblk, int B, int T, int C, int NH, int N,
+                          int r, int s) {
+    cp_block_products(ds, dout, C, vblk, B, T, C, NH, N, r, s, 1.0f);
+}
+
+// ds <- att * (datt - S) * (1/sqrt(hs)) over every block, S = R1 over blocks of each block's
+// R2Z subtree of fmaf(att, datt)
+void attention_softmax_backward_blocks(float* ds, const float* att, int B, int T, int C, int NH, int N, int r) {
+    int Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    float scale = canon_rsqrtf((float)(C / NH));
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)B * NH * ntiles; idx++) {
+        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles);
+        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
+        size_t row0 = ((size_t)bh * Tq + t0) * T;
+        int lo[CANON_R][ATT_NR], hi[CANON_R][ATT_NR];
+        float ss[CANON_R][ATT_NR];
+        for (int s = 0; s < N; s++) {
+            cp_key_bounds(lo[s], hi[s], t0, nr, T, N, r, s);
+            attn_row_sums(ss[s], att + row0 + (size_t)s * Tq, T, ds + row0 + (size_t)s * Tq, T, nr, hi[s], Tq, CANON_R / N);
+        }
+        for (int i = 0; i < nr; i++) {
+            float part[CANON_R];
+            for (int s = 0; s < N; s++) { part[s] = ss[s][i]; }
+            float S = canon_tree_sum(part, N, 1);
+            for (int s = 0; s < N; s++) {
+                const float* a = att + row0 + (size_t)i * T + (size_t)s * Tq;
+                float* d = ds + row0 + (size_t)i * T + (size_t)s * Tq;
+                #pragma omp simd
+                for (int j = 0; j < hi[s][i]; j++) { d[j] = a[j] * (d[j] - S) * scale; }
+            }
+        }
+    }
+}
+
+// dq (B,Tq,C) = block s's subtree of ds @ k
+void attention_dq_block(float* dq, const float* ds, const float* kblk, int B, int T, int C, int NH, int N, int r,
+                        int s) {
+    attention_values_block(dq, ds, kblk, B, T, C, NH, N, r, s);
+}
+
+// dk, dv (B,Tq,C) of block s's keys = this rank's subtree over its queries (R2Z, 8/N chunks)
+// of ds^T @ q and att^T @ dout: the partials the key's owner sums over the ranks
+void attention_dkv_block(float* dk, float* dv, const float* ds, const float* att, const float* qkv, const float* dout,
+                         int B, int T, int C, int NH, int N, int r, int s) {
+    int hs = C / NH, BH = B * NH, Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    float* qr = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * Tq * hs * 2);
+    float* dr = qr + (size_t)BH * Tq * hs;
+    attn_pack_rows(qr, qkv, 3L * C, B, Tq, NH, hs);
+    attn_pack_rows(dr, dout, C, B, Tq, NH, hs);
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * ntiles; idx++) {
+        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
+        int j0 = tile * ATT_NR, nr = Tq - j0 < ATT_NR ? Tq - j0 : ATT_NR;
+        int lo[ATT_NR], hi[ATT_NR];
+        cp_query_bounds(lo, hi, j0, nr, T, N, r, s);
+        size_t cols = (size_t)bh * Tq * T + (size_t)s * Tq + j0;
+        size_t o = ((size_t)b * Tq + j0) * C + h * hs;
+        AttRows k = {ds + cols, 1, T, qr + (size_t)bh * Tq * hs, hs, dk + o, C, Tq, CANON_R / N, lo, hi};
+        AttRows v = {att + cols, 1, T, dr + (size_t)bh * Tq * hs, hs, dv + o, C, Tq, CANON_R / N, lo, hi};
+        attn_rows(&k, nr, hs);
+        attn_rows(&v, nr, hs);
+    }
+}
+
+// dst rows (stride ldd) <- width floats of each of `rows` src rows (stride lds): a tensor's
+// columns packed for sending, or unpacked into place
+void copy_rows(float* dst, long ldd, const float* src, long lds, long rows, int width) {
+    #pragma omp parallel for
+    for (long i = 0; i < rows; i++) { memcpy(dst + i * ldd, src + i * lds, sizeof(float) * width); }
+}
+
+// ------------------------------------------------------------------------------------------
 // GELU (tanh form), elementwise
 void gelu_forward(float* out, const float* inp, size_t n) {
     #pragma omp parallel for simd
@@ -1360,7 +1586,7 @@ void bias_forward(float* out, const float* bias, int BT, int OC) {
 
 // R3 sum of per-position values x (B,T): the loss sum of a microbatch.
 float position_sum(const float* x, int B, int T) {
-    return position_reduce_elem(x, 1, 0, NULL, 0, 0, B, T);
+    return position_reduce_elem(x, 1, 0, NULL, 0, 0, B, T, CANON_R);
 }
 
 #endif // LLMC_DEVICE_KERNELS
@@ -1373,19 +1599,28 @@ float position_sum(const float* x, int B, int T) {
 // compiles this same section on its device kernels, which take the same arguments. So the
 // model never touches tensor memory itself: it allocates and fills through the MemOps of
 // memory.h (host here, device there), and its parameters come unit by unit from zero.h.
+// Context parallelism's attention and gradient finishing (context_parallel.h) drive these
+// kernels too, so the header comes here.
+#include "llmc/context_parallel.h"
 
 // Activations of one forward pass of a pipeline stage (its `layers` transformer layers, and
 // the head on the last stage), allocated for a capacity of (B, T) positions; a pass with fewer
 // positions lays its tensors out with its own B, T inside the same memory.
 // With tensor parallelism the per-head and per-neuron tensors hold this rank's part: qkv
 // 3C/K, atty C/K, att NH/K heads, fch 4C/K, probs Vp/K (the widths below).
-// With sequence parallelism (seq_split = K; else 1) the residual stream, the layernorms'
-// inputs and statistics hold T/K positions of each sequence: encoded, residual2, residual3,
-// the means and rstds; the layernorm outputs are stored all-gathered (full T).
+// With context parallelism over N ranks (cp_split = N; else 1) every tensor holds this rank's
+// zig-zag slice of each sequence, T/N positions (context_parallel.h; att (L,B,NH,T/N,T): its
+// queries against every key, or with --cp-mode a2a (L,B,NH/N,T,T): every query of NH/N heads,
+// whose q|k|v (qkvh) it keeps too). The shapes below are per rank with T the slice's length.
+// With sequence parallelism (seq_split = K x cp_split; else cp_split) the residual stream, the
+// layernorms' inputs and statistics hold T/K positions of each (slice of a) sequence: encoded,
+// residual2, residual3, the means and rstds; the layernorm outputs are stored all-gathered.
 typedef struct {
-    int layers, cap_B, cap_T, recompute, seq_split;
+    int layers, cap_B, cap_T, recompute, seq_split, cp_split;
     int C3, Ca, NHl, C4, Vl;   // local widths: qkv, atty, heads, fch, vocabulary
     int* inputs;        // (B,T)     the pass's tokens
+    int* inputs_full;   // (B,T*cp_split) every position's tokens (context parallelism: the
+                        //           embedding's gradient runs on whole sequences)
     int* targets;       // (B,T)     ... and the next tokens (the loss): target_buf, or NULL: none
     int* target_buf;
     float* encoded;     // (B,T,C)   the stage's input: embedding output, or received activation
@@ -1395,6 +1630,7 @@ typedef struct {
     float* qkv;         // (L,B,T,3C)
     float* atty;        // (L,B,T,C)  attention output, before the projection
     float* att;         // (L,B,NH,T,T)
+    float* qkvh;        // (L,B,T*cp_split,3C/cp_split) --cp-mode a2a: the head-split q|k|v
     float* residual2;   // (L,B,T,C)  residual stream after attention
     float* ln2;         // (L,B,T,C)
     float* ln2_mean;    // (L,B,T)
@@ -1406,21 +1642,23 @@ typedef struct {
     float* lnf_mean;    // (B,T)
     float* lnf_rstd;    // (B,T)
     float* probs;       // (B,T,Vp)   logits, then probabilities, then dlogits
-    float* losses;      // (B,T)
+    float* losses;      // (B,T*cp_split): every position's (context parallelism gathers them)
     float* proj;        // (B,T,C)    scratch: a projection's output before the residual add
     float* proj_s;      // (B,T/K,C)  ... after sequence parallelism's reduce-scatter
     float* ln_s;        // (B,T/K,C)  a layernorm's output before sequence parallelism's all-gather
-    float* ce;          // (3,B,T)    cross-entropy's per-position max, sum of exps, target logit
+    float* ce;          // (4,B,T)    cross-entropy's per-position max, sum of exps, target logit;
+                        //            this rank's losses (context parallelism)
     size_t bytes;
 } Activations;
 
 // Gradients of activations during backward: one set, reused by every layer.
 typedef struct {
-    int seq_split;      // as in Activations
+    int seq_split, cp_split;   // as in Activations
     float* dresidual;   // (B,T,C)    d(residual stream); (B,T/K,C) under sequence parallelism
     float* dfull;       // (B,T,C)    ... all-gathered (sequence parallelism)
+    float* dwhole;      // (B,T*cp_split,C) the embedding's, all-gathered along T (CP, first stage)
     float* dln_s;       // (B,T/K,C)  a layernorm output's gradient after the reduce-scatter
-    float* ln_partials; // (2,B,C)    layernorm weight/bias gradients per sequence (SP)
+    float* ln_partials; // (2,B,C)    layernorm weight/bias gradients per sequence (SP, CP)
     float* dbtc;        // (B,T,C)
     float* datty;       // (B,T,C/K)
     float* dqkv;        // (B,T,3C/K)
@@ -1434,6 +1672,10 @@ typedef struct {
     int is_first, is_last;      // first stage: embeddings; last stage: final layernorm + LM head
     CommGroup* tp;              // tensor-parallel group (size K; tensor_parallel.h)
     int K, v0, Vl;              // ... and this rank's vocabulary rows [v0, v0 + Vl) of wte
+    int sp;                     // sequence parallelism in the passes that split sequences
+    ContextParallel cp;         // context parallelism (size N; context_parallel.h)
+    int N;
+    float* seq_grads;           // (B, largest unit) each sequence's subtree of a unit's gradient (CP)
     float* sp_scratch;          // (B,T,C) reordering for sequence parallelism's collectives
     float* probs_all;           // (Vp) one position's probabilities, all-gathered (sampling)
     Zero* zero;                 // parameters, gradients and AdamW state, possibly sharded (zero.h)
@@ -1452,12 +1694,13 @@ static float* act_alloc(const GPT2* model, size_t n, size_t* total) {
     return n ? mem_floats(model->mem, n, "activations") : NULL;
 }
 
-// sp: the residual stream is split along T over the tensor-parallel group (Megatron's
-// sequence parallelism)
-void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int sp) {
+// split: the sequences are split as the model's layout says (context parallelism over its cp
+// group, and with sp the residual stream over the tensor-parallel group: Megatron's sequence
+// parallelism); 0: every position on every rank (the sampler's passes)
+void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int split) {
     const GPT2Config* c = &model->config;
-    int K = model->K;
-    size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T;
+    int K = model->K, N = split ? model->N : 1, sp = split && model->sp;
+    size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T / N;
     size_t H = model->is_last ? 1 : 0;
     size_t BTs = BT / (sp ? K : 1);   // positions of the sequence-split tensors
     memset(a, 0, sizeof(*a));
@@ -1465,7 +1708,8 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->cap_B = B;
     a->cap_T = T;
     a->recompute = recompute;
-    a->seq_split = sp ? K : 1;
+    a->cp_split = N;
+    a->seq_split = (sp ? K : 1) * N;
     a->C3 = 3 * c->channels / K;
     a->Ca = c->channels / K;
     a->NHl = c->num_heads / K;
@@ -1473,14 +1717,16 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->Vl = c->padded_vocab_size / K;
     a->inputs = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
     a->target_buf = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
-    a->bytes = 2 * BT * sizeof(int);
+    a->inputs_full = N > 1 ? (int*)model->mem->alloc((size_t)B * T * sizeof(int), "tokens") : a->inputs;
+    a->bytes = (2 * BT + (N > 1 ? (size_t)B * T : 0)) * sizeof(int);
     a->encoded = act_alloc(model, BTs * C, &a->bytes);
     a->ln1 = act_alloc(model, L * BT * C, &a->bytes);
     a->ln1_mean = act_alloc(model, L * BTs, &a->bytes);
     a->ln1_rstd = act_alloc(model, L * BTs, &a->bytes);
     a->qkv = act_alloc(model, L * BT * a->C3, &a->bytes);
     a->atty = act_alloc(model, L * BT * a->Ca, &a->bytes);
-    a->att = act_alloc(model, L * (size_t)B * a->NHl * T * T, &a->bytes);
+    a->att = act_alloc(model, L * (size_t)B * a->NHl * (T / N) * T, &a->bytes);
+    a->qkvh = act_alloc(model, N > 1 && model->cp.a2a ? L * BT * a->C3 : 0, &a->bytes);
     a->residual2 = act_alloc(model, L * BTs * C, &a->bytes);
     a->ln2 = act_alloc(model, L * BT * C, &a->bytes);
     a->ln2_mean = act_alloc(model, L * BTs, &a->bytes);
@@ -1492,40 +1738,60 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->lnf_mean = act_alloc(model, H * BTs, &a->bytes);
     a->lnf_rstd = act_alloc(model, H * BTs, &a->bytes);
     a->probs = act_alloc(model, H * BT * a->Vl, &a->bytes);
-    a->losses = act_alloc(model, H * BT, &a->bytes);
+    a->losses = act_alloc(model, H * (size_t)B * T, &a->bytes);
     a->proj = act_alloc(model, BT * C, &a->bytes);
     a->proj_s = act_alloc(model, sp ? BTs * C : 0, &a->bytes);
     a->ln_s = act_alloc(model, sp ? BTs * C : 0, &a->bytes);
-    a->ce = act_alloc(model, H * 3 * BT, &a->bytes);
+    a->ce = act_alloc(model, H * 4 * BT, &a->bytes);
 }
 
 void activations_free(const GPT2* model, Activations* a) {
     void* all[] = {a->inputs, a->target_buf, a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty,
                    a->att, a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu,
                    a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj,
-                   a->proj_s, a->ln_s, a->ce};
+                   a->proj_s, a->ln_s, a->ce, a->qkvh, a->inputs_full != a->inputs ? a->inputs_full : NULL};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
     memset(a, 0, sizeof(*a));
 }
 
-// The pass's tokens, from host memory; targets NULL: the pass computes no loss.
+// The pass's tokens (B sequences of T), from host memory; targets NULL: the pass computes no
+// loss. With context parallelism the rank keeps its slice of each sequence (and all of the
+// inputs, for the embedding's gradient).
 void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs, const int* targets,
                             int B, int T) {
-    size_t bytes = (size_t)B * T * sizeof(int);
-    model->mem->from_host(a->inputs, inputs, bytes);
-    if (targets) { model->mem->from_host(a->target_buf, targets, bytes); }
+    int N = a->cp_split, Tl = T / N;
+    size_t bytes = (size_t)B * Tl * sizeof(int);
     a->targets = targets ? a->target_buf : NULL;
+    if (N == 1) {
+        model->mem->from_host(a->inputs, inputs, bytes);
+        if (targets) { model->mem->from_host(a->target_buf, targets, bytes); }
+        return;
+    }
+    model->mem->from_host(a->inputs_full, inputs, (size_t)B * T * sizeof(int));
+    int* slice = (int*)malloc_or_die(2 * bytes, "token slices");
+    for (int b = 0; b < B; b++) {
+        for (int t = 0; t < Tl; t++) {
+            long g = (long)b * T + canon_zz_global(t, T, N, model->cp.rank);
+            slice[b * Tl + t] = inputs[g];
+            slice[(size_t)B * Tl + b * Tl + t] = targets ? targets[g] : 0;
+        }
+    }
+    model->mem->from_host(a->inputs, slice, bytes);
+    if (targets) { model->mem->from_host(a->target_buf, slice + (size_t)B * Tl, bytes); }
+    free(slice);
 }
 
-void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T, int sp) {
-    int K = model->K;
-    size_t BTC = (size_t)B * T * model->config.channels;
+void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T, int split) {
+    int K = model->K, N = split ? model->N : 1, sp = split && model->sp;
+    size_t BTC = (size_t)B * T / N * model->config.channels;
     memset(g, 0, sizeof(*g));
-    g->seq_split = sp ? K : 1;
+    g->cp_split = N;
+    g->seq_split = (sp ? K : 1) * N;
     g->dresidual = act_alloc(model, BTC, &g->bytes);
     g->dfull = act_alloc(model, sp ? BTC : 0, &g->bytes);
+    g->dwhole = act_alloc(model, N > 1 && model->is_first ? BTC * N : 0, &g->bytes);
     g->dln_s = act_alloc(model, sp ? BTC / K : 0, &g->bytes);
-    g->ln_partials = act_alloc(model, sp ? 2 * (size_t)B * model->config.channels : 0, &g->bytes);
+    g->ln_partials = act_alloc(model, sp || N > 1 ? 2 * (size_t)B * model->config.channels : 0, &g->bytes);
     g->dbtc = act_alloc(model, BTC, &g->bytes);
     g->datty = act_alloc(model, BTC / K, &g->bytes);
     g->dqkv = act_alloc(model, 3 * BTC / K, &g->bytes);
@@ -1533,18 +1799,19 @@ void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T,
 }
 
 void activation_grads_free(const GPT2* model, ActivationGrads* g) {
-    void* all[] = {g->dresidual, g->dfull, g->dln_s, g->ln_partials, g->dbtc, g->datty, g->dqkv, g->dbt4c};
+    void* all[] = {g->dresidual, g->dfull, g->dwhole, g->dln_s, g->ln_partials, g->dbtc, g->datty, g->dqkv, g->dbt4c};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
 }
 
-// Per-layer views of the activations for a pass over (B, T); l counts the stage's layers.
+// Per-layer views of the activations for a pass over (B, T) (this rank's share of them); l
+// counts the stage's layers.
 typedef struct {
-    float *residual, *ln1, *ln1_mean, *ln1_rstd, *qkv, *atty, *att, *residual2;
+    float *residual, *ln1, *ln1_mean, *ln1_rstd, *qkv, *atty, *att, *qkvh, *residual2;
     float *ln2, *ln2_mean, *ln2_rstd, *fch, *fch_gelu, *residual3;
 } LayerActs;
 
 static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, int B, int T) {
-    size_t C = c->channels, BT = (size_t)B * T, BTs = BT / a->seq_split;
+    size_t C = c->channels, BT = (size_t)B * T / a->cp_split, BTs = (size_t)B * T / a->seq_split;
     LayerActs v;
     v.residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BTs * C;
     v.ln1 = a->ln1 + l * BT * C;
@@ -1552,7 +1819,8 @@ static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, in
     v.ln1_rstd = a->ln1_rstd + l * BTs;
     v.qkv = a->qkv + l * BT * a->C3;
     v.atty = a->atty + l * BT * a->Ca;
-    v.att = a->att + l * (size_t)B * a->NHl * T * T;
+    v.att = a->att + l * (size_t)B * a->NHl * (T / a->cp_split) * T;
+    v.qkvh = a->qkvh ? a->qkvh + l * BT * a->C3 : NULL;
     v.residual2 = a->residual2 + l * BTs * C;
     v.ln2 = a->ln2 + l * BT * C;
     v.ln2_mean = a->ln2_mean + l * BTs;
@@ -1586,9 +1854,14 @@ static LayerTensors layer_unit(const Zero* z, int u, const float* base) {
 // LM head, cross-entropy; last stage). Parameters come unit by unit from zero.h (ZeRO-3
 // gathers each unit just before use, prefetching the next, and frees it after).
 //
-// Sequence parallelism's f and g (tensor_parallel.h) apply to passes whose activations are
-// split along T (seq_split > 1); they are the identity / all-reduce of tp_f_* and tp_g_*
-// without it.
+// Sequence parallelism's f and g (tensor_parallel.h) apply to passes whose residual stream is
+// split along T over the tensor-parallel group (seq_split > cp_split); they are the identity /
+// all-reduce of tp_f_* and tp_g_* without it. With context parallelism (cp_split = N > 1) a
+// pass holds this rank's slice of each sequence, Tl = T/N positions (T: the whole sequence, as
+// the engine passes it): everything is per position except attention (context_parallel.h's
+// ring or all-to-all) and the reductions over positions, whose per-sequence subtrees the group
+// finishes (cp_finish_sequences), or which run on whole sequences gathered along T (the
+// embedding's gradient, the loss).
 
 // out (B,T/D,C) += wpe at the global positions of rank r's D-way zig-zag slice (canonical.h
 // R2Z): its two stretches per sequence (D = 1: all of T)
@@ -1603,24 +1876,27 @@ static void add_positions_slice(float* out, const float* wpe, int B, int T, int 
     }
 }
 
-// (first stage) encoded (B,T,C) = wte[inputs] + wpe (with SP: this rank's positions)
+// (first stage) encoded (B,T,C) = wte[inputs] + wpe (with SP and CP: this rank's positions)
 void embed_forward(GPT2* model, Activations* a, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, sp = a->seq_split > 1;
+    int C = c->channels, N = a->cp_split, Tl = T / N, sp = a->seq_split > N;
     const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
     float* lookup = sp ? a->proj : a->encoded;
-    encoder_lookup(lookup, a->inputs, wte, model->v0, model->Vl, B * T, C);
+    encoder_lookup(lookup, a->inputs, wte, model->v0, model->Vl, B * Tl, C);
     zero_params_release(z, ZERO_WTE);
     // sum over the tp group (the vocab-parallel lookup: each row came from the rank holding
     // it): all-reduce, or with SP reduce-scatter along T
     if (sp) {
-        tp_sp_reduce_scatter(model->tp, lookup, a->encoded, B, T, C, model->sp_scratch);
+        tp_sp_reduce_scatter(model->tp, lookup, a->encoded, B, Tl, C, model->sp_scratch);
     } else if (model->K > 1) {
-        comm_all_reduce_sum(model->tp, a->encoded, (size_t)B * T * C, COMM_KIND_TP);
+        comm_all_reduce_sum(model->tp, a->encoded, (size_t)B * Tl * C, COMM_KIND_TP);
     }
+    // this rank's positions: the slice of its context-parallel rank, and of that its
+    // tensor-parallel rank's with SP (a slice of a slice is a slice, canonical.h R2Z)
+    int r = (N > 1 ? model->cp.rank : 0) * (sp ? model->K : 1) + (sp ? model->tp->rank : 0);
     const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
-    add_positions_slice(a->encoded, wpe, B, T, C, a->seq_split, sp ? model->tp->rank : 0);
+    add_positions_slice(a->encoded, wpe, B, T, C, a->seq_split, r);
     zero_params_release(z, ZERO_WPE);
 }
 
@@ -1628,13 +1904,13 @@ void embed_forward(GPT2* model, Activations* a, int B, int T) {
 // rank's positions and the output is all-gathered along T (Megatron's f).
 static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, float* rstd,
                          const float* x, const float* w, const float* b, int B, int T) {
-    int C = model->config.channels;
-    if (a->seq_split > 1) {
+    int C = model->config.channels, Tl = T / a->cp_split;
+    if (a->seq_split > a->cp_split) {
         layernorm_forward(a->ln_s, mean, rstd, x, w, b, B * T / a->seq_split, C);
-        tp_sp_all_gather(model->tp, a->ln_s, ln, B, T, C, model->sp_scratch);
+        tp_sp_all_gather(model->tp, a->ln_s, ln, B, Tl, C, model->sp_scratch);
     } else {
-        layernorm_forward(ln, mean, rstd, x, w, b, B * T, C);
-        tp_f_forward(model->tp, ln, (size_t)B * T * C);
+        layernorm_forward(ln, mean, rstd, x, w, b, B * Tl, C);
+        tp_f_forward(model->tp, ln, (size_t)B * Tl * C);
     }
 }
 
@@ -1642,16 +1918,27 @@ static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, fl
 // (Megatron's g: all-reduce, or with SP reduce-scatter along T), then its bias; returns the
 // result (with SP, this rank's positions).
 static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B, int T) {
-    int C = model->config.channels;
+    int C = model->config.channels, Tl = T / a->cp_split;
     float* out = a->proj;
-    if (a->seq_split > 1) {
-        tp_sp_reduce_scatter(model->tp, a->proj, a->proj_s, B, T, C, model->sp_scratch);
+    if (a->seq_split > a->cp_split) {
+        tp_sp_reduce_scatter(model->tp, a->proj, a->proj_s, B, Tl, C, model->sp_scratch);
         out = a->proj_s;
     } else {
-        tp_g_forward(model->tp, a->proj, (size_t)B * T * C);
+        tp_g_forward(model->tp, a->proj, (size_t)B * Tl * C);
     }
     bias_forward(out, bias, B * T / a->seq_split, C);
     return out;
+}
+
+// Attention of this rank's heads (and with CP its queries): qkv -> atty, att.
+static void attention_forward_cp(GPT2* model, Activations* a, const LayerActs* x, int B, int T) {
+    if (a->cp_split == 1) {
+        attention_forward(x->atty, x->att, x->qkv, B, T, a->Ca, a->NHl);
+    } else if (model->cp.a2a) {
+        cp_a2a_forward(&model->cp, x->atty, x->att, x->qkvh, x->qkv, B, T, a->Ca, a->NHl);
+    } else {
+        cp_ring_forward(&model->cp, x->atty, x->att, x->qkv, B, T, a->Ca, a->NHl);
+    }
 }
 
 // this stage's layers: a->encoded (B,T,C) -> stage_output. Megatron's split: qkv and fc are
@@ -1660,15 +1947,15 @@ static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B,
 void layers_forward(GPT2* model, Activations* a, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, BT = B * T, K = model->K;
-    size_t BTCs = (size_t)BT / a->seq_split * C;
+    int C = c->channels, BT = B * T / a->cp_split, K = model->K;
+    size_t BTCs = (size_t)B * T / a->seq_split * C;
     for (int l = model->first_layer; l < model->last_layer; l++) {
         int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->is_last ? z->lay.num_units - 1 : -1;
         LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next));
         LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
         ln_forward_f(model, a, x.ln1, x.ln1_mean, x.ln1_rstd, x.residual, w.ln1w, w.ln1b, B, T);
         matmul_forward(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, a->C3, CANON_R);
-        attention_forward(x.atty, x.att, x.qkv, B, T, a->Ca, a->NHl);
+        attention_forward_cp(model, a, &x, B, T);
         matmul_forward(a->proj, x.atty, w.attprojw, NULL, BT, a->Ca, C, CANON_R / K);
         residual_forward(x.residual2, x.residual, proj_g_bias(model, a, w.attprojb, B, T), BTCs);
         ln_forward_f(model, a, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2w, w.ln2b, B, T);
@@ -1683,11 +1970,12 @@ void layers_forward(GPT2* model, Activations* a, int B, int T) {
 // (last stage) stage_output -> probs (B,T,Vl) of this rank's vocabulary rows, and per-position
 // losses (B,T) when the pass has targets. The LM head is column-parallel over the vocabulary;
 // the cross-entropy's three reductions are finished over the tp group. With `training`, the
-// units the backward starts with (wte, the final layernorm) stay held for it.
+// units the backward starts with (wte, the final layernorm) stay held for it. With CP the
+// losses of every position are all-gathered (the loss is summed over whole sequences).
 void head_forward(GPT2* model, Activations* a, int B, int T, int training) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, V = c->vocab_size, BT = B * T, K = model->K;
+    int C = c->channels, V = c->vocab_size, BT = B * T / a->cp_split, K = model->K;
     int LNF = z->lay.num_units - 1;
     const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
     ln_forward_f(model, a, a->lnf, a->lnf_mean, a->lnf_rstd, stage_output(a, c, B, T), lnf, lnf + C, B, T);
@@ -1701,7 +1989,10 @@ void head_forward(GPT2* model, Activations* a, int B, int T, int training) {
     // all-reduce (tp group): Z (each rank's chunks of the vocabulary sum, finished by the R1
     // tree) and the target logit (held by one rank, -0.0f elsewhere)
     if (K > 1) { comm_all_reduce_sum(model->tp, a->ce + BT, 2 * (size_t)BT, COMM_KIND_TP); }
-    crossentropy_normalize(a->probs, a->losses, zs, target_logits, maxes, a->targets, BT, V, model->v0, model->Vl);
+    float* losses = a->cp_split > 1 ? a->ce + 3 * BT : a->losses;
+    crossentropy_normalize(a->probs, losses, zs, target_logits, maxes, a->targets, BT, V, model->v0, model->Vl);
+    // all-gather (cp group): every position's loss, in sequence order
+    if (a->cp_split > 1 && a->targets) { cp_gather_sequences(&model->cp, losses, a->losses, B, T, 1); }
     if (!training) {
         zero_params_release(z, ZERO_WTE);
         zero_params_release(z, LNF);
@@ -1714,32 +2005,62 @@ void head_forward(GPT2* model, Activations* a, int B, int T, int training) {
 // dres += the layernorm's input gradient, and its weight/bias gradients. With SP those are
 // sums over positions held by K ranks: each rank's per-sequence subtrees (over its chunks of
 // T) are all-reduced (tp group, the R1 tree) and the R1 tree over sequences finishes them.
+// With CP the per-sequence subtrees (finished over the tp group with SP, the inner level of
+// the positions' ranks) go to dweight + b*seq_stride, dbias + b*seq_stride for the caller to
+// finish over the cp group.
 static void ln_backward_f(GPT2* model, ActivationGrads* g, float* dres, float* dweight, float* dbias,
-                          float* dln, const float* inp, const float* weight, const float* mean,
+                          long seq_stride, float* dln, const float* inp, const float* weight, const float* mean,
                           const float* rstd, int B, int T) {
-    int C = model->config.channels;
-    if (g->seq_split > 1) {
-        int K = model->K;
-        tp_sp_reduce_scatter(model->tp, dln, g->dln_s, B, T, C, model->sp_scratch);
-        layernorm_backward(dres, dweight, dbias, g->dln_s, inp, weight, mean, rstd, B, T / K, C,
-                           CANON_R / K, g->ln_partials);
-        comm_all_reduce_sum(model->tp, g->ln_partials, 2 * (size_t)B * C, COMM_KIND_TP);
-        sequence_tree(dweight, g->ln_partials, B, C);
-        sequence_tree(dbias, g->ln_partials + (size_t)B * C, B, C);
-    } else {
+    int C = model->config.channels, N = g->cp_split, Tl = T / N, sp = g->seq_split > N;
+    if (g->seq_split == 1) {
         tp_f_backward(model->tp, dln, (size_t)B * T * C);
         layernorm_backward(dres, dweight, dbias, dln, inp, weight, mean, rstd, B, T, C, CANON_R, NULL);
+        return;
     }
+    const float* dy = dln;
+    if (sp) {
+        tp_sp_reduce_scatter(model->tp, dln, g->dln_s, B, Tl, C, model->sp_scratch);
+        dy = g->dln_s;
+    } else {
+        tp_f_backward(model->tp, dln, (size_t)B * Tl * C);
+    }
+    layernorm_backward(dres, NULL, NULL, dy, inp, weight, mean, rstd, B, T / g->seq_split, C, CANON_R / g->seq_split,
+                       g->ln_partials);
+    // all-reduce (tp group): the R1 tree over the tensor-parallel ranks' subtrees
+    if (sp) { comm_all_reduce_sum(model->tp, g->ln_partials, 2 * (size_t)B * C, COMM_KIND_TP); }
+    if (N > 1) {
+        for (int b = 0; b < B; b++) {
+            model->mem->copy(dweight + b * seq_stride, g->ln_partials + (size_t)b * C, sizeof(float) * C);
+            model->mem->copy(dbias + b * seq_stride, g->ln_partials + (size_t)(B + b) * C, sizeof(float) * C);
+        }
+    } else {
+        sequence_tree(dweight, g->ln_partials, B, C);
+        sequence_tree(dbias, g->ln_partials + (size_t)B * C, B, C);
+    }
+}
+
+// matmul_backward on this rank's positions; with CP (N > 1) the weight and bias gradients as
+// per-sequence subtrees at dweight + b*seq_stride, dbias + b*seq_stride (the caller finishes).
+static void matmul_backward_cp(int N, float* dinp, float* dweight, float* dbias, long seq_stride, const float* dout,
+                               const float* inp, const float* weight, int B, int Tl, int K, int OC, int groups,
+                               int nchunks) {
+    if (N == 1) {
+        matmul_backward(dinp, dweight, dbias, dout, inp, weight, B, Tl, K, OC, groups, nchunks);
+        return;
+    }
+    matmul_backward(dinp, NULL, NULL, dout, inp, weight, B, Tl, K, OC, groups, nchunks);
+    matmul_backward_seqs(dweight, dbias, seq_stride, dout, inp, B, Tl, K, OC, CANON_R / N);
 }
 
 // The gradient of a row-parallel layer's output, full (B,T,C), from d(residual) (Megatron's g
 // backward: the identity, or with SP an all-gather along T).
 static const float* dres_g_backward(GPT2* model, ActivationGrads* g, int B, int T) {
-    if (g->seq_split == 1) {
-        tp_g_backward(model->tp, g->dresidual, (size_t)B * T * model->config.channels);
+    int Tl = T / g->cp_split;
+    if (g->seq_split == g->cp_split) {
+        tp_g_backward(model->tp, g->dresidual, (size_t)B * Tl * model->config.channels);
         return g->dresidual;
     }
-    tp_sp_all_gather(model->tp, g->dresidual, g->dfull, B, T, model->config.channels, model->sp_scratch);
+    tp_sp_all_gather(model->tp, g->dresidual, g->dfull, B, Tl, model->config.channels, model->sp_scratch);
     return g->dfull;
 }
 
@@ -1748,20 +2069,25 @@ static const float* dres_g_backward(GPT2* model, ActivationGrads* g, int B, int 
 void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, float dloss) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, V = c->vocab_size, BT = B * T;
+    int C = c->channels, V = c->vocab_size, N = a->cp_split, Tl = T / N, BT = B * Tl;
     int LNF = z->lay.num_units - 1;
     const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
     float* dwte_lm = zero_grad_unit(z, ZERO_WTE);    // the LM-head half of wte's gradient
+    size_t nwte = (size_t)model->Vl * C;
     crossentropy_backward(a->probs, a->targets, dloss, BT, V, model->v0, model->Vl);
-    matmul_backward(g->dbtc, dwte_lm, NULL, a->probs, a->lnf, wte, B, T, C, model->Vl, 1, CANON_R / model->K);
+    matmul_backward_cp(N, g->dbtc, N > 1 ? model->seq_grads : dwte_lm, NULL, (long)nwte, a->probs, a->lnf, wte, B, Tl,
+                       C, model->Vl, 1, CANON_R / model->K);
+    if (N > 1) { cp_finish_sequences(&model->cp, dwte_lm, model->seq_grads, B, nwte); }
     zero_grad_unit_done(z, ZERO_WTE);
     zero_params_release(z, ZERO_WTE);
     int next = model->last_layer > model->first_layer ? ZERO_LAYER(model->last_layer - 1) : -1;
     const float* lnf = zero_params_acquire(z, LNF, next);
     float* dlnf = zero_grad_unit(z, LNF);
-    model->mem->fill(g->dresidual, 0.0f, (size_t)BT / g->seq_split * C);
-    ln_backward_f(model, g, g->dresidual, dlnf, dlnf + C, g->dbtc, stage_output(a, c, B, T), lnf,
+    float* dl = N > 1 ? model->seq_grads : dlnf;   // [weight | bias], per sequence with CP
+    model->mem->fill(g->dresidual, 0.0f, (size_t)B * T / g->seq_split * C);
+    ln_backward_f(model, g, g->dresidual, dl, dl + C, 2L * C, g->dbtc, stage_output(a, c, B, T), lnf,
                   a->lnf_mean, a->lnf_rstd, B, T);
+    if (N > 1) { cp_finish_sequences(&model->cp, dlnf, model->seq_grads, B, 2 * (size_t)C); }
     zero_grad_unit_done(z, LNF);
     zero_params_release(z, LNF);
 }
@@ -1772,39 +2098,53 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
 void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, BT = B * T, K = model->K;
+    int C = c->channels, N = a->cp_split, Tl = T / N, BT = B * Tl, K = model->K;
     for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
-        int next = l - 1 >= model->first_layer ? ZERO_LAYER(l - 1) : -1;
-        LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), next));
-        LayerTensors dw = layer_unit(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l)));
+        int u = ZERO_LAYER(l), next = l - 1 >= model->first_layer ? ZERO_LAYER(l - 1) : -1;
+        LayerTensors w = layer_unit(z, u, zero_params_acquire(z, u, next));
+        float* grad = zero_grad_unit(z, u);
+        long us = (long)z->lay.size[u];   // with CP: sequence b's subtrees at seq_grads + b * us
+        LayerTensors dw = layer_unit(z, u, N > 1 ? model->seq_grads : grad);
         LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
         if (a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4); }
         // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
         const float* dres = dres_g_backward(model, g, B, T);
-        matmul_backward(g->dbt4c, dw.fcprojw, dw.fcprojb, dres, x.fch_gelu, w.fcprojw, B, T, a->C4, C, 1, CANON_R);
+        matmul_backward_cp(N, g->dbt4c, dw.fcprojw, dw.fcprojb, us, dres, x.fch_gelu, w.fcprojw, B, Tl, a->C4, C, 1, CANON_R);
         gelu_backward(g->dbt4c, x.fch, g->dbt4c, (size_t)BT * a->C4);
-        matmul_backward(g->dbtc, dw.fcw, dw.fcb, g->dbt4c, x.ln2, w.fcw, B, T, C, a->C4, 1, CANON_R / K);
-        ln_backward_f(model, g, g->dresidual, dw.ln2w, dw.ln2b, g->dbtc, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, B, T);
+        matmul_backward_cp(N, g->dbtc, dw.fcw, dw.fcb, us, g->dbt4c, x.ln2, w.fcw, B, Tl, C, a->C4, 1, CANON_R / K);
+        ln_backward_f(model, g, g->dresidual, dw.ln2w, dw.ln2b, us, g->dbtc, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, B, T);
         // attention: residual2 = residual + attproj(attention(qkv(ln1(residual))))
         dres = dres_g_backward(model, g, B, T);
-        matmul_backward(g->datty, dw.attprojw, dw.attprojb, dres, x.atty, w.attprojw, B, T, a->Ca, C, 1, CANON_R);
-        attention_backward(g->dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
-        matmul_backward(g->dbtc, dw.qkvw, dw.qkvb, g->dqkv, x.ln1, w.qkvw, B, T, C, a->C3, 3, CANON_R / K);
-        ln_backward_f(model, g, g->dresidual, dw.ln1w, dw.ln1b, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, B, T);
-        zero_grad_unit_done(z, ZERO_LAYER(l));
-        zero_params_release(z, ZERO_LAYER(l));
+        matmul_backward_cp(N, g->datty, dw.attprojw, dw.attprojb, us, dres, x.atty, w.attprojw, B, Tl, a->Ca, C, 1, CANON_R);
+        if (N == 1) {
+            attention_backward(g->dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
+        } else if (model->cp.a2a) {
+            cp_a2a_backward(&model->cp, g->dqkv, g->datty, x.qkvh, x.att, B, T, a->Ca, a->NHl);
+        } else {
+            cp_ring_backward(&model->cp, g->dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
+        }
+        matmul_backward_cp(N, g->dbtc, dw.qkvw, dw.qkvb, us, g->dqkv, x.ln1, w.qkvw, B, Tl, C, a->C3, 3, CANON_R / K);
+        ln_backward_f(model, g, g->dresidual, dw.ln1w, dw.ln1b, us, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, B, T);
+        if (N > 1) { cp_finish_sequences(&model->cp, grad, model->seq_grads, B, (size_t)us); }
+        zero_grad_unit_done(z, u);
+        zero_params_release(z, u);
     }
 }
 
 // (first stage) the embeddings' gradients from g->dresidual = d(loss)/d(encoded): the lookup
 // half of wte's gradient (unit E; this rank's vocabulary rows) and wpe's. Both sum over all
-// positions: with SP the gradient is all-gathered along T first.
+// positions: with SP the gradient is all-gathered along T first, with CP then along the
+// sequence (cp group), and every rank runs the one-rank embedding backward on whole sequences.
 void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
     int E = zero_unit_E(z);
     const float* dencoded = dres_g_backward(model, g, B, T);
-    encoder_backward(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), dencoded, a->inputs, B, T,
+    if (a->cp_split > 1) {
+        cp_gather_sequences(&model->cp, dencoded, g->dwhole, B, T, c->channels);
+        dencoded = g->dwhole;
+    }
+    encoder_backward(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), dencoded, a->inputs_full, B, T,
                      c->channels, model->v0, model->Vl, c->max_seq_len);
     zero_grad_unit_done(z, ZERO_WPE);
     zero_grad_unit_done(z, E);
@@ -1838,14 +2178,21 @@ void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
 
 // The model of a pipeline stage (`place`: its layers, whether it has the embeddings and the
 // head) on the parameters zero.h holds, its tensor-parallel slices over tp (tensor_parallel.h);
-// sp: sequence parallelism for passes over up to (B, T) positions (T a multiple of K).
+// for passes over up to (B, T) positions: sp, sequence parallelism (2K | T); cp, the
+// context-parallel group (context_parallel.h; of one rank: none) and its attention (cp_a2a:
+// all-to-all, else the ring).
 void gpt2_init(GPT2* model, const GPT2Config* config, const StagePlace* place, Zero* zero,
-               CommGroup* tp, int sp, int B, int T) {
+               CommGroup* tp, CommGroup* cp, int cp_a2a, int sp, int B, int T) {
     memset(model, 0, sizeof(*model));
     model->config = *config;
     const char* problem = tp_problem(config, tp->size);
     if (problem) { fatal("--tp %d: %s (model: NH=%d, Vp=%d)", tp->size, problem, config->num_heads, config->padded_vocab_size); }
+    char why[256];
+    problem = cp_problem(cp->size, cp_a2a, T, config->num_heads / tp->size, sp ? tp->size : 1, why, sizeof(why));
+    if (problem) { fatal("--cp %d: %s", cp->size, problem); }
     model->tp = tp;
+    model->sp = sp;
+    model->N = cp->size;
     model->K = tp->size;
     model->Vl = config->padded_vocab_size / tp->size;
     model->v0 = tp->rank * model->Vl;
@@ -1857,19 +2204,31 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const StagePlace* place, Z
     model->mem = zero->mem;
     model->sp_scratch = sp ? mem_floats(model->mem, (size_t)B * T * config->channels, "sequence parallelism") : NULL;
     model->probs_all = place->is_last ? mem_floats(model->mem, config->padded_vocab_size, "probabilities") : NULL;
+    // context parallelism: each sequence's subtree of a unit's gradient (the largest unit
+    // this rank computes), and the group's finishing of it (context_parallel.h)
+    size_t unit = 0;
+    for (int u = 0; u < zero->lay.num_units; u++) {
+        if (zero->lay.grads_here[u] && zero->lay.size[u] > unit) { unit = zero->lay.size[u]; }
+    }
+    int N = model->N;
+    size_t finish = ((size_t)N * B + B + N) * ((unit + N - 1) / N);
+    cp_init(&model->cp, cp, cp_a2a, model->mem, B, T, config->channels / tp->size, config->num_heads / tp->size, finish);
+    model->seq_grads = N > 1 ? mem_floats(model->mem, (size_t)B * unit, "context-parallel gradients") : NULL;
 }
 
 void gpt2_free(GPT2* model) {
     model->mem->release(model->sp_scratch);
     model->mem->release(model->probs_all);
+    model->mem->release(model->seq_grads);
+    cp_free(&model->cp);
 }
 
 // --- the model as the engine drives it (engine.h ModelOps) --------------------------------
 
 static void* model_create(const GPT2Config* config, const StagePlace* place, Zero* zero, CommGroup* tp,
-                          int sp, int B, int T) {
+                          CommGroup* cp, int cp_a2a, int sp, int B, int T) {
     GPT2* model = (GPT2*)malloc_or_die(sizeof(GPT2), "model");
-    gpt2_init(model, config, place, zero, tp, sp, B, T);
+    gpt2_init(model, config, place, zero, tp, cp, cp_a2a, sp, B, T);
     return model;
 }
 static void model_destroy(void* m) { gpt2_free((GPT2*)m); free(m); }

@@ -142,9 +142,9 @@ int main(int argc, char** argv) {
               "build (train_gpt2cu_emu) runs --deterministic 1 only");
     }
 #endif
-    if (!det && (t.args.tp > 1 || t.args.pp > 1 || t.args.sp)) {
-        fatal("--tp/--pp/--sp: fast mode runs data parallelism and ZeRO on one pipeline stage; tensor, sequence "
-              "and pipeline parallelism run with --deterministic 1");
+    if (!det && (t.args.tp > 1 || t.args.pp > 1 || t.args.sp || t.args.cp > 1)) {
+        fatal("--tp/--pp/--sp/--cp: fast mode runs data parallelism and ZeRO on one pipeline stage; tensor, sequence, "
+              "context and pipeline parallelism run with --deterministic 1");
     }
     select_device(&t.comm);
     choose_transport(&t);

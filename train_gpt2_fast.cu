@@ -111,7 +111,8 @@ static float* act_f(FastModel* m, size_t n, size_t* bytes) {
 
 // ---- ModelOps ----------------------------------------------------------------------------
 
-static void* fast_create(const GPT2Config* c, const StagePlace* place, Zero* zero, CommGroup* tp, int sp, int B, int T) {
+static void* fast_create(const GPT2Config* c, const StagePlace* place, Zero* zero, CommGroup* tp, CommGroup* cp,
+                         int cp_a2a, int sp, int B, int T) {
     if (tp->size != 1 || sp || !place->is_first || !place->is_last) {
         fatal("internal: fast mode runs one pipeline stage without tensor parallelism");
     }

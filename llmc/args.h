@@ -50,6 +50,8 @@ typedef struct {
     int shuffle;
     long long seed;
     int tp, pp, sp;               // tensor / pipeline / sequence parallelism
+    int cp;                       // context parallelism (context_parallel.h)
+    const char* cp_mode;          // ... ring | a2a
     const char* pp_schedule;
     int deterministic;            // CUDA build: bit-exact mode
     const char* comm;             // CUDA build: transport of device buffers (auto, nccl, mpi)
@@ -124,6 +126,8 @@ static const ArgSpec arg_specs[] = {
     {"--tp", ARG_INT, ARG_FIELD(tp), 1, 4096, 0, "tensor-parallel degree (Megatron column/row splits)"},
     {"--sp", ARG_INT, ARG_FIELD(sp), 0, 1, 0, "1 = Megatron sequence parallelism within the tensor-parallel group"},
     {"--pp", ARG_INT, ARG_FIELD(pp), 1, 4096, 0, "pipeline-parallel degree (stages)"},
+    {"--cp", ARG_INT, ARG_FIELD(cp), 1, 8, 0, "context-parallel degree: 1, 2, 4 or 8 ranks split each sequence (zig-zag, 2*cp | T)"},
+    ARG_STRING("--cp-mode", cp_mode, "context parallelism's attention: ring (K/V blocks around the group) | a2a (Ulysses: all-to-all to heads)"),
     ARG_STRING("--schedule", pp_schedule, "pipeline schedule: 1f1b | gpipe"),
     {"--deterministic", ARG_INT, ARG_FIELD(deterministic), 0, 1, 0, "CUDA build: 1 = fp32 canonical kernels, bit-identical to the CPU build"},
     ARG_STRING("--comm", comm, "CUDA build: how ranks exchange device buffers: nccl (one GPU per rank), mpi (staged through host memory; ranks may share a GPU) or auto (nccl when every rank has a GPU of its own)"),
@@ -167,6 +171,8 @@ static inline void train_args_defaults(TrainArgs* a) {
     a->tp = 1;
     a->pp = 1;
     a->sp = 0;
+    a->cp = 1;
+    a->cp_mode = "ring";
     a->pp_schedule = "1f1b";
     a->deterministic = 0;
     a->comm = "auto";
@@ -220,7 +226,7 @@ static inline void train_arg_value_text(const ArgSpec* s, const TrainArgs* a, ch
 
 static inline void train_args_print_help(const char* prog, const TrainArgs* defaults) {
     printf("usage: %s [options]\n\n", prog);
-    printf("Trains GPT-2 on llm.c token shards, single rank or under mpirun (DP x TP x PP).\n\n");
+    printf("Trains GPT-2 on llm.c token shards, single rank or under mpirun (DP x CP x TP x PP).\n\n");
     for (int i = 0; i < NUM_ARG_SPECS; i++) {
         const ArgSpec* s = &arg_specs[i];
         char def[256], range[96] = "";
@@ -307,6 +313,12 @@ static inline void train_args_validate(const TrainArgs* a) {
     }
     if (strcmp(a->pp_schedule, "1f1b") != 0 && strcmp(a->pp_schedule, "gpipe") != 0) {
         fatal("--schedule must be 1f1b or gpipe, got '%s'", a->pp_schedule);
+    }
+    if (a->cp != 1 && a->cp != 2 && a->cp != 4 && a->cp != 8) {
+        fatal("--cp %d: the context-parallel degree must be 1, 2, 4 or 8 (a divisor of the 8 canonical chunks)", a->cp);
+    }
+    if (strcmp(a->cp_mode, "ring") != 0 && strcmp(a->cp_mode, "a2a") != 0) {
+        fatal("--cp-mode must be ring or a2a, got '%s'", a->cp_mode);
     }
 }
 

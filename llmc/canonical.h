@@ -193,6 +193,25 @@ HD long canon_zz_global(long t, long n, int D, int r) {
     return t < h ? (long)r * h + t : n - (long)(r + 1) * h + (t - h);
 }
 
+// How many positions of rank s's D-way zig-zag slice of a sequence of length n lie at global
+// positions <= p (its low stretch, then its high one: a prefix of the slice, since the slice's
+// positions increase): the keys of rank s that a query at p attends to.
+HD int canon_zz_count_le(long p, long n, int D, int s) {
+    long h = n / (2 * D), lo = p - (long)s * h + 1, hi = p - (n - (long)(s + 1) * h) + 1;
+    lo = lo < 0 ? 0 : lo > h ? h : lo;
+    hi = hi < 0 ? 0 : hi > h ? h : hi;
+    return (int)(lo + hi);
+}
+
+// How many positions of rank r's slice lie at global positions >= p (a suffix of the slice):
+// the queries of rank r that attend to a key at p.
+HD int canon_zz_count_ge(long p, long n, int D, int r) {
+    long h = n / (2 * D), lo = (long)(r + 1) * h - p, hi = n - (long)r * h - p;
+    lo = lo < 0 ? 0 : lo > h ? h : lo;
+    hi = hi < 0 ? 0 : hi > h ? h : hi;
+    return (int)(lo + hi);
+}
+
 // R3: merges to do after leaf (sequence b of nseq, chunk c of CANON_R) of a position
 // reduction: first the chunk tree of sequence b, then, when b's tree is complete, the tree
 // over sequences.

@@ -66,12 +66,13 @@ typedef struct {
 typedef struct {
     // the model of this rank's stage; its parameters, gradients and AdamW state are in `zero`;
     // sp: Megatron's sequence parallelism over the tensor-parallel group, for passes over up to
-    // (B, T) positions
+    // (B, T) positions; cp: the context-parallel group (context_parallel.h; one rank: none),
+    // cp_a2a its all-to-all attention (else the ring)
     void* (*create)(const GPT2Config* config, const StagePlace* place, Zero* zero, CommGroup* tp,
-                    int sp, int B, int T);
+                    CommGroup* cp, int cp_a2a, int sp, int B, int T);
     void (*destroy)(void* model);
-    // activations of one pass over up to (B, T) positions; sp as above (a pass of the sampler
-    // runs without it); *bytes: their size
+    // activations of one pass over up to (B, T) positions; sp: split the sequences as the
+    // model's sp and cp say (a pass of the sampler runs unsplit); *bytes: their size
     void* (*acts_create)(void* model, int B, int T, int recompute, int sp, size_t* bytes);
     void (*acts_destroy)(void* model, void* acts);
     // the microbatch's tokens (host memory; targets NULL: no loss)
@@ -449,10 +450,11 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     train_args_validate(a);
     trainer_check_same_flags(t);
     if (a->sp && a->tp == 1) { fatal("--sp 1: sequence parallelism splits the sequence over the tensor-parallel group; it needs --tp > 1"); }
-    if (t->comm.world_size % (a->tp * a->pp) != 0) {
-        fatal("--tp %d x --pp %d does not divide the %d ranks of this job", a->tp, a->pp, t->comm.world_size);
+    if (t->comm.world_size % (a->tp * a->cp * a->pp) != 0) {
+        fatal("--tp %d x --cp %d x --pp %d does not divide the %d ranks of this job", a->tp, a->cp, a->pp,
+              t->comm.world_size);
     }
-    comm_setup_grid(&t->comm, a->tp, a->pp);
+    comm_setup_grid_cp(&t->comm, a->tp, a->cp, a->pp);
     t->pp_kind = strcmp(a->pp_schedule, "gpipe") == 0 ? PP_GPIPE : PP_1F1B;
     if (!lr_schedule_kind(a->lr_schedule, &t->lr_kind)) {
         fatal("-k: unknown learning-rate schedule '%s' (cosine, linear or constant)", a->lr_schedule);
@@ -492,6 +494,12 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     return 1;
 }
 
+// How many ways a training pass splits each sequence's residual stream: context parallelism,
+// times the tensor-parallel degree with sequence parallelism.
+static inline int trainer_sequence_split(const Trainer* t) {
+    return t->comm.cp * (t->args.sp ? t->comm.tp : 1);
+}
+
 // The model of this rank's stage on `ops` (its parameters, gradients and AdamW state in
 // zero.h's buffers in `mem`), the data, the tokenizer, the pipeline, the resumed state, main.log.
 static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* mem) {
@@ -519,7 +527,8 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
               t->place.first_layer, t->place.last_layer, t->start_params, t->M);
     free(t->start_params);
     t->start_params = NULL;
-    t->model = ops->create(c, &t->place, &t->zero, &comm->tp_group, a->sp, B, T);
+    t->model = ops->create(c, &t->place, &t->zero, &comm->tp_group, &comm->cp_group, strcmp(a->cp_mode, "a2a") == 0,
+                           a->sp, B, T);
 
     t->do_val = a->val_every > 0;
     train_data_open(a, B, T, c->vocab_size, t->total_batch, &t->train_loader, &t->val_loader, &t->val_batches,
@@ -529,10 +538,10 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     // corrupt one must not stop it)
     if (t->root && a->sample_every > 0) { tokenizer_init_for_model(&t->tokenizer, a->tokenizer_path, c->vocab_size); }
 
-    int sp_degree = a->sp ? comm->tp : 1;
+    int split = trainer_sequence_split(t);
     pipeline_init(&t->pipe, ops, mem, t->model, &t->place, &comm->pp_group, t->pp_kind, t->zero.local_microbatches,
-                  B, T, c->channels, a->recompute, sp_degree);
-    t->grads = ops->grads_create(t->model, B, T, a->sp, &t->grads_bytes);
+                  B, T, c->channels, a->recompute, split);
+    t->grads = ops->grads_create(t->model, B, T, split > 1, &t->grads_bytes);
     t->genT = a->gen_T < c->max_seq_len ? a->gen_T : c->max_seq_len;
     t->do_sample = a->sample_every > 0 && (comm->dp_rank == 0 || t->zero.stage == 3);
     if (t->do_sample) {
@@ -600,7 +609,7 @@ static inline float global_mean_loss(Trainer* t, const float* local, int per_ran
 static inline float trainer_validate(Trainer* t) {
     Zero* z = &t->zero;
     int B = t->B, T = t->T, batches = t->val_batches;
-    int sp_degree = t->args.sp ? t->comm.tp : 1;
+    int sp_degree = trainer_sequence_split(t);
     void* acts = t->pipe.slots[0].acts;
     int per_rank = (batches + z->N - 1) / z->N;
     float* local = (float*)calloc_or_die((size_t)per_rank + 1, sizeof(float), "val losses");
@@ -659,6 +668,7 @@ static inline void trainer_sample(Trainer* t) {
 // parameters are assembled by a sum: every dp-rank-0 rank writes the elements it owns
 // (zero_full_params: each element by exactly one rank) into a host buffer of -0.0f, and an
 // all-reduce over the tp group, then over the pp group, adds them (x + -0 == x: exact).
+// Context-parallel ranks hold copies of their group's parameters and state: cp rank 0 writes.
 static inline void trainer_write_checkpoint(Trainer* t) {
     Zero* z = &t->zero;
     Comm* comm = &t->comm;
@@ -667,7 +677,7 @@ static inline void trainer_write_checkpoint(Trainer* t) {
     int step = (int)t->progress.step;
     size_t P = param_count(&t->config);
     float* full = NULL;
-    if (comm->dp_rank == 0) {
+    if (comm->dp_rank == 0 && comm->cp_rank == 0) {
         full = (float*)aligned_calloc_or_die(P * sizeof(float), "checkpoint");
         for (size_t i = 0; i < P; i++) { full[i] = -0.0f; }
     }
@@ -683,7 +693,7 @@ static inline void trainer_write_checkpoint(Trainer* t) {
     }
     free(full);
     int per_dp = z->stage == 0 ? 1 : z->N;   // ZeRO-0: dp rank 0 writes its (and everyone's) state
-    if (z->stage != 0 || z->rank == 0) {
+    if (comm->cp_rank == 0 && (z->stage != 0 || z->rank == 0)) {
         zero_state_to_host(z);
         int n = zero_state_ranges(z, 1, NULL);
         StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (n + 1), "state ranges");
@@ -717,7 +727,11 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
     stage_info[1] = (float)t->place.last_layer;
     stage_info[2] = (float)(pipe->nslots * pipe->slot_bytes / 1048576.0);
     if (comm->pp <= 64) { comm_all_gather(&comm->pp_group, stage_info, all_stage_info, 3, COMM_KIND_OTHER); }
-    if (!t->root) { return; }
+    // every rank's grid coordinates (all-gather, world)
+    float coords[4] = {(float)comm->dp_rank, (float)comm->cp_rank, (float)comm->tp_rank, (float)comm->pp_rank};
+    float* all_coords = comm->world_size <= 64 ? (float*)malloc_or_die(sizeof(float) * 4 * comm->world_size, "grid") : NULL;
+    if (all_coords) { comm_all_gather(&comm->world, coords, all_coords, 4, COMM_KIND_OTHER); }
+    if (!t->root) { free(all_coords); return; }
     printf("+--------------------------------------------------------------------------+\n");
     build->banner();
     printf("+--------------------------------------------------------------------------+\n");
@@ -726,8 +740,22 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
     if (t->resume_step >= 0) { printf("| init          %s/model_%08d.bin\n", a->output_dir, t->resume_step); }
     else { printf("| init          %s\n", a->model); }
     printf("| parameters    P = %zu (%.1f M)\n", P, P / 1e6);
-    printf("| ranks         %d = %d data x %d tensor%s x %d pipeline; ZeRO stage %d\n", comm->world_size, N,
-           comm->tp, a->sp ? " (+ sequence parallel)" : "", comm->pp, z->stage);
+    printf("| ranks         %d = %d data x %d context x %d tensor%s x %d pipeline; ZeRO stage %d\n", comm->world_size, N,
+           comm->cp, comm->tp, a->sp ? " (+ sequence parallel)" : "", comm->pp, z->stage);
+    if (all_coords && comm->world_size > 1) {   // Megatron's order: tensor fastest, then context, data, pipeline
+        for (int w = 0; w < comm->world_size; w++) {
+            if (w % 8 == 0) { printf("%s| grid          rank (dp,cp,tp,pp):", w ? "\n" : ""); }
+            printf(" %d (%d,%d,%d,%d)", w, (int)all_coords[4 * w], (int)all_coords[4 * w + 1], (int)all_coords[4 * w + 2],
+                   (int)all_coords[4 * w + 3]);
+        }
+        printf("\n");
+    }
+    free(all_coords);
+    if (comm->cp > 1) {
+        printf("| context       %d-way %s: each rank holds stretches r and %d-r of every sequence (%d positions each)\n",
+               comm->cp, strcmp(a->cp_mode, "a2a") == 0 ? "all-to-all (Ulysses)" : "ring attention", 2 * comm->cp - 1,
+               t->T / (2 * comm->cp));
+    }
     printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
            t->B, t->T, t->M, z->local_microbatches, t->total_batch);
     if (comm->pp > 1) {
@@ -764,6 +792,27 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
 }
 
 // ---- the loop ----------------------------------------------------------------------------
+
+// Context parallelism's bytes this rank sent in the step, against the formula
+// (context_parallel.h), per microbatch: each of the stage's layers sends, with the ring,
+// (N-1) K and (N-1) V blocks forward, (N-1) V and (N-1) K blocks and (N-1) dK|dV partial
+// blocks backward, a block being B (T/N) C/tp floats; with the all-to-all 8 (N-1)/N blocks;
+// the first stage all-gathers the embedding's gradient ((N-1) B (T/N) C floats), the last
+// stage the per-position losses ((N-1) B (T/N)).
+static inline void trainer_print_cp_accounting(const Trainer* t) {
+    const Comm* comm = &t->comm;
+    const GPT2Config* c = &t->config;
+    int N = comm->cp, a2a = strcmp(t->args.cp_mode, "a2a") == 0, layers = t->place.last_layer - t->place.first_layer;
+    int Tl = t->T / N, Ca = c->channels / comm->tp;
+    uint64_t block = (uint64_t)t->B * Tl * Ca;
+    uint64_t per_layer = a2a ? 8 * (uint64_t)(N - 1) * block / N : 6 * (uint64_t)(N - 1) * block;
+    uint64_t per_micro = layers * per_layer + (t->place.is_first ? (uint64_t)(N - 1) * t->B * Tl * c->channels : 0) +
+                         (t->place.is_last ? (uint64_t)(N - 1) * t->B * Tl : 0);
+    uint64_t want = 4 * per_micro * (uint64_t)t->zero.local_microbatches, got = comm->stats.bytes[COMM_KIND_CP];
+    printf("cp accounting: %s N %d layers %d B %d T/N %d C/tp %d microbatches/rank %d | bytes/rank/step cp %llu, "
+           "formula %llu (%s)\n", a2a ? "a2a" : "ring", N, layers, t->B, Tl, Ca, t->zero.local_microbatches,
+           (unsigned long long)got, (unsigned long long)want, got == want ? "equal" : "MISMATCH");
+}
 
 // The startup table, then every step: validation, sampling and checkpoints when due, the
 // step's microbatches through the pipeline, the loss, the gradient norm, AdamW; the step line
@@ -860,6 +909,7 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
                        z->stage, N, P, (size_t)c->padded_vocab_size * c->channels, c->num_layers,
                        z->local_microbatches, (unsigned long long)comm->stats.bytes[COMM_KIND_GRAD],
                        (unsigned long long)comm->stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
+                if (comm->cp > 1) { trainer_print_cp_accounting(t); }
             }
             fflush(stdout);
         }

@@ -71,8 +71,53 @@ HD int det_out_col(int tid, int j) { return (tid % 16) * 4 + j; }
 enum {
     DET_CAUSAL_NONE = 0,   // all r
     DET_CAUSAL_R_LE_M = 1, // r <= m: keys up to the query (att @ v, ds @ k)
-    DET_CAUSAL_R_GE_M = 2  // r >= m: queries from the key on (ds^T @ q, att^T @ dout)
+    DET_CAUSAL_R_GE_M = 2, // r >= m: queries from the key on (ds^T @ q, att^T @ dout)
+    // context parallelism's blocks (train_gpt2.c attention_*_block): row m a query of rank
+    // zz_r's slice and r the keys of block zz_s that it attends to, a prefix of the block; or
+    // row m a key of block zz_s and r the queries of rank zz_r that attend to it, a suffix
+    DET_CAUSAL_ZZ_KEYS = 3,
+    DET_CAUSAL_ZZ_QUERIES = 4
 };
+
+// Which outputs (m, n) exist: all, n <= m (the one-rank scores), or n among the keys of block
+// zz_s that query m attends to (a block's scores)
+enum { DET_OUT_ALL = 0, DET_OUT_LOWER = 1, DET_OUT_ZZ = 2 };
+// ---- the deterministic matmul-shaped kernel's arguments -------------------------------------
+//
+// One kernel (kernels_det.cuh det_gemm_kernel) serves every matmul-shaped reduction; these
+// are its arguments, and below, the arguments of each use (the matmul's three products, the
+// attention's five), so that the host test runs exactly the configurations the GPU gets.
+typedef struct {
+    // A(z, m, r) = A[zoff_a(z) + m * a_m + r * a_r], likewise B(z, n, r) and out(z, m, n),
+    // with zoff(z) = (z / zdiv) * z_hi + (z % zdiv) * z_lo for z in [0, Z) (z = (b, h) for
+    // attention, b for the per-sequence weight gradients)
+    const float* A; long a_zhi, a_zlo, a_m, a_r;
+    const float* B; long b_zhi, b_zlo, b_n, b_r;
+    float* out; long o_zhi, o_zlo, o_m;
+    const float* bias;   // added after the tree (may be NULL)
+    float scale;         // multiplied after the tree (attention scores; 1 otherwise, exact)
+    int M, N, R;         // outputs M x N, reduction length R
+    int groups;          // R's chunk groups (the qkv dinp: 3)
+    int nchunks;         // R's chunks (8, or a tensor-parallel rank's 8/K)
+    int zigzag;          // R is along a sequence: R2Z chunks
+    int zdiv, Z;
+    // the kernel variant: a_rc / b_rc: A (B) contiguous along r, else along m (n) (only how
+    // tiles are loaded); causal: DET_CAUSAL_*; out_lower: DET_OUT_*
+    int a_rc, b_rc, causal, out_lower;
+    // context parallelism: the sequence length, the group size, the rank whose queries the
+    // product is about and the owner of the block of keys (the ZZ variants)
+    int zz_T, zz_N, zz_r, zz_s;
+} DetGemmArgs;
+
+// The keys of block zz_s that query m (of rank zz_r's slice) attends to: [0, this).
+HD int det_zz_keys(const DetGemmArgs* g, int m) {
+    return canon_zz_count_le(canon_zz_global(m, g->zz_T, g->zz_N, g->zz_r), g->zz_T, g->zz_N, g->zz_s);
+}
+// The first of rank zz_r's queries that attends to key m of block zz_s: [this, T/N).
+HD int det_zz_first_query(const DetGemmArgs* g, int m) {
+    return g->zz_T / g->zz_N - canon_zz_count_ge(canon_zz_global(m, g->zz_T, g->zz_N, g->zz_s), g->zz_T, g->zz_N, g->zz_r);
+}
+
 
 typedef struct {
     int n;        // length of the reduced dimension
@@ -82,22 +127,53 @@ typedef struct {
     int lo, hi;   // only r in [lo, hi) can take part in this tile (causal clamp); [0, n) else
 } DetReduction;
 
-// The reduction of a block tile whose rows are m0..m_last.
-HD DetReduction det_tile_reduction(int n, int groups, int nchunks, int zigzag, int causal, int m0, int m_last) {
+// The reduction of a block tile of g (under the variant `causal`, g->causal) whose rows are
+// m0..m_last. The bounds of the ZZ variants are monotone in m, so m0's and m_last's bound the
+// tile's.
+HD DetReduction det_tile_reduction(const DetGemmArgs* g, int causal, int m0, int m_last) {
     DetReduction r;
-    r.n = n;
-    r.groups = zigzag ? 2 : groups;
-    r.nchunks = nchunks;
-    r.zigzag = zigzag;
+    r.n = g->R;
+    r.groups = g->zigzag ? 2 : g->groups;
+    r.nchunks = g->nchunks;
+    r.zigzag = g->zigzag;
     r.lo = 0;
-    r.hi = n;
+    r.hi = r.n;
     if (causal == DET_CAUSAL_R_LE_M && m_last + 1 < r.hi) { r.hi = m_last + 1; }
     if (causal == DET_CAUSAL_R_GE_M && m0 > r.lo) { r.lo = m0; }
+    if (causal == DET_CAUSAL_ZZ_KEYS) { r.hi = det_zz_keys(g, m_last); }
+    if (causal == DET_CAUSAL_ZZ_QUERIES) { r.lo = det_zz_first_query(g, m0); }
     return r;
 }
 
-HD int det_term_included(int causal, int r, int m) {
-    return causal == DET_CAUSAL_NONE || (causal == DET_CAUSAL_R_LE_M ? r <= m : r >= m);
+HD int det_term_included(const DetGemmArgs* g, int causal, int r, int m) {
+    switch (causal) {
+        case DET_CAUSAL_R_LE_M: return r <= m;
+        case DET_CAUSAL_R_GE_M: return r >= m;
+        case DET_CAUSAL_ZZ_KEYS: return r < det_zz_keys(g, m);
+        case DET_CAUSAL_ZZ_QUERIES: return r >= det_zz_first_query(g, m);
+        default: return 1;
+    }
+}
+
+// Whether every row m0..m_last of a tile takes every term of [k0, k0 + len).
+HD int det_tile_all_in(const DetGemmArgs* g, int causal, int k0, int len, int m0, int m_last) {
+    switch (causal) {
+        case DET_CAUSAL_R_LE_M: return k0 + len - 1 <= m0;
+        case DET_CAUSAL_R_GE_M: return k0 >= m_last;
+        case DET_CAUSAL_ZZ_KEYS: return k0 + len <= det_zz_keys(g, m0);
+        case DET_CAUSAL_ZZ_QUERIES: return k0 >= det_zz_first_query(g, m_last);
+        default: return 1;
+    }
+}
+
+// Whether output (m, n) exists (g->out_lower).
+HD int det_out_exists(const DetGemmArgs* g, int out, int m, int n) {
+    return out == DET_OUT_ALL || (out == DET_OUT_LOWER ? n <= m : n < det_zz_keys(g, m));
+}
+
+// Whether a tile of rows up to m_last and columns from n0 has no output at all.
+HD int det_tile_empty(const DetGemmArgs* g, int out, int n0, int m_last) {
+    return out != DET_OUT_ALL && (out == DET_OUT_LOWER ? n0 > m_last : n0 >= det_zz_keys(g, m_last));
 }
 
 // Indices [*begin, *end) of chunk c, group g (clamped to [lo, hi); may be empty). Chunk c of
@@ -147,30 +223,6 @@ HD void det_tree8_push(int c, float p, float* s0, float* s1, float* s2) {
     }
 }
 
-// ---- the deterministic matmul-shaped kernel's arguments -------------------------------------
-//
-// One kernel (kernels_det.cuh det_gemm_kernel) serves every matmul-shaped reduction; these
-// are its arguments, and below, the arguments of each use (the matmul's three products, the
-// attention's five), so that the host test runs exactly the configurations the GPU gets.
-typedef struct {
-    // A(z, m, r) = A[zoff_a(z) + m * a_m + r * a_r], likewise B(z, n, r) and out(z, m, n),
-    // with zoff(z) = (z / zdiv) * z_hi + (z % zdiv) * z_lo for z in [0, Z) (z = (b, h) for
-    // attention, b for the per-sequence weight gradients)
-    const float* A; long a_zhi, a_zlo, a_m, a_r;
-    const float* B; long b_zhi, b_zlo, b_n, b_r;
-    float* out; long o_zhi, o_zlo, o_m;
-    const float* bias;   // added after the tree (may be NULL)
-    float scale;         // multiplied after the tree (attention scores; 1 otherwise, exact)
-    int M, N, R;         // outputs M x N, reduction length R
-    int groups;          // R's chunk groups (the qkv dinp: 3)
-    int nchunks;         // R's chunks (8, or a tensor-parallel rank's 8/K)
-    int zigzag;          // R is along a sequence: R2Z chunks
-    int zdiv, Z;
-    // the kernel variant: a_rc / b_rc: A (B) contiguous along r, else along m (n) (only how
-    // tiles are loaded); causal: DET_CAUSAL_*; out_lower: only outputs n <= m exist
-    int a_rc, b_rc, causal, out_lower;
-} DetGemmArgs;
-
 HD long det_zoff(int z, int zdiv, long hi, long lo) { return (long)(z / zdiv) * hi + (long)(z % zdiv) * lo; }
 
 static inline DetGemmArgs det_gemm_args(int M, int N, int R, int a_rc, int b_rc, int causal, int out_lower) {
@@ -219,6 +271,11 @@ static inline DetGemmArgs det_args_matmul_dweight(float* seq, const float* dout,
     g.out = seq; g.o_zhi = (long)OC * K;  g.o_m = K;
     g.Z = B;
     return g;
+}
+
+// context parallelism: rank r's queries and block s (of N) of the sequence of length T
+static inline void det_args_zz(DetGemmArgs* g, int T, int N, int r, int s) {
+    g->zz_T = T; g->zz_N = N; g->zz_r = r; g->zz_s = s;
 }
 
 // attention scores: att[b,h][t][t2] = R2 over hs of q_t . k_t2 times 1/sqrt(hs), t2 <= t
@@ -278,6 +335,64 @@ static inline DetGemmArgs det_args_attention_by_queries(float* out, long ldo, co
     g.out = out; g.o_zhi = (long)T * ldo;  g.o_zlo = hs;  g.o_m = ldo;
     g.zdiv = NH;
     g.Z = B * NH;
+    return g;
+}
+
+// ---- context parallelism's blocks (train_gpt2.c attention_*_block) -------------------------
+// Rank r's Tq = T/N queries against block s's Tq keys; att and ds (B,NH,Tq,T) keep block s in
+// columns [s*Tq, (s+1)*Tq).
+
+// att (or ds) block s [b,h][t][j] = R2 over hs of q_t . k_j (times scale) for the keys j that
+// query t attends to; q rows of stride ldq (qkv's q, or dout), kblk (B,Tq,C)
+static inline DetGemmArgs det_args_attention_block_products(float* att, const float* q, long ldq, const float* kblk,
+                                                            int B, int T, int C, int NH, int N, int r, int s,
+                                                            float scale) {
+    int hs = C / NH, Tq = T / N;
+    long TT = (long)Tq * T;
+    DetGemmArgs g = det_gemm_args(Tq, Tq, hs, 1, 1, DET_CAUSAL_NONE, DET_OUT_ZZ);
+    g.A = q;                      g.a_zhi = (long)Tq * ldq;  g.a_zlo = hs;  g.a_m = ldq;  g.a_r = 1;
+    g.B = kblk;                   g.b_zhi = (long)Tq * C;    g.b_zlo = hs;  g.b_n = C;    g.b_r = 1;
+    g.out = att + (long)s * Tq;   g.o_zhi = NH * TT;         g.o_zlo = TT;  g.o_m = T;
+    g.zdiv = NH;
+    g.Z = B * NH;
+    g.scale = scale;
+    det_args_zz(&g, T, N, r, s);
+    return g;
+}
+
+// out (B,Tq,C) head h = block s's subtree (R2Z over its keys, 8/N chunks) of w[b,h][t][j] * x
+// rows j (stride C): att @ v (w = att, x = vblk) and ds @ k (w = ds, x = kblk)
+static inline DetGemmArgs det_args_attention_block_by_keys(float* out, const float* w, const float* x, int B, int T,
+                                                           int C, int NH, int N, int r, int s) {
+    int hs = C / NH, Tq = T / N;
+    long TT = (long)Tq * T;
+    DetGemmArgs g = det_gemm_args(Tq, hs, Tq, 1, 0, DET_CAUSAL_ZZ_KEYS, DET_OUT_ALL);
+    g.zigzag = 1;
+    g.nchunks = CANON_R / N;
+    g.A = w + (long)s * Tq;  g.a_zhi = NH * TT;        g.a_zlo = TT;  g.a_m = T;  g.a_r = 1;
+    g.B = x;                 g.b_zhi = (long)Tq * C;   g.b_zlo = hs;  g.b_n = 1;  g.b_r = C;
+    g.out = out;             g.o_zhi = (long)Tq * C;   g.o_zlo = hs;  g.o_m = C;
+    g.zdiv = NH;
+    g.Z = B * NH;
+    det_args_zz(&g, T, N, r, s);
+    return g;
+}
+
+// out (B,Tq,C) rows j = block s's keys, head h = rank r's subtree (R2Z over its queries, 8/N
+// chunks) of w[b,h][t][j] * x rows t (stride ldx): ds^T @ q (dk) and att^T @ dout (dv)
+static inline DetGemmArgs det_args_attention_block_by_queries(float* out, const float* w, const float* x, long ldx,
+                                                              int B, int T, int C, int NH, int N, int r, int s) {
+    int hs = C / NH, Tq = T / N;
+    long TT = (long)Tq * T;
+    DetGemmArgs g = det_gemm_args(Tq, hs, Tq, 0, 0, DET_CAUSAL_ZZ_QUERIES, DET_OUT_ALL);
+    g.zigzag = 1;
+    g.nchunks = CANON_R / N;
+    g.A = w + (long)s * Tq;  g.a_zhi = NH * TT;         g.a_zlo = TT;  g.a_m = 1;  g.a_r = T;
+    g.B = x;                 g.b_zhi = (long)Tq * ldx;  g.b_zlo = hs;  g.b_n = 1;  g.b_r = ldx;
+    g.out = out;             g.o_zhi = (long)Tq * C;    g.o_zlo = hs;  g.o_m = C;
+    g.zdiv = NH;
+    g.Z = B * NH;
+    det_args_zz(&g, T, N, r, s);
     return g;
 }
 
@@ -409,14 +524,16 @@ HD float det_chunk_dot(const float* a, const float* b, long begin, long end) {
     return acc;
 }
 
-// An attention row's R2Z chunk c over the keys t2 <= t (of T): the sum of a[t2] (b NULL), or
-// the fmaf-accumulated dot product of a and b, from 0.0f, piece c then piece 15-c
-HD float det_zz_chunk_row(const float* a, const float* b, long T, int c, long t) {
+// R2Z chunk c (of nchunks) of an attention row's keys [0, n) that a query attends to, those
+// below `count`: the sum of a[j] (b NULL), or the fmaf-accumulated dot product of a and b, from
+// 0.0f, the chunk's low piece then its high one. One rank: n = T, nchunks = 8, count = t + 1;
+// context parallelism: a block of n = T/N keys, 8/N chunks.
+HD float det_zz_chunk_row(const float* a, const float* b, long n, int nchunks, int c, long count) {
     float acc = 0.0f;
     for (int half = 0; half < 2; half++) {
         long kb, ke;
-        canon_zz_half(T, CANON_R, c, half, &kb, &ke);
-        for (long t2 = kb; t2 < ke && t2 <= t; t2++) { acc = b ? fmaf(a[t2], b[t2], acc) : acc + a[t2]; }
+        canon_zz_half(n, nchunks, c, half, &kb, &ke);
+        for (long j = kb; j < ke && j < count; j++) { acc = b ? fmaf(a[j], b[j], acc) : acc + a[j]; }
     }
     return acc;
 }

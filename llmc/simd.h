@@ -29,7 +29,10 @@ static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vf_max_gt(vf m, vf x) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, m, _CMP_GT_OQ), m, x); }
-// canon_expf in every lane, operation for operation (see the scalar version below)
+// canon_expf in every lane, operation for operation (see the scalar version below). (g++ 12
+// warns that the intrinsics' own placeholder operands may be uninitialized: they are unused.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 static inline vf vf_expf(vf x) {
     const __m512 top = _mm512_set1_ps(88.72283935546875f), bottom = _mm512_set1_ps(-103.972084045410156f);
     const __m512 zero = _mm512_setzero_ps();
@@ -59,6 +62,7 @@ static inline vf vf_expf(vf x) {
     y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, bottom, _CMP_LT_OQ), y, zero);
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), x, y);
 }
+#pragma GCC diagnostic pop
 #define LLMC_SIMD_NAME "avx512"
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(LLMC_NO_SIMD)
 #include <immintrin.h>

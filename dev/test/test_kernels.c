@@ -179,6 +179,49 @@ static void test_matmul(int B, int T, int K, int OC, int groups) {
     free(spec); free(dw_spec); free(db_spec);
 }
 
+// Context parallelism's weight gradients: D ranks hold zig-zag slices of every sequence; each
+// gives per-sequence subtrees over its 8/D chunks (matmul_backward_seqs), R1 over the ranks
+// per sequence then R1 over the sequences == the one-rank dweight and dbias.
+static void test_matmul_seqs(int B, int T, int K, int OC) {
+    float* inp = rand_buf((size_t)B * T * K), *dout = rand_buf((size_t)B * T * OC);
+    float* dw = malloc(sizeof(float) * OC * K), *db = malloc(sizeof(float) * OC);
+    matmul_backward(NULL, dw, db, dout, inp, NULL, B, T, K, OC, 1, CANON_R);
+    for (int D = 2; D <= 8 && T % (2 * D) == 0; D *= 2) {
+        int Tl = T / D, h = Tl / 2;
+        long stride = (long)OC * K + OC;
+        float* parts = malloc(sizeof(float) * D * B * stride);
+        float* sx = malloc(sizeof(float) * B * Tl * K), *sd = malloc(sizeof(float) * B * Tl * OC);
+        for (int r = 0; r < D; r++) {
+            for (int b = 0; b < B; b++) {
+                for (int t = 0; t < Tl; t++) {
+                    size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+                    memcpy(sx + ((size_t)b * Tl + t) * K, inp + g * K, sizeof(float) * K);
+                    memcpy(sd + ((size_t)b * Tl + t) * OC, dout + g * OC, sizeof(float) * OC);
+                }
+            }
+            float* p = parts + (size_t)r * B * stride;
+            matmul_backward_seqs(p, p + (long)OC * K, stride, sd, sx, B, Tl, K, OC, CANON_R / D);
+        }
+        float* got = malloc(sizeof(float) * stride);
+        for (long i = 0; i < stride; i++) {
+            float seq[64];
+            for (int b = 0; b < B; b++) {
+                float v[8];
+                for (int r = 0; r < D; r++) { v[r] = parts[((size_t)r * B + b) * stride + i]; }
+                seq[b] = r1(v, D);
+            }
+            got[i] = r1(seq, B);
+        }
+        char what[96];
+        snprintf(what, sizeof(what), "matmul dweight from %d zig-zag slices B=%d T=%d K=%d OC=%d", D, B, T, K, OC);
+        expect_same(what, got, dw, (size_t)OC * K);
+        snprintf(what, sizeof(what), "matmul dbias from %d zig-zag slices", D);
+        expect_same(what, got + (long)OC * K, db, OC);
+        free(parts); free(sx); free(sd); free(got);
+    }
+    free(inp); free(dout); free(dw); free(db);
+}
+
 // A row-parallel split: K cut into `parts` slices of whole chunks, each reduced with
 // CANON_R/parts chunks, the slices' results combined by the R1 tree == the unsplit result.
 static void test_split_reductions(int parts) {
@@ -475,6 +518,101 @@ static void test_attention(int B, int T, int C, int NH) {
     free(sout); free(satt); free(sdqkv);
 }
 
+// Context parallelism's attention (the block kernels a ring drives), N ranks simulated here:
+// rank r holds the queries of its zig-zag slice (stretches r and 2N-1-r of T/2N positions),
+// sees every rank's keys and values as a block, sums the blocks' subtrees by R1 over blocks,
+// and the owner of a key sums the ranks' dk/dv subtrees by R1 over ranks: bit for bit the
+// one-rank attention.
+static void test_attention_blocks(int B, int T, int C, int NH, int N) {
+    int Tq = T / N, h = Tq / 2;
+    size_t C3 = 3 * (size_t)C;
+    float* qkv = rand_buf((size_t)B * T * C3);
+    for (size_t i = 0; i < (size_t)B * T * C3; i++) { qkv[i] *= 0.3f; }
+    float* dy = rand_buf((size_t)B * T * C);
+    float* out = malloc(sizeof(float) * B * T * C), *att = malloc(sizeof(float) * B * NH * T * T);
+    float* dqkv = malloc(sizeof(float) * B * T * C3);
+    attention_forward(out, att, qkv, B, T, C, NH);
+    attention_backward(dqkv, dy, qkv, att, B, T, C, NH);
+    size_t nl = (size_t)B * Tq * C;
+    float* lqkv = malloc(sizeof(float) * N * B * Tq * C3);   // every rank's slice
+    float* ldy = malloc(sizeof(float) * N * nl);
+    float* kv = malloc(sizeof(float) * 2 * N * nl);           // every rank's k and v, packed
+    for (int r = 0; r < N; r++) {
+        for (int b = 0; b < B; b++) {
+            for (int t = 0; t < Tq; t++) {
+                size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+                size_t l = (size_t)b * Tq + t;
+                memcpy(lqkv + (size_t)r * B * Tq * C3 + l * C3, qkv + g * C3, sizeof(float) * C3);
+                memcpy(ldy + r * nl + l * C, dy + g * C, sizeof(float) * C);
+                memcpy(kv + r * nl + l * C, qkv + g * C3 + C, sizeof(float) * C);
+                memcpy(kv + (N + r) * nl + l * C, qkv + g * C3 + 2 * C, sizeof(float) * C);
+            }
+        }
+    }
+    float* latt = malloc(sizeof(float) * B * NH * Tq * T), *lds = malloc(sizeof(float) * B * NH * Tq * T);
+    float* part = malloc(sizeof(float) * N * nl), *dkp = malloc(sizeof(float) * N * N * nl), *dvp = malloc(sizeof(float) * N * N * nl);
+    int bad_out = 0, bad_att = 0, bad_dq = 0, bad_dkv = 0;
+    for (int r = 0; r < N; r++) {
+        const float* q = lqkv + (size_t)r * B * Tq * C3;
+        for (int s = 0; s < N; s++) { attention_scores_block(latt, q, kv + s * nl, B, T, C, NH, N, r, s); }
+        attention_softmax_blocks(latt, B, T, NH, N, r);
+        for (int s = 0; s < N; s++) { attention_values_block(part + s * nl, latt, kv + (N + s) * nl, B, T, C, NH, N, r, s); }
+        for (int s = 0; s < N; s++) { attention_datt_block(lds, ldy + r * nl, kv + (N + s) * nl, B, T, C, NH, N, r, s); }
+        attention_softmax_backward_blocks(lds, latt, B, T, C, NH, N, r);
+        for (int b = 0; b < B; b++) for (int t = 0; t < Tq; t++) {
+            size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+            for (int c = 0; c < C; c++) {
+                float v[8];
+                for (int s = 0; s < N; s++) { v[s] = part[s * nl + ((size_t)b * Tq + t) * C + c]; }
+                float got = r1(v, N);
+                bad_out += memcmp(&got, &out[g * C + c], 4) != 0;
+            }
+            for (int hh = 0; hh < NH; hh++) for (int s = 0; s < N; s++) for (int j = 0; j < Tq; j++) {
+                long kp = j < h ? (long)s * h + j : T - (long)(s + 1) * h + (j - h);
+                float got = latt[(((size_t)b * NH + hh) * Tq + t) * T + (size_t)s * Tq + j];
+                bad_att += memcmp(&got, &att[(((size_t)b * NH + hh) * T + (g - (size_t)b * T)) * T + kp], 4) != 0;
+            }
+        }
+        for (int s = 0; s < N; s++) { attention_dq_block(part + s * nl, lds, kv + s * nl, B, T, C, NH, N, r, s); }
+        for (int b = 0; b < B; b++) for (int t = 0; t < Tq; t++) {
+            size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+            for (int c = 0; c < C; c++) {
+                float v[8];
+                for (int s = 0; s < N; s++) { v[s] = part[s * nl + ((size_t)b * Tq + t) * C + c]; }
+                float got = r1(v, N);
+                bad_dq += memcmp(&got, &dqkv[g * C3 + c], 4) != 0;
+            }
+        }
+        for (int s = 0; s < N; s++) {
+            attention_dkv_block(dkp + ((size_t)s * N + r) * nl, dvp + ((size_t)s * N + r) * nl, lds, latt, q, ldy + r * nl,
+                                B, T, C, NH, N, r, s);
+        }
+    }
+    for (int s = 0; s < N; s++) {   // the owner of block s: R1 over the ranks' partials
+        for (int b = 0; b < B; b++) for (int t = 0; t < Tq; t++) {
+            size_t g = (size_t)b * T + (t < h ? (size_t)s * h + t : (size_t)T - (size_t)(s + 1) * h + (t - h));
+            for (int c = 0; c < C; c++) {
+                float vk[8], vv[8];
+                for (int r = 0; r < N; r++) {
+                    vk[r] = dkp[((size_t)s * N + r) * nl + ((size_t)b * Tq + t) * C + c];
+                    vv[r] = dvp[((size_t)s * N + r) * nl + ((size_t)b * Tq + t) * C + c];
+                }
+                float gk = r1(vk, N), gv = r1(vv, N);
+                bad_dkv += memcmp(&gk, &dqkv[g * C3 + C + c], 4) != 0;
+                bad_dkv += memcmp(&gv, &dqkv[g * C3 + 2 * C + c], 4) != 0;
+            }
+        }
+    }
+    checks += 4;
+    if (bad_out || bad_att || bad_dq || bad_dkv) {
+        failures++;
+        printf("FAIL context-parallel attention blocks B=%d T=%d C=%d NH=%d N=%d: %d out, %d att, %d dq, %d dk/dv "
+               "values differ from one rank\n", B, T, C, NH, N, bad_out, bad_att, bad_dq, bad_dkv);
+    }
+    free(qkv); free(dy); free(out); free(att); free(dqkv); free(lqkv); free(ldy); free(kv); free(latt); free(lds);
+    free(part); free(dkp); free(dvp);
+}
+
 // --- cross-entropy and the embedding ------------------------------------------------------
 static void test_crossentropy(int BT, int V, int Vp) {
     float* logits = rand_buf((size_t)BT * Vp);
@@ -649,6 +787,8 @@ int main(void) {
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
         test_matmul(shapes[i][0], shapes[i][1], shapes[i][2], shapes[i][3], shapes[i][4]);
     }
+    test_matmul_seqs(3, 16, 40, 13);
+    test_matmul_seqs(2, 48, 16, 7);
     test_split_reductions(2);
     test_split_reductions(4);
     test_layernorm(1, 1, 1);
@@ -662,6 +802,11 @@ int main(void) {
     test_attention(1, 70, 128, 2);    // head size 64: whole vector tiles, several row tiles
     test_attention(2, 37, 48, 1);     // head size 48: a partial tile of channel vectors
     test_attention(1, 33, 40, 2);     // head size 20: a vector and a scalar tail
+    for (int N = 2; N <= 8; N *= 2) {
+        test_attention_blocks(2, 32, 16, 2, N);
+        test_attention_blocks(1, 48, 128, 2, N);   // head size 64, stretches of 3..12 positions
+    }
+    test_attention_blocks(1, 64, 40, 2, 4);        // head size 20
     test_crossentropy(3, 5, 128);
     test_crossentropy(4, 100, 128);
     test_crossentropy(2, 1000, 1024);
