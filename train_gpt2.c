@@ -41,8 +41,8 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 // Scratch memory reused across calls (kernels run one at a time; slots keep them apart).
-enum { SCRATCH_PACK, SCRATCH_DINP, SCRATCH_ATT, SCRATCH_ATT_PACK, SCRATCH_ATT_TILE, SCRATCH_SORT, SCRATCH_TREE,
-       NUM_SCRATCH };
+enum { SCRATCH_PACK, SCRATCH_DINP, SCRATCH_DOUT, SCRATCH_XPACK, SCRATCH_ATT, SCRATCH_ATT_PACK, SCRATCH_ATT_TILE, SCRATCH_SORT,
+       SCRATCH_TREE, NUM_SCRATCH };
 static float* scratch_ptr[NUM_SCRATCH];
 static size_t scratch_bytes[NUM_SCRATCH];
 static float* scratch(int slot, size_t bytes) {
@@ -52,6 +52,23 @@ static float* scratch(int slot, size_t bytes) {
         scratch_bytes[slot] = bytes;
     }
     return scratch_ptr[slot];
+}
+
+// The calling OpenMP thread's index, and how many a parallel region has (per-thread scratch).
+static int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static int thread_count(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
 }
 
 // ==========================================================================================
@@ -618,9 +635,10 @@ static int position_merges_after(int b, int B, int ch, int tchunks) {
     return canon_tree_merges_after(ch, tchunks) + (ch == tchunks - 1 ? canon_tree_merges_after(b, B) : 0);
 }
 
-// dW tile: MM_NO outputs x (nv*VLEN) columns, all positions (R3; each sequence's T positions in
-// tchunks R2Z chunks: 8, or a zig-zag slice's 8/D).
-ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const float* inp,
+// dW tile: MM_NO outputs x (nv*VLEN) columns [k0, ...), all positions (R3; each sequence's T
+// positions in tchunks R2Z chunks: 8, or a zig-zag slice's 8/D). x: the tile's columns of inp,
+// position pos's at x + pos * ldx.
+ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const float* x, long ldx,
                                        int B, int T, int K, int OC, int o0, const int no,
                                        int k0, const int nv, int tchunks) {
     vf acc[MM_NO][MM_MV];
@@ -636,9 +654,9 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
                 canon_zz_half(T, tchunks, ch, half, &tb, &te);
                 for (long t = tb; t < te; t++) {
                     size_t pos = (size_t)b * T + t;
-                    const float* x = inp + pos * K + k0;
+                    const float* xp = x + pos * ldx;
                     vf xv[MM_MV];
-                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(x + v * VLEN); }
+                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(xp + v * VLEN); }
                     _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                         vf d = vf_set1(dout[pos * OC + o0 + j]);
                         _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_fma(d, xv[v], acc[j][v]); }
@@ -690,42 +708,70 @@ static float position_reduce_elem(const float* dout, int OC, int o, const float*
     return stack[0];
 }
 
-ALWAYS_INLINE void matmul_dweight_cols(float* dweight, const float* dout, const float* inp,
-                                       int B, int T, int K, int OC, int o0, const int no, int tchunks) {
-    int kvec_end = K / VLEN * VLEN;
-    for (int k0 = 0; k0 < kvec_end; k0 += MM_MV * VLEN) {
-        switch ((kvec_end - k0) / VLEN < MM_MV ? (kvec_end - k0) / VLEN : MM_MV) {
-            case 1: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 1, tchunks); break;
+// dW of outputs [o0, o0 + no) and columns [k0, k0 + nv*VLEN), nv <= MM_MV (compile-time
+// constants in each case)
+ALWAYS_INLINE void matmul_dweight_nv(float* dweight, const float* dout, const float* x, long ldx, int B, int T,
+                                     int K, int OC, int o0, const int no, int k0, int nv, int tchunks) {
+    switch (nv) {
+        case 1: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 1, tchunks); break;
 #if MM_MV > 2
-            case 3: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 3, tchunks); break;
-            case 4: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 4, tchunks); break;
+        case 3: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 3, tchunks); break;
+        case 4: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 4, tchunks); break;
 #endif
-            default: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 2, tchunks); break;
-        }
-    }
-    _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-        for (int k = kvec_end; k < K; k++) {
-            dweight[(size_t)(o0 + j) * K + k] = position_reduce_elem(dout, OC, o0 + j, inp, K, k, B, T, tchunks);
-        }
+        default: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 2, tchunks); break;
     }
 }
 
-// dweight (OC,K), dbias (OC) = R3 over positions, each sequence's in tchunks R2Z chunks
+static void matmul_dweight_block(float* dweight, const float* dout, const float* x, long ldx, int B, int T, int K,
+                                 int OC, int o0, int no, int k0, int nv, int tchunks) {
+    switch (no) {
+        case 6: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 6, k0, nv, tchunks); break;
+        case 5: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 5, k0, nv, tchunks); break;
+        case 4: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 4, k0, nv, tchunks); break;
+        case 3: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 3, k0, nv, tchunks); break;
+        case 2: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 2, k0, nv, tchunks); break;
+        default: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 1, k0, nv, tchunks); break;
+    }
+}
+
+// dweight (OC,K), dbias (OC) = R3 over positions, each sequence's in tchunks R2Z chunks.
+// Tasks of MM_STRIP outputs (whole cache lines of dout's rows): the strip's columns of dout are
+// packed once (they stream from cache for every tile of the strip, instead of one cache line
+// per position and tile from a row OC floats long: the LM head's dout is B*T x Vp), then for
+// each block of MM_MV vectors of inp's columns (packed too, one contiguous stream per block,
+// and in cache for the strip's tiles) the strip's tiles of MM_NO outputs.
+#define MM_STRIP 48
 static void matmul_weight_grads(float* dweight, float* dbias, const float* dout, const float* inp, int B, int T,
                                 int K, int OC, int tchunks) {
-    // dweight: tasks of MM_NO outputs
-    int ogroups = dweight ? (OC + MM_NO - 1) / MM_NO : 0;
-    #pragma omp parallel for schedule(static)
-    for (int g = 0; g < ogroups; g++) {
-        int o0 = g * MM_NO;
-        int no = OC - o0 < MM_NO ? OC - o0 : MM_NO;
-        switch (no) {
-            case 6: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 6, tchunks); break;
-            case 5: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 5, tchunks); break;
-            case 4: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 4, tchunks); break;
-            case 3: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 3, tchunks); break;
-            case 2: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 2, tchunks); break;
-            default: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 1, tchunks); break;
+    int nstrips = dweight ? (OC + MM_STRIP - 1) / MM_STRIP : 0;
+    size_t BT = (size_t)B * T;
+    int kvec_end = K / VLEN * VLEN, W = MM_MV * VLEN, kblocks = (kvec_end + W - 1) / W;
+    float* packs = scratch(SCRATCH_DOUT, sizeof(float) * (size_t)thread_count() * BT * MM_STRIP);
+    float* xpack = scratch(SCRATCH_XPACK, sizeof(float) * ((size_t)kblocks * BT * W + 1));   // [block][pos][W]
+    #pragma omp parallel for collapse(2)
+    for (int kb = 0; kb < (nstrips ? kblocks : 0); kb++) {
+        for (size_t pos = 0; pos < BT; pos++) {
+            int k0 = kb * W, w = kvec_end - k0 < W ? kvec_end - k0 : W;
+            memcpy(xpack + ((size_t)kb * BT + pos) * W, inp + pos * K + k0, sizeof(float) * w);
+        }
+    }
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int s = 0; s < nstrips; s++) {
+        int s0 = s * MM_STRIP, ns = OC - s0 < MM_STRIP ? OC - s0 : MM_STRIP;
+        float* strip = packs + (size_t)thread_index() * BT * MM_STRIP;   // (BT, ns) of dout
+        for (size_t pos = 0; pos < BT; pos++) { memcpy(strip + pos * ns, dout + pos * OC + s0, sizeof(float) * ns); }
+        float* dw = dweight + (size_t)s0 * K;
+        for (int kb = 0; kb < kblocks; kb++) {
+            int k0 = kb * W, nv = (kvec_end - k0) / VLEN < MM_MV ? (kvec_end - k0) / VLEN : MM_MV;
+            const float* x = xpack + (size_t)kb * BT * W;
+            for (int o0 = 0; o0 < ns; o0 += MM_NO) {
+                matmul_dweight_block(dw, strip, x, W, B, T, K, ns, o0, ns - o0 < MM_NO ? ns - o0 : MM_NO, k0, nv, tchunks);
+            }
+        }
+        for (int o = 0; o < ns; o++) {   // the columns that do not fill a vector
+            for (int k = kvec_end; k < K; k++) {
+                dw[(size_t)o * K + k] = position_reduce_elem(strip, ns, o, inp, K, k, B, T, tchunks);
+            }
         }
     }
     if (dbias) {
@@ -1166,22 +1212,6 @@ static void attn_bounds(int* lo, int* hi, int p0, int over_queries, int T) {
     }
 }
 
-static int attn_thread(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-static int attn_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
 // Keys (or queries) padded to whole tiles of key vectors.
 static long attn_padded(int T) { return ((long)T + MM_MV * VLEN - 1) / (MM_MV * VLEN) * (MM_MV * VLEN); }
 
@@ -1191,7 +1221,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
     float scale = canon_rsqrtf((float)hs);
     float* kt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * hs * (Tp + T));
     float* vr = kt + (size_t)BH * hs * Tp;
-    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)attn_threads() * ATT_NR * Tp);
+    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)thread_count() * ATT_NR * Tp);
     attn_pack_transposed(kt, Tp, qkv + C, C3, B, T, NH, hs);
     attn_pack_rows(vr, qkv + 2 * C, C3, B, T, NH, hs);
     int ntiles = (T + ATT_NR - 1) / ATT_NR;
@@ -1201,7 +1231,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
         int t0 = tile * ATT_NR, nr = T - t0 < ATT_NR ? T - t0 : ATT_NR;
         int lo[ATT_NR], hi[ATT_NR];
         attn_bounds(lo, hi, t0, 0, T);
-        float* s = tiles + (size_t)attn_thread() * ATT_NR * Tp;
+        float* s = tiles + (size_t)thread_index() * ATT_NR * Tp;
         float* a = att + ((size_t)bh * T + t0) * T;
         attn_scores(s, Tp, qkv + ((size_t)b * T + t0) * C3 + h * hs, C3, kt + (size_t)bh * hs * Tp, Tp, hs, nr,
                     t0 + nr, scale);
@@ -1235,7 +1265,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
     float* kr = vt + (size_t)BH * hs * Tp;   // the rows of k, q and dout of every head
     float* qr = kr + BH * head;
     float* dr = qr + BH * head;
-    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)attn_threads() * ATT_NR * Tp);
+    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)thread_count() * ATT_NR * Tp);
     float* ds_all = scratch(SCRATCH_ATT, sizeof(float) * (size_t)BH * T * T);
     attn_pack_transposed(vt, Tp, qkv + 2 * C, C3, B, T, NH, hs);
     attn_pack_rows(kr, qkv + C, C3, B, T, NH, hs);
@@ -1249,7 +1279,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         int t0 = tile * ATT_NR, nr = T - t0 < ATT_NR ? T - t0 : ATT_NR;
         int lo[ATT_NR], hi[ATT_NR];
         attn_bounds(lo, hi, t0, 0, T);
-        float* datt = tiles + (size_t)attn_thread() * ATT_NR * Tp;
+        float* datt = tiles + (size_t)thread_index() * ATT_NR * Tp;
         const float* a = att + ((size_t)bh * T + t0) * T;
         float* ds = ds_all + ((size_t)bh * T + t0) * T;
         attn_scores(datt, Tp, dout + ((size_t)b * T + t0) * C + h * hs, C, vt + (size_t)bh * hs * Tp, Tp, hs, nr,
@@ -1334,7 +1364,7 @@ static void cp_block_products(float* att, const float* q, long ldq, const float*
     int hs = C / NH, BH = B * NH, Tq = T / N;
     long Tp = attn_padded(Tq);
     float* kt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * hs * Tp);
-    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)attn_threads() * ATT_NR * Tp);
+    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)thread_count() * ATT_NR * Tp);
     attn_pack_transposed(kt, Tp, kblk, C, B, Tq, NH, hs);
     int ntiles = (Tq + ATT_NR - 1) / ATT_NR;
     #pragma omp parallel for schedule(dynamic, 1)
@@ -1345,7 +1375,7 @@ static void cp_block_products(float* att, const float* q, long ldq, const float*
         cp_key_bounds(lo, hi, t0, nr, T, N, r, s);
         int nkeys = cp_max(hi, nr);
         if (nkeys == 0) { continue; }
-        float* tile_s = tiles + (size_t)attn_thread() * ATT_NR * Tp;
+        float* tile_s = tiles + (size_t)thread_index() * ATT_NR * Tp;
         attn_scores(tile_s, Tp, q + ((size_t)b * Tq + t0) * ldq + h * hs, ldq, kt + (size_t)bh * hs * Tp, Tp, hs, nr,
                     nkeys, scale);
         for (int i = 0; i < nr; i++) {
@@ -1490,16 +1520,45 @@ void copy_rows(float* dst, long ldd, const float* src, long lds, long rows, int 
 }
 
 // ------------------------------------------------------------------------------------------
-// GELU (tanh form), elementwise
+// GELU (tanh form), elementwise. vf_tanh, vf_gelu and vf_gelu_grad are canonical.h's
+// canon_tanhf, canon_gelu and canon_gelu_grad in every lane, operation for operation (the
+// constant 3 * 0.044715 folded as C folds it); test_kernels compares them over a sweep.
+static inline vf vf_tanh(vf x) {
+    vf ax = vf_if_negative(x, vf_mul(x, vf_set1(-1.0f)), x);
+    vf t = vf_expf(vf_mul(vf_set1(-2.0f), ax));
+    vf r = vf_div(vf_sub(vf_set1(1.0f), t), vf_add(vf_set1(1.0f), t));
+    return vf_if_negative(x, vf_mul(r, vf_set1(-1.0f)), r);
+}
+static inline vf vf_gelu(vf x) {
+    vf cube = vf_mul(vf_mul(vf_mul(vf_set1(0.044715f), x), x), x);
+    vf u = vf_mul(vf_set1(CANON_GELU_SCALE), vf_add(x, cube));
+    return vf_mul(vf_mul(vf_set1(0.5f), x), vf_add(vf_set1(1.0f), vf_tanh(u)));
+}
+static inline vf vf_gelu_grad(vf x) {
+    vf cube = vf_mul(vf_mul(vf_mul(vf_set1(0.044715f), x), x), x);
+    vf u = vf_mul(vf_set1(CANON_GELU_SCALE), vf_add(x, cube));
+    vf th = vf_tanh(u);
+    vf sech2 = vf_sub(vf_set1(1.0f), vf_mul(th, th));
+    vf du_dx = vf_mul(vf_set1(CANON_GELU_SCALE), vf_add(vf_set1(1.0f), vf_mul(vf_mul(vf_set1(3.0f * 0.044715f), x), x)));
+    return vf_add(vf_mul(vf_set1(0.5f), vf_add(vf_set1(1.0f), th)),
+                  vf_mul(vf_mul(vf_mul(vf_set1(0.5f), x), sech2), du_dx));
+}
+
 void gelu_forward(float* out, const float* inp, size_t n) {
-    #pragma omp parallel for simd
-    for (size_t i = 0; i < n; i++) { out[i] = canon_gelu(inp[i]); }
+    size_t nvec = n / VLEN;
+    #pragma omp parallel for
+    for (size_t i = 0; i < nvec; i++) { vf_store(out + i * VLEN, vf_gelu(vf_load(inp + i * VLEN))); }
+    for (size_t i = nvec * VLEN; i < n; i++) { out[i] = canon_gelu(inp[i]); }
 }
 
 // dinp = gelu'(inp) * dout (may be in place: dinp == dout)
 void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
-    #pragma omp parallel for simd
-    for (size_t i = 0; i < n; i++) { dinp[i] = canon_gelu_grad(inp[i]) * dout[i]; }
+    size_t nvec = n / VLEN;
+    #pragma omp parallel for
+    for (size_t i = 0; i < nvec; i++) {
+        vf_store(dinp + i * VLEN, vf_mul(vf_gelu_grad(vf_load(inp + i * VLEN)), vf_load(dout + i * VLEN)));
+    }
+    for (size_t i = nvec * VLEN; i < n; i++) { dinp[i] = canon_gelu_grad(inp[i]) * dout[i]; }
 }
 
 // out = a + b, elementwise (the residual stream)
@@ -1519,13 +1578,9 @@ void residual_forward(float* out, const float* a, const float* b, size_t n) {
 
 // maxes (BT) = the largest real logit of each position among this rank's entries
 void crossentropy_max(float* maxes, const float* logits, int BT, int V, int v0, int Vl) {
+    long real = V - v0 < Vl ? V - v0 : Vl;   // entries at or past `real` are padding
     #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        const float* p = logits + (size_t)i * Vl;
-        float m = -canon_inf();
-        for (int v = 0; v < Vl && v0 + v < V; v++) { if (p[v] > m) { m = p[v]; } }
-        maxes[i] = m;
-    }
+    for (int i = 0; i < BT; i++) { maxes[i] = attn_row_max(logits + (size_t)i * Vl, real > 0 ? real : 0); }
 }
 
 // logits <- exp(logits - max) in place; zs (BT) = the R2 subtree over this rank's chunks;
@@ -1553,10 +1608,14 @@ void crossentropy_exps(float* zs, float* target_logits, float* logits, const flo
 // probs = exps / Z (0 for padding); losses (BT) = log(Z) - (target logit - max) if targets
 void crossentropy_normalize(float* probs, float* losses, const float* zs, const float* target_logits,
                             const float* maxes, const int* targets, int BT, int V, int v0, int Vl) {
+    long real = V - v0 < Vl ? (V - v0 > 0 ? V - v0 : 0) : Vl;   // entries at or past `real` are padding
     #pragma omp parallel for
     for (int i = 0; i < BT; i++) {
         float* p = probs + (size_t)i * Vl;
-        for (int v = 0; v < Vl; v++) { p[v] = v0 + v < V ? p[v] / zs[i] : 0.0f; }
+        vf z = vf_set1(zs[i]);
+        long v = 0;
+        for (; v + VLEN <= real; v += VLEN) { vf_store(p + v, vf_div(vf_load(p + v), z)); }
+        for (; v < Vl; v++) { p[v] = v < real ? p[v] / zs[i] : 0.0f; }
         if (targets) { losses[i] = canon_logf(zs[i]) - (target_logits[i] - maxes[i]); }
     }
 }
@@ -1564,13 +1623,17 @@ void crossentropy_normalize(float* probs, float* losses, const float* zs, const 
 // dlogits (BT,Vl) = (probs - onehot(target)) * dloss, written over probs; 0 for padding.
 void crossentropy_backward(float* dlogits_probs, const int* targets, float dloss, int BT, int V,
                            int v0, int Vl) {
+    long real = V - v0 < Vl ? (V - v0 > 0 ? V - v0 : 0) : Vl;   // entries at or past `real` are padding
     #pragma omp parallel for
     for (int i = 0; i < BT; i++) {
         float* p = dlogits_probs + (size_t)i * Vl;
-        for (int v = 0; v < Vl && v0 + v < V; v++) {
-            float indicator = v0 + v == targets[i] ? 1.0f : 0.0f;
-            p[v] = (p[v] - indicator) * dloss;
-        }
+        long t = (long)targets[i] - v0;   // the target's entry, if this rank holds it
+        float target = t >= 0 && t < real ? p[t] : 0.0f;
+        vf d = vf_set1(dloss), zero = vf_zero();
+        long v = 0;
+        for (; v + VLEN <= real; v += VLEN) { vf_store(p + v, vf_mul(vf_sub(vf_load(p + v), zero), d)); }
+        for (; v < real; v++) { p[v] = (p[v] - 0.0f) * dloss; }
+        if (t >= 0 && t < real) { p[t] = (target - 1.0f) * dloss; }
     }
 }
 

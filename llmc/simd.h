@@ -5,7 +5,8 @@
  * exactly the canonical sequence of operations (canonical.h), so the lanes, the vector width
  * and the scalar fallback all give the same bits. vf_fma is a fused multiply-add per lane,
  * i.e. fmaf; vf_max_gt(m, x) is `x > m ? x : m` per lane (a NaN never wins, as in a scalar
- * running maximum, so a maximum taken in any order is exact); vf_expf is canonical.h's
+ * running maximum, so a maximum taken in any order is exact); vf_if_negative(x, a, b) is
+ * `x < 0 ? a : b` per lane; vf_expf is canonical.h's
  * canon_expf in every lane, the same operations in the same order (test_kernels compares it
  * with canon_expf over a sweep of all float exponents and the special values). Build with NO_SIMD=1 (-DLLMC_NO_SIMD) to use the plain-C version; the tests
  * compare both.
@@ -27,6 +28,8 @@ static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vf_if_negative(vf x, vf a, vf b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), b, a); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vf_max_gt(vf m, vf x) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, m, _CMP_GT_OQ), m, x); }
 // canon_expf in every lane, operation for operation (see the scalar version below). (g++ 12
@@ -75,6 +78,8 @@ static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vf_if_negative(vf x, vf a, vf b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ)); }
 static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vf_max_gt(vf m, vf x) { return _mm256_blendv_ps(m, x, _mm256_cmp_ps(x, m, _CMP_GT_OQ)); }
 // canon_expf in every lane, operation for operation (see the scalar version below)
@@ -118,6 +123,8 @@ static inline vf vf_set1(float a) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i
 static inline vf vf_fma(vf a, vf b, vf c) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = fmaf(a.x[i], b.x[i], c.x[i]); } return r; }
 static inline vf vf_add(vf a, vf b) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = a.x[i] + b.x[i]; } return r; }
 static inline vf vf_sub(vf a, vf b) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = a.x[i] - b.x[i]; } return r; }
+static inline vf vf_div(vf a, vf b) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = a.x[i] / b.x[i]; } return r; }
+static inline vf vf_if_negative(vf x, vf a, vf b) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = x.x[i] < 0.0f ? a.x[i] : b.x[i]; } return r; }
 static inline vf vf_mul(vf a, vf b) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = a.x[i] * b.x[i]; } return r; }
 static inline vf vf_max_gt(vf m, vf x) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = x.x[i] > m.x[i] ? x.x[i] : m.x[i]; } return r; }
 static inline vf vf_expf(vf x) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = canon_expf(x.x[i]); } return r; }

@@ -747,8 +747,9 @@ static void test_encoder_backward(int B, int T, int C, int V, int maxT) {
     free(inp); free(dout); free(dwte); free(dwpe); free(wdwte); free(wdwpe); free(masked);
 }
 
-// vf_expf (simd.h) is canon_expf in every lane: every exponent of both signs (and many
-// mantissas of each), the boundaries of its clamps, infinities and NaN
+// vf_expf (simd.h) is canon_expf in every lane, and the GELU kernels' vf_gelu / vf_gelu_grad
+// are canon_gelu / canon_gelu_grad: every exponent of both signs (and many mantissas of each),
+// the boundaries of the exp's clamps, infinities and NaN
 static void test_vector_exp(void) {
     float special[] = {0.0f, -0.0f, 1.0f, -1.0f, 88.72283935546875f, 88.7228469848632812f, 88.72283172607421875f,
                        -103.972084045410156f, -103.97209167480469f, -103.97207641601562f, -87.33654f, -87.33655f,
@@ -767,10 +768,16 @@ static void test_vector_exp(void) {
         }
         x[n % VLEN] = v;
         if (++n % VLEN == 0) {
-            vf_store(y, vf_expf(vf_load(x)));
-            for (int l = 0; l < VLEN; l++) {
-                float want = canon_expf(x[l]);
-                if (memcmp(&y[l], &want, 4) != 0 && bad++ < 5) { printf("FAIL vf_expf(%.9g) = %.9g, canon_expf %.9g\n", x[l], y[l], want); }
+            for (int f = 0; f < 3; f++) {
+                vf in = vf_load(x);
+                vf_store(y, f == 0 ? vf_expf(in) : f == 1 ? vf_gelu(in) : vf_gelu_grad(in));
+                for (int l = 0; l < VLEN; l++) {
+                    float want = f == 0 ? canon_expf(x[l]) : f == 1 ? canon_gelu(x[l]) : canon_gelu_grad(x[l]);
+                    if (memcmp(&y[l], &want, 4) != 0 && bad++ < 5) {
+                        printf("FAIL vector %s(%.9g) = %.9g, canonical %.9g\n", f == 0 ? "exp" : f == 1 ? "gelu" : "gelu_grad",
+                               x[l], y[l], want);
+                    }
+                }
             }
         }
     }
