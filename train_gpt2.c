@@ -2209,6 +2209,10 @@ void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int 
     }
     encoder_backward(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), dencoded, a->inputs_full, B, T,
                      c->channels, model->v0, model->Vl, c->max_seq_len);
+    if (a->cp_split > 1) {   // every rank of the group computed them whole: hand ZeRO its part
+        cp_keep_part(&model->cp, zero_grad_unit(z, E), z->lay.size[E]);
+        cp_keep_part(&model->cp, zero_grad_unit(z, ZERO_WPE), z->lay.size[ZERO_WPE]);
+    }
     zero_grad_unit_done(z, ZERO_WPE);
     zero_grad_unit_done(z, E);
 }
@@ -2274,7 +2278,7 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const StagePlace* place, Z
         if (zero->lay.grads_here[u] && zero->lay.size[u] > unit) { unit = zero->lay.size[u]; }
     }
     int N = model->N;
-    size_t finish = ((size_t)N * B + B + N) * ((unit + N - 1) / N);
+    size_t finish = ((size_t)N * B + B) * ((unit + N - 1) / N);
     cp_init(&model->cp, cp, cp_a2a, model->mem, B, T, config->channels / tp->size, config->num_heads / tp->size, finish);
     model->seq_grads = N > 1 ? mem_floats(model->mem, (size_t)B * unit, "context-parallel gradients") : NULL;
 }

@@ -130,6 +130,8 @@ typedef struct {
     CommGroup world, dp_group, tp_group, pp_group;
     int cp, cp_rank;                   // the context-parallel dimension (context_parallel.h)
     CommGroup cp_group;
+    CommGroup dpcp_group;              // data x context parallel (ranked dp_rank * cp + cp_rank):
+                                       // ZeRO's sharding group, Megatron's dp group "with cp"
     CommStats stats;
     const MemOps* mem;                 // given to every group
 } Comm;
@@ -434,6 +436,7 @@ static inline void comm_init(Comm* c, int* argc, char*** argv) {
     comm_group_init_single(&c->tp_group, &c->stats, c->mem);
     comm_group_init_single(&c->pp_group, &c->stats, c->mem);
     comm_group_init_single(&c->cp_group, &c->stats, c->mem);
+    comm_group_init_single(&c->dpcp_group, &c->stats, c->mem);
 #ifdef USE_MPI
     int initialized = 0, provided = 0;
     MPI_Initialized(&initialized);
@@ -515,6 +518,7 @@ static inline void comm_setup_grid_cp(Comm* c, int tp, int cp, int pp) {
     comm_group_free(&c->tp_group);
     comm_group_free(&c->pp_group);
     comm_group_free(&c->cp_group);
+    comm_group_free(&c->dpcp_group);
     c->tp = tp;
     c->cp = cp;
     c->pp = pp;
@@ -534,11 +538,14 @@ static inline void comm_setup_grid_cp(Comm* c, int tp, int cp, int pp) {
     comm_split(c, &c->dp_group, (pp_r * cp + cp_r) * tp + tp_r, dp_r, "dp");
     // Same dp, cp and tp coordinates: one pipeline.
     comm_split(c, &c->pp_group, (dp_r * cp + cp_r) * tp + tp_r, pp_r, "pp");
+    // Same pp and tp coordinates: one data x context group.
+    comm_split(c, &c->dpcp_group, pp_r * tp + tp_r, dp_r * cp + cp_r, "dp x cp");
 #else
     comm_group_init_single(&c->tp_group, &c->stats, c->mem);
     comm_group_init_single(&c->dp_group, &c->stats, c->mem);
     comm_group_init_single(&c->pp_group, &c->stats, c->mem);
     comm_group_init_single(&c->cp_group, &c->stats, c->mem);
+    comm_group_init_single(&c->dpcp_group, &c->stats, c->mem);
 #endif
 }
 
@@ -553,13 +560,14 @@ static inline void comm_enable_nccl(Comm* c) {
     comm_nccl_init_group(&c->tp_group);
     comm_nccl_init_group(&c->pp_group);
     comm_nccl_init_group(&c->cp_group);
+    comm_nccl_init_group(&c->dpcp_group);
 }
 #endif
 
 // The memory of the model's tensors, for every group (see WHERE THE BUFFERS LIVE).
 static inline void comm_set_memory(Comm* c, const MemOps* mem) {
     c->mem = mem;
-    c->world.mem = c->dp_group.mem = c->tp_group.mem = c->pp_group.mem = c->cp_group.mem = mem;
+    c->world.mem = c->dp_group.mem = c->tp_group.mem = c->pp_group.mem = c->cp_group.mem = c->dpcp_group.mem = mem;
 }
 
 // This rank's index among the ranks on its node (a shared-memory split of the world): the GPU
@@ -587,6 +595,7 @@ static inline void comm_pp_neighbours(const Comm* c, int* prev, int* next) {
 
 static inline void comm_finalize(Comm* c) {
     comm_group_free(&c->cp_group);
+    comm_group_free(&c->dpcp_group);
     comm_group_free(&c->dp_group);
     comm_group_free(&c->tp_group);
     comm_group_free(&c->pp_group);

@@ -34,9 +34,14 @@
  * EVERYTHING ELSE. The weight and bias gradients of the layers and of the LM head: each
  * sequence's subtree (train_gpt2.c matmul_backward_seqs, layernorm_backward's partials),
  * finished over the group (cp_finish_sequences: a reduce-scatter of the B per-sequence
- * partials, R1 over the ranks, the R1 tree over sequences on each rank's slice, an
- * all-gather). The embedding gradients: the input gradient is all-gathered along T and the
- * one-rank embedding backward runs on whole sequences. The loss: the per-position losses are
+ * partials, R1 over the ranks, the R1 tree over sequences on each rank's part of the unit).
+ * The embedding gradients: the input gradient is all-gathered along T and the one-rank
+ * embedding backward runs on whole sequences. Either way rank r hands ZeRO its part r of the
+ * unit's finished gradient and -0.0f elsewhere (cp_keep_part): ZeRO reduces over data x
+ * context ranks (Megatron's grouping; zero.h), and since x + -0.0f == x for every x, the R1
+ * tree over a data-parallel rank's context ranks is exactly its gradient, and the reduction
+ * finishes the tree over the data-parallel ranks; the optimizer state and (ZeRO-3) the
+ * parameters are sharded over data x context ranks. The loss: the per-position losses are
  * all-gathered along T and summed as one rank sums them, over the global token count.
  *
  * Included by train_gpt2.c's model, after the kernels it drives (the CPU kernels, or the
@@ -297,17 +302,32 @@ static inline void cp_gather_sequences(ContextParallel* cp, const float* slice, 
     zz_reorder(cp->mem, full, cp->gather, B, T, C, cp->N, 0);
 }
 
-// out (n) = R1 over the B sequences of (R1 over the group's ranks of their partials[b] (B, n)):
-// each rank finishes a 1/N slice of every sequence's sum (a reduce-scatter, cp group: the R1
-// tree over ranks), the tree over sequences on its slice (sequence_tree), then all-gather.
-// partials is overwritten.
+// Rank r's part of a unit of n floats: [r*ceil(n/N), ...) clipped to n.
+static inline void cp_part(const ContextParallel* cp, size_t n, size_t* lo, size_t* len) {
+    size_t shard = (n + cp->N - 1) / cp->N;
+    *lo = (size_t)cp->rank * shard > n ? n : (size_t)cp->rank * shard;
+    *len = n - *lo < shard ? n - *lo : shard;
+}
+
+// x (n) keeps this rank's part; -0.0f elsewhere (a gradient every rank of the group computed
+// whole, handed to ZeRO's data x context reduction once)
+static inline void cp_keep_part(ContextParallel* cp, float* x, size_t n) {
+    size_t lo, len;
+    cp_part(cp, n, &lo, &len);
+    cp->mem->fill(x, -0.0f, lo);
+    cp->mem->fill(x + lo + len, -0.0f, n - lo - len);
+}
+
+// out (n): this rank's part = R1 over the B sequences of (R1 over the group's ranks of their
+// partials[b] (B, n)), -0.0f elsewhere. Each rank finishes its part of every sequence's sum (a
+// reduce-scatter, cp group: the R1 tree over ranks), then the tree over sequences on it
+// (sequence_tree). partials is overwritten.
 static inline void cp_finish_sequences(ContextParallel* cp, float* out, float* partials, int B, size_t n) {
     int N = cp->N;
-    size_t shard = (n + N - 1) / N, need = (size_t)N * B * shard + (size_t)B * shard + (size_t)N * shard;
+    size_t shard = (n + N - 1) / N, need = (size_t)N * B * shard + (size_t)B * shard;
     if (need > cp->gather_floats) { fatal("internal: context-parallel gradient of %zu floats x %d sequences", n, B); }
     float* ranked = cp->gather;                        // (N, B, shard): rank r's columns of every sequence
     float* mine = ranked + (size_t)N * B * shard;      // (B, shard)
-    float* gathered = mine + (size_t)B * shard;        // (N, shard)
     for (int r = 0; r < N; r++) {
         size_t lo = (size_t)r * shard, len = lo >= n ? 0 : (n - lo < shard ? n - lo : shard);
         for (int b = 0; b < B; b++) {
@@ -319,9 +339,10 @@ static inline void cp_finish_sequences(ContextParallel* cp, float* out, float* p
     // reduce-scatter (cp group, gradients): rank r gets every sequence's finished columns
     comm_reduce_scatter(cp->group, ranked, mine, (size_t)B * shard, COMM_KIND_GRAD);
     sequence_tree(partials, mine, B, (int)shard);
-    // all-gather (cp group, gradients): every rank's columns
-    comm_all_gather(cp->group, partials, gathered, shard, COMM_KIND_GRAD);
-    cp->mem->copy(out, gathered, n * sizeof(float));
+    size_t lo, len;
+    cp_part(cp, n, &lo, &len);
+    cp->mem->copy(out + lo, partials, len * sizeof(float));
+    cp_keep_part(cp, out, n);
 }
 
 #endif // LLMC_CONTEXT_PARALLEL_H

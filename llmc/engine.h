@@ -523,7 +523,7 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     t->place.is_first = comm->pp_rank == 0;
     t->place.is_last = comm->pp_rank == S - 1;
     free(first);
-    zero_init(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->pp_group, &comm->tp_group,
+    zero_init(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->dpcp_group, &comm->pp_group, &comm->tp_group,
               t->place.first_layer, t->place.last_layer, t->start_params, t->M);
     free(t->start_params);
     t->start_params = NULL;
@@ -578,7 +578,7 @@ static inline float tree_in_order(const float* all, int per_rank, int n, const Z
     float* ordered = (float*)malloc_or_die(sizeof(float) * (n > 0 ? n : 1), "ordered values");
     for (int j = 0; j < n; j++) {
         int r, local;
-        if (round_robin) { r = j % z->N; local = j / z->N; }
+        if (round_robin) { r = j % z->streams; local = j / z->streams; }
         else { zero_owner_of_microbatch(z, j, &r, &local); }
         ordered[j] = all[(size_t)r * per_rank + local];
     }
@@ -595,7 +595,7 @@ static inline float global_mean_loss(Trainer* t, const float* local, int per_ran
     Zero* z = &t->zero;
     float loss = 0.0f;
     if (t->place.is_last) {
-        float* all = (float*)malloc_or_die(sizeof(float) * (size_t)per_rank * z->N + 1, "losses");
+        float* all = (float*)malloc_or_die(sizeof(float) * (size_t)per_rank * z->streams + 1, "losses");
         comm_all_gather(&t->comm.dp_group, local, all, (size_t)per_rank, COMM_KIND_OTHER);
         loss = tree_in_order(all, per_rank, n, z, round_robin) / (float)tokens;
         free(all);
@@ -611,10 +611,10 @@ static inline float trainer_validate(Trainer* t) {
     int B = t->B, T = t->T, batches = t->val_batches;
     int sp_degree = trainer_sequence_split(t);
     void* acts = t->pipe.slots[0].acts;
-    int per_rank = (batches + z->N - 1) / z->N;
+    int per_rank = (batches + z->streams - 1) / z->streams;
     float* local = (float*)calloc_or_die((size_t)per_rank + 1, sizeof(float), "val losses");
     for (int k = 0; k < per_rank; k++) {
-        int j = k * z->N + z->rank;
+        int j = k * z->streams + z->stream;
         // under ZeRO-3 every dp rank must take part in every forward's parameter gathers
         if (j >= batches && z->stage != 3) { continue; }
         dataloader_load(&t->val_loader, j < batches ? j : 0);
@@ -668,7 +668,8 @@ static inline void trainer_sample(Trainer* t) {
 // parameters are assembled by a sum: every dp-rank-0 rank writes the elements it owns
 // (zero_full_params: each element by exactly one rank) into a host buffer of -0.0f, and an
 // all-reduce over the tp group, then over the pp group, adds them (x + -0 == x: exact).
-// Context-parallel ranks hold copies of their group's parameters and state: cp rank 0 writes.
+// Context-parallel ranks hold copies of their group's parameters (cp rank 0 assembles them) and
+// shards of the optimizer state (ZeRO's group is data x context).
 static inline void trainer_write_checkpoint(Trainer* t) {
     Zero* z = &t->zero;
     Comm* comm = &t->comm;
@@ -693,7 +694,7 @@ static inline void trainer_write_checkpoint(Trainer* t) {
     }
     free(full);
     int per_dp = z->stage == 0 ? 1 : z->N;   // ZeRO-0: dp rank 0 writes its (and everyone's) state
-    if (comm->cp_rank == 0 && (z->stage != 0 || z->rank == 0)) {
+    if (z->stage != 0 || z->rank == 0) {   // ranks of the sharding group (data x context)
         zero_state_to_host(z);
         int n = zero_state_ranges(z, 1, NULL);
         StateRange* ranges = (StateRange*)malloc_or_die(sizeof(StateRange) * (n + 1), "state ranges");
@@ -780,8 +781,8 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
     if (comm->pp == 1) {
         printf("|               ZeRO paper, fp32 AdamW: %s = %.1f MiB (ours: %.1f MiB incl. padding and wte's 2nd gradient half)\n",
                z->stage == 0 ? "16P" : z->stage == 1 ? "8P + 8P/N" : z->stage == 2 ? "4P + 12P/N" : "16P/N",
-               (z->stage == 0 ? 16.0 * P : z->stage == 1 ? 8.0 * P + 8.0 * P / N
-                : z->stage == 2 ? 4.0 * P + 12.0 * P / N : 16.0 * P / N) / 1048576,
+               (z->stage == 0 ? 16.0 * P : z->stage == 1 ? 8.0 * P + 8.0 * P / z->N
+                : z->stage == 2 ? 4.0 * P + 12.0 * P / z->N : 16.0 * P / z->N) / 1048576,
                (mem.params + mem.grads + mem.optimizer) / 1048576);
     }
     if (build->memory_line) { build->memory_line(); }
@@ -826,7 +827,6 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
     Zero* z = &t->zero;
     Pipeline* pipe = &t->pipe;
     size_t P = param_count(c);
-    int N = comm->dp;
     trainer_print_table(t, build);
     ZeroMemory mem = zero_memory(z);
     double flops_per_step = (6.0 * (double)P + 6.0 * c->num_layers * c->channels * t->T) * (double)t->total_batch;
@@ -906,7 +906,7 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
                 comm_print_stats(comm, stdout);
                 printf("zero accounting: stage %d N %d P %zu VpC %zu L %d microbatches/rank %d | "
                        "bytes/rank/step grad %llu param %llu | bytes/rank params %.0f grads %.0f optimizer %.0f\n",
-                       z->stage, N, P, (size_t)c->padded_vocab_size * c->channels, c->num_layers,
+                       z->stage, z->N, P, (size_t)c->padded_vocab_size * c->channels, c->num_layers,
                        z->local_microbatches, (unsigned long long)comm->stats.bytes[COMM_KIND_GRAD],
                        (unsigned long long)comm->stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
                 if (comm->cp > 1) { trainer_print_cp_accounting(t); }

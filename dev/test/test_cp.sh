@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Context parallelism (--cp N, llmc/context_parallel.h) under real mpirun, against one rank:
 #  - --cp 2, 4 and 8 with ring attention, --cp 2 and 4 with the all-to-all (Ulysses), and
-#    context parallelism with tensor (+ sequence) parallelism, pipeline parallelism, data
-#    parallelism with ZeRO-3, and the 8-rank grid data x context x tensor = 2 x 2 x 2 with
-#    ZeRO-1: every logged loss, the samples and the final checkpoint bytes are identical;
+#    context parallelism with tensor (+ sequence) parallelism, pipeline parallelism, ZeRO 1-3
+#    (with and without data parallelism), and the 8-rank grid data x context x tensor =
+#    2 x 2 x 2 with ZeRO-1: every logged loss, the samples and the final checkpoint bytes are
+#    identical;
+#  - ZeRO shards over data x context ranks (Megatron's grouping): DP 2 x CP 2 holds the
+#    optimizer state of DP 4, to the byte;
 #  - the bytes each rank sends for context parallelism in a step = the formula computed here
 #    from the model's shape (ring: per layer and microbatch (N-1) K and (N-1) V blocks
 #    forward, (N-1) V and (N-1) K blocks and (N-1) dK|dV partial blocks backward, a block
 #    B*(T/N)*C/tp floats; all-to-all: 8 (N-1)/N blocks; plus the embedding gradient's and the
 #    losses' all-gathers along T), and the startup table shows every rank's coordinates;
 #  - activations per rank shrink with N;
-#  - resume across layouts: a 4-way context-parallel run's checkpoint -> one rank;
+#  - resume across layouts: a 4-way context-parallel ZeRO-3 run's checkpoint -> one rank;
 #  - bad layouts (a degree that does not divide 8, T not a multiple of 2N, heads not
 #    divisible for the all-to-all, context x sequence parallelism past 8 slices): clear errors.
 set -u
@@ -28,15 +31,18 @@ COMMON=(-e d4c32h4v64t32 -i "$W/train.bin" -j "$W/val.bin" -b 2 -t 16 -v 3 -m 3 
 
 run ref 1 "${COMMON[@]}" -d 128 -x 4 -n 4 -o "$W/ref"
 for layout in "2 --cp 2" "4 --cp 4" "8 --cp 8" "2 --cp 2 --cp-mode a2a" "4 --cp 4 --cp-mode a2a" \
-              "4 --cp 2 --tp 2" "4 --cp 2 --tp 2 --sp 1" "4 --cp 2 --pp 2" "4 --cp 2 -z 3" \
-              "8 --cp 2 --tp 2 -z 1"; do
+              "4 --cp 2 --tp 2" "4 --cp 2 --tp 2 --sp 1" "4 --cp 2 --pp 2" "4 --cp 2 -z 1" "4 --cp 2 -z 3" \
+              "2 --cp 2 -z 2" "8 --cp 2 --tp 2 -z 1" "4 -z 1"; do
   set -- $layout
   np=$1; shift
   name=c$(echo "$layout" | tr -d ' -')
   run "$name" "$np" "${COMMON[@]}" -d 128 -x 4 -n 4 "$@" -o "$W/$name"
   same ref "$name" 4
 done
-pass "--cp 2/4/8 ring, --cp 2/4 all-to-all, x TP (+SP), x PP, x DP ZeRO-3, the 2x2x2 data x context x tensor grid: identical to one rank"
+pass "--cp 2/4/8 ring, --cp 2/4 all-to-all, x TP (+SP), x PP, x ZeRO 1-3 (x DP), the 2x2x2 data x context x tensor grid: identical to one rank"
+opt() { grep "zero accounting" "$1" | sed 's/.*optimizer \([0-9]*\).*/\1/'; }
+[ "$(opt "$W/c4cp2z1.out")" = "$(opt "$W/c4z1.out")" ] || fail "DP 2 x CP 2 ZeRO-1 should hold DP 4's optimizer shard: $(opt "$W/c4cp2z1.out") vs $(opt "$W/c4z1.out") bytes"
+pass "ZeRO shards over data x context ranks: DP 2 x CP 2 holds DP 4's optimizer state ($(opt "$W/c4z1.out") bytes/rank)"
 
 # bytes of kind "cp" rank 0 sent in the first step (its stage: all layers, the embeddings and,
 # without --pp, the head), against the formula
@@ -70,13 +76,13 @@ awk -v a="$a1" -v b="$a2" -v c="$a4" 'BEGIN { exit !(b < 0.6 * a && c < 0.6 * b)
 pass "startup table: every rank's coordinates; activations per rank $a1 -> $a2 -> $a4 MiB for cp 1, 2, 4"
 
 run long 1 "${COMMON[@]}" -d 128 -x 6 -n 6 -o "$W/long"
-run a 4 "${COMMON[@]}" -d 128 -x 6 -n 3 --cp 4 -o "$W/a"
+run a 4 "${COMMON[@]}" -d 128 -x 6 -n 3 --cp 4 -z 3 -o "$W/a"
 mkdir -p "$W/b"
 cp "$W/a/model_00000003.bin" "$W"/a/state_00000003_* "$W/a/DONE_00000003" "$W/b/"
 run b 1 "${COMMON[@]}" -d 128 -x 6 -n 3 -o "$W/b" -y 1
-cmp -s "$W/long/model_00000006.bin" "$W/b/model_00000006.bin" || fail "resumed CP 4 -> 1 rank differs"
+cmp -s "$W/long/model_00000006.bin" "$W/b/model_00000006.bin" || fail "resumed CP 4 ZeRO-3 -> 1 rank differs"
 diff <(grep trl "$W/long/main.log" | sed -n '4,6p') <(grep trl "$W/b/main.log") >/dev/null || fail "losses after resuming differ"
-pass "resume a 4-way context-parallel run on one rank: identical"
+pass "resume a 4-way context-parallel ZeRO-3 run on one rank: identical"
 
 bad() {   # np expected-message args...
   local np=$1 msg=$2; shift 2

@@ -154,7 +154,7 @@ static void random_params(float* params, const GPT2Config* c) {
 static void model_on_one_rank(GPT2* model, Zero* z, const GPT2Config* c, const float* params, int M,
                               Comm* comm) {
     StagePlace place = {0, c->num_layers, 1, 1};
-    zero_init(z, c, &memory_host, 0, &comm->dp_group, &comm->pp_group, &comm->tp_group, 0, c->num_layers,
+    zero_init(z, c, &memory_host, 0, &comm->dp_group, &comm->dp_group, &comm->pp_group, &comm->tp_group, 0, c->num_layers,
               params, M);
     gpt2_init(model, c, &place, z, &comm->tp_group, &comm->cp_group, 0, 0, 0, 0);
 }
