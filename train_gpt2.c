@@ -43,7 +43,8 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 // Scratch memory reused across calls (kernels run one at a time; slots keep them apart).
-enum { SCRATCH_PACK, SCRATCH_DINP, SCRATCH_ATT, SCRATCH_SORT, SCRATCH_TREE, NUM_SCRATCH };
+enum { SCRATCH_PACK, SCRATCH_DINP, SCRATCH_DOUT, SCRATCH_XPACK, SCRATCH_ATT, SCRATCH_ATT_PACK, SCRATCH_ATT_TILE, SCRATCH_SORT,
+       SCRATCH_TREE, NUM_SCRATCH };
 static float* scratch_ptr[NUM_SCRATCH];
 static size_t scratch_bytes[NUM_SCRATCH];
 static float* scratch(int slot, size_t bytes) {
@@ -53,6 +54,23 @@ static float* scratch(int slot, size_t bytes) {
         scratch_bytes[slot] = bytes;
     }
     return scratch_ptr[slot];
+}
+
+// The calling OpenMP thread's index, and how many a parallel region has (per-thread scratch).
+static int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static int thread_count(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
 }
 
 // ==========================================================================================
@@ -88,10 +106,10 @@ void encoder_add_positions(float* out, const float* wpe, int B, int T, int C) {
 
 // dwte_emb (Vl,C) for the vocabulary rows [v0, v0 + Vl), dwpe (maxT,C) <- dout (B,T,C). Both
 // are R3 reductions over positions:
-// dwpe[t] gets one term per sequence (its R2 chunk sum is 0.0f + dout[b,t]), combined by the
-// R1 tree over sequences; dwte_emb[v] sums the positions holding token v: per sequence the R2
-// chunk sums over t (0.0f for chunks without v), then R1 over sequences. Rows of tokens not
-// in the batch are 0. Every element is written (no accumulation into old values).
+// dwpe[t] gets one term per sequence (its chunk sum is 0.0f + dout[b,t]), combined by the
+// R1 tree over sequences; dwte_emb[v] sums the positions holding token v: per sequence the
+// R2Z chunk sums over t (0.0f for chunks without v), then R1 over sequences. Rows of tokens
+// not in the batch are 0. Every element is written (no accumulation into old values).
 void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int* inp,
                       int B, int T, int C, int v0, int Vl, int maxT) {
     #pragma omp parallel for
@@ -145,16 +163,24 @@ void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int
 #endif
         float* stack = stacks + (size_t)tid * depth * C;
         int top = 0;
-        int next = begin;   // next position of token v, in (b, t) order
+        int next = begin;   // first position of token v in sequence b, in (b, t) order
         for (int b = 0; b < B; b++) {
+            // piece_at[p]: the first of v's positions in sequence b at or past piece p of 16
+            int piece_at[2 * CANON_R + 1];
+            for (int p = 0; p <= 2 * CANON_R; p++) {
+                long start = (long)b * T + canon_piece_begin(T, 2 * CANON_R, p);
+                while (next < end && order[next] < start) { next++; }
+                piece_at[p] = next;
+            }
             for (int ch = 0; ch < CANON_R; ch++) {
-                int t_end = (int)canon_chunk_begin(T, ch + 1);
                 float* acc = stack + (size_t)top * C;
                 for (int c = 0; c < C; c++) { acc[c] = 0.0f; }
-                while (next < end && order[next] < b * T + t_end) {
-                    const float* d = dout + (size_t)order[next] * C;
-                    for (int c = 0; c < C; c++) { acc[c] = acc[c] + d[c]; }
-                    next++;
+                int pieces[2] = {ch, 2 * CANON_R - 1 - ch};
+                for (int half = 0; half < 2; half++) {
+                    for (int i = piece_at[pieces[half]]; i < piece_at[pieces[half] + 1]; i++) {
+                        const float* d = dout + (size_t)order[i] * C;
+                        for (int c = 0; c < C; c++) { acc[c] = acc[c] + d[c]; }
+                    }
                 }
                 top++;
                 for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
@@ -200,12 +226,13 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
 // dres (BT,C) <- dres + dinp_ln, where with n = (x-mean)*rstd, dnorm = dout*weight:
 // dinp_ln = ((dnorm - mean(dnorm)) - n * mean(dnorm*n)) * rstd  (the means are R2 over C).
 // dweight[c] = R3 over positions of dout*n (fmaf), dbias[c] = R3 of dout.  B,T for R3.
-// Under sequence parallelism a rank holds T = T_full/K positions of each sequence, i.e.
-// nchunks = 8/K of every sequence's 8 canonical chunks: then seq_partials (2,B,C) receives
-// each sequence's subtree for dweight and dbias, for the caller to finish over the group and
-// over the sequences (sequence_tree); otherwise (seq_partials NULL, nchunks 8) the R3 is done
-// here. The two halves are independent: dres NULL skips the input gradient, dweight and
-// seq_partials NULL the parameter gradients (a split backward runs them at different times).
+// Under sequence (or context) parallelism a rank holds a zig-zag slice of T = T_full/K
+// positions of each sequence, i.e. nchunks = 8/K of every sequence's 8 R2Z chunks: then
+// seq_partials (2,B,C) receives each sequence's subtree for dweight and dbias, for the caller
+// to finish over the group and over the sequences (sequence_tree); otherwise (seq_partials
+// NULL, nchunks 8) the R3 is done here. The two halves are independent: dres NULL skips the
+// input gradient, dweight and seq_partials NULL the parameter gradients (a split backward runs
+// them at different times).
 void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
                         const float* inp, const float* weight, const float* mean,
                         const float* rstd, int B, int T, int C, int nchunks, float* seq_partials) {
@@ -248,15 +275,18 @@ void layernorm_backward(float* dres, float* dweight, float* dbias, const float* 
             for (int ch = 0; ch < nchunks; ch++) {
                 float aw[64], ab[64];
                 for (int j = 0; j < cn; j++) { aw[j] = 0.0f; ab[j] = 0.0f; }
-                long tb = ((long)T * ch) / nchunks, te = ((long)T * (ch + 1)) / nchunks;
-                for (long t = tb; t < te; t++) {
-                    size_t i = (size_t)b * T + t;
-                    const float* x = inp + i * C + c0;
-                    const float* dy = dout + i * C + c0;
-                    for (int j = 0; j < cn; j++) {
-                        float n = (x[j] - mean[i]) * rstd[i];
-                        aw[j] = fmaf(dy[j], n, aw[j]);
-                        ab[j] = ab[j] + dy[j];
+                for (int half = 0; half < 2; half++) {
+                    long tb, te;
+                    canon_zz_half(T, nchunks, ch, half, &tb, &te);
+                    for (long t = tb; t < te; t++) {
+                        size_t i = (size_t)b * T + t;
+                        const float* x = inp + i * C + c0;
+                        const float* dy = dout + i * C + c0;
+                        for (int j = 0; j < cn; j++) {
+                            float n = (x[j] - mean[i]) * rstd[i];
+                            aw[j] = fmaf(dy[j], n, aw[j]);
+                            ab[j] = ab[j] + dy[j];
+                        }
                     }
                 }
                 memcpy(sw[top], aw, sizeof(float) * cn);
@@ -442,7 +472,7 @@ void matmul_backward_naive(float* dinp, float* dweight, float* dbias, const floa
         }
     }
     #pragma omp parallel for
-    for (int o = 0; o < OC; o++) {   // dweight, dbias: R3, per sequence the chunks of T, then R1
+    for (int o = 0; o < OC; o++) {   // dweight, dbias: R3, per sequence the R2Z chunks of T, then R1
         for (int k = -1; k < K; k++) {   // k = -1: the bias
             if ((k < 0 && !dbias) || (k >= 0 && !dweight)) { continue; }
             float* seq = (float*)malloc_or_die(sizeof(float) * B, "matmul spec");
@@ -450,9 +480,13 @@ void matmul_backward_naive(float* dinp, float* dweight, float* dbias, const floa
                 float partial[CANON_R];
                 for (int ch = 0; ch < CANON_R; ch++) {
                     float acc = 0.0f;
-                    for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
-                        size_t pos = (size_t)b * T + t;
-                        acc = k < 0 ? acc + dout[pos * OC + o] : fmaf(dout[pos * OC + o], inp[pos * K + k], acc);
+                    for (int half = 0; half < 2; half++) {
+                        long tb, te;
+                        canon_zz_half(T, CANON_R, ch, half, &tb, &te);
+                        for (long t = tb; t < te; t++) {
+                            size_t pos = (size_t)b * T + t;
+                            acc = k < 0 ? acc + dout[pos * OC + o] : fmaf(dout[pos * OC + o], inp[pos * K + k], acc);
+                        }
                     }
                     partial[ch] = acc;
                 }
@@ -601,33 +635,44 @@ static void matmul_backward_dinp(float* dinp, const float* dout, const float* we
     }
 }
 
-// dW tile: MM_NO outputs x (nv*VLEN) columns, all positions (R3).
-ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const float* inp,
+// R3's merges after leaf (sequence b of B, chunk ch of the tchunks R2Z chunks of its positions).
+static int position_merges_after(int b, int B, int ch, int tchunks) {
+    return canon_tree_merges_after(ch, tchunks) + (ch == tchunks - 1 ? canon_tree_merges_after(b, B) : 0);
+}
+
+// dW tile: MM_NO outputs x (nv*VLEN) columns [k0, ...), all positions (R3; each sequence's T
+// positions in tchunks R2Z chunks: 8, or a zig-zag slice's 8/D). x: the tile's columns of inp,
+// position pos's at x + pos * ldx.
+ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const float* x, long ldx,
                                        int B, int T, int K, int OC, int o0, const int no,
-                                       int k0, const int nv) {
+                                       int k0, const int nv, int tchunks) {
     vf acc[MM_NO][MM_MV];
     vf stack[CANON_LOG2_R + 34][MM_NO][MM_MV];
     int top = 0;
     for (int b = 0; b < B; b++) {
-        for (int ch = 0; ch < CANON_R; ch++) {
+        for (int ch = 0; ch < tchunks; ch++) {
             _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                 _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_zero(); }
             }
-            for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
-                size_t pos = (size_t)b * T + t;
-                const float* x = inp + pos * K + k0;
-                vf xv[MM_MV];
-                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(x + v * VLEN); }
-                _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                    vf d = vf_set1(dout[pos * OC + o0 + j]);
-                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_fma(d, xv[v], acc[j][v]); }
+            for (int half = 0; half < 2; half++) {
+                long tb, te;
+                canon_zz_half(T, tchunks, ch, half, &tb, &te);
+                for (long t = tb; t < te; t++) {
+                    size_t pos = (size_t)b * T + t;
+                    const float* xp = x + pos * ldx;
+                    vf xv[MM_MV];
+                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(xp + v * VLEN); }
+                    _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
+                        vf d = vf_set1(dout[pos * OC + o0 + j]);
+                        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_fma(d, xv[v], acc[j][v]); }
+                    }
                 }
             }
             _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                 _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][j][v] = acc[j][v]; }
             }
             top++;
-            for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
+            for (int m = position_merges_after(b, B, ch, tchunks); m > 0; m--) {
                 _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                     _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
                         stack[top - 2][j][v] = vf_add(stack[top - 2][j][v], stack[top - 1][j][v]);
@@ -644,18 +689,22 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
 
 // R3 over positions of dout[pos][o] * x[pos][k] (x = NULL: of dout[pos][o] alone), scalar.
 static float position_reduce_elem(const float* dout, int OC, int o, const float* x, int K, int k,
-                                  int B, int T) {
+                                  int B, int T, int tchunks) {
     float stack[CANON_LOG2_R + 34];
     int top = 0;
     for (int b = 0; b < B; b++) {
-        for (int ch = 0; ch < CANON_R; ch++) {
+        for (int ch = 0; ch < tchunks; ch++) {
             float acc = 0.0f;
-            for (long t = canon_chunk_begin(T, ch); t < canon_chunk_begin(T, ch + 1); t++) {
-                size_t pos = (size_t)b * T + t;
-                acc = x ? fmaf(dout[pos * OC + o], x[pos * K + k], acc) : acc + dout[pos * OC + o];
+            for (int half = 0; half < 2; half++) {
+                long tb, te;
+                canon_zz_half(T, tchunks, ch, half, &tb, &te);
+                for (long t = tb; t < te; t++) {
+                    size_t pos = (size_t)b * T + t;
+                    acc = x ? fmaf(dout[pos * OC + o], x[pos * K + k], acc) : acc + dout[pos * OC + o];
+                }
             }
             stack[top++] = acc;
-            for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
+            for (int m = position_merges_after(b, B, ch, tchunks); m > 0; m--) {
                 stack[top - 2] = stack[top - 2] + stack[top - 1];
                 top--;
             }
@@ -664,23 +713,75 @@ static float position_reduce_elem(const float* dout, int OC, int o, const float*
     return stack[0];
 }
 
-ALWAYS_INLINE void matmul_dweight_cols(float* dweight, const float* dout, const float* inp,
-                                       int B, int T, int K, int OC, int o0, const int no) {
-    int kvec_end = K / VLEN * VLEN;
-    for (int k0 = 0; k0 < kvec_end; k0 += MM_MV * VLEN) {
-        switch ((kvec_end - k0) / VLEN < MM_MV ? (kvec_end - k0) / VLEN : MM_MV) {
-            case 1: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 1); break;
+// dW of outputs [o0, o0 + no) and columns [k0, k0 + nv*VLEN), nv <= MM_MV (compile-time
+// constants in each case)
+ALWAYS_INLINE void matmul_dweight_nv(float* dweight, const float* dout, const float* x, long ldx, int B, int T,
+                                     int K, int OC, int o0, const int no, int k0, int nv, int tchunks) {
+    switch (nv) {
+        case 1: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 1, tchunks); break;
 #if MM_MV > 2
-            case 3: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 3); break;
-            case 4: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 4); break;
+        case 3: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 3, tchunks); break;
+        case 4: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 4, tchunks); break;
 #endif
-            default: matmul_dweight_tile(dweight, dout, inp, B, T, K, OC, o0, no, k0, 2); break;
+        default: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 2, tchunks); break;
+    }
+}
+
+static void matmul_dweight_block(float* dweight, const float* dout, const float* x, long ldx, int B, int T, int K,
+                                 int OC, int o0, int no, int k0, int nv, int tchunks) {
+    switch (no) {
+        case 6: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 6, k0, nv, tchunks); break;
+        case 5: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 5, k0, nv, tchunks); break;
+        case 4: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 4, k0, nv, tchunks); break;
+        case 3: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 3, k0, nv, tchunks); break;
+        case 2: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 2, k0, nv, tchunks); break;
+        default: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 1, k0, nv, tchunks); break;
+    }
+}
+
+// dweight (OC,K), dbias (OC) = R3 over positions, each sequence's in tchunks R2Z chunks.
+// Tasks of MM_STRIP outputs (whole cache lines of dout's rows): the strip's columns of dout are
+// packed once (they stream from cache for every tile of the strip, instead of one cache line
+// per position and tile from a row OC floats long: the LM head's dout is B*T x Vp), then for
+// each block of MM_MV vectors of inp's columns (packed too, one contiguous stream per block,
+// and in cache for the strip's tiles) the strip's tiles of MM_NO outputs.
+#define MM_STRIP 48
+static void matmul_weight_grads(float* dweight, float* dbias, const float* dout, const float* inp, int B, int T,
+                                int K, int OC, int tchunks) {
+    int nstrips = dweight ? (OC + MM_STRIP - 1) / MM_STRIP : 0;
+    size_t BT = (size_t)B * T;
+    int kvec_end = K / VLEN * VLEN, W = MM_MV * VLEN, kblocks = (kvec_end + W - 1) / W;
+    float* packs = scratch(SCRATCH_DOUT, sizeof(float) * (size_t)thread_count() * BT * MM_STRIP);
+    float* xpack = scratch(SCRATCH_XPACK, sizeof(float) * ((size_t)kblocks * BT * W + 1));   // [block][pos][W]
+    #pragma omp parallel for collapse(2)
+    for (int kb = 0; kb < (nstrips ? kblocks : 0); kb++) {
+        for (size_t pos = 0; pos < BT; pos++) {
+            int k0 = kb * W, w = kvec_end - k0 < W ? kvec_end - k0 : W;
+            memcpy(xpack + ((size_t)kb * BT + pos) * W, inp + pos * K + k0, sizeof(float) * w);
         }
     }
-    _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-        for (int k = kvec_end; k < K; k++) {
-            dweight[(size_t)(o0 + j) * K + k] = position_reduce_elem(dout, OC, o0 + j, inp, K, k, B, T);
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int s = 0; s < nstrips; s++) {
+        int s0 = s * MM_STRIP, ns = OC - s0 < MM_STRIP ? OC - s0 : MM_STRIP;
+        float* strip = packs + (size_t)thread_index() * BT * MM_STRIP;   // (BT, ns) of dout
+        for (size_t pos = 0; pos < BT; pos++) { memcpy(strip + pos * ns, dout + pos * OC + s0, sizeof(float) * ns); }
+        float* dw = dweight + (size_t)s0 * K;
+        for (int kb = 0; kb < kblocks; kb++) {
+            int k0 = kb * W, nv = (kvec_end - k0) / VLEN < MM_MV ? (kvec_end - k0) / VLEN : MM_MV;
+            const float* x = xpack + (size_t)kb * BT * W;
+            for (int o0 = 0; o0 < ns; o0 += MM_NO) {
+                matmul_dweight_block(dw, strip, x, W, B, T, K, ns, o0, ns - o0 < MM_NO ? ns - o0 : MM_NO, k0, nv, tchunks);
+            }
         }
+        for (int o = 0; o < ns; o++) {   // the columns that do not fill a vector
+            for (int k = kvec_end; k < K; k++) {
+                dw[(size_t)o * K + k] = position_reduce_elem(strip, ns, o, inp, K, k, B, T, tchunks);
+            }
+        }
+    }
+    if (dbias) {
+        #pragma omp parallel for
+        for (int o = 0; o < OC; o++) { dbias[o] = position_reduce_elem(dout, OC, o, NULL, 0, 0, B, T, tchunks); }
     }
 }
 
@@ -688,37 +789,32 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* inp, const float* weight, int B, int T, int K, int OC,
                      int groups, int nchunks) {
     if (dinp) { matmul_backward_dinp(dinp, dout, weight, B * T, K, OC, groups, nchunks); }
-    // dweight: tasks of MM_NO outputs
-    int ogroups = dweight ? (OC + MM_NO - 1) / MM_NO : 0;
-    #pragma omp parallel for schedule(static)
-    for (int g = 0; g < ogroups; g++) {
-        int o0 = g * MM_NO;
-        int no = OC - o0 < MM_NO ? OC - o0 : MM_NO;
-        switch (no) {
-            case 6: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 6); break;
-            case 5: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 5); break;
-            case 4: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 4); break;
-            case 3: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 3); break;
-            case 2: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 2); break;
-            default: matmul_dweight_cols(dweight, dout, inp, B, T, K, OC, o0, 1); break;
-        }
-    }
-    if (dbias) {
-        #pragma omp parallel for
-        for (int o = 0; o < OC; o++) { dbias[o] = position_reduce_elem(dout, OC, o, NULL, 0, 0, B, T); }
+    matmul_weight_grads(dweight, dbias, dout, inp, B, T, K, OC, CANON_R);
+}
+
+// Each sequence's subtree of matmul_backward's weight and bias gradients, for a rank that holds
+// a zig-zag slice of T positions of every sequence (context parallelism: tchunks = 8/D of the
+// R2Z chunks), which the group finishes: sequence b's at dweight + b*seq_stride (OC,K) and
+// dbias + b*seq_stride (OC; NULL: none).
+void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const float* dout, const float* inp,
+                          int B, int T, int K, int OC, int tchunks) {
+    for (int b = 0; b < B; b++) {
+        matmul_weight_grads(dweight + b * seq_stride, dbias ? dbias + b * seq_stride : NULL, dout + (size_t)b * T * OC,
+                            inp + (size_t)b * T * K, 1, T, K, OC, tchunks);
     }
 }
 
 // ------------------------------------------------------------------------------------------
-// attention, causal, per (b, h) with hs = C/NH:
+// attention, causal, per (b, h) with hs = C/NH. The specification, written plainly (the fast
+// kernels after it compute exactly these bits):
 //   qkv (B,T,3C) holds q | k | v, head h at channels [h*hs, (h+1)*hs) of each
 //   s[t][t2] = dot(q_t, k_t2) * (1/sqrt(hs))     R2 over hs, for t2 <= t
-//   att[t][t2] = exp(s - max_t2 s) / Z_t,  Z_t = R2 over keys (chunks of T) of the exps
-//   out[t] = R2 over keys t2 <= t of att[t][t2] * v_t2        out (B,T,C), att (B,NH,T,T)
+//   att[t][t2] = exp(s - max_t2 s) / Z_t,  Z_t = R2Z over keys of the exps (the max is exact)
+//   out[t] = R2Z over keys t2 <= t of att[t][t2] * v_t2       out (B,T,C), att (B,NH,T,T)
 // Keys past t are not part of any sum (an empty stretch of a chunk adds nothing).
-// out (n) = R2 over j of w[j] * rows[j] for the j in [lo, hi) of a dimension of length T (the
-// keys, or the queries): chunk c of T accumulates its j's in order with fmaf, the 8 partial
-// rows are combined by R1; positions outside [lo, hi) are not part of the sum.
+// out (n) = R2Z over j of w[j] * rows[j] for the j in [lo, hi) of a dimension of length T (the
+// keys, or the queries): zig-zag chunk c of T accumulates its j's in order with fmaf, the 8
+// partial rows are combined by R1; positions outside [lo, hi) are not part of the sum.
 static void attention_weighted_rows(float* out, const float* w, long wstride, const float* rows,
                                     long rstride, int T, long lo, long hi, int n) {
     float stack[CANON_LOG2_R + 1][256];
@@ -726,11 +822,14 @@ static void attention_weighted_rows(float* out, const float* w, long wstride, co
     for (int ch = 0; ch < CANON_R; ch++) {
         float* acc = stack[top];
         for (int d = 0; d < n; d++) { acc[d] = 0.0f; }
-        long b = canon_chunk_begin(T, ch), e = canon_chunk_begin(T, ch + 1);
-        for (long j = b < lo ? lo : b; j < e && j < hi; j++) {
-            float wj = w[j * wstride];
-            const float* r = rows + j * rstride;
-            for (int d = 0; d < n; d++) { acc[d] = fmaf(wj, r[d], acc[d]); }
+        for (int half = 0; half < 2; half++) {
+            long b, e;
+            canon_zz_half(T, CANON_R, ch, half, &b, &e);
+            for (long j = b < lo ? lo : b; j < e && j < hi; j++) {
+                float wj = w[j * wstride];
+                const float* r = rows + j * rstride;
+                for (int d = 0; d < n; d++) { acc[d] = fmaf(wj, r[d], acc[d]); }
+            }
         }
         top++;
         for (int m = canon_tree_merges_after(ch, CANON_R); m > 0; m--) {
@@ -741,50 +840,70 @@ static void attention_weighted_rows(float* out, const float* w, long wstride, co
     memcpy(out, stack[0], sizeof(float) * n);
 }
 
-void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+// Query row t of head h of one sequence (qkv (T,3C)): att row a (T) and out (hs) = the row's
+// output, exactly as above.
+static void attention_query_row(float* out, float* a, const float* qkv, int t, int T, int C, int NH, int h) {
     int hs = C / NH;
     size_t C3 = 3 * (size_t)C;
     float scale = canon_rsqrtf((float)hs);
+    const float* q = qkv + (size_t)t * C3 + h * hs;
+    float maxv = -canon_inf();
+    for (int t2 = 0; t2 <= t; t2++) {
+        const float* k = qkv + (size_t)t2 * C3 + C + h * hs;
+        a[t2] = canon_dot(q, 1, k, 1, hs) * scale;
+        if (a[t2] > maxv) { maxv = a[t2]; }
+    }
+    for (int t2 = 0; t2 <= t; t2++) { a[t2] = canon_expf(a[t2] - maxv); }
+    float partial[CANON_R];
+    for (int ch = 0; ch < CANON_R; ch++) {
+        float acc = 0.0f;
+        for (int half = 0; half < 2; half++) {
+            long b0, e0;
+            canon_zz_half(T, CANON_R, ch, half, &b0, &e0);
+            for (long t2 = b0; t2 < e0 && t2 <= t; t2++) { acc = acc + a[t2]; }
+        }
+        partial[ch] = acc;
+    }
+    float z = canon_tree8(partial);
+    for (int t2 = 0; t2 <= t; t2++) { a[t2] = a[t2] / z; }
+    for (int t2 = t + 1; t2 < T; t2++) { a[t2] = 0.0f; }
+    attention_weighted_rows(out, a, 1, qkv + 2 * C + h * hs, C3, T, 0, t + 1, hs);
+}
+
+void attention_forward_naive(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+    int hs = C / NH;
+    size_t C3 = 3 * (size_t)C;
     #pragma omp parallel for collapse(2)
     for (int b = 0; b < B; b++) {
         for (int h = 0; h < NH; h++) {
             for (int t = 0; t < T; t++) {
-                const float* q = qkv + ((size_t)b * T + t) * C3 + h * hs;
-                float* a = att + (((size_t)b * NH + h) * T + t) * T;
-                float maxv = -canon_inf();
-                for (int t2 = 0; t2 <= t; t2++) {
-                    const float* k = qkv + ((size_t)b * T + t2) * C3 + C + h * hs;
-                    a[t2] = canon_dot(q, 1, k, 1, hs) * scale;
-                    if (a[t2] > maxv) { maxv = a[t2]; }
-                }
-                float partial[CANON_R];
-                for (int ch = 0; ch < CANON_R; ch++) {
-                    float acc = 0.0f;
-                    long end = canon_chunk_begin(T, ch + 1);
-                    for (long t2 = canon_chunk_begin(T, ch); t2 < end && t2 <= t; t2++) {
-                        a[t2] = canon_expf(a[t2] - maxv);
-                        acc = acc + a[t2];
-                    }
-                    partial[ch] = acc;
-                }
-                float z = canon_tree8(partial);
-                for (int t2 = 0; t2 <= t; t2++) { a[t2] = a[t2] / z; }
-                for (int t2 = t + 1; t2 < T; t2++) { a[t2] = 0.0f; }
-                attention_weighted_rows(out + ((size_t)b * T + t) * C + h * hs, a, 1,
-                                        qkv + (size_t)b * T * C3 + 2 * C + h * hs, C3, T, 0, t + 1, hs);
+                attention_query_row(out + ((size_t)b * T + t) * C + h * hs, att + (((size_t)b * NH + h) * T + t) * T,
+                                    qkv + (size_t)b * T * C3, t, T, C, NH, h);
             }
         }
     }
 }
 
+// Generation with a KV cache (train_gpt2.c's sampler): query row t of one sequence laid out
+// over T positions, against the keys and values of rows 0..t that qkv (T,3C) already holds:
+// out row t (C) and att's rows t (NH,T,T). Row t of attention_forward over the same T, bit for
+// bit (the reductions over keys are R2Z chunks of T, whatever rows are computed).
+void attention_forward_row(float* out, float* att, const float* qkv, int t, int T, int C, int NH) {
+    int hs = C / NH;
+    #pragma omp parallel for
+    for (int h = 0; h < NH; h++) {
+        attention_query_row(out + (size_t)t * C + h * hs, att + ((size_t)h * T + t) * T, qkv, t, T, C, NH, h);
+    }
+}
+
 // Backward, per (b, h):
 //   datt[t][t2] = dot(dout_t, v_t2)                       R2 over hs
-//   S_t = R2 over keys of fmaf(att, datt);  ds = att * (datt - S_t) * scale
-//   dq_t  = R2 over keys t2 <= t of ds[t][t2] * k_t2
-//   dk_t2 = R2 over queries t >= t2 (chunks of T) of ds[t][t2] * q_t
-//   dv_t2 = R2 over queries t >= t2 of att[t][t2] * dout_t          dqkv (B,T,3C) written
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
-                        int B, int T, int C, int NH) {
+//   S_t = R2Z over keys of fmaf(att, datt);  ds = att * (datt - S_t) * scale
+//   dq_t  = R2Z over keys t2 <= t of ds[t][t2] * k_t2
+//   dk_t2 = R2Z over queries t >= t2 of ds[t][t2] * q_t
+//   dv_t2 = R2Z over queries t >= t2 of att[t][t2] * dout_t         dqkv (B,T,3C) written
+void attention_backward_naive(float* dqkv, const float* dout, const float* qkv, const float* att,
+                              int B, int T, int C, int NH) {
     int hs = C / NH;
     size_t C3 = 3 * (size_t)C;
     float scale = canon_rsqrtf((float)hs);
@@ -804,9 +923,10 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
                 float partial[CANON_R];
                 for (int ch = 0; ch < CANON_R; ch++) {
                     float acc = 0.0f;
-                    long end = canon_chunk_begin(T, ch + 1);
-                    for (long t2 = canon_chunk_begin(T, ch); t2 < end && t2 <= t; t2++) {
-                        acc = fmaf(at[(size_t)t * T + t2], dst[t2], acc);
+                    for (int half = 0; half < 2; half++) {
+                        long b0, e0;
+                        canon_zz_half(T, CANON_R, ch, half, &b0, &e0);
+                        for (long t2 = b0; t2 < e0 && t2 <= t; t2++) { acc = fmaf(at[(size_t)t * T + t2], dst[t2], acc); }
                     }
                     partial[ch] = acc;
                 }
@@ -829,16 +949,640 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 }
 
 // ------------------------------------------------------------------------------------------
-// GELU (tanh form), elementwise
+// attention, fast: exactly the bits of attention_forward_naive and attention_backward_naive
+// (test_kernels checks), vectorised across outputs and blocked so that a tile's rows of att
+// stay in cache. Every product has one of two shapes:
+//  - scores (s = q.k, datt = dout.v): a tile of up to ATT_NR query rows x vectors of keys; the
+//    keys packed transposed (kt[d][j], zero past T), the query broadcast; R2 over hs in
+//    registers, as matmul_forward's tiles do.
+//  - weighted rows (att@v and ds@k over keys; ds^T@q and att^T@dout over queries): a tile of up
+//    to ATT_NR output rows x vectors of the head's channels; the weight broadcast, the x row
+//    loaded; R2Z over j, where output row r takes only the j in [lo[r], hi[r]) (the causal
+//    mask: a term outside is skipped, never added as a zero).
+// The row reductions of the softmax (Z) and of its backward (S) run the tile's rows side by
+// side, each row's chunks in its own order.
+#define ATT_NR 6
+
+// out row r (r < nr) = R2Z over j < nj (nchunks chunks) of w(r, j) * x row j, j in [lo[r], hi[r])
+typedef struct {
+    const float* w; long wr, wj;   // w(r, j) = w[r * wr + j * wj]
+    const float* x; long ldx;      // x row j at x + j * ldx
+    float* out; long ldo;          // out row r at out + r * ldo
+    long nj; int nchunks;          // the reduced dimension: its length and R2Z chunks
+    const int* lo; const int* hi;  // row r's terms: j in [lo[r], hi[r])
+} AttRows;
+
+// One register tile: rows [0, nr) x channels [d0, d0 + nv*VLEN).
+ALWAYS_INLINE void attn_rows_tile(const AttRows* a, const int nr, int d0, const int nv) {
+    int lo_any = a->lo[0], hi_any = a->hi[0], lo_all = a->lo[0], hi_all = a->hi[0];
+    _Pragma("GCC unroll 8") for (int r = 1; r < nr; r++) {
+        lo_any = a->lo[r] < lo_any ? a->lo[r] : lo_any;
+        hi_any = a->hi[r] > hi_any ? a->hi[r] : hi_any;
+        lo_all = a->lo[r] > lo_all ? a->lo[r] : lo_all;
+        hi_all = a->hi[r] < hi_all ? a->hi[r] : hi_all;
+    }
+    vf acc[ATT_NR][MM_MV];
+    vf stack[CANON_LOG2_R + 2][ATT_NR][MM_MV];
+    int top = 0;
+    for (int c = 0; c < a->nchunks; c++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_zero(); }
+        }
+        for (int half = 0; half < 2; half++) {
+            long pb, pe;
+            canon_zz_half(a->nj, a->nchunks, c, half, &pb, &pe);
+            if (pb < lo_any) { pb = lo_any; }
+            if (pe > hi_any) { pe = hi_any; }
+            for (long j = pb; j < pe; j++) {
+                const float* xr = a->x + j * a->ldx + d0;
+                const float* wc = a->w + j * a->wj;
+                vf xv[MM_MV];
+                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(xr + v * VLEN); }
+                if (j >= lo_all && j < hi_all) {
+                    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+                        vf wv = vf_set1(wc[r * a->wr]);
+                        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(wv, xv[v], acc[r][v]); }
+                    }
+                } else {
+                    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+                        if (j < a->lo[r] || j >= a->hi[r]) { continue; }
+                        vf wv = vf_set1(wc[r * a->wr]);
+                        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(wv, xv[v], acc[r][v]); }
+                    }
+                }
+            }
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][r][v] = acc[r][v]; }
+        }
+        top++;
+        for (int m = canon_tree_merges_after(c, a->nchunks); m > 0; m--) {
+            _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+                    stack[top - 2][r][v] = vf_add(stack[top - 2][r][v], stack[top - 1][r][v]);
+                }
+            }
+            top--;
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { vf_store(a->out + r * a->ldo + d0 + v * VLEN, stack[0][r][v]); }
+    }
+}
+
+// One output of the same, scalar (the channels that do not fill a vector).
+static float attn_rows_elem(const AttRows* a, int r, int d) {
+    float stack[CANON_LOG2_R + 2];
+    int top = 0;
+    for (int c = 0; c < a->nchunks; c++) {
+        float acc = 0.0f;
+        for (int half = 0; half < 2; half++) {
+            long pb, pe;
+            canon_zz_half(a->nj, a->nchunks, c, half, &pb, &pe);
+            for (long j = pb < a->lo[r] ? a->lo[r] : pb; j < pe && j < a->hi[r]; j++) {
+                acc = fmaf(a->w[r * a->wr + j * a->wj], a->x[j * a->ldx + d], acc);
+            }
+        }
+        stack[top++] = acc;
+        for (int m = canon_tree_merges_after(c, a->nchunks); m > 0; m--) {
+            stack[top - 2] = stack[top - 2] + stack[top - 1];
+            top--;
+        }
+    }
+    return stack[0];
+}
+
+ALWAYS_INLINE void attn_rows_nv(const AttRows* a, const int nr, int d0, int nv) {
+    switch (nv) {
+        case 1: attn_rows_tile(a, nr, d0, 1); break;
+#if MM_MV > 2
+        case 3: attn_rows_tile(a, nr, d0, 3); break;
+        case 4: attn_rows_tile(a, nr, d0, 4); break;
+#endif
+        default: attn_rows_tile(a, nr, d0, 2); break;
+    }
+}
+
+// The outputs of nr <= ATT_NR rows, channels [0, n).
+static void attn_rows(const AttRows* a, int nr, int n) {
+    int nvec = n / VLEN;
+    for (int d0 = 0; d0 < nvec * VLEN; d0 += MM_MV * VLEN) {
+        int nv = nvec - d0 / VLEN < MM_MV ? nvec - d0 / VLEN : MM_MV;
+        switch (nr) {
+            case 6: attn_rows_nv(a, 6, d0, nv); break;
+            case 5: attn_rows_nv(a, 5, d0, nv); break;
+            case 4: attn_rows_nv(a, 4, d0, nv); break;
+            case 3: attn_rows_nv(a, 3, d0, nv); break;
+            case 2: attn_rows_nv(a, 2, d0, nv); break;
+            default: attn_rows_nv(a, 1, d0, nv); break;
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        for (int d = nvec * VLEN; d < n; d++) { a->out[r * a->ldo + d] = attn_rows_elem(a, r, d); }
+    }
+}
+
+// s rows r < nr (stride lds), keys [j0, j0 + nv*VLEN) = (R2 over d < hs of fmaf(q[r][d], kt[d][j]))
+// times scale (1: none)
+ALWAYS_INLINE void attn_scores_tile(float* s, long lds, const float* q, long ldq, const float* kt, long ldk,
+                                    int hs, const int nr, int j0, const int nv, float scale) {
+    vf acc[ATT_NR][MM_MV];
+    vf stack[CANON_LOG2_R + 2][ATT_NR][MM_MV];
+    int top = 0;
+    for (int c = 0; c < CANON_R; c++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_zero(); }
+        }
+        for (long d = canon_chunk_begin(hs, c); d < canon_chunk_begin(hs, c + 1); d++) {
+            vf kv[MM_MV];
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { kv[v] = vf_load(kt + d * ldk + j0 + v * VLEN); }
+            _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+                vf qv = vf_set1(q[r * ldq + d]);
+                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(qv, kv[v], acc[r][v]); }
+            }
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][r][v] = acc[r][v]; }
+        }
+        top++;
+        for (int m = canon_tree_merges_after(c, CANON_R); m > 0; m--) {
+            _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+                    stack[top - 2][r][v] = vf_add(stack[top - 2][r][v], stack[top - 1][r][v]);
+                }
+            }
+            top--;
+        }
+    }
+    vf sc = vf_set1(scale);
+    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+            vf_store(s + r * lds + j0 + v * VLEN, scale == 1.0f ? stack[0][r][v] : vf_mul(stack[0][r][v], sc));
+        }
+    }
+}
+
+ALWAYS_INLINE void attn_scores_nv(float* s, long lds, const float* q, long ldq, const float* kt, long ldk, int hs,
+                                  const int nr, int j0, int nv, float scale) {
+    switch (nv) {
+        case 1: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 1, scale); break;
+#if MM_MV > 2
+        case 3: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 3, scale); break;
+        case 4: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 4, scale); break;
+#endif
+        default: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 2, scale); break;
+    }
+}
+
+// Scores of nr <= ATT_NR query rows against the keys [0, nkeys) (rounded up to whole vectors:
+// s rows and kt rows hold at least that many).
+static void attn_scores(float* s, long lds, const float* q, long ldq, const float* kt, long ldk, int hs, int nr,
+                        int nkeys, float scale) {
+    int nvec = (nkeys + VLEN - 1) / VLEN;
+    for (int j0 = 0; j0 < nvec * VLEN; j0 += MM_MV * VLEN) {
+        int nv = nvec - j0 / VLEN < MM_MV ? nvec - j0 / VLEN : MM_MV;
+        switch (nr) {
+            case 6: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 6, j0, nv, scale); break;
+            case 5: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 5, j0, nv, scale); break;
+            case 4: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 4, j0, nv, scale); break;
+            case 3: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 3, j0, nv, scale); break;
+            case 2: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 2, j0, nv, scale); break;
+            default: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 1, j0, nv, scale); break;
+        }
+    }
+}
+
+// kt[bh][d][j] (hs x ldk per head, zero for j >= T) <- the rows x[b, j] + h*hs (stride ldx)
+static void attn_pack_transposed(float* kt, long ldk, const float* x, long ldx, int B, int T, int NH, int hs) {
+    #pragma omp parallel for collapse(2)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < NH; h++) {
+            float* dst = kt + ((size_t)b * NH + h) * hs * ldk;
+            const float* src = x + (size_t)b * T * ldx + h * hs;
+            for (int d = 0; d < hs; d++) {
+                for (int j = 0; j < T; j++) { dst[d * ldk + j] = src[j * ldx + d]; }
+                for (long j = T; j < ldk; j++) { dst[d * ldk + j] = 0.0f; }
+            }
+        }
+    }
+}
+
+// rows[bh][j][d] (T x hs per head, contiguous) <- x[b, j] + h*hs (stride ldx): a head's rows
+// read in the reductions over j, packed so that they stream from cache
+static void attn_pack_rows(float* rows, const float* x, long ldx, int B, int T, int NH, int hs) {
+    #pragma omp parallel for collapse(2)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < NH; h++) {
+            float* dst = rows + ((size_t)b * NH + h) * T * hs;
+            const float* src = x + (size_t)b * T * ldx + h * hs;
+            for (int j = 0; j < T; j++) { memcpy(dst + (size_t)j * hs, src + j * ldx, sizeof(float) * hs); }
+        }
+    }
+}
+
+// The largest of x[0..n): `if (x > m) m = x` from -inf, in any order (exact; a NaN never wins).
+static float attn_row_max(const float* x, long n) {
+    vf mv = vf_set1(-canon_inf());
+    long j = 0;
+    for (; j + VLEN <= n; j += VLEN) { mv = vf_max_gt(mv, vf_load(x + j)); }
+    float lanes[VLEN], m = -canon_inf();
+    vf_store(lanes, mv);
+    for (int i = 0; i < VLEN; i++) { m = lanes[i] > m ? lanes[i] : m; }
+    for (; j < n; j++) { m = x[j] > m ? x[j] : m; }
+    return m;
+}
+
+// x[j] <- canon_expf(x[j] - m) for j < n, vectorised (vf_expf is canon_expf in every lane)
+static void exps_shifted(float* x, long n, float m) {
+    vf mv = vf_set1(m);
+    long j = 0;
+    for (; j + VLEN <= n; j += VLEN) { vf_store(x + j, vf_expf(vf_sub(vf_load(x + j), mv))); }
+    for (; j < n; j++) { x[j] = canon_expf(x[j] - m); }
+}
+
+// R2Z sums (nchunks chunks over nj) of the nr rows x (stride ldx), row r over j < hi[r]: the
+// sum of x (y NULL), or the fmaf-accumulated dot product with y (stride ldy); rows side by side.
+static void attn_row_sums(float* out, const float* x, long ldx, const float* y, long ldy, int nr, const int* hi,
+                          long nj, int nchunks) {
+    float part[CANON_R][ATT_NR];
+    int hi_any = 0;
+    for (int r = 0; r < nr; r++) { hi_any = hi[r] > hi_any ? hi[r] : hi_any; }
+    for (int c = 0; c < nchunks; c++) {
+        float acc[ATT_NR] = {0.0f};
+        for (int half = 0; half < 2; half++) {
+            long pb, pe;
+            canon_zz_half(nj, nchunks, c, half, &pb, &pe);
+            for (long j = pb; j < pe && j < hi_any; j++) {
+                for (int r = 0; r < nr; r++) {
+                    if (j < hi[r]) { acc[r] = y ? fmaf(x[r * ldx + j], y[r * ldy + j], acc[r]) : acc[r] + x[r * ldx + j]; }
+                }
+            }
+        }
+        for (int r = 0; r < nr; r++) { part[c][r] = acc[r]; }
+    }
+    for (int r = 0; r < nr; r++) {
+        float p[CANON_R];
+        for (int c = 0; c < nchunks; c++) { p[c] = part[c][r]; }
+        out[r] = canon_tree_sum(p, nchunks, 1);
+    }
+}
+
+// The causal bounds of ATT_NR rows at positions p0, p0 + 1, ...: keys [0, p + 1), or, for the
+// reductions over queries, queries [p, T).
+static void attn_bounds(int* lo, int* hi, int p0, int over_queries, int T) {
+    for (int r = 0; r < ATT_NR; r++) {
+        lo[r] = over_queries ? p0 + r : 0;
+        hi[r] = over_queries ? T : p0 + r + 1;
+    }
+}
+
+// Keys (or queries) padded to whole tiles of key vectors.
+static long attn_padded(int T) { return ((long)T + MM_MV * VLEN - 1) / (MM_MV * VLEN) * (MM_MV * VLEN); }
+
+void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+    int hs = C / NH, BH = B * NH;
+    long C3 = 3L * C, Tp = attn_padded(T);
+    float scale = canon_rsqrtf((float)hs);
+    float* kt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * hs * (Tp + T));
+    float* vr = kt + (size_t)BH * hs * Tp;
+    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)thread_count() * ATT_NR * Tp);
+    attn_pack_transposed(kt, Tp, qkv + C, C3, B, T, NH, hs);
+    attn_pack_rows(vr, qkv + 2 * C, C3, B, T, NH, hs);
+    int ntiles = (T + ATT_NR - 1) / ATT_NR;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * ntiles; idx++) {   // a head's tiles in a row, longest rows first
+        int tile = ntiles - 1 - (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
+        int t0 = tile * ATT_NR, nr = T - t0 < ATT_NR ? T - t0 : ATT_NR;
+        int lo[ATT_NR], hi[ATT_NR];
+        attn_bounds(lo, hi, t0, 0, T);
+        float* s = tiles + (size_t)thread_index() * ATT_NR * Tp;
+        float* a = att + ((size_t)bh * T + t0) * T;
+        attn_scores(s, Tp, qkv + ((size_t)b * T + t0) * C3 + h * hs, C3, kt + (size_t)bh * hs * Tp, Tp, hs, nr,
+                    t0 + nr, scale);
+        // softmax: the max (exact), the exps, Z = R2Z over the keys, the division; 0 past t
+        float z[ATT_NR];
+        for (int r = 0; r < nr; r++) {
+            float* sr = s + r * Tp;
+            exps_shifted(sr, hi[r], attn_row_max(sr, hi[r]));
+        }
+        attn_row_sums(z, s, Tp, NULL, 0, nr, hi, T, CANON_R);
+        for (int r = 0; r < nr; r++) {
+            float* ar = a + (size_t)r * T;
+            const float* sr = s + r * Tp;
+            float zr = z[r];
+            #pragma omp simd
+            for (int j = 0; j < hi[r]; j++) { ar[j] = sr[j] / zr; }
+            for (int j = hi[r]; j < T; j++) { ar[j] = 0.0f; }
+        }
+        AttRows av = {a, T, 1, vr + (size_t)bh * T * hs, hs, out + ((size_t)b * T + t0) * C + h * hs, C, T, CANON_R, lo, hi};
+        attn_rows(&av, nr, hs);
+    }
+}
+
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                        int B, int T, int C, int NH) {
+    int hs = C / NH, BH = B * NH;
+    long C3 = 3L * C, Tp = attn_padded(T);
+    float scale = canon_rsqrtf((float)hs);
+    size_t head = (size_t)T * hs;
+    float* vt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * (hs * Tp + 3 * head));
+    float* kr = vt + (size_t)BH * hs * Tp;   // the rows of k, q and dout of every head
+    float* qr = kr + BH * head;
+    float* dr = qr + BH * head;
+    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)thread_count() * ATT_NR * Tp);
+    float* ds_all = scratch(SCRATCH_ATT, sizeof(float) * (size_t)BH * T * T);
+    attn_pack_transposed(vt, Tp, qkv + 2 * C, C3, B, T, NH, hs);
+    attn_pack_rows(kr, qkv + C, C3, B, T, NH, hs);
+    attn_pack_rows(qr, qkv, C3, B, T, NH, hs);
+    attn_pack_rows(dr, dout, C, B, T, NH, hs);
+    int ntiles = (T + ATT_NR - 1) / ATT_NR;
+    // per query tile: datt, S, ds (kept for the second part), dq = R2Z over keys of ds * k
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * ntiles; idx++) {   // a head's tiles in a row, longest rows first
+        int tile = ntiles - 1 - (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
+        int t0 = tile * ATT_NR, nr = T - t0 < ATT_NR ? T - t0 : ATT_NR;
+        int lo[ATT_NR], hi[ATT_NR];
+        attn_bounds(lo, hi, t0, 0, T);
+        float* datt = tiles + (size_t)thread_index() * ATT_NR * Tp;
+        const float* a = att + ((size_t)bh * T + t0) * T;
+        float* ds = ds_all + ((size_t)bh * T + t0) * T;
+        attn_scores(datt, Tp, dout + ((size_t)b * T + t0) * C + h * hs, C, vt + (size_t)bh * hs * Tp, Tp, hs, nr,
+                    t0 + nr, 1.0f);
+        float S[ATT_NR];
+        attn_row_sums(S, a, T, datt, Tp, nr, hi, T, CANON_R);
+        for (int r = 0; r < nr; r++) {
+            const float* ar = a + (size_t)r * T;
+            const float* dr = datt + r * Tp;
+            float* sr = ds + (size_t)r * T;
+            float Sr = S[r];
+            #pragma omp simd
+            for (int j = 0; j < hi[r]; j++) { sr[j] = ar[j] * (dr[j] - Sr) * scale; }
+        }
+        AttRows dq = {ds, T, 1, kr + bh * head, hs, dqkv + ((size_t)b * T + t0) * C3 + h * hs, C3, T, CANON_R, lo, hi};
+        attn_rows(&dq, nr, hs);
+    }
+    // per strip of keys (tiles of ATT_NR, a few in a row so the strip of ds and att columns
+    // stays in cache): dk = R2Z over queries of ds * q, dv = R2Z over queries of att * dout
+    int strip = 3, nstrips = (ntiles + strip - 1) / strip;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * nstrips; idx++) {   // a head's strips in a row, longest first
+        int bh = (int)(idx / nstrips), b = bh / NH, h = bh % NH, first = (int)(idx % nstrips) * strip;
+        for (int tile = first; tile < first + strip && tile < ntiles; tile++) {
+            int t0 = tile * ATT_NR, nr = T - t0 < ATT_NR ? T - t0 : ATT_NR;
+            int lo[ATT_NR], hi[ATT_NR];
+            attn_bounds(lo, hi, t0, 1, T);
+            size_t tt = (size_t)bh * T * T;
+            float* drow = dqkv + ((size_t)b * T + t0) * C3 + h * hs;
+            AttRows dk = {ds_all + tt + t0, 1, T, qr + bh * head, hs, drow + C, C3, T, CANON_R, lo, hi};
+            AttRows dv = {att + tt + t0, 1, T, dr + bh * head, hs, drow + 2 * C, C3, T, CANON_R, lo, hi};
+            attn_rows(&dk, nr, hs);
+            attn_rows(&dv, nr, hs);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// context parallelism's attention, one block of keys at a time (llmc/context_parallel.h drives
+// them around the group). Rank r of an N-way context-parallel group holds the queries of its
+// zig-zag slice of each sequence (Tq = T/N local positions, canonical.h R2Z) and sees the keys
+// and values of every rank's slice in turn: block s. att (B,NH,Tq,T) keeps block s in columns
+// [s*Tq, (s+1)*Tq); a query attends to the keys of block s at global positions up to its own,
+// a prefix of the block (canon_zz_count_le). Each reduction over keys is R2Z within a block
+// (8/N chunks of the block's local sequence: a complete subtree of the one-rank tree) and R1
+// over the blocks in rank order; the reductions over queries (dk, dv) likewise, over each
+// rank's queries, then R1 over the ranks. With N = 1 these are attention_forward and
+// attention_backward cut into passes: the same helpers, the same bits.
+//   qkv (B,Tq,3C) this rank's; kblk, vblk (B,Tq,C) block s's keys or values; C, NH this
+//   rank's channels and heads (tensor parallelism splits them as usual)
+
+// The keys of block s that query rows t0, t0+1, ... (nr of them, of rank r's slice) attend to:
+// [lo[i], hi[i]) = [0, count); rows past nr repeat the last one.
+static void cp_key_bounds(int* lo, int* hi, int t0, int nr, int T, int N, int r, int s) {
+    for (int i = 0; i < ATT_NR; i++) {
+        int t = t0 + (i < nr ? i : nr - 1);
+        lo[i] = 0;
+        hi[i] = canon_zz_count_le(canon_zz_global(t, T, N, r), T, N, s);
+    }
+}
+
+// The queries of rank r that block s's keys j0, j0+1, ... are attended by: [lo[i], Tq).
+static void cp_query_bounds(int* lo, int* hi, int j0, int nr, int T, int N, int r, int s) {
+    int Tq = T / N;
+    for (int i = 0; i < ATT_NR; i++) {
+        int j = j0 + (i < nr ? i : nr - 1);
+        lo[i] = Tq - canon_zz_count_ge(canon_zz_global(j, T, N, s), T, N, r);
+        hi[i] = Tq;
+    }
+}
+
+static int cp_max(const int* x, int n) {
+    int m = 0;
+    for (int i = 0; i < n; i++) { m = x[i] > m ? x[i] : m; }
+    return m;
+}
+
+// q.k (or dout.v: scale 1) of this rank's queries against block s, into att's (or ds's) block
+// columns: the entries each query attends to
+static void cp_block_products(float* att, const float* q, long ldq, const float* kblk, int B, int T, int C, int NH,
+                              int N, int r, int s, float scale) {
+    int hs = C / NH, BH = B * NH, Tq = T / N;
+    long Tp = attn_padded(Tq);
+    float* kt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * hs * Tp);
+    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)thread_count() * ATT_NR * Tp);
+    attn_pack_transposed(kt, Tp, kblk, C, B, Tq, NH, hs);
+    int ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * ntiles; idx++) {
+        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
+        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
+        int lo[ATT_NR], hi[ATT_NR];
+        cp_key_bounds(lo, hi, t0, nr, T, N, r, s);
+        int nkeys = cp_max(hi, nr);
+        if (nkeys == 0) { continue; }
+        float* tile_s = tiles + (size_t)thread_index() * ATT_NR * Tp;
+        attn_scores(tile_s, Tp, q + ((size_t)b * Tq + t0) * ldq + h * hs, ldq, kt + (size_t)bh * hs * Tp, Tp, hs, nr,
+                    nkeys, scale);
+        for (int i = 0; i < nr; i++) {
+            memcpy(att + ((size_t)bh * Tq + t0 + i) * T + (size_t)s * Tq, tile_s + i * Tp, sizeof(float) * hi[i]);
+        }
+    }
+}
+
+// att block s <- the scores q.k * (1/sqrt(hs)) of the keys each query attends to
+void attention_scores_block(float* att, const float* qkv, const float* kblk, int B, int T, int C, int NH, int N,
+                            int r, int s) {
+    cp_block_products(att, qkv, 3L * C, kblk, B, T, C, NH, N, r, s, canon_rsqrtf((float)(C / NH)));
+}
+
+// The softmax of every row over all N blocks: the max (exact), the exps, Z = R1 over blocks of
+// each block's R2Z subtree, the division; 0 for the keys a query does not attend to.
+void attention_softmax_blocks(float* att, int B, int T, int NH, int N, int r) {
+    int Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)B * NH * ntiles; idx++) {
+        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles);
+        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
+        float* rows = att + ((size_t)bh * Tq + t0) * T;
+        int lo[CANON_R][ATT_NR], hi[CANON_R][ATT_NR];
+        float zs[CANON_R][ATT_NR], maxv[ATT_NR];
+        for (int s = 0; s < N; s++) { cp_key_bounds(lo[s], hi[s], t0, nr, T, N, r, s); }
+        for (int i = 0; i < nr; i++) {
+            float m = -canon_inf();
+            for (int s = 0; s < N; s++) {
+                float ms = attn_row_max(rows + (size_t)i * T + (size_t)s * Tq, hi[s][i]);
+                m = ms > m ? ms : m;
+            }
+            maxv[i] = m;
+        }
+        for (int s = 0; s < N; s++) {
+            for (int i = 0; i < nr; i++) { exps_shifted(rows + (size_t)i * T + (size_t)s * Tq, hi[s][i], maxv[i]); }
+            attn_row_sums(zs[s], rows + (size_t)s * Tq, T, NULL, 0, nr, hi[s], Tq, CANON_R / N);
+        }
+        for (int i = 0; i < nr; i++) {
+            float part[CANON_R];
+            for (int s = 0; s < N; s++) { part[s] = zs[s][i]; }
+            float z = canon_tree_sum(part, N, 1);
+            for (int s = 0; s < N; s++) {
+                float* a = rows + (size_t)i * T + (size_t)s * Tq;
+                #pragma omp simd
+                for (int j = 0; j < hi[s][i]; j++) { a[j] = a[j] / z; }
+                for (int j = hi[s][i]; j < Tq; j++) { a[j] = 0.0f; }
+            }
+        }
+    }
+}
+
+// out (B,Tq,C) = block s's subtree of att @ v: R2Z over the block's keys (8/N chunks)
+void attention_values_block(float* out, const float* att, const float* vblk, int B, int T, int C, int NH, int N,
+                            int r, int s) {
+    int hs = C / NH, BH = B * NH, Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    float* vr = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * Tq * hs);
+    attn_pack_rows(vr, vblk, C, B, Tq, NH, hs);
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * ntiles; idx++) {
+        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
+        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
+        int lo[ATT_NR], hi[ATT_NR];
+        cp_key_bounds(lo, hi, t0, nr, T, N, r, s);
+        AttRows av = {att + ((size_t)bh * Tq + t0) * T + (size_t)s * Tq, T, 1, vr + (size_t)bh * Tq * hs, hs,
+                      out + ((size_t)b * Tq + t0) * C + h * hs, C, Tq, CANON_R / N, lo, hi};
+        attn_rows(&av, nr, hs);
+    }
+}
+
+// ds block s <- datt = dout . v of the keys each query attends to
+void attention_datt_block(float* ds, const float* dout, const float* vblk, int B, int T, int C, int NH, int N,
+                          int r, int s) {
+    cp_block_products(ds, dout, C, vblk, B, T, C, NH, N, r, s, 1.0f);
+}
+
+// ds <- att * (datt - S) * (1/sqrt(hs)) over every block, S = R1 over blocks of each block's
+// R2Z subtree of fmaf(att, datt)
+void attention_softmax_backward_blocks(float* ds, const float* att, int B, int T, int C, int NH, int N, int r) {
+    int Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    float scale = canon_rsqrtf((float)(C / NH));
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)B * NH * ntiles; idx++) {
+        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles);
+        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
+        size_t row0 = ((size_t)bh * Tq + t0) * T;
+        int lo[CANON_R][ATT_NR], hi[CANON_R][ATT_NR];
+        float ss[CANON_R][ATT_NR];
+        for (int s = 0; s < N; s++) {
+            cp_key_bounds(lo[s], hi[s], t0, nr, T, N, r, s);
+            attn_row_sums(ss[s], att + row0 + (size_t)s * Tq, T, ds + row0 + (size_t)s * Tq, T, nr, hi[s], Tq, CANON_R / N);
+        }
+        for (int i = 0; i < nr; i++) {
+            float part[CANON_R];
+            for (int s = 0; s < N; s++) { part[s] = ss[s][i]; }
+            float S = canon_tree_sum(part, N, 1);
+            for (int s = 0; s < N; s++) {
+                const float* a = att + row0 + (size_t)i * T + (size_t)s * Tq;
+                float* d = ds + row0 + (size_t)i * T + (size_t)s * Tq;
+                #pragma omp simd
+                for (int j = 0; j < hi[s][i]; j++) { d[j] = a[j] * (d[j] - S) * scale; }
+            }
+        }
+    }
+}
+
+// dq (B,Tq,C) = block s's subtree of ds @ k
+void attention_dq_block(float* dq, const float* ds, const float* kblk, int B, int T, int C, int NH, int N, int r,
+                        int s) {
+    attention_values_block(dq, ds, kblk, B, T, C, NH, N, r, s);
+}
+
+// dk, dv (B,Tq,C) of block s's keys = this rank's subtree over its queries (R2Z, 8/N chunks)
+// of ds^T @ q and att^T @ dout: the partials the key's owner sums over the ranks
+void attention_dkv_block(float* dk, float* dv, const float* ds, const float* att, const float* qkv, const float* dout,
+                         int B, int T, int C, int NH, int N, int r, int s) {
+    int hs = C / NH, BH = B * NH, Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    float* qr = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * Tq * hs * 2);
+    float* dr = qr + (size_t)BH * Tq * hs;
+    attn_pack_rows(qr, qkv, 3L * C, B, Tq, NH, hs);
+    attn_pack_rows(dr, dout, C, B, Tq, NH, hs);
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long idx = 0; idx < (long)BH * ntiles; idx++) {
+        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
+        int j0 = tile * ATT_NR, nr = Tq - j0 < ATT_NR ? Tq - j0 : ATT_NR;
+        int lo[ATT_NR], hi[ATT_NR];
+        cp_query_bounds(lo, hi, j0, nr, T, N, r, s);
+        size_t cols = (size_t)bh * Tq * T + (size_t)s * Tq + j0;
+        size_t o = ((size_t)b * Tq + j0) * C + h * hs;
+        AttRows k = {ds + cols, 1, T, qr + (size_t)bh * Tq * hs, hs, dk + o, C, Tq, CANON_R / N, lo, hi};
+        AttRows v = {att + cols, 1, T, dr + (size_t)bh * Tq * hs, hs, dv + o, C, Tq, CANON_R / N, lo, hi};
+        attn_rows(&k, nr, hs);
+        attn_rows(&v, nr, hs);
+    }
+}
+
+// dst rows (stride ldd) <- width floats of each of `rows` src rows (stride lds): a tensor's
+// columns packed for sending, or unpacked into place
+void copy_rows(float* dst, long ldd, const float* src, long lds, long rows, int width) {
+    #pragma omp parallel for
+    for (long i = 0; i < rows; i++) { memcpy(dst + i * ldd, src + i * lds, sizeof(float) * width); }
+}
+
+// ------------------------------------------------------------------------------------------
+// GELU (tanh form), elementwise. vf_tanh, vf_gelu and vf_gelu_grad are canonical.h's
+// canon_tanhf, canon_gelu and canon_gelu_grad in every lane, operation for operation (the
+// constant 3 * 0.044715 folded as C folds it); test_kernels compares them over a sweep.
+static inline vf vf_tanh(vf x) {
+    vf ax = vf_if_negative(x, vf_mul(x, vf_set1(-1.0f)), x);
+    vf t = vf_expf(vf_mul(vf_set1(-2.0f), ax));
+    vf r = vf_div(vf_sub(vf_set1(1.0f), t), vf_add(vf_set1(1.0f), t));
+    return vf_if_negative(x, vf_mul(r, vf_set1(-1.0f)), r);
+}
+static inline vf vf_gelu(vf x) {
+    vf cube = vf_mul(vf_mul(vf_mul(vf_set1(0.044715f), x), x), x);
+    vf u = vf_mul(vf_set1(CANON_GELU_SCALE), vf_add(x, cube));
+    return vf_mul(vf_mul(vf_set1(0.5f), x), vf_add(vf_set1(1.0f), vf_tanh(u)));
+}
+static inline vf vf_gelu_grad(vf x) {
+    vf cube = vf_mul(vf_mul(vf_mul(vf_set1(0.044715f), x), x), x);
+    vf u = vf_mul(vf_set1(CANON_GELU_SCALE), vf_add(x, cube));
+    vf th = vf_tanh(u);
+    vf sech2 = vf_sub(vf_set1(1.0f), vf_mul(th, th));
+    vf du_dx = vf_mul(vf_set1(CANON_GELU_SCALE), vf_add(vf_set1(1.0f), vf_mul(vf_mul(vf_set1(3.0f * 0.044715f), x), x)));
+    return vf_add(vf_mul(vf_set1(0.5f), vf_add(vf_set1(1.0f), th)),
+                  vf_mul(vf_mul(vf_mul(vf_set1(0.5f), x), sech2), du_dx));
+}
+
 void gelu_forward(float* out, const float* inp, size_t n) {
-    #pragma omp parallel for simd
-    for (size_t i = 0; i < n; i++) { out[i] = canon_gelu(inp[i]); }
+    size_t nvec = n / VLEN;
+    #pragma omp parallel for
+    for (size_t i = 0; i < nvec; i++) { vf_store(out + i * VLEN, vf_gelu(vf_load(inp + i * VLEN))); }
+    for (size_t i = nvec * VLEN; i < n; i++) { out[i] = canon_gelu(inp[i]); }
 }
 
 // dinp = gelu'(inp) * dout (may be in place: dinp == dout)
 void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
-    #pragma omp parallel for simd
-    for (size_t i = 0; i < n; i++) { dinp[i] = canon_gelu_grad(inp[i]) * dout[i]; }
+    size_t nvec = n / VLEN;
+    #pragma omp parallel for
+    for (size_t i = 0; i < nvec; i++) {
+        vf_store(dinp + i * VLEN, vf_mul(vf_gelu_grad(vf_load(inp + i * VLEN)), vf_load(dout + i * VLEN)));
+    }
+    for (size_t i = nvec * VLEN; i < n; i++) { dinp[i] = canon_gelu_grad(inp[i]) * dout[i]; }
 }
 
 // out = a + b, elementwise (the residual stream)
@@ -858,13 +1602,9 @@ void residual_forward(float* out, const float* a, const float* b, size_t n) {
 
 // maxes (BT) = the largest real logit of each position among this rank's entries
 void crossentropy_max(float* maxes, const float* logits, int BT, int V, int v0, int Vl) {
+    long real = V - v0 < Vl ? V - v0 : Vl;   // entries at or past `real` are padding
     #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        const float* p = logits + (size_t)i * Vl;
-        float m = -canon_inf();
-        for (int v = 0; v < Vl && v0 + v < V; v++) { if (p[v] > m) { m = p[v]; } }
-        maxes[i] = m;
-    }
+    for (int i = 0; i < BT; i++) { maxes[i] = attn_row_max(logits + (size_t)i * Vl, real > 0 ? real : 0); }
 }
 
 // logits <- exp(logits - max) in place; zs (BT) = the R2 subtree over this rank's chunks;
@@ -876,14 +1616,13 @@ void crossentropy_exps(float* zs, float* target_logits, float* logits, const flo
         float* p = logits + (size_t)i * Vl;
         int t = targets ? targets[i] - v0 : -1;
         target_logits[i] = t >= 0 && t < Vl ? p[t] : -0.0f;
+        long real = V - v0 < Vl ? V - v0 : Vl;   // entries at or past `real` are padding
+        exps_shifted(p, real > 0 ? real : 0, maxes[i]);
         float partial[CANON_R];
         for (int ch = 0; ch < nchunks; ch++) {
             float acc = 0.0f;
             long end = ((long)Vl * (ch + 1)) / nchunks;
-            for (long v = ((long)Vl * ch) / nchunks; v < end && v0 + v < V; v++) {
-                p[v] = canon_expf(p[v] - maxes[i]);
-                acc = acc + p[v];
-            }
+            for (long v = ((long)Vl * ch) / nchunks; v < end && v < real; v++) { acc = acc + p[v]; }
             partial[ch] = acc;
         }
         zs[i] = canon_tree_sum(partial, nchunks, 1);
@@ -893,10 +1632,14 @@ void crossentropy_exps(float* zs, float* target_logits, float* logits, const flo
 // probs = exps / Z (0 for padding); losses (BT) = log(Z) - (target logit - max) if targets
 void crossentropy_normalize(float* probs, float* losses, const float* zs, const float* target_logits,
                             const float* maxes, const int* targets, int BT, int V, int v0, int Vl) {
+    long real = V - v0 < Vl ? (V - v0 > 0 ? V - v0 : 0) : Vl;   // entries at or past `real` are padding
     #pragma omp parallel for
     for (int i = 0; i < BT; i++) {
         float* p = probs + (size_t)i * Vl;
-        for (int v = 0; v < Vl; v++) { p[v] = v0 + v < V ? p[v] / zs[i] : 0.0f; }
+        vf z = vf_set1(zs[i]);
+        long v = 0;
+        for (; v + VLEN <= real; v += VLEN) { vf_store(p + v, vf_div(vf_load(p + v), z)); }
+        for (; v < Vl; v++) { p[v] = v < real ? p[v] / zs[i] : 0.0f; }
         if (targets) { losses[i] = canon_logf(zs[i]) - (target_logits[i] - maxes[i]); }
     }
 }
@@ -904,13 +1647,17 @@ void crossentropy_normalize(float* probs, float* losses, const float* zs, const 
 // dlogits (BT,Vl) = (probs - onehot(target)) * dloss, written over probs; 0 for padding.
 void crossentropy_backward(float* dlogits_probs, const int* targets, float dloss, int BT, int V,
                            int v0, int Vl) {
+    long real = V - v0 < Vl ? (V - v0 > 0 ? V - v0 : 0) : Vl;   // entries at or past `real` are padding
     #pragma omp parallel for
     for (int i = 0; i < BT; i++) {
         float* p = dlogits_probs + (size_t)i * Vl;
-        for (int v = 0; v < Vl && v0 + v < V; v++) {
-            float indicator = v0 + v == targets[i] ? 1.0f : 0.0f;
-            p[v] = (p[v] - indicator) * dloss;
-        }
+        long t = (long)targets[i] - v0;   // the target's entry, if this rank holds it
+        float target = t >= 0 && t < real ? p[t] : 0.0f;
+        vf d = vf_set1(dloss), zero = vf_zero();
+        long v = 0;
+        for (; v + VLEN <= real; v += VLEN) { vf_store(p + v, vf_mul(vf_sub(vf_load(p + v), zero), d)); }
+        for (; v < real; v++) { p[v] = (p[v] - 0.0f) * dloss; }
+        if (t >= 0 && t < real) { p[t] = (target - 1.0f) * dloss; }
     }
 }
 
@@ -926,7 +1673,7 @@ void bias_forward(float* out, const float* bias, int BT, int OC) {
 
 // R3 sum of per-position values x (B,T): the loss sum of a microbatch.
 float position_sum(const float* x, int B, int T) {
-    return position_reduce_elem(x, 1, 0, NULL, 0, 0, B, T);
+    return position_reduce_elem(x, 1, 0, NULL, 0, 0, B, T, CANON_R);
 }
 
 // the mixture-of-experts layer's kernels (llmc/moe.h), on the helpers above
@@ -943,15 +1690,22 @@ float position_sum(const float* x, int B, int T) {
 // compiles this same section on its device kernels, which take the same arguments. So the
 // model never touches tensor memory itself: it allocates and fills through the MemOps of
 // memory.h (host here, device there), and its parameters come unit by unit from zero.h.
+// Context parallelism's attention and gradient finishing (context_parallel.h) drive these
+// kernels too, so the header comes here.
+#include "llmc/context_parallel.h"
 
 // Activations of one forward pass of a model chunk (its `layers` transformer layers, and
 // the head on the chunk holding it), allocated for a capacity of (B, T) positions; a pass with fewer
 // positions lays its tensors out with its own B, T inside the same memory.
 // With tensor parallelism the per-head and per-neuron tensors hold this rank's part: qkv
 // 3C/K, atty C/K, att NH/K heads, fch 4C/K, probs Vp/K (the widths below).
-// With sequence parallelism (seq_split = K; else 1) the residual stream, the layernorms'
-// inputs and statistics hold T/K positions of each sequence: encoded, residual2, residual3,
-// the means and rstds; the layernorm outputs are stored all-gathered (full T).
+// With context parallelism over N ranks (cp_split = N; else 1) every tensor holds this rank's
+// zig-zag slice of each sequence, T/N positions (context_parallel.h; att (L,B,NH,T/N,T): its
+// queries against every key, or with --cp-mode a2a (L,B,NH/N,T,T): every query of NH/N heads,
+// whose q|k|v (qkvh) it keeps too). The shapes below are per rank with T the slice's length.
+// With sequence parallelism (seq_split = K x cp_split; else cp_split) the residual stream, the
+// layernorms' inputs and statistics hold T/K positions of each (slice of a) sequence: encoded,
+// residual2, residual3, the means and rstds; the layernorm outputs are stored all-gathered.
 // A mixture-of-experts layer keeps its routing and its experts' activations in `moe` instead
 // of fch and fch_gelu: the rows its local experts received vary from pass to pass, so those
 // buffers grow to the largest seen.
@@ -974,9 +1728,11 @@ typedef struct {
 } MoeLayerActs;
 
 typedef struct {
-    int layers, cap_B, cap_T, recompute, seq_split;
+    int layers, cap_B, cap_T, recompute, seq_split, cp_split;
     int C3, Ca, NHl, C4, Vl;   // local widths: qkv, atty, heads, fch, vocabulary
     int* inputs;        // (B,T)     the pass's tokens
+    int* inputs_full;   // (B,T*cp_split) every position's tokens (context parallelism: the
+                        //           embedding's gradient runs on whole sequences)
     int* targets;       // (B,T)     ... and the next tokens (the loss): target_buf, or NULL: none
     int* target_buf;
     float* encoded;     // (B,T,C)   the stage's input: embedding output, or received activation
@@ -986,6 +1742,7 @@ typedef struct {
     float* qkv;         // (L,B,T,3C)
     float* atty;        // (L,B,T,C)  attention output, before the projection
     float* att;         // (L,B,NH,T,T)
+    float* qkvh;        // (L,B,T*cp_split,3C/cp_split) --cp-mode a2a: the head-split q|k|v
     float* residual2;   // (L,B,T,C)  residual stream after attention
     float* ln2;         // (L,B,T,C)
     float* ln2_mean;    // (L,B,T)
@@ -997,11 +1754,12 @@ typedef struct {
     float* lnf_mean;    // (B,T)
     float* lnf_rstd;    // (B,T)
     float* probs;       // (B,T,Vp)   logits, then probabilities, then dlogits
-    float* losses;      // (B,T)
+    float* losses;      // (B,T*cp_split): every position's (context parallelism gathers them)
     float* proj;        // (B,T,C)    scratch: a projection's output before the residual add
     float* proj_s;      // (B,T/K,C)  ... after sequence parallelism's reduce-scatter
     float* ln_s;        // (B,T/K,C)  a layernorm's output before sequence parallelism's all-gather
-    float* ce;          // (3,B,T)    cross-entropy's per-position max, sum of exps, target logit
+    float* ce;          // (4,B,T)    cross-entropy's per-position max, sum of exps, target logit;
+                        //            this rank's losses (context parallelism)
     // A split backward (the zero-bubble schedules) runs the input-gradient half of a
     // (microbatch, chunk) long before its weight-gradient half, which reads the gradient at the
     // output of every weight. They are kept here from one half to the other (split = 1; NULL
@@ -1024,9 +1782,10 @@ typedef struct {
 // below the scratch are one layer's gradients at the output of its weights (Activations'
 // split set, for a backward that is not split).
 typedef struct {
-    int seq_split;      // as in Activations
+    int seq_split, cp_split;   // as in Activations
     float* dresidual;   // (B,T,C)    d(residual stream); (B,T/K,C) under sequence parallelism
-    float* ln_partials; // (2,B,C)    layernorm weight/bias gradients per sequence (SP)
+    float* dwhole;      // (B,T*cp_split,C) the embedding's, all-gathered along T (CP, embedding chunk)
+    float* ln_partials; // (2,B,C)    layernorm weight/bias gradients per sequence (SP, CP)
     float* dbtc;        // (B,T,C)    scratch: a layernorm output's gradient before the tp sum (SP)
     float* datty;       // (B,T,C/K)  scratch: d(attention output)
     float* dfcproj;     // (B,T,C)    also d(encoded) in the embeddings' backward
@@ -1057,6 +1816,10 @@ typedef struct {
     int has_embedding, has_head; // the embeddings; the final layernorm + LM head
     CommGroup* tp;              // tensor-parallel group (size K; tensor_parallel.h)
     int K, v0, Vl;              // ... and this rank's vocabulary rows [v0, v0 + Vl) of wte
+    int sp;                     // sequence parallelism in the passes that split sequences
+    ContextParallel cp;         // context parallelism (size N; context_parallel.h)
+    int N;
+    float* seq_grads;           // (B, largest unit) each sequence's subtree of a unit's gradient (CP)
     float* sp_scratch;          // (B,T,C) reordering for sequence parallelism's collectives
     float* probs_all;           // (Vp) one position's probabilities, all-gathered (sampling)
     Zero* zero;                 // parameters, gradients and AdamW state, possibly sharded (zero.h)
@@ -1132,12 +1895,14 @@ static void moe_grads_rows(const GPT2* model, ActivationGrads* g, size_t rows, i
     g->rows_cap = rows;
 }
 
-// sp: the residual stream is split along T over the tensor-parallel group (Megatron's
-// sequence parallelism); split: room for a split backward's kept gradients
-void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int sp, int split) {
+// seq: the sequences are split as the model's layout says (context parallelism over its cp
+// group, and with sp the residual stream over the tensor-parallel group: Megatron's sequence
+// parallelism); 0: every position on every rank (the sampler's passes). split: room for a
+// split backward's kept gradients.
+void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int seq, int split) {
     const GPT2Config* c = &model->config;
-    int K = model->K;
-    size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T;
+    int K = model->K, N = seq ? model->N : 1, sp = seq && model->sp;
+    size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T / N;
     size_t H = model->has_head ? 1 : 0;
     size_t BTs = BT / (sp ? K : 1);   // positions of the sequence-split tensors
     memset(a, 0, sizeof(*a));
@@ -1145,7 +1910,8 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->cap_B = B;
     a->cap_T = T;
     a->recompute = recompute;
-    a->seq_split = sp ? K : 1;
+    a->cp_split = N;
+    a->seq_split = (sp ? K : 1) * N;
     a->C3 = 3 * c->channels / K;
     a->Ca = c->channels / K;
     a->NHl = c->num_heads / K;
@@ -1153,14 +1919,16 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->Vl = c->padded_vocab_size / K;
     a->inputs = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
     a->target_buf = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
-    a->bytes = 2 * BT * sizeof(int);
+    a->inputs_full = N > 1 ? (int*)model->mem->alloc((size_t)B * T * sizeof(int), "tokens") : a->inputs;
+    a->bytes = (2 * BT + (N > 1 ? (size_t)B * T : 0)) * sizeof(int);
     a->encoded = act_alloc(model, BTs * C, &a->bytes);
     a->ln1 = act_alloc(model, L * BT * C, &a->bytes);
     a->ln1_mean = act_alloc(model, L * BTs, &a->bytes);
     a->ln1_rstd = act_alloc(model, L * BTs, &a->bytes);
     a->qkv = act_alloc(model, L * BT * a->C3, &a->bytes);
     a->atty = act_alloc(model, L * BT * a->Ca, &a->bytes);
-    a->att = act_alloc(model, L * (size_t)B * a->NHl * T * T, &a->bytes);
+    a->att = act_alloc(model, L * (size_t)B * a->NHl * (T / N) * T, &a->bytes);
+    a->qkvh = act_alloc(model, N > 1 && model->cp.a2a ? L * BT * a->C3 : 0, &a->bytes);
     a->residual2 = act_alloc(model, L * BTs * C, &a->bytes);
     a->ln2 = act_alloc(model, L * BT * C, &a->bytes);
     a->ln2_mean = act_alloc(model, L * BTs, &a->bytes);
@@ -1173,11 +1941,11 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->lnf_mean = act_alloc(model, H * BTs, &a->bytes);
     a->lnf_rstd = act_alloc(model, H * BTs, &a->bytes);
     a->probs = act_alloc(model, H * BT * a->Vl, &a->bytes);
-    a->losses = act_alloc(model, H * BT, &a->bytes);
+    a->losses = act_alloc(model, H * (size_t)B * T, &a->bytes);
     a->proj = act_alloc(model, BT * C, &a->bytes);
     a->proj_s = act_alloc(model, sp ? BTs * C : 0, &a->bytes);
     a->ln_s = act_alloc(model, sp ? BTs * C : 0, &a->bytes);
-    a->ce = act_alloc(model, H * 3 * BT, &a->bytes);
+    a->ce = act_alloc(model, H * 4 * BT, &a->bytes);
     size_t S = split ? 1 : 0;
     a->split = split;
     a->dfcproj = act_alloc(model, S * L * BT * C, &a->bytes);
@@ -1213,7 +1981,7 @@ void activations_free(const GPT2* model, Activations* a) {
                    a->att, a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu,
                    a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj,
                    a->proj_s, a->ln_s, a->ce, a->dfcproj, a->dfch, a->dln2, a->dattproj, a->dqkv, a->dln1,
-                   a->dlnf, a->dencoded};
+                   a->dlnf, a->dencoded, a->qkvh, a->inputs_full != a->inputs ? a->inputs_full : NULL};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
     for (int l = 0; a->moe && l < a->layers; l++) {
         MoeLayerActs* x = &a->moe[l];
@@ -1226,22 +1994,43 @@ void activations_free(const GPT2* model, Activations* a) {
     memset(a, 0, sizeof(*a));
 }
 
-// The pass's tokens, from host memory; targets NULL: the pass computes no loss.
+// The pass's tokens (B sequences of T), from host memory; targets NULL: the pass computes no
+// loss. With context parallelism the rank keeps its slice of each sequence (and all of the
+// inputs, for the embedding's gradient).
 void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs, const int* targets,
                             int B, int T) {
-    size_t bytes = (size_t)B * T * sizeof(int);
-    model->mem->from_host(a->inputs, inputs, bytes);
-    if (targets) { model->mem->from_host(a->target_buf, targets, bytes); }
+    int N = a->cp_split, Tl = T / N;
+    size_t bytes = (size_t)B * Tl * sizeof(int);
     a->targets = targets ? a->target_buf : NULL;
+    if (N == 1) {
+        model->mem->from_host(a->inputs, inputs, bytes);
+        if (targets) { model->mem->from_host(a->target_buf, targets, bytes); }
+        return;
+    }
+    model->mem->from_host(a->inputs_full, inputs, (size_t)B * T * sizeof(int));
+    int* slice = (int*)malloc_or_die(2 * bytes, "token slices");
+    for (int b = 0; b < B; b++) {
+        for (int t = 0; t < Tl; t++) {
+            long g = (long)b * T + canon_zz_global(t, T, N, model->cp.rank);
+            slice[b * Tl + t] = inputs[g];
+            slice[(size_t)B * Tl + b * Tl + t] = targets ? targets[g] : 0;
+        }
+    }
+    model->mem->from_host(a->inputs, slice, bytes);
+    if (targets) { model->mem->from_host(a->target_buf, slice + (size_t)B * Tl, bytes); }
+    free(slice);
 }
 
-void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T, int sp) {
-    int K = model->K;
-    size_t BTC = (size_t)B * T * model->config.channels;
+// seq: as activations_alloc's
+void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T, int seq) {
+    int K = model->K, N = seq ? model->N : 1, sp = seq && model->sp;
+    size_t BTC = (size_t)B * T / N * model->config.channels;
     memset(g, 0, sizeof(*g));
-    g->seq_split = sp ? K : 1;
+    g->cp_split = N;
+    g->seq_split = (sp ? K : 1) * N;
     g->dresidual = act_alloc(model, BTC, &g->bytes);
-    g->ln_partials = act_alloc(model, sp ? 2 * (size_t)B * model->config.channels : 0, &g->bytes);
+    g->dwhole = act_alloc(model, N > 1 && model->has_embedding ? BTC * N : 0, &g->bytes);
+    g->ln_partials = act_alloc(model, sp || N > 1 ? 2 * (size_t)B * model->config.channels : 0, &g->bytes);
     g->dbtc = act_alloc(model, sp ? BTC : 0, &g->bytes);
     g->datty = act_alloc(model, BTC / K, &g->bytes);
     g->dfcproj = act_alloc(model, BTC, &g->bytes);
@@ -1263,20 +2052,21 @@ void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T,
 }
 
 void activation_grads_free(const GPT2* model, ActivationGrads* g) {
-    void* all[] = {g->dresidual, g->ln_partials, g->dbtc, g->datty, g->dfcproj, g->dfch, g->dln2, g->dattproj,
+    void* all[] = {g->dresidual, g->dwhole, g->ln_partials, g->dbtc, g->datty, g->dfcproj, g->dfch, g->dln2, g->dattproj,
                    g->dqkv, g->dln1, g->dgate, g->dlogits, g->drouter, g->daux, g->dslots, g->dwork, g->dwork2, g->dh,
                    g->hgelu};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
 }
 
-// Per-layer views of the activations for a pass over (B, T); l counts the stage's layers.
+// Per-layer views of the activations for a pass over (B, T) (this rank's share of them); l
+// counts the chunk's layers.
 typedef struct {
-    float *residual, *ln1, *ln1_mean, *ln1_rstd, *qkv, *atty, *att, *residual2;
+    float *residual, *ln1, *ln1_mean, *ln1_rstd, *qkv, *atty, *att, *qkvh, *residual2;
     float *ln2, *ln2_mean, *ln2_rstd, *fch, *fch_gelu, *residual3;
 } LayerActs;
 
 static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, int B, int T) {
-    size_t C = c->channels, BT = (size_t)B * T, BTs = BT / a->seq_split;
+    size_t C = c->channels, BT = (size_t)B * T / a->cp_split, BTs = (size_t)B * T / a->seq_split;
     LayerActs v;
     v.residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BTs * C;
     v.ln1 = a->ln1 + l * BT * C;
@@ -1284,7 +2074,8 @@ static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, in
     v.ln1_rstd = a->ln1_rstd + l * BTs;
     v.qkv = a->qkv + l * BT * a->C3;
     v.atty = a->atty + l * BT * a->Ca;
-    v.att = a->att + l * (size_t)B * a->NHl * T * T;
+    v.att = a->att + l * (size_t)B * a->NHl * (T / a->cp_split) * T;
+    v.qkvh = a->qkvh ? a->qkvh + l * BT * a->C3 : NULL;
     v.residual2 = a->residual2 + l * BTs * C;
     v.ln2 = a->ln2 + l * BT * C;
     v.ln2_mean = a->ln2_mean + l * BTs;
@@ -1302,7 +2093,7 @@ typedef struct { float *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1; } LayerO
 static LayerOutGrads layer_out_grads(const Activations* a, const ActivationGrads* g, const GPT2Config* c, int l,
                                      int B, int T) {
     if (!a->split) { return (LayerOutGrads){g->dfcproj, g->dfch, g->dln2, g->dattproj, g->dqkv, g->dln1}; }
-    size_t C = c->channels, BT = (size_t)B * T, BTs = BT / a->seq_split;
+    size_t C = c->channels, BT = (size_t)B * T / a->cp_split, BTs = (size_t)B * T / a->seq_split;
     LayerOutGrads d = {a->dfcproj + l * BT * C, a->dfch + l * BT * a->C4, a->dln2 + l * BTs * C,
                        a->dattproj + l * BT * C, a->dqkv + l * BT * a->C3, a->dln1 + l * BTs * C};
     return d;
@@ -1354,29 +2145,50 @@ static ExpertTensors expert_unit(const Zero* z, int u, const float* base) {
 // layernorm, LM head, cross-entropy; the last chunk). Parameters come unit by unit from zero.h (ZeRO-3
 // gathers each unit just before use, prefetching the next, and frees it after).
 //
-// Sequence parallelism's f and g (tensor_parallel.h) apply to passes whose activations are
-// split along T (seq_split > 1); they are the identity / all-reduce of tp_f_* and tp_g_*
-// without it.
+// Sequence parallelism's f and g (tensor_parallel.h) apply to passes whose residual stream is
+// split along T over the tensor-parallel group (seq_split > cp_split); they are the identity /
+// all-reduce of tp_f_* and tp_g_* without it. With context parallelism (cp_split = N > 1) a
+// pass holds this rank's slice of each sequence, Tl = T/N positions (T: the whole sequence, as
+// the engine passes it): everything is per position except attention (context_parallel.h's
+// ring or all-to-all) and the reductions over positions, whose per-sequence subtrees the group
+// finishes (cp_finish_sequences), or which run on whole sequences gathered along T (the
+// embedding's gradient, the loss).
 
-// (the chunk with the embeddings) encoded (B,T,C) = wte[inputs] + wpe (with SP: this rank's positions)
+// out (B,T/D,C) += wpe at the global positions of rank r's D-way zig-zag slice (canonical.h
+// R2Z): its two stretches per sequence (D = 1: all of T)
+static void add_positions_slice(float* out, const float* wpe, int B, int T, int C, int D, int r) {
+    if (D == 1) { encoder_add_positions(out, wpe, B, T, C); return; }
+    int Tl = T / D, h = Tl / 2;
+    for (int b = 0; b < B; b++) {
+        for (int half = 0; half < 2; half++) {
+            long t0 = canon_zz_global(half * h, T, D, r);
+            encoder_add_positions(out + ((size_t)b * Tl + half * h) * C, wpe + t0 * C, 1, h, C);
+        }
+    }
+}
+
+// (the chunk with the embeddings) encoded (B,T,C) = wte[inputs] + wpe (with SP and CP: this
+// rank's positions)
 void embed_forward(GPT2* model, Activations* a, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, Ts = T / a->seq_split, sp = a->seq_split > 1;
+    int C = c->channels, N = a->cp_split, Tl = T / N, sp = a->seq_split > N;
     const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
     float* lookup = sp ? a->proj : a->encoded;
-    encoder_lookup(lookup, a->inputs, wte, model->v0, model->Vl, B * T, C);
+    encoder_lookup(lookup, a->inputs, wte, model->v0, model->Vl, B * Tl, C);
     zero_params_release(z, ZERO_WTE);
     // sum over the tp group (the vocab-parallel lookup: each row came from the rank holding
     // it): all-reduce, or with SP reduce-scatter along T
     if (sp) {
-        tp_sp_reduce_scatter(model->tp, lookup, a->encoded, B, T, C, model->sp_scratch);
+        tp_sp_reduce_scatter(model->tp, lookup, a->encoded, B, Tl, C, model->sp_scratch);
     } else if (model->K > 1) {
-        comm_all_reduce_sum(model->tp, a->encoded, (size_t)B * T * C, COMM_KIND_TP);
+        comm_all_reduce_sum(model->tp, a->encoded, (size_t)B * Tl * C, COMM_KIND_TP);
     }
+    // this rank's positions: the slice of its context-parallel rank, and of that its
+    // tensor-parallel rank's with SP (a slice of a slice is a slice, canonical.h R2Z)
+    int r = (N > 1 ? model->cp.rank : 0) * (sp ? model->K : 1) + (sp ? model->tp->rank : 0);
     const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
-    int t0 = sp ? model->tp->rank * Ts : 0;
-    encoder_add_positions(a->encoded, wpe + (size_t)t0 * C, B, Ts, C);
+    add_positions_slice(a->encoded, wpe, B, T, C, a->seq_split, r);
     zero_params_release(z, ZERO_WPE);
 }
 
@@ -1384,13 +2196,13 @@ void embed_forward(GPT2* model, Activations* a, int B, int T) {
 // rank's positions and the output is all-gathered along T (Megatron's f).
 static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, float* rstd,
                          const float* x, const float* w, const float* b, int B, int T) {
-    int C = model->config.channels;
-    if (a->seq_split > 1) {
+    int C = model->config.channels, Tl = T / a->cp_split;
+    if (a->seq_split > a->cp_split) {
         layernorm_forward(a->ln_s, mean, rstd, x, w, b, B * T / a->seq_split, C);
-        tp_sp_all_gather(model->tp, a->ln_s, ln, B, T, C, model->sp_scratch);
+        tp_sp_all_gather(model->tp, a->ln_s, ln, B, Tl, C, model->sp_scratch);
     } else {
-        layernorm_forward(ln, mean, rstd, x, w, b, B * T, C);
-        tp_f_forward(model->tp, ln, (size_t)B * T * C);
+        layernorm_forward(ln, mean, rstd, x, w, b, B * Tl, C);
+        tp_f_forward(model->tp, ln, (size_t)B * Tl * C);
     }
 }
 
@@ -1398,13 +2210,13 @@ static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, fl
 // (Megatron's g: all-reduce, or with SP reduce-scatter along T), then its bias; returns the
 // result (with SP, this rank's positions).
 static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B, int T) {
-    int C = model->config.channels;
+    int C = model->config.channels, Tl = T / a->cp_split;
     float* out = a->proj;
-    if (a->seq_split > 1) {
-        tp_sp_reduce_scatter(model->tp, a->proj, a->proj_s, B, T, C, model->sp_scratch);
+    if (a->seq_split > a->cp_split) {
+        tp_sp_reduce_scatter(model->tp, a->proj, a->proj_s, B, Tl, C, model->sp_scratch);
         out = a->proj_s;
     } else {
-        tp_g_forward(model->tp, a->proj, (size_t)B * T * C);
+        tp_g_forward(model->tp, a->proj, (size_t)B * Tl * C);
     }
     bias_forward(out, bias, B * T / a->seq_split, C);
     return out;
@@ -1484,14 +2296,25 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
     ct->rows_in += in_rows;
 }
 
+// Attention of this rank's heads (and with CP its queries): qkv -> atty, att.
+static void attention_forward_cp(GPT2* model, Activations* a, const LayerActs* x, int B, int T) {
+    if (a->cp_split == 1) {
+        attention_forward(x->atty, x->att, x->qkv, B, T, a->Ca, a->NHl);
+    } else if (model->cp.a2a) {
+        cp_a2a_forward(&model->cp, x->atty, x->att, x->qkvh, x->qkv, B, T, a->Ca, a->NHl);
+    } else {
+        cp_ring_forward(&model->cp, x->atty, x->att, x->qkv, B, T, a->Ca, a->NHl);
+    }
+}
+
 // this chunk's layers: a->encoded (B,T,C) -> stage_output. Megatron's split: qkv and fc are
 // column-parallel (f before them), attproj and fcproj row-parallel (g after them, then the
 // bias); attention runs on this rank's heads.
 void layers_forward(GPT2* model, Activations* a, int B, int T) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, BT = B * T, K = model->K;
-    size_t BTCs = (size_t)BT / a->seq_split * C;
+    int C = c->channels, BT = B * T / a->cp_split, K = model->K;
+    size_t BTCs = (size_t)B * T / a->seq_split * C;
     for (int l = model->first_layer; l < model->last_layer; l++) {
         int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->has_head ? z->lay.num_units - 1 : -1;
         int moe = model->E > 0;
@@ -1499,11 +2322,11 @@ void layers_forward(GPT2* model, Activations* a, int B, int T) {
         LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
         ln_forward_f(model, a, x.ln1, x.ln1_mean, x.ln1_rstd, x.residual, w.ln1w, w.ln1b, B, T);
         matmul_forward(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, a->C3, CANON_R);
-        attention_forward(x.atty, x.att, x.qkv, B, T, a->Ca, a->NHl);
+        attention_forward_cp(model, a, &x, B, T);
         matmul_forward(a->proj, x.atty, w.attprojw, NULL, BT, a->Ca, C, CANON_R / K);
         residual_forward(x.residual2, x.residual, proj_g_bias(model, a, w.attprojb, B, T), BTCs);
         ln_forward_f(model, a, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2w, w.ln2b, B, T);
-        if (moe) {   // complete on every tp rank: with SP this rank keeps its positions
+        if (moe) {   // complete on every tp rank: with SP this rank keeps its positions (no CP)
             moe_forward(model, a, l, &w, x.ln2, a->proj, next, B, T);
             if (a->seq_split > 1) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, T, C); }
             residual_forward(x.residual3, x.residual2, a->seq_split > 1 ? a->proj_s : a->proj, BTCs);
@@ -1521,11 +2344,12 @@ void layers_forward(GPT2* model, Activations* a, int B, int T) {
 // (the chunk with the head) stage_output -> probs (B,T,Vl) of this rank's vocabulary rows, and per-position
 // losses (B,T) when the pass has targets. The LM head is column-parallel over the vocabulary;
 // the cross-entropy's three reductions are finished over the tp group. With `training`, the
-// units the backward starts with (wte, the final layernorm) stay held for it.
+// units the backward starts with (wte, the final layernorm) stay held for it. With CP the
+// losses of every position are all-gathered (the loss is summed over whole sequences).
 void head_forward(GPT2* model, Activations* a, int B, int T, int training) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, V = c->vocab_size, BT = B * T, K = model->K;
+    int C = c->channels, V = c->vocab_size, BT = B * T / a->cp_split, K = model->K;
     int LNF = z->lay.num_units - 1;
     const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
     ln_forward_f(model, a, a->lnf, a->lnf_mean, a->lnf_rstd, stage_output(a, c, B, T), lnf, lnf + C, B, T);
@@ -1539,12 +2363,110 @@ void head_forward(GPT2* model, Activations* a, int B, int T, int training) {
     // all-reduce (tp group): Z (each rank's chunks of the vocabulary sum, finished by the R1
     // tree) and the target logit (held by one rank, -0.0f elsewhere)
     if (K > 1) { comm_all_reduce_sum(model->tp, a->ce + BT, 2 * (size_t)BT, COMM_KIND_TP); }
-    crossentropy_normalize(a->probs, a->losses, zs, target_logits, maxes, a->targets, BT, V, model->v0, model->Vl);
+    float* losses = a->cp_split > 1 ? a->ce + 3 * BT : a->losses;
+    crossentropy_normalize(a->probs, losses, zs, target_logits, maxes, a->targets, BT, V, model->v0, model->Vl);
+    // all-gather (cp group): every position's loss, in sequence order
+    if (a->cp_split > 1 && a->targets) { cp_gather_sequences(&model->cp, losses, a->losses, B, T, 1); }
     if (!training) {
         zero_params_release(z, ZERO_WTE);
         zero_params_release(z, LNF);
     }
 }
+
+// ---- generation with a KV cache ----------------------------------------------------------
+// The sampler lays one sequence out over T positions (T: the sampler's length, the same for a
+// whole generation) exactly as a forward pass over (1, T) does, and computes one new position
+// t at a time: row t of every tensor, attention's row t against the keys and values of rows
+// 0..t that the earlier steps left in qkv (the cache). Every reduction over positions is laid
+// out by T (R2Z chunks of T), so row t equals row t of the full forward over T, bit for bit,
+// whatever the rows after t hold (test_gpt2 checks). Passes of the sampler are never split
+// over ranks along T (no SP, no CP); tensor parallelism's f and g act on the one row.
+
+// (the chunk with the embeddings) encoded row t = wte[token] + wpe[t]
+void embed_decode(GPT2* model, Activations* a, int token, int t, int T) {
+    (void)T;
+    const GPT2Config* c = &model->config;
+    Zero* z = model->zero;
+    int C = c->channels;
+    float* row = a->encoded + (size_t)t * C;
+    model->mem->from_host(a->inputs + t, &token, sizeof(int));
+    const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
+    encoder_lookup(row, a->inputs + t, wte, model->v0, model->Vl, 1, C);
+    zero_params_release(z, ZERO_WTE);
+    // all-reduce (tp group): the vocab-parallel lookup's row, from the rank holding it
+    if (model->K > 1) { comm_all_reduce_sum(model->tp, row, (size_t)C, COMM_KIND_TP); }
+    const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
+    encoder_add_positions(row, wpe + (size_t)t * C, 1, 1, C);
+    zero_params_release(z, ZERO_WPE);
+}
+
+// A row-parallel layer's partial output row a->proj (C) summed over the tp group (g), then its
+// bias; out row += it (the residual).
+static void proj_g_bias_row(GPT2* model, Activations* a, const float* bias, float* out, const float* residual) {
+    int C = model->config.channels;
+    tp_g_forward(model->tp, a->proj, (size_t)C);
+    bias_forward(a->proj, bias, 1, C);
+    residual_forward(out, residual, a->proj, (size_t)C);
+}
+
+// this chunk's layers on row t: encoded row t -> stage_output row t
+void layers_decode(GPT2* model, Activations* a, int t, int T) {
+    const GPT2Config* c = &model->config;
+    Zero* z = model->zero;
+    int C = c->channels, K = model->K;
+    size_t r = (size_t)t;
+    for (int l = model->first_layer; l < model->last_layer; l++) {
+        int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->has_head ? z->lay.num_units - 1 : -1;
+        int moe = model->E > 0;
+        LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), moe ? zero_expert_unit(z, l) : next));
+        LayerActs x = layer_acts(a, c, l - model->first_layer, 1, T);
+        layernorm_forward(x.ln1 + r * C, x.ln1_mean + r, x.ln1_rstd + r, x.residual + r * C, w.ln1w, w.ln1b, 1, C);
+        tp_f_forward(model->tp, x.ln1 + r * C, (size_t)C);
+        matmul_forward(x.qkv + r * a->C3, x.ln1 + r * C, w.qkvw, w.qkvb, 1, C, a->C3, CANON_R);
+        attention_forward_row(x.atty, x.att, x.qkv, t, T, a->Ca, a->NHl);
+        matmul_forward(a->proj, x.atty + r * a->Ca, w.attprojw, NULL, 1, a->Ca, C, CANON_R / K);
+        proj_g_bias_row(model, a, w.attprojb, x.residual2 + r * C, x.residual + r * C);
+        layernorm_forward(x.ln2 + r * C, x.ln2_mean + r, x.ln2_rstd + r, x.residual2 + r * C, w.ln2w, w.ln2b, 1, C);
+        tp_f_forward(model->tp, x.ln2 + r * C, (size_t)C);
+        if (moe) {   // the row's experts (a pass of one position), complete on every tp rank
+            moe_forward(model, a, l, &w, x.ln2 + r * C, a->proj, next, 1, 1);
+            residual_forward(x.residual3 + r * C, x.residual2 + r * C, a->proj, (size_t)C);
+            zero_params_release(z, ZERO_LAYER(l));
+            continue;
+        }
+        matmul_forward(x.fch + r * a->C4, x.ln2 + r * C, w.fcw, w.fcb, 1, C, a->C4, CANON_R);
+        gelu_forward(x.fch_gelu + r * a->C4, x.fch + r * a->C4, (size_t)a->C4);
+        matmul_forward(a->proj, x.fch_gelu + r * a->C4, w.fcprojw, NULL, 1, a->C4, C, CANON_R / K);
+        proj_g_bias_row(model, a, w.fcprojb, x.residual3 + r * C, x.residual2 + r * C);
+        zero_params_release(z, ZERO_LAYER(l));
+    }
+}
+
+// (the chunk with the head) stage_output row t -> probs row t (this rank's vocabulary rows)
+void head_decode(GPT2* model, Activations* a, int t, int T) {
+    const GPT2Config* c = &model->config;
+    Zero* z = model->zero;
+    int C = c->channels, V = c->vocab_size, K = model->K;
+    size_t r = (size_t)t;
+    int LNF = z->lay.num_units - 1;
+    const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
+    layernorm_forward(a->lnf + r * C, a->lnf_mean + r, a->lnf_rstd + r, stage_output(a, c, 1, T) + r * C, lnf, lnf + C,
+                      1, C);
+    tp_f_forward(model->tp, a->lnf + r * C, (size_t)C);
+    zero_params_release(z, LNF);
+    const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
+    float* logits = a->probs + r * model->Vl;
+    matmul_forward(logits, a->lnf + r * C, wte, NULL, 1, C, model->Vl, CANON_R);
+    zero_params_release(z, ZERO_WTE);
+    float *maxes = a->ce, *zs = a->ce + 1, *target_logit = a->ce + 2;   // one row's
+    crossentropy_max(maxes, logits, 1, V, model->v0, model->Vl);
+    // all-reduce MAX, then sum (tp group): as head_forward, for the one row
+    if (K > 1) { comm_all_reduce_max(model->tp, maxes, 1, COMM_KIND_TP); }
+    crossentropy_exps(zs, target_logit, logits, maxes, NULL, 1, V, model->v0, model->Vl, CANON_R / K);
+    if (K > 1) { comm_all_reduce_sum(model->tp, zs, 2, COMM_KIND_TP); }
+    crossentropy_normalize(logits, NULL, zs, target_logit, maxes, NULL, 1, V, model->v0, model->Vl);
+}
+
 
 // Backward of a layernorm that feeds a column-parallel layer, in two halves. Input half: the
 // gradient of its full output dln (B,T,C) as this rank computed it (its slice of the layer's
@@ -1555,51 +2477,73 @@ void head_forward(GPT2* model, Activations* a, int B, int T, int training) {
 static void ln_backward_f_input(GPT2* model, ActivationGrads* g, float* dres, float* dln, float* dln_sum,
                                 const float* inp, const float* weight, const float* mean, const float* rstd,
                                 int B, int T, int complete) {
-    int C = model->config.channels;
-    if (g->seq_split > 1) {
-        int K = model->K;
+    int C = model->config.channels, Tl = T / g->cp_split;
+    if (g->seq_split > g->cp_split) {
         if (complete) {
-            tp_sp_take_slice(model->tp, dln, dln_sum, B, T, C);
+            tp_sp_take_slice(model->tp, dln, dln_sum, B, Tl, C);
         } else {
-            tp_sp_reduce_scatter(model->tp, dln, dln_sum, B, T, C, model->sp_scratch);
+            tp_sp_reduce_scatter(model->tp, dln, dln_sum, B, Tl, C, model->sp_scratch);
         }
-        layernorm_backward(dres, NULL, NULL, dln_sum, inp, weight, mean, rstd, B, T / K, C, CANON_R / K, NULL);
+        layernorm_backward(dres, NULL, NULL, dln_sum, inp, weight, mean, rstd, B, T / g->seq_split, C,
+                           CANON_R / g->seq_split, NULL);
     } else {
-        if (!complete) { tp_f_backward(model->tp, dln, (size_t)B * T * C); }
-        layernorm_backward(dres, NULL, NULL, dln, inp, weight, mean, rstd, B, T, C, CANON_R, NULL);
+        if (!complete) { tp_f_backward(model->tp, dln, (size_t)B * Tl * C); }
+        layernorm_backward(dres, NULL, NULL, dln, inp, weight, mean, rstd, B, Tl, C, CANON_R / g->cp_split, NULL);
     }
 }
 
-// Weight half: its weight and bias gradients from dln_sum. With SP those are sums over
-// positions held by K ranks: each rank's per-sequence subtrees (over its chunks of T) are
-// all-reduced (tp group, the R1 tree) and the R1 tree over sequences finishes them.
-static void ln_backward_f_weight(GPT2* model, ActivationGrads* g, float* dweight, float* dbias,
+// Weight half: its weight and bias gradients from dln_sum. With SP or CP those are sums over
+// positions held by several ranks: each rank's per-sequence subtrees (over its chunks of T),
+// with SP all-reduced over the tp group (the R1 tree), then either finished by the R1 tree
+// over sequences or, with CP, put at dweight + b*seq_stride, dbias + b*seq_stride for the
+// caller to finish over the cp group (the outer level of the positions' ranks).
+static void ln_backward_f_weight(GPT2* model, ActivationGrads* g, float* dweight, float* dbias, long seq_stride,
                                  const float* dln_sum, const float* inp, const float* mean, const float* rstd,
                                  int B, int T) {
     int C = model->config.channels;
-    if (g->seq_split > 1) {
-        int K = model->K;
-        layernorm_backward(NULL, NULL, NULL, dln_sum, inp, NULL, mean, rstd, B, T / K, C, CANON_R / K, g->ln_partials);
-        // all-reduce (tp group): every rank's per-sequence subtrees of the two sums
-        comm_all_reduce_sum(model->tp, g->ln_partials, 2 * (size_t)B * C, COMM_KIND_TP);
+    if (g->seq_split == 1) {
+        layernorm_backward(NULL, dweight, dbias, dln_sum, inp, NULL, mean, rstd, B, T, C, CANON_R, NULL);
+        return;
+    }
+    layernorm_backward(NULL, NULL, NULL, dln_sum, inp, NULL, mean, rstd, B, T / g->seq_split, C,
+                       CANON_R / g->seq_split, g->ln_partials);
+    // all-reduce (tp group): every rank's per-sequence subtrees of the two sums
+    if (g->seq_split > g->cp_split) { comm_all_reduce_sum(model->tp, g->ln_partials, 2 * (size_t)B * C, COMM_KIND_TP); }
+    if (g->cp_split > 1) {
+        for (int b = 0; b < B; b++) {
+            model->mem->copy(dweight + b * seq_stride, g->ln_partials + (size_t)b * C, sizeof(float) * C);
+            model->mem->copy(dbias + b * seq_stride, g->ln_partials + (size_t)(B + b) * C, sizeof(float) * C);
+        }
+    } else {
         sequence_tree(dweight, g->ln_partials, B, C);
         sequence_tree(dbias, g->ln_partials + (size_t)B * C, B, C);
-    } else {
-        layernorm_backward(NULL, dweight, dbias, dln_sum, inp, NULL, mean, rstd, B, T, C, CANON_R, NULL);
     }
 }
 
-// The gradient of a row-parallel layer's output, full (B,T,C), from d(residual), into dst
-// (Megatron's g backward: the identity, or with SP an all-gather along T). A copy, because the
-// backward goes on to change d(residual) before the weight half reads it.
+// The weight and bias gradients of a matmul (dout (B,Tl,OC), inp (B,Tl,K)) over this rank's
+// positions; with CP (N > 1) as per-sequence subtrees at dweight + b*seq_stride, dbias +
+// b*seq_stride, for the caller to finish over the group.
+static void matmul_weight_backward_cp(int N, float* dweight, float* dbias, long seq_stride, const float* dout,
+                                      const float* inp, int B, int Tl, int K, int OC) {
+    if (N == 1) {
+        matmul_backward(NULL, dweight, dbias, dout, inp, NULL, B, Tl, K, OC, 1, CANON_R);
+        return;
+    }
+    matmul_backward_seqs(dweight, dbias, seq_stride, dout, inp, B, Tl, K, OC, CANON_R / N);
+}
+
+// The gradient of a row-parallel layer's output, full (B,T,C) (with CP this rank's slice), from
+// d(residual), into dst (Megatron's g backward: the identity, or with SP an all-gather along
+// T). A copy, because the backward goes on to change d(residual) before the weight half reads it.
 static void dres_g_backward(GPT2* model, ActivationGrads* g, float* dst, int B, int T) {
-    size_t BTC = (size_t)B * T * model->config.channels;
-    if (g->seq_split == 1) {
+    int Tl = T / g->cp_split;
+    size_t BTC = (size_t)B * Tl * model->config.channels;
+    if (g->seq_split == g->cp_split) {
         tp_g_backward(model->tp, g->dresidual, BTC);
         model->mem->copy(dst, g->dresidual, BTC * sizeof(float));
         return;
     }
-    tp_sp_all_gather(model->tp, g->dresidual, dst, B, T, model->config.channels, model->sp_scratch);
+    tp_sp_all_gather(model->tp, g->dresidual, dst, B, Tl, model->config.channels, model->sp_scratch);
 }
 
 // (the chunk with the head) backward of the head. Input half: g->dresidual = d(loss)/d(stage_output), and
@@ -1609,29 +2553,34 @@ static void dres_g_backward(GPT2* model, ActivationGrads* g, float* dst, int B, 
 void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, float dloss, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, V = c->vocab_size, BT = B * T, sp = g->seq_split > 1;
+    int C = c->channels, V = c->vocab_size, N = a->cp_split, Tl = T / N, BT = B * Tl, sp = g->seq_split > N;
     int LNF = z->lay.num_units - 1;
     float* dlnf = a->split ? a->dlnf : g->dln1;
     if (part & BACKWARD_INPUT) {
         const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
         crossentropy_backward(a->probs, a->targets, dloss, BT, V, model->v0, model->Vl);
         float* dlnf_part = sp ? g->dbtc : dlnf;   // this rank's vocabulary rows' share
-        matmul_backward(dlnf_part, NULL, NULL, a->probs, NULL, wte, B, T, C, model->Vl, 1, CANON_R / model->K);
+        matmul_backward(dlnf_part, NULL, NULL, a->probs, NULL, wte, B, Tl, C, model->Vl, 1, CANON_R / model->K);
         zero_params_release(z, ZERO_WTE);
         int next = model->last_layer > model->first_layer ? ZERO_LAYER(model->last_layer - 1) : -1;
         const float* lnf = zero_params_acquire(z, LNF, next);
-        model->mem->fill(g->dresidual, 0.0f, (size_t)BT / g->seq_split * C);
+        model->mem->fill(g->dresidual, 0.0f, (size_t)B * T / g->seq_split * C);
         ln_backward_f_input(model, g, g->dresidual, dlnf_part, dlnf, stage_output(a, c, B, T), lnf, a->lnf_mean,
                             a->lnf_rstd, B, T, 0);
         zero_params_release(z, LNF);
     }
     if (part & BACKWARD_WEIGHT) {
         float* dwte_lm = zero_grad_unit(z, ZERO_WTE);    // the LM-head half of wte's gradient
-        matmul_backward(NULL, dwte_lm, NULL, a->probs, a->lnf, NULL, B, T, C, model->Vl, 1, CANON_R / model->K);
+        size_t nwte = (size_t)model->Vl * C;
+        matmul_weight_backward_cp(N, N > 1 ? model->seq_grads : dwte_lm, NULL, (long)nwte, a->probs, a->lnf, B, Tl, C,
+                                  model->Vl);
+        if (N > 1) { cp_finish_sequences(&model->cp, dwte_lm, model->seq_grads, B, nwte); }
         zero_grad_unit_done(z, ZERO_WTE);
         float* dlnfw = zero_grad_unit(z, LNF);
-        ln_backward_f_weight(model, g, dlnfw, dlnfw + C, dlnf, stage_output(a, c, B, T), a->lnf_mean, a->lnf_rstd,
+        float* dl = N > 1 ? model->seq_grads : dlnfw;   // [weight | bias], per sequence with CP
+        ln_backward_f_weight(model, g, dl, dl + C, 2L * C, dlnf, stage_output(a, c, B, T), a->lnf_mean, a->lnf_rstd,
                              B, T);
+        if (N > 1) { cp_finish_sequences(&model->cp, dlnfw, model->seq_grads, B, 2 * (size_t)C); }
         zero_grad_unit_done(z, LNF);
     }
 }
@@ -1705,10 +2654,12 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
 // (layer_out_grads). Weight half: from those, each layer's weight gradients, handed to zero.h
 // when complete, so that their reduction overlaps the backward of the layers below. Run whole,
 // each weight gradient is computed right after the gradient it reads (while it is in cache).
+// With CP the weight half computes each sequence's subtree of the layer's gradient in
+// model->seq_grads and the cp group finishes it (cp_finish_sequences) before zero.h gets it.
 void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, BT = B * T, K = model->K, sp = g->seq_split > 1;
+    int C = c->channels, N = a->cp_split, Tl = T / N, BT = B * Tl, K = model->K, sp = g->seq_split > N;
     int in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT, moe = model->E > 0;
     if (moe && part != BACKWARD_BOTH) { fatal("internal: a mixture-of-experts layer runs whole backwards only"); }
     for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
@@ -1718,8 +2669,13 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         LayerTensors w, dw;   // the parameters (input half), where their gradients go (weight half)
         memset(&w, 0, sizeof(w));
         memset(&dw, 0, sizeof(dw));
+        float* grad = NULL;
+        long us = (long)z->lay.size[ZERO_LAYER(l)];   // with CP: sequence b's subtrees at seq_grads + b * us
         if (in) { w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), moe ? zero_expert_unit(z, l) : next)); }
-        if (wt) { dw = layer_unit(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l))); }
+        if (wt) {
+            grad = zero_grad_unit(z, ZERO_LAYER(l));
+            dw = layer_unit(z, ZERO_LAYER(l), N > 1 ? model->seq_grads : grad);
+        }
         float* dln2_part = sp ? g->dbtc : d.dln2;   // this rank's share, before the tp sum
         float* dln1_part = sp ? g->dbtc : d.dln1;
         if (moe) {   // residual3 = residual2 + moe(ln2(residual2)); its dln2 is complete on every rank
@@ -1730,34 +2686,41 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         } else {     // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
             if (wt && a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4); }
             if (in) { dres_g_backward(model, g, d.dfcproj, B, T); }
-            if (wt) { matmul_backward(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, a->C4, C, 1, CANON_R); }
+            if (wt) { matmul_weight_backward_cp(N, dw.fcprojw, dw.fcprojb, us, d.dfcproj, x.fch_gelu, B, Tl, a->C4, C); }
             if (in) {
-                matmul_backward(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, a->C4, C, 1, CANON_R);
+                matmul_backward(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, Tl, a->C4, C, 1, CANON_R);
                 gelu_backward(d.dfch, x.fch, d.dfch, (size_t)BT * a->C4);
             }
-            if (wt) { matmul_backward(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, a->C4, 1, CANON_R / K); }
+            if (wt) { matmul_weight_backward_cp(N, dw.fcw, dw.fcb, us, d.dfch, x.ln2, B, Tl, C, a->C4); }
             if (in) {
-                matmul_backward(dln2_part, NULL, NULL, d.dfch, NULL, w.fcw, B, T, C, a->C4, 1, CANON_R / K);
+                matmul_backward(dln2_part, NULL, NULL, d.dfch, NULL, w.fcw, B, Tl, C, a->C4, 1, CANON_R / K);
                 ln_backward_f_input(model, g, g->dresidual, dln2_part, d.dln2, x.residual2, w.ln2w, x.ln2_mean,
                                     x.ln2_rstd, B, T, 0);
             }
         }
-        if (wt) { ln_backward_f_weight(model, g, dw.ln2w, dw.ln2b, d.dln2, x.residual2, x.ln2_mean, x.ln2_rstd, B, T); }
+        if (wt) { ln_backward_f_weight(model, g, dw.ln2w, dw.ln2b, us, d.dln2, x.residual2, x.ln2_mean, x.ln2_rstd, B, T); }
         // attention: residual2 = residual + attproj(attention(qkv(ln1(residual))))
         if (in) { dres_g_backward(model, g, d.dattproj, B, T); }
-        if (wt) { matmul_backward(NULL, dw.attprojw, dw.attprojb, d.dattproj, x.atty, NULL, B, T, a->Ca, C, 1, CANON_R); }
+        if (wt) { matmul_weight_backward_cp(N, dw.attprojw, dw.attprojb, us, d.dattproj, x.atty, B, Tl, a->Ca, C); }
         if (in) {
-            matmul_backward(g->datty, NULL, NULL, d.dattproj, NULL, w.attprojw, B, T, a->Ca, C, 1, CANON_R);
-            attention_backward(d.dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
+            matmul_backward(g->datty, NULL, NULL, d.dattproj, NULL, w.attprojw, B, Tl, a->Ca, C, 1, CANON_R);
+            if (N == 1) {
+                attention_backward(d.dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
+            } else if (model->cp.a2a) {
+                cp_a2a_backward(&model->cp, d.dqkv, g->datty, x.qkvh, x.att, B, T, a->Ca, a->NHl);
+            } else {
+                cp_ring_backward(&model->cp, d.dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
+            }
         }
-        if (wt) { matmul_backward(NULL, dw.qkvw, dw.qkvb, d.dqkv, x.ln1, NULL, B, T, C, a->C3, 3, CANON_R / K); }
+        if (wt) { matmul_weight_backward_cp(N, dw.qkvw, dw.qkvb, us, d.dqkv, x.ln1, B, Tl, C, a->C3); }
         if (in) {
-            matmul_backward(dln1_part, NULL, NULL, d.dqkv, NULL, w.qkvw, B, T, C, a->C3, 3, CANON_R / K);
+            matmul_backward(dln1_part, NULL, NULL, d.dqkv, NULL, w.qkvw, B, Tl, C, a->C3, 3, CANON_R / K);
             ln_backward_f_input(model, g, g->dresidual, dln1_part, d.dln1, x.residual, w.ln1w, x.ln1_mean,
                                 x.ln1_rstd, B, T, 0);
         }
         if (wt) {
-            ln_backward_f_weight(model, g, dw.ln1w, dw.ln1b, d.dln1, x.residual, x.ln1_mean, x.ln1_rstd, B, T);
+            ln_backward_f_weight(model, g, dw.ln1w, dw.ln1b, us, d.dln1, x.residual, x.ln1_mean, x.ln1_rstd, B, T);
+            if (N > 1) { cp_finish_sequences(&model->cp, grad, model->seq_grads, B, (size_t)us); }
             zero_grad_unit_done(z, ZERO_LAYER(l));
         }
         if (in) { zero_params_release(z, ZERO_LAYER(l)); }
@@ -1766,7 +2729,9 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
 
 // (the chunk with the embeddings) the embeddings' gradients from g->dresidual = d(loss)/d(encoded): the lookup
 // half of wte's gradient (unit E; this rank's vocabulary rows) and wpe's. Both sum over all
-// positions: with SP the gradient is all-gathered along T first (the input half, which keeps it).
+// positions: with SP the gradient is all-gathered along T first (the input half, which keeps
+// it), with CP then along the sequence (cp group, the weight half), and every rank runs the
+// one-rank embedding backward on whole sequences.
 void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
@@ -1774,10 +2739,19 @@ void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int 
     float* dencoded = a->split ? a->dencoded : g->dfcproj;
     if (part & BACKWARD_INPUT) { dres_g_backward(model, g, dencoded, B, T); }
     if (part & BACKWARD_WEIGHT) {
+        const float* dwhole = dencoded;
+        if (a->cp_split > 1) {
+            cp_gather_sequences(&model->cp, dencoded, g->dwhole, B, T, c->channels);
+            dwhole = g->dwhole;
+        }
         float* dwte_lookup = zero_grad_unit(z, E);
         float* dwpe = zero_grad_unit(z, ZERO_WPE);
-        encoder_backward(dwte_lookup, dwpe, dencoded, a->inputs, B, T, c->channels, model->v0, model->Vl,
+        encoder_backward(dwte_lookup, dwpe, dwhole, a->inputs_full, B, T, c->channels, model->v0, model->Vl,
                          c->max_seq_len);
+        if (a->cp_split > 1) {   // every rank of the group computed them whole: hand ZeRO its part
+            cp_keep_part(&model->cp, dwte_lookup, z->lay.size[E]);
+            cp_keep_part(&model->cp, dwpe, z->lay.size[ZERO_WPE]);
+        }
         zero_grad_unit_done(z, ZERO_WPE);
         zero_grad_unit_done(z, E);
     }
@@ -1811,14 +2785,21 @@ void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
 
 // The model of a model chunk (`place`: its layers, whether it has the embeddings and the
 // head) on the parameters zero.h holds, its tensor-parallel slices over tp (tensor_parallel.h);
-// sp: sequence parallelism for passes over up to (B, T) positions (T a multiple of K).
+// for passes over up to (B, T) positions: sp, sequence parallelism (2K | T); cp, the
+// context-parallel group (context_parallel.h; of one rank: none) and its attention (cp_a2a:
+// all-to-all, else the ring).
 void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Zero* zero,
-               CommGroup* tp, int sp, int B, int T) {
+               CommGroup* tp, CommGroup* cp, int cp_a2a, int sp, int B, int T) {
     memset(model, 0, sizeof(*model));
     model->config = *config;
     const char* problem = tp_problem(config, tp->size);
     if (problem) { fatal("--tp %d: %s (model: NH=%d, Vp=%d)", tp->size, problem, config->num_heads, config->padded_vocab_size); }
+    char why[256];
+    problem = cp_problem(cp->size, cp_a2a, T, config->num_heads / tp->size, sp ? tp->size : 1, why, sizeof(why));
+    if (problem) { fatal("--cp %d: %s", cp->size, problem); }
     model->tp = tp;
+    model->sp = sp;
+    model->N = cp->size;
     model->K = tp->size;
     model->Vl = config->padded_vocab_size / tp->size;
     model->v0 = tp->rank * model->Vl;
@@ -1830,6 +2811,16 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
     model->mem = zero->mem;
     model->sp_scratch = sp ? mem_floats(model->mem, (size_t)B * T * config->channels, "sequence parallelism") : NULL;
     model->probs_all = place->has_head ? mem_floats(model->mem, config->padded_vocab_size, "probabilities") : NULL;
+    // context parallelism: each sequence's subtree of a unit's gradient (the largest unit
+    // this rank computes), and the group's finishing of it (context_parallel.h)
+    size_t unit = 0;
+    for (int u = 0; u < zero->lay.num_units; u++) {
+        if (zero->lay.grads_here[u] && zero->lay.size[u] > unit) { unit = zero->lay.size[u]; }
+    }
+    int N = model->N;
+    size_t finish = ((size_t)N * B + B) * ((unit + N - 1) / N);
+    cp_init(&model->cp, cp, cp_a2a, model->mem, B, T, config->channels / tp->size, config->num_heads / tp->size, finish);
+    model->seq_grads = N > 1 ? mem_floats(model->mem, (size_t)B * unit, "context-parallel gradients") : NULL;
     if (config->num_experts > 0) {   // the expert-parallel group and the experts' layout are zero.h's
         model->E = config->num_experts;
         model->k = config->top_k;
@@ -1847,8 +2838,10 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
 }
 
 void gpt2_free(GPT2* model) {
-    void* all[] = {model->sp_scratch, model->probs_all, model->xsend, model->xrecv, model->yout, model->hgelu, model->psum};
+    void* all[] = {model->sp_scratch, model->probs_all, model->xsend, model->xrecv, model->yout, model->hgelu, model->psum,
+                   model->seq_grads};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
+    cp_free(&model->cp);
     free(model->psum_host);
     free(model->counters.tokens);
 }
@@ -1856,15 +2849,15 @@ void gpt2_free(GPT2* model) {
 // --- the model as the engine drives it (engine.h ModelOps) --------------------------------
 
 static void* model_create(const GPT2Config* config, const ChunkPlace* place, Zero* zero, CommGroup* tp,
-                          int sp, int B, int T) {
+                          CommGroup* cp, int cp_a2a, int sp, int B, int T) {
     GPT2* model = (GPT2*)malloc_or_die(sizeof(GPT2), "model");
-    gpt2_init(model, config, place, zero, tp, sp, B, T);
+    gpt2_init(model, config, place, zero, tp, cp, cp_a2a, sp, B, T);
     return model;
 }
 static void model_destroy(void* m) { gpt2_free((GPT2*)m); free(m); }
-static void* model_acts_create(void* m, int B, int T, int recompute, int sp, int split, size_t* bytes) {
+static void* model_acts_create(void* m, int B, int T, int recompute, int seq, int split, size_t* bytes) {
     Activations* a = (Activations*)malloc_or_die(sizeof(Activations), "activations");
-    activations_alloc(a, (GPT2*)m, B, T, recompute, sp, split);
+    activations_alloc(a, (GPT2*)m, B, T, recompute, seq, split);
     *bytes = a->bytes;
     return a;
 }
@@ -1885,9 +2878,9 @@ static float model_loss_sum(void* m, void* a, int B, int T) { (void)m; return po
 static void model_probs_at(void* m, void* a, int position, float* host_probs) {
     probs_at((GPT2*)m, (Activations*)a, position, host_probs);
 }
-static void* model_grads_create(void* m, int B, int T, int sp, size_t* bytes) {
+static void* model_grads_create(void* m, int B, int T, int seq, size_t* bytes) {
     ActivationGrads* g = (ActivationGrads*)malloc_or_die(sizeof(ActivationGrads), "activation gradients");
-    activation_grads_alloc(g, (GPT2*)m, B, T, sp);
+    activation_grads_alloc(g, (GPT2*)m, B, T, seq);
     *bytes = g->bytes;
     return g;
 }
@@ -1902,6 +2895,11 @@ static void model_layers_backward(void* m, void* a, void* g, int B, int T, int p
 static void model_embed_backward(void* m, void* a, void* g, int B, int T, int part) {
     embed_backward((GPT2*)m, (Activations*)a, (ActivationGrads*)g, B, T, part);
 }
+static void model_embed_decode(void* m, void* a, int token, int t, int T) {
+    embed_decode((GPT2*)m, (Activations*)a, token, t, T);
+}
+static void model_layers_decode(void* m, void* a, int t, int T) { layers_decode((GPT2*)m, (Activations*)a, t, T); }
+static void model_head_decode(void* m, void* a, int t, int T) { head_decode((GPT2*)m, (Activations*)a, t, T); }
 static void model_moe_aux(void* m, void* a, float* host_aux) {
     const Activations* acts = (const Activations*)a;
     for (int l = 0; l < acts->layers; l++) { host_aux[l] = acts->moe ? acts->moe[l].aux : 0.0f; }
@@ -1913,7 +2911,7 @@ static const ModelOps gpt2_model_ops = {
     model_stage_input, model_stage_output, model_embed_forward, model_layers_forward,
     model_head_forward, model_loss_sum, model_probs_at, model_grads_create, model_grads_destroy,
     model_grad_residual, model_head_backward, model_layers_backward, model_embed_backward,
-    model_moe_aux, model_moe_counters
+    model_moe_aux, model_moe_counters, model_embed_decode, model_layers_decode, model_head_decode
 };
 
 // ==========================================================================================

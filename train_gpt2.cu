@@ -146,9 +146,9 @@ int main(int argc, char** argv) {
         fatal("-e: fast mode has no mixture-of-experts model yet (E=%d); run it with --deterministic 1",
               t.config.num_experts);
     }
-    if (!det && (t.args.tp > 1 || t.args.pp > 1 || t.args.sp)) {
-        fatal("--tp/--pp/--sp: fast mode runs data parallelism and ZeRO on one pipeline stage; tensor, sequence "
-              "and pipeline parallelism run with --deterministic 1");
+    if (!det && (t.args.tp > 1 || t.args.pp > 1 || t.args.sp || t.args.cp > 1)) {
+        fatal("--tp/--pp/--sp/--cp: fast mode runs data parallelism and ZeRO on one pipeline stage; tensor, sequence, "
+              "context and pipeline parallelism run with --deterministic 1");
     }
     if (!det && strcmp(t.args.pp_schedule, "1f1b") != 0 && strcmp(t.args.pp_schedule, "gpipe") != 0) {
         fatal("--schedule %s: fast mode runs one pipeline stage with whole backwards; the other schedules run "

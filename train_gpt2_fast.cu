@@ -111,7 +111,8 @@ static float* act_f(FastModel* m, size_t n, size_t* bytes) {
 
 // ---- ModelOps ----------------------------------------------------------------------------
 
-static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zero, CommGroup* tp, int sp, int B, int T) {
+static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zero, CommGroup* tp, CommGroup* cp,
+                         int cp_a2a, int sp, int B, int T) {
     if (tp->size != 1 || sp || !place->has_embedding || !place->has_head) {
         fatal("internal: fast mode runs one pipeline stage without tensor parallelism");
     }
@@ -402,7 +403,9 @@ static const ModelOps fast_model_ops = {
     fast_create, fast_destroy, fast_acts_create, fast_acts_destroy, fast_set_tokens, fast_stage_input,
     fast_stage_output, fast_embed_forward, fast_layers_forward, fast_head_forward, fast_loss_sum, fast_probs_at,
     fast_grads_create, fast_grads_destroy, fast_grad_residual, fast_head_backward, fast_layers_backward,
-    fast_embed_backward, NULL, NULL   // no mixture of experts (train_gpt2.cu refuses one)
+    fast_embed_backward,
+    NULL, NULL,         // no mixture of experts (train_gpt2.cu refuses one)
+    NULL, NULL, NULL    // no KV cache: the sampler runs a full forward per token
 };
 
 const ModelOps* gpt2_fast_model_ops(void) { return &fast_model_ops; }

@@ -55,6 +55,8 @@ typedef struct {
     int tp, pp, sp;               // tensor / pipeline / sequence parallelism
     int ep;                       // expert parallelism (a mixture-of-experts model)
     float aux_loss;               // alpha of the experts' load-balancing loss
+    int cp;                       // context parallelism (context_parallel.h)
+    const char* cp_mode;          // ... ring | a2a
     const char* pp_schedule;
     int vpp;                      // model chunks per pipeline rank; 0 = the schedule's own
     int deterministic;            // CUDA build: bit-exact mode
@@ -137,6 +139,8 @@ static const ArgSpec arg_specs[] = {
     {"--aux-loss", ARG_FLOAT, ARG_FIELD(aux_loss), 0, 100, 0, "alpha of the experts' load-balancing loss (Switch Transformer), added to each microbatch's loss"},
     ARG_STRING("--schedule", pp_schedule, "pipeline schedule: 1f1b | gpipe | interleaved (Megatron's, --vpp chunks per rank) | zb1 (zero bubble ZB-H1) | zbv (zero bubble, V-shaped, 2 chunks per rank)"),
     {"--vpp", ARG_INT, ARG_FIELD(vpp), 0, 64, 0, "model chunks (virtual pipeline stages) per pipeline rank: interleaved >= 2, zbv 2, others 1; 0 = the schedule's (interleaved 2)"},
+    {"--cp", ARG_INT, ARG_FIELD(cp), 1, 8, 0, "context-parallel degree: 1, 2, 4 or 8 ranks split each sequence (zig-zag, 2*cp | T)"},
+    ARG_STRING("--cp-mode", cp_mode, "context parallelism's attention: ring (K/V blocks around the group) | a2a (Ulysses: all-to-all to heads)"),
     {"--deterministic", ARG_INT, ARG_FIELD(deterministic), 0, 1, 0, "CUDA build: 1 = fp32 canonical kernels, bit-identical to the CPU build"},
     ARG_STRING("--comm", comm, "CUDA build: how ranks exchange device buffers: nccl (one GPU per rank), mpi (staged through host memory; ranks may share a GPU) or auto (nccl when every rank has a GPU of its own)"),
     {"--allow-nonfinite", ARG_INT, ARG_FIELD(allow_nonfinite), 0, 1, 0, "1 = load a model file whose parameters are not all finite (refused otherwise)"},
@@ -188,6 +192,8 @@ static inline void train_args_defaults(TrainArgs* a) {
     a->sp = 0;
     a->ep = 1;
     a->aux_loss = 0.01f;
+    a->cp = 1;
+    a->cp_mode = "ring";
     a->pp_schedule = "1f1b";
     a->deterministic = 0;
     a->comm = "auto";
@@ -241,7 +247,7 @@ static inline void train_arg_value_text(const ArgSpec* s, const TrainArgs* a, ch
 
 static inline void train_args_print_help(const char* prog, const TrainArgs* defaults) {
     printf("usage: %s [options]\n\n", prog);
-    printf("Trains GPT-2 on llm.c token shards, single rank or under mpirun (DP x TP x PP).\n\n");
+    printf("Trains GPT-2 on llm.c token shards, single rank or under mpirun (DP x CP x TP x PP).\n\n");
     for (int i = 0; i < NUM_ARG_SPECS; i++) {
         const ArgSpec* s = &arg_specs[i];
         char def[256], range[96] = "";
@@ -336,6 +342,12 @@ static inline void train_args_validate(const TrainArgs* a) {
     }
     if (kind == PP_INTERLEAVED && chunks < 2) {
         fatal("--vpp %d: the interleaved schedule needs at least 2 model chunks per pipeline rank", a->vpp);
+    }
+    if (a->cp != 1 && a->cp != 2 && a->cp != 4 && a->cp != 8) {
+        fatal("--cp %d: the context-parallel degree must be 1, 2, 4 or 8 (a divisor of the 8 canonical chunks)", a->cp);
+    }
+    if (strcmp(a->cp_mode, "ring") != 0 && strcmp(a->cp_mode, "a2a") != 0) {
+        fatal("--cp-mode must be ring or a2a, got '%s'", a->cp_mode);
     }
 }
 

@@ -20,7 +20,7 @@
  *     canon_tree_merges_after(i, n) times (see the function).
  *
  * R2. Chunked reduction over a dimension of length n (matmul over K, layernorm over C, the
- *     head dimension in attention, keys in softmax, the vocabulary in cross-entropy): the
+ *     head dimension in attention, the vocabulary in cross-entropy): the
  *     dimension is cut into CANON_R = 8 contiguous chunks, chunk c = [c*n/8, (c+1)*n/8)
  *     (integer division; chunks may be empty when n < 8). Each chunk is accumulated
  *     sequentially from 0.0f in increasing index order, a product term with fmaf(a, b, acc);
@@ -29,14 +29,31 @@
  *     floor(r*(8/K)*n/8) == floor(r*n/K)): the rank reduces its subtree, the cross-rank R1
  *     tree finishes it, bit-identical to one rank.
  *
+ * R2Z. Zig-zag chunks, for every reduction along the positions of a sequence (the keys and
+ *     the queries in attention, the positions in R3): the sequence of length n is cut into
+ *     2 * CANON_R = 16 pieces, piece p = [p*n/16, (p+1)*n/16), and chunk c (of 8) is piece c
+ *     followed by piece 15-c, i.e. its two mirror-image stretches. Each chunk is accumulated
+ *     sequentially from 0.0f (piece c in increasing index order, then piece 15-c), the 8
+ *     partials combined by the R1 tree. This is the layout context parallelism balances
+ *     causal attention with (Megatron's zig-zag): D ranks (D | 8, 2D | n) cut the sequence
+ *     into 2D stretches and rank r holds stretches r and 2D-1-r, which are exactly chunks
+ *     [r*8/D, (r+1)*8/D): a complete subtree. Stored locally as its low stretch followed by
+ *     its high one (length n/D), those chunks are again zig-zag chunks of the local sequence,
+ *     with 8/D chunks (2*8/D pieces) instead of 8 (canon_zz_global maps local positions to
+ *     global ones). So a rank reduces its positions by the same rule with nchunks = 8/D, and
+ *     the R1 tree over ranks in rank order finishes the sum, bit-identical to one rank. A
+ *     slice of a slice is a slice: D1-way then D2-way is the D1*D2-way slice of rank
+ *     r1*D2 + r2.
+ *
  * R3. Reduction over positions (weight and bias gradients, the loss): position (b, t) of a
- *     batch of sequences. Each sequence b is reduced by R2 over t (chunks of T); the sequence
- *     sums are combined by the R1 tree over the sequences of the GLOBAL batch, in order.
+ *     batch of sequences. Each sequence b is reduced by R2Z over t; the sequence sums are
+ *     combined by the R1 tree over the sequences of the GLOBAL batch, in order.
  *     Microbatches and data-parallel ranks own contiguous blocks of sequences, so for
  *     power-of-two numbers of microbatches M and ranks N (dividing the sequence count) each
  *     owns a complete subtree: changing B x M x N at a fixed global batch changes nothing.
- *     Megatron's sequence parallelism splits T: each rank owns whole chunks of every
- *     sequence (R2), so the per-sequence sums are finished across the group and then R1.
+ *     Sequence and context parallelism split T into zig-zag slices (R2Z): each rank owns
+ *     whole chunks of every sequence, so the per-sequence sums are finished across the group
+ *     and then R1 over sequences.
  *
  * R4. Products are written as explicit fmaf where they accumulate, plain * elsewhere; the
  *     compiler must not contract a*b+c on its own (gcc -ffp-contract=off, nvcc -fmad=false).
@@ -137,6 +154,62 @@ HD float canon_dot(const float* a, long sa, const float* b, long sb, long n) {
         partial[c] = acc;
     }
     return canon_tree8(partial);
+}
+
+// ------------------------------------------------------------------------------------------
+// R2Z: zig-zag chunks along a sequence
+
+// First index of piece p of a dimension of length n cut into npieces pieces.
+HD long canon_piece_begin(long n, int npieces, int p) { return (n * (long)p) / npieces; }
+
+// Stretch `half` (0: the low piece c, 1: the high piece 2*nchunks-1-c) of zig-zag chunk c of a
+// sequence of length n reduced in nchunks chunks: [*begin, *end).
+HD void canon_zz_half(long n, int nchunks, int c, int half, long* begin, long* end) {
+    int p = half == 0 ? c : 2 * nchunks - 1 - c;
+    *begin = canon_piece_begin(n, 2 * nchunks, p);
+    *end = canon_piece_begin(n, 2 * nchunks, p + 1);
+}
+
+// R2Z sum of x[0..n) (stride apart).
+HD float canon_zz_sum(const float* x, long n, long stride) {
+    float partial[CANON_R];
+    for (int c = 0; c < CANON_R; c++) {
+        float acc = 0.0f;
+        for (int half = 0; half < 2; half++) {
+            long b, e;
+            canon_zz_half(n, CANON_R, c, half, &b, &e);
+            for (long i = b; i < e; i++) { acc = acc + x[i * stride]; }
+        }
+        partial[c] = acc;
+    }
+    return canon_tree8(partial);
+}
+
+// The global position of local position t of rank r's D-way zig-zag slice of a sequence of
+// length n (2D | n): its low stretch [r*h, (r+1)*h), then its high one [n-(r+1)*h, n-r*h),
+// h = n/(2D). D = 1 is the identity.
+HD long canon_zz_global(long t, long n, int D, int r) {
+    long h = n / (2 * D);
+    return t < h ? (long)r * h + t : n - (long)(r + 1) * h + (t - h);
+}
+
+// How many positions of rank s's D-way zig-zag slice of a sequence of length n lie at global
+// positions <= p (its low stretch, then its high one: a prefix of the slice, since the slice's
+// positions increase): the keys of rank s that a query at p attends to.
+HD int canon_zz_count_le(long p, long n, int D, int s) {
+    long h = n / (2 * D), lo = p - (long)s * h + 1, hi = p - (n - (long)(s + 1) * h) + 1;
+    lo = lo < 0 ? 0 : lo > h ? h : lo;
+    hi = hi < 0 ? 0 : hi > h ? h : hi;
+    return (int)(lo + hi);
+}
+
+// How many positions of rank r's slice lie at global positions >= p (a suffix of the slice):
+// the queries of rank r that attend to a key at p.
+HD int canon_zz_count_ge(long p, long n, int D, int r) {
+    long h = n / (2 * D), lo = (long)(r + 1) * h - p, hi = n - (long)r * h - p;
+    lo = lo < 0 ? 0 : lo > h ? h : lo;
+    hi = hi < 0 ? 0 : hi > h ? h : hi;
+    return (int)(lo + hi);
 }
 
 // R3: merges to do after leaf (sequence b of nseq, chunk c of CANON_R) of a position

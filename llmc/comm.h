@@ -1,5 +1,5 @@
 /*
- * comm.h: the communicator. A rank grid (data x tensor x pipeline parallel) and the
+ * comm.h: the communicator. A rank grid (data x context x tensor x pipeline parallel) and the
  * collectives the trainer needs, on host float buffers, over MPI.
  *
  * The trainer calls comm_* functions with buffers, sizes, a group and a traffic kind; nothing
@@ -19,11 +19,12 @@
  * Max uses its own commutative operator (below), the exact sum of squares (SumSq) integer
  * sums: both are order-free, so MPI may combine them in any order.
  *
- * THE GRID (Megatron's rank order: tensor parallel fastest, then data, then pipeline)
- *     world_rank = (pp_rank * dp + dp_rank) * tp + tp_rank
- * so a tensor-parallel group is tp consecutive ranks (one node, the fastest links), and the
- * ranks of one pipeline stage are a contiguous block. Each group's rank is its coordinate:
- * dp_group.rank == dp_rank, and so on.
+ * THE GRID (Megatron's rank order: tensor parallel fastest, then context, then data, then
+ * pipeline)
+ *     world_rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+ * so a tensor-parallel group is tp consecutive ranks (one node, the fastest links), a
+ * context-parallel group the next-closest, and the ranks of one pipeline stage are a
+ * contiguous block. Each group's rank is its coordinate: dp_group.rank == dp_rank, and so on.
  *
  * FAULTS
  * comm_init() points utils.h's fatal() at MPI_Abort, so one rank's error ends every rank (with
@@ -55,11 +56,13 @@
  *
  * THE CALLS (g: a CommGroup*, e.g. &comm.dp_group; kind: a CommKind)
  *   comm_init(&comm, &argc, &argv)  comm_setup_grid(&comm, tp, pp)  comm_finalize(&comm)
+ *   comm_setup_grid_cp(&comm, tp, cp, pp)  (with a context-parallel dimension)
  *   comm_pp_neighbours(&comm, &prev, &next)  comm_grid_world_rank(&comm, dp_r, tp_r, pp_r)
  *   comm_reduce_scatter(g, send, recv, n, kind)   send: size*n floats, recv: n
  *   comm_all_gather(g, send, recv, n, kind)       send: n floats, recv: size*n
  *   comm_all_reduce_sum(g, buf, n, kind)  comm_all_reduce_max(g, buf, n, kind)
  *   comm_all_reduce_sumsq(g, &sumsq, kind)  comm_broadcast(g, buf, bytes, root, kind)
+ *   comm_all_to_all(g, send, recv, n, kind)       send, recv: size*n floats
  *   comm_barrier(g)
  *   comm_setup_expert_groups(&comm, ep)  (expert parallelism: the ep and edp groups)
  *   comm_all_to_all_v(g, send, send_counts, recv, recv_counts, kind)   floats, counts per rank
@@ -94,11 +97,12 @@ typedef enum {
     COMM_KIND_TP,       // tensor-parallel activations and their gradients
     COMM_KIND_PP,       // pipeline activations and their gradients
     COMM_KIND_EP,       // expert parallelism: tokens to their experts and back, their counts
+    COMM_KIND_CP,       // context-parallel attention: K/V blocks and dK/dV partials (ring), all-to-alls (a2a)
     COMM_KIND_OTHER,    // loss, norms, flags, barriers: small stuff
     COMM_KIND_COUNT
 } CommKind;
 
-static const char* comm_kind_name[COMM_KIND_COUNT] = { "grad", "param", "tp", "pp", "ep", "other" };
+static const char* comm_kind_name[COMM_KIND_COUNT] = { "grad", "param", "tp", "pp", "ep", "cp", "other" };
 
 typedef struct {
     uint64_t bytes[COMM_KIND_COUNT];   // bytes this rank sent
@@ -109,7 +113,7 @@ typedef struct {
 #define COMM_POOL 16
 typedef struct { float* buf; size_t floats; } CommBuffer;
 
-// One group of ranks (the world, or this rank's dp, tp or pp group).
+// One group of ranks (the world, or this rank's dp, cp, tp or pp group).
 typedef struct {
     int rank, size;
     const MemOps* mem;         // the memory of the model's tensors (see WHERE THE BUFFERS LIVE)
@@ -125,7 +129,7 @@ typedef struct {
 // A Comm must stay where comm_init() put it: its groups point at its counters.
 typedef struct {
     int world_rank, world_size;
-    int dp, tp, pp;                    // grid sizes: world_size == dp * tp * pp
+    int dp, tp, pp;                    // grid sizes: world_size == dp * cp * tp * pp
     int dp_rank, tp_rank, pp_rank;     // this rank's coordinates
     CommGroup world, dp_group, tp_group, pp_group;
     // expert parallelism (comm_setup_expert_groups): the dp group is cut into ep groups of ep
@@ -133,6 +137,10 @@ typedef struct {
     // place in every ep group (which hold the same experts and reduce their gradients)
     int ep, ep_rank, edp_rank;
     CommGroup ep_group, edp_group;
+    int cp, cp_rank;                   // the context-parallel dimension (context_parallel.h)
+    CommGroup cp_group;
+    CommGroup dpcp_group;              // data x context parallel (ranked dp_rank * cp + cp_rank):
+                                       // ZeRO's sharding group, Megatron's dp group "with cp"
     CommStats stats;
     const MemOps* mem;                 // given to every group
 } Comm;
@@ -439,6 +447,8 @@ static inline void comm_init(Comm* c, int* argc, char*** argv) {
     comm_group_init_single(&c->ep_group, &c->stats, c->mem);
     comm_group_init_single(&c->edp_group, &c->stats, c->mem);
     c->ep = 1;
+    comm_group_init_single(&c->cp_group, &c->stats, c->mem);
+    comm_group_init_single(&c->dpcp_group, &c->stats, c->mem);
 #ifdef USE_MPI
     int initialized = 0, provided = 0;
     MPI_Initialized(&initialized);
@@ -477,9 +487,14 @@ static inline void comm_init(Comm* c, int* argc, char*** argv) {
     comm_setup_grid(c, 1, 1);
 }
 
-// world_rank of the rank at grid coordinates (dp_rank, tp_rank, pp_rank).
+// world_rank of the rank at grid coordinates (dp_rank, cp_rank, tp_rank, pp_rank).
+static inline int comm_grid_world_rank_cp(const Comm* c, int dp_rank, int cp_rank, int tp_rank, int pp_rank) {
+    return ((pp_rank * c->dp + dp_rank) * c->cp + cp_rank) * c->tp + tp_rank;
+}
+
+// ... at (dp_rank, tp_rank, pp_rank) and this rank's context-parallel coordinate.
 static inline int comm_grid_world_rank(const Comm* c, int dp_rank, int tp_rank, int pp_rank) {
-    return (pp_rank * c->dp + dp_rank) * c->tp + tp_rank;
+    return comm_grid_world_rank_cp(c, dp_rank, c->cp_rank, tp_rank, pp_rank);
 }
 
 #ifdef USE_MPI
@@ -494,20 +509,22 @@ static inline void comm_split(const Comm* c, CommGroup* g, int color, int coordi
 }
 #endif
 
-// Arranges the world as dp x tp x pp (dp = world_size / (tp * pp)) and builds this rank's
-// three groups. Collective over the world: every rank calls it with the same tp and pp. May
-// be called again to change the layout.
-static inline void comm_setup_grid(Comm* c, int tp, int pp) {
-    if (tp < 1 || pp < 1) { fatal("tensor and pipeline parallel sizes must be >= 1, got tp=%d pp=%d", tp, pp); }
+// Arranges the world as dp x cp x tp x pp (dp = world_size / (cp * tp * pp)) and builds this
+// rank's four groups. Collective over the world: every rank calls it with the same tp, cp and
+// pp. May be called again to change the layout.
+static inline void comm_setup_grid_cp(Comm* c, int tp, int cp, int pp) {
+    if (tp < 1 || cp < 1 || pp < 1) {
+        fatal("tensor, context and pipeline parallel sizes must be >= 1, got tp=%d cp=%d pp=%d", tp, cp, pp);
+    }
 #ifndef USE_MPI
-    if (tp * pp > 1) {
-        fatal("tp=%d x pp=%d needs %d ranks, but MPI is not built in (single rank only): rebuild "
-              "with mpicc -DUSE_MPI and run under mpirun", tp, pp, tp * pp);
+    if (tp * cp * pp > 1) {
+        fatal("tp=%d x cp=%d x pp=%d needs %d ranks, but MPI is not built in (single rank only): rebuild "
+              "with mpicc -DUSE_MPI and run under mpirun", tp, cp, pp, tp * cp * pp);
     }
 #endif
-    if (c->world_size % (tp * pp) != 0) {
-        fatal("world size %d is not divisible by tp=%d x pp=%d (= %d): the data-parallel size "
-              "must be a whole number", c->world_size, tp, pp, tp * pp);
+    if (c->world_size % (tp * cp * pp) != 0) {
+        fatal("world size %d is not divisible by tp=%d x cp=%d x pp=%d (= %d): the data-parallel size "
+              "must be a whole number", c->world_size, tp, cp, pp, tp * cp * pp);
     }
     comm_group_free(&c->dp_group);
     comm_group_free(&c->tp_group);
@@ -516,24 +533,35 @@ static inline void comm_setup_grid(Comm* c, int tp, int pp) {
     comm_group_free(&c->edp_group);
     c->ep = 1;
     c->ep_rank = c->edp_rank = 0;
+    comm_group_free(&c->cp_group);
+    comm_group_free(&c->dpcp_group);
     c->tp = tp;
+    c->cp = cp;
     c->pp = pp;
-    c->dp = c->world_size / (tp * pp);
+    c->dp = c->world_size / (tp * cp * pp);
     int w = c->world_rank;
     c->tp_rank = w % tp;
-    c->dp_rank = (w / tp) % c->dp;
-    c->pp_rank = w / (tp * c->dp);
+    c->cp_rank = (w / tp) % cp;
+    c->dp_rank = (w / (tp * cp)) % c->dp;
+    c->pp_rank = w / (tp * cp * c->dp);
 #ifdef USE_MPI
-    // Same pp and dp coordinates: one tp group (tp consecutive world ranks).
-    comm_split(c, &c->tp_group, c->pp_rank * c->dp + c->dp_rank, c->tp_rank, "tp");
-    // Same pp and tp coordinates: one dp group.
-    comm_split(c, &c->dp_group, c->pp_rank * tp + c->tp_rank, c->dp_rank, "dp");
-    // Same dp and tp coordinates: one pipeline.
-    comm_split(c, &c->pp_group, c->dp_rank * tp + c->tp_rank, c->pp_rank, "pp");
+    int pp_r = c->pp_rank, dp_r = c->dp_rank, cp_r = c->cp_rank, tp_r = c->tp_rank, dp = c->dp;
+    // Same pp, dp and cp coordinates: one tp group (tp consecutive world ranks).
+    comm_split(c, &c->tp_group, (pp_r * dp + dp_r) * cp + cp_r, tp_r, "tp");
+    // Same pp, dp and tp coordinates: one cp group.
+    comm_split(c, &c->cp_group, (pp_r * dp + dp_r) * tp + tp_r, cp_r, "cp");
+    // Same pp, cp and tp coordinates: one dp group.
+    comm_split(c, &c->dp_group, (pp_r * cp + cp_r) * tp + tp_r, dp_r, "dp");
+    // Same dp, cp and tp coordinates: one pipeline.
+    comm_split(c, &c->pp_group, (dp_r * cp + cp_r) * tp + tp_r, pp_r, "pp");
+    // Same pp and tp coordinates: one data x context group.
+    comm_split(c, &c->dpcp_group, pp_r * tp + tp_r, dp_r * cp + cp_r, "dp x cp");
 #else
     comm_group_init_single(&c->tp_group, &c->stats, c->mem);
     comm_group_init_single(&c->dp_group, &c->stats, c->mem);
     comm_group_init_single(&c->pp_group, &c->stats, c->mem);
+    comm_group_init_single(&c->cp_group, &c->stats, c->mem);
+    comm_group_init_single(&c->dpcp_group, &c->stats, c->mem);
 #endif
     comm_group_init_single(&c->ep_group, &c->stats, c->mem);
     comm_group_init_single(&c->edp_group, &c->stats, c->mem);
@@ -553,7 +581,7 @@ static inline void comm_setup_expert_groups(Comm* c, int ep) {
     c->ep_rank = c->dp_rank % ep;
     c->edp_rank = c->dp_rank / ep;
 #ifdef USE_MPI
-    int base = c->pp_rank * c->tp + c->tp_rank;   // the dp group's colour (comm_setup_grid)
+    int base = (c->pp_rank * c->cp + c->cp_rank) * c->tp + c->tp_rank;   // the dp group's colour (comm_setup_grid_cp)
     comm_split(c, &c->ep_group, base * c->dp + c->dp_rank / ep, c->ep_rank, "ep");
     comm_split(c, &c->edp_group, base * c->dp + c->dp_rank % ep, c->edp_rank, "edp");
 #else
@@ -563,6 +591,9 @@ static inline void comm_setup_expert_groups(Comm* c, int ep) {
     c->ep_group.mem = c->edp_group.mem = c->mem;
 }
 
+// The grid without context parallelism: dp x tp x pp.
+static inline void comm_setup_grid(Comm* c, int tp, int pp) { comm_setup_grid_cp(c, tp, 1, pp); }
+
 #ifdef USE_NCCL
 // The NCCL transport for the device buffers of the dp, tp and pp groups (comm_nccl.h); one GPU
 // per rank. Collective over the world.
@@ -570,13 +601,15 @@ static inline void comm_enable_nccl(Comm* c) {
     comm_nccl_init_group(&c->dp_group);
     comm_nccl_init_group(&c->tp_group);
     comm_nccl_init_group(&c->pp_group);
+    comm_nccl_init_group(&c->cp_group);
+    comm_nccl_init_group(&c->dpcp_group);
 }
 #endif
 
 // The memory of the model's tensors, for every group (see WHERE THE BUFFERS LIVE).
 static inline void comm_set_memory(Comm* c, const MemOps* mem) {
     c->mem = mem;
-    c->world.mem = c->dp_group.mem = c->tp_group.mem = c->pp_group.mem = mem;
+    c->world.mem = c->dp_group.mem = c->tp_group.mem = c->pp_group.mem = c->cp_group.mem = c->dpcp_group.mem = mem;
     c->ep_group.mem = c->edp_group.mem = mem;
 }
 
@@ -606,6 +639,8 @@ static inline void comm_pp_neighbours(const Comm* c, int* prev, int* next) {
 static inline void comm_finalize(Comm* c) {
     comm_group_free(&c->ep_group);
     comm_group_free(&c->edp_group);
+    comm_group_free(&c->cp_group);
+    comm_group_free(&c->dpcp_group);
     comm_group_free(&c->dp_group);
     comm_group_free(&c->tp_group);
     comm_group_free(&c->pp_group);
@@ -631,8 +666,8 @@ static inline void comm_reset_stats(Comm* c) { memset(&c->stats, 0, sizeof(c->st
 //   send of n floats                                  n * 4 (receives and barriers send 0)
 static inline void comm_print_stats(const Comm* c, FILE* f) {
     uint64_t total_bytes = 0, total_calls = 0;
-    fprintf(f, "comm traffic sent by rank %d of %d (dp %d x tp %d x pp %d)\n",
-            c->world_rank, c->world_size, c->dp, c->tp, c->pp);
+    fprintf(f, "comm traffic sent by rank %d of %d (dp %d x cp %d x tp %d x pp %d)\n",
+            c->world_rank, c->world_size, c->dp, c->cp, c->tp, c->pp);
     fprintf(f, "%-6s %12s %18s %12s\n", "kind", "calls", "bytes", "MiB");
     for (int k = 0; k < COMM_KIND_COUNT; k++) {
         fprintf(f, "%-6s %12llu %18llu %12.2f\n", comm_kind_name[k],
@@ -694,6 +729,44 @@ static inline void comm_all_gather(CommGroup* g, const float* send, float* recv,
     comm_allgather_pieces(g, hsend, hrecv, n, NULL);
     comm_workspace_put(g, in);
     comm_unstage(g, recv, (size_t)g->size * n, &out);
+#endif
+}
+
+// recv (size*n floats) <- block `rank` of every rank's send (size*n floats): block r of send
+// goes to rank r, block r of recv comes from rank r. No arithmetic (context parallelism's
+// all-to-all between sequence-split and head-split tensors).
+static inline void comm_all_to_all(CommGroup* g, const float* send, float* recv, size_t n, CommKind kind) {
+    comm_check_group(g, "all-to-all");
+    comm_account(g, kind, (uint64_t)(g->size - 1) * n * sizeof(float), "all-to-all");
+    if (g->size == 1) {
+        g->mem->copy(recv, send, n * sizeof(float));
+        return;
+    }
+#ifdef USE_MPI
+#ifdef USE_NCCL
+    if (comm_nccl_on(g, recv)) {
+        comm_nccl_after_compute(g);
+        comm_nccl_alltoall(g, send, recv, n);
+        comm_nccl_before_compute(comm_nccl_mark(g));
+        return;
+    }
+#endif
+    size_t total = (size_t)g->size * n;
+    CommBuffer in = {NULL, 0}, out = {NULL, 0};
+    const float* hsend = comm_stage_in(g, send, total, &in);
+    float* hrecv = comm_stage_out(g, recv, total, &out);
+    // the pieces land piece-major (comm_alltoall_pieces): put each rank's block together
+    CommBuffer tmp = comm_workspace_get(g, total);
+    comm_alltoall_pieces(g, hsend, tmp.buf, n, NULL);
+    for (size_t p = 0; p < comm_pieces(n); p++) {
+        size_t off = p * comm_piece_floats, len = comm_piece_len(n, p);
+        for (int r = 0; r < g->size; r++) {
+            memcpy(hrecv + (size_t)r * n + off, tmp.buf + (size_t)g->size * off + (size_t)r * len, len * sizeof(float));
+        }
+    }
+    comm_workspace_put(g, tmp);
+    comm_workspace_put(g, in);
+    comm_unstage(g, recv, total, &out);
 #endif
 }
 

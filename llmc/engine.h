@@ -73,12 +73,13 @@
 typedef struct {
     // the model of one chunk of this rank; its parameters, gradients and AdamW state are in
     // `zero`; sp: Megatron's sequence parallelism over the tensor-parallel group, for passes
-    // over up to (B, T) positions
+    // over up to (B, T) positions; cp: the context-parallel group (context_parallel.h; one
+    // rank: none), cp_a2a its all-to-all attention (else the ring)
     void* (*create)(const GPT2Config* config, const ChunkPlace* place, Zero* zero, CommGroup* tp,
-                    int sp, int B, int T);
+                    CommGroup* cp, int cp_a2a, int sp, int B, int T);
     void (*destroy)(void* model);
-    // activations of one pass over up to (B, T) positions; sp as above (a pass of the sampler
-    // runs without it); split: room for what a split backward keeps between its halves;
+    // activations of one pass over up to (B, T) positions; sp: split the sequences as the
+    // model's sp and cp say (a pass of the sampler runs unsplit); split: room for what a split backward keeps between its halves;
     // *bytes: their size
     void* (*acts_create)(void* model, int B, int T, int recompute, int sp, int split, size_t* bytes);
     void (*acts_destroy)(void* model, void* acts);
@@ -108,6 +109,12 @@ typedef struct {
     // routing counters, which the engine reads and zeroes every step
     void (*moe_aux)(void* model, void* acts, float* host_aux);
     MoeCounters* (*moe_counters)(void* model);
+    // generation with a KV cache (NULL: the build has none, and the sampler runs a full
+    // forward per token): row t of a pass laid out over (1, T), the rows before it computed by
+    // the earlier calls; equal to row t of the full forward over (1, T), bit for bit.
+    void (*embed_decode)(void* model, void* acts, int token, int t, int T);
+    void (*layers_decode)(void* model, void* acts, int t, int T);
+    void (*head_decode)(void* model, void* acts, int t, int T);
 } ModelOps;
 
 // What a build adds to the engine's console output.
@@ -528,6 +535,42 @@ static inline void pipeline_forward_only(Pipeline* p, void** acts, const int* in
     }
 }
 
+// Generation with a KV cache: position t of a pass laid out over (1, T) through the pipeline,
+// its token `token`: each chunk computes its row t (the rows before it are in the chunk's
+// activations from the earlier calls), one row of C floats going from stage to stage.
+static inline void pipeline_decode(Pipeline* p, void** acts, int token, int t, int T, int C) {
+    const ModelOps* ops = p->ops;
+    size_t row = (size_t)t * C;
+    int V = p->cfg.num_stages * p->cfg.num_chunks;
+    for (int vs = 0; vs < V; vs++) {
+        int c = pipeline_chunk_of(p, vs);
+        if (c < 0) { continue; }
+        void* model = p->models[c];
+        const ChunkPlace* place = &p->places[c];
+        if (place->has_embedding) {
+            ops->embed_decode(model, acts[c], token, t, T);
+        } else {
+            int producer = pipeline_chunk_of(p, vs - 1);
+            if (producer >= 0) {
+                p->mem->copy(ops->stage_input(model, acts[c]) + row,
+                             ops->stage_output(p->models[producer], acts[producer], 1, T) + row, C * sizeof(float));
+            } else {
+                // recv (pp group): row t of virtual stage vs - 1's output
+                comm_wait(comm_irecv(p->pp, ops->stage_input(model, acts[c]) + row, (size_t)C,
+                                     pp_owner_stage(&p->cfg, vs - 1), pipeline_tag(p, 0, vs - 1, 0), COMM_KIND_PP));
+            }
+        }
+        ops->layers_decode(model, acts[c], t, T);
+        if (place->has_head) {
+            ops->head_decode(model, acts[c], t, T);
+        } else if (pipeline_chunk_of(p, vs + 1) < 0) {
+            // send (pp group): row t of this output to the stage holding virtual stage vs + 1
+            comm_wait(comm_isend(p->pp, ops->stage_output(model, acts[c], 1, T) + row, (size_t)C,
+                                 pp_owner_stage(&p->cfg, vs + 1), pipeline_tag(p, 0, vs, 0), COMM_KIND_PP));
+        }
+    }
+}
+
 // ==========================================================================================
 // The trainer
 // ==========================================================================================
@@ -606,10 +649,11 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     train_args_validate(a);
     trainer_check_same_flags(t);
     if (a->sp && a->tp == 1) { fatal("--sp 1: sequence parallelism splits the sequence over the tensor-parallel group; it needs --tp > 1"); }
-    if (t->comm.world_size % (a->tp * a->pp) != 0) {
-        fatal("--tp %d x --pp %d does not divide the %d ranks of this job", a->tp, a->pp, t->comm.world_size);
+    if (t->comm.world_size % (a->tp * a->cp * a->pp) != 0) {
+        fatal("--tp %d x --cp %d x --pp %d does not divide the %d ranks of this job", a->tp, a->cp, a->pp,
+              t->comm.world_size);
     }
-    comm_setup_grid(&t->comm, a->tp, a->pp);
+    comm_setup_grid_cp(&t->comm, a->tp, a->cp, a->pp);
     if (pipeline_parse_schedule(a->pp_schedule, &t->pp_kind, NULL, 0) != 0) { fatal("internal: --schedule"); }
     t->nchunks = train_args_chunks(a);
     if (!lr_schedule_kind(a->lr_schedule, &t->lr_kind)) {
@@ -644,9 +688,16 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
         fatal("--pp %d x %d model chunks (--schedule %s) = %d virtual stages: the model has only %d layers; every "
               "virtual stage needs at least one", a->pp, t->nchunks, a->pp_schedule, a->pp * t->nchunks, c->num_layers);
     }
-    if (a->sp && t->T % a->tp != 0) { fatal("--sp 1: the sequence length -t %d must be a multiple of --tp %d", t->T, a->tp); }
+    if (a->sp && t->T % (2 * a->tp) != 0) {
+        fatal("--sp 1: the sequence length -t %d must be a multiple of 2 x --tp %d (each rank holds two stretches "
+              "of every sequence)", t->T, a->tp);
+    }
     t->config.aux_loss_coef = a->aux_loss;
     t->moe = c->num_experts > 0;
+    if (t->moe && a->cp > 1) {
+        fatal("--cp %d: a mixture-of-experts model runs without context parallelism (its routing and expert "
+              "gradients are not split over a sequence's stretches); use --cp 1", a->cp);
+    }
     if (a->ep > 1 && !t->moe) {
         fatal("--ep %d: expert parallelism needs a mixture-of-experts model (-e with eE, e.g. d4e8k2, or a version 7 file)", a->ep);
     }
@@ -669,6 +720,12 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
               t->total_batch, t->M / N, err);
     }
     return 1;
+}
+
+// How many ways a training pass splits each sequence's residual stream: context parallelism,
+// times the tensor-parallel degree with sequence parallelism.
+static inline int trainer_sequence_split(const Trainer* t) {
+    return t->comm.cp * (t->args.sp ? t->comm.tp : 1);
 }
 
 // The model of this rank's stage on `ops` (its parameters, gradients and AdamW state in
@@ -699,13 +756,16 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     }
     for (int k = 0; k < S * v; k++) { if (all[k].has_head) { t->head_stage = k / v; } }
     free(all);
-    zero_init_ep(&t->zero, c, mem, a->zero_stage, &comm->dp_group, comm->ep > 1 ? &comm->ep_group : NULL,
+    zero_init_ep(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->dpcp_group, comm->ep > 1 ? &comm->ep_group : NULL,
                  comm->ep > 1 ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, t->places, v,
                  t->head_stage, t->start_params, t->M);
     free(t->start_params);
     t->start_params = NULL;
     t->models = (void**)malloc_or_die(sizeof(void*) * v, "models");
-    for (int ch = 0; ch < v; ch++) { t->models[ch] = ops->create(c, &t->places[ch], &t->zero, &comm->tp_group, a->sp, B, T); }
+    for (int ch = 0; ch < v; ch++) {
+        t->models[ch] = ops->create(c, &t->places[ch], &t->zero, &comm->tp_group, &comm->cp_group,
+                                    strcmp(a->cp_mode, "a2a") == 0, a->sp, B, T);
+    }
 
     t->do_val = a->val_every > 0;
     train_data_open(a, B, T, c->vocab_size, t->total_batch, &t->train_loader, &t->val_loader, &t->val_batches,
@@ -715,10 +775,10 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     // corrupt one must not stop it)
     if (t->root && a->sample_every > 0) { tokenizer_init_for_model(&t->tokenizer, a->tokenizer_path, c->vocab_size); }
 
-    int sp_degree = a->sp ? comm->tp : 1;
+    int split = trainer_sequence_split(t);
     pipeline_init(&t->pipe, ops, mem, t->models, t->places, &comm->pp_group, t->pp_kind, v,
-                  t->zero.local_microbatches, B, T, c->channels, a->recompute, sp_degree);
-    t->grads = ops->grads_create(t->models[0], B, T, a->sp, &t->grads_bytes);
+                  t->zero.local_microbatches, B, T, c->channels, a->recompute, split);
+    t->grads = ops->grads_create(t->models[0], B, T, split > 1, &t->grads_bytes);
     if (t->moe) {
         size_t n = (size_t)t->zero.local_microbatches * c->num_layers;
         t->pipe.num_layers = c->num_layers;
@@ -765,7 +825,7 @@ static inline float tree_in_order(const float* all, int per_rank, int n, const Z
     float* ordered = (float*)malloc_or_die(sizeof(float) * (n > 0 ? n : 1), "ordered values");
     for (int j = 0; j < n; j++) {
         int r, local;
-        if (round_robin) { r = j % z->N; local = j / z->N; }
+        if (round_robin) { r = j % z->streams; local = j / z->streams; }
         else { zero_owner_of_microbatch(z, j, &r, &local); }
         ordered[j] = all[(size_t)r * per_rank + local];
     }
@@ -782,7 +842,7 @@ static inline float global_mean_loss(Trainer* t, const float* local, int per_ran
     Zero* z = &t->zero;
     float loss = 0.0f;
     if (t->pipe.head_chunk >= 0) {
-        float* all = (float*)malloc_or_die(sizeof(float) * (size_t)per_rank * z->N + 1, "losses");
+        float* all = (float*)malloc_or_die(sizeof(float) * (size_t)per_rank * z->streams + 1, "losses");
         comm_all_gather(&t->comm.dp_group, local, all, (size_t)per_rank, COMM_KIND_OTHER);
         loss = tree_in_order(all, per_rank, n, z, round_robin) / (float)tokens;
         free(all);
@@ -796,14 +856,14 @@ static inline float global_mean_loss(Trainer* t, const float* local, int per_ran
 static inline float trainer_validate(Trainer* t) {
     Zero* z = &t->zero;
     int B = t->B, T = t->T, batches = t->val_batches;
-    int sp_degree = t->args.sp ? t->comm.tp : 1;
+    int sp_degree = trainer_sequence_split(t);
     void** acts = (void**)malloc_or_die(sizeof(void*) * t->nchunks, "validation activations");
     for (int ch = 0; ch < t->nchunks; ch++) { acts[ch] = pipeline_chunk_acts(&t->pipe, ch); }
     int hc = t->pipe.head_chunk;
-    int per_rank = (batches + z->N - 1) / z->N;
+    int per_rank = (batches + z->streams - 1) / z->streams;
     float* local = (float*)calloc_or_die((size_t)per_rank + 1, sizeof(float), "val losses");
     for (int k = 0; k < per_rank; k++) {
-        int j = k * z->N + z->rank;
+        int j = k * z->streams + z->stream;
         // under ZeRO-3 every dp rank must take part in every forward's parameter gathers, with
         // expert parallelism in every forward's token exchanges
         if (j >= batches && z->stage != 3 && z->ep->size == 1) { continue; }
@@ -819,21 +879,28 @@ static inline float trainer_validate(Trainer* t) {
 }
 
 // Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler, with
-// --temperature and --top-k: llmc/sampler.h), each
-// token a forward pass over the tokens so far (B = 1) through the pipeline; the head's stage
-// draws the token (from the whole vocabulary) and broadcasts it to the other stages. Under
-// ZeRO-3 every dp rank takes part (the forward gathers parameters); world rank 0 prints.
+// --temperature and --top-k: llmc/sampler.h). Token pos is drawn from row pos - 1 of the
+// forward pass over (1, genT) through the pipeline: with a KV cache (ModelOps' decode) each
+// step computes only that row, otherwise (fast mode) the whole pass, the positions not yet
+// generated holding <|endoftext|> (causal attention: they change nothing before them). The
+// head's stage draws the token (from the whole vocabulary) and broadcasts it to the other
+// stages. Under ZeRO-3 every dp rank takes part (the forward gathers parameters), with expert
+// parallelism every rank of the ep group; world rank 0 prints.
 static inline void trainer_sample(Trainer* t) {
-    int V = t->config.vocab_size, genT = t->genT;
+    int V = t->config.vocab_size, genT = t->genT, C = t->config.channels;
     int printing = t->root;
     int* gen = (int*)malloc_or_die(sizeof(int) * genT, "sample tokens");
     uint64_t rng = 1337;
     Sampler sampler;
     sampler_init(&sampler, t->args.temperature, t->args.top_k, V);
-    gen[0] = V > 50256 ? 50256 : V - 1;   // <|endoftext|> for GPT-2's vocabulary
+    for (int i = 0; i < genT; i++) { gen[i] = V > 50256 ? 50256 : V - 1; }   // <|endoftext|> for GPT-2's vocabulary
     if (printing) { printf("generating:\n---\n"); }
     for (int pos = 1; pos < genT; pos++) {
-        pipeline_forward_only(&t->pipe, t->sample_acts, gen, NULL, 1, pos, t->config.channels, 1);
+        if (t->ops->layers_decode) {
+            pipeline_decode(&t->pipe, t->sample_acts, gen[pos - 1], pos - 1, genT, C);
+        } else {
+            pipeline_forward_only(&t->pipe, t->sample_acts, gen, NULL, 1, genT, C, 1);
+        }
         int next = V - 1, hc = t->pipe.head_chunk;
         if (hc >= 0) {
             t->ops->probs_at(t->models[hc], t->sample_acts[hc], pos - 1, t->sample_probs);
@@ -859,6 +926,8 @@ static inline void trainer_sample(Trainer* t) {
 // parameters are assembled by a sum: every dp-rank-0 rank writes the elements it owns
 // (zero_full_params: each element by exactly one rank) into a host buffer of -0.0f, and an
 // all-reduce over the tp group, then over the pp group, adds them (x + -0 == x: exact).
+// Context-parallel ranks hold copies of their group's parameters (cp rank 0 assembles them) and
+// shards of the optimizer state (ZeRO's group is data x context).
 static inline void trainer_write_checkpoint(Trainer* t) {
     Zero* z = &t->zero;
     Comm* comm = &t->comm;
@@ -867,7 +936,9 @@ static inline void trainer_write_checkpoint(Trainer* t) {
     int step = (int)t->progress.step;
     size_t P = param_count(&t->config);
     float* full = NULL;
-    if (comm->dp_rank < comm->ep) {   // dp rank 0, and the rest of its ep group for their experts
+    // dp rank 0 (its context rank 0: context-parallel ranks hold copies of their group's
+    // parameters), and the rest of its ep group for their experts
+    if (comm->dp_rank < comm->ep && comm->cp_rank == 0) {
         full = (float*)aligned_calloc_or_die(P * sizeof(float), "checkpoint");
         for (size_t i = 0; i < P; i++) { full[i] = -0.0f; }
     }
@@ -940,7 +1011,11 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
     // every stage's activation memory, for the table (all-gather, pp group)
     float stage_mib = (float)(pipe->slot_bytes / 1048576.0), all_stage_mib[64];
     if (comm->pp <= 64) { comm_all_gather(&comm->pp_group, &stage_mib, all_stage_mib, 1, COMM_KIND_OTHER); }
-    if (!t->root) { return; }
+    // every rank's grid coordinates (all-gather, world)
+    float coords[4] = {(float)comm->dp_rank, (float)comm->cp_rank, (float)comm->tp_rank, (float)comm->pp_rank};
+    float* all_coords = comm->world_size <= 64 ? (float*)malloc_or_die(sizeof(float) * 4 * comm->world_size, "grid") : NULL;
+    if (all_coords) { comm_all_gather(&comm->world, coords, all_coords, 4, COMM_KIND_OTHER); }
+    if (!t->root) { free(all_coords); return; }
     printf("+--------------------------------------------------------------------------+\n");
     build->banner();
     printf("+--------------------------------------------------------------------------+\n");
@@ -949,8 +1024,22 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
     if (t->resume_step >= 0) { printf("| init          %s/model_%08d.bin\n", a->output_dir, t->resume_step); }
     else { printf("| init          %s\n", a->model); }
     printf("| parameters    P = %zu (%.1f M)\n", P, P / 1e6);
-    printf("| ranks         %d = %d data x %d tensor%s x %d pipeline; ZeRO stage %d\n", comm->world_size, N,
-           comm->tp, a->sp ? " (+ sequence parallel)" : "", comm->pp, z->stage);
+    printf("| ranks         %d = %d data x %d context x %d tensor%s x %d pipeline; ZeRO stage %d\n", comm->world_size, N,
+           comm->cp, comm->tp, a->sp ? " (+ sequence parallel)" : "", comm->pp, z->stage);
+    if (all_coords && comm->world_size > 1) {   // Megatron's order: tensor fastest, then context, data, pipeline
+        for (int w = 0; w < comm->world_size; w++) {
+            if (w % 8 == 0) { printf("%s| grid          rank (dp,cp,tp,pp):", w ? "\n" : ""); }
+            printf(" %d (%d,%d,%d,%d)", w, (int)all_coords[4 * w], (int)all_coords[4 * w + 1], (int)all_coords[4 * w + 2],
+                   (int)all_coords[4 * w + 3]);
+        }
+        printf("\n");
+    }
+    free(all_coords);
+    if (comm->cp > 1) {
+        printf("| context       %d-way %s: each rank holds stretches r and %d-r of every sequence (%d positions each)\n",
+               comm->cp, strcmp(a->cp_mode, "a2a") == 0 ? "all-to-all (Ulysses)" : "ring attention", 2 * comm->cp - 1,
+               t->T / (2 * comm->cp));
+    }
     if (t->moe) {
         size_t active = param_active_count(c), experts = 0;
         for (int u = z->lay.num_units + 1; u < z->lay.num_all; u++) { if (z->lay.params_here[u]) { experts += z->lay.size[u]; } }
@@ -1003,8 +1092,8 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
     if (comm->pp == 1) {
         printf("|               ZeRO paper, fp32 AdamW: %s = %.1f MiB (ours: %.1f MiB incl. padding and wte's 2nd gradient half)\n",
                z->stage == 0 ? "16P" : z->stage == 1 ? "8P + 8P/N" : z->stage == 2 ? "4P + 12P/N" : "16P/N",
-               (z->stage == 0 ? 16.0 * P : z->stage == 1 ? 8.0 * P + 8.0 * P / N
-                : z->stage == 2 ? 4.0 * P + 12.0 * P / N : 16.0 * P / N) / 1048576,
+               (z->stage == 0 ? 16.0 * P : z->stage == 1 ? 8.0 * P + 8.0 * P / z->N
+                : z->stage == 2 ? 4.0 * P + 12.0 * P / z->N : 16.0 * P / z->N) / 1048576,
                (mem.params + mem.grads + mem.optimizer) / 1048576);
     }
     if (build->memory_line) { build->memory_line(); }
@@ -1018,6 +1107,32 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
 
 #define PP_TIMING 5   // per stage and step: idle fraction, forward, backward, weight half, peak held
 
+// Context parallelism's bytes this rank sent in the step, against the formula
+// (context_parallel.h), per microbatch: each of the rank's layers sends, with the ring,
+// (N-1) K and (N-1) V blocks forward, (N-1) V and (N-1) K blocks and (N-1) dK|dV partial
+// blocks backward, a block being B (T/N) C/tp floats; with the all-to-all 8 (N-1)/N blocks;
+// the chunk with the embeddings all-gathers the embedding's gradient ((N-1) B (T/N) C floats),
+// the chunk with the head the per-position losses ((N-1) B (T/N)).
+static inline void trainer_print_cp_accounting(const Trainer* t) {
+    const Comm* comm = &t->comm;
+    const GPT2Config* c = &t->config;
+    int N = comm->cp, a2a = strcmp(t->args.cp_mode, "a2a") == 0, layers = 0, first = 0, last = 0;
+    for (int ch = 0; ch < t->nchunks; ch++) {
+        layers += t->places[ch].last_layer - t->places[ch].first_layer;
+        first |= t->places[ch].has_embedding;
+        last |= t->places[ch].has_head;
+    }
+    int Tl = t->T / N, Ca = c->channels / comm->tp;
+    uint64_t block = (uint64_t)t->B * Tl * Ca;
+    uint64_t per_layer = a2a ? 8 * (uint64_t)(N - 1) * block / N : 6 * (uint64_t)(N - 1) * block;
+    uint64_t per_micro = layers * per_layer + (first ? (uint64_t)(N - 1) * t->B * Tl * c->channels : 0) +
+                         (last ? (uint64_t)(N - 1) * t->B * Tl : 0);
+    uint64_t want = 4 * per_micro * (uint64_t)t->zero.local_microbatches, got = comm->stats.bytes[COMM_KIND_CP];
+    printf("cp accounting: %s N %d layers %d B %d T/N %d C/tp %d microbatches/rank %d | bytes/rank/step cp %llu, "
+           "formula %llu (%s)\n", a2a ? "a2a" : "ring", N, layers, t->B, Tl, Ca, t->zero.local_microbatches,
+           (unsigned long long)got, (unsigned long long)want, got == want ? "equal" : "MISMATCH");
+}
+
 // The startup table, then every step: validation, sampling and checkpoints when due, the
 // step's microbatches through the pipeline, the loss, the gradient norm, AdamW; the step line
 // on the console and in main.log; at the end a summary of the run. A loss or gradient norm
@@ -1030,7 +1145,6 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
     Zero* z = &t->zero;
     Pipeline* pipe = &t->pipe;
     size_t P = param_count(c);
-    int N = comm->dp;
     trainer_print_table(t, build);
     ZeroMemory mem = zero_memory(z);
     double flops_per_step = (6.0 * (double)(t->moe ? param_active_count(c) : P) + 6.0 * c->num_layers * c->channels * t->T) *
@@ -1143,9 +1257,10 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
                 comm_print_stats(comm, stdout);
                 printf("zero accounting: stage %d N %d P %zu VpC %zu L %d microbatches/rank %d | "
                        "bytes/rank/step grad %llu param %llu | bytes/rank params %.0f grads %.0f optimizer %.0f\n",
-                       z->stage, N, P, (size_t)c->padded_vocab_size * c->channels, c->num_layers,
+                       z->stage, z->N, P, (size_t)c->padded_vocab_size * c->channels, c->num_layers,
                        z->local_microbatches, (unsigned long long)comm->stats.bytes[COMM_KIND_GRAD],
                        (unsigned long long)comm->stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
+                if (comm->cp > 1) { trainer_print_cp_accounting(t); }
             }
             fflush(stdout);
         }

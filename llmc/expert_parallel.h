@@ -95,7 +95,7 @@ static inline void moe_route_free(MoeRoute* r) {
 static inline void moe_route_plan(MoeRoute* r, CommGroup* ep, int B, int T) {
     int Q = r->Q, El = r->El;
     r->BT = B * T;   // this pass's positions (up to the capacity of moe_route_init)
-    moe_plan_routes(r->chosen, r->BT, r->k, r->E, r->count, r->row_pos, r->slot_row, r->cursor);
+    moe_plan_routes(r->chosen, B, T, r->k, r->E, r->count, r->row_pos, r->slot_row, r->cursor);
     size_t* per = (size_t*)malloc_or_die(sizeof(size_t) * 2 * (size_t)Q, "routing");
     for (int q = 0; q < Q; q++) {
         r->send_rows[q] = 0;
@@ -126,7 +126,7 @@ static inline void moe_route_plan(MoeRoute* r, CommGroup* ep, int B, int T) {
 // all-to-all (ep group): the dispatch rows (BT*k, C) to their experts' ranks, received
 // source-major (n_recv, C); forward's tokens and backward's output gradients.
 static inline void moe_route_dispatch(const MoeRoute* r, CommGroup* ep, const float* send, float* recv, int C) {
-    size_t sc[64], rc[64];
+    size_t sc[64] = {0}, rc[64] = {0};   // initialised only to quiet gcc's -Wmaybe-uninitialized
     size_t *s = r->Q <= 64 ? sc : (size_t*)malloc_or_die(sizeof(size_t) * 2 * (size_t)r->Q, "routing");
     size_t *rr = r->Q <= 64 ? rc : s + r->Q;
     for (int q = 0; q < r->Q; q++) { s[q] = r->send_rows[q] * (size_t)C; rr[q] = r->recv_rows[q] * (size_t)C; }
@@ -137,7 +137,7 @@ static inline void moe_route_dispatch(const MoeRoute* r, CommGroup* ep, const fl
 // all-to-all (ep group): the experts' rows (n_recv, C, source-major) back to their sources,
 // in dispatch-row order (BT*k, C); forward's outputs and backward's input gradients.
 static inline void moe_route_return(const MoeRoute* r, CommGroup* ep, const float* send, float* recv, int C) {
-    size_t sc[64], rc[64];
+    size_t sc[64] = {0}, rc[64] = {0};   // initialised only to quiet gcc's -Wmaybe-uninitialized
     size_t *s = r->Q <= 64 ? sc : (size_t*)malloc_or_die(sizeof(size_t) * 2 * (size_t)r->Q, "routing");
     size_t *rr = r->Q <= 64 ? rc : s + r->Q;
     for (int q = 0; q < r->Q; q++) { s[q] = r->recv_rows[q] * (size_t)C; rr[q] = r->send_rows[q] * (size_t)C; }

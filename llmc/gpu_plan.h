@@ -37,7 +37,9 @@ HD float det_load(const void* p, size_t i, int bf16) {
 // with the reduction r walked in tiles of at most DET_KT indices: chunk by chunk (the 8
 // chunks of R2, or a tensor-parallel rank's 8/K of them: `nchunks`), within a chunk group by
 // group (the qkv weight's dinp is chunked per group, see train_gpt2.c matmul_backward),
-// increasing r. A tile never straddles a chunk or group boundary, so each output's terms are
+// increasing r. A reduction along the positions of a sequence (over T, keys or queries) is
+// zig-zag (canonical.h R2Z): its chunk c is walked as two groups, piece c then piece
+// 2*nchunks-1-c. A tile never straddles a chunk or group boundary, so each output's terms are
 // accumulated in exactly the reference order, from 0.0f, with fmaf; when the walk leaves
 // chunk c its partial is pushed into the streaming tree.
 #define DET_MT 128        // rows m of a block tile
@@ -69,40 +71,119 @@ HD int det_out_col(int tid, int j) { return (tid % 16) * 4 + j; }
 enum {
     DET_CAUSAL_NONE = 0,   // all r
     DET_CAUSAL_R_LE_M = 1, // r <= m: keys up to the query (att @ v, ds @ k)
-    DET_CAUSAL_R_GE_M = 2  // r >= m: queries from the key on (ds^T @ q, att^T @ dout)
+    DET_CAUSAL_R_GE_M = 2, // r >= m: queries from the key on (ds^T @ q, att^T @ dout)
+    // context parallelism's blocks (train_gpt2.c attention_*_block): row m a query of rank
+    // zz_r's slice and r the keys of block zz_s that it attends to, a prefix of the block; or
+    // row m a key of block zz_s and r the queries of rank zz_r that attend to it, a suffix
+    DET_CAUSAL_ZZ_KEYS = 3,
+    DET_CAUSAL_ZZ_QUERIES = 4
 };
+
+// Which outputs (m, n) exist: all, n <= m (the one-rank scores), or n among the keys of block
+// zz_s that query m attends to (a block's scores)
+enum { DET_OUT_ALL = 0, DET_OUT_LOWER = 1, DET_OUT_ZZ = 2 };
+// ---- the deterministic matmul-shaped kernel's arguments -------------------------------------
+//
+// One kernel (kernels_det.cuh det_gemm_kernel) serves every matmul-shaped reduction; these
+// are its arguments, and below, the arguments of each use (the matmul's three products, the
+// attention's five), so that the host test runs exactly the configurations the GPU gets.
+typedef struct {
+    // A(z, m, r) = A[zoff_a(z) + m * a_m + r * a_r], likewise B(z, n, r) and out(z, m, n),
+    // with zoff(z) = (z / zdiv) * z_hi + (z % zdiv) * z_lo for z in [0, Z) (z = (b, h) for
+    // attention, b for the per-sequence weight gradients)
+    const float* A; long a_zhi, a_zlo, a_m, a_r;
+    const float* B; long b_zhi, b_zlo, b_n, b_r;
+    float* out; long o_zhi, o_zlo, o_m;
+    const float* bias;   // added after the tree (may be NULL)
+    float scale;         // multiplied after the tree (attention scores; 1 otherwise, exact)
+    int M, N, R;         // outputs M x N, reduction length R
+    int groups;          // R's chunk groups (the qkv dinp: 3)
+    int nchunks;         // R's chunks (8, or a tensor-parallel rank's 8/K)
+    int zigzag;          // R is along a sequence: R2Z chunks
+    int zdiv, Z;
+    // the kernel variant: a_rc / b_rc: A (B) contiguous along r, else along m (n) (only how
+    // tiles are loaded); causal: DET_CAUSAL_*; out_lower: DET_OUT_*
+    int a_rc, b_rc, causal, out_lower;
+    // context parallelism: the sequence length, the group size, the rank whose queries the
+    // product is about and the owner of the block of keys (the ZZ variants)
+    int zz_T, zz_N, zz_r, zz_s;
+} DetGemmArgs;
+
+// The keys of block zz_s that query m (of rank zz_r's slice) attends to: [0, this).
+HD int det_zz_keys(const DetGemmArgs* g, int m) {
+    return canon_zz_count_le(canon_zz_global(m, g->zz_T, g->zz_N, g->zz_r), g->zz_T, g->zz_N, g->zz_s);
+}
+// The first of rank zz_r's queries that attends to key m of block zz_s: [this, T/N).
+HD int det_zz_first_query(const DetGemmArgs* g, int m) {
+    return g->zz_T / g->zz_N - canon_zz_count_ge(canon_zz_global(m, g->zz_T, g->zz_N, g->zz_s), g->zz_T, g->zz_N, g->zz_r);
+}
+
 
 typedef struct {
     int n;        // length of the reduced dimension
-    int groups;   // its groups (n / groups each); 1 except for the qkv dinp (3)
+    int groups;   // its groups (n / groups each); 1 except for the qkv dinp (3); 2 if zigzag
     int nchunks;  // its chunks: 8, or 8/K for a tensor-parallel rank's share (a power of two)
+    int zigzag;   // R2Z: group 0 of chunk c is piece c, group 1 piece 2*nchunks-1-c
     int lo, hi;   // only r in [lo, hi) can take part in this tile (causal clamp); [0, n) else
 } DetReduction;
 
-// The reduction of a block tile whose rows are m0..m_last.
-HD DetReduction det_tile_reduction(int n, int groups, int nchunks, int causal, int m0, int m_last) {
+// The reduction of a block tile of g (under the variant `causal`, g->causal) whose rows are
+// m0..m_last. The bounds of the ZZ variants are monotone in m, so m0's and m_last's bound the
+// tile's.
+HD DetReduction det_tile_reduction(const DetGemmArgs* g, int causal, int m0, int m_last) {
     DetReduction r;
-    r.n = n;
-    r.groups = groups;
-    r.nchunks = nchunks;
+    r.n = g->R;
+    r.groups = g->zigzag ? 2 : g->groups;
+    r.nchunks = g->nchunks;
+    r.zigzag = g->zigzag;
     r.lo = 0;
-    r.hi = n;
+    r.hi = r.n;
     if (causal == DET_CAUSAL_R_LE_M && m_last + 1 < r.hi) { r.hi = m_last + 1; }
     if (causal == DET_CAUSAL_R_GE_M && m0 > r.lo) { r.lo = m0; }
+    if (causal == DET_CAUSAL_ZZ_KEYS) { r.hi = det_zz_keys(g, m_last); }
+    if (causal == DET_CAUSAL_ZZ_QUERIES) { r.lo = det_zz_first_query(g, m0); }
     return r;
 }
 
-HD int det_term_included(int causal, int r, int m) {
-    return causal == DET_CAUSAL_NONE || (causal == DET_CAUSAL_R_LE_M ? r <= m : r >= m);
+HD int det_term_included(const DetGemmArgs* g, int causal, int r, int m) {
+    switch (causal) {
+        case DET_CAUSAL_R_LE_M: return r <= m;
+        case DET_CAUSAL_R_GE_M: return r >= m;
+        case DET_CAUSAL_ZZ_KEYS: return r < det_zz_keys(g, m);
+        case DET_CAUSAL_ZZ_QUERIES: return r >= det_zz_first_query(g, m);
+        default: return 1;
+    }
+}
+
+// Whether every row m0..m_last of a tile takes every term of [k0, k0 + len).
+HD int det_tile_all_in(const DetGemmArgs* g, int causal, int k0, int len, int m0, int m_last) {
+    switch (causal) {
+        case DET_CAUSAL_R_LE_M: return k0 + len - 1 <= m0;
+        case DET_CAUSAL_R_GE_M: return k0 >= m_last;
+        case DET_CAUSAL_ZZ_KEYS: return k0 + len <= det_zz_keys(g, m0);
+        case DET_CAUSAL_ZZ_QUERIES: return k0 >= det_zz_first_query(g, m_last);
+        default: return 1;
+    }
+}
+
+// Whether output (m, n) exists (g->out_lower).
+HD int det_out_exists(const DetGemmArgs* g, int out, int m, int n) {
+    return out == DET_OUT_ALL || (out == DET_OUT_LOWER ? n <= m : n < det_zz_keys(g, m));
+}
+
+// Whether a tile of rows up to m_last and columns from n0 has no output at all.
+HD int det_tile_empty(const DetGemmArgs* g, int out, int n0, int m_last) {
+    return out != DET_OUT_ALL && (out == DET_OUT_LOWER ? n0 > m_last : n0 >= det_zz_keys(g, m_last));
 }
 
 // Indices [*begin, *end) of chunk c, group g (clamped to [lo, hi); may be empty). Chunk c of
 // group g is [g*og + og*c/nchunks, g*og + og*(c+1)/nchunks), og = n / groups, as in
-// train_gpt2.c.
+// train_gpt2.c; zig-zag, group g is stretch g of R2Z chunk c (canon_zz_half).
 HD void det_segment(const DetReduction* r, int c, int g, int* begin, int* end) {
     long og = r->n / r->groups;
     long b = g * og + (og * c) / r->nchunks;
     long e = g * og + (og * (c + 1)) / r->nchunks;
+    if (r->zigzag) { canon_zz_half(r->n, r->nchunks, c, g, &b, &e); }
     if (b < r->lo) { b = r->lo; }
     if (e > r->hi) { e = r->hi; }
     *begin = (int)b;
@@ -142,29 +223,6 @@ HD void det_tree8_push(int c, float p, float* s0, float* s1, float* s2) {
     }
 }
 
-// ---- the deterministic matmul-shaped kernel's arguments -------------------------------------
-//
-// One kernel (kernels_det.cuh det_gemm_kernel) serves every matmul-shaped reduction; these
-// are its arguments, and below, the arguments of each use (the matmul's three products, the
-// attention's five), so that the host test runs exactly the configurations the GPU gets.
-typedef struct {
-    // A(z, m, r) = A[zoff_a(z) + m * a_m + r * a_r], likewise B(z, n, r) and out(z, m, n),
-    // with zoff(z) = (z / zdiv) * z_hi + (z % zdiv) * z_lo for z in [0, Z) (z = (b, h) for
-    // attention, b for the per-sequence weight gradients)
-    const float* A; long a_zhi, a_zlo, a_m, a_r;
-    const float* B; long b_zhi, b_zlo, b_n, b_r;
-    float* out; long o_zhi, o_zlo, o_m;
-    const float* bias;   // added after the tree (may be NULL)
-    float scale;         // multiplied after the tree (attention scores; 1 otherwise, exact)
-    int M, N, R;         // outputs M x N, reduction length R
-    int groups;          // R's chunk groups (the qkv dinp: 3)
-    int nchunks;         // R's chunks (8, or a tensor-parallel rank's 8/K)
-    int zdiv, Z;
-    // the kernel variant: a_rc / b_rc: A (B) contiguous along r, else along m (n) (only how
-    // tiles are loaded); causal: DET_CAUSAL_*; out_lower: only outputs n <= m exist
-    int a_rc, b_rc, causal, out_lower;
-} DetGemmArgs;
-
 HD long det_zoff(int z, int zdiv, long hi, long lo) { return (long)(z / zdiv) * hi + (long)(z % zdiv) * lo; }
 
 static inline DetGemmArgs det_gemm_args(int M, int N, int R, int a_rc, int b_rc, int causal, int out_lower) {
@@ -202,16 +260,22 @@ static inline DetGemmArgs det_args_matmul_dinp(float* dinp, const float* dout, c
     return g;
 }
 
-// matmul_backward's dweight per sequence b: seq[b] (OC,K) = R2 over t of dout[b,t,o] * inp[b,t,k]
+// matmul_backward's dweight per sequence b: seq[b] (OC,K) = R2Z over t of dout[b,t,o] * inp[b,t,k]
 // (the R1 tree over b finishes the R3 reduction; with B = 1, seq is dweight itself)
 static inline DetGemmArgs det_args_matmul_dweight(float* seq, const float* dout, const float* inp,
                                                   int B, int T, int K, int OC) {
     DetGemmArgs g = det_gemm_args(OC, K, T, 0, 0, DET_CAUSAL_NONE, 0);
+    g.zigzag = 1;
     g.A = dout;  g.a_zhi = (long)T * OC;  g.a_m = 1;  g.a_r = OC;
     g.B = inp;   g.b_zhi = (long)T * K;   g.b_n = 1;  g.b_r = K;
     g.out = seq; g.o_zhi = (long)OC * K;  g.o_m = K;
     g.Z = B;
     return g;
+}
+
+// context parallelism: rank r's queries and block s (of N) of the sequence of length T
+static inline void det_args_zz(DetGemmArgs* g, int T, int N, int r, int s) {
+    g->zz_T = T; g->zz_N = N; g->zz_r = r; g->zz_s = s;
 }
 
 // attention scores: att[b,h][t][t2] = R2 over hs of q_t . k_t2 times 1/sqrt(hs), t2 <= t
@@ -242,13 +306,14 @@ static inline DetGemmArgs det_args_attention_datt(float* ds, const float* dout, 
     return g;
 }
 
-// out rows t of head h (stride ldo) = R2 over key chunks t2 <= t of w[b,h][t][t2] * x rows t2
+// out rows t of head h (stride ldo) = R2Z over keys t2 <= t of w[b,h][t][t2] * x rows t2
 // of head h (stride ldx): the forward's att @ v (x = v) and the backward's ds @ k (x = k)
 static inline DetGemmArgs det_args_attention_by_keys(float* out, long ldo, const float* w, const float* x,
                                                      long ldx, int B, int T, int C, int NH) {
     int hs = C / NH;
     long TT = (long)T * T;
     DetGemmArgs g = det_gemm_args(T, hs, T, 1, 0, DET_CAUSAL_R_LE_M, 0);
+    g.zigzag = 1;
     g.A = w;    g.a_zhi = NH * TT;         g.a_zlo = TT;  g.a_m = T;  g.a_r = 1;
     g.B = x;    g.b_zhi = (long)T * ldx;   g.b_zlo = hs;  g.b_n = 1;  g.b_r = ldx;
     g.out = out; g.o_zhi = (long)T * ldo;  g.o_zlo = hs;  g.o_m = ldo;
@@ -257,13 +322,14 @@ static inline DetGemmArgs det_args_attention_by_keys(float* out, long ldo, const
     return g;
 }
 
-// out rows t2 of head h (stride ldo) = R2 over query chunks t >= t2 of w[b,h][t][t2] * x rows
+// out rows t2 of head h (stride ldo) = R2Z over queries t >= t2 of w[b,h][t][t2] * x rows
 // t of head h (stride ldx): the backward's ds^T @ q (dk) and att^T @ dout (dv)
 static inline DetGemmArgs det_args_attention_by_queries(float* out, long ldo, const float* w, const float* x,
                                                         long ldx, int B, int T, int C, int NH) {
     int hs = C / NH;
     long TT = (long)T * T;
     DetGemmArgs g = det_gemm_args(T, hs, T, 0, 0, DET_CAUSAL_R_GE_M, 0);
+    g.zigzag = 1;
     g.A = w;    g.a_zhi = NH * TT;         g.a_zlo = TT;  g.a_m = 1;  g.a_r = T;
     g.B = x;    g.b_zhi = (long)T * ldx;   g.b_zlo = hs;  g.b_n = 1;  g.b_r = ldx;
     g.out = out; g.o_zhi = (long)T * ldo;  g.o_zlo = hs;  g.o_m = ldo;
@@ -272,12 +338,71 @@ static inline DetGemmArgs det_args_attention_by_queries(float* out, long ldo, co
     return g;
 }
 
+// ---- context parallelism's blocks (train_gpt2.c attention_*_block) -------------------------
+// Rank r's Tq = T/N queries against block s's Tq keys; att and ds (B,NH,Tq,T) keep block s in
+// columns [s*Tq, (s+1)*Tq).
+
+// att (or ds) block s [b,h][t][j] = R2 over hs of q_t . k_j (times scale) for the keys j that
+// query t attends to; q rows of stride ldq (qkv's q, or dout), kblk (B,Tq,C)
+static inline DetGemmArgs det_args_attention_block_products(float* att, const float* q, long ldq, const float* kblk,
+                                                            int B, int T, int C, int NH, int N, int r, int s,
+                                                            float scale) {
+    int hs = C / NH, Tq = T / N;
+    long TT = (long)Tq * T;
+    DetGemmArgs g = det_gemm_args(Tq, Tq, hs, 1, 1, DET_CAUSAL_NONE, DET_OUT_ZZ);
+    g.A = q;                      g.a_zhi = (long)Tq * ldq;  g.a_zlo = hs;  g.a_m = ldq;  g.a_r = 1;
+    g.B = kblk;                   g.b_zhi = (long)Tq * C;    g.b_zlo = hs;  g.b_n = C;    g.b_r = 1;
+    g.out = att + (long)s * Tq;   g.o_zhi = NH * TT;         g.o_zlo = TT;  g.o_m = T;
+    g.zdiv = NH;
+    g.Z = B * NH;
+    g.scale = scale;
+    det_args_zz(&g, T, N, r, s);
+    return g;
+}
+
+// out (B,Tq,C) head h = block s's subtree (R2Z over its keys, 8/N chunks) of w[b,h][t][j] * x
+// rows j (stride C): att @ v (w = att, x = vblk) and ds @ k (w = ds, x = kblk)
+static inline DetGemmArgs det_args_attention_block_by_keys(float* out, const float* w, const float* x, int B, int T,
+                                                           int C, int NH, int N, int r, int s) {
+    int hs = C / NH, Tq = T / N;
+    long TT = (long)Tq * T;
+    DetGemmArgs g = det_gemm_args(Tq, hs, Tq, 1, 0, DET_CAUSAL_ZZ_KEYS, DET_OUT_ALL);
+    g.zigzag = 1;
+    g.nchunks = CANON_R / N;
+    g.A = w + (long)s * Tq;  g.a_zhi = NH * TT;        g.a_zlo = TT;  g.a_m = T;  g.a_r = 1;
+    g.B = x;                 g.b_zhi = (long)Tq * C;   g.b_zlo = hs;  g.b_n = 1;  g.b_r = C;
+    g.out = out;             g.o_zhi = (long)Tq * C;   g.o_zlo = hs;  g.o_m = C;
+    g.zdiv = NH;
+    g.Z = B * NH;
+    det_args_zz(&g, T, N, r, s);
+    return g;
+}
+
+// out (B,Tq,C) rows j = block s's keys, head h = rank r's subtree (R2Z over its queries, 8/N
+// chunks) of w[b,h][t][j] * x rows t (stride ldx): ds^T @ q (dk) and att^T @ dout (dv)
+static inline DetGemmArgs det_args_attention_block_by_queries(float* out, const float* w, const float* x, long ldx,
+                                                              int B, int T, int C, int NH, int N, int r, int s) {
+    int hs = C / NH, Tq = T / N;
+    long TT = (long)Tq * T;
+    DetGemmArgs g = det_gemm_args(Tq, hs, Tq, 0, 0, DET_CAUSAL_ZZ_QUERIES, DET_OUT_ALL);
+    g.zigzag = 1;
+    g.nchunks = CANON_R / N;
+    g.A = w + (long)s * Tq;  g.a_zhi = NH * TT;         g.a_zlo = TT;  g.a_m = 1;  g.a_r = T;
+    g.B = x;                 g.b_zhi = (long)Tq * ldx;  g.b_zlo = hs;  g.b_n = 1;  g.b_r = ldx;
+    g.out = out;             g.o_zhi = (long)Tq * C;    g.o_zlo = hs;  g.o_m = C;
+    g.zdiv = NH;
+    g.Z = B * NH;
+    det_args_zz(&g, T, N, r, s);
+    return g;
+}
+
 // ---- reductions over positions (R3) -------------------------------------------------------
 //
-// A position reduction is computed as leaves, one per (sequence b, chunk ch of T), each the
-// sequential sum over its positions from 0.0f, then combined by the R3 tree. Leaf (b, ch) of
-// output o is stored at leaves[(b * nchunks + ch) * stride + o]. nchunks is 8, or 8/K when a
-// sequence-parallel rank holds T/K positions of each sequence (its chunks of the 8).
+// A position reduction is computed as leaves, one per (sequence b, R2Z chunk ch of T), each
+// the sequential sum over its positions from 0.0f, then combined by the R3 tree. Leaf (b, ch)
+// of output o is stored at leaves[(b * nchunks + ch) * stride + o]. nchunks is 8, or 8/K when
+// a sequence-parallel rank holds a zig-zag slice of T/K positions of each sequence (its
+// chunks of the 8).
 
 // The R1 tree over the nchunks leaves of sequence b: the sequence's subtree of the R3 tree.
 HD float det_seq_tree(const float* leaves, int b, int nchunks, long stride) {
@@ -299,15 +424,14 @@ HD float det_pos_tree(const float* leaves, int nseq, int nchunks, long stride) {
     return stack[0];
 }
 
-// First position of chunk ch of nchunks over T (train_gpt2.c: T*ch/nchunks).
-HD long det_pos_chunk_begin(long T, int ch, int nchunks) { return (T * (long)ch) / nchunks; }
-
 // Leaf (b, ch) of sum over positions of x[pos * OC + o] (x: B*T rows of OC; bias gradients,
 // the loss).
 HD float det_position_leaf(const void* x, int bf16, int OC, int o, int b, int T, int ch, int nchunks) {
     float acc = 0.0f;
-    for (long t = det_pos_chunk_begin(T, ch, nchunks); t < det_pos_chunk_begin(T, ch + 1, nchunks); t++) {
-        acc = acc + det_load(x, ((size_t)b * T + t) * OC + o, bf16);
+    for (int half = 0; half < 2; half++) {
+        long tb, te;
+        canon_zz_half(T, nchunks, ch, half, &tb, &te);
+        for (long t = tb; t < te; t++) { acc = acc + det_load(x, ((size_t)b * T + t) * OC + o, bf16); }
     }
     return acc;
 }
@@ -318,12 +442,16 @@ HD void det_ln_param_leaf(const void* x, const void* dy, int bf16, const float* 
                           const float* rstd, int C, int c, int b, int T, int ch, int nchunks,
                           float* leaf_w, float* leaf_b) {
     float aw = 0.0f, ab = 0.0f;
-    for (long t = det_pos_chunk_begin(T, ch, nchunks); t < det_pos_chunk_begin(T, ch + 1, nchunks); t++) {
-        size_t i = (size_t)b * T + t;
-        float d = det_load(dy, i * C + c, bf16);
-        float n = (det_load(x, i * C + c, bf16) - mean[i]) * rstd[i];
-        aw = fmaf(d, n, aw);
-        ab = ab + d;
+    for (int half = 0; half < 2; half++) {
+        long tb, te;
+        canon_zz_half(T, nchunks, ch, half, &tb, &te);
+        for (long t = tb; t < te; t++) {
+            size_t i = (size_t)b * T + t;
+            float d = det_load(dy, i * C + c, bf16);
+            float n = (det_load(x, i * C + c, bf16) - mean[i]) * rstd[i];
+            aw = fmaf(d, n, aw);
+            ab = ab + d;
+        }
     }
     *leaf_w = aw;
     *leaf_b = ab;
@@ -347,7 +475,7 @@ HD float det_encoder_dwpe_elem(const void* dout, int bf16, int B, int T, int C, 
 }
 
 // dwte_emb[v][c] for a token v present in the batch: its positions order[begin..end) in
-// (b, t) order; per sequence the R2 chunk sums over t (0.0f for chunks without v), then R1
+// (b, t) order; per sequence the R2Z chunk sums over t (0.0f for chunks without v), then R1
 // over sequences (R3).
 HD float det_encoder_dwte_elem(const void* dout, int bf16, const int* order, int begin, int end,
                                int B, int T, int C, int c) {
@@ -356,12 +484,19 @@ HD float det_encoder_dwte_elem(const void* dout, int bf16, const int* order, int
     stack[0] = 0.0f;   // the value of an empty reduction (B == 0)
     int next = begin;
     for (int b = 0; b < B; b++) {
+        int piece_at[2 * CANON_R + 1];   // v's first position in sequence b at or past piece p
+        for (int p = 0; p <= 2 * CANON_R; p++) {
+            long start = (long)b * T + canon_piece_begin(T, 2 * CANON_R, p);
+            while (next < end && order[next] < start) { next++; }
+            piece_at[p] = next;
+        }
         for (int ch = 0; ch < CANON_R; ch++) {
-            long t_end = canon_chunk_begin(T, ch + 1);
             float acc = 0.0f;
-            while (next < end && order[next] < (long)b * T + t_end) {
-                acc = acc + det_load(dout, (size_t)order[next] * C + c, bf16);
-                next++;
+            int pieces[2] = {ch, 2 * CANON_R - 1 - ch};
+            for (int half = 0; half < 2; half++) {
+                for (int i = piece_at[pieces[half]]; i < piece_at[pieces[half] + 1]; i++) {
+                    acc = acc + det_load(dout, (size_t)order[i] * C + c, bf16);
+                }
             }
             stack[top++] = acc;
             for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
@@ -386,6 +521,20 @@ HD float det_chunk_sum(const float* x, long begin, long end) {
 HD float det_chunk_dot(const float* a, const float* b, long begin, long end) {
     float acc = 0.0f;
     for (long i = begin; i < end; i++) { acc = fmaf(a[i], b[i], acc); }
+    return acc;
+}
+
+// R2Z chunk c (of nchunks) of an attention row's keys [0, n) that a query attends to, those
+// below `count`: the sum of a[j] (b NULL), or the fmaf-accumulated dot product of a and b, from
+// 0.0f, the chunk's low piece then its high one. One rank: n = T, nchunks = 8, count = t + 1;
+// context parallelism: a block of n = T/N keys, 8/N chunks.
+HD float det_zz_chunk_row(const float* a, const float* b, long n, int nchunks, int c, long count) {
+    float acc = 0.0f;
+    for (int half = 0; half < 2; half++) {
+        long kb, ke;
+        canon_zz_half(n, nchunks, c, half, &kb, &ke);
+        for (long j = kb; j < ke && j < count; j++) { acc = b ? fmaf(a[j], b[j], acc) : acc + a[j]; }
+    }
     return acc;
 }
 

@@ -63,7 +63,7 @@ static void* device_scratch(int slot, size_t bytes) {
 
 // One template instance per variant of gpu_plan.h's DetGemmArgs (a_rc, b_rc, causal,
 // out_lower). A_RC / B_RC only change how a tile is loaded, so that global reads coalesce.
-template <bool A_RC, bool B_RC, int CAUSAL, bool OUT_LOWER>
+template <bool A_RC, bool B_RC, int CAUSAL, int OUT>
 static __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const DetGemmArgs g) {
     __shared__ __align__(16) float As[2][DET_KT][DET_MT + 4];
     __shared__ __align__(16) float Bs[2][DET_KT][DET_NT + 4];
@@ -71,10 +71,10 @@ static __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const D
     const int z = blockIdx.z;
     const int m0 = blockIdx.y * DET_MT, n0 = blockIdx.x * DET_NT;
     const int m_last = min(m0 + DET_MT, g.M) - 1;
-    if (OUT_LOWER && n0 > m_last) { return; }   // the tile lies above the diagonal
+    if (det_tile_empty(&g, OUT, n0, m_last)) { return; }   // e.g. the tile lies above the diagonal
     const float* A = g.A + det_zoff(z, g.zdiv, g.a_zhi, g.a_zlo);
     const float* Bm = g.B + det_zoff(z, g.zdiv, g.b_zhi, g.b_zlo);
-    const DetReduction red = det_tile_reduction(g.R, g.groups, g.nchunks, CAUSAL, m0, m_last);
+    const DetReduction red = det_tile_reduction(&g, CAUSAL, m0, m_last);
 
     // this thread's outputs: rows m0 + row_of[i], columns n0 + det_out_col(tid, j) (gpu_plan.h)
     int row_of[8];
@@ -130,7 +130,7 @@ static __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const D
         const float b[4] = {bv.x, bv.y, bv.z, bv.w};
         #pragma unroll
         for (int i = 0; i < 8; i++) {
-            bool in = all_in || det_term_included(CAUSAL, r, m0 + row_of[i]);
+            bool in = all_in || det_term_included(&g, CAUSAL, r, m0 + row_of[i]);
             #pragma unroll
             for (int j = 0; j < 4; j++) {
                 if (in) { acc[i][j] = fmaf(a[i], b[j], acc[i][j]); }
@@ -164,8 +164,7 @@ static __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const D
         have = det_walk_seek(&red, &c, &grp, &k0, &kend);
         if (have) { load_tile(k0, min(DET_KT, kend - k0)); }
         while (cur < tc) { push(cur); cur++; }   // chunks before tc are complete (or empty: 0)
-        const bool all_in = CAUSAL == DET_CAUSAL_NONE ||
-                            (CAUSAL == DET_CAUSAL_R_LE_M ? tk0 + tlen - 1 <= m0 : tk0 >= m_last);
+        const bool all_in = CAUSAL == DET_CAUSAL_NONE || det_tile_all_in(&g, CAUSAL, tk0, tlen, m0, m_last);
         if (all_in && tlen == DET_KT) {
             #pragma unroll
             for (int kk = 0; kk < DET_KT; kk++) { step(buf, kk, tk0 + kk, true); }
@@ -186,7 +185,7 @@ static __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const D
         #pragma unroll
         for (int j = 0; j < 4; j++) {
             int n = n0 + det_out_col(tid, j);
-            if (n >= g.N || (OUT_LOWER && n > m)) { continue; }
+            if (n >= g.N || !det_out_exists(&g, OUT, m, n)) { continue; }
             float v = s0[i][j] * g.scale;
             if (g.bias) { v = v + g.bias[n]; }
             out[(long)m * g.o_m + n] = v;
@@ -194,7 +193,7 @@ static __global__ void __launch_bounds__(DET_THREADS, 1) det_gemm_kernel(const D
     }
 }
 
-// Launches the instance of g's variant over g's outputs (the six variants the trainer uses).
+// Launches the instance of g's variant over g's outputs (the nine variants the trainer uses).
 static void det_gemm(const DetGemmArgs& g, const char* name) {
     unsigned gx, gy, gz;
     if (!det_gemm_grid(g.M, g.N, g.Z, &gx, &gy, &gz)) {
@@ -203,12 +202,15 @@ static void det_gemm(const DetGemmArgs& g, const char* name) {
     dim3 grid(gx, gy, gz);
     void (*det_gemm_instance)(const DetGemmArgs) = NULL;
     switch (g.a_rc * 1000 + g.b_rc * 100 + g.causal * 10 + g.out_lower) {
-        case 1100: det_gemm_instance = det_gemm_kernel<true, true, DET_CAUSAL_NONE, false>; break;
-        case 1000: det_gemm_instance = det_gemm_kernel<true, false, DET_CAUSAL_NONE, false>; break;
-        case 0: det_gemm_instance = det_gemm_kernel<false, false, DET_CAUSAL_NONE, false>; break;
-        case 1101: det_gemm_instance = det_gemm_kernel<true, true, DET_CAUSAL_NONE, true>; break;
-        case 1010: det_gemm_instance = det_gemm_kernel<true, false, DET_CAUSAL_R_LE_M, false>; break;
-        case 20: det_gemm_instance = det_gemm_kernel<false, false, DET_CAUSAL_R_GE_M, false>; break;
+        case 1100: det_gemm_instance = det_gemm_kernel<true, true, DET_CAUSAL_NONE, DET_OUT_ALL>; break;
+        case 1000: det_gemm_instance = det_gemm_kernel<true, false, DET_CAUSAL_NONE, DET_OUT_ALL>; break;
+        case 0: det_gemm_instance = det_gemm_kernel<false, false, DET_CAUSAL_NONE, DET_OUT_ALL>; break;
+        case 1101: det_gemm_instance = det_gemm_kernel<true, true, DET_CAUSAL_NONE, DET_OUT_LOWER>; break;
+        case 1010: det_gemm_instance = det_gemm_kernel<true, false, DET_CAUSAL_R_LE_M, DET_OUT_ALL>; break;
+        case 20: det_gemm_instance = det_gemm_kernel<false, false, DET_CAUSAL_R_GE_M, DET_OUT_ALL>; break;
+        case 1102: det_gemm_instance = det_gemm_kernel<true, true, DET_CAUSAL_NONE, DET_OUT_ZZ>; break;
+        case 1030: det_gemm_instance = det_gemm_kernel<true, false, DET_CAUSAL_ZZ_KEYS, DET_OUT_ALL>; break;
+        case 40: det_gemm_instance = det_gemm_kernel<false, false, DET_CAUSAL_ZZ_QUERIES, DET_OUT_ALL>; break;
         default: fatal("%s: no deterministic kernel for variant a_rc %d b_rc %d causal %d lower %d", name,
                        g.a_rc, g.b_rc, g.causal, g.out_lower);
     }
@@ -500,18 +502,39 @@ static inline void matmul_backward(float* dinp, float* dweight, float* dbias, co
     if (dbias) { position_reduce_x(dbias, dout, 0, B, T, OC); }
 }
 
+// out[b * stride + o] = sequence b's subtree of the R3 leaves of output o (n outputs)
+static __global__ void position_seq_tree_kernel(float* out, long stride, const float* leaves, int B, int nchunks, int n) {
+    int o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= n) { return; }
+    for (int b = 0; b < B; b++) { out[(size_t)b * stride + o] = det_seq_tree(leaves + o, b, nchunks, n); }
+}
+
+// Each sequence's subtree (tchunks R2Z chunks of its T positions) of matmul_backward's dweight
+// and dbias, at dweight + b*seq_stride and dbias + b*seq_stride (train_gpt2.c
+// matmul_backward_seqs: context parallelism)
+static inline void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const float* dout,
+                                        const float* inp, int B, int T, int K, int OC, int tchunks) {
+    DetGemmArgs g = det_args_matmul_dweight(dweight, dout, inp, B, T, K, OC);
+    g.nchunks = tchunks;
+    g.o_zhi = seq_stride;
+    det_gemm(g, "matmul_backward_seqs dweight");
+    if (dbias) {
+        size_t n = (size_t)B * tchunks * OC;
+        float* leaves = (float*)device_scratch(DSCRATCH_LEAVES, sizeof(float) * (n ? n : 1));
+        LAUNCH(position_leaves_kernel, elementwise_blocks(n, 256), 256, leaves, (const void*)dout, 0, B, T, OC, tchunks);
+        cudaLaunchCheck("position_leaves_kernel");
+        LAUNCH(position_seq_tree_kernel, ceil_div_u(OC, 256), 256, dbias, seq_stride, (const float*)leaves, B, tchunks, OC);
+        cudaLaunchCheck("position_seq_tree_kernel");
+    }
+}
+
 // ==========================================================================================
 // attention (train_gpt2.c attention_forward / attention_backward), causal, per (b, h)
 // ==========================================================================================
 
-// softmax of row (z, t) of the scores over keys t2 <= t, in place: max, exps, R2 over the
-// key chunks (of T), division; 0 past t. One warp per row; lanes 0-7 own the chunk sums.
-static __global__ void attention_softmax_kernel(float* att, int rows, int T) {
-    int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
-    int lane = threadIdx.x % 32;
-    if (row >= rows) { return; }   // whole warps: rows is per warp
-    int t = row % T;
-    float* a = att + (size_t)row * T;
+// softmax of a row a (T) of the scores of query t over keys t2 <= t, in place: max, exps, R2Z
+// over the keys, division; 0 past t. One warp per row; lanes 0-7 own the chunk sums.
+__device__ __forceinline__ void det_causal_softmax_row(float* a, int t, int T, int lane) {
     float maxv = -canon_inf();
     for (int t2 = lane; t2 <= t; t2 += 32) { if (a[t2] > maxv) { maxv = a[t2]; } }
     for (int o = 16; o > 0; o >>= 1) {
@@ -521,15 +544,19 @@ static __global__ void attention_softmax_kernel(float* att, int rows, int T) {
     for (int t2 = lane; t2 <= t; t2 += 32) { a[t2] = canon_expf(a[t2] - maxv); }
     __syncwarp();
     float p = 0.0f;
-    if (lane < CANON_R) {
-        long end = canon_chunk_begin(T, lane + 1);
-        p = det_chunk_sum(a, canon_chunk_begin(T, lane), end < t + 1 ? end : t + 1);
-    }
+    if (lane < CANON_R) { p = det_zz_chunk_row(a, NULL, T, CANON_R, lane, t + 1); }
     float zsum = __shfl_sync(FULL_MASK, det_tree8_shfl(p), 0);
     for (int t2 = lane; t2 < T; t2 += 32) { a[t2] = t2 <= t ? a[t2] / zsum : 0.0f; }
 }
 
-// ds row (z, t) <- att * (dst - S) * scale, S = R2 over key chunks of fmaf(att, dst)
+static __global__ void attention_softmax_kernel(float* att, int rows, int T) {
+    int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
+    int lane = threadIdx.x % 32;
+    if (row >= rows) { return; }   // whole warps: rows is per warp
+    det_causal_softmax_row(att + (size_t)row * T, row % T, T, lane);
+}
+
+// ds row (z, t) <- att * (dst - S) * scale, S = R2Z over keys of fmaf(att, dst)
 static __global__ void attention_softmax_backward_kernel(float* ds, const float* att, int rows, int T, float scale) {
     int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x % 32;
@@ -538,10 +565,7 @@ static __global__ void attention_softmax_backward_kernel(float* ds, const float*
     float* d = ds + (size_t)row * T;
     const float* at = att + (size_t)row * T;
     float p = 0.0f;
-    if (lane < CANON_R) {
-        long end = canon_chunk_begin(T, lane + 1);
-        p = det_chunk_dot(at, d, canon_chunk_begin(T, lane), end < t + 1 ? end : t + 1);
-    }
+    if (lane < CANON_R) { p = det_zz_chunk_row(at, d, T, CANON_R, lane, t + 1); }
     float S = __shfl_sync(FULL_MASK, det_tree8_shfl(p), 0);
     for (int t2 = lane; t2 <= t; t2 += 32) { d[t2] = at[t2] * (d[t2] - S) * scale; }
 }
@@ -553,6 +577,54 @@ static inline void attention_forward(float* out, float* att, const float* qkv, i
     LAUNCH(attention_softmax_kernel, ceil_div_u((size_t)rows * 32, 256), 256, att, rows, T);
     cudaLaunchCheck("attention_softmax_kernel");
     det_gemm(det_args_attention_by_keys(out, C, att, qkv + 2 * C, 3L * C, B, T, C, NH), "attention_forward att@v");
+}
+
+// Generation with a KV cache (train_gpt2.c attention_forward_row): query row t of one sequence
+// over T positions, against rows 0..t of qkv (T,3C); out row t (C), att rows t (NH,T,T).
+// Scores: one thread per (head, key), R2 over the head's channels; the softmax: one warp per
+// head, as attention_softmax_kernel; att@v: one thread per channel, R2Z over the keys.
+static __global__ void attention_row_scores_kernel(float* att, const float* qkv, int t, int T, int C, int NH,
+                                                   float scale) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x, h = idx / (t + 1), t2 = idx % (t + 1), hs = C / NH;
+    if (h >= NH) { return; }
+    const float* q = qkv + (size_t)t * 3 * C + h * hs;
+    const float* k = qkv + (size_t)t2 * 3 * C + C + h * hs;
+    att[((size_t)h * T + t) * T + t2] = canon_dot(q, 1, k, 1, hs) * scale;
+}
+
+static __global__ void attention_row_softmax_kernel(float* att, int t, int T, int NH) {
+    int h = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
+    if (h >= NH) { return; }   // whole warps
+    det_causal_softmax_row(att + ((size_t)h * T + t) * T, t, T, threadIdx.x % 32);
+}
+
+static __global__ void attention_row_values_kernel(float* out, const float* att, const float* qkv, int t, int T,
+                                                   int C, int NH) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) { return; }
+    const float* a = att + ((size_t)(c / (C / NH)) * T + t) * T;
+    const float* v = qkv + 2 * C + c;
+    float partial[CANON_R];
+    for (int ch = 0; ch < CANON_R; ch++) {
+        float acc = 0.0f;
+        for (int half = 0; half < 2; half++) {
+            long kb, ke;
+            canon_zz_half(T, CANON_R, ch, half, &kb, &ke);
+            for (long j = kb; j < ke && j <= t; j++) { acc = fmaf(a[j], v[j * 3 * C], acc); }
+        }
+        partial[ch] = acc;
+    }
+    out[(size_t)t * C + c] = canon_tree8(partial);
+}
+
+static inline void attention_forward_row(float* out, float* att, const float* qkv, int t, int T, int C, int NH) {
+    LAUNCH(attention_row_scores_kernel, ceil_div_u((size_t)NH * (t + 1), 256), 256, att, qkv, t, T, C, NH,
+           canon_rsqrtf((float)(C / NH)));
+    cudaLaunchCheck("attention_row_scores_kernel");
+    LAUNCH(attention_row_softmax_kernel, ceil_div_u((size_t)NH * 32, 256), 256, att, t, T, NH);
+    cudaLaunchCheck("attention_row_softmax_kernel");
+    LAUNCH(attention_row_values_kernel, ceil_div_u((size_t)C, 256), 256, out, att, qkv, t, T, C, NH);
+    cudaLaunchCheck("attention_row_values_kernel");
 }
 
 // dqkv (B,T,3C) <- dout (B,T,C)
@@ -568,6 +640,130 @@ static inline void attention_backward(float* dqkv, const float* dout, const floa
     det_gemm(det_args_attention_by_keys(dqkv, C3, ds, qkv + C, C3, B, T, C, NH), "attention_backward dq");
     det_gemm(det_args_attention_by_queries(dqkv + C, C3, ds, qkv, C3, B, T, C, NH), "attention_backward dk");
     det_gemm(det_args_attention_by_queries(dqkv + 2 * C, C3, att, dout, C, B, T, C, NH), "attention_backward dv");
+}
+
+// ==========================================================================================
+// context parallelism's attention blocks (train_gpt2.c attention_*_block; context_parallel.h
+// drives them): rank r's Tq = T/N queries against block s's keys, att and ds (B,NH,Tq,T) with
+// block s in columns [s*Tq, (s+1)*Tq)
+// ==========================================================================================
+
+static inline void attention_scores_block(float* att, const float* qkv, const float* kblk, int B, int T, int C,
+                                          int NH, int N, int r, int s) {
+    det_gemm(det_args_attention_block_products(att, qkv, 3L * C, kblk, B, T, C, NH, N, r, s,
+                                               canon_rsqrtf((float)(C / NH))), "attention_scores_block");
+}
+
+static inline void attention_datt_block(float* ds, const float* dout, const float* vblk, int B, int T, int C, int NH,
+                                        int N, int r, int s) {
+    det_gemm(det_args_attention_block_products(ds, dout, C, vblk, B, T, C, NH, N, r, s, 1.0f), "attention_datt_block");
+}
+
+// The softmax of row (z, t) over every block: the max, the exps, Z = canon_tree8 of the 8
+// lanes' chunk sums (lane L: chunk L % (8/N) of block L / (8/N), i.e. R1 over the blocks of
+// each block's subtree), the division; 0 for the keys the query does not attend to. One warp
+// per row.
+static __global__ void attention_softmax_blocks_kernel(float* att, int rows, int T, int N, int r) {
+    int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
+    int lane = threadIdx.x % 32;
+    if (row >= rows) { return; }   // whole warps: rows is per warp
+    int Tq = T / N, per = CANON_R / N;
+    long p = canon_zz_global(row % Tq, T, N, r);
+    float* a = att + (size_t)row * T;
+    float maxv = -canon_inf();
+    for (int s = 0; s < N; s++) {
+        int cnt = canon_zz_count_le(p, T, N, s);
+        for (int j = lane; j < cnt; j += 32) { if (a[s * Tq + j] > maxv) { maxv = a[s * Tq + j]; } }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float other = __shfl_xor_sync(FULL_MASK, maxv, o);
+        if (other > maxv) { maxv = other; }
+    }
+    for (int s = 0; s < N; s++) {
+        int cnt = canon_zz_count_le(p, T, N, s);
+        for (int j = lane; j < cnt; j += 32) { a[s * Tq + j] = canon_expf(a[s * Tq + j] - maxv); }
+    }
+    __syncwarp();
+    float part = 0.0f;
+    if (lane < CANON_R) {
+        int s = lane / per;
+        part = det_zz_chunk_row(a + s * Tq, NULL, Tq, per, lane % per, canon_zz_count_le(p, T, N, s));
+    }
+    float z = __shfl_sync(FULL_MASK, det_tree8_shfl(part), 0);
+    __syncwarp();
+    for (int s = 0; s < N; s++) {
+        int cnt = canon_zz_count_le(p, T, N, s);
+        for (int j = lane; j < Tq; j += 32) { a[s * Tq + j] = j < cnt ? a[s * Tq + j] / z : 0.0f; }
+    }
+}
+
+static inline void attention_softmax_blocks(float* att, int B, int T, int NH, int N, int r) {
+    int rows = B * NH * (T / N);
+    LAUNCH(attention_softmax_blocks_kernel, ceil_div_u((size_t)rows * 32, 256), 256, att, rows, T, N, r);
+    cudaLaunchCheck("attention_softmax_blocks_kernel");
+}
+
+// ds row (z, t) <- att * (ds - S) * scale over every block's attended keys, S = canon_tree8 of
+// the lanes' chunk sums of fmaf(att, ds) (as attention_softmax_blocks_kernel's Z)
+static __global__ void attention_softmax_backward_blocks_kernel(float* ds, const float* att, int rows, int T, int N,
+                                                                int r, float scale) {
+    int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
+    int lane = threadIdx.x % 32;
+    if (row >= rows) { return; }
+    int Tq = T / N, per = CANON_R / N;
+    long p = canon_zz_global(row % Tq, T, N, r);
+    float* d = ds + (size_t)row * T;
+    const float* at = att + (size_t)row * T;
+    float part = 0.0f;
+    if (lane < CANON_R) {
+        int s = lane / per;
+        part = det_zz_chunk_row(at + s * Tq, d + s * Tq, Tq, per, lane % per, canon_zz_count_le(p, T, N, s));
+    }
+    float S = __shfl_sync(FULL_MASK, det_tree8_shfl(part), 0);
+    __syncwarp();
+    for (int s = 0; s < N; s++) {
+        int cnt = canon_zz_count_le(p, T, N, s);
+        for (int j = lane; j < cnt; j += 32) { d[s * Tq + j] = at[s * Tq + j] * (d[s * Tq + j] - S) * scale; }
+    }
+}
+
+static inline void attention_softmax_backward_blocks(float* ds, const float* att, int B, int T, int C, int NH, int N,
+                                                     int r) {
+    int rows = B * NH * (T / N);
+    LAUNCH(attention_softmax_backward_blocks_kernel, ceil_div_u((size_t)rows * 32, 256), 256, ds, att, rows, T, N, r,
+           canon_rsqrtf((float)(C / NH)));
+    cudaLaunchCheck("attention_softmax_backward_blocks_kernel");
+}
+
+static inline void attention_values_block(float* out, const float* att, const float* vblk, int B, int T, int C,
+                                          int NH, int N, int r, int s) {
+    det_gemm(det_args_attention_block_by_keys(out, att, vblk, B, T, C, NH, N, r, s), "attention_values_block");
+}
+
+static inline void attention_dq_block(float* dq, const float* ds, const float* kblk, int B, int T, int C, int NH,
+                                      int N, int r, int s) {
+    det_gemm(det_args_attention_block_by_keys(dq, ds, kblk, B, T, C, NH, N, r, s), "attention_dq_block");
+}
+
+static inline void attention_dkv_block(float* dk, float* dv, const float* ds, const float* att, const float* qkv,
+                                       const float* dout, int B, int T, int C, int NH, int N, int r, int s) {
+    det_gemm(det_args_attention_block_by_queries(dk, ds, qkv, 3L * C, B, T, C, NH, N, r, s), "attention_dkv_block dk");
+    det_gemm(det_args_attention_block_by_queries(dv, att, dout, C, B, T, C, NH, N, r, s), "attention_dkv_block dv");
+}
+
+// dst rows (stride ldd) <- width floats of each of `rows` src rows (stride lds)
+static __global__ void copy_rows_kernel(float* dst, long ldd, const float* src, long lds, long rows, int width) {
+    size_t n = (size_t)rows * width;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        size_t row = i / width, col = i % width;
+        dst[row * ldd + col] = src[row * lds + col];
+    }
+}
+
+static inline void copy_rows(float* dst, long ldd, const float* src, long lds, long rows, int width) {
+    if (rows == 0 || width == 0) { return; }
+    LAUNCH(copy_rows_kernel, elementwise_blocks((size_t)rows * width, 256), 256, dst, ldd, src, lds, rows, width);
+    cudaLaunchCheck("copy_rows_kernel");
 }
 
 // ==========================================================================================

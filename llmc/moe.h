@@ -33,7 +33,7 @@
  *   the router's matmul backward (dx_router, droutherw R3), the experts' (below), and
  *   dx = ((dx_router + dx_c1) + dx_c2) + ...  ascending expert index
  * The expert weight and bias gradients are rule R3 over the positions routed to the expert:
- * per sequence the R2 chunks of T, each accumulating the routed positions of its chunk in
+ * per sequence the R2Z chunks of T, each accumulating the routed positions of its chunk in
  * order from 0.0f (positions not routed take no part; a chunk without any sums to 0), then
  * the R1 tree over the sequences of the global batch. One microbatch's positions are a
  * complete subtree, so an expert's gradient is computed per source microbatch ("slice"), and
@@ -41,7 +41,8 @@
  * the tokens came from (expert_parallel.h).
  *
  * THE ROUTING PLAN (host). Slot (i, j) is the j-th chosen expert of position i. Dispatch
- * rows are the slots sorted by expert, then by position (a stable counting sort): the rows of
+ * rows are the slots sorted by expert, then by position in canonical order (a stable counting
+ * sort; per sequence its R2Z chunks in turn, each chunk's positions ascending): the rows of
  * one expert are one block, in canonical position order, and the experts of one
  * expert-parallel rank are consecutive (expert_parallel.h). At an expert, the rows of each
  * source microbatch keep that order, and `leaf` marks where each (source, sequence, chunk of T)
@@ -121,11 +122,11 @@ HD void moe_router_backward_row(float* dlogits, const float* p, const int* chose
     for (int e = 0; e < E; e++) { dlogits[e] = p[e] * (dlogits[e] - h); }
 }
 
-// Leaf index (sequence b, chunk ch of T) of position pos = b*T + t of a microbatch.
+// Leaf index (sequence b, R2Z chunk ch of T) of position pos = b*T + t of a microbatch.
 HD int moe_leaf_of(int pos, int T) {
-    int b = pos / T, t = pos % T, ch = CANON_R - 1;
-    while (canon_chunk_begin(T, ch) > t) { ch--; }
-    return b * CANON_R + ch;
+    int b = pos / T, t = pos % T, piece = 2 * CANON_R - 1;
+    while (canon_piece_begin(T, 2 * CANON_R, piece) > t) { piece--; }
+    return b * CANON_R + (piece < CANON_R ? piece : 2 * CANON_R - 1 - piece);
 }
 
 // R3 over the rows of one source microbatch: leaf (b, ch) is rows [leaf[b*8+ch],
@@ -186,20 +187,32 @@ static inline void moe_aux_grad(float* daux, const int* count, int E, int k, int
 // 3. The routing plan (host)
 // ==========================================================================================
 
-// Dispatch rows from the choice (BT x k): count (E) slots per expert; row_pos (BT*k) the
-// position of each dispatch row (sorted by expert, then position); slot_row (BT*k) the
-// dispatch row of slot i*k + j.
-static inline void moe_plan_routes(const int* chosen, int BT, int k, int E, int* count, int* row_pos,
+// Dispatch rows from the choice (B sequences of T positions x k): count (E) slots per expert;
+// row_pos (BT*k) the position of each dispatch row (sorted by expert, then by position in
+// canonical order: sequence by sequence, its R2Z chunks in turn, so that the rows of every
+// leaf of the R3 reduction are consecutive and ascending); slot_row (BT*k) the dispatch row
+// of slot i*k + j.
+static inline void moe_plan_routes(const int* chosen, int B, int T, int k, int E, int* count, int* row_pos,
                                    int* slot_row, int* cursor /* E */) {
+    long BT = (long)B * T;
     memset(count, 0, sizeof(int) * (size_t)E);
-    for (long s = 0; s < (long)BT * k; s++) { count[chosen[s]]++; }
+    for (long s = 0; s < BT * k; s++) { count[chosen[s]]++; }
     int at = 0;
     for (int e = 0; e < E; e++) { cursor[e] = at; at += count[e]; }
-    for (int i = 0; i < BT; i++) {
-        for (int j = 0; j < k; j++) {
-            int r = cursor[chosen[(long)i * k + j]]++;
-            row_pos[r] = i;
-            slot_row[(long)i * k + j] = r;
+    for (int b = 0; b < B; b++) {
+        for (int ch = 0; ch < CANON_R; ch++) {
+            for (int half = 0; half < 2; half++) {
+                long t0, t1;
+                canon_zz_half(T, CANON_R, ch, half, &t0, &t1);
+                for (long t = t0; t < t1; t++) {
+                    int i = (int)(b * (long)T + t);
+                    for (int j = 0; j < k; j++) {
+                        int r = cursor[chosen[(long)i * k + j]]++;
+                        row_pos[r] = i;
+                        slot_row[(long)i * k + j] = r;
+                    }
+                }
+            }
         }
     }
 }
@@ -255,7 +268,7 @@ void moe_router_forward(float* probs, int* chosen, float* gates, const float* lo
 // psum (E) = R3 over the positions of probs (B,T,E) of each expert's probability
 void moe_expert_prob_sums(float* psum, const float* probs, int B, int T, int E) {
     #pragma omp parallel for
-    for (int e = 0; e < E; e++) { psum[e] = position_reduce_elem(probs, E, e, NULL, 0, 0, B, T); }
+    for (int e = 0; e < E; e++) { psum[e] = position_reduce_elem(probs, E, e, NULL, 0, 0, B, T, CANON_R); }
 }
 
 // out (n,C) = rows in[index[i]] of in (., C)

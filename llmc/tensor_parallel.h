@@ -35,7 +35,7 @@
  * rank. The vocabulary sum of the cross-entropy likewise (Vp chunks). A sum where exactly one
  * rank holds the value (the embedding lookup, the target logit) has the other ranks
  * contribute -0.0f, because x + (-0) == x for every x (with +0, a -0 would come out +0).
- * Requires K a power of two dividing 8, NH and Vp.
+ * Requires K a power of two dividing 8, NH and Vp (and, for sequence parallelism, 2K | T).
  */
 #ifndef LLMC_TENSOR_PARALLEL_H
 #define LLMC_TENSOR_PARALLEL_H
@@ -197,50 +197,67 @@ static inline void tp_g_forward(CommGroup* tp, float* y, size_t n) {
 static inline void tp_g_backward(CommGroup* tp, float* dy, size_t n) { (void)tp; (void)dy; (void)n; }
 
 // ------------------------------------------------------------------------------------------
+// Zig-zag slices of sequences (canonical.h R2Z): D ranks split each of B sequences of T
+// positions (rows of C floats); rank r holds stretches r and 2D-1-r of the 2D stretches of
+// T/2D positions, stored as a (B, T/D, C) slice, low stretch first. These copy between the
+// rank-major stack of all D slices (D, B, T/D, C) and the sequences in order (B, T, C);
+// `to_slices` picks the direction. Both buffers live in `mem`.
+static inline void zz_reorder(const MemOps* mem, float* seqs, float* slices, int B, int T, int C, int D,
+                              int to_slices) {
+    size_t h = (size_t)T / (2 * D), n = (size_t)B * T / D * C;
+    for (int r = 0; r < D; r++) {
+        for (int b = 0; b < B; b++) {
+            for (int half = 0; half < 2; half++) {
+                size_t t0 = half == 0 ? (size_t)r * h : (size_t)T - (size_t)(r + 1) * h;
+                float* seq = seqs + ((size_t)b * T + t0) * C;
+                float* slice = slices + r * n + ((size_t)b * T / D + half * h) * C;
+                if (to_slices) { mem->copy(slice, seq, h * C * sizeof(float)); }
+                else { mem->copy(seq, slice, h * C * sizeof(float)); }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
 // Megatron's sequence parallelism (--sp 1): outside the tensor-parallel regions (layernorms,
-// residual stream, dropout) rank r keeps positions [r*T/K, (r+1)*T/K) of every sequence, a
-// (B, T/K, C) slice. f becomes an all-gather along T (forward) / reduce-scatter (backward), g a
-// reduce-scatter along T (forward) / all-gather (backward): the same bytes as the all-reduces
-// they replace (an all-reduce is a reduce-scatter plus an all-gather), and the reduce-scatter
-// sums by the same R1 tree. The layernorm weight and bias gradients, summed over positions
-// that are now on K ranks, are finished per sequence over the group (train_gpt2.c).
+// residual stream, dropout) rank r keeps its zig-zag slice of every sequence (canonical.h
+// R2Z: stretches r and 2K-1-r of T/2K positions), a (B, T/K, C) slice: the layout whose
+// positions are whole chunks of every reduction over positions. f becomes an all-gather along
+// T (forward) / reduce-scatter (backward), g a reduce-scatter along T (forward) / all-gather
+// (backward): the same bytes as the all-reduces they replace (an all-reduce is a
+// reduce-scatter plus an all-gather), and the reduce-scatter sums by the same R1 tree. The
+// layernorm weight and bias gradients, summed over positions that are now on K ranks, are
+// finished per sequence over the group (train_gpt2.c).
 
 // full (B,T,C) <- every rank's slice (B,T/K,C): all-gather (tp group) and reorder (the
 // buffers live in the group's memory, memory.h).
 static inline void tp_sp_all_gather(CommGroup* tp, const float* slice, float* full, int B, int T,
                                     int C, float* scratch /* B*T*C */) {
-    int K = tp->size, Tl = T / K;
-    size_t n = (size_t)B * Tl * C, row = (size_t)Tl * C;
-    comm_all_gather(tp, slice, scratch, n, COMM_KIND_TP);
-    for (int r = 0; r < K; r++) {
-        for (int b = 0; b < B; b++) {
-            tp->mem->copy(full + ((size_t)b * T + (size_t)r * Tl) * C, scratch + r * n + b * row, row * sizeof(float));
-        }
-    }
+    comm_all_gather(tp, slice, scratch, (size_t)B * T / tp->size * C, COMM_KIND_TP);
+    zz_reorder(tp->mem, full, scratch, B, T, C, tp->size, 0);
 }
 
 // slice (B,T/K,C) <- the sum over the group of everyone's full (B,T,C), this rank's positions:
 // reorder to rank-major, then reduce-scatter (tp group, the R1 tree over ranks).
 static inline void tp_sp_reduce_scatter(CommGroup* tp, const float* full, float* slice, int B, int T,
                                         int C, float* scratch /* B*T*C */) {
-    int K = tp->size, Tl = T / K;
-    size_t n = (size_t)B * Tl * C, row = (size_t)Tl * C;
-    for (int r = 0; r < K; r++) {
-        for (int b = 0; b < B; b++) {
-            tp->mem->copy(scratch + r * n + b * row, full + ((size_t)b * T + (size_t)r * Tl) * C, row * sizeof(float));
-        }
-    }
-    comm_reduce_scatter(tp, scratch, slice, n, COMM_KIND_TP);
+    zz_reorder(tp->mem, (float*)full, scratch, B, T, C, tp->size, 1);
+    comm_reduce_scatter(tp, scratch, slice, (size_t)B * T / tp->size * C, COMM_KIND_TP);
 }
 
 // slice (B,T/K,C) <- this rank's positions of full (B,T,C) when every rank holds the whole of
 // it already (a mixture-of-experts layer's output and input gradient, complete per expert):
 // the sequence-parallel form of "no sum over the group".
+// This rank's zig-zag slice: stretches r and 2K-1-r of each sequence (canonical.h R2Z), as
+// tp_sp_reduce_scatter leaves it.
 static inline void tp_sp_take_slice(CommGroup* tp, const float* full, float* slice, int B, int T, int C) {
-    int K = tp->size, Tl = T / K;
-    size_t row = (size_t)Tl * C;
+    int K = tp->size, r = tp->rank;
+    size_t h = (size_t)T / (2 * K), Tl = (size_t)T / K;
     for (int b = 0; b < B; b++) {
-        tp->mem->copy(slice + b * row, full + ((size_t)b * T + (size_t)tp->rank * Tl) * C, row * sizeof(float));
+        for (int half = 0; half < 2; half++) {
+            size_t t0 = half == 0 ? (size_t)r * h : (size_t)T - (size_t)(r + 1) * h;
+            tp->mem->copy(slice + ((size_t)b * Tl + half * h) * C, full + ((size_t)b * T + t0) * C, h * C * sizeof(float));
+        }
     }
 }
 

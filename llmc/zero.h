@@ -9,7 +9,9 @@
  * train_gpt2.c keeps the two halves of the tied embedding apart until the step's gradient is
  * reduced, which is the order a pipeline can reproduce: Megatron's).
  * Each unit is padded to a multiple of the data-parallel size N and cut into N equal shards;
- * rank r owns shard r of every unit. Unit E is cut exactly like wte, so a rank owns the same
+ * rank r owns shard r of every unit. With context parallelism N counts data x context ranks
+ * (the sharding group; zero_init_ep says how its reduction stays exact), while the microbatches
+ * go to the data-parallel ranks (`streams`). Unit E is cut exactly like wte, so a rank owns the same
  * rows of both halves and adds them without communication.
  *
  * PIPELINE STAGES AND CHUNKS. A pipeline rank holds one or more model chunks (virtual
@@ -253,9 +255,12 @@ typedef struct {
 } ZeroSlot;
 
 typedef struct {
-    int stage, N, rank;
+    int stage, N, rank;        // the sharding group: its size and this rank's shard
+    int streams, stream;       // the data-parallel ranks (streams of microbatches) and this one's:
+                               // the sharding group itself, or with context parallelism its
+                               // data-parallel coordinate (see zero_init_ep)
     const MemOps* mem;         // where the buffers below live
-    CommGroup* group;          // data parallel
+    CommGroup* group;          // the sharding group: data parallel (x context parallel)
     CommGroup* ep;             // expert parallel (tokens; the model's), size Q
     CommGroup* edp;            // expert data parallel (the expert units), size N/Q
     CommGroup* pp;             // pipeline (the tied embedding's swap between the stages below)
@@ -263,7 +268,7 @@ typedef struct {
                                // the embeddings)
     const GPT2Config* config;
     ZeroLayout lay;
-    int local_microbatches;    // M / N
+    int local_microbatches;    // M / streams
     size_t max_padded;         // largest padded unit
     // persistent state
     float* params;             // stages 0-2: this rank's units (lay.local_params)
@@ -342,24 +347,34 @@ static inline void zero_unit_from_full(const ZeroLayout* z, int u, const float* 
 
 // params: the full initial parameters (every rank the same, MEMORY order); the engine keeps
 // this rank's part of the units it holds (stage 3: only its shards). M: microbatches per step
-// (global). dp: the data-parallel group; ep, edp: its expert-parallel cut (comm.h
-// comm_setup_expert_groups; both NULL: no expert parallelism, the experts are data-parallel);
-// pp: the pipeline group of which this rank is stage pp->rank, holding the model chunks
+// (global). dp: the data-parallel group (the streams of microbatches); shards: the group the
+// gradients are reduced over and the optimizer state and (stage 3) the parameters are sharded
+// over: dp itself, or with context parallelism data x context (Megatron's), whose ranks then
+// each hand in the finished gradient of their part of every unit and -0.0f elsewhere
+// (context_parallel.h), so the R1 tree over a data-parallel rank's context ranks is exact and
+// the reduction over the group finishes the tree over the data-parallel ranks; ep, edp: the
+// data-parallel group's expert-parallel cut (comm.h comm_setup_expert_groups; both NULL: no
+// expert parallelism, the experts are data-parallel; not with context parallelism); pp: the
+// pipeline group of which this rank is stage pp->rank, holding the model chunks
 // places[0 .. nchunks), stage head_stage holding the head; tp: the tensor-parallel group.
 static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
-                                CommGroup* ep, CommGroup* edp, CommGroup* pp, CommGroup* tp,
+                                CommGroup* shards, CommGroup* ep, CommGroup* edp, CommGroup* pp, CommGroup* tp,
                                 const ChunkPlace* places, int nchunks, int head_stage, const float* params, int M) {
     static CommGroup single;   // the ep group of a rank without expert parallelism
     memset(z, 0, sizeof(*z));
     z->mem = mem;
     z->stage = stage;
-    z->N = dp->size;
-    z->rank = dp->rank;
-    z->group = dp;
+    z->N = shards->size;
+    z->rank = shards->rank;
+    z->group = shards;
+    z->streams = dp->size;
+    z->stream = dp->rank;
     if (ep == NULL) {
         comm_group_init_single(&single, dp->stats, dp->mem);
         ep = &single;
-        edp = dp;
+        edp = shards;
+    } else if (shards->size != dp->size) {
+        fatal("internal: expert parallelism shards over the data-parallel group only (no context parallelism)");
     }
     z->ep = ep;
     z->edp = edp;
@@ -373,7 +388,7 @@ static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem,
     z->chunk_top = z->unit_chunk + A;
     z->chunk_next = z->chunk_top + nchunks;
     zero_layout_init(&z->lay, c, z->N, places, nchunks, tp->size, tp->rank, ep->size, ep->rank, z->unit_chunk);
-    z->local_microbatches = M / z->N;
+    z->local_microbatches = M / z->streams;
     for (int u = 0; u < z->lay.num_all; u++) {
         if (zero_unit_work(&z->lay, u) > z->max_padded) { z->max_padded = zero_unit_work(&z->lay, u); }
     }
@@ -417,20 +432,20 @@ static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem,
 static inline void zero_init(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
                              CommGroup* pp, CommGroup* tp, const ChunkPlace* places, int nchunks, int head_stage,
                              const float* params, int M) {
-    zero_init_ep(z, c, mem, stage, dp, NULL, NULL, pp, tp, places, nchunks, head_stage, params, M);
+    zero_init_ep(z, c, mem, stage, dp, dp, NULL, NULL, pp, tp, places, nchunks, head_stage, params, M);
 }
 
 // Global index of this rank's local microbatch i of the step whose first global microbatch
 // is `first` (see THE CANONICAL ORDER above).
 static inline int64_t zero_global_microbatch(const Zero* z, int64_t first, int i) {
-    if (z->stage <= 1) { return first + (int64_t)z->rank * z->local_microbatches + i; }
-    return first + (int64_t)i * z->N + z->rank;
+    if (z->stage <= 1) { return first + (int64_t)z->stream * z->local_microbatches + i; }
+    return first + (int64_t)i * z->streams + z->stream;
 }
 
 // The data-parallel rank holding global microbatch j of a step, and its local index there.
 static inline void zero_owner_of_microbatch(const Zero* z, int j, int* rank, int* local) {
     if (z->stage <= 1) { *rank = j / z->local_microbatches; *local = j % z->local_microbatches; }
-    else { *rank = j % z->N; *local = j / z->N; }
+    else { *rank = j % z->streams; *local = j / z->streams; }
 }
 
 // A free buffer of a pool (slots keep their buffers; a pool grows to what is ever in use).

@@ -2,7 +2,10 @@
  * bench_kernels.c: GFLOP/s of the CPU matmul kernels on GPT-2 124M shapes (B=4, T=64), the
  * median of several runs each, against the machine's FMA peak (pass it as argv[1] in
  * GFLOP/s; default 113, measured on the 2-core development machine), and all the matmuls of
- * one training step together (12 layers of each shape, the LM head once).
+ * one training step together (12 layers of each shape, the LM head once); then the attention
+ * kernels (forward: q.k and att@v; backward: datt, dq, dk, dv) on the d4 model's heads
+ * (B=4, C=256, NH=4) at T = 64, 256 and 1024, counting the causal products' multiply-adds
+ * (T(T+1)/2 query-key pairs per head, 2 flops each per channel).
  */
 #define TESTING
 #include "train_gpt2.c"
@@ -52,5 +55,30 @@ int main(int argc, char** argv) {
     }
     printf("%-17s %13s %9.2f %9.1f %6.0f%%\n", "one 124M step", "(all matmuls)", step_ms,
            step_flops / step_ms / 1e6, 100 * step_flops / step_ms / 1e6 / peak);
+    printf("\n%-8s %-8s %6s %6s %9s %9s %7s\n", "attention", "pass", "T", "C", "ms", "GFLOP/s", "%peak");
+    int Ts[] = {64, 256, 1024};
+    for (int i = 0; i < 3; i++) {
+        int Ba = 4, Ca = 256, NHa = 4, Ta = Ts[i];
+        size_t nq = (size_t)Ba * Ta * 3 * Ca, no = (size_t)Ba * Ta * Ca, na = (size_t)Ba * NHa * Ta * Ta;
+        float *qkv = malloc(sizeof(float) * nq), *dqkv = malloc(sizeof(float) * nq), *att = malloc(sizeof(float) * na);
+        float *out = malloc(sizeof(float) * no), *dout = malloc(sizeof(float) * no);
+        for (size_t j = 0; j < nq; j++) { qkv[j] = random_f32(&s) - 0.5f; }
+        for (size_t j = 0; j < no; j++) { dout[j] = random_f32(&s) - 0.5f; }
+        double flops = 2.0 * 2.0 * Ba * ((double)Ta * (Ta + 1) / 2) * Ca;   // two products of the forward
+        double tf[5], tb[5];
+        for (int r = 0; r < 5; r++) {
+            double t0 = now_seconds();
+            attention_forward(out, att, qkv, Ba, Ta, Ca, NHa);
+            double t1 = now_seconds();
+            attention_backward(dqkv, dout, qkv, att, Ba, Ta, Ca, NHa);
+            tf[r] = t1 - t0;
+            tb[r] = now_seconds() - t1;
+        }
+        double m = median(tf, 5);
+        printf("%-9s %-7s %6d %6d %9.2f %9.1f %6.0f%%\n", "attention", "forward", Ta, Ca, m * 1e3, flops / m / 1e9, 100 * flops / m / 1e9 / peak);
+        m = median(tb, 5);
+        printf("%-9s %-7s %6d %6d %9.2f %9.1f %6.0f%%\n", "attention", "backward", Ta, Ca, m * 1e3, 2 * flops / m / 1e9, 100 * 2 * flops / m / 1e9 / peak);
+        free(qkv); free(dqkv); free(att); free(out); free(dout);
+    }
     return 0;
 }

@@ -59,7 +59,8 @@
 #     comparisons with "nan" are silently false); a "diverged" line fails too. A bad run
 #     gets its own FAIL row at once; one summary row at the end.
 #  4. several ranks on one GPU over the staged transport: mpirun -np 2 train_gpt2cu
-#     --deterministic 1 --comm mpi with -z 3 (data parallel, ZeRO-3), --tp 2, --pp 2, the
+#     --deterministic 1 --comm mpi with -z 3 (data parallel, ZeRO-3), --tp 2, --pp 2, --cp 2
+#     (context parallelism's ring attention: its device kernels and its messages), the
 #     global batch -d 512 (2 microbatches): main.log, the final model file and the samples
 #     identical to train_gpt2 on one rank with the same -d. Without mpirun/mpicc: N/A (not a
 #     failure: this machine cannot run it; make test runs the same layouts on the emulated
@@ -580,10 +581,10 @@ if want 2; then
 fi
 
 # ---- 4. several ranks: one GPU shared over the staged transport (and NCCL with 2+ GPUs) ---------
-# layouts NAME COMM: 2 ranks with -z 3, --tp 2, --pp 2 against the CPU on one rank
+# layouts NAME COMM: 2 ranks with -z 3, --tp 2, --pp 2, --cp 2 against the CPU on one rank
 layouts() {
   local comm=$1 layout ln bad f
-  for layout in "-z 3" "--tp 2" "--pp 2"; do
+  for layout in "-z 3" "--tp 2" "--pp 2" "--cp 2"; do
     ln=$(echo "$layout" | tr -d ' -')
     name="4. 2 ranks $layout --comm $comm"
     in_time "$name" 15 || continue

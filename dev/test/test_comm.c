@@ -350,6 +350,26 @@ static void test_ring(const Group* G, size_t n) {
 
 // big: also a message large enough for Open MPI to pick its bandwidth algorithms (ring,
 // Rabenseifner), whose MPI_SUM order differs from R1 even for 4 or 8 ranks.
+// all-to-all: block d of rank r's send (seed + d) goes to rank d; block s of the receive buffer
+// is rank s's block for this rank
+static void test_all_to_all(const Group* G, size_t n, uint64_t seed) {
+    CommGroup* g = G->g;
+    size_t total = (size_t)g->size * n;
+    float* send = alloc_floats(total);
+    float* recv = alloc_floats(total);
+    float* want = alloc_floats(total);
+    for (int d = 0; d < g->size; d++) { fill(send + (size_t)d * n, n, seed + d, comm.world_rank); }
+    for (int s = 0; s < g->size; s++) { fill(want + (size_t)s * n, n, seed + g->rank, G->members[s]); }
+    char what[160];
+    snprintf(what, sizeof(what), "%s all-to-all n=%zu piece=%zu", G->name, n, comm_piece_floats);
+    memset(recv, 0xff, total * sizeof(float));
+    comm_all_to_all(g, send, recv, n, COMM_KIND_CP);
+    check_bits(recv, want, total, what);
+    free(send);
+    free(recv);
+    free(want);
+}
+
 static void test_group(const Group* G, int full, size_t big) {
     static const size_t sizes[] = { 0, 1, 3, 17, 1000, 4099 };
     int nsizes = full ? 6 : 4;
@@ -366,6 +386,7 @@ static void test_group(const Group* G, int full, size_t big) {
         test_max(G, n);
         test_broadcast(G, n);
         test_ring(G, n);
+        test_all_to_all(G, n, 700 + 16 * k);
     }
     test_nonblocking(G, full ? 1000 : 17);
     test_sumsq(G, 1000);
@@ -449,6 +470,28 @@ static void check_members(CommGroup* g, int expect_size, int expect_rank, int (*
 static int dp_member(int j) { return comm_grid_world_rank(&comm, j, comm.tp_rank, comm.pp_rank); }
 static int tp_member(int j) { return comm_grid_world_rank(&comm, comm.dp_rank, j, comm.pp_rank); }
 static int pp_member(int j) { return comm_grid_world_rank(&comm, comm.dp_rank, comm.tp_rank, j); }
+
+static int cp_member(int j) { return comm_grid_world_rank_cp(&comm, comm.dp_rank, j, comm.tp_rank, comm.pp_rank); }
+
+// The 4-D grid: world rank = ((pp * dp + dp_rank) * cp + cp_rank) * tp + tp_rank (Megatron's
+// order: tensor fastest, then context, data, pipeline), each group the ranks that differ from
+// this one in its coordinate only.
+static void test_grid_cp(int tp, int cp, int pp) {
+    comm_setup_grid_cp(&comm, tp, cp, pp);
+    int w = comm.world_rank, dp = comm.world_size / (tp * cp * pp);
+    CHECK(comm.cp == cp && comm.dp == dp, "grid (tp %d, cp %d, pp %d): cp %d dp %d", tp, cp, pp, comm.cp, comm.dp);
+    CHECK(w == ((comm.pp_rank * dp + comm.dp_rank) * cp + comm.cp_rank) * tp + comm.tp_rank,
+          "grid (tp %d, cp %d, pp %d): world rank %d is not at (pp %d, dp %d, cp %d, tp %d)", tp, cp, pp, w,
+          comm.pp_rank, comm.dp_rank, comm.cp_rank, comm.tp_rank);
+    check_members(&comm.dp_group, dp, comm.dp_rank, dp_member, "dp");
+    check_members(&comm.cp_group, cp, comm.cp_rank, cp_member, "cp");
+    check_members(&comm.tp_group, tp, comm.tp_rank, tp_member, "tp");
+    check_members(&comm.pp_group, pp, comm.pp_rank, pp_member, "pp");
+    Group G;
+    G.g = &comm.cp_group; G.name = "cp";
+    for (int j = 0; j < comm.cp; j++) { G.members[j] = cp_member(j); }
+    test_group(&G, 0, 0);
+}
 
 static void test_grid(int tp, int pp) {
     comm_setup_grid(&comm, tp, pp);
@@ -543,6 +586,14 @@ int main(int argc, char** argv) {
     for (int k = 0; k < (int)(sizeof(grids) / sizeof(grids[0])); k++) {
         if (comm.world_size % (grids[k][0] * grids[k][1]) == 0) {
             test_grid(grids[k][0], grids[k][1]);
+            ngrids++;
+        }
+    }
+    // with a context-parallel dimension: every (tp, cp, pp) of the list dividing the world
+    static const int grids_cp[][3] = { {1, 2, 1}, {2, 2, 1}, {1, 2, 2}, {2, 2, 2}, {1, 4, 1}, {1, 8, 1} };
+    for (int k = 0; k < (int)(sizeof(grids_cp) / sizeof(grids_cp[0])); k++) {
+        if (comm.world_size % (grids_cp[k][0] * grids_cp[k][1] * grids_cp[k][2]) == 0) {
+            test_grid_cp(grids_cp[k][0], grids_cp[k][1], grids_cp[k][2]);
             ngrids++;
         }
     }

@@ -9,7 +9,8 @@
 # (the MPI transport staging device buffers through host memory): DP 2 x ZeRO 0-3, DP 4 x
 # ZeRO 3, TP 2 (+SP), PP 2 (1f1b, gpipe, zb1, zbv, interleaved) and the 2x2x2 grid; a
 # mixture-of-experts model on one rank and with expert parallelism (--ep 2, alone and with TP 2
-# and ZeRO-3).
+# and ZeRO-3); context parallelism: CP 2 and 4 (ring), CP 2 (all-to-all), CP 2 x TP 2 + SP,
+# DP 2 x CP 2 with ZeRO-2.
 # Exits non-zero on the first difference, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -110,6 +111,17 @@ run emu tp2sp 2 -x 3 -n 3 --tp 2 --sp 1
 same cpu_ref emu_tp2 "TP 2"
 same cpu_ref emu_tp2sp "TP 2 + SP"
 pass "TP 2, TP 2 + SP = one rank"
+run emu cp2 2 -x 3 -n 3 --cp 2
+run emu cp4 4 -x 3 -n 3 --cp 4
+run emu cp2a2a 2 -x 3 -n 3 --cp 2 --cp-mode a2a
+run emu cp2tp2sp 4 -x 3 -n 3 --cp 2 --tp 2 --sp 1
+run emu dp2cp2z2 4 -x 3 -n 3 --cp 2 -z 2 -d 256
+same cpu_ref emu_cp2 "CP 2 (ring)"
+same cpu_ref emu_cp4 "CP 4 (ring)"
+same cpu_ref emu_cp2a2a "CP 2 (all-to-all)"
+same cpu_ref emu_cp2tp2sp "CP 2 x TP 2 + SP"
+same cpu_ref_d256 emu_dp2cp2z2 "DP 2 x CP 2, ZeRO 2"
+pass "CP 2 and 4 (ring), CP 2 (all-to-all), CP 2 x TP 2 + SP, DP 2 x CP 2 with ZeRO-2 = one rank"
 run cpu ref_d512 1 -x 2 -n 2 -d 512
 run emu grid 8 -x 2 -n 2 --tp 2 --pp 2 -d 512 -z 1
 same cpu_ref_d512 emu_grid "the 2x2x2 grid"

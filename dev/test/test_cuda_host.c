@@ -118,7 +118,7 @@ static float thread_gemm_out(const DetGemmArgs* g, int z, int m, int n) {
     const float* B = g->B + det_zoff(z, g->zdiv, g->b_zhi, g->b_zlo);
     int m0 = m / DET_MT * DET_MT;
     int m_last = (m0 + DET_MT < g->M ? m0 + DET_MT : g->M) - 1;
-    DetReduction red = det_tile_reduction(g->R, g->groups, g->nchunks, g->causal, m0, m_last);
+    DetReduction red = det_tile_reduction(g, g->causal, m0, m_last);
     float acc = 0.0f, s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
     int c = 0, grp = 0, k0 = -1, kend = 0, cur = 0;
     while (det_walk_seek(&red, &c, &grp, &k0, &kend)) {
@@ -126,7 +126,7 @@ static float thread_gemm_out(const DetGemmArgs* g, int z, int m, int n) {
         while (cur < c) { det_tree8_push(cur++, acc, &s0, &s1, &s2); acc = 0.0f; }
         for (int kk = 0; kk < klen; kk++) {
             int r = k0 + kk;
-            if (det_term_included(g->causal, r, m)) {
+            if (det_term_included(g, g->causal, r, m)) {
                 acc = fmaf(A[(long)m * g->a_m + (long)r * g->a_r], B[(long)n * g->b_n + (long)r * g->b_r], acc);
             }
         }
@@ -143,7 +143,7 @@ static void thread_gemm(const DetGemmArgs* g) {
         float* out = g->out + det_zoff(z, g->zdiv, g->o_zhi, g->o_zlo);
         for (int m = 0; m < g->M; m++) {
             for (int n = 0; n < g->N; n++) {
-                if (g->out_lower && n > m) { continue; }
+                if (!det_out_exists(g, g->out_lower, m, n)) { continue; }
                 out[(long)m * g->o_m + n] = thread_gemm_out(g, z, m, n);
             }
         }
@@ -237,10 +237,7 @@ static void thread_softmax_row(float* a, int t, int T) {
     for (int t2 = 0; t2 <= t; t2++) { if (a[t2] > maxv) { maxv = a[t2]; } }
     for (int t2 = 0; t2 <= t; t2++) { a[t2] = canon_expf(a[t2] - maxv); }
     float p[CANON_R];
-    for (int ch = 0; ch < CANON_R; ch++) {
-        long end = canon_chunk_begin(T, ch + 1);
-        p[ch] = det_chunk_sum(a, canon_chunk_begin(T, ch), end < t + 1 ? end : t + 1);
-    }
+    for (int ch = 0; ch < CANON_R; ch++) { p[ch] = det_zz_chunk_row(a, NULL, T, CANON_R, ch, t + 1); }
     float z = canon_tree8(p);
     for (int t2 = 0; t2 < T; t2++) { a[t2] = t2 <= t ? a[t2] / z : 0.0f; }
 }
@@ -265,10 +262,7 @@ static void thread_attention_backward(float* dqkv, const float* dout, const floa
         float* d = ds + row * T;
         const float* at = att + row * T;
         float p[CANON_R];
-        for (int ch = 0; ch < CANON_R; ch++) {
-            long end = canon_chunk_begin(T, ch + 1);
-            p[ch] = det_chunk_dot(at, d, canon_chunk_begin(T, ch), end < t + 1 ? end : t + 1);
-        }
+        for (int ch = 0; ch < CANON_R; ch++) { p[ch] = det_zz_chunk_row(at, d, T, CANON_R, ch, t + 1); }
         float S = canon_tree8(p);
         for (int t2 = 0; t2 <= t; t2++) { d[t2] = at[t2] * (d[t2] - S) * scale; }
     }
@@ -348,11 +342,15 @@ static void test_walk(void) {
         CHECK(memcmp(&s0, &want, 4) == 0, "det_tree8_push differs from canon_tree8 (trial %d)", trial);
     }
     // the walk visits each index of each segment once, in canonical order, in tiles <= DET_KT
+    // (plain chunks, the qkv groups, R2Z chunks along a sequence)
     int ns[] = {1, 3, 7, 8, 16, 17, 100, 129, 768};
     for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]); i++) {
-        for (int groups = 1; groups <= 3; groups += 2) {
-            int n = ns[i] * groups;
-            DetReduction r = {n, groups, CANON_R, 0, n};
+        for (int kind = 0; kind < 3; kind++) {
+            int groups = kind == 1 ? 3 : 1, n = ns[i] * groups;
+            DetGemmArgs a = det_gemm_args(1, 1, n, 1, 1, DET_CAUSAL_NONE, DET_OUT_ALL);
+            a.groups = groups;
+            a.zigzag = kind == 2;
+            DetReduction r = det_tile_reduction(&a, DET_CAUSAL_NONE, 0, 0);
             int c = 0, g = 0, k0 = -1, kend = 0, expect_c = 0, expect_g = 0, visited = 0, ok = 1;
             int expect_r = -1;
             while (det_walk_seek(&r, &c, &g, &k0, &kend)) {
@@ -487,6 +485,126 @@ static void test_attention(void) {
         expect_same(what, dqkv_g, dqkv_r, nqkv);
         free(qkv); free(dout); free(out_r); free(att_r); free(out_g); free(att_g); free(dqkv_r); free(dqkv_g);
     }
+}
+
+// Context parallelism's attention blocks (train_gpt2.c attention_*_block): rank r's queries
+// against block s's keys and values. The products as det_gemm computes them (the ZZ causal
+// variants of gpu_plan.h), the softmax rows as the lanes of attention_softmax_blocks_kernel
+// compute them (lane L: chunk L % (8/N) of block L / (8/N), canon_tree8 of the 8 lanes).
+static void thread_softmax_blocks_row(float* a, int t, int T, int N, int r) {
+    int Tq = T / N, per = CANON_R / N;
+    long p = canon_zz_global(t, T, N, r);
+    float maxv = -canon_inf();
+    for (int s = 0; s < N; s++) {
+        for (int j = 0; j < canon_zz_count_le(p, T, N, s); j++) { if (a[s * Tq + j] > maxv) { maxv = a[s * Tq + j]; } }
+    }
+    for (int s = 0; s < N; s++) {
+        for (int j = 0; j < canon_zz_count_le(p, T, N, s); j++) { a[s * Tq + j] = canon_expf(a[s * Tq + j] - maxv); }
+    }
+    float lanes[CANON_R];
+    for (int L = 0; L < CANON_R; L++) {
+        int s = L / per;
+        lanes[L] = det_zz_chunk_row(a + s * Tq, NULL, Tq, per, L % per, canon_zz_count_le(p, T, N, s));
+    }
+    float z = canon_tree8(lanes);
+    for (int s = 0; s < N; s++) {
+        int cnt = canon_zz_count_le(p, T, N, s);
+        for (int j = 0; j < Tq; j++) { a[s * Tq + j] = j < cnt ? a[s * Tq + j] / z : 0.0f; }
+    }
+}
+
+static void thread_softmax_backward_blocks_row(float* d, const float* at, int t, int T, int N, int r, float scale) {
+    int Tq = T / N, per = CANON_R / N;
+    long p = canon_zz_global(t, T, N, r);
+    float lanes[CANON_R];
+    for (int L = 0; L < CANON_R; L++) {
+        int s = L / per;
+        lanes[L] = det_zz_chunk_row(at + s * Tq, d + s * Tq, Tq, per, L % per, canon_zz_count_le(p, T, N, s));
+    }
+    float S = canon_tree8(lanes);
+    for (int s = 0; s < N; s++) {
+        for (int j = 0; j < canon_zz_count_le(p, T, N, s); j++) { d[s * Tq + j] = at[s * Tq + j] * (d[s * Tq + j] - S) * scale; }
+    }
+}
+
+static void test_attention_blocks(void) {
+    int shapes[][5] = {{1, 16, 8, 2, 2}, {2, 32, 16, 2, 4}, {1, 48, 24, 3, 8}, {2, 280, 32, 2, 4}};   // B T C NH N
+    for (size_t k = 0; k < sizeof(shapes) / sizeof(shapes[0]); k++) {
+        int B = shapes[k][0], T = shapes[k][1], C = shapes[k][2], NH = shapes[k][3], N = shapes[k][4], Tq = T / N;
+        size_t nl = (size_t)B * Tq * C, natt = (size_t)B * NH * Tq * T;
+        float scale = canon_rsqrtf((float)(C / NH));
+        float *qkv = rand_buf(3 * nl), *dout = rand_buf(nl), *kv = rand_buf(2 * (size_t)N * nl);
+        for (int r = 0; r < N; r++) {
+            float *att = zero_buf(natt), *att_t = zero_buf(natt), *ds = zero_buf(natt), *ds_t = zero_buf(natt);
+            float *o = zero_buf(nl), *o_t = zero_buf(nl), *o2 = zero_buf(nl), *o2_t = zero_buf(nl);
+            char what[128];
+            for (int s = 0; s < N; s++) {
+                attention_scores_block(att, qkv, kv + s * nl, B, T, C, NH, N, r, s);
+                DetGemmArgs g = det_args_attention_block_products(att_t, qkv, 3L * C, kv + s * nl, B, T, C, NH, N, r, s, scale);
+                thread_gemm(&g);
+            }
+            attention_softmax_blocks(att, B, T, NH, N, r);
+            for (long row = 0; row < (long)B * NH * Tq; row++) { thread_softmax_blocks_row(att_t + row * T, (int)(row % Tq), T, N, r); }
+            snprintf(what, sizeof(what), "attention blocks B=%d T=%d C=%d NH=%d, rank %d of %d: probabilities", B, T, C, NH, r, N);
+            expect_same(what, att_t, att, natt);
+            for (int s = 0; s < N; s++) {
+                attention_datt_block(ds, dout, kv + (N + s) * nl, B, T, C, NH, N, r, s);
+                DetGemmArgs g = det_args_attention_block_products(ds_t, dout, C, kv + (N + s) * nl, B, T, C, NH, N, r, s, 1.0f);
+                thread_gemm(&g);
+                attention_values_block(o, att, kv + (N + s) * nl, B, T, C, NH, N, r, s);
+                g = det_args_attention_block_by_keys(o_t, att, kv + (N + s) * nl, B, T, C, NH, N, r, s);
+                thread_gemm(&g);
+                snprintf(what, sizeof(what), "attention_values_block rank %d of %d, block %d", r, N, s);
+                expect_same(what, o_t, o, nl);
+            }
+            attention_softmax_backward_blocks(ds, att, B, T, C, NH, N, r);
+            for (long row = 0; row < (long)B * NH * Tq; row++) {
+                thread_softmax_backward_blocks_row(ds_t + row * T, att + row * T, (int)(row % Tq), T, N, r, scale);
+            }
+            expect_same("attention_softmax_backward_blocks (ds)", ds_t, ds, natt);
+            for (int s = 0; s < N; s++) {
+                attention_dq_block(o, ds, kv + s * nl, B, T, C, NH, N, r, s);
+                DetGemmArgs g = det_args_attention_block_by_keys(o_t, ds, kv + s * nl, B, T, C, NH, N, r, s);
+                thread_gemm(&g);
+                snprintf(what, sizeof(what), "attention_dq_block rank %d of %d, block %d", r, N, s);
+                expect_same(what, o_t, o, nl);
+                attention_dkv_block(o, o2, ds, att, qkv, dout, B, T, C, NH, N, r, s);
+                g = det_args_attention_block_by_queries(o_t, ds, qkv, 3L * C, B, T, C, NH, N, r, s);
+                thread_gemm(&g);
+                g = det_args_attention_block_by_queries(o2_t, att, dout, C, B, T, C, NH, N, r, s);
+                thread_gemm(&g);
+                snprintf(what, sizeof(what), "attention_dkv_block rank %d of %d, block %d: dk", r, N, s);
+                expect_same(what, o_t, o, nl);
+                expect_same("attention_dkv_block dv", o2_t, o2, nl);
+            }
+            free(att); free(att_t); free(ds); free(ds_t); free(o); free(o_t); free(o2); free(o2_t);
+        }
+        free(qkv); free(dout); free(kv);
+    }
+    // the weight gradients' per-sequence subtrees of a zig-zag slice (tchunks 8/D)
+    int B = 3, T = 24, K = 20, OC = 17;
+    long stride = (long)OC * K + OC + 5;
+    float *inp = rand_buf((size_t)B * T * K), *dout = rand_buf((size_t)B * T * OC);
+    for (int tchunks = CANON_R; tchunks >= 1; tchunks /= 2) {
+        float *seq = zero_buf(B * stride), *seq_t = zero_buf(B * stride);
+        matmul_backward_seqs(seq, seq + (long)OC * K, stride, dout, inp, B, T, K, OC, tchunks);
+        DetGemmArgs g = det_args_matmul_dweight(seq_t, dout, inp, B, T, K, OC);
+        g.nchunks = tchunks;
+        g.o_zhi = stride;
+        thread_gemm(&g);
+        for (int b = 0; b < B; b++) {
+            for (int o = 0; o < OC; o++) {
+                float leaves[CANON_R];
+                for (int ch = 0; ch < tchunks; ch++) { leaves[ch] = det_position_leaf(dout, 0, OC, o, b, T, ch, tchunks); }
+                seq_t[b * stride + (long)OC * K + o] = canon_tree_sum(leaves, tchunks, 1);
+            }
+        }
+        char what[96];
+        snprintf(what, sizeof(what), "matmul_backward_seqs, %d chunks", tchunks);
+        expect_same(what, seq_t, seq, B * stride);
+        free(seq); free(seq_t);
+    }
+    free(inp); free(dout);
 }
 
 static void test_crossentropy(void) {
@@ -974,8 +1092,84 @@ static void test_device_det(void) {
         expect_device("device attention_forward att", d_att, att, natt);
         snprintf(what, sizeof(what), "device attention_backward B=%d T=%d C=%d NH=%d", B, T, C, NH);
         expect_device(what, d_dqkv, dqkv, nqkv);
+        // the KV cache's one query row at a time (sequence 0): the full forward's rows
+        cudaMemset(d_out, 0, nout * 4);
+        cudaMemset(d_att, 0, natt * 4);
+        for (int t = 0; t < T; t++) { gpu::attention_forward_row(d_out, d_att, d_qkv, t, T, C, NH); }
+        snprintf(what, sizeof(what), "device attention_forward_row T=%d C=%d NH=%d", T, C, NH);
+        expect_device(what, d_out, out, (size_t)T * C);
+        expect_device(what, d_att, att, (size_t)NH * T * T);
         free(qkv); free(dout); free(out); free(att); free(dqkv);
         cudaFree(d_qkv); cudaFree(d_dout); cudaFree(d_out); cudaFree(d_att); cudaFree(d_dqkv);
+    }
+    // context parallelism's attention blocks, every rank of N, and its other kernels
+    int cpb[][5] = {{1, 16, 8, 2, 2}, {2, 48, 32, 2, 4}, {1, 272, 64, 2, 8}};   // B T C NH N
+    for (size_t k = 0; k < sizeof(cpb) / sizeof(cpb[0]); k++) {
+        int B = cpb[k][0], T = cpb[k][1], C = cpb[k][2], NH = cpb[k][3], N = cpb[k][4], Tq = T / N;
+        size_t nl = (size_t)B * Tq * C, natt = (size_t)B * NH * Tq * T;
+        float *qkv = rand_buf(3 * nl), *dout = rand_buf(nl), *kv = rand_buf(2 * (size_t)N * nl);
+        float *d_qkv = dev_floats(qkv, 3 * nl), *d_dout = dev_floats(dout, nl), *d_kv = dev_floats(kv, 2 * (size_t)N * nl);
+        for (int r = 0; r < N; r++) {
+            float *att = zero_buf(natt), *ds = zero_buf(natt), *o = zero_buf(nl), *o2 = zero_buf(nl);
+            float *d_att = dev_floats(att, natt), *d_ds = dev_floats(ds, natt);
+            float *d_o = (float*)dev_alloc(nl * 4), *d_o2 = (float*)dev_alloc(nl * 4);
+            char what[128];
+            for (int s = 0; s < N; s++) {
+                attention_scores_block(att, qkv, kv + s * nl, B, T, C, NH, N, r, s);
+                gpu::attention_scores_block(d_att, d_qkv, d_kv + s * nl, B, T, C, NH, N, r, s);
+            }
+            attention_softmax_blocks(att, B, T, NH, N, r);
+            gpu::attention_softmax_blocks(d_att, B, T, NH, N, r);
+            snprintf(what, sizeof(what), "device attention blocks B=%d T=%d C=%d NH=%d rank %d of %d: probabilities", B, T,
+                     C, NH, r, N);
+            expect_device(what, d_att, att, natt);
+            for (int s = 0; s < N; s++) {
+                attention_values_block(o, att, kv + (N + s) * nl, B, T, C, NH, N, r, s);
+                gpu::attention_values_block(d_o, d_att, d_kv + (N + s) * nl, B, T, C, NH, N, r, s);
+                expect_device("device attention_values_block", d_o, o, nl);
+                attention_datt_block(ds, dout, kv + (N + s) * nl, B, T, C, NH, N, r, s);
+                gpu::attention_datt_block(d_ds, d_dout, d_kv + (N + s) * nl, B, T, C, NH, N, r, s);
+            }
+            attention_softmax_backward_blocks(ds, att, B, T, C, NH, N, r);
+            gpu::attention_softmax_backward_blocks(d_ds, d_att, B, T, C, NH, N, r);
+            expect_device("device attention_softmax_backward_blocks (ds)", d_ds, ds, natt);
+            for (int s = 0; s < N; s++) {
+                attention_dq_block(o, ds, kv + s * nl, B, T, C, NH, N, r, s);
+                gpu::attention_dq_block(d_o, d_ds, d_kv + s * nl, B, T, C, NH, N, r, s);
+                expect_device("device attention_dq_block", d_o, o, nl);
+                attention_dkv_block(o, o2, ds, att, qkv, dout, B, T, C, NH, N, r, s);
+                gpu::attention_dkv_block(d_o, d_o2, d_ds, d_att, d_qkv, d_dout, B, T, C, NH, N, r, s);
+                expect_device("device attention_dkv_block dk", d_o, o, nl);
+                expect_device("device attention_dkv_block dv", d_o2, o2, nl);
+            }
+            free(att); free(ds); free(o); free(o2);
+            cudaFree(d_att); cudaFree(d_ds); cudaFree(d_o); cudaFree(d_o2);
+        }
+        // copy_rows: a tensor's columns packed, as the ring sends its K and V
+        float* packed = zero_buf(nl);
+        float* d_packed = (float*)dev_alloc(nl * 4);
+        copy_rows(packed, C, qkv + C, 3L * C, (long)B * Tq, C);
+        gpu::copy_rows(d_packed, C, d_qkv + C, 3L * C, (long)B * Tq, C);
+        expect_device("device copy_rows", d_packed, packed, nl);
+        free(qkv); free(dout); free(kv); free(packed);
+        cudaFree(d_qkv); cudaFree(d_dout); cudaFree(d_kv); cudaFree(d_packed);
+    }
+    {   // the weight gradients' per-sequence subtrees of a zig-zag slice
+        int B = 3, T = 24, K = 20, OC = 17;
+        long stride = (long)OC * K + OC;
+        float *inp = rand_buf((size_t)B * T * K), *dout = rand_buf((size_t)B * T * OC);
+        float *d_inp = dev_floats(inp, (size_t)B * T * K), *d_dout = dev_floats(dout, (size_t)B * T * OC);
+        for (int tchunks = CANON_R; tchunks >= 1; tchunks /= 2) {
+            float* seq = zero_buf(B * stride);
+            float* d_seq = (float*)dev_alloc(B * stride * 4);
+            matmul_backward_seqs(seq, seq + (long)OC * K, stride, dout, inp, B, T, K, OC, tchunks);
+            gpu::matmul_backward_seqs(d_seq, d_seq + (long)OC * K, stride, d_dout, d_inp, B, T, K, OC, tchunks);
+            expect_device("device matmul_backward_seqs", d_seq, seq, B * stride);
+            free(seq);
+            cudaFree(d_seq);
+        }
+        free(inp); free(dout);
+        cudaFree(d_inp); cudaFree(d_dout);
     }
     // cross-entropy in its three phases, one rank's vocabulary slice or all of it; its
     // backward; the loss sum
@@ -1323,7 +1517,7 @@ static void test_device_moe(int B, int T, int E, int k, int C, int Q) {
     // the plan (host) and the kernels that move and combine rows
     int *count = (int*)calloc(E, sizeof(int)), *row_pos = (int*)calloc(slots, sizeof(int));
     int *slot_row = (int*)calloc(slots, sizeof(int)), *cursor = (int*)calloc(E, sizeof(int));
-    moe_plan_routes(chosen, BT, k, E, count, row_pos, slot_row, cursor);
+    moe_plan_routes(chosen, B, T, k, E, count, row_pos, slot_row, cursor);
     int *d_row_pos = dev_ints(row_pos, slots), *d_slot_row = dev_ints(slot_row, slots);
     float* x = rand_buf((size_t)BT * C);
     float *d_x = dev_floats(x, (size_t)BT * C), *rows = zero_buf(slots * C), *d_rows = (float*)dev_alloc(slots * C * 4);
@@ -1417,6 +1611,7 @@ int main(void) {
     test_matmul();
     test_layernorm();
     test_attention();
+    test_attention_blocks();
     test_crossentropy();
     test_position_reductions();
     test_encoder_backward();

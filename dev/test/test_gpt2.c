@@ -225,7 +225,7 @@ static void model_on_one_rank(GPT2* model, Zero* z, const GPT2Config* c, const f
                               Comm* comm) {
     ChunkPlace place = {0, c->num_layers, 1, 1};
     zero_init(z, c, &memory_host, 0, &comm->dp_group, &comm->pp_group, &comm->tp_group, &place, 1, 0, params, M);
-    gpt2_init(model, c, &place, z, &comm->tp_group, 0, 0, 0);
+    gpt2_init(model, c, &place, z, &comm->tp_group, &comm->cp_group, 0, 0, 0, 0);
 }
 
 static void model_free(GPT2* model, Zero* z) {
@@ -369,6 +369,38 @@ static void check_model(Comm* comm, GPT2Config c, uint64_t seed, const char* nam
     free(params);
 }
 
+// The sampler's KV cache (train_gpt2.c layers_decode): positions decoded one at a time give, at
+// every position, the probabilities of the full forward over the same T, bit for bit (the
+// decode runs the plain per-row attention, the full forward the fast kernels).
+static void check_kv_cache(Comm* comm, GPT2Config c, int T, int recompute, const char* name) {
+    float* params = gpt2_random_params(&c, 11);
+    random_params(params, &c);
+    GPT2 model;
+    Zero zero;
+    model_on_one_rank(&model, &zero, &c, params, 1, comm);
+    Activations full, dec;
+    activations_alloc(&full, &model, 1, T, recompute, 0, 0);
+    activations_alloc(&dec, &model, 1, T, recompute, 0, 0);
+    int* tokens = malloc(sizeof(int) * T);
+    for (int t = 0; t < T; t++) { tokens[t] = (int)((urand() + 1.0) * 0.5 * c.vocab_size) % c.vocab_size; }
+    gpt2_forward(&model, &full, tokens, NULL, 1, T, 0);
+    int Vp = c.padded_vocab_size, bad = -1;
+    for (int t = 0; t < T; t++) {
+        embed_decode(&model, &dec, tokens[t], t, T);
+        layers_decode(&model, &dec, t, T);
+        head_decode(&model, &dec, t, T);
+        if (bad < 0 && memcmp(dec.probs + (size_t)t * Vp, full.probs + (size_t)t * Vp, sizeof(float) * Vp) != 0) { bad = t; }
+    }
+    printf("KV cache, %s, T=%d%s: %s\n", name, T, recompute ? " (-r 1)" : "",
+           bad < 0 ? "every position's probabilities = the full forward's" : "DIFFERS");
+    CHECK(bad < 0, "KV cache (%s, T=%d): position %d's probabilities differ from the full forward", name, T, bad);
+    activations_free(&model, &full);
+    activations_free(&model, &dec);
+    model_free(&model, &zero);
+    free(tokens);
+    free(params);
+}
+
 int main(int argc, char** argv) {
     Comm comm;   // a single rank: the test runs without mpirun
     comm_init(&comm, &argc, &argv);
@@ -382,6 +414,14 @@ int main(int argc, char** argv) {
     moe.top_k = 2;
     moe.aux_loss_coef = 0.1f;
     check_model(&comm, moe, 7, "mixture of experts");
+    GPT2Config wide = {.max_seq_len = 64, .vocab_size = 50, .padded_vocab_size = padded_vocab(50),
+                       .num_layers = 3, .num_heads = 4, .channels = 32};
+    check_kv_cache(&comm, wide, 37, 0, "dense");
+    check_kv_cache(&comm, wide, 64, 1, "dense");
+    GPT2Config wide_moe = wide;
+    wide_moe.num_experts = 4;
+    wide_moe.top_k = 2;
+    check_kv_cache(&comm, wide_moe, 21, 0, "4 experts top 2");
     int T = 5;
     float* params = gpt2_random_params(&c, 7);
     random_params(params, &c);

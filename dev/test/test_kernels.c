@@ -3,7 +3,8 @@
  *
  * The reference functions here implement the rules of llmc/canonical.h directly from their
  * text (R1 as a recursion with the ceil(n/2) split, R2 as 8 chunks [c*n/8, (c+1)*n/8)
- * accumulated from 0.0f, R3 as R2 over t per sequence then R1 over sequences), scalar and
+ * accumulated from 0.0f, R2Z as 8 chunks of piece c then piece 15-c of 16 pieces
+ * [p*n/16, (p+1)*n/16), R3 as R2Z over t per sequence then R1 over sequences), scalar and
  * without the kernels' tiling, SIMD or stacks. The optimised kernels must match them BIT FOR
  * BIT on awkward shapes (sizes that fill no vector, tiles cut short, T < 8 chunks, ...).
  * Also checked: a reduction split in 2 or 4 slices of whole chunks and finished by the R1
@@ -44,6 +45,15 @@ static float r1(const float* v, int n) {
     if (n == 1) { return v[0]; }
     int mid = (n + 1) / 2;
     return r1(v, mid) + r1(v + mid, n - mid);
+}
+
+// R2Z: the stretch `half` of zig-zag chunk c of nchunks over a sequence of length n, from the
+// rule's text: 2*nchunks pieces [p*n/(2*nchunks), (p+1)*n/(2*nchunks)); chunk c is piece c,
+// then piece 2*nchunks-1-c
+static void zz(long n, int nchunks, int c, int half, long* b, long* e) {
+    long p = half == 0 ? c : 2 * nchunks - 1 - c;
+    *b = n * p / (2 * nchunks);
+    *e = n * (p + 1) / (2 * nchunks);
 }
 
 typedef float (*TermFn)(long i, const void* ctx);   // i-th term of a reduction
@@ -109,9 +119,13 @@ static float ref_r3(int B, int T, const float* f, long fstride, long foff, const
         float partial[CANON_R];
         for (int c = 0; c < CANON_R; c++) {
             float acc = 0.0f;
-            for (long t = (long)T * c / CANON_R; t < (long)T * (c + 1) / CANON_R; t++) {
-                long pos = (long)b * T + t;
-                acc = g ? fmaf(f[pos * fstride + foff], g[pos * gstride + goff], acc) : acc + f[pos * fstride + foff];
+            for (int half = 0; half < 2; half++) {
+                long tb, te;
+                zz(T, CANON_R, c, half, &tb, &te);
+                for (long t = tb; t < te; t++) {
+                    long pos = (long)b * T + t;
+                    acc = g ? fmaf(f[pos * fstride + foff], g[pos * gstride + goff], acc) : acc + f[pos * fstride + foff];
+                }
             }
             partial[c] = acc;
         }
@@ -163,6 +177,49 @@ static void test_matmul(int B, int T, int K, int OC, int groups) {
     expect_same("matmul_backward_naive dbias", db_spec, want, OC);
     free(inp); free(w); free(bias); free(dout); free(got); free(want); free(dw); free(db);
     free(spec); free(dw_spec); free(db_spec);
+}
+
+// Context parallelism's weight gradients: D ranks hold zig-zag slices of every sequence; each
+// gives per-sequence subtrees over its 8/D chunks (matmul_backward_seqs), R1 over the ranks
+// per sequence then R1 over the sequences == the one-rank dweight and dbias.
+static void test_matmul_seqs(int B, int T, int K, int OC) {
+    float* inp = rand_buf((size_t)B * T * K), *dout = rand_buf((size_t)B * T * OC);
+    float* dw = malloc(sizeof(float) * OC * K), *db = malloc(sizeof(float) * OC);
+    matmul_backward(NULL, dw, db, dout, inp, NULL, B, T, K, OC, 1, CANON_R);
+    for (int D = 2; D <= 8 && T % (2 * D) == 0; D *= 2) {
+        int Tl = T / D, h = Tl / 2;
+        long stride = (long)OC * K + OC;
+        float* parts = malloc(sizeof(float) * D * B * stride);
+        float* sx = malloc(sizeof(float) * B * Tl * K), *sd = malloc(sizeof(float) * B * Tl * OC);
+        for (int r = 0; r < D; r++) {
+            for (int b = 0; b < B; b++) {
+                for (int t = 0; t < Tl; t++) {
+                    size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+                    memcpy(sx + ((size_t)b * Tl + t) * K, inp + g * K, sizeof(float) * K);
+                    memcpy(sd + ((size_t)b * Tl + t) * OC, dout + g * OC, sizeof(float) * OC);
+                }
+            }
+            float* p = parts + (size_t)r * B * stride;
+            matmul_backward_seqs(p, p + (long)OC * K, stride, sd, sx, B, Tl, K, OC, CANON_R / D);
+        }
+        float* got = malloc(sizeof(float) * stride);
+        for (long i = 0; i < stride; i++) {
+            float seq[64];
+            for (int b = 0; b < B; b++) {
+                float v[8];
+                for (int r = 0; r < D; r++) { v[r] = parts[((size_t)r * B + b) * stride + i]; }
+                seq[b] = r1(v, D);
+            }
+            got[i] = r1(seq, B);
+        }
+        char what[96];
+        snprintf(what, sizeof(what), "matmul dweight from %d zig-zag slices B=%d T=%d K=%d OC=%d", D, B, T, K, OC);
+        expect_same(what, got, dw, (size_t)OC * K);
+        snprintf(what, sizeof(what), "matmul dbias from %d zig-zag slices", D);
+        expect_same(what, got + (long)OC * K, db, OC);
+        free(parts); free(sx); free(sd); free(got);
+    }
+    free(inp); free(dout); free(dw); free(db);
 }
 
 // A row-parallel split: K cut into `parts` slices of whole chunks, each reduced with
@@ -290,21 +347,25 @@ static void test_layernorm(int B, int T, int C) {
     }
     expect_same("layernorm dweight", dw, wdw, C);
     expect_same("layernorm dbias", db, wdb, C);
-    // sequence parallelism: K ranks hold T/K positions of each sequence; each gives per-sequence
-    // subtrees over its 8/K chunks, finished by R1 over ranks, then R1 over sequences
-    for (int K = 2; K <= 4 && T % K == 0; K *= 2) {
-        int Tl = T / K;
+    // sequence parallelism: K ranks hold zig-zag slices of each sequence (rank r: stretches r
+    // and 2K-1-r of T/2K positions, low one first); each gives per-sequence subtrees over its
+    // 8/K chunks, finished by R1 over ranks, then R1 over sequences
+    for (int K = 2; K <= 8 && T % (2 * K) == 0; K *= 2) {
+        int Tl = T / K, h = Tl / 2;
         float* parts = malloc(sizeof(float) * 2 * B * C * K);
         float* sx = malloc(sizeof(float) * B * Tl * C), *sdy = malloc(sizeof(float) * B * Tl * C);
         float* sm = malloc(sizeof(float) * B * Tl), *sr = malloc(sizeof(float) * B * Tl);
         float* sdres = calloc((size_t)B * Tl * C, sizeof(float));
         for (int r = 0; r < K; r++) {
             for (int b = 0; b < B; b++) {
-                size_t src = (size_t)b * T + (size_t)r * Tl, dst = (size_t)b * Tl;
-                memcpy(sx + dst * C, x + src * C, sizeof(float) * Tl * C);
-                memcpy(sdy + dst * C, dy + src * C, sizeof(float) * Tl * C);
-                memcpy(sm + dst, mean + src, sizeof(float) * Tl);
-                memcpy(sr + dst, rstd + src, sizeof(float) * Tl);
+                for (int t = 0; t < Tl; t++) {
+                    size_t src = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+                    size_t dst = (size_t)b * Tl + t;
+                    memcpy(sx + dst * C, x + src * C, sizeof(float) * C);
+                    memcpy(sdy + dst * C, dy + src * C, sizeof(float) * C);
+                    sm[dst] = mean[src];
+                    sr[dst] = rstd[src];
+                }
             }
             layernorm_backward(sdres, NULL, NULL, sdy, sx, w, sm, sr, B, Tl, C, CANON_R / K,
                                parts + (size_t)r * 2 * B * C);
@@ -337,7 +398,9 @@ static void test_attention(int B, int T, int C, int NH) {
     for (size_t i = 0; i < (size_t)B * T * C3; i++) { qkv[i] *= 0.3f; }
     float* out = malloc(sizeof(float) * B * T * C), *att = malloc(sizeof(float) * B * NH * T * T);
     float* wout = malloc(sizeof(float) * B * T * C), *watt = calloc((size_t)B * NH * T * T, sizeof(float));
+    float* sout = malloc(sizeof(float) * B * T * C), *satt = malloc(sizeof(float) * B * NH * T * T);
     attention_forward(out, att, qkv, B, T, C, NH);
+    attention_forward_naive(sout, satt, qkv, B, T, C, NH);
     float scale = 1.0f / sqrtf((float)hs);
     for (int b = 0; b < B; b++) for (int h = 0; h < NH; h++) for (int t = 0; t < T; t++) {
         float* a = watt + (((size_t)b * NH + h) * T + t) * T;
@@ -354,13 +417,14 @@ static void test_attention(int B, int T, int C, int NH) {
             a[t2] = r1(partial, CANON_R) * scale;
             if (a[t2] > mx) { mx = a[t2]; }
         }
+        for (int t2 = 0; t2 <= t; t2++) { a[t2] = canon_expf(a[t2] - mx); }
         float partial[CANON_R];
         for (int c = 0; c < CANON_R; c++) {
             float acc = 0.0f;
-            for (long t2 = (long)T * c / CANON_R; t2 < (long)T * (c + 1) / CANON_R; t2++) {
-                if (t2 > t) { break; }
-                a[t2] = canon_expf(a[t2] - mx);
-                acc = acc + a[t2];
+            for (int half = 0; half < 2; half++) {
+                long kb, ke;
+                zz(T, CANON_R, c, half, &kb, &ke);
+                for (long t2 = kb; t2 < ke && t2 <= t; t2++) { acc = acc + a[t2]; }
             }
             partial[c] = acc;
         }
@@ -370,8 +434,12 @@ static void test_attention(int B, int T, int C, int NH) {
             float pd[CANON_R];
             for (int c = 0; c < CANON_R; c++) {
                 float acc = 0.0f;
-                for (long t2 = (long)T * c / CANON_R; t2 < (long)T * (c + 1) / CANON_R && t2 <= t; t2++) {
-                    acc = fmaf(a[t2], qkv[((size_t)b * T + t2) * C3 + 2 * C + h * hs + d], acc);
+                for (int half = 0; half < 2; half++) {
+                    long kb, ke;
+                    zz(T, CANON_R, c, half, &kb, &ke);
+                    for (long t2 = kb; t2 < ke && t2 <= t; t2++) {
+                        acc = fmaf(a[t2], qkv[((size_t)b * T + t2) * C3 + 2 * C + h * hs + d], acc);
+                    }
                 }
                 pd[c] = acc;
             }
@@ -382,10 +450,14 @@ static void test_attention(int B, int T, int C, int NH) {
     snprintf(what, sizeof(what), "attention_forward B=%d T=%d C=%d NH=%d", B, T, C, NH);
     expect_same(what, out, wout, (size_t)B * T * C);
     expect_same("attention probabilities", att, watt, (size_t)B * NH * T * T);
+    expect_same("attention_forward_naive", sout, wout, (size_t)B * T * C);
+    expect_same("attention_forward_naive probabilities", satt, watt, (size_t)B * NH * T * T);
     // backward
     float* dy = rand_buf((size_t)B * T * C);
     float* dqkv = malloc(sizeof(float) * B * T * C3), *wdqkv = malloc(sizeof(float) * B * T * C3);
+    float* sdqkv = malloc(sizeof(float) * B * T * C3);
     attention_backward(dqkv, dy, qkv, att, B, T, C, NH);
+    attention_backward_naive(sdqkv, dy, qkv, att, B, T, C, NH);
     float* ds = malloc(sizeof(float) * T * T);
     for (int b = 0; b < B; b++) for (int h = 0; h < NH; h++) {
         const float* a = att + ((size_t)b * NH + h) * T * T;
@@ -405,8 +477,10 @@ static void test_attention(int B, int T, int C, int NH) {
             float partial[CANON_R];
             for (int c = 0; c < CANON_R; c++) {
                 float acc = 0.0f;
-                for (long t2 = (long)T * c / CANON_R; t2 < (long)T * (c + 1) / CANON_R && t2 <= t; t2++) {
-                    acc = fmaf(a[(size_t)t * T + t2], datt[t2], acc);
+                for (int half = 0; half < 2; half++) {
+                    long kb, ke;
+                    zz(T, CANON_R, c, half, &kb, &ke);
+                    for (long t2 = kb; t2 < ke && t2 <= t; t2++) { acc = fmaf(a[(size_t)t * T + t2], datt[t2], acc); }
                 }
                 partial[c] = acc;
             }
@@ -418,11 +492,15 @@ static void test_attention(int B, int T, int C, int NH) {
                 float pq[CANON_R], pk[CANON_R], pv[CANON_R];
                 for (int c = 0; c < CANON_R; c++) {
                     float aq = 0.0f, ak = 0.0f, av = 0.0f;
-                    for (long u = (long)T * c / CANON_R; u < (long)T * (c + 1) / CANON_R; u++) {
-                        if (u <= t) { aq = fmaf(ds[(size_t)t * T + u], qkv[((size_t)b * T + u) * C3 + C + h * hs + d], aq); }
-                        if (u >= t) {
-                            ak = fmaf(ds[(size_t)u * T + t], qkv[((size_t)b * T + u) * C3 + h * hs + d], ak);
-                            av = fmaf(a[(size_t)u * T + t], dy[((size_t)b * T + u) * C + h * hs + d], av);
+                    for (int half = 0; half < 2; half++) {
+                        long ub, ue;
+                        zz(T, CANON_R, c, half, &ub, &ue);
+                        for (long u = ub; u < ue; u++) {
+                            if (u <= t) { aq = fmaf(ds[(size_t)t * T + u], qkv[((size_t)b * T + u) * C3 + C + h * hs + d], aq); }
+                            if (u >= t) {
+                                ak = fmaf(ds[(size_t)u * T + t], qkv[((size_t)b * T + u) * C3 + h * hs + d], ak);
+                                av = fmaf(a[(size_t)u * T + t], dy[((size_t)b * T + u) * C + h * hs + d], av);
+                            }
                         }
                     }
                     pq[c] = aq; pk[c] = ak; pv[c] = av;
@@ -435,7 +513,104 @@ static void test_attention(int B, int T, int C, int NH) {
     }
     snprintf(what, sizeof(what), "attention_backward B=%d T=%d C=%d NH=%d", B, T, C, NH);
     expect_same(what, dqkv, wdqkv, (size_t)B * T * C3);
+    expect_same("attention_backward_naive", sdqkv, wdqkv, (size_t)B * T * C3);
     free(qkv); free(out); free(att); free(wout); free(watt); free(dy); free(dqkv); free(wdqkv); free(ds);
+    free(sout); free(satt); free(sdqkv);
+}
+
+// Context parallelism's attention (the block kernels a ring drives), N ranks simulated here:
+// rank r holds the queries of its zig-zag slice (stretches r and 2N-1-r of T/2N positions),
+// sees every rank's keys and values as a block, sums the blocks' subtrees by R1 over blocks,
+// and the owner of a key sums the ranks' dk/dv subtrees by R1 over ranks: bit for bit the
+// one-rank attention.
+static void test_attention_blocks(int B, int T, int C, int NH, int N) {
+    int Tq = T / N, h = Tq / 2;
+    size_t C3 = 3 * (size_t)C;
+    float* qkv = rand_buf((size_t)B * T * C3);
+    for (size_t i = 0; i < (size_t)B * T * C3; i++) { qkv[i] *= 0.3f; }
+    float* dy = rand_buf((size_t)B * T * C);
+    float* out = malloc(sizeof(float) * B * T * C), *att = malloc(sizeof(float) * B * NH * T * T);
+    float* dqkv = malloc(sizeof(float) * B * T * C3);
+    attention_forward(out, att, qkv, B, T, C, NH);
+    attention_backward(dqkv, dy, qkv, att, B, T, C, NH);
+    size_t nl = (size_t)B * Tq * C;
+    float* lqkv = malloc(sizeof(float) * N * B * Tq * C3);   // every rank's slice
+    float* ldy = malloc(sizeof(float) * N * nl);
+    float* kv = malloc(sizeof(float) * 2 * N * nl);           // every rank's k and v, packed
+    for (int r = 0; r < N; r++) {
+        for (int b = 0; b < B; b++) {
+            for (int t = 0; t < Tq; t++) {
+                size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+                size_t l = (size_t)b * Tq + t;
+                memcpy(lqkv + (size_t)r * B * Tq * C3 + l * C3, qkv + g * C3, sizeof(float) * C3);
+                memcpy(ldy + r * nl + l * C, dy + g * C, sizeof(float) * C);
+                memcpy(kv + r * nl + l * C, qkv + g * C3 + C, sizeof(float) * C);
+                memcpy(kv + (N + r) * nl + l * C, qkv + g * C3 + 2 * C, sizeof(float) * C);
+            }
+        }
+    }
+    float* latt = malloc(sizeof(float) * B * NH * Tq * T), *lds = malloc(sizeof(float) * B * NH * Tq * T);
+    float* part = malloc(sizeof(float) * N * nl), *dkp = malloc(sizeof(float) * N * N * nl), *dvp = malloc(sizeof(float) * N * N * nl);
+    int bad_out = 0, bad_att = 0, bad_dq = 0, bad_dkv = 0;
+    for (int r = 0; r < N; r++) {
+        const float* q = lqkv + (size_t)r * B * Tq * C3;
+        for (int s = 0; s < N; s++) { attention_scores_block(latt, q, kv + s * nl, B, T, C, NH, N, r, s); }
+        attention_softmax_blocks(latt, B, T, NH, N, r);
+        for (int s = 0; s < N; s++) { attention_values_block(part + s * nl, latt, kv + (N + s) * nl, B, T, C, NH, N, r, s); }
+        for (int s = 0; s < N; s++) { attention_datt_block(lds, ldy + r * nl, kv + (N + s) * nl, B, T, C, NH, N, r, s); }
+        attention_softmax_backward_blocks(lds, latt, B, T, C, NH, N, r);
+        for (int b = 0; b < B; b++) for (int t = 0; t < Tq; t++) {
+            size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+            for (int c = 0; c < C; c++) {
+                float v[8];
+                for (int s = 0; s < N; s++) { v[s] = part[s * nl + ((size_t)b * Tq + t) * C + c]; }
+                float got = r1(v, N);
+                bad_out += memcmp(&got, &out[g * C + c], 4) != 0;
+            }
+            for (int hh = 0; hh < NH; hh++) for (int s = 0; s < N; s++) for (int j = 0; j < Tq; j++) {
+                long kp = j < h ? (long)s * h + j : T - (long)(s + 1) * h + (j - h);
+                float got = latt[(((size_t)b * NH + hh) * Tq + t) * T + (size_t)s * Tq + j];
+                bad_att += memcmp(&got, &att[(((size_t)b * NH + hh) * T + (g - (size_t)b * T)) * T + kp], 4) != 0;
+            }
+        }
+        for (int s = 0; s < N; s++) { attention_dq_block(part + s * nl, lds, kv + s * nl, B, T, C, NH, N, r, s); }
+        for (int b = 0; b < B; b++) for (int t = 0; t < Tq; t++) {
+            size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+            for (int c = 0; c < C; c++) {
+                float v[8];
+                for (int s = 0; s < N; s++) { v[s] = part[s * nl + ((size_t)b * Tq + t) * C + c]; }
+                float got = r1(v, N);
+                bad_dq += memcmp(&got, &dqkv[g * C3 + c], 4) != 0;
+            }
+        }
+        for (int s = 0; s < N; s++) {
+            attention_dkv_block(dkp + ((size_t)s * N + r) * nl, dvp + ((size_t)s * N + r) * nl, lds, latt, q, ldy + r * nl,
+                                B, T, C, NH, N, r, s);
+        }
+    }
+    for (int s = 0; s < N; s++) {   // the owner of block s: R1 over the ranks' partials
+        for (int b = 0; b < B; b++) for (int t = 0; t < Tq; t++) {
+            size_t g = (size_t)b * T + (t < h ? (size_t)s * h + t : (size_t)T - (size_t)(s + 1) * h + (t - h));
+            for (int c = 0; c < C; c++) {
+                float vk[8], vv[8];
+                for (int r = 0; r < N; r++) {
+                    vk[r] = dkp[((size_t)s * N + r) * nl + ((size_t)b * Tq + t) * C + c];
+                    vv[r] = dvp[((size_t)s * N + r) * nl + ((size_t)b * Tq + t) * C + c];
+                }
+                float gk = r1(vk, N), gv = r1(vv, N);
+                bad_dkv += memcmp(&gk, &dqkv[g * C3 + C + c], 4) != 0;
+                bad_dkv += memcmp(&gv, &dqkv[g * C3 + 2 * C + c], 4) != 0;
+            }
+        }
+    }
+    checks += 4;
+    if (bad_out || bad_att || bad_dq || bad_dkv) {
+        failures++;
+        printf("FAIL context-parallel attention blocks B=%d T=%d C=%d NH=%d N=%d: %d out, %d att, %d dq, %d dk/dv "
+               "values differ from one rank\n", B, T, C, NH, N, bad_out, bad_att, bad_dq, bad_dkv);
+    }
+    free(qkv); free(dy); free(out); free(att); free(dqkv); free(lqkv); free(ldy); free(kv); free(latt); free(lds);
+    free(part); free(dkp); free(dvp);
 }
 
 // --- cross-entropy and the embedding ------------------------------------------------------
@@ -534,8 +709,12 @@ static void test_encoder_backward(int B, int T, int C, int V, int maxT) {
                 float partial[CANON_R];
                 for (int ch = 0; ch < CANON_R; ch++) {
                     float acc = 0.0f;
-                    for (long t = (long)T * ch / CANON_R; t < (long)T * (ch + 1) / CANON_R; t++) {
-                        if (inp[b * T + t] == v) { acc = acc + masked[b * T + t]; }
+                    for (int half = 0; half < 2; half++) {
+                        long tb, te;
+                        zz(T, CANON_R, ch, half, &tb, &te);
+                        for (long t = tb; t < te; t++) {
+                            if (inp[b * T + t] == v) { acc = acc + masked[b * T + t]; }
+                        }
                     }
                     partial[ch] = acc;
                 }
@@ -658,7 +837,7 @@ static void test_moe(int Q, int B, int T, int E, int El, int k, int K, int OC) {
         }
         int *cnt = malloc(sizeof(int) * E), *row_pos = malloc(sizeof(int) * BT * k), *sr = malloc(sizeof(int) * BT * k);
         int* cursor = malloc(sizeof(int) * E);
-        moe_plan_routes(chosen, BT, k, E, cnt, row_pos, sr, cursor);
+        moe_plan_routes(chosen, B, T, k, E, cnt, row_pos, sr, cursor);
         int first = 0;   // rows of experts [0, El) lead the dispatch order
         for (int e = 0; e < El; e++) { count[q * El + e] = cnt[e]; first += cnt[e]; }
         for (int r = 0; r < first; r++) { pos[n++] = row_pos[r]; }
@@ -674,7 +853,7 @@ static void test_moe(int Q, int B, int T, int E, int El, int k, int K, int OC) {
     for (int e = 0; e < El; e++) {
         moe_expert_dweight(dw, dw + (size_t)OC * K, slice, dout, x, leaf + (size_t)e * nleaf, Q, B, K, OC);
         moe_expert_dweight_naive(dwn, dwn + (size_t)OC * K, slice, dout, x, leaf + (size_t)e * nleaf, Q, B, K, OC);
-        // the reference: per source, R3 over its positions, the rows routed to e taking part
+        // the reference: per source, R3 (R2Z chunks) over its positions, the rows routed to e taking part
         for (int q = 0; q < Q; q++) {
             int* row_at = malloc(sizeof(int) * BT);   // the work row of position pos, or -1
             for (int i = 0; i < BT; i++) { row_at[i] = -1; }
@@ -689,10 +868,13 @@ static void test_moe(int Q, int B, int T, int E, int El, int k, int K, int OC) {
                         float partial[CANON_R];
                         for (int c = 0; c < CANON_R; c++) {
                             float acc = 0.0f;
-                            for (long t = (long)T * c / CANON_R; t < (long)T * (c + 1) / CANON_R; t++) {
-                                int w = row_at[b * T + t];
-                                if (w < 0) { continue; }
-                                acc = kk < 0 ? acc + dout[(size_t)w * OC + o] : fmaf(dout[(size_t)w * OC + o], x[(size_t)w * K + kk], acc);
+                            for (int piece = c; piece <= 2 * CANON_R - 1 - c; piece += 2 * CANON_R - 1 - 2 * c) {
+                                // zig-zag chunk c: sixteenth c of the sequence, then its mirror 15 - c
+                                for (long t = (long)T * piece / 16; t < (long)T * (piece + 1) / 16; t++) {
+                                    int w = row_at[b * T + t];
+                                    if (w < 0) { continue; }
+                                    acc = kk < 0 ? acc + dout[(size_t)w * OC + o] : fmaf(dout[(size_t)w * OC + o], x[(size_t)w * K + kk], acc);
+                                }
                             }
                             partial[c] = acc;
                         }
@@ -713,7 +895,46 @@ static void test_moe(int Q, int B, int T, int E, int El, int k, int K, int OC) {
     free(dw); free(dwn); free(dwr);
 }
 
+// vf_expf (simd.h) is canon_expf in every lane, and the GELU kernels' vf_gelu / vf_gelu_grad
+// are canon_gelu / canon_gelu_grad: every exponent of both signs (and many mantissas of each),
+// the boundaries of the exp's clamps, infinities and NaN
+static void test_vector_exp(void) {
+    float special[] = {0.0f, -0.0f, 1.0f, -1.0f, 88.72283935546875f, 88.7228469848632812f, 88.72283172607421875f,
+                       -103.972084045410156f, -103.97209167480469f, -103.97207641601562f, -87.33654f, -87.33655f,
+                       canon_inf(), -canon_inf(), canon_nan(), 1e-40f, -1e-40f, 0.5f, -0.5f, 0.34657359f, -0.34657359f};
+    int bad = 0;
+    long n = 0;
+    float x[VLEN], y[VLEN];
+    for (uint64_t i = 0; i < (1u << 24) + sizeof(special) / sizeof(special[0]); i++) {
+        float v;
+        if (i < sizeof(special) / sizeof(special[0])) {
+            v = special[i];
+        } else {   // sign, all 256 exponents, 2^15 mantissas spread over the 23 bits
+            uint64_t j = i - sizeof(special) / sizeof(special[0]);
+            uint32_t u = (uint32_t)((j & 1) << 31) | (uint32_t)(((j >> 1) & 255) << 23) | (uint32_t)(((j >> 9) * 255u) & 0x7fffffu);
+            memcpy(&v, &u, 4);
+        }
+        x[n % VLEN] = v;
+        if (++n % VLEN == 0) {
+            for (int f = 0; f < 3; f++) {
+                vf in = vf_load(x);
+                vf_store(y, f == 0 ? vf_expf(in) : f == 1 ? vf_gelu(in) : vf_gelu_grad(in));
+                for (int l = 0; l < VLEN; l++) {
+                    float want = f == 0 ? canon_expf(x[l]) : f == 1 ? canon_gelu(x[l]) : canon_gelu_grad(x[l]);
+                    if (memcmp(&y[l], &want, 4) != 0 && bad++ < 5) {
+                        printf("FAIL vector %s(%.9g) = %.9g, canonical %.9g\n", f == 0 ? "exp" : f == 1 ? "gelu" : "gelu_grad",
+                               x[l], y[l], want);
+                    }
+                }
+            }
+        }
+    }
+    checks++;
+    if (bad) { failures++; }
+}
+
 int main(void) {
+    test_vector_exp();
     int shapes[][5] = {   // B, T, K, OC, groups
         {1, 1, 1, 1, 1}, {1, 5, 7, 5, 1}, {2, 3, 16, 6, 1}, {3, 11, 40, 13, 1}, {2, 17, 33, 48, 3},
         {1, 70, 100, 50, 1}, {4, 9, 64, 96, 3}, {2, 40, 48, 7, 1}, {5, 8, 24, 66, 3},
@@ -721,6 +942,8 @@ int main(void) {
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
         test_matmul(shapes[i][0], shapes[i][1], shapes[i][2], shapes[i][3], shapes[i][4]);
     }
+    test_matmul_seqs(3, 16, 40, 13);
+    test_matmul_seqs(2, 48, 16, 7);
     test_split_reductions(2);
     test_split_reductions(4);
     test_layernorm(1, 1, 1);
@@ -731,6 +954,14 @@ int main(void) {
     test_attention(2, 5, 16, 2);
     test_attention(1, 19, 24, 3);
     test_attention(2, 12, 128, 2);
+    test_attention(1, 70, 128, 2);    // head size 64: whole vector tiles, several row tiles
+    test_attention(2, 37, 48, 1);     // head size 48: a partial tile of channel vectors
+    test_attention(1, 33, 40, 2);     // head size 20: a vector and a scalar tail
+    for (int N = 2; N <= 8; N *= 2) {
+        test_attention_blocks(2, 32, 16, 2, N);
+        test_attention_blocks(1, 48, 128, 2, N);   // head size 64, stretches of 3..12 positions
+    }
+    test_attention_blocks(1, 64, 40, 2, 4);        // head size 20
     test_crossentropy(3, 5, 128);
     test_crossentropy(4, 100, 128);
     test_crossentropy(2, 1000, 1024);

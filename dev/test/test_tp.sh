@@ -80,7 +80,7 @@ grep -q -- "--tp 2: the number of heads" "$W/bad.out" || fail "no clear error fo
 $MPI 3 $BIN "${COMMON[@]}" --tp 3 -x 1 >"$W/bad.out" 2>&1 && fail "--tp 3 should fail"
 grep -q -- "--tp 3: the tensor-parallel degree must be 1, 2, 4 or 8" "$W/bad.out" || fail "no clear error for --tp 3"
 $MPI 2 $BIN "${COMMON[@]}" --tp 2 --sp 1 -t 15 -x 1 >"$W/bad.out" 2>&1 && fail "--sp 1 with T=15 should fail"
-grep -q -- "must be a multiple of --tp 2" "$W/bad.out" || fail "no clear error for T not divisible by --tp"
+grep -q -- "must be a multiple of 2 x --tp 2" "$W/bad.out" || fail "no clear error for T not divisible by 2 x --tp"
 $MPI 2 $BIN "${COMMON[@]}" --sp 1 -x 1 >"$W/bad.out" 2>&1 && fail "--sp 1 without --tp should fail"
 grep -q -- "needs --tp > 1" "$W/bad.out" || fail "no clear error for --sp without --tp"
 pass "bad tensor/sequence-parallel layouts: clear errors"

@@ -1,0 +1,348 @@
+/*
+ * context_parallel.h: context parallelism (--cp N, --cp-mode ring | a2a): the positions of each
+ * sequence are split over the N ranks of a context-parallel group, and the run trains bit for
+ * bit the model one rank trains.
+ *
+ * THE LAYOUT (canonical.h R2Z). Rank r holds the zig-zag slice of every sequence: stretches r
+ * and 2N-1-r of the 2N stretches of T/2N positions (Megatron's load balance: under the causal
+ * mask every rank has the same attention work), stored low stretch first, T/N positions.
+ * Everything outside attention is per position, except the reductions over positions, and
+ * those follow R2Z: a rank's positions are whole chunks (8/N of each sequence's 8), so it
+ * computes each sequence's subtree and the group finishes it.
+ *
+ * ATTENTION, RING (the default). Queries stay; the keys and values of every rank's slice, a
+ * block of T/N positions, travel around the group (rank r sends to r+1 and receives from r-1,
+ * non-blocking, the next block in flight while the kernels work on the block in hand). The
+ * one-rank attention's order is one a ring reproduces, because R2Z makes every block a complete
+ * subtree of each reduction over keys: the row max is exact in any order, and Z and att@v
+ * are R1 over the blocks (in rank order) of each block's R2Z subtree; no log-sum-exp
+ * rescaling. So the forward makes two passes: the keys (scores of every block), the softmax
+ * over all blocks, then the values (each block's subtree of att@v, the N subtrees summed by
+ * R1). The backward: the values (datt of every block), the softmax backward (S over all
+ * blocks), then the keys (dq's subtrees) with, per block, this rank's subtree over its queries
+ * of dk and dv, sent to the block's owner, who sums the N ranks' partials by R1 over ranks.
+ * Per layer and microbatch each rank sends (N-1) K and (N-1) V blocks forward, (N-1) V and
+ * (N-1) K blocks backward and (N-1) dK|dV partial blocks: 6 (N-1) B (T/N) C floats (C this
+ * rank's channels).
+ *
+ * ATTENTION, ALL-TO-ALL (Ulysses, --cp-mode a2a; N | the heads). An all-to-all turns the
+ * sequence-split q, k, v into head-split ones (every position of the sequence, NH/N heads), the
+ * one-rank attention runs on those heads, and an all-to-all turns the output back; the
+ * backward likewise (dout in, dq|dk|dv out). Each head's arithmetic is the one-rank
+ * arithmetic, so nothing about the order changes. 8 (N-1)/N B (T/N) C floats per layer.
+ *
+ * EVERYTHING ELSE. The weight and bias gradients of the layers and of the LM head: each
+ * sequence's subtree (train_gpt2.c matmul_backward_seqs, layernorm_backward's partials),
+ * finished over the group (cp_finish_sequences: a reduce-scatter of the B per-sequence
+ * partials, R1 over the ranks, the R1 tree over sequences on each rank's part of the unit).
+ * The embedding gradients: the input gradient is all-gathered along T and the one-rank
+ * embedding backward runs on whole sequences. Either way rank r hands ZeRO its part r of the
+ * unit's finished gradient and -0.0f elsewhere (cp_keep_part): ZeRO reduces over data x
+ * context ranks (Megatron's grouping; zero.h), and since x + -0.0f == x for every x, the R1
+ * tree over a data-parallel rank's context ranks is exactly its gradient, and the reduction
+ * finishes the tree over the data-parallel ranks; the optimizer state and (ZeRO-3) the
+ * parameters are sharded over data x context ranks. The loss: the per-position losses are
+ * all-gathered along T and summed as one rank sums them, over the global token count.
+ *
+ * Included by train_gpt2.c's model, after the kernels it drives (the CPU kernels, or the
+ * device twins of kernels_det.cuh in the CUDA build). Every buffer lives in the model's memory
+ * (MemOps); the messages are comm.h's (staged through host memory, or NCCL, for device
+ * buffers).
+ */
+#ifndef LLMC_CONTEXT_PARALLEL_H
+#define LLMC_CONTEXT_PARALLEL_H
+
+#include <stddef.h>
+#include "llmc/canonical.h"
+#include "llmc/comm.h"
+#include "llmc/memory.h"
+#include "llmc/model.h"
+#include "llmc/tensor_parallel.h"
+#include "llmc/utils.h"
+
+typedef struct {
+    CommGroup* group;     // the context-parallel group (comm.h grid: cp_group)
+    int N, rank, a2a;
+    const MemOps* mem;
+    float* kv[2];         // ring: the block in hand and the next one, (B, T/N, C) each
+    float* parts;         // ring: N subtrees of an output (N, B, T/N, C); a2a: head-split buffers
+    float* dkv;           // ring: this rank's dk|dv partials of every block (N, 2, B, T/N, C)
+    float* dkv_in;        // ring: the partials for this rank's block from every rank (N, 2, ...)
+    float* ds;            // ring: the backward's ds (B, NH, T/N, T); a2a: unused
+    float* gather;        // all-gathers along T, and cp_finish_sequences' reorder
+    size_t gather_floats;
+} ContextParallel;
+
+// What keeps a run of (B, T) positions, C channels and NH heads per tensor-parallel rank from
+// being split N ways (NULL: nothing); sp_degree: the tensor-parallel degree if sequence
+// parallelism splits each rank's slice further, else 1.
+static inline const char* cp_problem(int N, int a2a, int T, int NH, int sp_degree, char* buf, size_t cap) {
+    if (N == 1) { return NULL; }
+    if (N * sp_degree > CANON_R) {
+        snprintf(buf, cap, "context x sequence parallelism splits each sequence %d ways, more than the 8 canonical "
+                 "chunks (lower --cp or --tp)", N * sp_degree);
+        return buf;
+    }
+    if (T % (2 * N * sp_degree) != 0) {
+        snprintf(buf, cap, "the sequence length -t %d must be a multiple of 2 x %d (each of the %d slices of a "
+                 "sequence is two stretches)", T, N * sp_degree, N * sp_degree);
+        return buf;
+    }
+    if (a2a && NH % N != 0) {
+        snprintf(buf, cap, "--cp-mode a2a gives each rank NH/cp heads: the %d heads per tensor-parallel rank are not a "
+                 "multiple of --cp %d", NH, N);
+        return buf;
+    }
+    return NULL;
+}
+
+// Buffers for passes over up to (B, T) positions, C channels and NH heads (this
+// tensor-parallel rank's), in the model's memory.
+static inline void cp_init(ContextParallel* cp, CommGroup* g, int a2a, const MemOps* mem, int B, int T, int C,
+                           int NH, size_t gather_floats) {
+    memset(cp, 0, sizeof(*cp));
+    cp->group = g;
+    cp->N = g->size;
+    cp->rank = g->rank;
+    cp->a2a = a2a;
+    cp->mem = mem;
+    if (cp->N == 1) { return; }
+    size_t n = (size_t)B * T / cp->N * C;
+    if (a2a) {
+        cp->parts = mem_floats(mem, 8 * n, "context parallelism (all-to-all)");
+    } else {
+        cp->kv[0] = mem_floats(mem, n, "context parallelism (K/V blocks)");
+        cp->kv[1] = mem_floats(mem, n, "context parallelism (K/V blocks)");
+        cp->parts = mem_floats(mem, cp->N * n, "context parallelism (subtrees)");
+        cp->dkv = mem_floats(mem, 2 * cp->N * n, "context parallelism (dK/dV partials)");
+        cp->dkv_in = mem_floats(mem, 2 * cp->N * n, "context parallelism (dK/dV partials)");
+        cp->ds = mem_floats(mem, (size_t)B * NH * (T / cp->N) * T, "context parallelism (ds)");
+    }
+    size_t need = 2 * (size_t)B * T * C > gather_floats ? 2 * (size_t)B * T * C : gather_floats;
+    cp->gather = mem_floats(mem, need, "context parallelism (gathers)");
+    cp->gather_floats = need;
+}
+
+static inline void cp_free(ContextParallel* cp) {
+    const MemOps* mem = cp->mem;
+    if (mem == NULL) { return; }
+    float* all[] = {cp->kv[0], cp->kv[1], cp->parts, cp->dkv, cp->dkv_in, cp->ds, cp->gather};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { mem->release(all[i]); }
+    memset(cp, 0, sizeof(*cp));
+}
+
+// ------------------------------------------------------------------------------------------
+// the ring
+
+// Tags of the ring's messages (distinct per pass, so a late receive never matches the next
+// pass's send): base + step.
+enum { CP_TAG_K = 1000, CP_TAG_V = 2000, CP_TAG_BV = 3000, CP_TAG_BK = 4000, CP_TAG_DKV = 5000 };
+
+// One pass around the ring: block (rank - i) mod N is in kv[i % 2] at step i (this rank's own
+// first, packed from qkv's `part` 1 = k or 2 = v); fn(ctx, block, s) computes on it while the
+// isend of it to the next rank and the irecv of the following block from the previous rank
+// are in flight.
+typedef void (*CpBlockFn)(void* ctx, const float* block, int s);
+static inline void cp_ring_pass(ContextParallel* cp, const float* qkv, int part, int B, int Tq, int C, int tag,
+                                CpBlockFn fn, void* ctx) {
+    int N = cp->N, r = cp->rank, next = (r + 1) % N, prev = (r + N - 1) % N;
+    size_t n = (size_t)B * Tq * C;
+    copy_rows(cp->kv[0], C, qkv + (size_t)part * C, 3L * C, (long)B * Tq, C);
+    CommRequest *send = NULL, *recv = NULL;
+    for (int i = 0; i < N; i++) {
+        float* cur = cp->kv[i % 2];
+        comm_wait(recv);   // block i has landed in cur
+        recv = NULL;
+        comm_wait(send);   // kv[(i + 1) % 2] was sent at step i - 1: free again
+        send = NULL;
+        if (i < N - 1) {
+            // irecv (cp group) of the next block from the previous rank, isend (cp group) of
+            // this one to the next rank
+            recv = comm_irecv(cp->group, cp->kv[(i + 1) % 2], n, prev, tag + i, COMM_KIND_CP);
+            send = comm_isend(cp->group, cur, n, next, tag + i, COMM_KIND_CP);
+        }
+        fn(ctx, cur, (r - i + N) % N);
+    }
+    comm_wait(send);
+}
+
+typedef struct {
+    ContextParallel* cp;
+    float *att, *ds;
+    const float *qkv, *dout;
+    int B, T, C, NH;
+    CommRequest** sends;   // the backward's dk|dv partials on their way to each block's owner
+} CpAttention;
+
+static inline void cp_fwd_scores(void* v, const float* kblk, int s) {
+    CpAttention* a = (CpAttention*)v;
+    attention_scores_block(a->att, a->qkv, kblk, a->B, a->T, a->C, a->NH, a->cp->N, a->cp->rank, s);
+}
+static inline void cp_fwd_values(void* v, const float* vblk, int s) {
+    CpAttention* a = (CpAttention*)v;
+    size_t n = (size_t)a->B * (a->T / a->cp->N) * a->C;
+    attention_values_block(a->cp->parts + s * n, a->att, vblk, a->B, a->T, a->C, a->NH, a->cp->N, a->cp->rank, s);
+}
+static inline void cp_bwd_datt(void* v, const float* vblk, int s) {
+    CpAttention* a = (CpAttention*)v;
+    attention_datt_block(a->ds, a->dout, vblk, a->B, a->T, a->C, a->NH, a->cp->N, a->cp->rank, s);
+}
+// dq's subtree of block s, and this rank's dk|dv partials of block s's keys, on their way to
+// the block's owner at once (this rank's own: straight into its slot of dkv_in)
+static inline void cp_bwd_keys(void* v, const float* kblk, int s) {
+    CpAttention* a = (CpAttention*)v;
+    ContextParallel* cp = a->cp;
+    int N = cp->N, r = cp->rank;
+    size_t n = (size_t)a->B * (a->T / N) * a->C;
+    attention_dq_block(cp->parts + s * n, a->ds, kblk, a->B, a->T, a->C, a->NH, N, r, s);
+    float* mine = s == r ? cp->dkv_in + 2 * (size_t)r * n : cp->dkv + 2 * (size_t)s * n;
+    attention_dkv_block(mine, mine + n, a->ds, a->att, a->qkv, a->dout, a->B, a->T, a->C, a->NH, N, r, s);
+    // isend (cp group): the partials to block s's owner
+    if (s != r) { a->sends[s] = comm_isend(cp->group, mine, 2 * n, s, CP_TAG_DKV, COMM_KIND_CP); }
+}
+
+// out (B,T/N,C) and att (B,NH,T/N,T) of this rank's queries (T: the whole sequence).
+static inline void cp_ring_forward(ContextParallel* cp, float* out, float* att, const float* qkv, int B, int T, int C,
+                                   int NH) {
+    int N = cp->N, Tq = T / N;
+    size_t n = (size_t)B * Tq * C;
+    CpAttention a = {cp, att, NULL, qkv, NULL, B, T, C, NH, NULL};
+    cp_ring_pass(cp, qkv, 1, B, Tq, C, CP_TAG_K, cp_fwd_scores, &a);
+    attention_softmax_blocks(att, B, T, NH, N, cp->rank);
+    cp_ring_pass(cp, qkv, 2, B, Tq, C, CP_TAG_V, cp_fwd_values, &a);
+    cp->mem->tree_rows(cp->parts, n, N, out);   // R1 over the blocks' subtrees
+}
+
+// dqkv (B,T/N,3C) of this rank's positions from dout (B,T/N,C).
+static inline void cp_ring_backward(ContextParallel* cp, float* dqkv, const float* dout, const float* qkv,
+                                    const float* att, int B, int T, int C, int NH) {
+    int N = cp->N, r = cp->rank, Tq = T / N;
+    size_t n = (size_t)B * Tq * C;
+    CommRequest* send[CANON_R] = {NULL};
+    CpAttention a = {cp, (float*)att, cp->ds, qkv, dout, B, T, C, NH, send};
+    cp_ring_pass(cp, qkv, 2, B, Tq, C, CP_TAG_BV, cp_bwd_datt, &a);
+    attention_softmax_backward_blocks(cp->ds, att, B, T, C, NH, N, r);
+    // every other rank's dk|dv partials of this rank's keys land in slot (their rank) of
+    // dkv_in: irecv (cp group) posted before the pass, so no send waits for its receive
+    CommRequest* recv[CANON_R] = {NULL};
+    for (int q = 0; q < N; q++) {
+        if (q != r) { recv[q] = comm_irecv(cp->group, cp->dkv_in + 2 * (size_t)q * n, 2 * n, q, CP_TAG_DKV, COMM_KIND_CP); }
+    }
+    cp_ring_pass(cp, qkv, 1, B, Tq, C, CP_TAG_BK, cp_bwd_keys, &a);
+    float* dq = cp->dkv + 2 * (size_t)r * n;   // this rank's own slot of dkv is free: dq lands there
+    cp->mem->tree_rows(cp->parts, n, N, dq);
+    copy_rows(dqkv, 3L * C, dq, C, (long)B * Tq, C);
+    comm_wait_all(recv, N);
+    // dk, dv: R1 over the ranks' partials (slot q: rank q's), each a (2, n) pair; the tree
+    // runs over the k halves and the v halves at once (rows of 2n)
+    cp->mem->tree_rows(cp->dkv_in, 2 * n, N, cp->parts);
+    copy_rows(dqkv + C, 3L * C, cp->parts, C, (long)B * Tq, C);
+    copy_rows(dqkv + 2 * C, 3L * C, cp->parts + n, C, (long)B * Tq, C);
+    comm_wait_all(send, N);
+}
+
+// ------------------------------------------------------------------------------------------
+// all-to-all (Ulysses)
+
+// The head-split tensors of a pass: qkv_h (B,T,3C/N) and out_h (B,T,C/N) with every position,
+// this rank's NH/N heads (channels [rank*C/N, (rank+1)*C/N) of q, k and v).
+
+// qkv_h <- all-to-all (cp group) of every rank's slice of this rank's heads; out_h, att on
+// those heads by the one-rank kernel; out (B,T/N,C) <- all-to-all back. qkv_h is kept for
+// the backward (an activation).
+static inline void cp_a2a_forward(ContextParallel* cp, float* out, float* att, float* qkv_h, const float* qkv, int B,
+                                  int T, int C, int NH) {
+    int N = cp->N, Tq = T / N, Cr = C / N;
+    size_t blk = (size_t)B * Tq * 3 * Cr;   // one rank's slice of one rank's heads' q|k|v
+    float *send = cp->parts, *recv = cp->parts + 3 * (size_t)B * Tq * C;
+    for (int d = 0; d < N; d++) {
+        for (int part = 0; part < 3; part++) {
+            copy_rows(send + d * blk + part * Cr, 3L * Cr, qkv + (size_t)part * C + (size_t)d * Cr, 3L * C, (long)B * Tq, Cr);
+        }
+    }
+    comm_all_to_all(cp->group, send, recv, blk, COMM_KIND_CP);
+    zz_reorder(cp->mem, qkv_h, recv, B, T, 3 * Cr, N, 0);
+    float* out_h = send;   // (B,T,Cr)
+    attention_forward(out_h, att, qkv_h, B, T, Cr, NH / N);
+    size_t oblk = (size_t)B * Tq * Cr;
+    zz_reorder(cp->mem, out_h, recv, B, T, Cr, N, 1);
+    comm_all_to_all(cp->group, recv, send, oblk, COMM_KIND_CP);
+    for (int d = 0; d < N; d++) { copy_rows(out + (size_t)d * Cr, C, send + d * oblk, Cr, (long)B * Tq, Cr); }
+}
+
+// dqkv (B,T/N,3C) from dout (B,T/N,C): dout to the heads (all-to-all), the one-rank backward
+// on them, dq|dk|dv back (all-to-all).
+static inline void cp_a2a_backward(ContextParallel* cp, float* dqkv, const float* dout, const float* qkv_h,
+                                   const float* att, int B, int T, int C, int NH) {
+    int N = cp->N, Tq = T / N, Cr = C / N;
+    size_t oblk = (size_t)B * Tq * Cr, blk = 3 * oblk;
+    float *a = cp->parts, *b = cp->parts + 3 * (size_t)B * Tq * C, *dout_h = cp->parts + 6 * (size_t)B * Tq * C;
+    for (int d = 0; d < N; d++) { copy_rows(a + d * oblk, Cr, dout + (size_t)d * Cr, C, (long)B * Tq, Cr); }
+    comm_all_to_all(cp->group, a, b, oblk, COMM_KIND_CP);
+    zz_reorder(cp->mem, dout_h, b, B, T, Cr, N, 0);
+    attention_backward(a, dout_h, qkv_h, att, B, T, Cr, NH / N);   // dqkv_h (B,T,3Cr)
+    zz_reorder(cp->mem, a, b, B, T, 3 * Cr, N, 1);
+    comm_all_to_all(cp->group, b, a, blk, COMM_KIND_CP);
+    for (int d = 0; d < N; d++) {
+        for (int part = 0; part < 3; part++) {
+            copy_rows(dqkv + (size_t)part * C + (size_t)d * Cr, 3L * C, a + d * blk + part * Cr, 3L * Cr, (long)B * Tq, Cr);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// the rest: gathers along T, and the per-sequence gradients finished over the group
+
+// full (B,T,C) <- every rank's slice (B,T/N,C): all-gather (cp group), then each slice's
+// positions put in place.
+static inline void cp_gather_sequences(ContextParallel* cp, const float* slice, float* full, int B, int T, int C) {
+    size_t n = (size_t)B * T / cp->N * C;
+    if (cp->N * n > cp->gather_floats) { fatal("internal: context-parallel gather of %zu floats", cp->N * n); }
+    comm_all_gather(cp->group, slice, cp->gather, n, COMM_KIND_CP);
+    zz_reorder(cp->mem, full, cp->gather, B, T, C, cp->N, 0);
+}
+
+// Rank r's part of a unit of n floats: [r*ceil(n/N), ...) clipped to n.
+static inline void cp_part(const ContextParallel* cp, size_t n, size_t* lo, size_t* len) {
+    size_t shard = (n + cp->N - 1) / cp->N;
+    *lo = (size_t)cp->rank * shard > n ? n : (size_t)cp->rank * shard;
+    *len = n - *lo < shard ? n - *lo : shard;
+}
+
+// x (n) keeps this rank's part; -0.0f elsewhere (a gradient every rank of the group computed
+// whole, handed to ZeRO's data x context reduction once)
+static inline void cp_keep_part(ContextParallel* cp, float* x, size_t n) {
+    size_t lo, len;
+    cp_part(cp, n, &lo, &len);
+    cp->mem->fill(x, -0.0f, lo);
+    cp->mem->fill(x + lo + len, -0.0f, n - lo - len);
+}
+
+// out (n): this rank's part = R1 over the B sequences of (R1 over the group's ranks of their
+// partials[b] (B, n)), -0.0f elsewhere. Each rank finishes its part of every sequence's sum (a
+// reduce-scatter, cp group: the R1 tree over ranks), then the tree over sequences on it
+// (sequence_tree). partials is overwritten.
+static inline void cp_finish_sequences(ContextParallel* cp, float* out, float* partials, int B, size_t n) {
+    int N = cp->N;
+    size_t shard = (n + N - 1) / N, need = (size_t)N * B * shard + (size_t)B * shard;
+    if (need > cp->gather_floats) { fatal("internal: context-parallel gradient of %zu floats x %d sequences", n, B); }
+    float* ranked = cp->gather;                        // (N, B, shard): rank r's columns of every sequence
+    float* mine = ranked + (size_t)N * B * shard;      // (B, shard)
+    for (int r = 0; r < N; r++) {
+        size_t lo = (size_t)r * shard, len = lo >= n ? 0 : (n - lo < shard ? n - lo : shard);
+        for (int b = 0; b < B; b++) {
+            float* dst = ranked + ((size_t)r * B + b) * shard;
+            cp->mem->copy(dst, partials + (size_t)b * n + lo, len * sizeof(float));
+            cp->mem->fill(dst + len, 0.0f, shard - len);
+        }
+    }
+    // reduce-scatter (cp group, gradients): rank r gets every sequence's finished columns
+    comm_reduce_scatter(cp->group, ranked, mine, (size_t)B * shard, COMM_KIND_GRAD);
+    sequence_tree(partials, mine, B, (int)shard);
+    size_t lo, len;
+    cp_part(cp, n, &lo, &len);
+    cp->mem->copy(out + lo, partials, len * sizeof(float));
+    cp_keep_part(cp, out, n);
+}
+
+#endif // LLMC_CONTEXT_PARALLEL_H
