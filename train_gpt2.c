@@ -399,8 +399,59 @@ ALWAYS_INLINE void matmul_forward_tile(float* out, const float* packed, const fl
     }
 }
 
+// A row or two (the sampler's KV-cache steps): the row tile would compute MR rows for one,
+// so vectorise across outputs instead, lane j walking weight row o0 + j (a gather per k), four
+// groups of VLEN outputs in flight; each output's chunks and tree are the tile's.
+#define MM_FEW_ROWS 2
+#define MM_FEW_GROUPS 4
+static void matmul_forward_few_rows(float* out, const float* inp, const float* weight, const float* bias,
+                                    int BT, int K, int OC, int nchunks) {
+    int W = VLEN * MM_FEW_GROUPS, tasks = (OC + W - 1) / W;
+    #pragma omp parallel for schedule(static)
+    for (int task = 0; task < tasks; task++) {
+        int o0 = task * W;
+        vidx lanes[MM_FEW_GROUPS];
+        for (int g = 0; g < MM_FEW_GROUPS; g++) {
+            int n = OC - (o0 + g * VLEN);
+            lanes[g] = vidx_strided(K, n < 0 ? 0 : n > VLEN ? VLEN : n);
+        }
+        for (int bt = 0; bt < BT; bt++) {
+            const float* x = inp + (size_t)bt * K;
+            vf stack[CANON_LOG2_R + 2][MM_FEW_GROUPS];
+            int top = 0;
+            for (int ch = 0; ch < nchunks; ch++) {
+                int kb = (int)(((long)K * ch) / nchunks), ke = (int)(((long)K * (ch + 1)) / nchunks);
+                vf acc[MM_FEW_GROUPS];
+                for (int g = 0; g < MM_FEW_GROUPS; g++) { acc[g] = vf_zero(); }
+                for (int k = kb; k < ke; k++) {
+                    vf a = vf_set1(x[k]);
+                    _Pragma("GCC unroll 4") for (int g = 0; g < MM_FEW_GROUPS; g++) {
+                        const float* w = weight + (size_t)(o0 + g * VLEN < OC ? o0 + g * VLEN : o0) * K + k;
+                        acc[g] = vf_fma(a, vf_gather(w, lanes[g]), acc[g]);
+                    }
+                }
+                for (int g = 0; g < MM_FEW_GROUPS; g++) { stack[top][g] = acc[g]; }
+                top++;
+                for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
+                    for (int g = 0; g < MM_FEW_GROUPS; g++) { stack[top - 2][g] = vf_add(stack[top - 2][g], stack[top - 1][g]); }
+                    top--;
+                }
+            }
+            float tile[VLEN * MM_FEW_GROUPS];
+            for (int g = 0; g < MM_FEW_GROUPS; g++) { vf_store(tile + g * VLEN, stack[0][g]); }
+            for (int j = 0; j < W && o0 + j < OC; j++) {
+                out[(size_t)bt * OC + o0 + j] = bias ? tile[j] + bias[o0 + j] : tile[j];
+            }
+        }
+    }
+}
+
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
                     int BT, int K, int OC, int nchunks) {
+    if (BT <= MM_FEW_ROWS) {
+        matmul_forward_few_rows(out, inp, weight, bias, BT, K, OC, nchunks);
+        return;
+    }
     // pack inp as blocks of MR rows, transposed: packed[block][k][MR], zero rows past BT
     int nblocks = (BT + MR - 1) / MR;
     float* packed = scratch(SCRATCH_PACK, sizeof(float) * (size_t)nblocks * K * MR);

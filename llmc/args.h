@@ -44,6 +44,7 @@ typedef struct {
     int sample_every, gen_T;
     float temperature;            // sampling: 1 = the model's distribution
     int top_k;                    // sampling: 0 = every token
+    int kv_cache;                 // sampling: 1 = one new position per token (the same tokens)
     int checkpoint_every;
     int resume;
     int zero_stage;
@@ -118,6 +119,7 @@ static const ArgSpec arg_specs[] = {
     {"-g", ARG_INT, ARG_FIELD(gen_T), 1, MAX_SEQ_LEN, 0, "tokens to generate when sampling"},
     {"--temperature", ARG_FLOAT, ARG_FIELD(temperature), 0, 100, ARG_ABOVE_MIN, "sampling temperature (1 = the model's distribution, as llm.c)"},
     {"--top-k", ARG_INT, ARG_FIELD(top_k), 0, INT_MAX, 0, "sample among the k most likely tokens only; 0 = all (as llm.c)"},
+    {"--kv-cache", ARG_INT, ARG_FIELD(kv_cache), 0, 1, 0, "sampling: 1 = a KV cache (each token computes one position), 0 = a full forward per token; the same tokens"},
     {"-n", ARG_INT, ARG_FIELD(checkpoint_every), 0, INT_MAX, 0, "write a checkpoint every N steps (and at the end); 0 = never (needs -o)"},
     {"-y", ARG_INT, ARG_FIELD(resume), 0, 1, 0, "1 = resume from the latest checkpoint in the -o dir"},
     {"-z", ARG_INT, ARG_FIELD(zero_stage), 0, 3, 0, "ZeRO stage 0-3 (optimizer / gradient / parameter sharding over data-parallel ranks)"},
@@ -176,6 +178,7 @@ static inline void train_args_defaults(TrainArgs* a) {
     a->sample_every = 20;
     a->gen_T = 64;
     a->temperature = 1.0f;
+    a->kv_cache = 1;
     a->checkpoint_every = 0;
     a->resume = 0;
     a->zero_stage = 0;

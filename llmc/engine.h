@@ -880,8 +880,9 @@ static inline float trainer_validate(Trainer* t) {
 
 // Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler, with
 // --temperature and --top-k: llmc/sampler.h). Token pos is drawn from row pos - 1 of the
-// forward pass over (1, genT) through the pipeline: with a KV cache (ModelOps' decode) each
-// step computes only that row, otherwise (fast mode) the whole pass, the positions not yet
+// forward pass over (1, genT) through the pipeline: with a KV cache (ModelOps' decode; not
+// with --kv-cache 0) each step computes only that row, otherwise (fast mode) the whole pass,
+// the positions not yet
 // generated holding <|endoftext|> (causal attention: they change nothing before them). The
 // head's stage draws the token (from the whole vocabulary) and broadcasts it to the other
 // stages. Under ZeRO-3 every dp rank takes part (the forward gathers parameters), with expert
@@ -896,7 +897,7 @@ static inline void trainer_sample(Trainer* t) {
     for (int i = 0; i < genT; i++) { gen[i] = V > 50256 ? 50256 : V - 1; }   // <|endoftext|> for GPT-2's vocabulary
     if (printing) { printf("generating:\n---\n"); }
     for (int pos = 1; pos < genT; pos++) {
-        if (t->ops->layers_decode) {
+        if (t->ops->layers_decode && t->args.kv_cache) {
             pipeline_decode(&t->pipe, t->sample_acts, gen[pos - 1], pos - 1, genT, C);
         } else {
             pipeline_forward_only(&t->pipe, t->sample_acts, gen, NULL, 1, genT, C, 1);

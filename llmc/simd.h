@@ -24,6 +24,14 @@ typedef __m512 vf;
 static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
 static inline vf vf_load(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vf_store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+// lanes j < n read p[j * stride], the others p[0] (vf_gather)
+typedef __m512i vidx;
+static inline vidx vidx_strided(int stride, int n) {
+    int i[16];
+    for (int j = 0; j < 16; j++) { i[j] = j < n ? j * stride : 0; }
+    return _mm512_loadu_si512(i);
+}
+static inline vf vf_gather(const float* p, vidx i) { return _mm512_i32gather_ps(i, p, 4); }
 static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
@@ -74,6 +82,13 @@ typedef __m256 vf;
 static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
 static inline vf vf_load(const float* p) { return _mm256_loadu_ps(p); }
 static inline void vf_store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+typedef __m256i vidx;
+static inline vidx vidx_strided(int stride, int n) {
+    int i[8];
+    for (int j = 0; j < 8; j++) { i[j] = j < n ? j * stride : 0; }
+    return _mm256_loadu_si256((const __m256i*)i);
+}
+static inline vf vf_gather(const float* p, vidx i) { return _mm256_i32gather_ps(p, i, 4); }
 static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
@@ -119,6 +134,13 @@ typedef struct { float x[VLEN]; } vf;
 static inline vf vf_zero(void) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = 0.0f; } return r; }
 static inline vf vf_load(const float* p) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = p[i]; } return r; }
 static inline void vf_store(float* p, vf v) { for (int i = 0; i < VLEN; i++) { p[i] = v.x[i]; } }
+typedef struct { int i[VLEN]; } vidx;
+static inline vidx vidx_strided(int stride, int n) {
+    vidx r;
+    for (int j = 0; j < VLEN; j++) { r.i[j] = j < n ? j * stride : 0; }
+    return r;
+}
+static inline vf vf_gather(const float* p, vidx i) { vf r; for (int j = 0; j < VLEN; j++) { r.x[j] = p[i.i[j]]; } return r; }
 static inline vf vf_set1(float a) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = a; } return r; }
 static inline vf vf_fma(vf a, vf b, vf c) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = fmaf(a.x[i], b.x[i], c.x[i]); } return r; }
 static inline vf vf_add(vf a, vf b) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = a.x[i] + b.x[i]; } return r; }

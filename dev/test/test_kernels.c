@@ -938,6 +938,7 @@ int main(void) {
     int shapes[][5] = {   // B, T, K, OC, groups
         {1, 1, 1, 1, 1}, {1, 5, 7, 5, 1}, {2, 3, 16, 6, 1}, {3, 11, 40, 13, 1}, {2, 17, 33, 48, 3},
         {1, 70, 100, 50, 1}, {4, 9, 64, 96, 3}, {2, 40, 48, 7, 1}, {5, 8, 24, 66, 3},
+        {1, 1, 77, 150, 1}, {1, 2, 33, 19, 3}, {2, 1, 96, 70, 1},   // a row or two: the KV cache's matmuls
     };
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
         test_matmul(shapes[i][0], shapes[i][1], shapes[i][2], shapes[i][3], shapes[i][4]);

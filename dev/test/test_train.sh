@@ -91,13 +91,17 @@ done
 pass "gradient accumulation: 1, 2 and 4 microbatches give identical logs and parameters"
 
 # --- shuffled data and the other schedules run and are deterministic too ---
-run s1 -e $MODEL -i "$W/train.bin" -j "$W/val.bin" -b 4 -t 16 -x 4 -v 2 -s 2 -g 8 -k linear -u 2 -q 0.1 -c 0.1 -o "$W/s1" --tokenizer "$W/none.bin"
-run s2 -e $MODEL -i "$W/train.bin" -j "$W/val.bin" -b 4 -t 16 -x 4 -v 2 -s 2 -g 8 -k linear -u 2 -q 0.1 -c 0.1 -o "$W/s2" --tokenizer "$W/none.bin"
+run s1 -e $MODEL -i "$W/train.bin" -j "$W/val.bin" -b 4 -t 16 -x 4 -v 2 -s 2 -g 30 -k linear -u 2 -q 0.1 -c 0.1 -o "$W/s1" --tokenizer "$W/none.bin"
+run s2 -e $MODEL -i "$W/train.bin" -j "$W/val.bin" -b 4 -t 16 -x 4 -v 2 -s 2 -g 30 -k linear -u 2 -q 0.1 -c 0.1 -o "$W/s2" --tokenizer "$W/none.bin" --kv-cache 0
 cmp -s "$W/s1/main.log" "$W/s2/main.log" || fail "shuffled runs differ"
 grep -q "generating" "$W/s1.out" || fail "no sample was generated"
+# the KV cache's samples are the full forward's (s2 runs one per token), token for token
+[ "$(grep -c generating "$W/s1.out")" = 2 ] || fail "2 samples expected (steps 0 and 2)"
+diff <(grep -A2 generating "$W/s1.out") <(grep -A2 generating "$W/s2.out") >/dev/null \
+  || fail "samples with the KV cache differ from --kv-cache 0's full forward per token"
 lr0=$(grep '^s:0 trl' "$W/s1/main.log" | sed 's/.*lr:\([^ ]*\).*/\1/')
 [ "$lr0" = "0.000150000007" ] || fail "warmup: lr at step 0 should be 3e-4 * 1/2, got $lr0"
-pass "shuffle, sampling without a tokenizer file, linear schedule with warmup"
+pass "shuffle, sampling without a tokenizer file (the KV cache = a full forward per token), linear schedule with warmup"
 
 # --- a bf16 (version 5) checkpoint loads as its exactly rounded values ---
 $DATA bf16 "$W/a/model_00000005.bin" "$W/bf16.bin" "$W/rounded.bin" || fail "bf16 conversion"
