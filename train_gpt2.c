@@ -2652,7 +2652,7 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
     moe_grads_rows(model, g, (size_t)r->n_recv, C4);
     moe_combine_backward(g->dgate, g->dslots, dout, x->ret, x->gates, x->slot_row, BT, k, C);
     // the router, with the load-balancing loss of this microbatch (1/M of the step's loss each)
-    moe_aux_grad(model->daux_host, r->count, E, k, BT, c->aux_loss_coef, z->local_microbatches * z->N);
+    moe_aux_grad(model->daux_host, r->count, E, k, BT, c->aux_loss_coef, z->local_microbatches * z->streams);
     mem->from_host(g->daux, model->daux_host, (size_t)E * sizeof(float));
     moe_router_backward(g->dlogits, x->probs, x->chosen, x->gates, g->dgate, g->daux, BT, E, k);
     matmul_backward(g->drouter, dw->routerw, NULL, g->dlogits, ln, w->routerw, B, T, C, E, 1, CANON_R);
@@ -2870,7 +2870,10 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
     }
     int N = model->N;
     size_t finish = ((size_t)N * B + B) * ((unit + N - 1) / N);
-    cp_init(&model->cp, cp, cp_a2a, model->mem, B, T, config->channels / tp->size, config->num_heads / tp->size, finish);
+    // the embedding chunk all-gathers its input gradient at full width (B,T,C)
+    size_t gather = place->has_embedding ? (size_t)B * T * config->channels : 0;
+    cp_init(&model->cp, cp, cp_a2a, model->mem, B, T, config->channels / tp->size, config->num_heads / tp->size,
+            finish > gather ? finish : gather);
     model->seq_grads = N > 1 ? mem_floats(model->mem, (size_t)B * unit, "context-parallel gradients") : NULL;
     if (config->num_experts > 0) {   // the expert-parallel group and the experts' layout are zero.h's
         model->E = config->num_experts;

@@ -2,8 +2,8 @@
 # The sampler's benchmark (a table, not a test): seconds to generate -g tokens with the KV
 # cache (one position per token) and with a full forward over the -g positions per token
 # (--kv-cache 0; the same tokens), for GPT-2 124M's shape (-e d12, random weights), B=1, on
-# this machine's cores. Each time is a run that samples once at step 0 minus the same run
-# without sampling. A KV-cache step reads every weight once (fp32: 4 bytes x 124M parameters),
+# this machine's cores. Each time is a one-step run that samples once (after its step) minus
+# the same run without sampling. A KV-cache step reads every weight once (fp32: 4 bytes x 124M parameters),
 # so its floor is that over the machine's memory bandwidth, measured here by streaming a
 # buffer of the weights' size.
 # Usage: dev/bench/bench_sampler.sh [tokens] (default 64, the quick start's -g)
