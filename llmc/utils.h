@@ -33,9 +33,14 @@ static inline void fatal(const char* fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     fflush(stdout);
-    fprintf(stderr, "error: %s", llmc_fatal_prefix);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    // one write for the whole line: stderr is unbuffered, and under mpirun pieces written
+    // apart can be forwarded apart and interleaved with other ranks' output
+    char line[2048];
+    int n = snprintf(line, sizeof(line), "error: %s", llmc_fatal_prefix);
+    if (n < 0 || n >= (int)sizeof(line)) { n = 0; }
+    vsnprintf(line + n, sizeof(line) - (size_t)n - 1, fmt, ap);
+    strcat(line, "\n");
+    fputs(line, stderr);
     fflush(stderr);
     va_end(ap);
     if (llmc_fatal_hook) { llmc_fatal_hook(1); }
