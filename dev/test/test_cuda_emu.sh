@@ -10,7 +10,7 @@
 # ZeRO 3, TP 2 (+SP), PP 2 (1f1b, gpipe, zb1, zbv, interleaved) and the 2x2x2 grid; a
 # mixture-of-experts model on one rank and with expert parallelism (--ep 2, alone and with TP 2
 # and ZeRO-3); context parallelism: CP 2 and 4 (ring), CP 2 (all-to-all), CP 2 x TP 2 + SP,
-# DP 2 x CP 2 with ZeRO-2.
+# DP 2 x CP 2 with ZeRO-2, CP 2 x PP 2 zbv.
 # Exits non-zero on the first difference, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -121,7 +121,11 @@ same cpu_ref emu_cp4 "CP 4 (ring)"
 same cpu_ref emu_cp2a2a "CP 2 (all-to-all)"
 same cpu_ref emu_cp2tp2sp "CP 2 x TP 2 + SP"
 same cpu_ref_d256 emu_dp2cp2z2 "DP 2 x CP 2, ZeRO 2"
-pass "CP 2 and 4 (ring), CP 2 (all-to-all), CP 2 x TP 2 + SP, DP 2 x CP 2 with ZeRO-2 = one rank"
+# context parallelism inside a split backward: each layer's per-sequence gradients finished
+# over the cp group in the weight half
+run emu cp2pp2zbv 4 -x 3 -n 3 --cp 2 --pp 2 -d 256 -e d4c32h2v64t32 --schedule zbv
+same cpu_ref_d4 emu_cp2pp2zbv "CP 2 x PP 2 zbv"
+pass "CP 2 and 4 (ring), CP 2 (all-to-all), CP 2 x TP 2 + SP, DP 2 x CP 2 with ZeRO-2, CP 2 x PP 2 zbv = one rank"
 run cpu ref_d512 1 -x 2 -n 2 -d 512
 run emu grid 8 -x 2 -n 2 --tp 2 --pp 2 -d 512 -z 1
 same cpu_ref_d512 emu_grid "the 2x2x2 grid"
