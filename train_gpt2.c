@@ -183,7 +183,7 @@ void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int
                     }
                 }
                 top++;
-                for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
+                for (int m = canon_pos_merges_after(b, B, ch, CANON_R); m > 0; m--) {
                     float* right = stack + (size_t)(top - 1) * C;
                     float* left = stack + (size_t)(top - 2) * C;
                     for (int c = 0; c < C; c++) { left[c] = left[c] + right[c]; }
@@ -686,11 +686,6 @@ static void matmul_backward_dinp(float* dinp, const float* dout, const float* we
     }
 }
 
-// R3's merges after leaf (sequence b of B, chunk ch of the tchunks R2Z chunks of its positions).
-static int position_merges_after(int b, int B, int ch, int tchunks) {
-    return canon_tree_merges_after(ch, tchunks) + (ch == tchunks - 1 ? canon_tree_merges_after(b, B) : 0);
-}
-
 // dW tile: MM_NO outputs x (nv*VLEN) columns [k0, ...), all positions (R3; each sequence's T
 // positions in tchunks R2Z chunks: 8, or a zig-zag slice's 8/D). x: the tile's columns of inp,
 // position pos's at x + pos * ldx.
@@ -723,7 +718,7 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
                 _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][j][v] = acc[j][v]; }
             }
             top++;
-            for (int m = position_merges_after(b, B, ch, tchunks); m > 0; m--) {
+            for (int m = canon_pos_merges_after(b, B, ch, tchunks); m > 0; m--) {
                 _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                     _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
                         stack[top - 2][j][v] = vf_add(stack[top - 2][j][v], stack[top - 1][j][v]);
@@ -755,7 +750,7 @@ static float position_reduce_elem(const float* dout, int OC, int o, const float*
                 }
             }
             stack[top++] = acc;
-            for (int m = position_merges_after(b, B, ch, tchunks); m > 0; m--) {
+            for (int m = canon_pos_merges_after(b, B, ch, tchunks); m > 0; m--) {
                 stack[top - 2] = stack[top - 2] + stack[top - 1];
                 top--;
             }

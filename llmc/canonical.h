@@ -212,12 +212,12 @@ HD int canon_zz_count_ge(long p, long n, int D, int r) {
     return (int)(lo + hi);
 }
 
-// R3: merges to do after leaf (sequence b of nseq, chunk c of CANON_R) of a position
-// reduction: first the chunk tree of sequence b, then, when b's tree is complete, the tree
-// over sequences.
-HD int canon_pos_merges_after(int b, int nseq, int c) {
-    int m = canon_tree_merges_after(c, CANON_R);
-    if (c == CANON_R - 1) { m += canon_tree_merges_after(b, nseq); }
+// R3: merges to do after leaf (sequence b of nseq, chunk c of the sequence's nchunks: CANON_R,
+// or a zig-zag slice's CANON_R/D) of a position reduction: first the chunk tree of sequence b,
+// then, when b's tree is complete, the tree over sequences.
+HD int canon_pos_merges_after(int b, int nseq, int c, int nchunks) {
+    int m = canon_tree_merges_after(c, nchunks);
+    if (c == nchunks - 1) { m += canon_tree_merges_after(b, nseq); }
     return m;
 }
 

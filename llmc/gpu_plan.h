@@ -499,7 +499,7 @@ HD float det_encoder_dwte_elem(const void* dout, int bf16, const int* order, int
                 }
             }
             stack[top++] = acc;
-            for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
+            for (int m = canon_pos_merges_after(b, B, ch, CANON_R); m > 0; m--) {
                 stack[top - 2] = stack[top - 2] + stack[top - 1];
                 top--;
             }

@@ -145,7 +145,7 @@ HD float moe_rows_reduce_elem(const float* dout, int OC, int o, const float* x, 
                 acc = x ? fmaf(dout[(size_t)r * OC + o], x[(size_t)r * K + kk], acc) : acc + dout[(size_t)r * OC + o];
             }
             stack[top++] = acc;
-            for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
+            for (int m = canon_pos_merges_after(b, B, ch, CANON_R); m > 0; m--) {
                 stack[top - 2] = stack[top - 2] + stack[top - 1];
                 top--;
             }
@@ -367,7 +367,7 @@ ALWAYS_INLINE void moe_dweight_tile(float* dweight, const float* dout, const flo
                 _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][j][v] = acc[j][v]; }
             }
             top++;
-            for (int m = canon_pos_merges_after(b, B, ch); m > 0; m--) {
+            for (int m = canon_pos_merges_after(b, B, ch, CANON_R); m > 0; m--) {
                 _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
                     _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
                         stack[top - 2][j][v] = vf_add(stack[top - 2][j][v], stack[top - 1][j][v]);
