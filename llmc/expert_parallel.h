@@ -123,26 +123,27 @@ static inline void moe_route_plan(MoeRoute* r, CommGroup* ep, int B, int T) {
     moe_plan_experts(r->recv_count, r->recv_pos, Q, El, B, T, r->perm, r->inv, r->first, r->leaf);
 }
 
-// all-to-all (ep group): the dispatch rows (BT*k, C) to their experts' ranks, received
-// source-major (n_recv, C); forward's tokens and backward's output gradients.
-static inline void moe_route_dispatch(const MoeRoute* r, CommGroup* ep, const float* send, float* recv, int C) {
+// all-to-all (ep group) of rows of C floats: send_rows[q] rows to rank q, recv_rows[q] from it.
+static inline void moe_route_exchange(const MoeRoute* r, CommGroup* ep, const float* send, const size_t* send_rows,
+                                      float* recv, const size_t* recv_rows, int C) {
     size_t sc[64] = {0}, rc[64] = {0};   // initialised only to quiet gcc's -Wmaybe-uninitialized
     size_t *s = r->Q <= 64 ? sc : (size_t*)malloc_or_die(sizeof(size_t) * 2 * (size_t)r->Q, "routing");
     size_t *rr = r->Q <= 64 ? rc : s + r->Q;
-    for (int q = 0; q < r->Q; q++) { s[q] = r->send_rows[q] * (size_t)C; rr[q] = r->recv_rows[q] * (size_t)C; }
+    for (int q = 0; q < r->Q; q++) { s[q] = send_rows[q] * (size_t)C; rr[q] = recv_rows[q] * (size_t)C; }
     comm_all_to_all_v(ep, send, s, recv, rr, COMM_KIND_EP);
     if (s != sc) { free(s); }
 }
 
-// all-to-all (ep group): the experts' rows (n_recv, C, source-major) back to their sources,
-// in dispatch-row order (BT*k, C); forward's outputs and backward's input gradients.
+// The dispatch rows (BT*k, C) to their experts' ranks, received source-major (n_recv, C);
+// forward's tokens and backward's output gradients.
+static inline void moe_route_dispatch(const MoeRoute* r, CommGroup* ep, const float* send, float* recv, int C) {
+    moe_route_exchange(r, ep, send, r->send_rows, recv, r->recv_rows, C);
+}
+
+// The experts' rows (n_recv, C, source-major) back to their sources, in dispatch-row order
+// (BT*k, C); forward's outputs and backward's input gradients.
 static inline void moe_route_return(const MoeRoute* r, CommGroup* ep, const float* send, float* recv, int C) {
-    size_t sc[64] = {0}, rc[64] = {0};   // initialised only to quiet gcc's -Wmaybe-uninitialized
-    size_t *s = r->Q <= 64 ? sc : (size_t*)malloc_or_die(sizeof(size_t) * 2 * (size_t)r->Q, "routing");
-    size_t *rr = r->Q <= 64 ? rc : s + r->Q;
-    for (int q = 0; q < r->Q; q++) { s[q] = r->recv_rows[q] * (size_t)C; rr[q] = r->send_rows[q] * (size_t)C; }
-    comm_all_to_all_v(ep, send, s, recv, rr, COMM_KIND_EP);
-    if (s != sc) { free(s); }
+    moe_route_exchange(r, ep, send, r->recv_rows, recv, r->send_rows, C);
 }
 
 // Rows this rank sent to and received from the other ranks of its ep group in one exchange.
