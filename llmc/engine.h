@@ -500,73 +500,47 @@ static inline void moe_microbatch_aux(CommGroup* pp, int L, const float* aux, in
 // rank), runs its layers and sends its output on; the last runs the head. Blocking sends and
 // receives: every stage walks the virtual stages in the same order.
 // sp_degree: the tensor-parallel degree if acts are sequence-parallel, else 1.
-static inline void pipeline_forward_only(Pipeline* p, void** acts, const int* inputs, const int* targets,
-                                         int B, int T, int C, int sp_degree) {
+// row >= 0 (generation with a KV cache, B = 1): only position `row` of the pass laid out over
+// (1, T), its token inputs[row], through ModelOps' decode (the rows before it are in the
+// chunks' activations from the earlier calls); one row of C floats goes from stage to stage.
+static inline void pipeline_forward_pass(Pipeline* p, void** acts, const int* inputs, const int* targets,
+                                         int B, int T, int C, int sp_degree, int row) {
     const ModelOps* ops = p->ops;
-    size_t n = (size_t)B * T / sp_degree * C;
+    int decode = row >= 0;
+    size_t n = decode ? (size_t)C : (size_t)B * T / sp_degree * C;   // the message
+    size_t at = decode ? (size_t)row * C : 0;                          // where it starts
     int V = p->cfg.num_stages * p->cfg.num_chunks;
     for (int vs = 0; vs < V; vs++) {
         int c = pipeline_chunk_of(p, vs);
         if (c < 0) { continue; }
         void* model = p->models[c];
         const ChunkPlace* place = &p->places[c];
-        if (place->has_embedding || place->has_head) { ops->set_tokens(model, acts[c], inputs, targets, B, T); }
+        if (!decode && (place->has_embedding || place->has_head)) {
+            ops->set_tokens(model, acts[c], inputs, targets, B, T);
+        }
         if (place->has_embedding) {
-            ops->embed_forward(model, acts[c], B, T);
+            if (decode) { ops->embed_decode(model, acts[c], inputs[row], row, T); }
+            else { ops->embed_forward(model, acts[c], B, T); }
         } else {
             int producer = pipeline_chunk_of(p, vs - 1);
             if (producer >= 0) {
-                p->mem->copy(ops->stage_input(model, acts[c]),
-                             ops->stage_output(p->models[producer], acts[producer], B, T), n * sizeof(float));
+                p->mem->copy(ops->stage_input(model, acts[c]) + at,
+                             ops->stage_output(p->models[producer], acts[producer], B, T) + at, n * sizeof(float));
             } else {
                 // recv (pp group): the output of virtual stage vs - 1
-                comm_wait(comm_irecv(p->pp, ops->stage_input(model, acts[c]), n, pp_owner_stage(&p->cfg, vs - 1),
+                comm_wait(comm_irecv(p->pp, ops->stage_input(model, acts[c]) + at, n, pp_owner_stage(&p->cfg, vs - 1),
                                      pipeline_tag(p, 0, vs - 1, 0), COMM_KIND_PP));
             }
         }
-        ops->layers_forward(model, acts[c], B, T);
+        if (decode) { ops->layers_decode(model, acts[c], row, T); }
+        else { ops->layers_forward(model, acts[c], B, T); }
         if (place->has_head) {
-            ops->head_forward(model, acts[c], B, T, 0);
+            if (decode) { ops->head_decode(model, acts[c], row, T); }
+            else { ops->head_forward(model, acts[c], B, T, 0); }
         } else if (pipeline_chunk_of(p, vs + 1) < 0) {
             // send (pp group): this output to the stage holding virtual stage vs + 1
-            comm_wait(comm_isend(p->pp, ops->stage_output(model, acts[c], B, T), n, pp_owner_stage(&p->cfg, vs + 1),
+            comm_wait(comm_isend(p->pp, ops->stage_output(model, acts[c], B, T) + at, n, pp_owner_stage(&p->cfg, vs + 1),
                                  pipeline_tag(p, 0, vs, 0), COMM_KIND_PP));
-        }
-    }
-}
-
-// Generation with a KV cache: position t of a pass laid out over (1, T) through the pipeline,
-// its token `token`: each chunk computes its row t (the rows before it are in the chunk's
-// activations from the earlier calls), one row of C floats going from stage to stage.
-static inline void pipeline_decode(Pipeline* p, void** acts, int token, int t, int T, int C) {
-    const ModelOps* ops = p->ops;
-    size_t row = (size_t)t * C;
-    int V = p->cfg.num_stages * p->cfg.num_chunks;
-    for (int vs = 0; vs < V; vs++) {
-        int c = pipeline_chunk_of(p, vs);
-        if (c < 0) { continue; }
-        void* model = p->models[c];
-        const ChunkPlace* place = &p->places[c];
-        if (place->has_embedding) {
-            ops->embed_decode(model, acts[c], token, t, T);
-        } else {
-            int producer = pipeline_chunk_of(p, vs - 1);
-            if (producer >= 0) {
-                p->mem->copy(ops->stage_input(model, acts[c]) + row,
-                             ops->stage_output(p->models[producer], acts[producer], 1, T) + row, C * sizeof(float));
-            } else {
-                // recv (pp group): row t of virtual stage vs - 1's output
-                comm_wait(comm_irecv(p->pp, ops->stage_input(model, acts[c]) + row, (size_t)C,
-                                     pp_owner_stage(&p->cfg, vs - 1), pipeline_tag(p, 0, vs - 1, 0), COMM_KIND_PP));
-            }
-        }
-        ops->layers_decode(model, acts[c], t, T);
-        if (place->has_head) {
-            ops->head_decode(model, acts[c], t, T);
-        } else if (pipeline_chunk_of(p, vs + 1) < 0) {
-            // send (pp group): row t of this output to the stage holding virtual stage vs + 1
-            comm_wait(comm_isend(p->pp, ops->stage_output(model, acts[c], 1, T) + row, (size_t)C,
-                                 pp_owner_stage(&p->cfg, vs + 1), pipeline_tag(p, 0, vs, 0), COMM_KIND_PP));
         }
     }
 }
@@ -868,8 +842,8 @@ static inline float trainer_validate(Trainer* t) {
         // expert parallelism in every forward's token exchanges
         if (j >= batches && z->stage != 3 && z->ep->size == 1) { continue; }
         dataloader_load(&t->val_loader, j < batches ? j : 0);
-        pipeline_forward_only(&t->pipe, acts, t->val_loader.inputs, t->val_loader.targets, B, T,
-                              t->config.channels, sp_degree);
+        pipeline_forward_pass(&t->pipe, acts, t->val_loader.inputs, t->val_loader.targets, B, T,
+                              t->config.channels, sp_degree, -1);
         if (hc >= 0 && j < batches) { local[k] = t->ops->loss_sum(t->models[hc], acts[hc], B, T); }
     }
     float loss = global_mean_loss(t, local, per_rank, batches, 1, (double)batches * B * T);
@@ -897,11 +871,8 @@ static inline void trainer_sample(Trainer* t) {
     for (int i = 0; i < genT; i++) { gen[i] = V > 50256 ? 50256 : V - 1; }   // <|endoftext|> for GPT-2's vocabulary
     if (printing) { printf("generating:\n---\n"); }
     for (int pos = 1; pos < genT; pos++) {
-        if (t->ops->layers_decode && t->args.kv_cache) {
-            pipeline_decode(&t->pipe, t->sample_acts, gen[pos - 1], pos - 1, genT, C);
-        } else {
-            pipeline_forward_only(&t->pipe, t->sample_acts, gen, NULL, 1, genT, C, 1);
-        }
+        int kv = t->ops->layers_decode && t->args.kv_cache;
+        pipeline_forward_pass(&t->pipe, t->sample_acts, gen, NULL, 1, genT, C, 1, kv ? pos - 1 : -1);
         int next = V - 1, hc = t->pipe.head_chunk;
         if (hc >= 0) {
             t->ops->probs_at(t->models[hc], t->sample_acts[hc], pos - 1, t->sample_probs);
