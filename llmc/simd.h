@@ -31,7 +31,9 @@ static inline vidx vidx_strided(int stride, int n) {
     for (int j = 0; j < 16; j++) { i[j] = j < n ? j * stride : 0; }
     return _mm512_loadu_si512(i);
 }
-static inline vf vf_gather(const float* p, vidx i) { return _mm512_i32gather_ps(i, p, 4); }
+// the masked form with a zero source: the plain one starts from an undefined register, which
+// g++ 12 reports as used uninitialised
+static inline vf vf_gather(const float* p, vidx i) { return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xFFFF, i, p, 4); }
 static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
@@ -88,7 +90,9 @@ static inline vidx vidx_strided(int stride, int n) {
     for (int j = 0; j < 8; j++) { i[j] = j < n ? j * stride : 0; }
     return _mm256_loadu_si256((const __m256i*)i);
 }
-static inline vf vf_gather(const float* p, vidx i) { return _mm256_i32gather_ps(p, i, 4); }
+static inline vf vf_gather(const float* p, vidx i) {
+    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), p, i, _mm256_castsi256_ps(_mm256_set1_epi32(-1)), 4);
+}
 static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
