@@ -31,39 +31,76 @@
 #define FA_LOG2E 1.4426950408889634f
 
 // ---- PTX wrappers ------------------------------------------------------------------------
+// Under the emulator (dev/gpu/emu/ptx_emu.h) each has a C++ body with the instruction's
+// semantics: the fragment layouts and cp.async's asynchrony are checked there, on the CPU.
+#ifdef LLMC_CUDA_EMU
+#include "ptx_emu.h"
+#endif
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#ifdef LLMC_CUDA_EMU
+    emu_cp_async16(smem, gmem, valid);
+#else
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     int bytes = valid ? 16 : 0;   // 0: the 16 bytes are zero-filled, nothing is read
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+#endif
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef LLMC_CUDA_EMU
+    emu_cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef LLMC_CUDA_EMU
+    emu_cp_async_wait(N);
+#else
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const floatX* p) {
+#ifdef LLMC_CUDA_EMU
+    emu_ldmatrix_x4(r, p, false);
+#else
     unsigned s = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+#endif
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const floatX* p) {
+#ifdef LLMC_CUDA_EMU
+    emu_ldmatrix_x4(r, p, true);
+#else
     unsigned s = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+#endif
 }
 
 // c (16x8 fp32) += a (16x16 bf16) . b (16x8 bf16)
 __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b0, const uint32_t b1) {
+#ifdef LLMC_CUDA_EMU
+    emu_mma_m16n8k16_bf16(c, a, b0, b1);
+#else
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
+#ifdef LLMC_CUDA_EMU
+    return emu_ex2_approx(x);
+#else
     float y;
     asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+#endif
 }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -170,7 +207,7 @@ __device__ __forceinline__ void fa_store_rows(floatX* g, long ld, int row0, int 
 template <int HS>
 __global__ void __launch_bounds__(FA_THREADS) flash_forward_kernel(floatX* out, float* stats, const floatX* qkv,
                                                                    int T, int NH, float scale_log2) {
-    extern __shared__ __align__(16) unsigned char fa_smem[];
+    DYNAMIC_SHARED(fa_smem);
     floatX* sQ = reinterpret_cast<floatX*>(fa_smem);
     floatX* sK = sQ + FaTile<HS>::ELEMS;         // 2 buffers
     floatX* sV = sK + 2 * FaTile<HS>::ELEMS;     // 2 buffers
@@ -293,7 +330,7 @@ template <int HS>
 __global__ void __launch_bounds__(FA_THREADS) flash_backward_dq_kernel(
         floatX* dqkv, const floatX* dout, const floatX* qkv, const float* stats, const float* Dsum,
         int T, int NH, float scale_log2, float scale) {
-    extern __shared__ __align__(16) unsigned char fa_smem[];
+    DYNAMIC_SHARED(fa_smem);
     floatX* sQ = reinterpret_cast<floatX*>(fa_smem);
     floatX* sdO = sQ + FaTile<HS>::ELEMS;
     floatX* sK = sdO + FaTile<HS>::ELEMS;       // 2 buffers
@@ -367,7 +404,7 @@ template <int HS>
 __global__ void __launch_bounds__(FA_THREADS) flash_backward_dkdv_kernel(
         floatX* dqkv, const floatX* dout, const floatX* qkv, const float* stats, const float* Dsum,
         int T, int NH, float scale_log2, float scale) {
-    extern __shared__ __align__(16) unsigned char fa_smem[];
+    DYNAMIC_SHARED(fa_smem);
     floatX* sK = reinterpret_cast<floatX*>(fa_smem);
     floatX* sV = sK + FaTile<HS>::ELEMS;
     floatX* sQ = sV + FaTile<HS>::ELEMS;        // 2 buffers
@@ -483,7 +520,7 @@ template <int HS>
 static void flash_forward_hs(floatX* out, float* stats, const floatX* qkv, int B, int T, int NH) {
     dim3 grid((T + FA_ROWS - 1) / FA_ROWS, B * NH);
     float scale_log2 = FA_LOG2E / sqrtf((float)HS);
-    flash_forward_kernel<HS><<<grid, FA_THREADS, fa_forward_smem<HS>()>>>(out, stats, qkv, T, NH, scale_log2);
+    LAUNCH_SMEM(flash_forward_kernel<HS>, grid, FA_THREADS, fa_forward_smem<HS>(), out, stats, qkv, T, NH, scale_log2);
     cudaLaunchCheck("flash_forward_kernel");
 }
 
@@ -491,15 +528,15 @@ template <int HS>
 static void flash_backward_hs(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
                               const float* stats, float* D, int B, int T, int NH) {
     long rows = (long)B * T * NH;
-    flash_backward_preprocess_kernel<HS><<<ceil_div_u(rows, 256), 256>>>(D, dout, out, B, T, NH);
+    LAUNCH(flash_backward_preprocess_kernel<HS>, ceil_div_u(rows, 256), 256, D, dout, out, B, T, NH);
     cudaLaunchCheck("flash_backward_preprocess_kernel");
     dim3 grid((T + FA_ROWS - 1) / FA_ROWS, B * NH);
     float scale = 1.0f / sqrtf((float)HS), scale_log2 = FA_LOG2E * scale;
-    flash_backward_dkdv_kernel<HS><<<grid, FA_THREADS, fa_dkdv_smem<HS>()>>>(dqkv, dout, qkv, stats, D, T, NH,
-                                                                             scale_log2, scale);
+    LAUNCH_SMEM(flash_backward_dkdv_kernel<HS>, grid, FA_THREADS, fa_dkdv_smem<HS>(), dqkv, dout, qkv, stats, D, T,
+                NH, scale_log2, scale);
     cudaLaunchCheck("flash_backward_dkdv_kernel");
-    flash_backward_dq_kernel<HS><<<grid, FA_THREADS, fa_dq_smem<HS>()>>>(dqkv, dout, qkv, stats, D, T, NH,
-                                                                         scale_log2, scale);
+    LAUNCH_SMEM(flash_backward_dq_kernel<HS>, grid, FA_THREADS, fa_dq_smem<HS>(), dqkv, dout, qkv, stats, D, T, NH,
+                scale_log2, scale);
     cudaLaunchCheck("flash_backward_dq_kernel");
 }
 

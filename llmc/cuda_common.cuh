@@ -25,14 +25,19 @@ static inline void cuda_check_(cudaError_t err, const char* what, const char* fi
 // Kernel launches are written LAUNCH(kernel, grid, block, args...): the triple-chevron launch
 // under nvcc; in the emulated build (dev/gpu/emu, g++) every thread of every block calls the
 // kernel with copies of the arguments, on the CPU. `kernel` may be a pointer to a __global__
-// function (a template instance chosen at run time).
+// function (a template instance chosen at run time). LAUNCH_SMEM also gives the bytes of
+// dynamic shared memory, which the kernel declares with DYNAMIC_SHARED(name) (16-byte aligned).
 #ifdef LLMC_CUDA_EMU
 void emu_label(const void* p, const char* what);
 extern void (*emu_fatal_hook)(const char* message);
-#define LAUNCH(kernel, grid, block, ...) emu_launch(#kernel, grid, block, [=]() { kernel(__VA_ARGS__); })
+#define LAUNCH_SMEM(kernel, grid, block, smem_bytes, ...) \
+    emu_launch(#kernel, emu_kernel_key(kernel), grid, block, smem_bytes, [=]() { kernel(__VA_ARGS__); })
+#define DYNAMIC_SHARED(name) unsigned char* name = emu_dynamic_shared()
 #else
-#define LAUNCH(kernel, grid, block, ...) kernel<<<grid, block>>>(__VA_ARGS__)
+#define LAUNCH_SMEM(kernel, grid, block, smem_bytes, ...) kernel<<<grid, block, smem_bytes>>>(__VA_ARGS__)
+#define DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
+#define LAUNCH(kernel, grid, block, ...) LAUNCH_SMEM(kernel, grid, block, 0, __VA_ARGS__)
 
 // ceil_div_u and elementwise_blocks (the grids of the elementwise kernels) are in gpu_plan.h,
 // where the host test checks them
@@ -86,8 +91,7 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-#ifndef LLMC_CUDA_EMU
-// --- fast mode's bf16 (not in the emulated build, which runs the deterministic path only) ---
+// --- fast mode's bf16 (the emulated build's cuda_bf16.h is dev/gpu/emu's) ------------------
 #include <cuda_bf16.h>
 
 // fast mode's storage type for weights and activations (fp32 master weights in AdamW)
@@ -111,6 +115,5 @@ __device__ __forceinline__ bf16x8 float_to_bf16x8(const float f[8]) {
     for (int i = 0; i < 4; i++) { v.h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]); }
     return v;
 }
-#endif
 
 #endif // LLMC_CUDA_COMMON_CUH

@@ -32,7 +32,7 @@ __global__ void encoder_forward_fast_kernel(floatX* out, const int* inp, const f
 static void encoder_forward_fast(floatX* out, const int* inp, const floatX* wte, const floatX* wpe,
                                  int B, int T, int C) {
     size_t n8 = (size_t)B * T * C / 8;
-    encoder_forward_fast_kernel<<<elementwise_blocks(n8, 256), 256>>>(out, inp, wte, wpe, B, T, C);
+    LAUNCH(encoder_forward_fast_kernel, elementwise_blocks(n8, 256), 256, out, inp, wte, wpe, B, T, C);
     cudaLaunchCheck("encoder_forward_fast_kernel");
 }
 
@@ -91,7 +91,8 @@ __global__ void layernorm_forward_fast_kernel(floatX* out, float* mean, float* r
 
 static void layernorm_forward_fast(floatX* out, float* mean, float* rstd, const floatX* inp,
                                    const floatX* weight, const floatX* bias, int N, int C) {
-    layernorm_forward_fast_kernel<<<ceil_div_u((size_t)N * 32, 256), 256>>>(out, mean, rstd, inp, weight, bias, N, C);
+    LAUNCH(layernorm_forward_fast_kernel, ceil_div_u((size_t)N * 32, 256), 256, out, mean, rstd, inp, weight, bias,
+           N, C);
     cudaLaunchCheck("layernorm_forward_fast_kernel");
 }
 
@@ -110,8 +111,8 @@ __global__ void fused_residual_layernorm_kernel(floatX* residual_out, floatX* ou
 static void fused_residual_layernorm(floatX* residual_out, floatX* out, float* mean, float* rstd,
                                      const floatX* res_in, const floatX* proj, const floatX* weight,
                                      const floatX* bias, int N, int C) {
-    fused_residual_layernorm_kernel<<<ceil_div_u((size_t)N * 32, 256), 256>>>(residual_out, out, mean, rstd,
-                                                                              res_in, proj, weight, bias, N, C);
+    LAUNCH(fused_residual_layernorm_kernel, ceil_div_u((size_t)N * 32, 256), 256, residual_out, out, mean, rstd,
+           res_in, proj, weight, bias, N, C);
     cudaLaunchCheck("fused_residual_layernorm_kernel");
 }
 
@@ -154,7 +155,8 @@ __global__ void layernorm_backward_fast_kernel(floatX* dres, const floatX* dout,
 
 static void layernorm_backward_fast(floatX* dres, const floatX* dout, const floatX* inp, const floatX* weight,
                                     const float* mean, const float* rstd, int N, int C) {
-    layernorm_backward_fast_kernel<<<ceil_div_u((size_t)N * 32, 256), 256>>>(dres, dout, inp, weight, mean, rstd, N, C);
+    LAUNCH(layernorm_backward_fast_kernel, ceil_div_u((size_t)N * 32, 256), 256, dres, dout, inp, weight, mean, rstd,
+           N, C);
     cudaLaunchCheck("layernorm_backward_fast_kernel");
 }
 
@@ -169,7 +171,7 @@ __global__ void gelu_forward_fast_kernel(floatX* out, const floatX* inp, size_t 
 }
 
 static void gelu_forward_fast(floatX* out, const floatX* inp, size_t n) {
-    gelu_forward_fast_kernel<<<elementwise_blocks(n / 8, 256), 256>>>(out, inp, n / 8);
+    LAUNCH(gelu_forward_fast_kernel, elementwise_blocks(n / 8, 256), 256, out, inp, n / 8);
     cudaLaunchCheck("gelu_forward_fast_kernel");
 }
 
@@ -227,7 +229,7 @@ __global__ void __launch_bounds__(CLASSIFIER_THREADS) fused_classifier_kernel(
 // logits (BT,Vp) -> losses (BT); with write_grad the logits become dlogits (dloss each)
 static void fused_classifier(floatX* logits, float* losses, const int* targets, float dloss,
                              int BT, int V, int Vp, int write_grad) {
-    fused_classifier_kernel<<<BT, CLASSIFIER_THREADS>>>(logits, losses, targets, dloss, V, Vp, write_grad);
+    LAUNCH(fused_classifier_kernel, BT, CLASSIFIER_THREADS, logits, losses, targets, dloss, V, Vp, write_grad);
     cudaLaunchCheck("fused_classifier_kernel");
 }
 
@@ -240,7 +242,7 @@ __global__ void float_to_bf16_kernel(floatX* out, const float* in, size_t n) {
 }
 
 static void float_to_bf16(floatX* out, const float* in, size_t n) {
-    float_to_bf16_kernel<<<elementwise_blocks(n, 256), 256>>>(out, in, n);
+    LAUNCH(float_to_bf16_kernel, elementwise_blocks(n, 256), 256, out, in, n);
     cudaLaunchCheck("float_to_bf16_kernel");
 }
 

@@ -80,6 +80,8 @@ static const EmuAllocation* allocation_at(const void* p) {
     return NULL;
 }
 
+static bool runner_guard_hit(const char* p);
+
 // A host access of device memory: on a GPU the pointer is not the host's (a crash, or
 // garbage). Name the allocation and where the host code was.
 static void emu_segv(int sig, siginfo_t* info, void* ctx) {
@@ -97,6 +99,12 @@ static void emu_segv(int sig, siginfo_t* info, void* ctx) {
         void* frames[32];
         int depth = backtrace(frames, 32);
         backtrace_symbols_fd(frames, depth, 2);
+        _exit(1);
+    }
+    if (runner_guard_hit(p)) {
+        static const char msg[] = "error: emulated GPU: a kernel accessed past the end of its dynamic shared memory "
+                                  "(the launch's byte count)\n";
+        if (write(2, msg, sizeof(msg) - 1) < 0) { _exit(1); }
         _exit(1);
     }
     signal(sig, SIG_DFL);
@@ -258,11 +266,21 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 }
 cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
 cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
-cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+
+// A launch the GPU refuses (its configuration) is reported by the next cudaGetLastError, as
+// on the GPU; the message says why, where CUDA's string would say only "invalid argument".
+static cudaError_t last_error = cudaSuccess;
+static char last_error_detail[400] = "invalid argument";
+cudaError_t cudaGetLastError(void) {
+    cudaError_t err = last_error;
+    last_error = cudaSuccess;
+    return err;
+}
 const char* cudaGetErrorString(cudaError_t err) {
     switch (err) {
         case cudaSuccess: return "no error";
-        case cudaErrorInvalidValue: return "invalid argument";
+        case cudaErrorInvalidValue: return last_error_detail;
+        case cudaErrorNotReady: return "device not ready";
         case cudaErrorMemoryAllocation: return "out of memory (the emulated device's arena: LLMC_EMU_MEMORY_GIB)";
         case cudaErrorNoDevice: return "no CUDA-capable device is detected";
         default: return "unknown error";
@@ -278,9 +296,12 @@ static double now_s(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 cudaError_t cudaStreamCreate(cudaStream_t* s) { *s = new EmuStream(); return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) { (void)flags; return cudaStreamCreate(s); }
 cudaError_t cudaStreamDestroy(cudaStream_t s) { delete s; return cudaSuccess; }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { (void)s; return cudaSuccess; }
 cudaError_t cudaEventCreate(cudaEvent_t* e) { *e = new EmuEvent(); (*e)->seconds = 0; return cudaSuccess; }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) { (void)flags; return cudaEventCreate(e); }
+cudaError_t cudaEventQuery(cudaEvent_t e) { (void)e; return cudaSuccess; }   // all work is done when a call returns
 cudaError_t cudaEventDestroy(cudaEvent_t e) { delete e; return cudaSuccess; }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) { (void)s; e->seconds = now_s(); return cudaSuccess; }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) { (void)e; return cudaSuccess; }
@@ -290,11 +311,57 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
     return cudaSuccess;
 }
 
+// Dynamic shared memory limits of an H100 (sm_90): 48 KiB per block unless the kernel's
+// cudaFuncAttributeMaxDynamicSharedMemorySize allows more, at most 227 KiB.
+#define EMU_SHARED_DEFAULT_BYTES (48u << 10)
+#define EMU_SHARED_OPTIN_BYTES (227u << 10)
+struct KernelAttributes { const void* kernel; int max_dynamic_shared; };
+static std::vector<KernelAttributes> kernel_attributes;
+
+static void set_last_error(cudaError_t err, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_last_error(cudaError_t err, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = snprintf(last_error_detail, sizeof(last_error_detail), "invalid argument (emulated GPU: ");
+    vsnprintf(last_error_detail + n, sizeof(last_error_detail) - (size_t)n - 1, fmt, ap);
+    va_end(ap);
+    strcat(last_error_detail, ")");
+    last_error = err;
+}
+
+cudaError_t emu_func_set_attribute(const void* kernel, cudaFuncAttribute attr, int value) {
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || value > (int)EMU_SHARED_OPTIN_BYTES) {
+        set_last_error(cudaErrorInvalidValue, "cudaFuncSetAttribute(%d, %d): the dynamic shared memory limit is "
+                       "0 to %u bytes", (int)attr, value, EMU_SHARED_OPTIN_BYTES);
+        return cudaErrorInvalidValue;
+    }
+    for (KernelAttributes& k : kernel_attributes) {
+        if (k.kernel == kernel) { k.max_dynamic_shared = value; return cudaSuccess; }
+    }
+    kernel_attributes.push_back({kernel, value});
+    return cudaSuccess;
+}
+
+static size_t dynamic_shared_allowed(const void* kernel) {
+    for (const KernelAttributes& k : kernel_attributes) {
+        if (k.kernel == kernel) { return (size_t)k.max_dynamic_shared > EMU_SHARED_DEFAULT_BYTES ? (size_t)k.max_dynamic_shared : EMU_SHARED_DEFAULT_BYTES; }
+    }
+    return EMU_SHARED_DEFAULT_BYTES;
+}
+
 // ==========================================================================================
 // 2. kernels: blocks and fibers
 // ==========================================================================================
 
 enum FiberState { FIBER_RUNNABLE, FIBER_AT_BARRIER, FIBER_AT_WARP_BARRIER, FIBER_EXITED };
+
+// one cp.async of 16 bytes that a thread issued and has not waited for
+struct CpAsync {
+    void* dst;
+    const void* src;   // NULL: zero-fill
+    unsigned group;    // the commit group it belongs to
+};
+#define EMU_CP_ASYNC_MAX 64
 
 struct Fiber {
     void* sp;                 // saved stack pointer while switched out
@@ -307,6 +374,9 @@ struct Fiber {
     FiberState state;
     unsigned warp_mask;       // the mask of the warp barrier it waits at
     int linear, lane, warp;
+    CpAsync cp_async[EMU_CP_ASYNC_MAX];
+    int cp_async_pending;
+    unsigned cp_async_groups;   // commit groups closed so far
 };
 
 #define EMU_MAX_THREADS 1024
@@ -326,6 +396,12 @@ struct BlockRunner {
     void (*body)(void*);
     void* closure;
     uint64_t warp_slots[EMU_MAX_THREADS / 32][32];
+    uint64_t warp_exchange_slots[EMU_MAX_THREADS / 32][32][4];
+    unsigned char* dynamic_shared;                // this launch's buffer: its last byte ends at
+    size_t dynamic_shared_bytes;                  // dynamic_guard, a page that faults
+    unsigned char* dynamic_guard;
+    unsigned char* dynamic_region;                // the mapping (buffer pages and the guard)
+    size_t dynamic_region_bytes;
     unsigned block_epoch;                         // __syncthreads completed by the block
     unsigned warp_epoch[EMU_MAX_THREADS / 32];    // warp barriers completed by each warp
     unsigned block_linear;
@@ -334,6 +410,29 @@ struct BlockRunner {
     char error[512];                              // the first error of this runner's blocks
 };
 static thread_local BlockRunner* runner = NULL;
+
+static bool runner_guard_hit(const char* p) {
+    return runner && runner->dynamic_guard && p >= (const char*)runner->dynamic_guard &&
+           p < (const char*)runner->dynamic_guard + 4096;
+}
+
+// The buffer ends where the guard page begins, so an access past the launch's size faults.
+static void dynamic_shared_prepare(BlockRunner* r, size_t bytes) {
+    size_t need = page_round(bytes ? bytes : 1) + 4096;
+    if (need > r->dynamic_region_bytes) {
+        if (r->dynamic_region) { munmap(r->dynamic_region, r->dynamic_region_bytes); }
+        void* p = mmap(NULL, need, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) { emu_fail("emulated GPU: cannot allocate dynamic shared memory"); }
+        r->dynamic_region = (unsigned char*)p;
+        r->dynamic_region_bytes = need;
+        r->dynamic_guard = r->dynamic_region + need - 4096;
+        mprotect(r->dynamic_guard, 4096, PROT_NONE);
+    }
+    r->dynamic_shared_bytes = (bytes + 15) / 16 * 16;
+    r->dynamic_shared = r->dynamic_guard - r->dynamic_shared_bytes;
+}
+
+unsigned char* emu_dynamic_shared(void) { return runner->dynamic_shared; }
 
 #if defined(__x86_64__)
 // Saves the callee-saved registers on the current stack, stores the stack pointer in *save,
@@ -462,6 +561,45 @@ static void warp_barrier(unsigned mask) {
 }
 
 void emu_syncwarp(unsigned mask) { warp_barrier(mask); }
+
+void emu_warp_exchange(const void* mine, size_t bytes, void* all) {
+    BlockRunner* r = runner;
+    Fiber* f = r->current;
+    if (bytes > sizeof(r->warp_exchange_slots[0][0])) { emu_fail("emulated GPU: a warp exchange of %zu bytes", bytes); }
+    memcpy(r->warp_exchange_slots[f->warp][f->lane], mine, bytes);
+    warp_barrier(0xffffffffu);
+    for (int l = 0; l < 32; l++) { memcpy((char*)all + l * bytes, r->warp_exchange_slots[f->warp][l], bytes); }
+    warp_barrier(0xffffffffu);   // every lane has read before the slots are written again
+}
+
+void emu_cp_async_push(void* dst, const void* src) {
+    Fiber* f = runner->current;
+    if (f->cp_async_pending == EMU_CP_ASYNC_MAX) {
+        block_error(runner, "thread %d has more than %d cp.async in flight (the emulator's queue)", f->linear,
+                    EMU_CP_ASYNC_MAX);
+        return;
+    }
+    f->cp_async[f->cp_async_pending++] = {dst, src, f->cp_async_groups};
+}
+void emu_cp_async_commit(void) { runner->current->cp_async_groups++; }
+int emu_cp_async_pop_done(unsigned newest_pending, void** dst, const void** src) {
+    Fiber* f = runner->current;
+    unsigned done_below = f->cp_async_groups >= newest_pending ? f->cp_async_groups - newest_pending : 0;
+    if (f->cp_async_pending == 0 || f->cp_async[0].group >= done_below) { return 0; }   // groups complete in order
+    *dst = f->cp_async[0].dst;
+    *src = f->cp_async[0].src;
+    memmove(&f->cp_async[0], &f->cp_async[1], (size_t)(--f->cp_async_pending) * sizeof(CpAsync));
+    return 1;
+}
+
+void emu_kernel_error(const char* fmt, ...) {
+    char what[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof(what), fmt, ap);
+    va_end(ap);
+    block_error(runner, "thread %d: %s", runner->current->linear, what);
+}
 unsigned emu_lane(void) { return (unsigned)runner->current->lane; }
 
 uint64_t emu_shuffle(unsigned mask, uint64_t mine, int src) {
@@ -544,10 +682,13 @@ static void run_block(BlockRunner* r, dim3 grid, dim3 block, dim3 bidx) {
         f->st.block_idx = bidx;
         f->st.block_dim = block;
         f->st.grid_dim = grid;
+        f->cp_async_pending = 0;
+        f->cp_async_groups = 0;
         f->state = FIBER_RUNNABLE;
         fiber_start(r, f);
         r->order[i] = i;
     }
+    memset(r->dynamic_shared, 0xFF, r->dynamic_shared_bytes);   // NaN until the block writes it
     while (!r->error[0]) {
         shuffle(r->order, n, &r->rng);
         for (int k = 0; k < n && !r->error[0]; k++) {
@@ -581,7 +722,8 @@ static int race_check_on(void);
 static void race_launch_begin(void);
 static void race_launch_end(const char* kernel);
 
-void emu_run_kernel(const char* name, dim3 grid, dim3 block, void (*body)(void*), void* closure) {
+void emu_run_kernel(const char* name, const void* kernel, dim3 grid, dim3 block, size_t dynamic_shared,
+                    void (*body)(void*), void* closure) {
     emu_seed = env_long("LLMC_EMU_SEED", 1);
     long nthreads_block = (long)block.x * block.y * block.z;
     if (nthreads_block < 1 || nthreads_block > EMU_MAX_THREADS || block.z > 64) {
@@ -591,6 +733,12 @@ void emu_run_kernel(const char* name, dim3 grid, dim3 block, void (*body)(void*)
     if (grid.x < 1 || grid.y < 1 || grid.z < 1 || grid.y > 65535 || grid.z > 65535 || grid.x > 2147483647u) {
         emu_fail("emulated GPU: kernel %s launched with a grid of %u x %u x %u blocks (CUDA's limits: 2^31-1 x "
                  "65535 x 65535)", name, grid.x, grid.y, grid.z);
+    }
+    if (dynamic_shared > dynamic_shared_allowed(kernel)) {   // the GPU does not launch it
+        set_last_error(cudaErrorInvalidValue, "kernel %s launched with %zu bytes of dynamic shared memory; above %u "
+                       "it needs cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize), an H100 allows "
+                       "at most %u", name, dynamic_shared, EMU_SHARED_DEFAULT_BYTES, EMU_SHARED_OPTIN_BYTES);
+        return;
     }
     launches++;
     current_kernel = name;
@@ -621,6 +769,7 @@ void emu_run_kernel(const char* name, dim3 grid, dim3 block, void (*body)(void*)
         r->body = body;
         r->closure = closure;
         r->error[0] = '\0';
+        dynamic_shared_prepare(r, dynamic_shared);
         #pragma omp for schedule(dynamic, 1)
         for (long k = 0; k < nblocks; k++) {
             if (r->error[0]) { continue; }
@@ -645,7 +794,8 @@ void emu_run_kernel(const char* name, dim3 grid, dim3 block, void (*body)(void*)
 //
 // The instrumented build reports every load and store of its code here. Inside a kernel, an
 // access to anything but the thread's own stack (device memory, __shared__ variables) is
-// checked against the last write of each 4-byte word in this launch:
+// checked against the last write of each 2-byte half of the 4-byte words it touches (bf16
+// values of neighbouring threads share a word but not a half) in this launch:
 //   written by another block                         -> a race (blocks are not ordered), except
 //                                                       a write of __shared__ memory: the new
 //                                                       block's own copy begins
@@ -655,11 +805,14 @@ void emu_run_kernel(const char* name, dim3 grid, dim3 block, void (*body)(void*)
 // stamping entries with the launch number. Reads of another thread's write that an
 // atomic made (atomics bypass the hooks) are not tracked.
 
+struct ShadowWriter {
+    uint32_t block, block_epoch, warp_epoch;
+    uint16_t thread;          // NO_WRITER: not written in this launch
+};
 struct ShadowWord {
     uintptr_t word;           // address / 4; 0: empty
-    uint32_t launch, block;
-    uint32_t block_epoch, warp_epoch;
-    uint16_t thread;          // NO_WRITER: a slot just taken, not written yet
+    uint32_t launch;
+    ShadowWriter half[2];     // the last writer of bytes 0-1 and 2-3
 };
 #define NO_WRITER 0xFFFFu
 
@@ -709,14 +862,14 @@ static ShadowWord* shadow_slot(uintptr_t word, bool insert) {
             if (!insert) { return NULL; }
             s->word = word;
             s->launch = shadow_launch;
-            s->thread = NO_WRITER;
+            s->half[0].thread = s->half[1].thread = NO_WRITER;
             return s;
         }
     }
     emu_fail("emulated GPU: the race check's shadow table is full (a kernel writes more than 16M words)");
 }
 
-static void race_report(const Fiber* f, const ShadowWord* s, uintptr_t addr, bool is_write) {
+static void race_report(const Fiber* f, const ShadowWriter* s, uintptr_t addr, bool is_write) {
     race_count++;
     if (race_reported) { return; }
     race_reported = true;
@@ -738,26 +891,33 @@ static void race_access(uintptr_t addr, size_t bytes, bool is_write) {
     const Fiber* f = runner->current;
     if (addr >= (uintptr_t)f->stack && addr < (uintptr_t)f->stack + f->stack_bytes) { return; }   // its own stack
     BlockRunner* r = runner;
-    for (uintptr_t w = addr >> 2; w <= (addr + (bytes ? bytes : 1) - 1) >> 2; w++) {
-        ShadowWord* s = shadow_slot(w, is_write);
-        if (s && s->thread != NO_WRITER && !(s->block == r->block_linear && s->thread == (uint16_t)f->linear)) {
-            bool ordered;
-            if (s->block != r->block_linear) {
-                // another block's write: a block's __shared__ memory starts afresh (writing over
-                // the previous block's is its own); anything else is unordered between blocks
-                ordered = is_write && !emu_is_device_pointer((void*)(w << 2));
-            } else {
-                bool same_warp = s->thread / 32 == (uint16_t)f->warp;
-                ordered = s->block_epoch != r->block_epoch ||
-                          (same_warp && r->warp_epoch[f->warp] != s->warp_epoch);
+    uintptr_t end = addr + (bytes ? bytes : 1);
+    for (uintptr_t w = addr >> 2; w <= (end - 1) >> 2; w++) {
+        ShadowWord* word = shadow_slot(w, is_write);
+        if (!word) { continue; }
+        for (int h = 0; h < 2; h++) {
+            uintptr_t half_start = (w << 2) + 2 * (uintptr_t)h;
+            if (half_start + 2 <= addr || half_start >= end) { continue; }   // not touched
+            ShadowWriter* s = &word->half[h];
+            if (s->thread != NO_WRITER && !(s->block == r->block_linear && s->thread == (uint16_t)f->linear)) {
+                bool ordered;
+                if (s->block != r->block_linear) {
+                    // another block's write: a block's __shared__ memory starts afresh (writing
+                    // over the previous block's is its own); anything else is unordered
+                    ordered = is_write && !emu_is_device_pointer((void*)half_start);
+                } else {
+                    bool same_warp = s->thread / 32 == (uint16_t)f->warp;
+                    ordered = s->block_epoch != r->block_epoch ||
+                              (same_warp && r->warp_epoch[f->warp] != s->warp_epoch);
+                }
+                if (!ordered) { race_report(f, s, half_start, is_write); }
             }
-            if (!ordered) { race_report(f, s, w << 2, is_write); }
-        }
-        if (is_write) {
-            s->block = r->block_linear;
-            s->thread = (uint16_t)f->linear;
-            s->block_epoch = r->block_epoch;
-            s->warp_epoch = r->warp_epoch[f->warp];
+            if (is_write) {
+                s->block = r->block_linear;
+                s->thread = (uint16_t)f->linear;
+                s->block_epoch = r->block_epoch;
+                s->warp_epoch = r->warp_epoch[f->warp];
+            }
         }
     }
 }

@@ -30,8 +30,16 @@
  *    through gcc's -fsanitize=kernel-address hooks), a read of a word that another thread of
  *    the block wrote since the last barrier that orders them, or that another block wrote in
  *    the same launch, stops the run naming the kernel, the threads and the address.
- * What it cannot show: speed, real concurrency between blocks, the fast path (cuBLASLt,
- * tensor cores, cuDNN, NCCL: compiled out of this build).
+ *  - dynamic shared memory (the launch's byte count, LAUNCH_SMEM) is a per-thread buffer ending
+ *    at a guard page, filled with 0xFF bytes for each block; a launch above 48 KiB without
+ *    cudaFuncSetAttribute(MaxDynamicSharedMemorySize), or above an H100's 227 KiB, fails with
+ *    cudaErrorInvalidValue at cudaGetLastError, as on the GPU.
+ * Fast mode's pieces: cuda_bf16.h (bf16 bit for bit), ptx_emu.h (cp.async, ldmatrix,
+ * mma.sync, ex2.approx for attention_flash.cuh's wrappers), cublasLt.h (a stand-in computing
+ * with a reference GEMM kernel).
+ * What it cannot show: speed, real concurrency between blocks, tensor-core rounding (its mma
+ * adds exact products in fp32 in k order), the approximate intrinsics' last bits (__expf,
+ * ex2.approx, rsqrtf are computed exactly rounded), cuDNN, NCCL.
  */
 #ifndef LLMC_EMU_CUDA_RUNTIME_H
 #define LLMC_EMU_CUDA_RUNTIME_H
@@ -69,6 +77,7 @@ typedef enum {
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
     cudaErrorNoDevice = 100,
+    cudaErrorNotReady = 600,
     cudaErrorLaunchFailure = 719
 } cudaError_t;
 typedef cudaError_t cudaError;
@@ -78,6 +87,11 @@ typedef enum {
 } cudaMemcpyKind;
 typedef struct EmuStream* cudaStream_t;
 typedef struct EmuEvent* cudaEvent_t;
+#define cudaStreamDefault 0x00
+#define cudaStreamNonBlocking 0x01
+#define cudaEventDefault 0x00
+#define cudaEventDisableTiming 0x02
+typedef enum { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 } cudaFuncAttribute;
 typedef struct {
     char name[256];
     int major, minor;
@@ -103,9 +117,12 @@ cudaError_t cudaDeviceReset(void);
 cudaError_t cudaGetLastError(void);
 const char* cudaGetErrorString(cudaError_t err);
 cudaError_t cudaStreamCreate(cudaStream_t* s);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags);
 cudaError_t cudaStreamDestroy(cudaStream_t s);
 cudaError_t cudaStreamSynchronize(cudaStream_t s);
 cudaError_t cudaEventCreate(cudaEvent_t* e);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags);
+cudaError_t cudaEventQuery(cudaEvent_t e);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = 0);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
@@ -114,6 +131,14 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end);
 
 // 1 if p points into the emulated device's memory (what cudaPointerGetAttributes tells).
 int emu_is_device_pointer(const void* p);
+
+// The kernel a launch or cudaFuncSetAttribute names, as a key: a __global__ function (a
+// template instance too) or a pointer to one.
+template <typename F> static inline const void* emu_kernel_key(F* kernel) { return (const void*)kernel; }
+cudaError_t emu_func_set_attribute(const void* kernel, cudaFuncAttribute attr, int value);
+template <typename F> static inline cudaError_t cudaFuncSetAttribute(F* kernel, cudaFuncAttribute attr, int value) {
+    return emu_func_set_attribute(emu_kernel_key(kernel), attr, value);
+}
 
 // ---- inside a kernel ------------------------------------------------------------------------
 struct EmuThreadState {
@@ -131,6 +156,20 @@ void emu_syncwarp(unsigned mask);
 // src's (a lane outside [0, 32) or outside the mask reads its own), waits again
 uint64_t emu_shuffle(unsigned mask, uint64_t mine, int src);
 unsigned emu_lane(void);
+// every lane of the (full) warp publishes `bytes` (<= 32) of its own; all[lane] gets each
+// lane's, between two warp barriers: the warp-wide exchange behind ldmatrix and mma.sync
+void emu_warp_exchange(const void* mine, size_t bytes, void* all);
+// the block's dynamic shared memory (this launch's size, 0xFF bytes at the block's start)
+unsigned char* emu_dynamic_shared(void);
+// stops the launch after this thread's next barrier with the message (block and kernel named)
+void emu_kernel_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+// the calling thread's cp.async queue (ptx_emu.h moves the bytes, in the kernel's own code):
+// push one 16-byte copy (src NULL: zero-fill) into the open group; close the group; pop the
+// next copy, in issue order, of the groups older than the `newest_pending` most recent closed
+// ones (0 when there is none left)
+void emu_cp_async_push(void* dst, const void* src);
+void emu_cp_async_commit(void);
+int emu_cp_async_pop_done(unsigned newest_pending, void** dst, const void** src);
 unsigned long long emu_atomic_add_u64(unsigned long long* p, unsigned long long v);
 int emu_atomic_add_i32(int* p, int v);
 
@@ -169,6 +208,14 @@ template <typename V> static inline V __shfl_up_sync(unsigned mask, V v, unsigne
 static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return emu_atomic_add_u64(p, v); }
 static inline int atomicAdd(int* p, int v) { return emu_atomic_add_i32(p, v); }
 
+// the device intrinsics fast mode uses: CUDA computes __expf, __log2f, rsqrtf and
+// ex2.approx to a few ulp; here they are the C library's (glibc declares __expf and __log2f
+// as its internal names without exporting them: these are their definitions)
+extern "C" inline float __expf(float x) noexcept { return expf(x); }
+extern "C" inline float __log2f(float x) noexcept { return log2f(x); }
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+
 // CUDA's device min/max for the integer types the kernels use
 static inline int min(int a, int b) { return a < b ? a : b; }
 static inline int max(int a, int b) { return a > b ? a : b; }
@@ -178,12 +225,16 @@ static inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 static inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
 
 // ---- launches -------------------------------------------------------------------------------
-void emu_run_kernel(const char* name, dim3 grid, dim3 block, void (*body)(void*), void* closure);
+void emu_run_kernel(const char* name, const void* kernel, dim3 grid, dim3 block, size_t dynamic_shared,
+                    void (*body)(void*), void* closure);
 
-// LAUNCH(kernel, grid, block, args...) in llmc/cuda_common.cuh expands to this: each thread
-// of each block calls the kernel with copies of the arguments.
-template <typename F> static inline void emu_launch(const char* name, dim3 grid, dim3 block, F body) {
-    emu_run_kernel(name, grid, block, [](void* f) { (*(F*)f)(); }, &body);
+// LAUNCH(kernel, grid, block, args...) and LAUNCH_SMEM(kernel, grid, block, bytes, args...)
+// in llmc/cuda_common.cuh expand to this: each thread of each block calls the kernel with
+// copies of the arguments.
+template <typename F>
+static inline void emu_launch(const char* name, const void* kernel, dim3 grid, dim3 block, size_t dynamic_shared,
+                              F body) {
+    emu_run_kernel(name, kernel, grid, block, dynamic_shared, [](void* f) { (*(F*)f)(); }, &body);
 }
 
 #endif // LLMC_EMU_CUDA_RUNTIME_H
