@@ -22,10 +22,11 @@
  *  - build/test_cuda_kernels_emu, by g++ on the CPU emulation of CUDA (dev/gpu/emu): the same,
  *    and 4. every kernel of llmc/kernels_det.cuh and the device memory operations, launched
  *    (emulated: fibers, shuffled blocks and threads, poisoned memory) and compared with their
- *    train_gpt2.c twins bit for bit.
- *  - build/test_cuda_kernels, by nvcc as CUDA: on a GPU, 4. on the real device, and fast mode's
- *    kernels (cuBLASLt matmuls, flash attention, fused classifier, layernorms) against the
- *    reference within bf16 tolerances. Without a GPU it says so and runs the host checks.
+ *    train_gpt2.c twins bit for bit; fast mode's kernels (cuBLASLt matmuls on the stand-in,
+ *    flash attention, fused classifier, layernorms) against the reference within bf16
+ *    tolerances.
+ *  - build/test_cuda_kernels, by nvcc as CUDA: on a GPU, 4. on the real device. Without a GPU
+ *    it says so and runs the host checks.
  * Exits non-zero on any failure.
  */
 #define TESTING
@@ -959,12 +960,10 @@ static void test_binary(void) {
 #include "llmc/cuda_common.cuh"
 namespace gpu {
 #include "llmc/kernels_det.cuh"
-#ifdef __CUDACC__
-#include <cublasLt.h>
+#include <cublasLt.h>   // the emulated build's is dev/gpu/emu's stand-in
 #include "llmc/kernels_fast.cuh"
 #include "llmc/matmul_cublaslt.cuh"
 #include "llmc/attention_flash.cuh"
-#endif
 }
 
 static void* dev_alloc(size_t bytes) {
@@ -1279,7 +1278,6 @@ static void test_device_det(void) {
     }
 }
 
-#ifdef __CUDACC__
 static floatX* dev_bf16(const float* h, size_t n) {   // h holds bf16-representable values
     uint16_t* bits = (uint16_t*)malloc(2 * (n ? n : 1));
     for (size_t i = 0; i < n; i++) { bits[i] = to_bf16_bits(h[i]); }
@@ -1486,7 +1484,6 @@ static void test_device_fast(void) {
     }
     gpu::cublaslt_free();
 }
-#endif
 
 // the mixture-of-experts twins (llmc/kernels_moe_det.cuh) against train_gpt2.c's (llmc/moe.h),
 // on a routing with ties, k = 1 and k = E, and experts that receive nothing from a source
@@ -1597,11 +1594,9 @@ static void test_device(void) {
     test_device_moe(3, 16, 8, 1, 32, 4);
     test_device_moe(1, 9, 3, 3, 20, 1);
     printf("deterministic kernels: %s\n", failures == before ? "bit-identical to train_gpt2.c" : "MISMATCHES above");
-#ifdef __CUDACC__
     before = failures;
     test_device_fast();
     printf("fast kernels: %s\n", failures == before ? "within tolerance" : "OUT OF TOLERANCE above");
-#endif
 }
 #endif
 
