@@ -6,6 +6,15 @@
 #      shuffled emulator alone (build/test_cuda_kernels_emu) must get wrong bits.
 #   2. the streaming tree over the 8 chunk partials (gpu_plan.h det_tree8_push) summing them
 #      left to right instead of by the R1 tree: the kernels' bits must differ from train_gpt2.c.
+# and in fast mode's kernels (build/test_emu, build/test_fast_emu):
+#   3. a wrong fragment index: fa_frag_a's ldmatrix row addresses taking the column half's bit
+#      for the row half: the 16x16x16 tile must differ from the triple loop and flash
+#      attention leave its tolerance;
+#   4. a missing cp.async wait (the flash forward's wait_group 1): the forward must fail;
+#   5. an off-by-one in the flash forward's causal mask (each query sees one future key);
+#   6. a cuBLASLt call with a misaligned pointer: lt_matmul no longer passes A's alignment in
+#      the preference (cuBLASLt then assumes 256 bytes), and an input at a 2-byte offset must
+#      be refused by the stand-in (CUBLAS_STATUS_INVALID_VALUE = 7).
 # A mutation that does not apply (the source changed) fails the test instead of passing it.
 set -u
 cd "$(dirname "$0")/../.."
@@ -18,8 +27,22 @@ pass() { echo "ok   $*"; }
 copy_tree() {
   mkdir -p "$1/dev/test" "$1/dev/gpu"
   cp -r Makefile mk llmc train_gpt2.c train_gpt2.cu "$1/"
-  cp dev/test/test_cuda_host.c "$1/dev/test/"
-  cp -r dev/gpu/emu "$1/dev/gpu/"
+  cp dev/test/test_cuda_host.c dev/test/test_emu.cpp dev/test/test_fast_emu.cpp "$1/dev/test/"
+  cp -r dev/gpu/emu dev/gpu/attention_reference.h "$1/dev/gpu/"
+}
+
+# mutant NAME FILE SED-SCRIPT WHAT: a copy of the tree with the sed script applied to FILE
+mutant() {
+  copy_tree "$W/$1"
+  sed -i "$3" "$W/$1/$2"
+  cmp -s "$2" "$W/$1/$2" && fail "mutation $1 did not apply: $4 not found"
+}
+# expect_caught NAME TEST PATTERN WHAT: TEST built in mutant NAME fails, saying PATTERN
+expect_caught() {
+  make -s -C "$W/$1" "$2" >"$W/$1.build.log" 2>&1 || { tail -5 "$W/$1.build.log"; fail "mutant $1 did not build $2"; }
+  "$W/$1/$2" >"$W/$1.log" 2>&1 && fail "$2 passed $4"
+  grep -q "$3" "$W/$1.log" || { tail -3 "$W/$1.log"; fail "$2 failed on $4, but not saying '$3'"; }
+  pass "$4: $(grep -m1 "$3" "$W/$1.log" | cut -c1-110)"
 }
 
 # 1. the barrier
@@ -44,3 +67,22 @@ make -s -C "$M2" build/test_cuda_kernels_emu >"$W/build2.log" 2>&1 || { tail -5 
 "$M2/build/test_cuda_kernels_emu" >"$W/tree.log" 2>&1 && fail "the kernels matched train_gpt2.c with a left-to-right chunk sum"
 grep -q "^FAIL device matmul_forward" "$W/tree.log" || { tail -3 "$W/tree.log"; fail "the tree mutant was not caught by the device matmul check"; }
 pass "a sequential tree instead of R1: $(grep -c '^FAIL device' "$W/tree.log") device kernel comparisons fail"
+
+# 3. a wrong fragment index
+mutant fragment llmc/attention_flash.cuh 's|ldmatrix_x4(a, s + (r0 + r + (i \& 1) \* 8)|ldmatrix_x4(a, s + (r0 + r + (i >> 1) * 8)|' \
+  "fa_frag_a's ldmatrix row address"
+expect_caught fragment build/test_emu "FAIL: ldmatrix + mma.sync" "a wrong ldmatrix row address (the mma tile)"
+expect_caught fragment build/test_fast_emu "FAIL: flash forward" "... and flash attention"
+
+# 4. a missing cp.async wait
+mutant no_wait llmc/attention_flash.cuh '0,/cp_async_wait<1>();/{/cp_async_wait<1>();/d}' "the forward's cp_async_wait<1>"
+expect_caught no_wait build/test_fast_emu "FAIL: flash forward" "a missing cp.async wait"
+
+# 5. the causal mask one key late
+mutant mask llmc/attention_flash.cuh 's|if (kt == qt \&\& key > q) { v = -INFINITY; }|if (kt == qt \&\& key > q + 1) { v = -INFINITY; }|' \
+  "the forward's causal mask"
+expect_caught mask build/test_fast_emu "FAIL: flash forward" "an off-by-one in the causal mask"
+
+# 6. a misaligned pointer passed to cuBLASLt
+mutant align llmc/matmul_cublaslt.cuh '/CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES/d' "the preference's A alignment"
+expect_caught align build/test_fast_emu "cuBLASLt error 7" "a cuBLASLt call with a misaligned pointer"
