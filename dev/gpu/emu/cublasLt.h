@@ -16,7 +16,8 @@
  *                                at cublasLtMatmul less aligned than the algorithm was chosen
  *                                for: the preference's MIN_ALIGNMENT_*_BYTES (default 256, as
  *                                cuBLASLt's) is a promise, checked up to 16 bytes, the widest
- *                                access of a bf16 tensor-core kernel.
+ *                                access of a bf16 tensor-core kernel (the GELU aux pointer is
+ *                                held to 16 bytes: it is written and read like D).
  * It computes D = alpha op(A) op(B) [+ bias] [epilogue] with a reference GEMM kernel on the
  * emulated GPU: one thread per element, exact bf16 products summed in k order in fp32, the
  * epilogue in fp32, one rounding to bf16 where D (and the GELU aux) are bf16. GELU is the tanh
@@ -87,7 +88,10 @@ typedef struct {
 } cublasLtMatmulHeuristicResult_t;
 #define EMU_LT_ALGO_ID 0x4c4c4d43656d75ull   // marks an algorithm this stand-in's heuristic made
 
-static inline cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle) { *handle = new EmuLtHandle(); return CUBLAS_STATUS_SUCCESS; }
+static inline cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle) {
+    *handle = new EmuLtHandle();
+    return CUBLAS_STATUS_SUCCESS;
+}
 static inline cublasStatus_t cublasLtDestroy(cublasLtHandle_t handle) {
     if (!handle) { return CUBLAS_STATUS_NOT_INITIALIZED; }
     delete handle;
@@ -100,7 +104,10 @@ static inline cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc
     *desc = new EmuLtMatmulDesc{CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0};
     return CUBLAS_STATUS_SUCCESS;
 }
-static inline cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc) { delete desc; return CUBLAS_STATUS_SUCCESS; }
+static inline cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc) {
+    delete desc;
+    return CUBLAS_STATUS_SUCCESS;
+}
 
 // copies an attribute whose size must be exactly the field's
 static inline cublasStatus_t emu_lt_set(void* field, size_t field_bytes, const void* buf, size_t bytes) {
@@ -108,8 +115,9 @@ static inline cublasStatus_t emu_lt_set(void* field, size_t field_bytes, const v
     memcpy(field, buf, bytes);
     return CUBLAS_STATUS_SUCCESS;
 }
-static inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr,
-                                                            const void* buf, size_t bytes) {
+static inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc,
+                                                            cublasLtMatmulDescAttributes_t attr, const void* buf,
+                                                            size_t bytes) {
     switch (attr) {
         case CUBLASLT_MATMUL_DESC_TRANSA: return emu_lt_set(&desc->transa, sizeof(desc->transa), buf, bytes);
         case CUBLASLT_MATMUL_DESC_TRANSB: return emu_lt_set(&desc->transb, sizeof(desc->transb), buf, bytes);
@@ -127,13 +135,19 @@ static inline cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* 
     *layout = new EmuLtLayout{type, rows, cols, ld};
     return CUBLAS_STATUS_SUCCESS;
 }
-static inline cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) { delete layout; return CUBLAS_STATUS_SUCCESS; }
+static inline cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) {
+    delete layout;
+    return CUBLAS_STATUS_SUCCESS;
+}
 
 static inline cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* pref) {
     *pref = new EmuLtPreference{0, {256, 256, 256, 256}};
     return CUBLAS_STATUS_SUCCESS;
 }
-static inline cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref) { delete pref; return CUBLAS_STATUS_SUCCESS; }
+static inline cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref) {
+    delete pref;
+    return CUBLAS_STATUS_SUCCESS;
+}
 static inline cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t pref,
                                                                   cublasLtMatmulPreferenceAttributes_t attr,
                                                                   const void* buf, size_t bytes) {

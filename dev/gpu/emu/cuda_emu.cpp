@@ -48,6 +48,14 @@ __attribute__((format(printf, 1, 2), noreturn)) static void emu_fail(const char*
     exit(1);
 }
 
+// cudaGetErrorString's text for cudaErrorInvalidValue: CUDA's, unless the last such error was a
+// launch the GPU refuses, whose reason it then adds (set_last_error)
+static char last_error_detail[400] = "invalid argument";
+static cudaError_t invalid_argument(void) {
+    strcpy(last_error_detail, "invalid argument");
+    return cudaErrorInvalidValue;
+}
+
 static long env_long(const char* name, long fallback) {
     const char* v = getenv(name);
     return v && *v ? strtol(v, NULL, 10) : fallback;
@@ -209,7 +217,7 @@ cudaError_t cudaFree(void* p) {
             return cudaSuccess;
         }
     }
-    return cudaErrorInvalidValue;
+    return invalid_argument();
 }
 
 cudaError_t cudaMallocHost(void** p, size_t bytes) {
@@ -247,7 +255,7 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
 }
 
 cudaError_t cudaGetDeviceCount(int* count) { *count = 1; return cudaSuccess; }
-cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : invalid_argument(); }
 cudaError_t cudaGetDevice(int* device) { *device = 0; return cudaSuccess; }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
     (void)device;
@@ -270,7 +278,6 @@ cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
 // A launch the GPU refuses (its configuration) is reported by the next cudaGetLastError, as
 // on the GPU; the message says why, where CUDA's string would say only "invalid argument".
 static cudaError_t last_error = cudaSuccess;
-static char last_error_detail[400] = "invalid argument";
 cudaError_t cudaGetLastError(void) {
     cudaError_t err = last_error;
     last_error = cudaSuccess;
@@ -344,7 +351,9 @@ cudaError_t emu_func_set_attribute(const void* kernel, cudaFuncAttribute attr, i
 
 static size_t dynamic_shared_allowed(const void* kernel) {
     for (const KernelAttributes& k : kernel_attributes) {
-        if (k.kernel == kernel) { return (size_t)k.max_dynamic_shared > EMU_SHARED_DEFAULT_BYTES ? (size_t)k.max_dynamic_shared : EMU_SHARED_DEFAULT_BYTES; }
+        if (k.kernel == kernel && (size_t)k.max_dynamic_shared > EMU_SHARED_DEFAULT_BYTES) {
+            return (size_t)k.max_dynamic_shared;
+        }
     }
     return EMU_SHARED_DEFAULT_BYTES;
 }
