@@ -1,5 +1,6 @@
 /*
- * safetensors.h: a strict reader and a writer for Hugging Face's safetensors format.
+ * safetensors.h: a strict reader and a writer for Hugging Face's safetensors format, for
+ * dev/tools/gpt2_weights (and its test and fuzzer); the trainer reads llm.c's checkpoints only.
  *
  * THE FORMAT
  *   bytes [0, 8)        N: little-endian uint64, the length of the header
