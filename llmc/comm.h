@@ -177,9 +177,9 @@ static inline uint64_t comm_all_reduce_bytes(int size, size_t n, size_t elem_byt
 // An all-gather's send buffer is either separate from the receive buffer or exactly this rank's
 // block of it (in place); anything else would be overwritten while it is being sent.
 static inline void comm_check_gather_buffers(const CommGroup* g, const float* send, const float* recv, size_t n) {
-    uintptr_t s = (uintptr_t)send, r = (uintptr_t)recv, bytes = n * sizeof(float);
+    uintptr_t send_at = (uintptr_t)send, recv_at = (uintptr_t)recv, bytes = n * sizeof(float);
     int own = send == recv + (size_t)g->rank * n;
-    if (!own && s < r + (size_t)g->size * bytes && s + bytes > r) {
+    if (!own && send_at < recv_at + (size_t)g->size * bytes && send_at + bytes > recv_at) {
         fatal("all-gather: the send buffer overlaps the receive buffer, and is not this rank's block of it");
     }
 }
@@ -188,9 +188,9 @@ static inline int comm_on_device(const CommGroup* g, const void* p) { return g->
 
 // The transport of an operation on these buffers (see WHERE THE BUFFERS LIVE).
 static inline CommRoute comm_route(const CommGroup* g, const void* send, const void* recv, const char* what) {
-    CommRoute r = comm_on_device(g, send) || comm_on_device(g, recv) ? g->device : g->host;
-    if (r.transport == NULL) { fatal("internal: %s on a group of %d ranks without a transport", what, g->size); }
-    return r;
+    CommRoute route = comm_on_device(g, send) || comm_on_device(g, recv) ? g->device : g->host;
+    if (route.transport == NULL) { fatal("internal: %s on a group of %d ranks without a transport", what, g->size); }
+    return route;
 }
 
 // Where a transport's landing buffers live, and the group's pool of them.
@@ -203,8 +203,8 @@ static inline CommPool* comm_landing_pool(CommGroup* g, const CommTransport* t) 
 static inline CommBuffer comm_landing_get(CommGroup* g, const CommTransport* t, size_t floats) {
     return comm_pool_get(comm_landing_pool(g, t), comm_landing_mem(g, t), floats);
 }
-static inline void comm_landing_put(CommGroup* g, const CommTransport* t, CommBuffer b) {
-    comm_pool_put(comm_landing_pool(g, t), comm_landing_mem(g, t), b);
+static inline void comm_landing_put(CommGroup* g, const CommTransport* t, CommBuffer buffer) {
+    comm_pool_put(comm_landing_pool(g, t), comm_landing_mem(g, t), buffer);
 }
 
 // A copy between any two buffers of the group's memory and host memory.
@@ -664,8 +664,8 @@ static inline void comm_all_to_all(CommGroup* g, const float* send, float* recv,
         g->mem->copy(recv, send, n * sizeof(float));
         return;
     }
-    CommRoute r = comm_route(g, send, recv, "all-to-all");
-    r.transport->all_to_all(r.link, send, recv, n, 1);
+    CommRoute route = comm_route(g, send, recv, "all-to-all");
+    route.transport->all_to_all(route.link, send, recv, n, 1);
 }
 
 // buf[i] = max over the group's ranks of their buf[i], in place. Order-free (comm_max2): a NaN
@@ -674,8 +674,8 @@ static inline void comm_all_reduce_max(CommGroup* g, float* buf, size_t n, CommK
     comm_check_group(g, "all-reduce max");
     comm_account(g, kind, comm_all_reduce_bytes(g->size, n, sizeof(float)), "all-reduce max");
     if (g->size > 1) {
-        CommRoute r = comm_route(g, buf, buf, "all-reduce max");
-        r.transport->all_reduce_max(r.link, buf, n);
+        CommRoute route = comm_route(g, buf, buf, "all-reduce max");
+        route.transport->all_reduce_max(route.link, buf, n);
         return;
     }
     // the same NaN rule as for several ranks, so the bits do not depend on the group size
@@ -703,8 +703,8 @@ static inline void comm_all_reduce_sumsq(CommGroup* g, SumSq* s, CommKind kind) 
         uint64_t words[WORDS];
         memcpy(words, s->digit, sizeof(s->digit));
         words[CANON_SUMSQ_DIGITS] = s->nonfinite;
-        CommRoute r = comm_route(g, words, words, "all-reduce sumsq");
-        r.transport->all_reduce_sum_u64(r.link, words, WORDS);
+        CommRoute route = comm_route(g, words, words, "all-reduce sumsq");
+        route.transport->all_reduce_sum_u64(route.link, words, WORDS);
         memcpy(s->digit, words, sizeof(s->digit));
         s->nonfinite = words[CANON_SUMSQ_DIGITS];
         canon_sumsq_normalize(s);
@@ -719,8 +719,8 @@ static inline void comm_broadcast(CommGroup* g, void* buf, size_t bytes, int roo
     int last_in_chain = (root + g->size - 1) % g->size;
     comm_account(g, kind, g->rank == last_in_chain ? 0 : bytes, "broadcast");
     if (g->size > 1) {
-        CommRoute r = comm_route(g, buf, buf, "broadcast");
-        r.transport->broadcast(r.link, buf, bytes, root);
+        CommRoute route = comm_route(g, buf, buf, "broadcast");
+        route.transport->broadcast(route.link, buf, bytes, root);
     }
 }
 
@@ -748,8 +748,8 @@ static inline void comm_all_to_all_v(CommGroup* g, const float* send, const size
         g->mem->copy(recv, send, send_counts[0] * sizeof(float));
         return;
     }
-    CommRoute r = comm_route(g, send, recv, "all-to-all");
-    r.transport->all_to_all_v(r.link, send, send_counts, recv, recv_counts, COMM_ELEM_FLOAT);
+    CommRoute route = comm_route(g, send, recv, "all-to-all");
+    route.transport->all_to_all_v(route.link, send, send_counts, recv, recv_counts, COMM_ELEM_FLOAT);
 }
 
 // ints in host memory (counts, positions)
@@ -761,16 +761,16 @@ static inline void comm_all_to_all_ints(CommGroup* g, const int* send, const siz
         memmove(recv, send, send_counts[0] * sizeof(int));
         return;
     }
-    CommRoute r = comm_route(g, send, recv, "all-to-all");
-    r.transport->all_to_all_v(r.link, send, send_counts, recv, recv_counts, COMM_ELEM_INT);
+    CommRoute route = comm_route(g, send, recv, "all-to-all");
+    route.transport->all_to_all_v(route.link, send, send_counts, recv, recv_counts, COMM_ELEM_INT);
 }
 
 static inline void comm_barrier(CommGroup* g) {
     comm_check_group(g, "barrier");
     comm_account(g, COMM_KIND_OTHER, 0, "barrier");
     if (g->size > 1) {
-        CommRoute r = comm_route(g, NULL, NULL, "barrier");
-        r.transport->barrier(r.link);
+        CommRoute route = comm_route(g, NULL, NULL, "barrier");
+        route.transport->barrier(route.link);
     }
 }
 

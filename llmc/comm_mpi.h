@@ -107,35 +107,35 @@ static inline CommMpiOp* comm_mpi_op_new(size_t pieces) {
 }
 
 // Lets MPI progress the transfers (Open MPI moves non-blocking data only inside MPI calls).
-static inline int comm_mpi_test(void* op) {
-    if (op == NULL) { return 1; }
-    CommMpiOp* o = (CommMpiOp*)op;
+static inline int comm_mpi_test(void* inflight) {
+    if (inflight == NULL) { return 1; }
+    CommMpiOp* op = (CommMpiOp*)inflight;
     int done = 0;
-    comm_mpi_check(MPI_Testall(o->npieces, o->req, &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+    comm_mpi_check(MPI_Testall(op->npieces, op->req, &done, MPI_STATUSES_IGNORE), "MPI_Testall");
     return done;
 }
 
-static inline void comm_mpi_wait(void* op) {
-    if (op == NULL) { return; }
-    CommMpiOp* o = (CommMpiOp*)op;
-    comm_mpi_check(MPI_Waitall(o->npieces, o->req, MPI_STATUSES_IGNORE), "MPI_Waitall");
-    free(o);
+static inline void comm_mpi_wait(void* inflight) {
+    if (inflight == NULL) { return; }
+    CommMpiOp* op = (CommMpiOp*)inflight;
+    comm_mpi_check(MPI_Waitall(op->npieces, op->req, MPI_STATUSES_IGNORE), "MPI_Waitall");
+    free(op);
 }
 
 // All-to-all of size blocks of n floats, piece by piece: piece p of block r of send goes to rank
 // r, which receives it at piece p of its block (of recv) for this rank. Blocking: op is NULL.
 static inline void* comm_mpi_all_to_all(void* link, const float* send, float* recv, size_t n, int blocking) {
-    CommMpi* l = (CommMpi*)link;
+    CommMpi* mpi = (CommMpi*)link;
     CommMpiOp* op = blocking ? NULL : comm_mpi_op_new(comm_pieces(n));
     for (size_t p = 0; p < comm_pieces(n); p++) {
         size_t off = p * comm_piece_floats, len = comm_piece_len(n, p);
         CommBlockType bt = comm_block_type(len, n);
         if (op) {
             comm_mpi_check(MPI_Ialltoall(send + off, bt.count, bt.type, recv + off, bt.count, bt.type,
-                                         l->comm, &op->req[p]), "MPI_Ialltoall");
+                                         mpi->comm, &op->req[p]), "MPI_Ialltoall");
         } else {
             comm_mpi_check(MPI_Alltoall(send + off, bt.count, bt.type, recv + off, bt.count, bt.type,
-                                        l->comm), "MPI_Alltoall");
+                                        mpi->comm), "MPI_Alltoall");
         }
         comm_block_type_free(&bt);
     }
@@ -145,19 +145,19 @@ static inline void* comm_mpi_all_to_all(void* link, const float* send, float* re
 // All-gather of n floats per rank into recv (size blocks of n), piece by piece. send may be
 // this rank's own block of recv (in place).
 static inline void* comm_mpi_all_gather(void* link, const float* send, float* recv, size_t n, int blocking) {
-    CommMpi* l = (CommMpi*)link;
+    CommMpi* mpi = (CommMpi*)link;
     CommMpiOp* op = blocking ? NULL : comm_mpi_op_new(comm_pieces(n));
-    int in_place = send == recv + (size_t)l->rank * n;
+    int in_place = send == recv + (size_t)mpi->rank * n;
     for (size_t p = 0; p < comm_pieces(n); p++) {
         size_t off = p * comm_piece_floats, len = comm_piece_len(n, p);
         CommBlockType rt = comm_block_type(len, n);
         const void* src = in_place ? MPI_IN_PLACE : (const void*)(send + off);
         if (op) {
             comm_mpi_check(MPI_Iallgather(src, (int)len, MPI_FLOAT, recv + off, rt.count, rt.type,
-                                          l->comm, &op->req[p]), "MPI_Iallgather");
+                                          mpi->comm, &op->req[p]), "MPI_Iallgather");
         } else {
             comm_mpi_check(MPI_Allgather(src, (int)len, MPI_FLOAT, recv + off, rt.count, rt.type,
-                                         l->comm), "MPI_Allgather");
+                                         mpi->comm), "MPI_Allgather");
         }
         comm_block_type_free(&rt);
     }
@@ -166,15 +166,15 @@ static inline void* comm_mpi_all_gather(void* link, const float* send, float* re
 
 // Pieces of one message keep their order: MPI never overtakes between the same two ranks with
 // the same tag.
-static inline void* comm_mpi_p2p(CommMpi* l, float* buf, size_t n, int peer, int tag, int is_send) {
+static inline void* comm_mpi_p2p(CommMpi* mpi, float* buf, size_t n, int peer, int tag, int is_send) {
     CommMpiOp* op = comm_mpi_op_new(comm_pieces(n));
     for (size_t p = 0; p < comm_pieces(n); p++) {
         float* piece = buf + p * comm_piece_floats;
         int len = (int)comm_piece_len(n, p);
         if (is_send) {
-            comm_mpi_check(MPI_Isend(piece, len, MPI_FLOAT, peer, tag, l->comm, &op->req[p]), "MPI_Isend");
+            comm_mpi_check(MPI_Isend(piece, len, MPI_FLOAT, peer, tag, mpi->comm, &op->req[p]), "MPI_Isend");
         } else {
-            comm_mpi_check(MPI_Irecv(piece, len, MPI_FLOAT, peer, tag, l->comm, &op->req[p]), "MPI_Irecv");
+            comm_mpi_check(MPI_Irecv(piece, len, MPI_FLOAT, peer, tag, mpi->comm, &op->req[p]), "MPI_Irecv");
         }
     }
     return op;
@@ -188,33 +188,33 @@ static inline void* comm_mpi_recv(void* link, float* buf, size_t n, int peer, in
 
 static inline void comm_mpi_all_to_all_v(void* link, const void* send, const size_t* send_counts, void* recv,
                                          const size_t* recv_counts, CommElem elem) {
-    CommMpi* l = (CommMpi*)link;
+    CommMpi* mpi = (CommMpi*)link;
     const char* what = elem == COMM_ELEM_INT ? "MPI_Alltoallv (ints)" : "MPI_Alltoallv";
     // MPI's counts and displacements, per rank: sent, where from, received, where to
-    int* counts = (int*)malloc_or_die(sizeof(int) * 4 * (size_t)l->size, "all-to-all counts");
+    int* counts = (int*)malloc_or_die(sizeof(int) * 4 * (size_t)mpi->size, "all-to-all counts");
     size_t send_off = 0, recv_off = 0;
-    for (int r = 0; r < l->size; r++) {
+    for (int r = 0; r < mpi->size; r++) {
         if (send_counts[r] > INT32_MAX || recv_counts[r] > INT32_MAX || send_off > INT32_MAX || recv_off > INT32_MAX) {
             fatal("%s: more than 2^31 elements in one exchange", what);
         }
         counts[r] = (int)send_counts[r];
-        counts[l->size + r] = (int)send_off;
-        counts[2 * l->size + r] = (int)recv_counts[r];
-        counts[3 * l->size + r] = (int)recv_off;
+        counts[mpi->size + r] = (int)send_off;
+        counts[2 * mpi->size + r] = (int)recv_counts[r];
+        counts[3 * mpi->size + r] = (int)recv_off;
         send_off += send_counts[r];
         recv_off += recv_counts[r];
     }
     MPI_Datatype type = elem == COMM_ELEM_INT ? MPI_INT : MPI_FLOAT;
-    comm_mpi_check(MPI_Alltoallv(send, counts, counts + l->size, type, recv, counts + 2 * l->size,
-                                 counts + 3 * l->size, type, l->comm), what);
+    comm_mpi_check(MPI_Alltoallv(send, counts, counts + mpi->size, type, recv, counts + 2 * mpi->size,
+                                 counts + 3 * mpi->size, type, mpi->comm), what);
     free(counts);
 }
 
 static inline void comm_mpi_all_reduce_max(void* link, float* buf, size_t n) {
-    CommMpi* l = (CommMpi*)link;
+    CommMpi* mpi = (CommMpi*)link;
     for (size_t p = 0; p < comm_pieces(n); p++) {
         comm_mpi_check(MPI_Allreduce(MPI_IN_PLACE, buf + p * comm_piece_floats, (int)comm_piece_len(n, p),
-                                     MPI_FLOAT, comm_max_op, l->comm), "MPI_Allreduce (max)");
+                                     MPI_FLOAT, comm_max_op, mpi->comm), "MPI_Allreduce (max)");
     }
 }
 
@@ -264,37 +264,39 @@ static inline CommStagedOp* comm_staged_op_new(void* link) {
     return op;
 }
 
-// What the host sends for p: p itself, or a host copy of its n floats.
-static inline const float* comm_staged_in(CommStagedOp* op, const float* p, size_t n) {
-    CommMpiStaged* l = op->link;
-    if (!l->device->holds(p)) { return p; }
-    op->in = comm_pool_get(&l->pool, &memory_host, n);
-    l->device->to_host(op->in.buf, p, n * sizeof(float));
+// What the host sends for buf: buf itself, or a host copy of its n floats.
+static inline const float* comm_staged_in(CommStagedOp* op, const float* buf, size_t n) {
+    CommMpiStaged* staged = op->link;
+    if (!staged->device->holds(buf)) { return buf; }
+    op->in = comm_pool_get(&staged->pool, &memory_host, n);
+    staged->device->to_host(op->in.buf, buf, n * sizeof(float));
     return op->in.buf;
 }
 
-// Where the host receives n floats meant for p: p itself, or a host buffer copied into p when
-// the operation is done.
-static inline float* comm_staged_out(CommStagedOp* op, float* p, size_t n) {
-    CommMpiStaged* l = op->link;
-    if (!l->device->holds(p)) { return p; }
-    op->out = comm_pool_get(&l->pool, &memory_host, n);
-    op->device = p;
+// Where the host receives n floats meant for buf: buf itself, or a host buffer copied into buf
+// when the operation is done.
+static inline float* comm_staged_out(CommStagedOp* op, float* buf, size_t n) {
+    CommMpiStaged* staged = op->link;
+    if (!staged->device->holds(buf)) { return buf; }
+    op->out = comm_pool_get(&staged->pool, &memory_host, n);
+    op->device = buf;
     op->device_n = n;
     return op->out.buf;
 }
 
-static inline int comm_staged_test(void* op) { return op == NULL || comm_mpi_test(((CommStagedOp*)op)->inner); }
+static inline int comm_staged_test(void* inflight) {
+    return inflight == NULL || comm_mpi_test(((CommStagedOp*)inflight)->inner);
+}
 
-static inline void comm_staged_wait(void* op) {
-    if (op == NULL) { return; }
-    CommStagedOp* o = (CommStagedOp*)op;
-    CommMpiStaged* l = o->link;
-    comm_mpi_wait(o->inner);
-    if (o->device) { l->device->from_host(o->device, o->out.buf, o->device_n * sizeof(float)); }
-    comm_pool_put(&l->pool, &memory_host, o->in);
-    comm_pool_put(&l->pool, &memory_host, o->out);
-    free(o);
+static inline void comm_staged_wait(void* inflight) {
+    if (inflight == NULL) { return; }
+    CommStagedOp* op = (CommStagedOp*)inflight;
+    CommMpiStaged* staged = op->link;
+    comm_mpi_wait(op->inner);
+    if (op->device) { staged->device->from_host(op->device, op->out.buf, op->device_n * sizeof(float)); }
+    comm_pool_put(&staged->pool, &memory_host, op->in);
+    comm_pool_put(&staged->pool, &memory_host, op->out);
+    free(op);
 }
 
 // The host operation has started (blocking: finished): copy back now, or when it is done.
@@ -386,17 +388,17 @@ static inline CommMpi* comm_mpi_init(int* argc, char*** argv) {
 
 // The link of the ranks of `world` with the same `color`, ranked by `key`.
 static inline CommMpi* comm_mpi_split(const CommMpi* world, int color, int key) {
-    CommMpi* l = (CommMpi*)calloc_or_die(1, sizeof(CommMpi), "MPI group");
-    comm_mpi_check(MPI_Comm_split(world->comm, color, key, &l->comm), "MPI_Comm_split");
-    MPI_Comm_rank(l->comm, &l->rank);
-    MPI_Comm_size(l->comm, &l->size);
-    return l;
+    CommMpi* mpi = (CommMpi*)calloc_or_die(1, sizeof(CommMpi), "MPI group");
+    comm_mpi_check(MPI_Comm_split(world->comm, color, key, &mpi->comm), "MPI_Comm_split");
+    MPI_Comm_rank(mpi->comm, &mpi->rank);
+    MPI_Comm_size(mpi->comm, &mpi->size);
+    return mpi;
 }
 
-static inline void comm_mpi_free(CommMpi* l) {
-    if (l == NULL) { return; }
-    MPI_Comm_free(&l->comm);
-    free(l);
+static inline void comm_mpi_free(CommMpi* mpi) {
+    if (mpi == NULL) { return; }
+    MPI_Comm_free(&mpi->comm);
+    free(mpi);
 }
 
 // This rank's index among the ranks on its node (a shared-memory split of the world).

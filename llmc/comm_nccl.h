@@ -37,11 +37,11 @@ typedef struct CommNccl {
     CommMpiStaged* staged;
 } CommNccl;
 
-static inline void comm_nccl_check(ncclResult_t r, const char* what) {
-    if (r != ncclSuccess) { fatal("NCCL error in %s: %s", what, ncclGetErrorString(r)); }
+static inline void comm_nccl_check(ncclResult_t result, const char* what) {
+    if (result != ncclSuccess) { fatal("NCCL error in %s: %s", what, ncclGetErrorString(result)); }
 }
-static inline void comm_cuda_check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) { fatal("CUDA error in %s: %s", what, cudaGetErrorString(e)); }
+static inline void comm_cuda_check(cudaError_t err, const char* what) {
+    if (err != cudaSuccess) { fatal("CUDA error in %s: %s", what, cudaGetErrorString(err)); }
 }
 
 // The group's stream waits for everything the compute (legacy default) stream has queued.
@@ -67,9 +67,9 @@ static inline void* comm_nccl_posted(CommNccl* nc, int blocking) {
 
 static inline int comm_nccl_test(void* op) {
     if (op == NULL) { return 1; }
-    cudaError_t e = cudaEventQuery((cudaEvent_t)op);
-    if (e == cudaErrorNotReady) { return 0; }
-    comm_cuda_check(e, "cudaEventQuery");
+    cudaError_t err = cudaEventQuery((cudaEvent_t)op);
+    if (err == cudaErrorNotReady) { return 0; }
+    comm_cuda_check(err, "cudaEventQuery");
     return 1;
 }
 

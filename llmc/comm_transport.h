@@ -81,23 +81,23 @@ static inline CommBuffer comm_pool_get(CommPool* pool, const MemOps* mem, size_t
         if (pool->idle[i].floats >= floats && (best < 0 || pool->idle[i].floats < pool->idle[best].floats)) { best = i; }
         if (largest < 0 || pool->idle[i].floats > pool->idle[largest].floats) { largest = i; }
     }
-    CommBuffer b = { NULL, 0 };
+    CommBuffer buffer = { NULL, 0 };
     int take = best >= 0 ? best : largest;
     if (take >= 0) {
-        b = pool->idle[take];
+        buffer = pool->idle[take];
         pool->idle[take] = pool->idle[--pool->count];
     }
-    if (b.floats < floats) {
-        mem->release(b.buf);
-        b.buf = (float*)mem->alloc(floats * sizeof(float), "communication workspace");
-        b.floats = floats;
+    if (buffer.floats < floats) {
+        mem->release(buffer.buf);
+        buffer.buf = (float*)mem->alloc(floats * sizeof(float), "communication workspace");
+        buffer.floats = floats;
     }
-    return b;
+    return buffer;
 }
 
-static inline void comm_pool_put(CommPool* pool, const MemOps* mem, CommBuffer b) {
-    if (b.buf == NULL) { return; }
-    if (pool->count < COMM_POOL) { pool->idle[pool->count++] = b; } else { mem->release(b.buf); }
+static inline void comm_pool_put(CommPool* pool, const MemOps* mem, CommBuffer buffer) {
+    if (buffer.buf == NULL) { return; }
+    if (pool->count < COMM_POOL) { pool->idle[pool->count++] = buffer; } else { mem->release(buffer.buf); }
 }
 
 static inline void comm_pool_free(CommPool* pool, const MemOps* mem) {
