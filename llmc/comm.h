@@ -184,7 +184,7 @@ static inline void comm_check_gather_buffers(const CommGroup* g, const float* se
     }
 }
 
-static inline int comm_on_device(const CommGroup* g, const void* p) { return g->mem->holds(p) != 0; }
+static inline int comm_on_device(const CommGroup* g, const void* p) { return p != NULL && g->mem->holds(p) != 0; }
 
 // The transport of an operation on these buffers (see WHERE THE BUFFERS LIVE).
 static inline CommRoute comm_route(const CommGroup* g, const void* send, const void* recv, const char* what) {
