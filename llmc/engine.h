@@ -64,7 +64,7 @@
 #define BACKWARD_WEIGHT 2
 #define BACKWARD_BOTH (BACKWARD_INPUT | BACKWARD_WEIGHT)
 
-// One build's model of one model chunk (ChunkPlace, zero.h: a pipeline stage's layers, or one
+// One build's model of one model chunk (ChunkPlace, pipeline.h: a pipeline stage's layers, or one
 // of its virtual stages'; every chunk of a rank shares the rank's Zero). `model`, `acts` and
 // `grads` are the build's own structures; every float* is in the build's memory (MemOps),
 // tokens come from host memory. Forward and backward come in three parts, run by the chunks
@@ -718,16 +718,13 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     // for zbv)
     int S = comm->pp, v = t->nchunks;
     PipelineConfig cfg = {S, t->M / comm->dp, t->pp_kind, v};
-    PipelineChunkLayers* all = (PipelineChunkLayers*)malloc_or_die(sizeof(PipelineChunkLayers) * S * v, "placement");
+    ChunkPlace* all = (ChunkPlace*)malloc_or_die(sizeof(ChunkPlace) * S * v, "placement");
     char err[256];
     if (pipeline_place_layers(&cfg, c->num_layers, 0.0, head_cost_in_layers(c), all, err, sizeof(err)) != 0) {
         fatal("--pp: %s", err);
     }
     t->places = (ChunkPlace*)malloc_or_die(sizeof(ChunkPlace) * v, "placement");
-    for (int ch = 0; ch < v; ch++) {
-        const PipelineChunkLayers* q = &all[comm->pp_rank * v + ch];
-        t->places[ch] = (ChunkPlace){q->first_layer, q->first_layer + q->num_layers, q->has_embedding, q->has_head};
-    }
+    memcpy(t->places, all + (size_t)comm->pp_rank * v, sizeof(ChunkPlace) * v);
     for (int k = 0; k < S * v; k++) { if (all[k].has_head) { t->head_stage = k / v; } }
     free(all);
     zero_init_ep(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->dpcp_group, comm->ep > 1 ? &comm->ep_group : NULL,
@@ -1035,7 +1032,7 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
         printf("| pipeline      %s over %d stages", a->pp_schedule, comm->pp);
         if (v > 1) { printf(" x %d model chunks", v); }
         printf(", %d microbatches; bubble model %.3f\n", z->local_microbatches, pipeline_bubble_fraction(&cfg));
-        PipelineChunkLayers* all = (PipelineChunkLayers*)malloc_or_die(sizeof(PipelineChunkLayers) * comm->pp * v, "placement");
+        ChunkPlace* all = (ChunkPlace*)malloc_or_die(sizeof(ChunkPlace) * comm->pp * v, "placement");
         pipeline_place_layers(&cfg, c->num_layers, 0.0, head_cost_in_layers(c), all, NULL, 0);
         for (int st = 0; st < comm->pp && st < 64; st++) {
             int n = pipeline_stage_actions(&cfg, st, NULL, 0, NULL, 0);
@@ -1045,8 +1042,8 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
             printf("|   stage %-3d   layers", st);
             int embed = 0, head = 0;
             for (int ch = 0; ch < v; ch++) {
-                const PipelineChunkLayers* q = &all[st * v + ch];
-                printf(" [%d, %d)", q->first_layer, q->first_layer + q->num_layers);
+                const ChunkPlace* q = &all[st * v + ch];
+                printf(" [%d, %d)", q->first_layer, q->last_layer);
                 embed |= q->has_embedding;
                 head |= q->has_head;
             }
