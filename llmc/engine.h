@@ -162,7 +162,7 @@ typedef struct {
     // built by trainer_build
     const ModelOps* ops;
     const MemOps* mem;
-    ChunkPlace* all_places;         // [pp x nchunks] every rank's chunks (pipeline.h's placement)
+    ChunkPlace* all_places;         // [pp x nchunks] every stage's chunks, stage-major (pipeline.h's placement)
     ChunkPlace* places;             // [nchunks] this rank's, in all_places
     int head_stage;                 // the pipeline stage holding the head
     Zero zero;

@@ -293,10 +293,6 @@ typedef struct {
                          // too; the run may be posted as one batch (see the pairing rule above)
 } PipelineAction;
 
-static inline int pipeline_is_compute(PipelineActionKind kind) {
-    return kind == PP_FORWARD || kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT || kind == PP_BACKWARD_WEIGHT;
-}
-
 // The computations that produce the input gradient, which SEND_BACKWARD sends.
 static inline int pipeline_is_input_backward(PipelineActionKind kind) {
     return kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT;

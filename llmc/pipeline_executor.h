@@ -70,7 +70,11 @@ typedef struct {
                                // BACKWARD
 } MessageBuffer;
 
+// Message buffers a stage may hold at once (a completed send's buffer is reused first); the
+// schedules keep a few per stage in flight, so reaching this means an executor bug.
 #define PP_MAX_MESSAGES 256
+// Tags 0 .. 32767 are valid under every MPI (the standard's least MPI_TAG_UB).
+#define PP_TAG_LIMIT 32768
 
 typedef struct {
     PipelineConfig cfg;
@@ -107,11 +111,11 @@ static inline int pipeline_chunk_of(const Pipeline* p, int vs) {
 }
 
 // The message tag of microbatch i crossing boundary w (between virtual stages w and w+1), forward
-// or backward; modulo the 32768 every MPI accepts (the lists' message order pairs sends and
-// receives anyway, pipeline.h).
+// or backward; modulo PP_TAG_LIMIT (the lists' message order pairs sends and receives anyway,
+// pipeline.h).
 static inline int pipeline_tag(const Pipeline* p, int i, int boundary, int backward) {
     long long V = (long long)p->cfg.num_stages * p->cfg.num_chunks;
-    return (int)((((long long)i * V + boundary) * 2 + backward) % 32768);
+    return (int)((((long long)i * V + boundary) * 2 + backward) % PP_TAG_LIMIT);
 }
 
 static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps* mem, void** models,
@@ -195,7 +199,7 @@ static inline MicroSlot* pipeline_slot(Pipeline* p, int i, int c, int take) {
     for (int k = 0; k < p->nslots; k++) {
         MicroSlot* s = &p->slots[k];
         if (s->chunk == c && s->microbatch < 0) {
-            comm_wait(s->send_act);
+            comm_wait(s->send_act);   // the isend (pp group) of its last output activation
             s->send_act = NULL;
             s->microbatch = i;
             if (++p->held > p->peak_held) { p->peak_held = p->held; }
@@ -216,6 +220,7 @@ static inline MessageBuffer* pipeline_message_new(Pipeline* p, int i, int c, Mes
     MessageBuffer* m = NULL;
     for (int k = 0; k < p->nmsgs && m == NULL; k++) {
         MessageBuffer* q = &p->msgs[k];
+        // an isend (pp group) of an input gradient that has completed frees its buffer
         if (q->state == MSG_SENDING && comm_test(q->req)) { comm_wait(q->req); q->req = NULL; q->state = MSG_FREE; }
         if (q->state == MSG_FREE) { m = q; }
     }

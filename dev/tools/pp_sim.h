@@ -6,6 +6,7 @@
  * invalid schedule instead of hanging. The trainer needs none of it.
  *
  * API (all functions static inline):
+ *   pipeline_is_compute(kind)               1 for F, B, I and W; 0 for sends and receives
  *   pipeline_action_kind_name(kind), pipeline_action_token(action, with_chunk, buf, len)
  *   pipeline_memory_bound(cfg, stage)       the textbook bound on pipeline_max_in_flight
  *   pipeline_simulate(&sch, &costs, &timeline, err, errlen), pipeline_timeline_free(&timeline)
@@ -24,7 +25,11 @@
 #include "llmc/utils.h"
 
 // ----------------------------------------------------------------------------------------------
-// names of actions
+// kinds and names of actions
+
+static inline int pipeline_is_compute(PipelineActionKind kind) {
+    return kind == PP_FORWARD || kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT || kind == PP_BACKWARD_WEIGHT;
+}
 
 static inline const char* pipeline_action_kind_name(PipelineActionKind kind) {
     switch (kind) {
