@@ -1758,64 +1758,64 @@ float position_sum(const float* x, int B, int T) {
 //
 // Each float tensor is named once, in the lists below, with its element count in
 // activations_alloc's terms (L layers, BT this rank's positions, BTs the sequence-split ones,
-// H and S 1 or 0: the head's chunk, a split backward; a count of 0 leaves the tensor out).
-#define ACTIVATION_TENSORS(X, owner)                                                                                  \
-    X(owner, float, encoded, BTs * C)                         /* (B,T,C)   the stage's input: embedding output, or received */ \
-    X(owner, float, ln1, L * BT * C)                          /* (L,B,T,C) */                                                \
-    X(owner, float, ln1_mean, L * BTs)                        /* (L,B,T) */                                                  \
-    X(owner, float, ln1_rstd, L * BTs)                        /* (L,B,T) */                                                  \
-    X(owner, float, qkv, L * BT * C3)                         /* (L,B,T,3C) */                                               \
-    X(owner, float, atty, L * BT * Ca)                        /* (L,B,T,C)  attention output, before the projection */       \
-    X(owner, float, att, L * B * NHl * (T / cp) * T)          /* (L,B,NH,T,T) */                                             \
-    X(owner, float, qkvh, a2a * L * BT * C3)                  /* (L,B,T*cp_split,3C/cp_split) --cp-mode a2a: head-split */   \
-    X(owner, float, residual2, L * BTs * C)                   /* (L,B,T,C)  residual stream after attention */               \
-    X(owner, float, ln2, L * BT * C)                          /* (L,B,T,C) */                                                \
-    X(owner, float, ln2_mean, L * BTs)                        /* (L,B,T) */                                                  \
-    X(owner, float, ln2_rstd, L * BTs)                        /* (L,B,T) */                                                  \
-    X(owner, float, fch, dense * L * BT * C4)                 /* (L,B,T,4C) */                                               \
-    X(owner, float, fch_gelu, dense * (recompute ? 1 : L) * BT * C4) /* (L,B,T,4C), or (B,T,4C) reused with recompute */    \
-    X(owner, float, residual3, L * BTs * C)                   /* (L,B,T,C)  residual stream after the MLP = layer output */  \
-    X(owner, float, lnf, H * BT * C)                          /* (B,T,C)    the head's chunk only (like the three below) */  \
-    X(owner, float, lnf_mean, H * BTs)                        /* (B,T) */                                                    \
-    X(owner, float, lnf_rstd, H * BTs)                        /* (B,T) */                                                    \
-    X(owner, float, probs, H * BT * Vl)                       /* (B,T,Vp)   logits, then probabilities, then dlogits */      \
-    X(owner, float, losses, H * B * T)                        /* (B,T*cp_split): every position's (CP gathers them) */       \
-    X(owner, float, proj, BT * C)                             /* (B,T,C)    a projection's output before the residual add */ \
-    X(owner, float, proj_s, sp * BTs * C)                     /* (B,T/tp,C) ... after SP's reduce-scatter */                 \
-    X(owner, float, ln_s, sp * BTs * C)                       /* (B,T/tp,C) a layernorm's output before SP's all-gather */   \
-    X(owner, float, ce, H * 4 * BT)                           /* (4,B,T) cross-entropy's max, sum of exps, target logit; */  \
-                                                /*         this rank's losses (context parallelism) */
+// Tq the queries' positions per sequence, H, S and the like 1 or 0: the head's chunk, a split
+// backward; a count of 0 leaves the tensor out).
+#define ACTIVATION_TENSORS(X, owner)                                                                                   \
+    X(owner, float, encoded, BTs * C)          /* (B,T,C)   the stage's input: embedding output, or received */        \
+    X(owner, float, ln1, L * BT * C)           /* (L,B,T,C) */                                                         \
+    X(owner, float, ln1_mean, L * BTs)         /* (L,B,T) */                                                           \
+    X(owner, float, ln1_rstd, L * BTs)         /* (L,B,T) */                                                           \
+    X(owner, float, qkv, L * BT * C3)          /* (L,B,T,3C) */                                                        \
+    X(owner, float, atty, L * BT * Ca)         /* (L,B,T,C)  attention output, before the projection */                \
+    X(owner, float, att, L * B * NHl * Tq * T) /* (L,B,NH,T,T) */                                                      \
+    X(owner, float, qkvh, a2a * L * BT * C3)   /* (L,B,T*cp_split,3C/cp_split) --cp-mode a2a: head-split */            \
+    X(owner, float, residual2, L * BTs * C)    /* (L,B,T,C)  residual stream after attention */                        \
+    X(owner, float, ln2, L * BT * C)           /* (L,B,T,C) */                                                         \
+    X(owner, float, ln2_mean, L * BTs)         /* (L,B,T) */                                                           \
+    X(owner, float, ln2_rstd, L * BTs)         /* (L,B,T) */                                                           \
+    X(owner, float, fch, dense * L * BT * C4)  /* (L,B,T,4C) */                                                        \
+    X(owner, float, fch_gelu, gelus * BT * C4) /* (L,B,T,4C), or (B,T,4C) reused by every layer with -r 1 */           \
+    X(owner, float, residual3, L * BTs * C)    /* (L,B,T,C)  residual stream after the MLP = layer output */           \
+    X(owner, float, lnf, H * BT * C)           /* (B,T,C)    the head's chunk only (like the three below) */           \
+    X(owner, float, lnf_mean, H * BTs)         /* (B,T) */                                                             \
+    X(owner, float, lnf_rstd, H * BTs)         /* (B,T) */                                                             \
+    X(owner, float, probs, H * BT * Vl)        /* (B,T,Vp)   logits, then probabilities, then dlogits */               \
+    X(owner, float, losses, H * B * T)         /* (B,T*cp_split) every position's (CP gathers them) */                 \
+    X(owner, float, proj, BT * C)              /* (B,T,C)    a projection's output before the residual add */          \
+    X(owner, float, proj_s, sp * BTs * C)      /* (B,T/tp,C) ... after SP's reduce-scatter */                          \
+    X(owner, float, ln_s, sp * BTs * C)        /* (B,T/tp,C) a layernorm's output before SP's all-gather */            \
+    X(owner, float, ce, H * 4 * BT)            /* (4,B,T) cross-entropy's max, sum of exps, target logit, loss */
 // A split backward (the zero-bubble schedules) runs the input-gradient half of a (microbatch,
 // chunk) long before its weight-gradient half, which reads the gradient at the output of every
 // weight. They are kept here from one half to the other (split_backward = 1; without, one set
 // in ActivationGrads serves every layer). With SP the layernorm outputs' gradients are summed
 // over the tp group and hold T/tp positions of each sequence.
-#define KEPT_GRADIENTS(X, owner)                                                                                      \
-    X(owner, float, dfcproj, S * L * BT * C)                  /* (L,B,T,C)  d(the MLP projection's output), full T */        \
-    X(owner, float, dfch, S * L * BT * C4)                    /* (L,B,T,4C) d(fc's output), before GELU */                   \
-    X(owner, float, dln2, S * L * BTs * C)                    /* (L,B,T,C)  d(ln2's output), summed over the tp group */     \
-    X(owner, float, dattproj, S * L * BT * C)                 /* (L,B,T,C)  d(the attention projection's output), full T */  \
-    X(owner, float, dqkv, S * L * BT * C3)                    /* (L,B,T,3C) */                                               \
-    X(owner, float, dln1, S * L * BTs * C)                    /* (L,B,T,C)  d(ln1's output), summed over the tp group */     \
-    X(owner, float, dlnf, S * H * BTs * C)                    /* (B,T,C)    head chunk: d(lnf's output), summed over tp */   \
-    X(owner, float, dencoded, S * emb * BT * C)               /* (B,T,C)    embedding chunk: d(encoded), full T */
+#define KEPT_GRADIENTS(X, owner)                                                                                       \
+    X(owner, float, dfcproj, S * L * BT * C)   /* (L,B,T,C)  d(the MLP projection's output), full T */                 \
+    X(owner, float, dfch, S * L * BT * C4)     /* (L,B,T,4C) d(fc's output), before GELU */                            \
+    X(owner, float, dln2, S * L * BTs * C)     /* (L,B,T,C)  d(ln2's output), summed over the tp group */              \
+    X(owner, float, dattproj, S * L * BT * C)  /* (L,B,T,C)  d(the attention projection's output), full T */           \
+    X(owner, float, dqkv, S * L * BT * C3)     /* (L,B,T,3C) */                                                        \
+    X(owner, float, dln1, S * L * BTs * C)     /* (L,B,T,C)  d(ln1's output), summed over the tp group */              \
+    X(owner, float, dlnf, S * H * BTs * C)     /* (B,T,C)    head chunk: d(lnf's output), summed over tp */            \
+    X(owner, float, dencoded, S * emb * BT * C) /* (B,T,C)   embedding chunk: d(encoded), full T */
 
 // A mixture-of-experts layer's routing (element type, name, count) and the buffers whose rows
 // are what the rank's experts received (type, name, row width: 0 leaves it out).
 #define MOE_ROUTING(X, owner)                                                                                          \
-    X(owner, float, probs, BT * num_experts)           /* (B,T,E)    the router's logits, then probabilities */       \
-    X(owner, float, gates, slots)                      /* (B,T,k) */                                                  \
-    X(owner, int, chosen, slots)                       /* (B,T,k)    the chosen experts, ascending */                 \
-    X(owner, int, slot_row, slots)                     /* (B,T,k)    the dispatch row of each slot */                 \
-    X(owner, int, row_pos, slots)                      /* (B*T*k)    the position of each dispatch row */             \
-    X(owner, int, leaf, (size_t)model->El * ((size_t)ep_size * B * CANON_R + 1)) /* the R3 leaves of each local expert's rows */      \
-    X(owner, float, ret, slots * C)                    /* (B*T*k,C)  each slot's expert output, back at the source */
-#define MOE_LAYER_ROWS(X, owner)                                                                               \
-    X(owner, float, xin, C)                     /* (rows,C)   the rows the local experts received, by expert */\
-    X(owner, float, fch, C4)                    /* (rows,4C/tp) */                                             \
-    X(owner, float, fch_gelu, recompute ? 0 : C4) /* (rows,4C/tp) (recomputed in backward with -r 1) */        \
-    X(owner, int, perm, 1)                      /* (rows)     work row <- received row (expert parallelism) */ \
-    X(owner, int, inv, 1)                       /* (rows)     received row <- work row */
+    X(owner, float, probs, BT * num_experts)   /* (B,T,E)    the router's logits, then probabilities */                \
+    X(owner, float, gates, slots)              /* (B,T,k) */                                                           \
+    X(owner, int, chosen, slots)               /* (B,T,k)    the chosen experts, ascending */                          \
+    X(owner, int, slot_row, slots)             /* (B,T,k)    the dispatch row of each slot */                          \
+    X(owner, int, row_pos, slots)              /* (B*T*k)    the position of each dispatch row */                      \
+    X(owner, int, leaf, leaves)                /* the R3 leaves of each local expert's rows */                         \
+    X(owner, float, ret, slots * C)            /* (B*T*k,C)  each slot's expert output, back at the source */
+#define MOE_LAYER_ROWS(X, owner)                                                                                       \
+    X(owner, float, xin, C)                    /* (rows,C)   the rows the local experts received, by expert */         \
+    X(owner, float, fch, C4)                   /* (rows,4C/tp) */                                                      \
+    X(owner, float, fch_gelu, recompute ? 0 : C4) /* (rows,4C/tp) (recomputed in backward with -r 1) */                \
+    X(owner, int, perm, 1)                     /* (rows)     work row <- received row (expert parallelism) */          \
+    X(owner, int, inv, 1)                      /* (rows)     received row <- work row */
 #define DECLARE(owner, type, name, count) type* name;
 
 typedef struct {
@@ -1845,28 +1845,28 @@ typedef struct {
 // are one layer's gradients at the output of its weights (Activations' kept set, for a
 // backward that is not split). Counts in activation_grads_alloc's terms (BTC this rank's
 // positions x C; emb, sp, moe 1 or 0).
-#define ACTIVATION_GRADS(X, owner)                                                                                    \
-    X(owner, float, dresidual, BTC)                           /* (B,T,C)  d(residual stream); (B,T/tp,C) under SP */         \
-    X(owner, float, dwhole, cp_whole * BTC * cp)              /* (B,T*cp_split,C) the embedding's, gathered along T (CP) */  \
-    X(owner, float, ln_partials, per_seq * 2 * B * C)         /* (2,B,C)  layernorm weight/bias gradients per sequence */    \
-    X(owner, float, dbtc, sp * BTC)                           /* (B,T,C)  a layernorm output's gradient before the tp sum */ \
-    X(owner, float, datty, BTC / tp)                          /* (B,T,C/tp) d(attention output) */                           \
-    X(owner, float, dfcproj, BTC)                             /* (B,T,C)  also d(encoded) in the embeddings' backward */     \
-    X(owner, float, dfch, dense * 4 * BTC / tp)               /* (B,T,4C/tp) */                                              \
-    X(owner, float, dln2, BTC)                                /* (B,T,C) */                                                  \
-    X(owner, float, dattproj, BTC)                            /* (B,T,C) */                                                  \
-    X(owner, float, dqkv, 3 * BTC / tp)                       /* (B,T,3C/tp) */                                              \
-    X(owner, float, dln1, BTC)                                /* (B,T,C)  also d(lnf's output) in the head's backward */     \
-    X(owner, float, dgate, moe * slots)                       /* (B,T,k)  mixture of experts from here */                    \
-    X(owner, float, dlogits, moe * B * T * num_experts)       /* (B,T,E) */                                                  \
-    X(owner, float, drouter, moe * BTC)                       /* (B,T,C)  the router's input gradient */                     \
-    X(owner, float, daux, moe * num_experts)                  /* (E)      the load-balancing loss's gradient per position */ \
-    X(owner, float, dslots, moe * slots * C)                  /* (B,T*k,C) the slots' output, then input, gradients */
-#define MOE_GRAD_ROWS(X, owner)                                                                                \
-    X(owner, float, dwork, C)                   /* (rows,C) at the experts: output, then input, gradients */   \
-    X(owner, float, dwork2, C)                  /* (rows,C) ... in the other order (expert parallelism) */     \
-    X(owner, float, dh, C4)                     /* (rows,4C/tp) */                                             \
-    X(owner, float, hgelu, C4)                  /* (rows,4C/tp) GELU recomputed (-r 1) */
+#define ACTIVATION_GRADS(X, owner)                                                                                     \
+    X(owner, float, dresidual, BTC)            /* (B,T,C)  d(residual stream); (B,T/tp,C) under SP */                  \
+    X(owner, float, dwhole, cp_whole * BTC * cp) /* (B,T*cp_split,C) the embedding's, gathered along T */              \
+    X(owner, float, ln_partials, per_seq * 2 * B * C) /* (2,B,C) layernorm weight/bias grads per sequence */           \
+    X(owner, float, dbtc, sp * BTC)            /* (B,T,C)  a layernorm output's gradient before the tp sum */          \
+    X(owner, float, datty, BTC / tp)           /* (B,T,C/tp) d(attention output) */                                    \
+    X(owner, float, dfcproj, BTC)              /* (B,T,C)  also d(encoded) in the embeddings' backward */              \
+    X(owner, float, dfch, dense * 4 * BTC / tp) /* (B,T,4C/tp) */                                                      \
+    X(owner, float, dln2, BTC)                 /* (B,T,C) */                                                           \
+    X(owner, float, dattproj, BTC)             /* (B,T,C) */                                                           \
+    X(owner, float, dqkv, 3 * BTC / tp)        /* (B,T,3C/tp) */                                                       \
+    X(owner, float, dln1, BTC)                 /* (B,T,C)  also d(lnf's output) in the head's backward */              \
+    X(owner, float, dgate, moe * slots)        /* (B,T,k)  mixture of experts from here */                             \
+    X(owner, float, dlogits, moe * B * T * num_experts) /* (B,T,E) */                                                  \
+    X(owner, float, drouter, moe * BTC)        /* (B,T,C)  the router's input gradient */                              \
+    X(owner, float, daux, moe * num_experts)   /* (E)      the load-balancing loss's gradient per position */          \
+    X(owner, float, dslots, moe * slots * C)   /* (B,T*k,C) the slots' output, then input, gradients */
+#define MOE_GRAD_ROWS(X, owner)                                                                                        \
+    X(owner, float, dwork, C)                  /* (rows,C) at the experts: output, then input, gradients */            \
+    X(owner, float, dwork2, C)                 /* (rows,C) ... in the other order (expert parallelism) */              \
+    X(owner, float, dh, C4)                    /* (rows,4C/tp) */                                                      \
+    X(owner, float, hgelu, C4)                 /* (rows,4C/tp) GELU recomputed (-r 1) */
 
 typedef struct {
     int seq_split, cp_split;   // as in Activations
@@ -1878,10 +1878,10 @@ typedef struct {
 
 // The model's own buffers for the experts' rows: the dispatch rows (slots, C), and those a
 // rank's experts received (rows, width).
-#define MOE_MODEL_ROWS(X, owner)                                                                               \
-    X(owner, float, xrecv, C)                   /* (rows,C)  the rows received (source-major); outputs back */ \
-    X(owner, float, yout, C)                    /* (rows,C)  the local experts' outputs (expert-major) */      \
-    X(owner, float, hgelu, C4)                  /* (rows,4C/tp) the experts' GELU output in a forward, -r 1 */
+#define MOE_MODEL_ROWS(X, owner)                                                                                       \
+    X(owner, float, xrecv, C)                  /* (rows,C)  the rows received (source-major); outputs back */          \
+    X(owner, float, yout, C)                   /* (rows,C)  the local experts' outputs (expert-major) */               \
+    X(owner, float, hgelu, C4)                 /* (rows,4C/tp) the experts' GELU output in a forward, -r 1 */
 
 typedef struct {
     GPT2Config config;
@@ -1967,7 +1967,8 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T / cp;
     size_t BTs = BT / (sp ? tp : 1);   // positions of the sequence-split tensors
     size_t H = model->has_head ? 1 : 0, S = split_backward ? 1 : 0, emb = model->has_embedding ? 1 : 0;
-    size_t dense = model->num_experts > 0 ? 0 : 1, a2a = cp > 1 && model->cp.a2a;
+    size_t dense = model->num_experts > 0 ? 0 : 1, a2a = cp > 1 && model->cp.a2a, Tq = T / cp;
+    size_t gelus = dense * (recompute ? 1 : L);   // fch_gelu: one layer's, reused by all, with recompute
     memset(a, 0, sizeof(*a));
     a->layers = (int)L;
     a->cap_B = B;
@@ -1988,6 +1989,7 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     if (model->num_experts > 0) {   // the routing of every layer; the experts' rows start at the balanced load
         int num_experts = model->num_experts, ep_size = model->ep_size;
         size_t slots = BT * model->top_k, rows = slots;
+        size_t leaves = (size_t)model->El * ((size_t)ep_size * B * CANON_R + 1);
         a->moe = (MoeLayerActs*)calloc_or_die(L ? L : 1, sizeof(MoeLayerActs), "expert activations");
         for (size_t l = 0; l < L; l++) {
             MoeLayerActs* moe_act = &a->moe[l];
@@ -2176,8 +2178,8 @@ static void add_zigzag_positions(float* out, const float* wpe, int B, int T, int
     int Tl = T / D, stretch = Tl / 2;
     for (int b = 0; b < B; b++) {
         for (int half = 0; half < 2; half++) {
-            encoder_add_positions(out + ((size_t)b * Tl + half * stretch) * C, wpe + zz_stretch_begin(T, D, r, half) * C,
-                                  1, stretch, C);
+            const float* pe = wpe + zz_stretch_begin(T, D, r, half) * C;
+            encoder_add_positions(out + ((size_t)b * Tl + half * stretch) * C, pe, 1, stretch, C);
         }
     }
 }
@@ -2829,7 +2831,9 @@ static float* model_stage_input(void* m, void* a) { (void)m; return ((Activation
 static float* model_stage_output(void* m, void* a, int B, int T) {
     return stage_output((Activations*)a, &((GPT2*)m)->config, B, T);
 }
-static void model_embed_forward(void* m, void* a, int B, int T) { embed_forward((GPT2*)m, (Activations*)a, B, T, 0, T); }
+static void model_embed_forward(void* m, void* a, int B, int T) {
+    embed_forward((GPT2*)m, (Activations*)a, B, T, 0, T);
+}
 static void model_layers_forward(void* m, void* a, int B, int T) {
     layers_forward((GPT2*)m, (Activations*)a, B, T, 0, T);
 }
