@@ -1912,7 +1912,7 @@ typedef struct {
 
 // The tied token embedding gets two gradients: from the LM head (wte as the output matmul)
 // and from the embedding lookup. They are kept apart (the lookup half is zero.h's unit
-// zero_unit_E) until the whole step's gradient is reduced, then added (lm part + lookup part),
+// zero_unit_E(z)) until the whole step's gradient is reduced, then added (lm part + lookup part),
 // because that is the order a pipeline can reproduce: there the LM head lives on the last
 // stage and the embedding on the first (Megatron sums the two copies' gradients after the
 // data-parallel reduction). zero_finish_grads() does the addition.
@@ -2170,7 +2170,7 @@ static ExpertTensors expert_unit(const Zero* z, int u, const float* base) {
 // of the whole pass, bit for bit, whatever the rows after it hold (test_gpt2 checks). Of the
 // rows, this rank computes pass_rows(.., cp_split) of the per-position tensors and
 // pass_rows(.., seq_split) of the sequence-split ones, from row t0 of each.
-static size_t pass_rows(int B, int t0, int t1, int split) { return (size_t)B * (t1 - t0) / split; }
+static size_t pass_rows(int B, int t0, int t1, int ranks) { return (size_t)B * (t1 - t0) / ranks; }
 
 // out (B,T/D,C) += wpe at the global positions of rank r's D-way zig-zag slice (zigzag.h):
 // its two stretches per sequence
@@ -2339,8 +2339,8 @@ static void attention_forward_rows(GPT2* model, Activations* a, int l, int B, in
 }
 
 // this chunk's layers on the rows [t0, t1): a->encoded (B,T,C) -> stage_output. Megatron's
-// split: qkv and fc are column-parallel (f before them), attproj and fcproj row-parallel (g
-// after them, then the bias); attention runs on this rank's heads.
+// partitioning: qkv and fc are column-parallel (f before them), attproj and fcproj
+// row-parallel (g after them, then the bias); attention runs on this rank's heads.
 void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
@@ -2883,7 +2883,6 @@ static const ModelOps gpt2_model_ops = {
 // ==========================================================================================
 // main: the shared engine (llmc/engine.h) on this model and host memory
 // ==========================================================================================
-
 #if !defined(TESTING) && !defined(LLMC_DEVICE_KERNELS)
 static void cpu_banner(void) {
     int threads = 1;
