@@ -74,16 +74,17 @@
 // LM head, cross-entropy).
 typedef struct {
     // the model of one chunk of this rank; its parameters, gradients and AdamW state are in
-    // `zero`; sp: Megatron's sequence parallelism over the tensor-parallel group, for passes
-    // over up to (B, T) positions; cp: the context-parallel group (context_parallel.h; one
-    // rank: none), cp_a2a its all-to-all attention (else the ring)
+    // `zero`; seq_parallel: Megatron's sequence parallelism over the tensor-parallel group, for
+    // passes over up to (B, T) positions; cp: the context-parallel group (context_parallel.h;
+    // one rank: none), cp_a2a its all-to-all attention (else the ring)
     void* (*create)(const GPT2Config* config, const ChunkPlace* place, Zero* zero, CommGroup* tp,
-                    CommGroup* cp, int cp_a2a, int sp, int B, int T);
+                    CommGroup* cp, int cp_a2a, int seq_parallel, int B, int T);
     void (*destroy)(void* model);
-    // activations of one pass over up to (B, T) positions; sp: split the sequences as the
-    // model's sp and cp say (a pass of the sampler runs unsplit); split: room for what a split backward keeps between its halves;
-    // *bytes: their size
-    void* (*acts_create)(void* model, int B, int T, int recompute, int sp, int split, size_t* bytes);
+    // activations of one pass over up to (B, T) positions; split_seqs: split the sequences as
+    // the model's seq_parallel and cp say (a pass of the sampler runs unsplit); split_backward:
+    // room for what a split backward keeps between its halves; *bytes: their size
+    void* (*acts_create)(void* model, int B, int T, int recompute, int split_seqs, int split_backward,
+                         size_t* bytes);
     void (*acts_destroy)(void* model, void* acts);
     // the microbatch's tokens (host memory; targets NULL: no loss)
     void (*set_tokens)(void* model, void* acts, const int* inputs, const int* targets, int B, int T);
@@ -100,7 +101,7 @@ typedef struct {
     // layer; its d(residual) is d(loss)/d(chunk output) going in and d(loss)/d(chunk input)
     // coming out of an input half. part: BACKWARD_BOTH, _INPUT or _WEIGHT (the weight half of
     // a (microbatch, chunk) after its input half, from what that kept in acts)
-    void* (*grads_create)(void* model, int B, int T, int sp, size_t* bytes);
+    void* (*grads_create)(void* model, int B, int T, int split_seqs, size_t* bytes);
     void (*grads_destroy)(void* model, void* grads);
     float* (*grad_residual)(void* model, void* grads);
     void (*head_backward)(void* model, void* acts, void* grads, int B, int T, float dloss, int part);
@@ -113,7 +114,8 @@ typedef struct {
     MoeCounters* (*moe_counters)(void* model);
     // generation with a KV cache (NULL: the build has none, and the sampler runs a full
     // forward per token): row t of a pass laid out over (1, T), the rows before it computed by
-    // the earlier calls; equal to row t of the full forward over (1, T), bit for bit.
+    // the earlier calls; equal to row t of the full forward over (1, T), bit for bit (the
+    // reference model runs its forward on the one row).
     void (*embed_decode)(void* model, void* acts, int token, int t, int T);
     void (*layers_decode)(void* model, void* acts, int t, int T);
     void (*head_decode)(void* model, void* acts, int t, int T);

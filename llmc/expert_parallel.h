@@ -31,7 +31,8 @@
  * (fc column-parallel, fcproj row-parallel, Megatron's expert tensor parallelism); every
  * tensor-parallel rank routes the same positions and exchanges the same rows with its
  * counterpart (same tp rank) of the other ep ranks; an expert's partial outputs and input
- * gradients are all-reduced over the tensor-parallel group at the expert, per row.
+ * gradients are all-reduced over the tensor-parallel group at the expert, per row (the dense
+ * MLP's g forward and f backward, tensor_parallel.h).
  */
 #ifndef LLMC_EXPERT_PARALLEL_H
 #define LLMC_EXPERT_PARALLEL_H
