@@ -6,7 +6,7 @@
  * training loop and its console and main.log lines.
  *
  * A build hands the engine two tables:
- *   ModelOps (below)  its model of one model chunk (a pipeline stage, or one of a stage's
+ *   ModelOps (model_ops.h) its model of one model chunk (a pipeline stage, or one of a stage's
  *                     virtual stages): activations, the embeddings, the chunk's transformer
  *                     layers and the head, forward and backward (whole, or its input and
  *                     weight halves for the zero-bubble schedules). train_gpt2.c's
@@ -54,83 +54,10 @@
 #include "llmc/pipeline.h"
 #include "llmc/sampler.h"
 #include "llmc/expert_parallel.h"
-
-// ==========================================================================================
-// The model, as the engine drives it
-// ==========================================================================================
-
-// Which half of a backward to run: both, the input gradient only (what the stage before waits
-// for) or the weight gradient only (the zero-bubble schedules, pipeline.h). The halves compute
-// exactly the sums of the whole, so splitting changes no bits.
-#define BACKWARD_INPUT 1
-#define BACKWARD_WEIGHT 2
-#define BACKWARD_BOTH (BACKWARD_INPUT | BACKWARD_WEIGHT)
-
-// One build's model of one model chunk (ChunkPlace, pipeline.h: a pipeline stage's layers, or one
-// of its virtual stages'; every chunk of a rank shares the rank's Zero). `model`, `acts` and
-// `grads` are the build's own structures; every float* is in the build's memory (MemOps),
-// tokens come from host memory. Forward and backward come in three parts, run by the chunks
-// that hold them: the embeddings, the chunk's transformer layers, the head (final layernorm,
-// LM head, cross-entropy).
-typedef struct {
-    // the model of one chunk of this rank; its parameters, gradients and AdamW state are in
-    // `zero`; seq_parallel: Megatron's sequence parallelism over the tensor-parallel group, for
-    // passes over up to (B, T) positions; cp: the context-parallel group (context_parallel.h;
-    // one rank: none), cp_a2a its all-to-all attention (else the ring)
-    void* (*create)(const GPT2Config* config, const ChunkPlace* place, Zero* zero, CommGroup* tp,
-                    CommGroup* cp, int cp_a2a, int seq_parallel, int B, int T);
-    void (*destroy)(void* model);
-    // activations of one pass over up to (B, T) positions; split_seqs: split the sequences as
-    // the model's seq_parallel and cp say (a pass of the sampler runs unsplit); split_backward:
-    // room for what a split backward keeps between its halves; *bytes: their size
-    void* (*acts_create)(void* model, int B, int T, int recompute, int split_seqs, int split_backward,
-                         size_t* bytes);
-    void (*acts_destroy)(void* model, void* acts);
-    // the microbatch's tokens (host memory; targets NULL: no loss)
-    void (*set_tokens)(void* model, void* acts, const int* inputs, const int* targets, int B, int T);
-    float* (*stage_input)(void* model, void* acts);   // where a received activation goes
-    float* (*stage_output)(void* model, void* acts, int B, int T);
-    void (*embed_forward)(void* model, void* acts, int B, int T);
-    void (*layers_forward)(void* model, void* acts, int B, int T);
-    void (*head_forward)(void* model, void* acts, int B, int T, int training);
-    float (*loss_sum)(void* model, void* acts, int B, int T);   // R3 sum of the last pass's losses
-    // the probabilities at `position` over the whole padded vocabulary (Vp floats, host memory);
-    // every tensor-parallel rank of the head's stage calls it
-    void (*probs_at)(void* model, void* acts, int position, float* host_probs);
-    // gradients of activations during backward, one set reused by every microbatch, chunk and
-    // layer; its d(residual) is d(loss)/d(chunk output) going in and d(loss)/d(chunk input)
-    // coming out of an input half. part: BACKWARD_BOTH, _INPUT or _WEIGHT (the weight half of
-    // a (microbatch, chunk) after its input half, from what that kept in acts)
-    void* (*grads_create)(void* model, int B, int T, int split_seqs, size_t* bytes);
-    void (*grads_destroy)(void* model, void* grads);
-    float* (*grad_residual)(void* model, void* grads);
-    void (*head_backward)(void* model, void* acts, void* grads, int B, int T, float dloss, int part);
-    void (*layers_backward)(void* model, void* acts, void* grads, int B, int T, int part);
-    void (*embed_backward)(void* model, void* acts, void* grads, int B, int T, int part);
-    // a model with experts (llmc/moe.h; NULL without): the load-balancing loss of each of the
-    // chunk's layers in the last forward pass of acts (host, one float per layer), and the
-    // routing counters, which the engine reads and zeroes every step
-    void (*moe_aux)(void* model, void* acts, float* host_aux);
-    MoeCounters* (*moe_counters)(void* model);
-    // generation with a KV cache (NULL: the build has none, and the sampler runs a full
-    // forward per token): row t of a pass laid out over (1, T), the rows before it computed by
-    // the earlier calls; equal to row t of the full forward over (1, T), bit for bit (the
-    // reference model runs its forward on the one row).
-    void (*embed_decode)(void* model, void* acts, int token, int t, int T);
-    void (*layers_decode)(void* model, void* acts, int t, int T);
-    void (*head_decode)(void* model, void* acts, int t, int T);
-} ModelOps;
-
-// What a build adds to the engine's console output.
-typedef struct {
-    const char* program;                        // "train_gpt2", "train_gpt2cu"
-    void (*banner)(void);                       // its first lines of the startup table
-    void (*memory_line)(void);                  // a line after the memory table (NULL: none)
-    // the throughput field of the step line, e.g. "95.0 GFLOP/s" or "MFU 41.2%"
-    void (*throughput)(char* out, size_t len, double flops_per_second);
-    // the run summary's, against the machine's peak, e.g. "95.0 GFLOP/s, 41% of ... peak"
-    void (*summary_throughput)(char* out, size_t len, double flops_per_second);
-} BuildInfo;
+#include "llmc/model_ops.h"
+#include "llmc/pipeline_executor.h"
+#include "llmc/trainer.h"
+#include "llmc/startup_table.h"
 
 // The cost of the head (LM head matmuls and cross-entropy) in units of one transformer
 // layer, per token: the LM head is 2*C*Vp flops forward, a layer about 24*C^2.
@@ -138,55 +65,6 @@ static inline double head_cost_in_layers(const GPT2Config* c) {
     return (double)c->padded_vocab_size / (12.0 * c->channels);
 }
 
-#include "llmc/pipeline_executor.h"   // the executor runs the ModelOps above
-
-// ==========================================================================================
-// The trainer
-// ==========================================================================================
-
-// The most pipeline stages the startup table and the step lines list one by one (their
-// per-stage values are gathered into arrays of this size); a longer pipeline trains without
-// those lines.
-#define PP_MAX_LISTED_STAGES 64
-
-typedef struct {
-    Comm comm;
-    TrainArgs args;
-    int root;                       // world rank 0: prints, writes main.log and the model file
-    GPT2Config config;
-    float* start_params;            // host, until trainer_build hands them to zero.h
-    int resume_step;                // -1: a fresh start
-    int B, T, M;                    // microbatch, sequence length, microbatches per step (global)
-    long long tokens_per_micro, total_batch;
-    PipelineScheduleKind pp_kind;
-    LRScheduleKind lr_kind;
-    int nchunks;                    // model chunks per pipeline rank (--vpp; zbv 2)
-    // built by trainer_build
-    const ModelOps* ops;
-    const MemOps* mem;
-    ChunkPlace* all_places;         // [pp x nchunks] every stage's chunks, stage-major (pipeline.h's placement)
-    ChunkPlace* places;             // [nchunks] this rank's, in all_places
-    int head_stage;                 // the pipeline stage holding the head
-    Zero zero;
-    void** models;                  // [nchunks] the model of each chunk
-    Pipeline pipe;
-    void* grads;
-    size_t grads_bytes;
-    DataLoader train_loader, val_loader;
-    int do_val, val_batches, train_steps;
-    LRSchedule schedule;
-    Tokenizer tokenizer;
-    int do_sample, genT;
-    void** sample_acts;             // [nchunks]
-    float* sample_probs;            // host, Vp
-    TrainProgress progress;
-    Logger logger;
-    int moe;                        // a mixture-of-experts model
-    MoeCounters** moe_counters;     // [nchunks] each chunk's routing counters (NULL: none)
-    float* moe_micro_aux;           // (local microbatches) each one's aux loss, summed over layers
-} Trainer;
-
-#include "llmc/startup_table.h"   // trainer_print_table, on the Trainer above
 
 // Every rank must run the same job: each compares its flags with world rank 0's (broadcast, as
 // text) and stops the whole job at the first difference with one line naming the flag; a rank

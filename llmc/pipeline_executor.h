@@ -20,15 +20,10 @@
  * and cooldown included) is all in pipeline.h's lists; pipeline_step only runs them, one case
  * per action kind, each send and receive written with its tensor and group beside it.
  *
- * It drives a build's model through engine.h's ModelOps (and its BACKWARD_* parts), so engine.h
- * includes it right after defining them; nothing else includes it.
+ * It drives a build's model through model_ops.h's ModelOps (and its BACKWARD_* parts).
  */
 #ifndef LLMC_PIPELINE_EXECUTOR_H
 #define LLMC_PIPELINE_EXECUTOR_H
-
-#ifndef LLMC_ENGINE_H
-#error "pipeline_executor.h runs engine.h's ModelOps: include llmc/engine.h"
-#endif
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,6 +33,7 @@
 #include "llmc/comm.h"
 #include "llmc/dataloader.h"
 #include "llmc/memory.h"
+#include "llmc/model_ops.h"
 #include "llmc/pipeline.h"
 #include "llmc/utils.h"
 #include "llmc/zero.h"

@@ -4,15 +4,10 @@
  * table's gathers (each stage's activation memory over the pp group, each rank's grid
  * coordinates over the world); world rank 0 prints.
  *
- * It reads engine.h's Trainer and BuildInfo, so engine.h includes it right after defining them;
- * nothing else includes it.
+ * It reads trainer.h's Trainer and model_ops.h's BuildInfo; engine.h includes it.
  */
 #ifndef LLMC_STARTUP_TABLE_H
 #define LLMC_STARTUP_TABLE_H
-
-#ifndef LLMC_ENGINE_H
-#error "startup_table.h prints engine.h's Trainer: include llmc/engine.h"
-#endif
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +17,7 @@
 #include "llmc/comm.h"
 #include "llmc/model.h"
 #include "llmc/pipeline.h"
+#include "llmc/trainer.h"
 #include "llmc/utils.h"
 #include "llmc/zero.h"
 
