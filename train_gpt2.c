@@ -1743,33 +1743,86 @@ float position_sum(const float* x, int B, int T) {
 // Activations of one forward pass of a model chunk (its `layers` transformer layers, and
 // the head on the chunk holding it), allocated for a capacity of (B, T) positions; a pass with fewer
 // positions lays its tensors out with its own B, T inside the same memory.
-// With tensor parallelism the per-head and per-neuron tensors hold this rank's part: qkv
-// 3C/K, atty C/K, att NH/K heads, fch 4C/K, probs Vp/K (the widths below).
-// With context parallelism over N ranks (cp_split = N; else 1) every tensor holds this rank's
-// zig-zag slice of each sequence, T/N positions (context_parallel.h; att (L,B,NH,T/N,T): its
-// queries against every key, or with --cp-mode a2a (L,B,NH/N,T,T): every query of NH/N heads,
-// whose q|k|v (qkvh) it keeps too). The shapes below are per rank with T the slice's length.
-// With sequence parallelism (seq_split = K x cp_split; else cp_split) the residual stream, the
-// layernorms' inputs and statistics hold T/K positions of each (slice of a) sequence: encoded,
+// With tensor parallelism over tp ranks the per-head and per-neuron tensors hold this rank's
+// part: qkv 3C/tp, atty C/tp, att NH/tp heads, fch 4C/tp, probs Vp/tp (the widths below).
+// With context parallelism over cp ranks (cp_split = cp; else 1) every tensor holds this rank's
+// zig-zag slice of each sequence, T/cp positions (zigzag.h; att (L,B,NH,T/cp,T): its queries
+// against every key, or with --cp-mode a2a (L,B,NH/cp,T,T): every query of NH/cp heads, whose
+// q|k|v (qkvh) it keeps too). The shapes below are per rank with T the slice's length.
+// With sequence parallelism (seq_split = tp x cp_split; else cp_split) the residual stream, the
+// layernorms' inputs and statistics hold T/tp positions of each (slice of a) sequence: encoded,
 // residual2, residual3, the means and rstds; the layernorm outputs are stored all-gathered.
 // A mixture-of-experts layer keeps its routing and its experts' activations in `moe` instead
 // of fch and fch_gelu: the rows its local experts received vary from pass to pass, so those
 // buffers grow to the largest seen.
+//
+// Each float tensor is named once, in the lists below, with its element count in
+// activations_alloc's terms (L layers, BT this rank's positions, BTs the sequence-split ones,
+// Tq the queries' positions per sequence, H, S and the like 1 or 0: the head's chunk, a split
+// backward; a count of 0 leaves the tensor out).
+#define ACTIVATION_TENSORS(X, owner)                                                                                   \
+    X(owner, float, encoded, BTs * C)          /* (B,T,C)   the stage's input: embedding output, or received */        \
+    X(owner, float, ln1, L * BT * C)           /* (L,B,T,C) */                                                         \
+    X(owner, float, ln1_mean, L * BTs)         /* (L,B,T) */                                                           \
+    X(owner, float, ln1_rstd, L * BTs)         /* (L,B,T) */                                                           \
+    X(owner, float, qkv, L * BT * C3)          /* (L,B,T,3C) */                                                        \
+    X(owner, float, atty, L * BT * Ca)         /* (L,B,T,C)  attention output, before the projection */                \
+    X(owner, float, att, L * B * NHl * Tq * T) /* (L,B,NH,T,T) */                                                      \
+    X(owner, float, qkvh, a2a * L * BT * C3)   /* (L,B,T*cp_split,3C/cp_split) --cp-mode a2a: head-split */            \
+    X(owner, float, residual2, L * BTs * C)    /* (L,B,T,C)  residual stream after attention */                        \
+    X(owner, float, ln2, L * BT * C)           /* (L,B,T,C) */                                                         \
+    X(owner, float, ln2_mean, L * BTs)         /* (L,B,T) */                                                           \
+    X(owner, float, ln2_rstd, L * BTs)         /* (L,B,T) */                                                           \
+    X(owner, float, fch, dense * L * BT * C4)  /* (L,B,T,4C) */                                                        \
+    X(owner, float, fch_gelu, gelus * BT * C4) /* (L,B,T,4C), or (B,T,4C) reused by every layer with -r 1 */           \
+    X(owner, float, residual3, L * BTs * C)    /* (L,B,T,C)  residual stream after the MLP = layer output */           \
+    X(owner, float, lnf, H * BT * C)           /* (B,T,C)    the head's chunk only (like the three below) */           \
+    X(owner, float, lnf_mean, H * BTs)         /* (B,T) */                                                             \
+    X(owner, float, lnf_rstd, H * BTs)         /* (B,T) */                                                             \
+    X(owner, float, probs, H * BT * Vl)        /* (B,T,Vp)   logits, then probabilities, then dlogits */               \
+    X(owner, float, losses, H * B * T)         /* (B,T*cp_split) every position's (CP gathers them) */                 \
+    X(owner, float, proj, BT * C)              /* (B,T,C)    a projection's output before the residual add */          \
+    X(owner, float, proj_s, sp * BTs * C)      /* (B,T/tp,C) ... after SP's reduce-scatter */                          \
+    X(owner, float, ln_s, sp * BTs * C)        /* (B,T/tp,C) a layernorm's output before SP's all-gather */            \
+    X(owner, float, ce, H * 4 * BT)            /* (4,B,T) cross-entropy's max, sum of exps, target logit, loss */
+// A split backward (the zero-bubble schedules) runs the input-gradient half of a (microbatch,
+// chunk) long before its weight-gradient half, which reads the gradient at the output of every
+// weight. They are kept here from one half to the other (split_backward = 1; without, one set
+// in ActivationGrads serves every layer). With SP the layernorm outputs' gradients are summed
+// over the tp group and hold T/tp positions of each sequence.
+#define KEPT_GRADIENTS(X, owner)                                                                                       \
+    X(owner, float, dfcproj, S * L * BT * C)   /* (L,B,T,C)  d(the MLP projection's output), full T */                 \
+    X(owner, float, dfch, S * L * BT * C4)     /* (L,B,T,4C) d(fc's output), before GELU */                            \
+    X(owner, float, dln2, S * L * BTs * C)     /* (L,B,T,C)  d(ln2's output), summed over the tp group */              \
+    X(owner, float, dattproj, S * L * BT * C)  /* (L,B,T,C)  d(the attention projection's output), full T */           \
+    X(owner, float, dqkv, S * L * BT * C3)     /* (L,B,T,3C) */                                                        \
+    X(owner, float, dln1, S * L * BTs * C)     /* (L,B,T,C)  d(ln1's output), summed over the tp group */              \
+    X(owner, float, dlnf, S * H * BTs * C)     /* (B,T,C)    head chunk: d(lnf's output), summed over tp */            \
+    X(owner, float, dencoded, S * emb * BT * C) /* (B,T,C)   embedding chunk: d(encoded), full T */
+
+// A mixture-of-experts layer's routing (element type, name, count) and the buffers whose rows
+// are what the rank's experts received (type, name, row width: 0 leaves it out).
+#define MOE_ROUTING(X, owner)                                                                                          \
+    X(owner, float, probs, BT * num_experts)   /* (B,T,E)    the router's logits, then probabilities */                \
+    X(owner, float, gates, slots)              /* (B,T,k) */                                                           \
+    X(owner, int, chosen, slots)               /* (B,T,k)    the chosen experts, ascending */                          \
+    X(owner, int, slot_row, slots)             /* (B,T,k)    the dispatch row of each slot */                          \
+    X(owner, int, row_pos, slots)              /* (B*T*k)    the position of each dispatch row */                      \
+    X(owner, int, leaf, leaves)                /* the R3 leaves of each local expert's rows */                         \
+    X(owner, float, ret, slots * C)            /* (B*T*k,C)  each slot's expert output, back at the source */
+#define MOE_LAYER_ROWS(X, owner)                                                                                       \
+    X(owner, float, xin, C)                    /* (rows,C)   the rows the local experts received, by expert */         \
+    X(owner, float, fch, C4)                   /* (rows,4C/tp) */                                                      \
+    X(owner, float, fch_gelu, recompute ? 0 : C4) /* (rows,4C/tp) (recomputed in backward with -r 1) */                \
+    X(owner, int, perm, 1)                     /* (rows)     work row <- received row (expert parallelism) */          \
+    X(owner, int, inv, 1)                      /* (rows)     received row <- work row */
+#define DECLARE(owner, type, name, count) type* name;
+
 typedef struct {
     MoeRoute route;     // the routing plan (host)
-    float* probs;       // (B,T,E)    the router's logits, then probabilities
-    float* gates;       // (B,T,k)
-    int* chosen;        // (B,T,k)    the chosen experts, ascending
-    int* slot_row;      // (B,T,k)    the dispatch row of each slot
-    int* row_pos;       // (B*T*k)    the position of each dispatch row
-    int* perm;          // (rows)     work row <- received row (expert parallelism)
-    int* inv;           // (rows)     received row <- work row
-    int* leaf;          // the R3 leaves of each local expert's rows
-    float* ret;         // (B*T*k,C)  each slot's expert output, back at the source
-    float* xin;         // (rows,C)   the rows the local experts received, expert-major
-    float* fch;         // (rows,4C/K)
-    float* fch_gelu;    // (rows,4C/K) (recomputed in backward with -r 1)
-    size_t rows_cap;    // rows xin .. fch_gelu and perm, inv hold
+    MOE_ROUTING(DECLARE, _)
+    MOE_LAYER_ROWS(DECLARE, _)
+    size_t rows_cap;    // rows xin .. inv hold
     float aux;          // the load-balancing loss of the last pass
 } MoeLayerActs;
 
@@ -1781,102 +1834,75 @@ typedef struct {
                         //           embedding's gradient runs on whole sequences)
     int* targets;       // (B,T)     ... and the next tokens (the loss): target_buf, or NULL: none
     int* target_buf;
-    float* encoded;     // (B,T,C)   the stage's input: embedding output, or received activation
-    float* ln1;         // (L,B,T,C)
-    float* ln1_mean;    // (L,B,T)
-    float* ln1_rstd;    // (L,B,T)
-    float* qkv;         // (L,B,T,3C)
-    float* atty;        // (L,B,T,C)  attention output, before the projection
-    float* att;         // (L,B,NH,T,T)
-    float* qkvh;        // (L,B,T*cp_split,3C/cp_split) --cp-mode a2a: the head-split q|k|v
-    float* residual2;   // (L,B,T,C)  residual stream after attention
-    float* ln2;         // (L,B,T,C)
-    float* ln2_mean;    // (L,B,T)
-    float* ln2_rstd;    // (L,B,T)
-    float* fch;         // (L,B,T,4C)
-    float* fch_gelu;    // (L,B,T,4C), or (B,T,4C) reused by every layer with recompute
-    float* residual3;   // (L,B,T,C)  residual stream after the MLP = output of layer l
-    float* lnf;         // (B,T,C)    the head's chunk only (like the three below)
-    float* lnf_mean;    // (B,T)
-    float* lnf_rstd;    // (B,T)
-    float* probs;       // (B,T,Vp)   logits, then probabilities, then dlogits
-    float* losses;      // (B,T*cp_split): every position's (context parallelism gathers them)
-    float* proj;        // (B,T,C)    scratch: a projection's output before the residual add
-    float* proj_s;      // (B,T/K,C)  ... after sequence parallelism's reduce-scatter
-    float* ln_s;        // (B,T/K,C)  a layernorm's output before sequence parallelism's all-gather
-    float* ce;          // (4,B,T)    cross-entropy's per-position max, sum of exps, target logit;
-                        //            this rank's losses (context parallelism)
-    // A split backward (the zero-bubble schedules) runs the input-gradient half of a
-    // (microbatch, chunk) long before its weight-gradient half, which reads the gradient at the
-    // output of every weight. They are kept here from one half to the other (split = 1; NULL
-    // otherwise: then one set in ActivationGrads serves every layer). With SP the layernorm
-    // outputs' gradients are summed over the tp group and hold T/K positions of each sequence.
-    int split;
-    float* dfcproj;     // (L,B,T,C)   d(the MLP projection's output), full T
-    float* dfch;        // (L,B,T,4C)  d(fc's output), before GELU
-    float* dln2;        // (L,B,T,C)   d(ln2's output), summed over the tp group
-    float* dattproj;    // (L,B,T,C)   d(the attention projection's output), full T
-    float* dqkv;        // (L,B,T,3C)
-    float* dln1;        // (L,B,T,C)   d(ln1's output), summed over the tp group
-    float* dlnf;        // (B,T,C)     head chunk: d(lnf's output), summed over the tp group
-    float* dencoded;    // (B,T,C)     embedding chunk: d(encoded), full T
+    ACTIVATION_TENSORS(DECLARE, _)
+    int split_backward;
+    KEPT_GRADIENTS(DECLARE, _)
     MoeLayerActs* moe;  // (L)        mixture of experts: each layer's routing and experts
     size_t bytes;
 } Activations;
 
-// Gradients of activations during backward: one set, reused by every layer. The first six
-// below the scratch are one layer's gradients at the output of its weights (Activations'
-// split set, for a backward that is not split).
+// Gradients of activations during backward: one set, reused by every layer. dfcproj .. dln1
+// are one layer's gradients at the output of its weights (Activations' kept set, for a
+// backward that is not split). Counts in activation_grads_alloc's terms (BTC this rank's
+// positions x C; emb, sp, moe 1 or 0).
+#define ACTIVATION_GRADS(X, owner)                                                                                     \
+    X(owner, float, dresidual, BTC)            /* (B,T,C)  d(residual stream); (B,T/tp,C) under SP */                  \
+    X(owner, float, dwhole, cp_whole * BTC * cp) /* (B,T*cp_split,C) the embedding's, gathered along T */              \
+    X(owner, float, ln_partials, per_seq * 2 * B * C) /* (2,B,C) layernorm weight/bias grads per sequence */           \
+    X(owner, float, dbtc, sp * BTC)            /* (B,T,C)  a layernorm output's gradient before the tp sum */          \
+    X(owner, float, datty, BTC / tp)           /* (B,T,C/tp) d(attention output) */                                    \
+    X(owner, float, dfcproj, BTC)              /* (B,T,C)  also d(encoded) in the embeddings' backward */              \
+    X(owner, float, dfch, dense * 4 * BTC / tp) /* (B,T,4C/tp) */                                                      \
+    X(owner, float, dln2, BTC)                 /* (B,T,C) */                                                           \
+    X(owner, float, dattproj, BTC)             /* (B,T,C) */                                                           \
+    X(owner, float, dqkv, 3 * BTC / tp)        /* (B,T,3C/tp) */                                                       \
+    X(owner, float, dln1, BTC)                 /* (B,T,C)  also d(lnf's output) in the head's backward */              \
+    X(owner, float, dgate, moe * slots)        /* (B,T,k)  mixture of experts from here */                             \
+    X(owner, float, dlogits, moe * B * T * num_experts) /* (B,T,E) */                                                  \
+    X(owner, float, drouter, moe * BTC)        /* (B,T,C)  the router's input gradient */                              \
+    X(owner, float, daux, moe * num_experts)   /* (E)      the load-balancing loss's gradient per position */          \
+    X(owner, float, dslots, moe * slots * C)   /* (B,T*k,C) the slots' output, then input, gradients */
+#define MOE_GRAD_ROWS(X, owner)                                                                                        \
+    X(owner, float, dwork, C)                  /* (rows,C) at the experts: output, then input, gradients */            \
+    X(owner, float, dwork2, C)                 /* (rows,C) ... in the other order (expert parallelism) */              \
+    X(owner, float, dh, C4)                    /* (rows,4C/tp) */                                                      \
+    X(owner, float, hgelu, C4)                 /* (rows,4C/tp) GELU recomputed (-r 1) */
+
 typedef struct {
     int seq_split, cp_split;   // as in Activations
-    float* dresidual;   // (B,T,C)    d(residual stream); (B,T/K,C) under sequence parallelism
-    float* dwhole;      // (B,T*cp_split,C) the embedding's, all-gathered along T (CP, embedding chunk)
-    float* ln_partials; // (2,B,C)    layernorm weight/bias gradients per sequence (SP, CP)
-    float* dbtc;        // (B,T,C)    scratch: a layernorm output's gradient before the tp sum (SP)
-    float* datty;       // (B,T,C/K)  scratch: d(attention output)
-    float* dfcproj;     // (B,T,C)    also d(encoded) in the embeddings' backward
-    float* dfch;        // (B,T,4C/K)
-    float* dln2;        // (B,T,C)
-    float* dattproj;    // (B,T,C)
-    float* dqkv;        // (B,T,3C/K)
-    float* dln1;        // (B,T,C)    also d(lnf's output) in the head's backward
-    // mixture of experts
-    float* dgate;       // (B,T,k)
-    float* dlogits;     // (B,T,E)
-    float* drouter;     // (B,T,C)    the router's input gradient
-    float* daux;        // (E)        the load-balancing loss's gradient per position
-    float* dslots;      // (B,T*k,C)  the slots' output gradients, then their input gradients
-    float* dwork;       // (rows,C)   at the experts: output gradients, then input gradients
-    float* dwork2;      // (rows,C)   ... in the other order (expert parallelism)
-    float* dh;          // (rows,4C/K)
-    float* hgelu;       // (rows,4C/K) GELU recomputed (-r 1)
+    ACTIVATION_GRADS(DECLARE, _)
+    MOE_GRAD_ROWS(DECLARE, _)
     size_t rows_cap;
     size_t bytes;
 } ActivationGrads;
 
+// The model's own buffers for the experts' rows: the dispatch rows (slots, C), and those a
+// rank's experts received (rows, width).
+#define MOE_MODEL_ROWS(X, owner)                                                                                       \
+    X(owner, float, xrecv, C)                  /* (rows,C)  the rows received (source-major); outputs back */          \
+    X(owner, float, yout, C)                   /* (rows,C)  the local experts' outputs (expert-major) */               \
+    X(owner, float, hgelu, C4)                 /* (rows,4C/tp) the experts' GELU output in a forward, -r 1 */
 
 typedef struct {
     GPT2Config config;
     int first_layer, last_layer; // this model chunk's layers [first, last) (a pipeline stage's,
                                 // or one of its virtual stages')
     int has_embedding, has_head; // the embeddings; the final layernorm + LM head
-    CommGroup* tp;              // tensor-parallel group (size K; tensor_parallel.h)
-    int K, v0, Vl;              // ... and this rank's vocabulary rows [v0, v0 + Vl) of wte
-    int sp;                     // sequence parallelism in the passes that split sequences
-    ContextParallel cp;         // context parallelism (size N; context_parallel.h)
-    int N;
+    CommGroup* tp;              // tensor-parallel group (tensor_parallel.h)
+    int tp_size, v0, Vl;        // ... its size, and this rank's vocabulary rows [v0, v0 + Vl) of wte
+    int seq_parallel;           // sequence parallelism in the passes that split sequences
+    ContextParallel cp;         // context parallelism (context_parallel.h)
+    int cp_size;
     float* seq_grads;           // (B, largest unit) each sequence's subtree of a unit's gradient (CP)
     float* sp_scratch;          // (B,T,C) reordering for sequence parallelism's collectives
     float* probs_all;           // (Vp) one position's probabilities, all-gathered (sampling)
     Zero* zero;                 // parameters, gradients and AdamW state, possibly sharded (zero.h)
     const MemOps* mem;          // the memory of every tensor (zero.h's)
-    // mixture of experts (config.num_experts E > 0; llmc/moe.h, llmc/expert_parallel.h)
-    int E, k, Q, El;            // experts, chosen per position, ep group size, experts held
+    // mixture of experts (config.num_experts > 0; llmc/moe.h, llmc/expert_parallel.h)
+    int num_experts, top_k, ep_size, El; // experts, chosen per position, ep group size, experts held
     CommGroup* ep;              // the expert-parallel group (zero.h's)
     float* xsend;               // (B*T*k,C) the dispatch rows
-    float* xrecv;               // (rows,C)  the rows received (source-major); outputs to return
-    float* yout;                // (rows,C)  the local experts' outputs (expert-major)
-    float* hgelu;               // (rows,4C/K) the experts' GELU output in a forward with -r 1
+    MOE_MODEL_ROWS(DECLARE, _)
     float* psum;                // (E)       the router's probability sums (the aux loss)
     float* psum_host;           // (E)       ... on the host
     float* daux_host;           // (E)       the aux loss's gradient per position, on the host
@@ -1885,156 +1911,107 @@ typedef struct {
 } GPT2;
 
 // The tied token embedding gets two gradients: from the LM head (wte as the output matmul)
-// and from the embedding lookup. They are kept apart (the lookup half is zero.h's unit E)
-// until the whole step's gradient is reduced, then added (lm part + lookup part), because that
-// is the order a pipeline can reproduce: there the LM head lives on the last stage and the
-// embedding on the first (Megatron sums the two copies' gradients after the data-parallel
-// reduction). zero_finish_grads() does the addition.
+// and from the embedding lookup. They are kept apart (the lookup half is zero.h's unit
+// zero_unit_E(z)) until the whole step's gradient is reduced, then added (lm part + lookup part),
+// because that is the order a pipeline can reproduce: there the LM head lives on the last
+// stage and the embedding on the first (Megatron sums the two copies' gradients after the
+// data-parallel reduction). zero_finish_grads() does the addition.
 
-static float* act_alloc(const GPT2* model, size_t n, size_t* total) {
-    *total += n * sizeof(float);
-    return n ? mem_floats(model->mem, n, "activations") : NULL;
+// Each list's tensors allocated (count elements each; 0: none), released, or (the expert row
+// buffers, count their row width) grown to `rows`; `total` adds up the bytes.
+static void* act_alloc(const GPT2* model, size_t n, size_t elem_bytes, size_t* total) {
+    *total += n * elem_bytes;
+    return n ? model->mem->alloc(n * elem_bytes, "activations") : NULL;
 }
-static int* act_ints(const GPT2* model, size_t n, size_t* total) {
-    *total += n * sizeof(int);
-    return (int*)model->mem->alloc((n ? n : 1) * sizeof(int), "activations");
+static void grow_rows(const GPT2* model, void** buf, size_t rows, size_t row_bytes) {
+    model->mem->release(*buf);
+    *buf = model->mem->alloc((rows ? rows : 1) * row_bytes, "expert activations");
 }
+#define ALLOC(owner, type, name, count) owner->name = (type*)act_alloc(model, count, sizeof(type), total);
+#define RELEASE(owner, type, name, count) model->mem->release(owner->name);
+#define GROW(owner, type, name, width) \
+    if ((width) > 0) { grow_rows(model, (void**)&owner->name, rows, (size_t)(width) * sizeof(type)); }
 
-// Buffers whose rows are what a rank's experts receive: grown (contents dropped) to `rows`.
-static void moe_grow(const GPT2* model, float** buf, size_t rows, size_t width) {
-    model->mem->release(*buf);
-    *buf = mem_floats(model->mem, (rows ? rows : 1) * (width ? width : 1), "expert activations");
-}
-static void moe_grow_ints(const GPT2* model, int** buf, size_t rows) {
-    model->mem->release(*buf);
-    *buf = (int*)model->mem->alloc((rows ? rows : 1) * sizeof(int), "expert routing");
-}
-static void moe_acts_rows(const GPT2* model, const Activations* a, MoeLayerActs* x, size_t rows) {
-    if (rows <= x->rows_cap && x->rows_cap > 0) { return; }
+static void moe_acts_rows(const GPT2* model, const Activations* a, MoeLayerActs* moe_act, size_t rows) {
+    if (rows <= moe_act->rows_cap && moe_act->rows_cap > 0) { return; }
     size_t C = model->config.channels;
-    moe_grow(model, &x->xin, rows, C);
-    moe_grow(model, &x->fch, rows, a->C4);
-    if (!a->recompute) { moe_grow(model, &x->fch_gelu, rows, a->C4); }
-    moe_grow_ints(model, &x->perm, rows);
-    moe_grow_ints(model, &x->inv, rows);
-    x->rows_cap = rows;
+    int C4 = a->C4, recompute = a->recompute;
+    MOE_LAYER_ROWS(GROW, moe_act)
+    moe_act->rows_cap = rows;
 }
 static void moe_model_rows(GPT2* model, size_t rows, size_t slots, int C4) {
     size_t C = model->config.channels;
     if (slots > model->xsend_cap) {
-        moe_grow(model, &model->xsend, slots, C);
+        grow_rows(model, (void**)&model->xsend, slots, C * sizeof(float));
         model->xsend_cap = slots;
     }
     if (rows <= model->rows_cap && model->rows_cap > 0) { return; }
-    moe_grow(model, &model->xrecv, rows, C);
-    moe_grow(model, &model->yout, rows, C);
-    moe_grow(model, &model->hgelu, rows, C4);
+    MOE_MODEL_ROWS(GROW, model)
     model->rows_cap = rows;
 }
 static void moe_grads_rows(const GPT2* model, ActivationGrads* g, size_t rows, int C4) {
     if (rows <= g->rows_cap && g->rows_cap > 0) { return; }
     size_t C = model->config.channels;
-    moe_grow(model, &g->dwork, rows, C);
-    moe_grow(model, &g->dwork2, rows, C);
-    moe_grow(model, &g->dh, rows, C4);
-    moe_grow(model, &g->hgelu, rows, C4);
+    MOE_GRAD_ROWS(GROW, g)
     g->rows_cap = rows;
 }
 
-// seq: the sequences are split as the model's layout says (context parallelism over its cp
-// group, and with sp the residual stream over the tensor-parallel group: Megatron's sequence
-// parallelism); 0: every position on every rank (the sampler's passes). split: room for a
-// split backward's kept gradients.
-void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int seq, int split) {
+// split_seqs: the sequences are split as the model's layout says (context parallelism over
+// its cp group, and with seq_parallel the residual stream over the tensor-parallel group:
+// Megatron's sequence parallelism); 0: every position on every rank (the sampler's passes).
+// split_backward: room for a split backward's kept gradients.
+void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int split_seqs,
+                       int split_backward) {
     const GPT2Config* c = &model->config;
-    int K = model->K, N = seq ? model->N : 1, sp = seq && model->sp;
-    size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T / N;
-    size_t H = model->has_head ? 1 : 0;
-    size_t BTs = BT / (sp ? K : 1);   // positions of the sequence-split tensors
+    int tp = model->tp_size, cp = split_seqs ? model->cp_size : 1, sp = split_seqs && model->seq_parallel;
+    size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T / cp;
+    size_t BTs = BT / (sp ? tp : 1);   // positions of the sequence-split tensors
+    size_t H = model->has_head ? 1 : 0, S = split_backward ? 1 : 0, emb = model->has_embedding ? 1 : 0;
+    size_t dense = model->num_experts > 0 ? 0 : 1, a2a = cp > 1 && model->cp.a2a, Tq = T / cp;
+    size_t gelus = dense * (recompute ? 1 : L);   // fch_gelu: one layer's, reused by all, with recompute
     memset(a, 0, sizeof(*a));
     a->layers = (int)L;
     a->cap_B = B;
     a->cap_T = T;
     a->recompute = recompute;
-    a->cp_split = N;
-    a->seq_split = (sp ? K : 1) * N;
-    a->C3 = 3 * c->channels / K;
-    a->Ca = c->channels / K;
-    a->NHl = c->num_heads / K;
-    a->C4 = 4 * c->channels / K;
-    a->Vl = c->padded_vocab_size / K;
+    a->cp_split = cp;
+    a->seq_split = (sp ? tp : 1) * cp;
+    size_t C3 = a->C3 = 3 * c->channels / tp, Ca = a->Ca = c->channels / tp, NHl = a->NHl = c->num_heads / tp;
+    size_t C4 = a->C4 = 4 * c->channels / tp, Vl = a->Vl = c->padded_vocab_size / tp;
     a->inputs = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
     a->target_buf = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
-    a->inputs_full = N > 1 ? (int*)model->mem->alloc((size_t)B * T * sizeof(int), "tokens") : a->inputs;
-    a->bytes = (2 * BT + (N > 1 ? (size_t)B * T : 0)) * sizeof(int);
-    a->encoded = act_alloc(model, BTs * C, &a->bytes);
-    a->ln1 = act_alloc(model, L * BT * C, &a->bytes);
-    a->ln1_mean = act_alloc(model, L * BTs, &a->bytes);
-    a->ln1_rstd = act_alloc(model, L * BTs, &a->bytes);
-    a->qkv = act_alloc(model, L * BT * a->C3, &a->bytes);
-    a->atty = act_alloc(model, L * BT * a->Ca, &a->bytes);
-    a->att = act_alloc(model, L * (size_t)B * a->NHl * (T / N) * T, &a->bytes);
-    a->qkvh = act_alloc(model, N > 1 && model->cp.a2a ? L * BT * a->C3 : 0, &a->bytes);
-    a->residual2 = act_alloc(model, L * BTs * C, &a->bytes);
-    a->ln2 = act_alloc(model, L * BT * C, &a->bytes);
-    a->ln2_mean = act_alloc(model, L * BTs, &a->bytes);
-    a->ln2_rstd = act_alloc(model, L * BTs, &a->bytes);
-    size_t dense = model->E > 0 ? 0 : 1;   // the dense MLP's activations
-    a->fch = act_alloc(model, dense * L * BT * a->C4, &a->bytes);
-    a->fch_gelu = act_alloc(model, dense * (recompute ? 1 : L) * BT * a->C4, &a->bytes);
-    a->residual3 = act_alloc(model, L * BTs * C, &a->bytes);
-    a->lnf = act_alloc(model, H * BT * C, &a->bytes);
-    a->lnf_mean = act_alloc(model, H * BTs, &a->bytes);
-    a->lnf_rstd = act_alloc(model, H * BTs, &a->bytes);
-    a->probs = act_alloc(model, H * BT * a->Vl, &a->bytes);
-    a->losses = act_alloc(model, H * (size_t)B * T, &a->bytes);
-    a->proj = act_alloc(model, BT * C, &a->bytes);
-    a->proj_s = act_alloc(model, sp ? BTs * C : 0, &a->bytes);
-    a->ln_s = act_alloc(model, sp ? BTs * C : 0, &a->bytes);
-    a->ce = act_alloc(model, H * 4 * BT, &a->bytes);
-    size_t S = split ? 1 : 0;
-    a->split = split;
-    a->dfcproj = act_alloc(model, S * L * BT * C, &a->bytes);
-    a->dfch = act_alloc(model, S * L * BT * a->C4, &a->bytes);
-    a->dln2 = act_alloc(model, S * L * BTs * C, &a->bytes);
-    a->dattproj = act_alloc(model, S * L * BT * C, &a->bytes);
-    a->dqkv = act_alloc(model, S * L * BT * a->C3, &a->bytes);
-    a->dln1 = act_alloc(model, S * L * BTs * C, &a->bytes);
-    a->dlnf = act_alloc(model, S * H * BTs * C, &a->bytes);
-    a->dencoded = act_alloc(model, S * (model->has_embedding ? BT * C : 0), &a->bytes);
-    if (model->E > 0) {   // the routing of every layer; the experts' rows start at the balanced load
-        int E = model->E, k = model->k, Q = model->Q;
-        size_t slots = BT * k, rows = slots;
+    a->inputs_full = cp > 1 ? (int*)model->mem->alloc((size_t)B * T * sizeof(int), "tokens") : a->inputs;
+    a->bytes = (2 * BT + (cp > 1 ? (size_t)B * T : 0)) * sizeof(int);
+    size_t* total = &a->bytes;
+    ACTIVATION_TENSORS(ALLOC, a)
+    a->split_backward = split_backward;
+    KEPT_GRADIENTS(ALLOC, a)
+    if (model->num_experts > 0) {   // the routing of every layer; the experts' rows start at the balanced load
+        int num_experts = model->num_experts, ep_size = model->ep_size;
+        size_t slots = BT * model->top_k, rows = slots;
+        size_t leaves = (size_t)model->El * ((size_t)ep_size * B * CANON_R + 1);
         a->moe = (MoeLayerActs*)calloc_or_die(L ? L : 1, sizeof(MoeLayerActs), "expert activations");
         for (size_t l = 0; l < L; l++) {
-            MoeLayerActs* x = &a->moe[l];
-            moe_route_init(&x->route, (int)BT, k, E, Q, B);
-            x->probs = act_alloc(model, BT * E, &a->bytes);
-            x->gates = act_alloc(model, slots, &a->bytes);
-            x->chosen = act_ints(model, slots, &a->bytes);
-            x->slot_row = act_ints(model, slots, &a->bytes);
-            x->row_pos = act_ints(model, slots, &a->bytes);
-            x->leaf = act_ints(model, (size_t)model->El * ((size_t)Q * B * CANON_R + 1), &a->bytes);
-            x->ret = act_alloc(model, slots * C, &a->bytes);
-            moe_acts_rows(model, a, x, rows);
-            a->bytes += rows * (C + (recompute ? 1 : 2) * (size_t)a->C4) * sizeof(float) + 2 * rows * sizeof(int);
+            MoeLayerActs* moe_act = &a->moe[l];
+            moe_route_init(&moe_act->route, (int)BT, model->top_k, num_experts, ep_size, B);
+            MOE_ROUTING(ALLOC, moe_act)
+            moe_acts_rows(model, a, moe_act, rows);
+            a->bytes += rows * (C + (recompute ? 1 : 2) * C4) * sizeof(float) + 2 * rows * sizeof(int);
         }
     }
 }
 
 void activations_free(const GPT2* model, Activations* a) {
-    void* all[] = {a->inputs, a->target_buf, a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty,
-                   a->att, a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu,
-                   a->residual3, a->lnf, a->lnf_mean, a->lnf_rstd, a->probs, a->losses, a->proj,
-                   a->proj_s, a->ln_s, a->ce, a->dfcproj, a->dfch, a->dln2, a->dattproj, a->dqkv, a->dln1,
-                   a->dlnf, a->dencoded, a->qkvh, a->inputs_full != a->inputs ? a->inputs_full : NULL};
-    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
+    model->mem->release(a->inputs);
+    model->mem->release(a->target_buf);
+    if (a->inputs_full != a->inputs) { model->mem->release(a->inputs_full); }
+    ACTIVATION_TENSORS(RELEASE, a)
+    KEPT_GRADIENTS(RELEASE, a)
     for (int l = 0; a->moe && l < a->layers; l++) {
-        MoeLayerActs* x = &a->moe[l];
-        void* moe[] = {x->probs, x->gates, x->chosen, x->slot_row, x->row_pos, x->perm, x->inv, x->leaf, x->ret,
-                       x->xin, x->fch, x->fch_gelu};
-        for (size_t i = 0; i < sizeof(moe) / sizeof(moe[0]); i++) { model->mem->release(moe[i]); }
-        moe_route_free(&x->route);
+        MoeLayerActs* moe_act = &a->moe[l];
+        MOE_ROUTING(RELEASE, moe_act)
+        MOE_LAYER_ROWS(RELEASE, moe_act)
+        moe_route_free(&moe_act->route);
     }
     free(a->moe);
     memset(a, 0, sizeof(*a));
@@ -2045,10 +2022,10 @@ void activations_free(const GPT2* model, Activations* a) {
 // inputs, for the embedding's gradient).
 void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs, const int* targets,
                             int B, int T) {
-    int N = a->cp_split, Tl = T / N;
+    int cp = a->cp_split, Tl = T / cp;
     size_t bytes = (size_t)B * Tl * sizeof(int);
     a->targets = targets ? a->target_buf : NULL;
-    if (N == 1) {
+    if (cp == 1) {
         model->mem->from_host(a->inputs, inputs, bytes);
         if (targets) { model->mem->from_host(a->target_buf, targets, bytes); }
         return;
@@ -2057,9 +2034,9 @@ void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs
     int* slice = (int*)malloc_or_die(2 * bytes, "token slices");
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < Tl; t++) {
-            long g = (long)b * T + canon_zz_global(t, T, N, model->cp.rank);
-            slice[b * Tl + t] = inputs[g];
-            slice[(size_t)B * Tl + b * Tl + t] = targets ? targets[g] : 0;
+            long pos = (long)b * T + canon_zz_global(t, T, cp, model->cp.rank);
+            slice[b * Tl + t] = inputs[pos];
+            slice[(size_t)B * Tl + b * Tl + t] = targets ? targets[pos] : 0;
         }
     }
     model->mem->from_host(a->inputs, slice, bytes);
@@ -2067,78 +2044,64 @@ void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs
     free(slice);
 }
 
-// seq: as activations_alloc's
-void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T, int seq) {
-    int K = model->K, N = seq ? model->N : 1, sp = seq && model->sp;
-    size_t BTC = (size_t)B * T / N * model->config.channels;
+// split_seqs: as activations_alloc's
+void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T, int split_seqs) {
+    int tp = model->tp_size, cp = split_seqs ? model->cp_size : 1, sp = split_seqs && model->seq_parallel;
+    size_t C = model->config.channels, BTC = (size_t)B * T / cp * C, num_experts = model->num_experts;
+    size_t moe = num_experts > 0, dense = !moe, slots = (size_t)B * T * model->top_k;
+    size_t cp_whole = cp > 1 && model->has_embedding, per_seq = sp || cp > 1;
     memset(g, 0, sizeof(*g));
-    g->cp_split = N;
-    g->seq_split = (sp ? K : 1) * N;
-    g->dresidual = act_alloc(model, BTC, &g->bytes);
-    g->dwhole = act_alloc(model, N > 1 && model->has_embedding ? BTC * N : 0, &g->bytes);
-    g->ln_partials = act_alloc(model, sp || N > 1 ? 2 * (size_t)B * model->config.channels : 0, &g->bytes);
-    g->dbtc = act_alloc(model, sp ? BTC : 0, &g->bytes);
-    g->datty = act_alloc(model, BTC / K, &g->bytes);
-    g->dfcproj = act_alloc(model, BTC, &g->bytes);
-    g->dfch = act_alloc(model, model->E > 0 ? 0 : 4 * BTC / K, &g->bytes);
-    g->dln2 = act_alloc(model, BTC, &g->bytes);
-    g->dattproj = act_alloc(model, BTC, &g->bytes);
-    g->dqkv = act_alloc(model, 3 * BTC / K, &g->bytes);
-    g->dln1 = act_alloc(model, BTC, &g->bytes);
-    if (model->E > 0) {
-        size_t BT = (size_t)B * T, slots = BT * model->k;
-        g->dgate = act_alloc(model, slots, &g->bytes);
-        g->dlogits = act_alloc(model, BT * model->E, &g->bytes);
-        g->drouter = act_alloc(model, BTC, &g->bytes);
-        g->daux = act_alloc(model, model->E, &g->bytes);
-        g->dslots = act_alloc(model, slots * model->config.channels, &g->bytes);
-        moe_grads_rows(model, g, slots, 4 * model->config.channels / K);
-        g->bytes += slots * (2 * model->config.channels + 8 * (size_t)model->config.channels / K) * sizeof(float);
+    g->cp_split = cp;
+    g->seq_split = (sp ? tp : 1) * cp;
+    size_t* total = &g->bytes;
+    ACTIVATION_GRADS(ALLOC, g)
+    if (moe) {
+        moe_grads_rows(model, g, slots, (int)(4 * C / tp));
+        g->bytes += slots * (2 * C + 8 * C / tp) * sizeof(float);
     }
 }
 
 void activation_grads_free(const GPT2* model, ActivationGrads* g) {
-    void* all[] = {g->dresidual, g->dwhole, g->ln_partials, g->dbtc, g->datty, g->dfcproj, g->dfch, g->dln2, g->dattproj,
-                   g->dqkv, g->dln1, g->dgate, g->dlogits, g->drouter, g->daux, g->dslots, g->dwork, g->dwork2, g->dh,
-                   g->hgelu};
-    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
+    ACTIVATION_GRADS(RELEASE, g)
+    MOE_GRAD_ROWS(RELEASE, g)
 }
 
-// Per-layer views of the activations for a pass over (B, T) (this rank's share of them); l
+// Per-layer views of the activations for a pass over (B, T) (this rank's share of them) at
+// row t0 of every per-position tensor (att: the whole of it, attention picks its rows); l
 // counts the chunk's layers.
 typedef struct {
     float *residual, *ln1, *ln1_mean, *ln1_rstd, *qkv, *atty, *att, *qkvh, *residual2;
     float *ln2, *ln2_mean, *ln2_rstd, *fch, *fch_gelu, *residual3;
 } LayerActs;
 
-static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, int B, int T) {
-    size_t C = c->channels, BT = (size_t)B * T / a->cp_split, BTs = (size_t)B * T / a->seq_split;
+static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, int B, int T, int t0) {
+    size_t C = c->channels, BT = (size_t)B * T / a->cp_split, BTs = (size_t)B * T / a->seq_split, r0 = t0;
     LayerActs v;
-    v.residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BTs * C;
-    v.ln1 = a->ln1 + l * BT * C;
-    v.ln1_mean = a->ln1_mean + l * BTs;
-    v.ln1_rstd = a->ln1_rstd + l * BTs;
-    v.qkv = a->qkv + l * BT * a->C3;
-    v.atty = a->atty + l * BT * a->Ca;
+    v.residual = (l == 0 ? a->encoded : a->residual3 + (l - 1) * BTs * C) + r0 * C;
+    v.ln1 = a->ln1 + (l * BT + r0) * C;
+    v.ln1_mean = a->ln1_mean + l * BTs + r0;
+    v.ln1_rstd = a->ln1_rstd + l * BTs + r0;
+    v.qkv = a->qkv + (l * BT + r0) * a->C3;
+    v.atty = a->atty + (l * BT + r0) * a->Ca;
     v.att = a->att + l * (size_t)B * a->NHl * (T / a->cp_split) * T;
     v.qkvh = a->qkvh ? a->qkvh + l * BT * a->C3 : NULL;
-    v.residual2 = a->residual2 + l * BTs * C;
-    v.ln2 = a->ln2 + l * BT * C;
-    v.ln2_mean = a->ln2_mean + l * BTs;
-    v.ln2_rstd = a->ln2_rstd + l * BTs;
-    v.fch = a->fch ? a->fch + l * BT * a->C4 : NULL;   // NULL: a mixture-of-experts layer's are in a->moe
-    v.fch_gelu = a->fch_gelu ? a->fch_gelu + (a->recompute ? 0 : l * BT * a->C4) : NULL;
-    v.residual3 = a->residual3 + l * BTs * C;
+    v.residual2 = a->residual2 + (l * BTs + r0) * C;
+    v.ln2 = a->ln2 + (l * BT + r0) * C;
+    v.ln2_mean = a->ln2_mean + l * BTs + r0;
+    v.ln2_rstd = a->ln2_rstd + l * BTs + r0;
+    v.fch = a->fch ? a->fch + (l * BT + r0) * a->C4 : NULL;   // NULL: a mixture-of-experts layer's are in a->moe
+    v.fch_gelu = a->fch_gelu ? a->fch_gelu + ((a->recompute ? 0 : l * BT) + r0) * a->C4 : NULL;
+    v.residual3 = a->residual3 + (l * BTs + r0) * C;
     return v;
 }
 
 // Where layer l's backward keeps the gradients at the outputs of its weights, from its input
-// half to its weight half: the split set of a, or g's one set.
+// half to its weight half: the kept set of a (a split backward), or g's one set.
 typedef struct { float *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1; } LayerOutGrads;
 
 static LayerOutGrads layer_out_grads(const Activations* a, const ActivationGrads* g, const GPT2Config* c, int l,
                                      int B, int T) {
-    if (!a->split) { return (LayerOutGrads){g->dfcproj, g->dfch, g->dln2, g->dattproj, g->dqkv, g->dln1}; }
+    if (!a->split_backward) { return (LayerOutGrads){g->dfcproj, g->dfch, g->dln2, g->dattproj, g->dqkv, g->dln1}; }
     size_t C = c->channels, BT = (size_t)B * T / a->cp_split, BTs = (size_t)B * T / a->seq_split;
     LayerOutGrads d = {a->dfcproj + l * BT * C, a->dfch + l * BT * a->C4, a->dln2 + l * BTs * C,
                        a->dattproj + l * BT * C, a->dqkv + l * BT * a->C3, a->dln1 + l * BTs * C};
@@ -2193,70 +2156,83 @@ static ExpertTensors expert_unit(const Zero* z, int u, const float* base) {
 //
 // Sequence parallelism's f and g (tensor_parallel.h) apply to passes whose residual stream is
 // split along T over the tensor-parallel group (seq_split > cp_split); they are the identity /
-// all-reduce of tp_f_* and tp_g_* without it. With context parallelism (cp_split = N > 1) a
-// pass holds this rank's slice of each sequence, Tl = T/N positions (T: the whole sequence, as
-// the engine passes it): everything is per position except attention (context_parallel.h's
+// all-reduce of tp_f_* and tp_g_* without it. With context parallelism (cp_split > 1) a pass
+// holds this rank's slice of each sequence, Tl = T/cp_split positions (T: the whole sequence,
+// as the engine passes it): everything is per position except attention (context_parallel.h's
 // ring or all-to-all) and the reductions over positions, whose per-sequence subtrees the group
 // finishes (cp_finish_sequences), or which run on whole sequences gathered along T (the
 // embedding's gradient, the loss).
+//
+// A forward computes the rows [t0, t1) of each of its B sequences of T positions: a whole pass
+// 0, T; the sampler's KV-cache step one new position t, t + 1, of a pass of one sequence
+// (B = 1, never split over ranks) whose rows before t the earlier steps computed. Every
+// reduction over positions is laid out by T (R2Z chunks of T), so such a row equals that row
+// of the whole pass, bit for bit, whatever the rows after it hold (test_gpt2 checks). Of the
+// rows, this rank computes pass_rows(.., cp_split) of the per-position tensors and
+// pass_rows(.., seq_split) of the sequence-split ones, from row t0 of each.
+static size_t pass_rows(int B, int t0, int t1, int ranks) { return (size_t)B * (t1 - t0) / ranks; }
 
-// out (B,T/D,C) += wpe at the global positions of rank r's D-way zig-zag slice (canonical.h
-// R2Z): its two stretches per sequence (D = 1: all of T)
-static void add_positions_slice(float* out, const float* wpe, int B, int T, int C, int D, int r) {
-    if (D == 1) { encoder_add_positions(out, wpe, B, T, C); return; }
-    int Tl = T / D, h = Tl / 2;
+// out (B,T/D,C) += wpe at the global positions of rank r's D-way zig-zag slice (zigzag.h):
+// its two stretches per sequence
+static void add_zigzag_positions(float* out, const float* wpe, int B, int T, int C, int D, int r) {
+    int Tl = T / D, stretch = Tl / 2;
     for (int b = 0; b < B; b++) {
         for (int half = 0; half < 2; half++) {
-            long t0 = canon_zz_global(half * h, T, D, r);
-            encoder_add_positions(out + ((size_t)b * Tl + half * h) * C, wpe + t0 * C, 1, h, C);
+            const float* pe = wpe + zz_stretch_begin(T, D, r, half) * C;
+            encoder_add_positions(out + ((size_t)b * Tl + half * stretch) * C, pe, 1, stretch, C);
         }
     }
 }
 
 // (the chunk with the embeddings) encoded (B,T,C) = wte[inputs] + wpe (with SP and CP: this
 // rank's positions)
-void embed_forward(GPT2* model, Activations* a, int B, int T) {
+void embed_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, N = a->cp_split, Tl = T / N, sp = a->seq_split > N;
+    int C = c->channels, sp = a->seq_split > a->cp_split;
+    size_t r0 = (size_t)t0, rows = pass_rows(B, t0, t1, a->cp_split);
     const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
-    float* lookup = sp ? a->proj : a->encoded;
-    encoder_lookup(lookup, a->inputs, wte, model->v0, model->Vl, B * Tl, C);
+    float* lookup = sp ? a->proj : a->encoded + r0 * C;
+    encoder_lookup(lookup, a->inputs + r0, wte, model->v0, model->Vl, (int)rows, C);
     zero_params_release(z, ZERO_WTE);
-    // sum over the tp group (the vocab-parallel lookup: each row came from the rank holding
-    // it): all-reduce, or with SP reduce-scatter along T
+    // the vocab-parallel lookup summed over the tp group (each row came from the rank holding
+    // its token): all-reduce, or with SP reduce-scatter along T
     if (sp) {
-        tp_sp_reduce_scatter(model->tp, lookup, a->encoded, B, Tl, C, model->sp_scratch);
-    } else if (model->K > 1) {
-        comm_all_reduce_sum(model->tp, a->encoded, (size_t)B * Tl * C, COMM_KIND_TP);
+        tp_sp_reduce_scatter(model->tp, lookup, a->encoded, B, T / a->cp_split, C, model->sp_scratch);
+    } else {
+        tp_vocab_embedding_reduce(model->tp, lookup, rows * C);
     }
-    // this rank's positions: the slice of its context-parallel rank, and of that its
-    // tensor-parallel rank's with SP (a slice of a slice is a slice, canonical.h R2Z)
-    int r = (N > 1 ? model->cp.rank : 0) * (sp ? model->K : 1) + (sp ? model->tp->rank : 0);
     const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
-    add_positions_slice(a->encoded, wpe, B, T, C, a->seq_split, r);
+    if (a->seq_split == 1) {
+        encoder_add_positions(a->encoded + r0 * C, wpe + r0 * C, B, t1 - t0, C);
+    } else {   // this rank's positions: the slice of its context-parallel rank, and of that its
+               // tensor-parallel rank's with SP (a slice of a slice is a slice, zigzag.h)
+        int r = (a->cp_split > 1 ? model->cp.rank : 0) * (sp ? model->tp_size : 1) + (sp ? model->tp->rank : 0);
+        add_zigzag_positions(a->encoded, wpe, B, T, C, a->seq_split, r);
+    }
     zero_params_release(z, ZERO_WPE);
 }
 
-// A layernorm before a column-parallel layer: ln (B,T,C) = LN(x); with SP, x holds this
-// rank's positions and the output is all-gathered along T (Megatron's f).
-static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, float* rstd,
-                         const float* x, const float* w, const float* b, int B, int T) {
-    int C = model->config.channels, Tl = T / a->cp_split;
+// A layernorm before a column-parallel layer over B sequences of Tn rows: ln (B,Tn,C) =
+// LN(inp); with SP, inp holds this rank's positions and the output is all-gathered along T
+// (Megatron's f).
+static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, float* rstd, const float* inp,
+                         const float* weight, const float* bias, int B, int Tn) {
+    int C = model->config.channels, Tl = Tn / a->cp_split;
     if (a->seq_split > a->cp_split) {
-        layernorm_forward(a->ln_s, mean, rstd, x, w, b, B * T / a->seq_split, C);
+        layernorm_forward(a->ln_s, mean, rstd, inp, weight, bias, B * Tn / a->seq_split, C);
         tp_sp_all_gather(model->tp, a->ln_s, ln, B, Tl, C, model->sp_scratch);
     } else {
-        layernorm_forward(ln, mean, rstd, x, w, b, B * Tl, C);
+        layernorm_forward(ln, mean, rstd, inp, weight, bias, B * Tl, C);
         tp_f_forward(model->tp, ln, (size_t)B * Tl * C);
     }
 }
 
-// After a row-parallel layer: the partial outputs a->proj (B,T,C) summed over the tp group
+// After a row-parallel layer: the partial outputs a->proj (B,Tn,C) summed over the tp group
 // (Megatron's g: all-reduce, or with SP reduce-scatter along T), then its bias; returns the
 // result (with SP, this rank's positions).
-static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B, int T) {
-    int C = model->config.channels, Tl = T / a->cp_split;
+static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B, int Tn) {
+    int C = model->config.channels, Tl = Tn / a->cp_split;
     float* out = a->proj;
     if (a->seq_split > a->cp_split) {
         tp_sp_reduce_scatter(model->tp, a->proj, a->proj_s, B, Tl, C, model->sp_scratch);
@@ -2264,7 +2240,7 @@ static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B,
     } else {
         tp_g_forward(model->tp, a->proj, (size_t)B * Tl * C);
     }
-    bias_forward(out, bias, B * T / a->seq_split, C);
+    bias_forward(out, bias, B * Tn / a->seq_split, C);
     return out;
 }
 
@@ -2278,141 +2254,151 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
     const GPT2Config* c = &model->config;
     const MemOps* mem = model->mem;
     Zero* z = model->zero;
-    MoeLayerActs* x = &a->moe[l - model->first_layer];
-    MoeRoute* r = &x->route;
-    int C = c->channels, C4 = a->C4, E = model->E, k = model->k, Q = model->Q, BT = B * T;
-    size_t slots = (size_t)BT * k;
-    // the router: probabilities, the k chosen experts and their gates per position
-    matmul_forward(x->probs, ln, w->routerw, NULL, BT, C, E, CANON_R);
-    moe_router_forward(x->probs, x->chosen, x->gates, x->probs, BT, E, k);
-    mem->to_host(r->chosen, x->chosen, slots * sizeof(int));
-    moe_route_plan(r, model->ep, B, T);   // the counts and positions each expert receives
-    moe_acts_rows(model, a, x, (size_t)r->n_recv);
-    moe_model_rows(model, (size_t)r->n_recv, slots, C4);
-    mem->from_host(x->slot_row, r->slot_row, slots * sizeof(int));
-    mem->from_host(x->row_pos, r->row_pos, slots * sizeof(int));
-    mem->from_host(x->perm, r->perm, (size_t)r->n_recv * sizeof(int));
-    mem->from_host(x->inv, r->inv, (size_t)r->n_recv * sizeof(int));
-    size_t nleaf = (size_t)Q * B * CANON_R + 1;
-    mem->from_host(x->leaf, r->leaf, (size_t)model->El * nleaf * sizeof(int));
+    MoeLayerActs* moe_act = &a->moe[l - model->first_layer];
+    MoeRoute* route = &moe_act->route;
+    int C = c->channels, C4 = a->C4, num_experts = model->num_experts, top_k = model->top_k;
+    int ep_size = model->ep_size, BT = B * T;
+    size_t slots = (size_t)BT * top_k;
+    // the router: probabilities, the top_k chosen experts and their gates per position
+    matmul_forward(moe_act->probs, ln, w->routerw, NULL, BT, C, num_experts, CANON_R);
+    moe_router_forward(moe_act->probs, moe_act->chosen, moe_act->gates, moe_act->probs, BT, num_experts, top_k);
+    mem->to_host(route->chosen, moe_act->chosen, slots * sizeof(int));
+    moe_route_plan(route, model->ep, B, T);   // the counts and positions each expert receives
+    moe_acts_rows(model, a, moe_act, (size_t)route->n_recv);
+    moe_model_rows(model, (size_t)route->n_recv, slots, C4);
+    mem->from_host(moe_act->slot_row, route->slot_row, slots * sizeof(int));
+    mem->from_host(moe_act->row_pos, route->row_pos, slots * sizeof(int));
+    mem->from_host(moe_act->perm, route->perm, (size_t)route->n_recv * sizeof(int));
+    mem->from_host(moe_act->inv, route->inv, (size_t)route->n_recv * sizeof(int));
+    size_t nleaf = (size_t)ep_size * B * CANON_R + 1;
+    mem->from_host(moe_act->leaf, route->leaf, (size_t)model->El * nleaf * sizeof(int));
     // the tokens to their experts (expert-major rows)
-    if (Q == 1) {
-        moe_gather_rows(x->xin, ln, x->row_pos, (int)slots, C);
+    if (ep_size == 1) {
+        moe_gather_rows(moe_act->xin, ln, moe_act->row_pos, (int)slots, C);
     } else {
-        moe_gather_rows(model->xsend, ln, x->row_pos, (int)slots, C);
-        moe_route_dispatch(r, model->ep, model->xsend, model->xrecv, C);
-        moe_gather_rows(x->xin, model->xrecv, x->perm, r->n_recv, C);
+        moe_gather_rows(model->xsend, ln, moe_act->row_pos, (int)slots, C);
+        moe_route_dispatch(route, model->ep, model->xsend, model->xrecv, C);
+        moe_gather_rows(moe_act->xin, model->xrecv, moe_act->perm, route->n_recv, C);
     }
     // the local experts, each one matmul over the rows it received (the grouped matmul)
-    int X = zero_expert_unit(z, l);
-    ExpertTensors ex = expert_unit(z, X, zero_params_acquire(z, X, next));
-    float* h = a->recompute ? model->hgelu : x->fch_gelu;
-    float* y = Q == 1 ? x->ret : model->yout;
+    int unit = zero_expert_unit(z, l);
+    ExpertTensors ex = expert_unit(z, unit, zero_params_acquire(z, unit, next));
+    float* gelu_out = a->recompute ? model->hgelu : moe_act->fch_gelu;
+    float* y = ep_size == 1 ? moe_act->ret : model->yout;
     for (int e = 0; e < model->El; e++) {
-        int r0 = r->first[e], n = r->first[e + 1] - r0;
+        int r0 = route->first[e], n = route->first[e + 1] - r0;
         if (n == 0) { continue; }
-        matmul_forward(x->fch + (size_t)r0 * C4, x->xin + (size_t)r0 * C, ex.fcw + e * ex.fcw_n, ex.fcb + e * ex.fcb_n,
-                       n, C, C4, CANON_R);
-        gelu_forward(h + (size_t)r0 * C4, x->fch + (size_t)r0 * C4, (size_t)n * C4);
-        matmul_forward(y + (size_t)r0 * C, h + (size_t)r0 * C4, ex.fcprojw + e * ex.fcprojw_n, NULL, n, C4, C,
-                       CANON_R / model->K);
+        matmul_forward(moe_act->fch + (size_t)r0 * C4, moe_act->xin + (size_t)r0 * C, ex.fcw + e * ex.fcw_n,
+                       ex.fcb + e * ex.fcb_n, n, C, C4, CANON_R);
+        gelu_forward(gelu_out + (size_t)r0 * C4, moe_act->fch + (size_t)r0 * C4, (size_t)n * C4);
+        matmul_forward(y + (size_t)r0 * C, gelu_out + (size_t)r0 * C4, ex.fcprojw + e * ex.fcprojw_n, NULL, n, C4, C,
+                       CANON_R / model->tp_size);
     }
-    // g (tp group): each expert's row-parallel partial outputs, all-reduced per row, then its bias
-    if (model->K > 1) { comm_all_reduce_sum(model->tp, y, (size_t)r->n_recv * C, COMM_KIND_TP); }
+    // g (tp group): each expert's row-parallel partial outputs y (rows, C), all-reduced per
+    // row, then its bias
+    tp_g_forward(model->tp, y, (size_t)route->n_recv * C);
     for (int e = 0; e < model->El; e++) {
-        int r0 = r->first[e], n = r->first[e + 1] - r0;
+        int r0 = route->first[e], n = route->first[e + 1] - r0;
         if (n > 0) { bias_forward(y + (size_t)r0 * C, ex.fcprojb + e * ex.fcprojb_n, n, C); }
     }
-    zero_params_release(z, X);
-    if (Q > 1) {   // the outputs back to their sources, in dispatch-row order
-        moe_gather_rows(model->xrecv, model->yout, x->inv, r->n_recv, C);
-        moe_route_return(r, model->ep, model->xrecv, x->ret, C);
+    zero_params_release(z, unit);
+    if (ep_size > 1) {   // the outputs back to their sources, in dispatch-row order
+        moe_gather_rows(model->xrecv, model->yout, moe_act->inv, route->n_recv, C);
+        moe_route_return(route, model->ep, model->xrecv, moe_act->ret, C);
     }
-    moe_combine(out, x->ret, x->gates, x->slot_row, BT, k, C);
+    moe_combine(out, moe_act->ret, moe_act->gates, moe_act->slot_row, BT, top_k, C);
     // the load-balancing loss of this layer and microbatch
-    moe_expert_prob_sums(model->psum, x->probs, B, T, E);
-    mem->to_host(model->psum_host, model->psum, (size_t)E * sizeof(float));
-    x->aux = moe_aux_loss(r->count, model->psum_host, E, k, BT, c->aux_loss_coef);
-    MoeCounters* ct = &model->counters;
-    for (int e = 0; e < E; e++) { ct->tokens[(size_t)(l - model->first_layer) * E + e] += r->count[e]; }
+    moe_expert_prob_sums(model->psum, moe_act->probs, B, T, num_experts);
+    mem->to_host(model->psum_host, model->psum, (size_t)num_experts * sizeof(float));
+    moe_act->aux = moe_aux_loss(route->count, model->psum_host, num_experts, top_k, BT, c->aux_loss_coef);
+    MoeCounters* counters = &model->counters;
+    for (int e = 0; e < num_experts; e++) {
+        counters->tokens[(size_t)(l - model->first_layer) * num_experts + e] += route->count[e];
+    }
     long long out_rows, in_rows;
-    moe_route_remote_rows(r, model->ep->rank, &out_rows, &in_rows);
-    ct->passes++;
-    ct->rows_out += out_rows;
-    ct->rows_in += in_rows;
+    moe_route_remote_rows(route, model->ep->rank, &out_rows, &in_rows);
+    counters->passes++;
+    counters->rows_out += out_rows;
+    counters->rows_in += in_rows;
 }
 
-// Attention of this rank's heads (and with CP its queries): qkv -> atty, att.
-static void attention_forward_cp(GPT2* model, Activations* a, const LayerActs* x, int B, int T) {
-    if (a->cp_split == 1) {
-        attention_forward(x->atty, x->att, x->qkv, B, T, a->Ca, a->NHl);
+// Attention of this rank's heads (and with CP its queries) for the rows [t0, t1) of layer l
+// (chunk-relative): qkv -> atty, att. A whole pass runs the fast kernels; rows of a KV-cache
+// step, each against the keys and values of the rows before it, the per-row kernel.
+static void attention_forward_rows(GPT2* model, Activations* a, int l, int B, int T, int t0, int t1) {
+    LayerActs act = layer_acts(a, &model->config, l, B, T, 0);
+    if (t1 - t0 < T) {
+        for (int t = t0; t < t1; t++) { attention_forward_row(act.atty, act.att, act.qkv, t, T, a->Ca, a->NHl); }
+    } else if (a->cp_split == 1) {
+        attention_forward(act.atty, act.att, act.qkv, B, T, a->Ca, a->NHl);
     } else if (model->cp.a2a) {
-        cp_a2a_forward(&model->cp, x->atty, x->att, x->qkvh, x->qkv, B, T, a->Ca, a->NHl);
+        cp_a2a_forward(&model->cp, act.atty, act.att, act.qkvh, act.qkv, B, T, a->Ca, a->NHl);
     } else {
-        cp_ring_forward(&model->cp, x->atty, x->att, x->qkv, B, T, a->Ca, a->NHl);
+        cp_ring_forward(&model->cp, act.atty, act.att, act.qkv, B, T, a->Ca, a->NHl);
     }
 }
 
-// this chunk's layers: a->encoded (B,T,C) -> stage_output. Megatron's split: qkv and fc are
-// column-parallel (f before them), attproj and fcproj row-parallel (g after them, then the
-// bias); attention runs on this rank's heads.
-void layers_forward(GPT2* model, Activations* a, int B, int T) {
+// this chunk's layers on the rows [t0, t1): a->encoded (B,T,C) -> stage_output. Megatron's
+// partitioning: qkv and fc are column-parallel (f before them), attproj and fcproj
+// row-parallel (g after them, then the bias); attention runs on this rank's heads.
+void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, BT = B * T / a->cp_split, K = model->K;
-    size_t BTCs = (size_t)B * T / a->seq_split * C;
+    int C = c->channels, Tn = t1 - t0, tp_size = model->tp_size, moe = model->num_experts > 0;
+    int rows = (int)pass_rows(B, t0, t1, a->cp_split);
+    size_t rows_s = pass_rows(B, t0, t1, a->seq_split);
     for (int l = model->first_layer; l < model->last_layer; l++) {
         int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->has_head ? z->lay.num_units - 1 : -1;
-        int moe = model->E > 0;
         LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), moe ? zero_expert_unit(z, l) : next));
-        LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
-        ln_forward_f(model, a, x.ln1, x.ln1_mean, x.ln1_rstd, x.residual, w.ln1w, w.ln1b, B, T);
-        matmul_forward(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, a->C3, CANON_R);
-        attention_forward_cp(model, a, &x, B, T);
-        matmul_forward(a->proj, x.atty, w.attprojw, NULL, BT, a->Ca, C, CANON_R / K);
-        residual_forward(x.residual2, x.residual, proj_g_bias(model, a, w.attprojb, B, T), BTCs);
-        ln_forward_f(model, a, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual2, w.ln2w, w.ln2b, B, T);
+        LayerActs act = layer_acts(a, c, l - model->first_layer, B, T, t0);
+        ln_forward_f(model, a, act.ln1, act.ln1_mean, act.ln1_rstd, act.residual, w.ln1w, w.ln1b, B, Tn);
+        matmul_forward(act.qkv, act.ln1, w.qkvw, w.qkvb, rows, C, a->C3, CANON_R);
+        attention_forward_rows(model, a, l - model->first_layer, B, T, t0, t1);
+        matmul_forward(a->proj, act.atty, w.attprojw, NULL, rows, a->Ca, C, CANON_R / tp_size);
+        residual_forward(act.residual2, act.residual, proj_g_bias(model, a, w.attprojb, B, Tn), rows_s * C);
+        ln_forward_f(model, a, act.ln2, act.ln2_mean, act.ln2_rstd, act.residual2, w.ln2w, w.ln2b, B, Tn);
         if (moe) {   // complete on every tp rank: with SP this rank keeps its positions (no CP)
-            moe_forward(model, a, l, &w, x.ln2, a->proj, next, B, T);
-            if (a->seq_split > 1) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, T, C); }
-            residual_forward(x.residual3, x.residual2, a->seq_split > 1 ? a->proj_s : a->proj, BTCs);
-            zero_params_release(z, ZERO_LAYER(l));
-            continue;
+            moe_forward(model, a, l, &w, act.ln2, a->proj, next, B, Tn);
+            if (a->seq_split > 1) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, Tn, C); }
+            residual_forward(act.residual3, act.residual2, a->seq_split > 1 ? a->proj_s : a->proj, rows_s * C);
+        } else {
+            matmul_forward(act.fch, act.ln2, w.fcw, w.fcb, rows, C, a->C4, CANON_R);
+            gelu_forward(act.fch_gelu, act.fch, (size_t)rows * a->C4);
+            matmul_forward(a->proj, act.fch_gelu, w.fcprojw, NULL, rows, a->C4, C, CANON_R / tp_size);
+            residual_forward(act.residual3, act.residual2, proj_g_bias(model, a, w.fcprojb, B, Tn), rows_s * C);
         }
-        matmul_forward(x.fch, x.ln2, w.fcw, w.fcb, BT, C, a->C4, CANON_R);
-        gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4);
-        matmul_forward(a->proj, x.fch_gelu, w.fcprojw, NULL, BT, a->C4, C, CANON_R / K);
-        residual_forward(x.residual3, x.residual2, proj_g_bias(model, a, w.fcprojb, B, T), BTCs);
         zero_params_release(z, ZERO_LAYER(l));
     }
 }
 
-// (the chunk with the head) stage_output -> probs (B,T,Vl) of this rank's vocabulary rows, and per-position
-// losses (B,T) when the pass has targets. The LM head is column-parallel over the vocabulary;
-// the cross-entropy's three reductions are finished over the tp group. With `training`, the
-// units the backward starts with (wte, the final layernorm) stay held for it. With CP the
-// losses of every position are all-gathered (the loss is summed over whole sequences).
-void head_forward(GPT2* model, Activations* a, int B, int T, int training) {
+// (the chunk with the head) stage_output -> probs (B,T,Vl) of this rank's vocabulary rows, and
+// per-position losses (B,T) when the pass has targets, on the rows [t0, t1). The LM head is
+// column-parallel over the vocabulary; the cross-entropy's three reductions are finished over
+// the tp group. With `training`, the units the backward starts with (wte, the final
+// layernorm) stay held for it. With CP the losses of every position are all-gathered (the
+// loss is summed over whole sequences).
+void head_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1, int training) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, V = c->vocab_size, BT = B * T / a->cp_split, K = model->K;
-    int LNF = z->lay.num_units - 1;
+    int C = c->channels, V = c->vocab_size, Vl = model->Vl, v0 = model->v0, LNF = z->lay.num_units - 1;
+    size_t r0 = (size_t)t0;
+    int rows = (int)pass_rows(B, t0, t1, a->cp_split);
     const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
-    ln_forward_f(model, a, a->lnf, a->lnf_mean, a->lnf_rstd, stage_output(a, c, B, T), lnf, lnf + C, B, T);
+    ln_forward_f(model, a, a->lnf + r0 * C, a->lnf_mean + r0, a->lnf_rstd + r0, stage_output(a, c, B, T) + r0 * C,
+                 lnf, lnf + C, B, t1 - t0);
     const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
-    matmul_forward(a->probs, a->lnf, wte, NULL, BT, C, model->Vl, CANON_R);
-    float *maxes = a->ce, *zs = a->ce + BT, *target_logits = a->ce + 2 * BT;
-    crossentropy_max(maxes, a->probs, BT, V, model->v0, model->Vl);
-    // all-reduce MAX (tp group): the largest logit over the whole vocabulary
-    if (K > 1) { comm_all_reduce_max(model->tp, maxes, (size_t)BT, COMM_KIND_TP); }
-    crossentropy_exps(zs, target_logits, a->probs, maxes, a->targets, BT, V, model->v0, model->Vl, CANON_R / K);
-    // all-reduce (tp group): Z (each rank's chunks of the vocabulary sum, finished by the R1
-    // tree) and the target logit (held by one rank, -0.0f elsewhere)
-    if (K > 1) { comm_all_reduce_sum(model->tp, a->ce + BT, 2 * (size_t)BT, COMM_KIND_TP); }
-    float* losses = a->cp_split > 1 ? a->ce + 3 * BT : a->losses;
-    crossentropy_normalize(a->probs, losses, zs, target_logits, maxes, a->targets, BT, V, model->v0, model->Vl);
+    float* logits = a->probs + r0 * Vl;
+    matmul_forward(logits, a->lnf + r0 * C, wte, NULL, rows, C, Vl, CANON_R);
+    float *maxes = a->ce, *zs = a->ce + rows, *target_logits = a->ce + 2 * rows;
+    const int* targets = a->targets ? a->targets + r0 : NULL;
+    crossentropy_max(maxes, logits, rows, V, v0, Vl);
+    tp_vocab_ce_max(model->tp, maxes, (size_t)rows);
+    crossentropy_exps(zs, target_logits, logits, maxes, targets, rows, V, v0, Vl, CANON_R / model->tp_size);
+    tp_vocab_ce_sums(model->tp, zs, (size_t)rows);   // zs, then target_logits
+    float* losses = a->cp_split > 1 ? a->ce + 3 * rows : a->losses + r0;
+    crossentropy_normalize(logits, losses, zs, target_logits, maxes, targets, rows, V, v0, Vl);
     // all-gather (cp group): every position's loss, in sequence order
-    if (a->cp_split > 1 && a->targets) { cp_gather_sequences(&model->cp, losses, a->losses, B, T, 1); }
+    if (a->cp_split > 1 && targets) { cp_gather_sequences(&model->cp, losses, a->losses, B, T, 1); }
     if (!training) {
         zero_params_release(z, ZERO_WTE);
         zero_params_release(z, LNF);
@@ -2422,96 +2408,15 @@ void head_forward(GPT2* model, Activations* a, int B, int T, int training) {
 // ---- generation with a KV cache ----------------------------------------------------------
 // The sampler lays one sequence out over T positions (T: the sampler's length, the same for a
 // whole generation) exactly as a forward pass over (1, T) does, and computes one new position
-// t at a time: row t of every tensor, attention's row t against the keys and values of rows
-// 0..t that the earlier steps left in qkv (the cache). Every reduction over positions is laid
-// out by T (R2Z chunks of T), so row t equals row t of the full forward over T, bit for bit,
-// whatever the rows after t hold (test_gpt2 checks). Passes of the sampler are never split
-// over ranks along T (no SP, no CP); tensor parallelism's f and g act on the one row.
-
-// (the chunk with the embeddings) encoded row t = wte[token] + wpe[t]
+// t at a time: the forward on the rows [t, t + 1), attention's row t against the keys and
+// values of rows 0..t that the earlier steps left in qkv (the cache). Tensor parallelism's f
+// and g act on the one row.
 void embed_decode(GPT2* model, Activations* a, int token, int t, int T) {
-    (void)T;
-    const GPT2Config* c = &model->config;
-    Zero* z = model->zero;
-    int C = c->channels;
-    float* row = a->encoded + (size_t)t * C;
     model->mem->from_host(a->inputs + t, &token, sizeof(int));
-    const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
-    encoder_lookup(row, a->inputs + t, wte, model->v0, model->Vl, 1, C);
-    zero_params_release(z, ZERO_WTE);
-    // all-reduce (tp group): the vocab-parallel lookup's row, from the rank holding it
-    if (model->K > 1) { comm_all_reduce_sum(model->tp, row, (size_t)C, COMM_KIND_TP); }
-    const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
-    encoder_add_positions(row, wpe + (size_t)t * C, 1, 1, C);
-    zero_params_release(z, ZERO_WPE);
+    embed_forward(model, a, 1, T, t, t + 1);
 }
-
-// A row-parallel layer's partial output row a->proj (C) summed over the tp group (g), then its
-// bias; out row += it (the residual).
-static void proj_g_bias_row(GPT2* model, Activations* a, const float* bias, float* out, const float* residual) {
-    int C = model->config.channels;
-    tp_g_forward(model->tp, a->proj, (size_t)C);
-    bias_forward(a->proj, bias, 1, C);
-    residual_forward(out, residual, a->proj, (size_t)C);
-}
-
-// this chunk's layers on row t: encoded row t -> stage_output row t
-void layers_decode(GPT2* model, Activations* a, int t, int T) {
-    const GPT2Config* c = &model->config;
-    Zero* z = model->zero;
-    int C = c->channels, K = model->K;
-    size_t r = (size_t)t;
-    for (int l = model->first_layer; l < model->last_layer; l++) {
-        int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->has_head ? z->lay.num_units - 1 : -1;
-        int moe = model->E > 0;
-        LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), moe ? zero_expert_unit(z, l) : next));
-        LayerActs x = layer_acts(a, c, l - model->first_layer, 1, T);
-        layernorm_forward(x.ln1 + r * C, x.ln1_mean + r, x.ln1_rstd + r, x.residual + r * C, w.ln1w, w.ln1b, 1, C);
-        tp_f_forward(model->tp, x.ln1 + r * C, (size_t)C);
-        matmul_forward(x.qkv + r * a->C3, x.ln1 + r * C, w.qkvw, w.qkvb, 1, C, a->C3, CANON_R);
-        attention_forward_row(x.atty, x.att, x.qkv, t, T, a->Ca, a->NHl);
-        matmul_forward(a->proj, x.atty + r * a->Ca, w.attprojw, NULL, 1, a->Ca, C, CANON_R / K);
-        proj_g_bias_row(model, a, w.attprojb, x.residual2 + r * C, x.residual + r * C);
-        layernorm_forward(x.ln2 + r * C, x.ln2_mean + r, x.ln2_rstd + r, x.residual2 + r * C, w.ln2w, w.ln2b, 1, C);
-        tp_f_forward(model->tp, x.ln2 + r * C, (size_t)C);
-        if (moe) {   // the row's experts (a pass of one position), complete on every tp rank
-            moe_forward(model, a, l, &w, x.ln2 + r * C, a->proj, next, 1, 1);
-            residual_forward(x.residual3 + r * C, x.residual2 + r * C, a->proj, (size_t)C);
-            zero_params_release(z, ZERO_LAYER(l));
-            continue;
-        }
-        matmul_forward(x.fch + r * a->C4, x.ln2 + r * C, w.fcw, w.fcb, 1, C, a->C4, CANON_R);
-        gelu_forward(x.fch_gelu + r * a->C4, x.fch + r * a->C4, (size_t)a->C4);
-        matmul_forward(a->proj, x.fch_gelu + r * a->C4, w.fcprojw, NULL, 1, a->C4, C, CANON_R / K);
-        proj_g_bias_row(model, a, w.fcprojb, x.residual3 + r * C, x.residual2 + r * C);
-        zero_params_release(z, ZERO_LAYER(l));
-    }
-}
-
-// (the chunk with the head) stage_output row t -> probs row t (this rank's vocabulary rows)
-void head_decode(GPT2* model, Activations* a, int t, int T) {
-    const GPT2Config* c = &model->config;
-    Zero* z = model->zero;
-    int C = c->channels, V = c->vocab_size, K = model->K;
-    size_t r = (size_t)t;
-    int LNF = z->lay.num_units - 1;
-    const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
-    layernorm_forward(a->lnf + r * C, a->lnf_mean + r, a->lnf_rstd + r, stage_output(a, c, 1, T) + r * C, lnf, lnf + C,
-                      1, C);
-    tp_f_forward(model->tp, a->lnf + r * C, (size_t)C);
-    zero_params_release(z, LNF);
-    const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
-    float* logits = a->probs + r * model->Vl;
-    matmul_forward(logits, a->lnf + r * C, wte, NULL, 1, C, model->Vl, CANON_R);
-    zero_params_release(z, ZERO_WTE);
-    float *maxes = a->ce, *zs = a->ce + 1, *target_logit = a->ce + 2;   // one row's
-    crossentropy_max(maxes, logits, 1, V, model->v0, model->Vl);
-    // all-reduce MAX, then sum (tp group): as head_forward, for the one row
-    if (K > 1) { comm_all_reduce_max(model->tp, maxes, 1, COMM_KIND_TP); }
-    crossentropy_exps(zs, target_logit, logits, maxes, NULL, 1, V, model->v0, model->Vl, CANON_R / K);
-    if (K > 1) { comm_all_reduce_sum(model->tp, zs, 2, COMM_KIND_TP); }
-    crossentropy_normalize(logits, NULL, zs, target_logit, maxes, NULL, 1, V, model->v0, model->Vl);
-}
+void layers_decode(GPT2* model, Activations* a, int t, int T) { layers_forward(model, a, 1, T, t, t + 1); }
+void head_decode(GPT2* model, Activations* a, int t, int T) { head_forward(model, a, 1, T, t, t + 1, 0); }
 
 
 // Backward of a layernorm that feeds a column-parallel layer, in two halves. Input half: the
@@ -2553,8 +2458,8 @@ static void ln_backward_f_weight(GPT2* model, ActivationGrads* g, float* dweight
     }
     layernorm_backward(NULL, NULL, NULL, dln_sum, inp, NULL, mean, rstd, B, T / g->seq_split, C,
                        CANON_R / g->seq_split, g->ln_partials);
-    // all-reduce (tp group): every rank's per-sequence subtrees of the two sums
-    if (g->seq_split > g->cp_split) { comm_all_reduce_sum(model->tp, g->ln_partials, 2 * (size_t)B * C, COMM_KIND_TP); }
+    // all-reduce (tp group): every rank's per-sequence subtrees of the two sums (2,B,C)
+    if (g->seq_split > g->cp_split) { sp_layernorm_grads_reduce(model->tp, g->ln_partials, B, C); }
     if (g->cp_split > 1) {
         for (int b = 0; b < B; b++) {
             model->mem->copy(dweight + b * seq_stride, g->ln_partials + (size_t)b * C, sizeof(float) * C);
@@ -2566,16 +2471,16 @@ static void ln_backward_f_weight(GPT2* model, ActivationGrads* g, float* dweight
     }
 }
 
-// The weight and bias gradients of a matmul (dout (B,Tl,OC), inp (B,Tl,K)) over this rank's
-// positions; with CP (N > 1) as per-sequence subtrees at dweight + b*seq_stride, dbias +
-// b*seq_stride, for the caller to finish over the group.
-static void matmul_weight_backward_cp(int N, float* dweight, float* dbias, long seq_stride, const float* dout,
-                                      const float* inp, int B, int Tl, int K, int OC) {
-    if (N == 1) {
-        matmul_backward(NULL, dweight, dbias, dout, inp, NULL, B, Tl, K, OC, 1, CANON_R);
+// The weight and bias gradients of a matmul (dout (B,Tl,OC), inp (B,Tl,C)) over this rank's
+// positions; with CP (cp_split > 1) as per-sequence subtrees at dweight + b*seq_stride, dbias
+// + b*seq_stride, for the caller to finish over the group.
+static void matmul_weight_backward_cp(int cp_split, float* dweight, float* dbias, long seq_stride, const float* dout,
+                                      const float* inp, int B, int Tl, int C, int OC) {
+    if (cp_split == 1) {
+        matmul_backward(NULL, dweight, dbias, dout, inp, NULL, B, Tl, C, OC, 1, CANON_R);
         return;
     }
-    matmul_backward_seqs(dweight, dbias, seq_stride, dout, inp, B, Tl, K, OC, CANON_R / N);
+    matmul_backward_seqs(dweight, dbias, seq_stride, dout, inp, B, Tl, C, OC, CANON_R / cp_split);
 }
 
 // The gradient of a row-parallel layer's output, full (B,T,C) (with CP this rank's slice), from
@@ -2599,14 +2504,14 @@ static void dres_g_backward(GPT2* model, ActivationGrads* g, float* dst, int B, 
 void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, float dloss, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, V = c->vocab_size, N = a->cp_split, Tl = T / N, BT = B * Tl, sp = g->seq_split > N;
-    int LNF = z->lay.num_units - 1;
-    float* dlnf = a->split ? a->dlnf : g->dln1;
+    int C = c->channels, V = c->vocab_size, cp_split = a->cp_split, Tl = T / cp_split, BT = B * Tl;
+    int sp = g->seq_split > cp_split, LNF = z->lay.num_units - 1;
+    float* dlnf = a->split_backward ? a->dlnf : g->dln1;
     if (part & BACKWARD_INPUT) {
         const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
         crossentropy_backward(a->probs, a->targets, dloss, BT, V, model->v0, model->Vl);
         float* dlnf_part = sp ? g->dbtc : dlnf;   // this rank's vocabulary rows' share
-        matmul_backward(dlnf_part, NULL, NULL, a->probs, NULL, wte, B, Tl, C, model->Vl, 1, CANON_R / model->K);
+        matmul_backward(dlnf_part, NULL, NULL, a->probs, NULL, wte, B, Tl, C, model->Vl, 1, CANON_R / model->tp_size);
         zero_params_release(z, ZERO_WTE);
         int next = model->last_layer > model->first_layer ? ZERO_LAYER(model->last_layer - 1) : -1;
         const float* lnf = zero_params_acquire(z, LNF, next);
@@ -2618,15 +2523,15 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
     if (part & BACKWARD_WEIGHT) {
         float* dwte_lm = zero_grad_unit(z, ZERO_WTE);    // the LM-head half of wte's gradient
         size_t nwte = (size_t)model->Vl * C;
-        matmul_weight_backward_cp(N, N > 1 ? model->seq_grads : dwte_lm, NULL, (long)nwte, a->probs, a->lnf, B, Tl, C,
-                                  model->Vl);
-        if (N > 1) { cp_finish_sequences(&model->cp, dwte_lm, model->seq_grads, B, nwte); }
+        matmul_weight_backward_cp(cp_split, cp_split > 1 ? model->seq_grads : dwte_lm, NULL, (long)nwte, a->probs,
+                                  a->lnf, B, Tl, C, model->Vl);
+        if (cp_split > 1) { cp_finish_sequences(&model->cp, dwte_lm, model->seq_grads, B, nwte); }
         zero_grad_unit_done(z, ZERO_WTE);
         float* dlnfw = zero_grad_unit(z, LNF);
-        float* dl = N > 1 ? model->seq_grads : dlnfw;   // [weight | bias], per sequence with CP
+        float* dl = cp_split > 1 ? model->seq_grads : dlnfw;   // [weight | bias], per sequence with CP
         ln_backward_f_weight(model, g, dl, dl + C, 2L * C, dlnf, stage_output(a, c, B, T), a->lnf_mean, a->lnf_rstd,
                              B, T);
-        if (N > 1) { cp_finish_sequences(&model->cp, dlnfw, model->seq_grads, B, 2 * (size_t)C); }
+        if (cp_split > 1) { cp_finish_sequences(&model->cp, dlnfw, model->seq_grads, B, 2 * (size_t)C); }
         zero_grad_unit_done(z, LNF);
     }
 }
@@ -2641,58 +2546,64 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
     const GPT2Config* c = &model->config;
     const MemOps* mem = model->mem;
     Zero* z = model->zero;
-    MoeLayerActs* x = &a->moe[l - model->first_layer];
-    MoeRoute* r = &x->route;
-    int C = c->channels, C4 = a->C4, E = model->E, k = model->k, Q = model->Q, BT = B * T;
-    moe_grads_rows(model, g, (size_t)r->n_recv, C4);
-    moe_combine_backward(g->dgate, g->dslots, dout, x->ret, x->gates, x->slot_row, BT, k, C);
+    MoeLayerActs* moe_act = &a->moe[l - model->first_layer];
+    MoeRoute* route = &moe_act->route;
+    int C = c->channels, C4 = a->C4, num_experts = model->num_experts, top_k = model->top_k;
+    int ep_size = model->ep_size, BT = B * T;
+    moe_grads_rows(model, g, (size_t)route->n_recv, C4);
+    moe_combine_backward(g->dgate, g->dslots, dout, moe_act->ret, moe_act->gates, moe_act->slot_row, BT, top_k, C);
     // the router, with the load-balancing loss of this microbatch (1/M of the step's loss each)
-    moe_aux_grad(model->daux_host, r->count, E, k, BT, c->aux_loss_coef, z->local_microbatches * z->streams);
-    mem->from_host(g->daux, model->daux_host, (size_t)E * sizeof(float));
-    moe_router_backward(g->dlogits, x->probs, x->chosen, x->gates, g->dgate, g->daux, BT, E, k);
-    matmul_backward(g->drouter, dw->routerw, NULL, g->dlogits, ln, w->routerw, B, T, C, E, 1, CANON_R);
+    moe_aux_grad(model->daux_host, route->count, num_experts, top_k, BT, c->aux_loss_coef,
+                 z->local_microbatches * z->streams);
+    mem->from_host(g->daux, model->daux_host, (size_t)num_experts * sizeof(float));
+    moe_router_backward(g->dlogits, moe_act->probs, moe_act->chosen, moe_act->gates, g->dgate, g->daux, BT,
+                        num_experts, top_k);
+    matmul_backward(g->drouter, dw->routerw, NULL, g->dlogits, ln, w->routerw, B, T, C, num_experts, 1, CANON_R);
     // the output gradients to the experts (expert-major rows)
     const float* dy = g->dslots;
     float* dx = g->dwork;
-    if (Q > 1) {
-        moe_route_dispatch(r, model->ep, g->dslots, g->dwork2, C);
-        moe_gather_rows(g->dwork, g->dwork2, x->perm, r->n_recv, C);
+    if (ep_size > 1) {
+        moe_route_dispatch(route, model->ep, g->dslots, g->dwork2, C);
+        moe_gather_rows(g->dwork, g->dwork2, moe_act->perm, route->n_recv, C);
         dy = g->dwork;
         dx = g->dwork2;
     }
-    int X = zero_expert_unit(z, l);
-    ExpertTensors ex = expert_unit(z, X, zero_params_acquire(z, X, next));
-    ExpertTensors dex = expert_unit(z, X, zero_grad_unit(z, X));
-    size_t slice = z->lay.size[X], nleaf = (size_t)Q * B * CANON_R + 1;
-    const float* h = a->recompute ? g->hgelu : x->fch_gelu;
+    int unit = zero_expert_unit(z, l);
+    ExpertTensors ex = expert_unit(z, unit, zero_params_acquire(z, unit, next));
+    ExpertTensors dex = expert_unit(z, unit, zero_grad_unit(z, unit));
+    size_t slice = z->lay.size[unit], nleaf = (size_t)ep_size * B * CANON_R + 1;
+    const float* gelu_out = a->recompute ? g->hgelu : moe_act->fch_gelu;
     for (int e = 0; e < model->El; e++) {
-        int r0 = r->first[e], n = r->first[e + 1] - r0;
-        const int* leaf = x->leaf + e * nleaf;
-        if (a->recompute && n > 0) { gelu_forward(g->hgelu + (size_t)r0 * C4, x->fch + (size_t)r0 * C4, (size_t)n * C4); }
-        moe_expert_dweight(dex.fcprojw + e * dex.fcprojw_n, dex.fcprojb + e * dex.fcprojb_n, slice, dy, h, leaf, Q, B,
-                           C4, C);
+        int r0 = route->first[e], n = route->first[e + 1] - r0;
+        const int* leaf = moe_act->leaf + e * nleaf;
+        float* fch = moe_act->fch + (size_t)r0 * C4;
+        if (a->recompute && n > 0) { gelu_forward(g->hgelu + (size_t)r0 * C4, fch, (size_t)n * C4); }
+        moe_expert_dweight(dex.fcprojw + e * dex.fcprojw_n, dex.fcprojb + e * dex.fcprojb_n, slice, dy, gelu_out, leaf,
+                           ep_size, B, C4, C);
         if (n > 0) {
             matmul_backward(g->dh + (size_t)r0 * C4, NULL, NULL, dy + (size_t)r0 * C, NULL, ex.fcprojw + e * ex.fcprojw_n,
                             1, n, C4, C, 1, CANON_R);
-            gelu_backward(g->dh + (size_t)r0 * C4, x->fch + (size_t)r0 * C4, g->dh + (size_t)r0 * C4, (size_t)n * C4);
+            gelu_backward(g->dh + (size_t)r0 * C4, fch, g->dh + (size_t)r0 * C4, (size_t)n * C4);
         }
-        moe_expert_dweight(dex.fcw + e * dex.fcw_n, dex.fcb + e * dex.fcb_n, slice, g->dh, x->xin, leaf, Q, B, C, C4);
+        moe_expert_dweight(dex.fcw + e * dex.fcw_n, dex.fcb + e * dex.fcb_n, slice, g->dh, moe_act->xin, leaf, ep_size,
+                           B, C, C4);
         if (n > 0) {
             matmul_backward(dx + (size_t)r0 * C, NULL, NULL, g->dh + (size_t)r0 * C4, NULL, ex.fcw + e * ex.fcw_n, 1, n,
-                            C, C4, 1, CANON_R / model->K);
+                            C, C4, 1, CANON_R / model->tp_size);
         }
     }
-    zero_grad_unit_done(z, X);
-    zero_params_release(z, X);
-    // f backward (tp group): each expert's column-parallel input gradients, all-reduced per row
-    if (model->K > 1) { comm_all_reduce_sum(model->tp, dx, (size_t)r->n_recv * C, COMM_KIND_TP); }
+    zero_grad_unit_done(z, unit);
+    zero_params_release(z, unit);
+    // f backward (tp group): each expert's column-parallel input gradients dx (rows, C),
+    // all-reduced per row
+    tp_f_backward(model->tp, dx, (size_t)route->n_recv * C);
     const float* dret = dx;
-    if (Q > 1) {   // the input gradients back to their sources, in dispatch-row order
-        moe_gather_rows(g->dwork, dx, x->inv, r->n_recv, C);
-        moe_route_return(r, model->ep, g->dwork, g->dslots, C);
+    if (ep_size > 1) {   // the input gradients back to their sources, in dispatch-row order
+        moe_gather_rows(g->dwork, dx, moe_act->inv, route->n_recv, C);
+        moe_route_return(route, model->ep, g->dwork, g->dslots, C);
         dret = g->dslots;
     }
-    moe_dinput_combine(dln, g->drouter, dret, x->slot_row, BT, k, C);
+    moe_dinput_combine(dln, g->drouter, dret, moe_act->slot_row, BT, top_k, C);
 }
 
 // this chunk's layers backward. Input half: g->dresidual = d(loss)/d(stage_output) in,
@@ -2705,11 +2616,12 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
 void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, N = a->cp_split, Tl = T / N, BT = B * Tl, K = model->K, sp = g->seq_split > N;
-    int in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT, moe = model->E > 0;
+    int C = c->channels, cp_split = a->cp_split, Tl = T / cp_split, BT = B * Tl, tp_size = model->tp_size;
+    int sp = g->seq_split > cp_split;
+    int in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT, moe = model->num_experts > 0;
     if (moe && part != BACKWARD_BOTH) { fatal("internal: a mixture-of-experts layer runs whole backwards only"); }
     for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
-        LayerActs x = layer_acts(a, c, l - model->first_layer, B, T);
+        LayerActs act = layer_acts(a, c, l - model->first_layer, B, T, 0);
         LayerOutGrads d = layer_out_grads(a, g, c, l - model->first_layer, B, T);
         int next = l - 1 >= model->first_layer ? ZERO_LAYER(l - 1) : -1;
         LayerTensors w, dw;   // the parameters (input half), where their gradients go (weight half)
@@ -2720,53 +2632,53 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         if (in) { w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), moe ? zero_expert_unit(z, l) : next)); }
         if (wt) {
             grad = zero_grad_unit(z, ZERO_LAYER(l));
-            dw = layer_unit(z, ZERO_LAYER(l), N > 1 ? model->seq_grads : grad);
+            dw = layer_unit(z, ZERO_LAYER(l), cp_split > 1 ? model->seq_grads : grad);
         }
         float* dln2_part = sp ? g->dbtc : d.dln2;   // this rank's share, before the tp sum
         float* dln1_part = sp ? g->dbtc : d.dln1;
         if (moe) {   // residual3 = residual2 + moe(ln2(residual2)); its dln2 is complete on every rank
             dres_g_backward(model, g, d.dfcproj, B, T);
-            moe_backward(model, a, g, l, &w, &dw, x.ln2, d.dfcproj, dln2_part, next, B, T);
-            ln_backward_f_input(model, g, g->dresidual, dln2_part, d.dln2, x.residual2, w.ln2w, x.ln2_mean,
-                                x.ln2_rstd, B, T, 1);
+            moe_backward(model, a, g, l, &w, &dw, act.ln2, d.dfcproj, dln2_part, next, B, T);
+            ln_backward_f_input(model, g, g->dresidual, dln2_part, d.dln2, act.residual2, w.ln2w, act.ln2_mean,
+                                act.ln2_rstd, B, T, 1);
         } else {     // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
-            if (wt && a->recompute) { gelu_forward(x.fch_gelu, x.fch, (size_t)BT * a->C4); }
+            if (wt && a->recompute) { gelu_forward(act.fch_gelu, act.fch, (size_t)BT * a->C4); }
             if (in) { dres_g_backward(model, g, d.dfcproj, B, T); }
-            if (wt) { matmul_weight_backward_cp(N, dw.fcprojw, dw.fcprojb, us, d.dfcproj, x.fch_gelu, B, Tl, a->C4, C); }
+            if (wt) { matmul_weight_backward_cp(cp_split, dw.fcprojw, dw.fcprojb, us, d.dfcproj, act.fch_gelu, B, Tl, a->C4, C); }
             if (in) {
                 matmul_backward(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, Tl, a->C4, C, 1, CANON_R);
-                gelu_backward(d.dfch, x.fch, d.dfch, (size_t)BT * a->C4);
+                gelu_backward(d.dfch, act.fch, d.dfch, (size_t)BT * a->C4);
             }
-            if (wt) { matmul_weight_backward_cp(N, dw.fcw, dw.fcb, us, d.dfch, x.ln2, B, Tl, C, a->C4); }
+            if (wt) { matmul_weight_backward_cp(cp_split, dw.fcw, dw.fcb, us, d.dfch, act.ln2, B, Tl, C, a->C4); }
             if (in) {
-                matmul_backward(dln2_part, NULL, NULL, d.dfch, NULL, w.fcw, B, Tl, C, a->C4, 1, CANON_R / K);
-                ln_backward_f_input(model, g, g->dresidual, dln2_part, d.dln2, x.residual2, w.ln2w, x.ln2_mean,
-                                    x.ln2_rstd, B, T, 0);
+                matmul_backward(dln2_part, NULL, NULL, d.dfch, NULL, w.fcw, B, Tl, C, a->C4, 1, CANON_R / tp_size);
+                ln_backward_f_input(model, g, g->dresidual, dln2_part, d.dln2, act.residual2, w.ln2w, act.ln2_mean,
+                                    act.ln2_rstd, B, T, 0);
             }
         }
-        if (wt) { ln_backward_f_weight(model, g, dw.ln2w, dw.ln2b, us, d.dln2, x.residual2, x.ln2_mean, x.ln2_rstd, B, T); }
+        if (wt) { ln_backward_f_weight(model, g, dw.ln2w, dw.ln2b, us, d.dln2, act.residual2, act.ln2_mean, act.ln2_rstd, B, T); }
         // attention: residual2 = residual + attproj(attention(qkv(ln1(residual))))
         if (in) { dres_g_backward(model, g, d.dattproj, B, T); }
-        if (wt) { matmul_weight_backward_cp(N, dw.attprojw, dw.attprojb, us, d.dattproj, x.atty, B, Tl, a->Ca, C); }
+        if (wt) { matmul_weight_backward_cp(cp_split, dw.attprojw, dw.attprojb, us, d.dattproj, act.atty, B, Tl, a->Ca, C); }
         if (in) {
             matmul_backward(g->datty, NULL, NULL, d.dattproj, NULL, w.attprojw, B, Tl, a->Ca, C, 1, CANON_R);
-            if (N == 1) {
-                attention_backward(d.dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
+            if (cp_split == 1) {
+                attention_backward(d.dqkv, g->datty, act.qkv, act.att, B, T, a->Ca, a->NHl);
             } else if (model->cp.a2a) {
-                cp_a2a_backward(&model->cp, d.dqkv, g->datty, x.qkvh, x.att, B, T, a->Ca, a->NHl);
+                cp_a2a_backward(&model->cp, d.dqkv, g->datty, act.qkvh, act.att, B, T, a->Ca, a->NHl);
             } else {
-                cp_ring_backward(&model->cp, d.dqkv, g->datty, x.qkv, x.att, B, T, a->Ca, a->NHl);
+                cp_ring_backward(&model->cp, d.dqkv, g->datty, act.qkv, act.att, B, T, a->Ca, a->NHl);
             }
         }
-        if (wt) { matmul_weight_backward_cp(N, dw.qkvw, dw.qkvb, us, d.dqkv, x.ln1, B, Tl, C, a->C3); }
+        if (wt) { matmul_weight_backward_cp(cp_split, dw.qkvw, dw.qkvb, us, d.dqkv, act.ln1, B, Tl, C, a->C3); }
         if (in) {
-            matmul_backward(dln1_part, NULL, NULL, d.dqkv, NULL, w.qkvw, B, Tl, C, a->C3, 3, CANON_R / K);
-            ln_backward_f_input(model, g, g->dresidual, dln1_part, d.dln1, x.residual, w.ln1w, x.ln1_mean,
-                                x.ln1_rstd, B, T, 0);
+            matmul_backward(dln1_part, NULL, NULL, d.dqkv, NULL, w.qkvw, B, Tl, C, a->C3, 3, CANON_R / tp_size);
+            ln_backward_f_input(model, g, g->dresidual, dln1_part, d.dln1, act.residual, w.ln1w, act.ln1_mean,
+                                act.ln1_rstd, B, T, 0);
         }
         if (wt) {
-            ln_backward_f_weight(model, g, dw.ln1w, dw.ln1b, us, d.dln1, x.residual, x.ln1_mean, x.ln1_rstd, B, T);
-            if (N > 1) { cp_finish_sequences(&model->cp, grad, model->seq_grads, B, (size_t)us); }
+            ln_backward_f_weight(model, g, dw.ln1w, dw.ln1b, us, d.dln1, act.residual, act.ln1_mean, act.ln1_rstd, B, T);
+            if (cp_split > 1) { cp_finish_sequences(&model->cp, grad, model->seq_grads, B, (size_t)us); }
             zero_grad_unit_done(z, ZERO_LAYER(l));
         }
         if (in) { zero_params_release(z, ZERO_LAYER(l)); }
@@ -2774,15 +2686,15 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
 }
 
 // (the chunk with the embeddings) the embeddings' gradients from g->dresidual = d(loss)/d(encoded): the lookup
-// half of wte's gradient (unit E; this rank's vocabulary rows) and wpe's. Both sum over all
+// half of wte's gradient (zero_unit_E; this rank's vocabulary rows) and wpe's. Both sum over all
 // positions: with SP the gradient is all-gathered along T first (the input half, which keeps
 // it), with CP then along the sequence (cp group, the weight half), and every rank runs the
 // one-rank embedding backward on whole sequences.
 void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int E = zero_unit_E(z);
-    float* dencoded = a->split ? a->dencoded : g->dfcproj;
+    int lookup_unit = zero_unit_E(z);
+    float* dencoded = a->split_backward ? a->dencoded : g->dfcproj;
     if (part & BACKWARD_INPUT) { dres_g_backward(model, g, dencoded, B, T); }
     if (part & BACKWARD_WEIGHT) {
         const float* dwhole = dencoded;
@@ -2790,25 +2702,23 @@ void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int 
             cp_gather_sequences(&model->cp, dencoded, g->dwhole, B, T, c->channels);
             dwhole = g->dwhole;
         }
-        float* dwte_lookup = zero_grad_unit(z, E);
+        float* dwte_lookup = zero_grad_unit(z, lookup_unit);
         float* dwpe = zero_grad_unit(z, ZERO_WPE);
         encoder_backward(dwte_lookup, dwpe, dwhole, a->inputs_full, B, T, c->channels, model->v0, model->Vl,
                          c->max_seq_len);
         if (a->cp_split > 1) {   // every rank of the group computed them whole: hand ZeRO its part
-            cp_keep_part(&model->cp, dwte_lookup, z->lay.size[E]);
+            cp_keep_part(&model->cp, dwte_lookup, z->lay.size[lookup_unit]);
             cp_keep_part(&model->cp, dwpe, z->lay.size[ZERO_WPE]);
         }
         zero_grad_unit_done(z, ZERO_WPE);
-        zero_grad_unit_done(z, E);
+        zero_grad_unit_done(z, lookup_unit);
     }
 }
 
 // The probabilities of one position over the whole vocabulary, into host memory: this rank's
 // slice, all-gathered over the tp group (sampling).
 void probs_at(GPT2* model, Activations* a, int position, float* host_probs) {
-    // all-gather (tp group): every rank's vocabulary slice of the position's probabilities
-    comm_all_gather(model->tp, a->probs + (size_t)position * model->Vl, model->probs_all, (size_t)model->Vl,
-                    COMM_KIND_OTHER);
+    tp_gather_vocab(model->tp, a->probs + (size_t)position * model->Vl, model->probs_all, (size_t)model->Vl);
     model->mem->to_host(host_probs, model->probs_all, sizeof(float) * model->config.padded_vocab_size);
 }
 
@@ -2816,9 +2726,9 @@ void probs_at(GPT2* model, Activations* a, int position, float* host_probs) {
 void gpt2_forward(GPT2* model, Activations* a, const int* inputs, const int* targets, int B, int T,
                   int training) {
     activations_set_tokens(model, a, inputs, targets, B, T);
-    embed_forward(model, a, B, T);
-    layers_forward(model, a, B, T);
-    head_forward(model, a, B, T, training);
+    embed_forward(model, a, B, T, 0, T);
+    layers_forward(model, a, B, T, 0, T);
+    head_forward(model, a, B, T, 0, T, training);
 }
 
 void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, float dloss, int part) {
@@ -2831,22 +2741,23 @@ void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
 
 // The model of a model chunk (`place`: its layers, whether it has the embeddings and the
 // head) on the parameters zero.h holds, its tensor-parallel slices over tp (tensor_parallel.h);
-// for passes over up to (B, T) positions: sp, sequence parallelism (2K | T); cp, the
-// context-parallel group (context_parallel.h; of one rank: none) and its attention (cp_a2a:
-// all-to-all, else the ring).
+// for passes over up to (B, T) positions: seq_parallel, sequence parallelism (2 tp | T); cp,
+// the context-parallel group (context_parallel.h; of one rank: none) and its attention
+// (cp_a2a: all-to-all, else the ring).
 void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Zero* zero,
-               CommGroup* tp, CommGroup* cp, int cp_a2a, int sp, int B, int T) {
+               CommGroup* tp, CommGroup* cp, int cp_a2a, int seq_parallel, int B, int T) {
     memset(model, 0, sizeof(*model));
     model->config = *config;
     const char* problem = tp_problem(config, tp->size);
     if (problem) { fatal("--tp %d: %s (model: NH=%d, Vp=%d)", tp->size, problem, config->num_heads, config->padded_vocab_size); }
     char why[256];
-    problem = cp_problem(cp->size, cp_a2a, T, config->num_heads / tp->size, sp ? tp->size : 1, why, sizeof(why));
+    problem = cp_problem(cp->size, cp_a2a, T, config->num_heads / tp->size, seq_parallel ? tp->size : 1, why,
+                         sizeof(why));
     if (problem) { fatal("--cp %d: %s", cp->size, problem); }
     model->tp = tp;
-    model->sp = sp;
-    model->N = cp->size;
-    model->K = tp->size;
+    model->seq_parallel = seq_parallel;
+    model->cp_size = cp->size;
+    model->tp_size = tp->size;
     model->Vl = config->padded_vocab_size / tp->size;
     model->v0 = tp->rank * model->Vl;
     model->first_layer = place->first_layer;
@@ -2855,7 +2766,8 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
     model->has_head = place->has_head;
     model->zero = zero;
     model->mem = zero->mem;
-    model->sp_scratch = sp ? mem_floats(model->mem, (size_t)B * T * config->channels, "sequence parallelism") : NULL;
+    model->sp_scratch = seq_parallel ? mem_floats(model->mem, (size_t)B * T * config->channels, "sequence parallelism")
+                                     : NULL;
     model->probs_all = place->has_head ? mem_floats(model->mem, config->padded_vocab_size, "probabilities") : NULL;
     // context parallelism: each sequence's subtree of a unit's gradient (the largest unit
     // this rank computes), and the group's finishing of it (context_parallel.h)
@@ -2863,33 +2775,33 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
     for (int u = 0; u < zero->lay.num_units; u++) {
         if (zero->lay.grads_here[u] && zero->lay.size[u] > unit) { unit = zero->lay.size[u]; }
     }
-    int N = model->N;
-    size_t finish = ((size_t)N * B + B) * ((unit + N - 1) / N);
+    int cp_size = model->cp_size;
+    size_t finish = ((size_t)cp_size * B + B) * ((unit + cp_size - 1) / cp_size);
     // the embedding chunk all-gathers its input gradient at full width (B,T,C)
     size_t gather = place->has_embedding ? (size_t)B * T * config->channels : 0;
     cp_init(&model->cp, cp, cp_a2a, model->mem, B, T, config->channels / tp->size, config->num_heads / tp->size,
             finish > gather ? finish : gather);
-    model->seq_grads = N > 1 ? mem_floats(model->mem, (size_t)B * unit, "context-parallel gradients") : NULL;
+    model->seq_grads = cp_size > 1 ? mem_floats(model->mem, (size_t)B * unit, "context-parallel gradients") : NULL;
     if (config->num_experts > 0) {   // the expert-parallel group and the experts' layout are zero.h's
-        model->E = config->num_experts;
-        model->k = config->top_k;
+        int num_experts = model->num_experts = config->num_experts;
+        model->top_k = config->top_k;
         model->ep = zero->ep;
-        model->Q = zero->ep->size;
-        model->El = model->E / model->Q;
-        model->psum = mem_floats(model->mem, (size_t)model->E, "router probability sums");
-        model->psum_host = (float*)malloc_or_die(sizeof(float) * 2 * (size_t)model->E, "router probability sums");
-        model->daux_host = model->psum_host + model->E;
+        model->ep_size = zero->ep->size;
+        model->El = num_experts / model->ep_size;
+        model->psum = mem_floats(model->mem, (size_t)num_experts, "router probability sums");
+        model->psum_host = (float*)malloc_or_die(sizeof(float) * 2 * (size_t)num_experts, "router probability sums");
+        model->daux_host = model->psum_host + num_experts;
         int layers = place->last_layer - place->first_layer;
-        model->counters = (MoeCounters){layers, model->E, place->first_layer,
-                                        (double*)calloc_or_die((size_t)(layers ? layers : 1) * model->E, sizeof(double),
-                                                               "expert counters"), 0, 0, 0};
+        model->counters = (MoeCounters){layers, num_experts, place->first_layer,
+                                        (double*)calloc_or_die((size_t)(layers ? layers : 1) * num_experts,
+                                                               sizeof(double), "expert counters"), 0, 0, 0};
     }
 }
 
 void gpt2_free(GPT2* model) {
-    void* all[] = {model->sp_scratch, model->probs_all, model->xsend, model->xrecv, model->yout, model->hgelu, model->psum,
-                   model->seq_grads};
+    void* all[] = {model->sp_scratch, model->probs_all, model->xsend, model->psum, model->seq_grads};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
+    MOE_MODEL_ROWS(RELEASE, model)
     cp_free(&model->cp);
     free(model->psum_host);
     free(model->counters.tokens);
@@ -2898,15 +2810,16 @@ void gpt2_free(GPT2* model) {
 // --- the model as the engine drives it (engine.h ModelOps) --------------------------------
 
 static void* model_create(const GPT2Config* config, const ChunkPlace* place, Zero* zero, CommGroup* tp,
-                          CommGroup* cp, int cp_a2a, int sp, int B, int T) {
+                          CommGroup* cp, int cp_a2a, int seq_parallel, int B, int T) {
     GPT2* model = (GPT2*)malloc_or_die(sizeof(GPT2), "model");
-    gpt2_init(model, config, place, zero, tp, cp, cp_a2a, sp, B, T);
+    gpt2_init(model, config, place, zero, tp, cp, cp_a2a, seq_parallel, B, T);
     return model;
 }
 static void model_destroy(void* m) { gpt2_free((GPT2*)m); free(m); }
-static void* model_acts_create(void* m, int B, int T, int recompute, int seq, int split, size_t* bytes) {
+static void* model_acts_create(void* m, int B, int T, int recompute, int split_seqs, int split_backward,
+                               size_t* bytes) {
     Activations* a = (Activations*)malloc_or_die(sizeof(Activations), "activations");
-    activations_alloc(a, (GPT2*)m, B, T, recompute, seq, split);
+    activations_alloc(a, (GPT2*)m, B, T, recompute, split_seqs, split_backward);
     *bytes = a->bytes;
     return a;
 }
@@ -2918,18 +2831,22 @@ static float* model_stage_input(void* m, void* a) { (void)m; return ((Activation
 static float* model_stage_output(void* m, void* a, int B, int T) {
     return stage_output((Activations*)a, &((GPT2*)m)->config, B, T);
 }
-static void model_embed_forward(void* m, void* a, int B, int T) { embed_forward((GPT2*)m, (Activations*)a, B, T); }
-static void model_layers_forward(void* m, void* a, int B, int T) { layers_forward((GPT2*)m, (Activations*)a, B, T); }
+static void model_embed_forward(void* m, void* a, int B, int T) {
+    embed_forward((GPT2*)m, (Activations*)a, B, T, 0, T);
+}
+static void model_layers_forward(void* m, void* a, int B, int T) {
+    layers_forward((GPT2*)m, (Activations*)a, B, T, 0, T);
+}
 static void model_head_forward(void* m, void* a, int B, int T, int training) {
-    head_forward((GPT2*)m, (Activations*)a, B, T, training);
+    head_forward((GPT2*)m, (Activations*)a, B, T, 0, T, training);
 }
 static float model_loss_sum(void* m, void* a, int B, int T) { (void)m; return position_sum(((Activations*)a)->losses, B, T); }
 static void model_probs_at(void* m, void* a, int position, float* host_probs) {
     probs_at((GPT2*)m, (Activations*)a, position, host_probs);
 }
-static void* model_grads_create(void* m, int B, int T, int seq, size_t* bytes) {
+static void* model_grads_create(void* m, int B, int T, int split_seqs, size_t* bytes) {
     ActivationGrads* g = (ActivationGrads*)malloc_or_die(sizeof(ActivationGrads), "activation gradients");
-    activation_grads_alloc(g, (GPT2*)m, B, T, seq);
+    activation_grads_alloc(g, (GPT2*)m, B, T, split_seqs);
     *bytes = g->bytes;
     return g;
 }
@@ -2953,7 +2870,7 @@ static void model_moe_aux(void* m, void* a, float* host_aux) {
     const Activations* acts = (const Activations*)a;
     for (int l = 0; l < acts->layers; l++) { host_aux[l] = acts->moe ? acts->moe[l].aux : 0.0f; }
 }
-static MoeCounters* model_moe_counters(void* m) { return ((GPT2*)m)->E > 0 ? &((GPT2*)m)->counters : NULL; }
+static MoeCounters* model_moe_counters(void* m) { return ((GPT2*)m)->num_experts > 0 ? &((GPT2*)m)->counters : NULL; }
 
 static const ModelOps gpt2_model_ops = {
     model_create, model_destroy, model_acts_create, model_acts_destroy, model_set_tokens,
@@ -2987,18 +2904,18 @@ static void cpu_summary_throughput(char* out, size_t len, double flops_per_secon
 }
 
 int main(int argc, char** argv) {
-    Trainer t;
-    if (!trainer_begin(&t, argc, argv)) { return 0; }
-    if (t.args.deterministic || strcmp(t.args.comm, "auto") != 0 || strcmp(t.args.attention, "auto") != 0) {
+    Trainer trainer;
+    if (!trainer_begin(&trainer, argc, argv)) { return 0; }
+    if (trainer.args.deterministic || strcmp(trainer.args.comm, "auto") != 0 || strcmp(trainer.args.attention, "auto") != 0) {
         fatal("--deterministic, --comm and --attention are flags of the CUDA build (train_gpt2cu)");
     }
-    if (t.config.channels / t.config.num_heads > 256) {
-        fatal("-e: head size C/NH = %d is larger than the 256 this build supports", t.config.channels / t.config.num_heads);
+    if (trainer.config.channels / trainer.config.num_heads > 256) {
+        fatal("-e: head size C/NH = %d is larger than the 256 this build supports", trainer.config.channels / trainer.config.num_heads);
     }
-    trainer_build(&t, &gpt2_model_ops, &memory_host);
+    trainer_build(&trainer, &gpt2_model_ops, &memory_host);
     BuildInfo build = {"train_gpt2", cpu_banner, NULL, cpu_throughput, cpu_summary_throughput};
-    trainer_run(&t, &build);
-    trainer_end(&t);
+    trainer_run(&trainer, &build);
+    trainer_end(&trainer);
     return 0;
 }
 #endif

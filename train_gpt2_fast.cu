@@ -112,8 +112,8 @@ static float* act_f(FastModel* m, size_t n, size_t* bytes) {
 // ---- ModelOps ----------------------------------------------------------------------------
 
 static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zero, CommGroup* tp, CommGroup* cp,
-                         int cp_a2a, int sp, int B, int T) {
-    if (tp->size != 1 || sp || !place->has_embedding || !place->has_head) {
+                         int cp_a2a, int seq_parallel, int B, int T) {
+    if (tp->size != 1 || seq_parallel || !place->has_embedding || !place->has_head) {
         fatal("internal: fast mode runs one pipeline stage without tensor parallelism");
     }
     FastModel* m = (FastModel*)calloc_or_die(1, sizeof(FastModel), "model");
@@ -132,12 +132,13 @@ static void fast_destroy(void* vm) {
     free(m);
 }
 
-static void* fast_acts_create(void* vm, int B, int T, int recompute, int sp, int split, size_t* bytes) {
-    if (split) { fatal("internal: fast mode runs whole backwards"); }
+static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_seqs, int split_backward,
+                              size_t* bytes) {
+    if (split_backward) { fatal("internal: fast mode runs whole backwards"); }
     FastModel* m = (FastModel*)vm;
     const GPT2Config* c = &m->config;
     size_t L = c->num_layers, C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size, BT = (size_t)B * T;
-    (void)sp;
+    (void)split_seqs;
     FastActs* a = (FastActs*)calloc_or_die(1, sizeof(FastActs), "activations");
     *bytes = 2 * BT * sizeof(int);
     a->recompute = recompute;
@@ -301,10 +302,10 @@ static void fast_probs_at(void* vm, void* va, int position, float* probs) {
     free(logits);
 }
 
-static void* fast_grads_create(void* vm, int B, int T, int sp, size_t* bytes) {
+static void* fast_grads_create(void* vm, int B, int T, int split_seqs, size_t* bytes) {
     FastModel* m = (FastModel*)vm;
     size_t BTC = (size_t)B * T * m->config.channels;
-    (void)sp;
+    (void)split_seqs;
     FastGrads* g = (FastGrads*)calloc_or_die(1, sizeof(FastGrads), "activation gradients");
     *bytes = 0;
     g->dresidual = act(m, BTC, bytes);

@@ -3,9 +3,10 @@
  * sequence are split over the N ranks of a context-parallel group, and the run trains bit for
  * bit the model one rank trains.
  *
- * THE LAYOUT (canonical.h R2Z). Rank r holds the zig-zag slice of every sequence: stretches r
- * and 2N-1-r of the 2N stretches of T/2N positions (Megatron's load balance: under the causal
- * mask every rank has the same attention work), stored low stretch first, T/N positions.
+ * THE LAYOUT (canonical.h R2Z; zigzag.h, shared with sequence parallelism). Rank r holds the
+ * zig-zag slice of every sequence: stretches r and 2N-1-r of the 2N stretches of T/2N
+ * positions (Megatron's load balance: under the causal mask every rank has the same attention
+ * work), stored low stretch first, T/N positions.
  * Everything outside attention is per position, except the reductions over positions, and
  * those follow R2Z: a rank's positions are whole chunks (8/N of each sequence's 8), so it
  * computes each sequence's subtree and the group finishes it.

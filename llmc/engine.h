@@ -1,11 +1,12 @@
 /*
  * engine.h: the training engine both builds share. Everything that is not a kernel or the model
- * is here, written once: the start of a run (flags, the rank grid, what the model starts from,
- * data, resume), the pipeline executor (every run is a pipeline, of one stage without --pp),
- * validation, sampling, checkpoints, the training loop and its console and main.log lines.
+ * is here or in a header it includes, written once: the start of a run (flags, the rank grid,
+ * what the model starts from, data, resume), the pipeline executor (llmc/pipeline_executor.h:
+ * every run is a pipeline, of one stage without --pp), validation, sampling, checkpoints, the
+ * training loop and its console and main.log lines.
  *
  * A build hands the engine two tables:
- *   ModelOps (below)  its model of one model chunk (a pipeline stage, or one of a stage's
+ *   ModelOps (model_ops.h) its model of one model chunk (a pipeline stage, or one of a stage's
  *                     virtual stages): activations, the embeddings, the chunk's transformer
  *                     layers and the head, forward and backward (whole, or its input and
  *                     weight halves for the zero-bubble schedules). train_gpt2.c's
@@ -23,7 +24,9 @@
  *   if (!trainer_begin(&t, argc, argv)) { return 0; }   // --help
  *   ... build-specific checks of t.args and t.config, the device ...
  *   trainer_build(&t, &model_ops, &memory_ops);
- *   trainer_run(&t, &build);                            // table, the loop, the summary
+ *   trainer_run(&t, &build);                            // table, the loop, the summary:
+ *                                                       // trainer_step, trainer_report_step,
+ *                                                       // trainer_print_summary
  *   trainer_end(&t);
  */
 #ifndef LLMC_ENGINE_H
@@ -34,7 +37,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "llmc/utils.h"
 #include "llmc/canonical.h"
@@ -52,87 +54,10 @@
 #include "llmc/pipeline.h"
 #include "llmc/sampler.h"
 #include "llmc/expert_parallel.h"
-
-// ==========================================================================================
-// The model, as the engine drives it
-// ==========================================================================================
-
-// Which half of a backward to run: both, the input gradient only (what the stage before waits
-// for) or the weight gradient only (the zero-bubble schedules, pipeline.h). The halves compute
-// exactly the sums of the whole, so splitting changes no bits.
-#define BACKWARD_INPUT 1
-#define BACKWARD_WEIGHT 2
-#define BACKWARD_BOTH (BACKWARD_INPUT | BACKWARD_WEIGHT)
-
-// One build's model of one model chunk (ChunkPlace, zero.h: a pipeline stage's layers, or one
-// of its virtual stages'; every chunk of a rank shares the rank's Zero). `model`, `acts` and
-// `grads` are the build's own structures; every float* is in the build's memory (MemOps),
-// tokens come from host memory. Forward and backward come in three parts, run by the chunks
-// that hold them: the embeddings, the chunk's transformer layers, the head (final layernorm,
-// LM head, cross-entropy).
-typedef struct {
-    // the model of one chunk of this rank; its parameters, gradients and AdamW state are in
-    // `zero`; sp: Megatron's sequence parallelism over the tensor-parallel group, for passes
-    // over up to (B, T) positions; cp: the context-parallel group (context_parallel.h; one
-    // rank: none), cp_a2a its all-to-all attention (else the ring)
-    void* (*create)(const GPT2Config* config, const ChunkPlace* place, Zero* zero, CommGroup* tp,
-                    CommGroup* cp, int cp_a2a, int sp, int B, int T);
-    void (*destroy)(void* model);
-    // activations of one pass over up to (B, T) positions; sp: split the sequences as the
-    // model's sp and cp say (a pass of the sampler runs unsplit); split: room for what a split backward keeps between its halves;
-    // *bytes: their size
-    void* (*acts_create)(void* model, int B, int T, int recompute, int sp, int split, size_t* bytes);
-    void (*acts_destroy)(void* model, void* acts);
-    // the microbatch's tokens (host memory; targets NULL: no loss)
-    void (*set_tokens)(void* model, void* acts, const int* inputs, const int* targets, int B, int T);
-    float* (*stage_input)(void* model, void* acts);   // where a received activation goes
-    float* (*stage_output)(void* model, void* acts, int B, int T);
-    void (*embed_forward)(void* model, void* acts, int B, int T);
-    void (*layers_forward)(void* model, void* acts, int B, int T);
-    void (*head_forward)(void* model, void* acts, int B, int T, int training);
-    float (*loss_sum)(void* model, void* acts, int B, int T);   // R3 sum of the last pass's losses
-    // the probabilities at `position` over the whole padded vocabulary (Vp floats, host memory);
-    // every tensor-parallel rank of the head's stage calls it
-    void (*probs_at)(void* model, void* acts, int position, float* host_probs);
-    // gradients of activations during backward, one set reused by every microbatch, chunk and
-    // layer; its d(residual) is d(loss)/d(chunk output) going in and d(loss)/d(chunk input)
-    // coming out of an input half. part: BACKWARD_BOTH, _INPUT or _WEIGHT (the weight half of
-    // a (microbatch, chunk) after its input half, from what that kept in acts)
-    void* (*grads_create)(void* model, int B, int T, int sp, size_t* bytes);
-    void (*grads_destroy)(void* model, void* grads);
-    float* (*grad_residual)(void* model, void* grads);
-    void (*head_backward)(void* model, void* acts, void* grads, int B, int T, float dloss, int part);
-    void (*layers_backward)(void* model, void* acts, void* grads, int B, int T, int part);
-    void (*embed_backward)(void* model, void* acts, void* grads, int B, int T, int part);
-    // a model with experts (llmc/moe.h; NULL without): the load-balancing loss of each of the
-    // chunk's layers in the last forward pass of acts (host, one float per layer), and the
-    // routing counters, which the engine reads and zeroes every step
-    void (*moe_aux)(void* model, void* acts, float* host_aux);
-    MoeCounters* (*moe_counters)(void* model);
-    // generation with a KV cache (NULL: the build has none, and the sampler runs a full
-    // forward per token): row t of a pass laid out over (1, T), the rows before it computed by
-    // the earlier calls; equal to row t of the full forward over (1, T), bit for bit.
-    void (*embed_decode)(void* model, void* acts, int token, int t, int T);
-    void (*layers_decode)(void* model, void* acts, int t, int T);
-    void (*head_decode)(void* model, void* acts, int t, int T);
-} ModelOps;
-
-// What a build adds to the engine's console output.
-typedef struct {
-    const char* program;                        // "train_gpt2", "train_gpt2cu"
-    void (*banner)(void);                       // its first lines of the startup table
-    void (*memory_line)(void);                  // a line after the memory table (NULL: none)
-    // the throughput field of the step line, e.g. "95.0 GFLOP/s" or "MFU 41.2%"
-    void (*throughput)(char* out, size_t len, double flops_per_second);
-    // the run summary's, against the machine's peak, e.g. "95.0 GFLOP/s, 41% of ... peak"
-    void (*summary_throughput)(char* out, size_t len, double flops_per_second);
-} BuildInfo;
-
-static inline double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
+#include "llmc/model_ops.h"
+#include "llmc/pipeline_executor.h"
+#include "llmc/trainer.h"
+#include "llmc/startup_table.h"
 
 // The cost of the head (LM head matmuls and cross-entropy) in units of one transformer
 // layer, per token: the LM head is 2*C*Vp flops forward, a layer about 24*C^2.
@@ -140,449 +65,6 @@ static inline double head_cost_in_layers(const GPT2Config* c) {
     return (double)c->padded_vocab_size / (12.0 * c->channels);
 }
 
-// ==========================================================================================
-// Pipeline execution: a stage runs its list of actions from llmc/pipeline.h
-// ==========================================================================================
-//
-// Every rank runs a pipeline, of one stage when --pp is 1 (then the list is just F0 B0 F1
-// B1 ...). A rank holds v model chunks (virtual stages; v = 1 but for interleaved and zbv),
-// each with its own model on the rank's one Zero. A (microbatch, chunk) pair owns a slot of its
-// chunk from its FORWARD to its BACKWARD (or, split, its BACKWARD_WEIGHT) on this stage: its
-// activations (with its tokens) and the received gradient of its output; the schedule bounds
-// how many are alive (1F1B: S - stage). Messages are non-blocking: a receive is posted at its
-// RECV action and waited for right before the computation that reads it; a send is posted at
-// its SEND action and waited for before its buffer is reused. Received activations and sent
-// input gradients live in small message buffers of their own, so a receive posted early never
-// needs a second slot. The schedule's message order makes this deadlock-free (pipeline.h).
-// Consecutive virtual stages on one rank (zbv's tip of the V) hand over in memory: the forward
-// reads the producer slot's output, the backward an input gradient kept in a message buffer.
-// Tags name (microbatch, the boundary between virtual stages w and w+1, direction).
-// Every buffer is in the build's memory.
-
-typedef struct {
-    int chunk;                 // the chunk whose activations these are
-    int microbatch;            // -1: free
-    void* acts;                // the model's activations, with the microbatch's tokens
-    float* grad_out;           // (B,T,C) received d(loss)/d(chunk output)
-    CommRequest* recv_grad;
-    CommRequest* send_act;     // the chunk output being sent (the slot is not reused before)
-} MicroSlot;
-
-typedef enum { MSG_FREE, MSG_RECEIVING, MSG_TO_SEND, MSG_SENDING, MSG_HANDOFF } MessageState;
-
-typedef struct {
-    float* buf;                // (B,T,C)
-    CommRequest* req;
-    int microbatch, chunk;
-    MessageState state;        // RECEIVING: an input activation until its FORWARD; TO_SEND: an
-                               // input gradient from BACKWARD until its SEND_BACKWARD; HANDOFF:
-                               // an input gradient for this rank's chunk `chunk`, until its
-                               // BACKWARD
-} MessageBuffer;
-
-#define PP_MAX_MESSAGES 256
-
-typedef struct {
-    PipelineConfig cfg;
-    PipelineAction* actions;
-    int nactions;
-    int nchunks;               // v
-    void** models;             // [v] the model of each chunk
-    ChunkPlace* places;        // [v]
-    int* vstage;               // [v] each chunk's virtual stage
-    int head_chunk;            // the chunk holding the head, or -1
-    MicroSlot* slots;          // every chunk's slots
-    int nslots;
-    MessageBuffer msgs[PP_MAX_MESSAGES];
-    int nmsgs;
-    size_t msg_floats;
-    CommGroup* pp;
-    const ModelOps* ops;
-    const MemOps* mem;
-    int split;                 // the schedule splits backwards into input and weight halves
-    double busy;               // seconds of computation in the last step
-    double fwd, bwd, wgt;      // ... of which forwards, backwards (whole or input halves), weight halves
-    int held, peak_held;       // (microbatch, chunk) activations alive now / at most in the last step
-    size_t slot_bytes;         // every slot's bytes
-    float* moe_aux;            // experts: (microbatches x L) each forward's aux loss per layer,
-                               // -0.0f for the layers of other stages
-    int num_layers;            // L
-} Pipeline;
-
-// The chunk of this stage holding virtual stage vs (-1: another stage's).
-static inline int pipeline_chunk_of(const Pipeline* p, int vs) {
-    int stage, chunk;
-    pipeline_virtual_stage_owner(&p->cfg, vs, &stage, &chunk);
-    return stage == p->pp->rank ? chunk : -1;
-}
-
-// The message tag of microbatch i crossing boundary w (between virtual stages w and w+1), forward
-// or backward; modulo the 32768 every MPI accepts (the lists' message order pairs sends and
-// receives anyway, pipeline.h).
-static inline int pipeline_tag(const Pipeline* p, int i, int boundary, int backward) {
-    long long V = (long long)p->cfg.num_stages * p->cfg.num_chunks;
-    return (int)((((long long)i * V + boundary) * 2 + backward) % 32768);
-}
-
-static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps* mem, void** models,
-                                 const ChunkPlace* places, CommGroup* pp, PipelineScheduleKind kind, int nchunks,
-                                 int M, int B, int T, int C, int recompute, int sp_degree) {
-    memset(p, 0, sizeof(*p));
-    p->pp = pp;
-    p->ops = ops;
-    p->mem = mem;
-    p->nchunks = nchunks;
-    p->models = models;
-    p->places = (ChunkPlace*)malloc_or_die(sizeof(ChunkPlace) * nchunks, "pipeline chunks");
-    memcpy(p->places, places, sizeof(ChunkPlace) * nchunks);
-    p->cfg = (PipelineConfig){pp->size, M, kind, nchunks};
-    p->split = pipeline_splits_backward(kind);
-    char err[256];
-    int n = pipeline_stage_actions(&p->cfg, pp->rank, NULL, 0, err, sizeof(err));
-    if (n < 0) { fatal("--pp/--schedule: %s", err); }
-    p->actions = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "pipeline actions");
-    if (pipeline_stage_actions(&p->cfg, pp->rank, p->actions, n, err, sizeof(err)) != n) {
-        fatal("--pp/--schedule: %s", err);
-    }
-    p->nactions = n;
-    p->vstage = (int*)malloc_or_die(sizeof(int) * nchunks, "pipeline chunks");
-    p->head_chunk = -1;
-    for (int c = 0; c < nchunks; c++) {
-        p->vstage[c] = pipeline_virtual_stage(&p->cfg, pp->rank, c);
-        if (places[c].has_head) { p->head_chunk = c; }
-    }
-    // each chunk gets as many slots as its own actions ever hold at once
-    PipelineAction* mine = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "pipeline actions");
-    int* count = (int*)calloc_or_die((size_t)nchunks, sizeof(int), "pipeline chunks");
-    for (int c = 0; c < nchunks; c++) {
-        int k = 0;
-        for (int j = 0; j < n; j++) { if (p->actions[j].chunk == c) { mine[k++] = p->actions[j]; } }
-        count[c] = pipeline_max_in_flight(mine, k);
-        p->nslots += count[c];
-    }
-    free(mine);
-    p->slots = (MicroSlot*)calloc_or_die((size_t)(p->nslots ? p->nslots : 1), sizeof(MicroSlot), "pipeline slots");
-    p->msg_floats = (size_t)B * T / sp_degree * C;
-    for (int c = 0, k = 0; c < nchunks; c++) {
-        for (int j = 0; j < count[c]; j++, k++) {
-            MicroSlot* s = &p->slots[k];
-            size_t bytes = 0;
-            s->chunk = c;
-            s->microbatch = -1;
-            s->acts = ops->acts_create(models[c], B, T, recompute, sp_degree > 1, p->split, &bytes);
-            s->grad_out = mem_floats(mem, p->msg_floats, "pipeline gradient");
-            p->slot_bytes += bytes + sizeof(float) * p->msg_floats;
-        }
-    }
-    free(count);
-}
-
-static inline void pipeline_free(Pipeline* p) {
-    for (int i = 0; i < p->nslots; i++) {
-        p->ops->acts_destroy(p->models[p->slots[i].chunk], p->slots[i].acts);
-        p->mem->release(p->slots[i].grad_out);
-    }
-    for (int i = 0; i < p->nmsgs; i++) { p->mem->release(p->msgs[i].buf); }
-    free(p->slots);
-    free(p->actions);
-    free(p->places);
-    free(p->vstage);
-}
-
-// The first slot of chunk c (forward-only passes use it between steps).
-static inline void* pipeline_chunk_acts(Pipeline* p, int c) {
-    for (int k = 0; k < p->nslots; k++) { if (p->slots[k].chunk == c) { return p->slots[k].acts; } }
-    fatal("internal: chunk %d has no pipeline slot", c);
-}
-
-// The slot of (microbatch i, chunk c); with `take`, a free one of the chunk (its output's send
-// completed) if it has none.
-static inline MicroSlot* pipeline_slot(Pipeline* p, int i, int c, int take) {
-    for (int k = 0; k < p->nslots; k++) {
-        if (p->slots[k].microbatch == i && p->slots[k].chunk == c) { return &p->slots[k]; }
-    }
-    if (!take) { fatal("internal: microbatch %d of chunk %d has no pipeline slot", i, c); }
-    for (int k = 0; k < p->nslots; k++) {
-        MicroSlot* s = &p->slots[k];
-        if (s->chunk == c && s->microbatch < 0) {
-            comm_wait(s->send_act);
-            s->send_act = NULL;
-            s->microbatch = i;
-            if (++p->held > p->peak_held) { p->peak_held = p->held; }
-            return s;
-        }
-    }
-    fatal("internal: more microbatches in flight than the schedule's bound");
-}
-
-static inline void pipeline_slot_release(Pipeline* p, MicroSlot* s) {
-    s->microbatch = -1;   // its activations are no longer needed
-    p->held--;
-}
-
-// A message buffer for (microbatch i, chunk c) in `state`: a free one (a completed send's is
-// reused).
-static inline MessageBuffer* pipeline_message_new(Pipeline* p, int i, int c, MessageState state) {
-    MessageBuffer* m = NULL;
-    for (int k = 0; k < p->nmsgs && m == NULL; k++) {
-        MessageBuffer* q = &p->msgs[k];
-        if (q->state == MSG_SENDING && comm_test(q->req)) { comm_wait(q->req); q->req = NULL; q->state = MSG_FREE; }
-        if (q->state == MSG_FREE) { m = q; }
-    }
-    if (m == NULL) {
-        if (p->nmsgs == PP_MAX_MESSAGES) { fatal("internal: too many pipeline messages in flight"); }
-        m = &p->msgs[p->nmsgs++];
-        m->buf = mem_floats(p->mem, p->msg_floats, "pipeline message");
-    }
-    m->microbatch = i;
-    m->chunk = c;
-    m->state = state;
-    return m;
-}
-
-// The message buffer of (microbatch i, chunk c) in `state`.
-static inline MessageBuffer* pipeline_message(Pipeline* p, int i, int c, MessageState state) {
-    for (int k = 0; k < p->nmsgs; k++) {
-        MessageBuffer* m = &p->msgs[k];
-        if (m->state == state && m->microbatch == i && m->chunk == c) { return m; }
-    }
-    fatal("internal: no pipeline message for microbatch %d of chunk %d", i, c);
-}
-
-// Runs this stage's actions for one optimizer step: forward and backward of this dp rank's
-// microbatches (global indices from zero.h) on each of its chunks, gradients reduced, the tied
-// halves summed. local_loss[i] gets microbatch i's loss sum on the head's stage. The compute
-// times (busy, fwd, bwd, wgt) are measured only with several stages (they wait for the device
-// to finish each computation).
-static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* loader,
-                                 int64_t first_microbatch, int M_global, int B, int T, int overfit,
-                                 float* local_loss) {
-    const ModelOps* ops = p->ops;
-    size_t bytes = p->msg_floats * sizeof(float);
-    int timed = p->cfg.num_stages > 1, last_vs = p->cfg.num_stages * p->cfg.num_chunks - 1;
-    float dloss = 1.0f / (float)((double)B * T * M_global);
-    float* dres = ops->grad_residual(p->models[0], grads);
-    p->busy = p->fwd = p->bwd = p->wgt = 0.0;
-    p->peak_held = p->held;
-    for (int k = 0; k < p->nactions; k++) {
-        const PipelineAction* act = &p->actions[k];
-        int i = act->microbatch, c = act->chunk, vs = p->vstage[c];
-        void* model = p->models[c];
-        const ChunkPlace* place = &p->places[c];
-        MicroSlot* s;
-        MessageBuffer* m;
-        double t0;
-        int part = act->kind == PP_BACKWARD ? BACKWARD_BOTH : act->kind == PP_BACKWARD_INPUT ? BACKWARD_INPUT
-                 : BACKWARD_WEIGHT;
-        switch (act->kind) {
-            case PP_RECV_FORWARD:
-                // irecv (pp group): the input activation of (microbatch i, chunk c) from the
-                // stage holding virtual stage vs - 1
-                m = pipeline_message_new(p, i, c, MSG_RECEIVING);
-                m->req = comm_irecv(p->pp, m->buf, p->msg_floats, act->peer, pipeline_tag(p, i, vs - 1, 0), COMM_KIND_PP);
-                break;
-            case PP_FORWARD:
-                s = pipeline_slot(p, i, c, 1);
-                if (place->has_embedding || place->has_head) {
-                    dataloader_load(loader, overfit ? 0 : zero_global_microbatch(z, first_microbatch, i));
-                    ops->set_tokens(model, s->acts, loader->inputs, loader->targets, B, T);
-                }
-                if (!place->has_embedding) {   // waiting for the input is idle time, not compute
-                    int producer = pipeline_chunk_of(p, vs - 1);
-                    if (producer >= 0) {        // a hand-off on this rank
-                        MicroSlot* from = pipeline_slot(p, i, producer, 0);
-                        p->mem->copy(ops->stage_input(model, s->acts),
-                                     ops->stage_output(p->models[producer], from->acts, B, T), bytes);
-                    } else {
-                        m = pipeline_message(p, i, c, MSG_RECEIVING);
-                        comm_wait(m->req);
-                        p->mem->copy(ops->stage_input(model, s->acts), m->buf, bytes);
-                        m->req = NULL;
-                        m->state = MSG_FREE;
-                    }
-                }
-                t0 = now_seconds();
-                if (place->has_embedding) { ops->embed_forward(model, s->acts, B, T); }
-                ops->layers_forward(model, s->acts, B, T);
-                if (p->moe_aux) {
-                    ops->moe_aux(model, s->acts, p->moe_aux + (size_t)i * p->num_layers + place->first_layer);
-                }
-                if (place->has_head) {
-                    ops->head_forward(model, s->acts, B, T, 1);
-                    local_loss[i] = ops->loss_sum(model, s->acts, B, T);
-                }
-                if (timed) { p->mem->sync(); }
-                p->fwd += now_seconds() - t0;
-                break;
-            case PP_SEND_FORWARD:
-                // isend (pp group): the output of (microbatch i, chunk c) to the stage holding
-                // virtual stage vs + 1
-                s = pipeline_slot(p, i, c, 0);
-                s->send_act = comm_isend(p->pp, ops->stage_output(model, s->acts, B, T), p->msg_floats,
-                                         act->peer, pipeline_tag(p, i, vs, 0), COMM_KIND_PP);
-                break;
-            case PP_RECV_BACKWARD:
-                // irecv (pp group): d(loss)/d(output of (microbatch i, chunk c)) from the stage
-                // holding virtual stage vs + 1
-                s = pipeline_slot(p, i, c, 0);
-                s->recv_grad = comm_irecv(p->pp, s->grad_out, p->msg_floats, act->peer, pipeline_tag(p, i, vs, 1),
-                                          COMM_KIND_PP);
-                break;
-            case PP_BACKWARD:
-            case PP_BACKWARD_INPUT:
-            case PP_BACKWARD_WEIGHT:
-                s = pipeline_slot(p, i, c, 0);
-                if ((part & BACKWARD_INPUT) && vs < last_vs) {   // d(loss)/d(chunk output)
-                    if (pipeline_chunk_of(p, vs + 1) >= 0) {     // a hand-off on this rank
-                        m = pipeline_message(p, i, c, MSG_HANDOFF);
-                        p->mem->copy(dres, m->buf, bytes);
-                        m->state = MSG_FREE;
-                    } else {
-                        comm_wait(s->recv_grad);
-                        s->recv_grad = NULL;
-                        p->mem->copy(dres, s->grad_out, bytes);
-                    }
-                }
-                t0 = now_seconds();
-                // the weight gradients go into the chunk's microbatch tree (zero.h)
-                if (part & BACKWARD_WEIGHT) { zero_begin_microbatch(z, c, i); }
-                if (place->has_head) { ops->head_backward(model, s->acts, grads, B, T, dloss, part); }
-                ops->layers_backward(model, s->acts, grads, B, T, part);
-                if (place->has_embedding) { ops->embed_backward(model, s->acts, grads, B, T, part); }
-                if ((part & BACKWARD_INPUT) && vs > 0) {   // keep d(loss)/d(chunk input)
-                    int consumer = pipeline_chunk_of(p, vs - 1);
-                    m = consumer >= 0 ? pipeline_message_new(p, i, consumer, MSG_HANDOFF)
-                                      : pipeline_message_new(p, i, c, MSG_TO_SEND);
-                    p->mem->copy(m->buf, dres, bytes);
-                }
-                if (part & BACKWARD_WEIGHT) {
-                    zero_end_microbatch(z);
-                    pipeline_slot_release(p, s);
-                }
-                if (timed) { p->mem->sync(); }
-                if (part == BACKWARD_WEIGHT) { p->wgt += now_seconds() - t0; } else { p->bwd += now_seconds() - t0; }
-                break;
-            case PP_SEND_BACKWARD:
-                // isend (pp group): d(loss)/d(input of (microbatch i, chunk c)) to the stage
-                // holding virtual stage vs - 1
-                m = pipeline_message(p, i, c, MSG_TO_SEND);
-                m->state = MSG_SENDING;
-                m->req = comm_isend(p->pp, m->buf, p->msg_floats, act->peer, pipeline_tag(p, i, vs - 1, 1), COMM_KIND_PP);
-                break;
-        }
-    }
-    for (int k = 0; k < p->nslots; k++) { comm_wait(p->slots[k].send_act); p->slots[k].send_act = NULL; }
-    for (int k = 0; k < p->nmsgs; k++) { comm_wait(p->msgs[k].req); p->msgs[k].req = NULL; p->msgs[k].state = MSG_FREE; }
-    p->busy = p->fwd + p->bwd + p->wgt;
-    zero_finish_grads(z);
-}
-
-// The step's mean load-balancing loss, logged beside the cross-entropy: per microbatch the
-// sum over the layers in layer order, then the mean over microbatches as global_mean_loss
-// takes it. aux (microbatches x L) holds this stage's layers, -0.0f for the others; every
-// stage's layers are summed into one table (all-reduce, pp group: each value is held by one
-// stage, -0.0f elsewhere, exact).
-static inline void moe_microbatch_aux(CommGroup* pp, int L, const float* aux, int micro, float* out) {
-    float* all = (float*)malloc_or_die(sizeof(float) * (size_t)micro * L + 1, "aux losses");
-    memcpy(all, aux, sizeof(float) * (size_t)micro * L);
-    if (pp->size > 1) { comm_all_reduce_sum(pp, all, (size_t)micro * L, COMM_KIND_OTHER); }
-    for (int i = 0; i < micro; i++) {
-        float s = 0.0f;
-        for (int l = 0; l < L; l++) { s = s + all[(size_t)i * L + l]; }
-        out[i] = s;
-    }
-    free(all);
-}
-
-// A forward-only pass of one batch through the pipeline (validation, sampling), acts[c] the
-// activations of chunk c: the virtual stages in model order, each on the stage holding it; the
-// first embeds the tokens, each receives its input (or takes it from the chunk before on this
-// rank), runs its layers and sends its output on; the last runs the head. Blocking sends and
-// receives: every stage walks the virtual stages in the same order.
-// sp_degree: the tensor-parallel degree if acts are sequence-parallel, else 1.
-// row >= 0 (generation with a KV cache, B = 1): only position `row` of the pass laid out over
-// (1, T), its token inputs[row], through ModelOps' decode (the rows before it are in the
-// chunks' activations from the earlier calls); one row of C floats goes from stage to stage.
-static inline void pipeline_forward_pass(Pipeline* p, void** acts, const int* inputs, const int* targets,
-                                         int B, int T, int C, int sp_degree, int row) {
-    const ModelOps* ops = p->ops;
-    int decode = row >= 0;
-    size_t n = decode ? (size_t)C : (size_t)B * T / sp_degree * C;   // the message
-    size_t at = decode ? (size_t)row * C : 0;                          // where it starts
-    int V = p->cfg.num_stages * p->cfg.num_chunks;
-    for (int vs = 0; vs < V; vs++) {
-        int c = pipeline_chunk_of(p, vs);
-        if (c < 0) { continue; }
-        void* model = p->models[c];
-        const ChunkPlace* place = &p->places[c];
-        if (!decode && (place->has_embedding || place->has_head)) {
-            ops->set_tokens(model, acts[c], inputs, targets, B, T);
-        }
-        if (place->has_embedding) {
-            if (decode) { ops->embed_decode(model, acts[c], inputs[row], row, T); }
-            else { ops->embed_forward(model, acts[c], B, T); }
-        } else {
-            int producer = pipeline_chunk_of(p, vs - 1);
-            if (producer >= 0) {
-                p->mem->copy(ops->stage_input(model, acts[c]) + at,
-                             ops->stage_output(p->models[producer], acts[producer], B, T) + at, n * sizeof(float));
-            } else {
-                // recv (pp group): the output of virtual stage vs - 1
-                comm_wait(comm_irecv(p->pp, ops->stage_input(model, acts[c]) + at, n, pp_owner_stage(&p->cfg, vs - 1),
-                                     pipeline_tag(p, 0, vs - 1, 0), COMM_KIND_PP));
-            }
-        }
-        if (decode) { ops->layers_decode(model, acts[c], row, T); }
-        else { ops->layers_forward(model, acts[c], B, T); }
-        if (place->has_head) {
-            if (decode) { ops->head_decode(model, acts[c], row, T); }
-            else { ops->head_forward(model, acts[c], B, T, 0); }
-        } else if (pipeline_chunk_of(p, vs + 1) < 0) {
-            // send (pp group): this output to the stage holding virtual stage vs + 1
-            comm_wait(comm_isend(p->pp, ops->stage_output(model, acts[c], B, T) + at, n, pp_owner_stage(&p->cfg, vs + 1),
-                                 pipeline_tag(p, 0, vs, 0), COMM_KIND_PP));
-        }
-    }
-}
-
-// ==========================================================================================
-// The trainer
-// ==========================================================================================
-
-typedef struct {
-    Comm comm;
-    TrainArgs args;
-    int root;                       // world rank 0: prints, writes main.log and the model file
-    GPT2Config config;
-    float* start_params;            // host, until trainer_build hands them to zero.h
-    int resume_step;                // -1: a fresh start
-    int B, T, M;                    // microbatch, sequence length, microbatches per step (global)
-    long long tokens_per_micro, total_batch;
-    PipelineScheduleKind pp_kind;
-    LRScheduleKind lr_kind;
-    int nchunks;                    // model chunks per pipeline rank (--vpp; zbv 2)
-    // built by trainer_build
-    const ModelOps* ops;
-    const MemOps* mem;
-    ChunkPlace* places;             // [nchunks] this rank's chunks (pipeline.h's placement)
-    int head_stage;                 // the pipeline stage holding the head
-    Zero zero;
-    void** models;                  // [nchunks] the model of each chunk
-    Pipeline pipe;
-    void* grads;
-    size_t grads_bytes;
-    DataLoader train_loader, val_loader;
-    int do_val, val_batches, train_steps;
-    LRSchedule schedule;
-    Tokenizer tokenizer;
-    int do_sample, genT;
-    void** sample_acts;             // [nchunks]
-    float* sample_probs;            // host, Vp
-    TrainProgress progress;
-    Logger logger;
-    int moe;                        // a mixture-of-experts model
-    float* moe_micro_aux;           // (local microbatches) each one's aux loss, summed over layers
-} Trainer;
 
 // Every rank must run the same job: each compares its flags with world rank 0's (broadcast, as
 // text) and stops the whole job at the first difference with one line naming the flag; a rank
@@ -718,18 +200,14 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     // for zbv)
     int S = comm->pp, v = t->nchunks;
     PipelineConfig cfg = {S, t->M / comm->dp, t->pp_kind, v};
-    PipelineChunkLayers* all = (PipelineChunkLayers*)malloc_or_die(sizeof(PipelineChunkLayers) * S * v, "placement");
+    ChunkPlace* all = (ChunkPlace*)malloc_or_die(sizeof(ChunkPlace) * S * v, "placement");
     char err[256];
     if (pipeline_place_layers(&cfg, c->num_layers, 0.0, head_cost_in_layers(c), all, err, sizeof(err)) != 0) {
         fatal("--pp: %s", err);
     }
-    t->places = (ChunkPlace*)malloc_or_die(sizeof(ChunkPlace) * v, "placement");
-    for (int ch = 0; ch < v; ch++) {
-        const PipelineChunkLayers* q = &all[comm->pp_rank * v + ch];
-        t->places[ch] = (ChunkPlace){q->first_layer, q->first_layer + q->num_layers, q->has_embedding, q->has_head};
-    }
+    t->all_places = all;
+    t->places = all + (size_t)comm->pp_rank * v;
     for (int k = 0; k < S * v; k++) { if (all[k].has_head) { t->head_stage = k / v; } }
-    free(all);
     zero_init_ep(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->dpcp_group, comm->ep > 1 ? &comm->ep_group : NULL,
                  comm->ep > 1 ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, t->places, v,
                  t->head_stage, t->start_params, t->M);
@@ -759,6 +237,8 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
         t->pipe.moe_aux = (float*)malloc_or_die(sizeof(float) * n, "aux losses");
         for (size_t k = 0; k < n; k++) { t->pipe.moe_aux[k] = -0.0f; }
         t->moe_micro_aux = (float*)calloc_or_die((size_t)t->zero.local_microbatches + 1, sizeof(float), "aux losses");
+        t->moe_counters = (MoeCounters**)malloc_or_die(sizeof(MoeCounters*) * v, "routing counters");
+        for (int ch = 0; ch < v; ch++) { t->moe_counters[ch] = ops->moe_counters(t->models[ch]); }
     }
     t->genT = a->gen_T < c->max_seq_len ? a->gen_T : c->max_seq_len;
     // the sampler's forward passes: every dp rank takes part under ZeRO-3 (parameter gathers)
@@ -947,341 +427,252 @@ static inline void trainer_write_checkpoint(Trainer* t) {
     }
 }
 
-// The fewest and the most slots routed to one expert of one layer in the step, over every
-// rank's microbatches: the stage's counts (its chunks') summed over the dp group, then the
-// stages' layers into one table (pp group; integers below 2^24 are exact in floats).
-static inline void trainer_expert_loads(Trainer* t, double* lo, double* hi) {
-    int L = t->config.num_layers, E = t->config.num_experts;
-    float* all = (float*)calloc_or_die((size_t)L * E, sizeof(float), "expert loads");
-    for (int ch = 0; ch < t->nchunks; ch++) {
-        const MoeCounters* ct = t->ops->moe_counters(t->models[ch]);
-        for (int l = 0; ct && l < ct->layers; l++) {
-            for (int e = 0; e < E; e++) { all[(size_t)(ct->first_layer + l) * E + e] = (float)ct->tokens[(size_t)l * E + e]; }
-        }
-    }
-    comm_all_reduce_sum(&t->comm.dp_group, all, (size_t)L * E, COMM_KIND_OTHER);
-    comm_all_reduce_sum(&t->comm.pp_group, all, (size_t)L * E, COMM_KIND_OTHER);
-    *lo = *hi = all[0];
-    for (size_t i = 1; i < (size_t)L * E; i++) {
-        if (all[i] < *lo) { *lo = all[i]; }
-        if (all[i] > *hi) { *hi = all[i]; }
-    }
-    free(all);
-}
-
-// ---- the startup table -------------------------------------------------------------------
-
-static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
-    const TrainArgs* a = &t->args;
-    const GPT2Config* c = &t->config;
-    Comm* comm = &t->comm;
-    Zero* z = &t->zero;
-    Pipeline* pipe = &t->pipe;
-    size_t P = param_count(c);
-    int N = comm->dp;
-    ZeroMemory mem = zero_memory(z);
-    // every stage's activation memory, for the table (all-gather, pp group)
-    float stage_mib = (float)(pipe->slot_bytes / 1048576.0), all_stage_mib[64];
-    if (comm->pp <= 64) { comm_all_gather(&comm->pp_group, &stage_mib, all_stage_mib, 1, COMM_KIND_OTHER); }
-    // every rank's grid coordinates (all-gather, world)
-    float coords[4] = {(float)comm->dp_rank, (float)comm->cp_rank, (float)comm->tp_rank, (float)comm->pp_rank};
-    float* all_coords = comm->world_size <= 64 ? (float*)malloc_or_die(sizeof(float) * 4 * comm->world_size, "grid") : NULL;
-    if (all_coords) { comm_all_gather(&comm->world, coords, all_coords, 4, COMM_KIND_OTHER); }
-    if (!t->root) { free(all_coords); return; }
-    printf("+--------------------------------------------------------------------------+\n");
-    build->banner();
-    printf("+--------------------------------------------------------------------------+\n");
-    printf("| model         L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n", c->num_layers, c->channels,
-           c->num_heads, c->vocab_size, c->padded_vocab_size, c->max_seq_len);
-    if (t->resume_step >= 0) { printf("| init          %s/model_%08d.bin\n", a->output_dir, t->resume_step); }
-    else { printf("| init          %s\n", a->model); }
-    printf("| parameters    P = %zu (%.1f M)\n", P, P / 1e6);
-    printf("| ranks         %d = %d data x %d context x %d tensor%s x %d pipeline; ZeRO stage %d\n", comm->world_size, N,
-           comm->cp, comm->tp, a->sp ? " (+ sequence parallel)" : "", comm->pp, z->stage);
-    if (all_coords && comm->world_size > 1) {   // Megatron's order: tensor fastest, then context, data, pipeline
-        for (int w = 0; w < comm->world_size; w++) {
-            if (w % 8 == 0) { printf("%s| grid          rank (dp,cp,tp,pp):", w ? "\n" : ""); }
-            printf(" %d (%d,%d,%d,%d)", w, (int)all_coords[4 * w], (int)all_coords[4 * w + 1], (int)all_coords[4 * w + 2],
-                   (int)all_coords[4 * w + 3]);
-        }
-        printf("\n");
-    }
-    free(all_coords);
-    if (comm->cp > 1) {
-        printf("| context       %d-way %s: each rank holds stretches r and %d-r of every sequence (%d positions each)\n",
-               comm->cp, strcmp(a->cp_mode, "a2a") == 0 ? "all-to-all (Ulysses)" : "ring attention", 2 * comm->cp - 1,
-               t->T / (2 * comm->cp));
-    }
-    if (t->moe) {
-        size_t active = param_active_count(c), experts = 0;
-        for (int u = z->lay.num_units + 1; u < z->lay.num_all; u++) { if (z->lay.params_here[u]) { experts += z->lay.size[u]; } }
-        printf("| experts       E=%d per layer, top k=%d, load-balancing alpha %g; %zu active parameters per token "
-               "(%.1f%% of P)\n", c->num_experts, c->top_k, c->aux_loss_coef, active, 100.0 * active / P);
-        printf("|               expert parallel %d (ep groups of %d data ranks; the experts' gradients reduced over %d "
-               "ranks)\n", comm->ep, comm->ep, N / comm->ep);
-        for (int q = 0; q < comm->ep; q++) {
-            int El = c->num_experts / comm->ep;
-            // every rank holds as many experts: rank 0's bytes are each rank's
-            printf("|   ep rank %-3d experts [%d, %d) of each layer = %zu expert parameters; per rank (dense part "
-                   "included) params %.1f MiB, grads %.1f MiB, AdamW %.1f MiB\n", q, q * El, (q + 1) * El, experts,
-                   mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576);
-        }
-    }
-    printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
-           t->B, t->T, t->M, z->local_microbatches, t->total_batch);
-    if (comm->pp > 1) {
-        PipelineConfig cfg = pipe->cfg;
-        int v = cfg.num_chunks;
-        printf("| pipeline      %s over %d stages", a->pp_schedule, comm->pp);
-        if (v > 1) { printf(" x %d model chunks", v); }
-        printf(", %d microbatches; bubble model %.3f\n", z->local_microbatches, pipeline_bubble_fraction(&cfg));
-        PipelineChunkLayers* all = (PipelineChunkLayers*)malloc_or_die(sizeof(PipelineChunkLayers) * comm->pp * v, "placement");
-        pipeline_place_layers(&cfg, c->num_layers, 0.0, head_cost_in_layers(c), all, NULL, 0);
-        for (int st = 0; st < comm->pp && st < 64; st++) {
-            int n = pipeline_stage_actions(&cfg, st, NULL, 0, NULL, 0);
-            if (n < 0) { fatal("internal: pipeline stage %d has no schedule", st); }
-            PipelineAction* acts = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "actions");
-            pipeline_stage_actions(&cfg, st, acts, n, NULL, 0);
-            printf("|   stage %-3d   layers", st);
-            int embed = 0, head = 0;
-            for (int ch = 0; ch < v; ch++) {
-                const PipelineChunkLayers* q = &all[st * v + ch];
-                printf(" [%d, %d)", q->first_layer, q->first_layer + q->num_layers);
-                embed |= q->has_embedding;
-                head |= q->has_head;
-            }
-            printf("%s%s, peak activations: %d %s, %.1f MiB\n", embed ? " + embeddings" : "", head ? " + head" : "",
-                   pipeline_max_in_flight(acts, n), v > 1 ? "(microbatch, chunk) pairs" : "microbatch(es)",
-                   all_stage_mib[st]);
-            free(acts);
-        }
-        free(all);
-    }
-    train_data_print_summary(a, t->train_steps, &t->train_loader, &t->val_loader, t->val_batches);
-    printf("| memory/rank   params %.1f MiB, grads %.1f MiB, AdamW %.1f MiB, activations %.1f MiB\n",
-           mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576,
-           (pipe->slot_bytes + t->grads_bytes) / 1048576.0);
-    if (comm->pp == 1) {
-        printf("|               ZeRO paper, fp32 AdamW: %s = %.1f MiB (ours: %.1f MiB incl. padding and wte's 2nd gradient half)\n",
-               z->stage == 0 ? "16P" : z->stage == 1 ? "8P + 8P/N" : z->stage == 2 ? "4P + 12P/N" : "16P/N",
-               (z->stage == 0 ? 16.0 * P : z->stage == 1 ? 8.0 * P + 8.0 * P / z->N
-                : z->stage == 2 ? 4.0 * P + 12.0 * P / z->N : 16.0 * P / z->N) / 1048576,
-               (mem.params + mem.grads + mem.optimizer) / 1048576);
-    }
-    if (build->memory_line) { build->memory_line(); }
-    printf("| output        %s\n", a->output_dir ? a->output_dir : "(none)");
-    if (t->resume_step >= 0) { printf("| resuming      from step %d\n", t->resume_step); }
-    printf("+--------------------------------------------------------------------------+\n");
-    fflush(stdout);
-}
-
 // ---- the loop ----------------------------------------------------------------------------
 
-#define PP_TIMING 5   // per stage and step: idle fraction, forward, backward, weight half, peak held
+// The bytes a rank sends over its context-parallel group of N ranks (context_parallel.h) in one
+// optimizer step of `microbatches` microbatches, for a rank whose chunks hold `layers`
+// transformer layers, the embeddings (has_embedding) and the head (has_head). Per microbatch
+// each layer sends, with the ring, (N-1) K and (N-1) V blocks forward, (N-1) V and (N-1) K
+// blocks and (N-1) dK|dV partial blocks backward, a block being B (T/N) (C/tp) floats; with the
+// all-to-all 8 (N-1)/N blocks; the embeddings' chunk all-gathers the embedding's gradient
+// ((N-1) B (T/N) C floats), the head's chunk the per-position losses ((N-1) B (T/N)).
+// (It belongs at the end of context_parallel.h, which engine.h cannot include while that header
+// relies on train_gpt2.c's kernels being defined before it.)
+static inline uint64_t cp_bytes_per_step(int N, int a2a, int layers, int has_embedding, int has_head, int B, int T,
+                                         int C, int tp, int microbatches) {
+    uint64_t positions = (uint64_t)B * (T / N);   // this rank's positions of a microbatch
+    uint64_t block = positions * (C / tp);
+    uint64_t per_layer = a2a ? 8 * (uint64_t)(N - 1) * block / N : 6 * (uint64_t)(N - 1) * block;
+    uint64_t per_micro = layers * per_layer + (has_embedding ? (uint64_t)(N - 1) * positions * C : 0) +
+                         (has_head ? (uint64_t)(N - 1) * positions : 0);
+    return sizeof(float) * per_micro * (uint64_t)microbatches;
+}
 
-// Context parallelism's bytes this rank sent in the step, against the formula
-// (context_parallel.h), per microbatch: each of the rank's layers sends, with the ring,
-// (N-1) K and (N-1) V blocks forward, (N-1) V and (N-1) K blocks and (N-1) dK|dV partial
-// blocks backward, a block being B (T/N) C/tp floats; with the all-to-all 8 (N-1)/N blocks;
-// the chunk with the embeddings all-gathers the embedding's gradient ((N-1) B (T/N) C floats),
-// the chunk with the head the per-position losses ((N-1) B (T/N)).
+// Context parallelism's bytes this rank sent in the step, against cp_bytes_per_step for this
+// rank's chunks.
 static inline void trainer_print_cp_accounting(const Trainer* t) {
     const Comm* comm = &t->comm;
-    const GPT2Config* c = &t->config;
-    int N = comm->cp, a2a = strcmp(t->args.cp_mode, "a2a") == 0, layers = 0, first = 0, last = 0;
+    int a2a = strcmp(t->args.cp_mode, "a2a") == 0, layers = 0, first = 0, last = 0;
     for (int ch = 0; ch < t->nchunks; ch++) {
         layers += t->places[ch].last_layer - t->places[ch].first_layer;
         first |= t->places[ch].has_embedding;
         last |= t->places[ch].has_head;
     }
-    int Tl = t->T / N, Ca = c->channels / comm->tp;
-    uint64_t block = (uint64_t)t->B * Tl * Ca;
-    uint64_t per_layer = a2a ? 8 * (uint64_t)(N - 1) * block / N : 6 * (uint64_t)(N - 1) * block;
-    uint64_t per_micro = layers * per_layer + (first ? (uint64_t)(N - 1) * t->B * Tl * c->channels : 0) +
-                         (last ? (uint64_t)(N - 1) * t->B * Tl : 0);
-    uint64_t want = 4 * per_micro * (uint64_t)t->zero.local_microbatches, got = comm->stats.bytes[COMM_KIND_CP];
+    uint64_t want = cp_bytes_per_step(comm->cp, a2a, layers, first, last, t->B, t->T, t->config.channels, comm->tp,
+                                      t->zero.local_microbatches);
+    uint64_t got = comm->stats.bytes[COMM_KIND_CP];
     printf("cp accounting: %s N %d layers %d B %d T/N %d C/tp %d microbatches/rank %d | bytes/rank/step cp %llu, "
-           "formula %llu (%s)\n", a2a ? "a2a" : "ring", N, layers, t->B, Tl, Ca, t->zero.local_microbatches,
-           (unsigned long long)got, (unsigned long long)want, got == want ? "equal" : "MISMATCH");
+           "formula %llu (%s)\n", a2a ? "a2a" : "ring", comm->cp, layers, t->B, t->T / comm->cp,
+           t->config.channels / comm->tp, t->zero.local_microbatches, (unsigned long long)got,
+           (unsigned long long)want, got == want ? "equal" : "MISMATCH");
 }
 
-// The startup table, then every step: validation, sampling and checkpoints when due, the
-// step's microbatches through the pipeline, the loss, the gradient norm, AdamW; the step line
-// on the console and in main.log; at the end a summary of the run. A loss or gradient norm
-// that is not finite stops the run before anything of that step is written (Megatron's NaN
+// What the loop keeps from step to step, for the step lines and the run summary.
+typedef struct {
+    int first_step;                 // of this run (after -y, the resumed step)
+    double flops_per_step;
+    double run_start, total_time;   // total_time: the timed steps' seconds
+    int timed_steps;                // the steps after the first, which carries the warm-up
+    float* local_loss;              // (local microbatches) this rank's loss sums of the step
+    float best_val;
+    int best_val_step, last_checkpoint;                   // -1: none
+    float cost_sum[PP_TIMING * PP_MAX_LISTED_STAGES];     // the stages' measured costs, summed
+    int cost_steps;                                       // ... over this many steps
+} TrainRun;
+
+// What one optimizer step produced, for its step line.
+typedef struct {
+    int step;                       // 0-based: the step line says step + 1
+    float loss, aux, norm, lr;      // aux: the experts' load-balancing loss
+    double seconds, load_min, load_max;   // load: the fewest / most slots of one expert
+    float timing_all[PP_TIMING * PP_MAX_LISTED_STAGES];   // every stage's pipeline_step_timing
+} StepResult;
+
+// One optimizer step over M microbatches (M / N on each data-parallel rank): the pipeline, the
+// loss, the experts' statistics, the gradient norm, AdamW. A loss or gradient norm that is not
+// finite stops the run before the step updates the model or writes anything (Megatron's NaN
 // check).
-static inline void trainer_run(Trainer* t, const BuildInfo* build) {
+static inline void trainer_step(Trainer* t, TrainRun* run, int step, StepResult* out) {
     const TrainArgs* a = &t->args;
-    const GPT2Config* c = &t->config;
     Comm* comm = &t->comm;
     Zero* z = &t->zero;
     Pipeline* pipe = &t->pipe;
-    size_t P = param_count(c);
-    trainer_print_table(t, build);
-    ZeroMemory mem = zero_memory(z);
-    double flops_per_step = (6.0 * (double)(t->moe ? param_active_count(c) : P) + 6.0 * c->num_layers * c->channels * t->T) *
-                            (double)t->total_batch;
-    float* local_loss = (float*)calloc_or_die((size_t)z->local_microbatches + 1, sizeof(float), "losses");
-    double total_time = 0.0, run_start = now_seconds();
-    int timed_steps = 0;
-    const int first_step = (int)t->progress.step;   // of this run (after -y, the resumed step)
-    float best_val = 0.0f;
-    int best_val_step = -1, last_checkpoint = -1;
-    float cost_sum[PP_TIMING * 64] = {0};   // the pipeline's measured costs, summed over steps
-    int cost_steps = 0;
-    for (int step = first_step; step <= t->train_steps; step++) {
-        int last_step = step == t->train_steps;
+    memset(out, 0, sizeof(*out));
+    out->step = step;
+    comm_reset_stats(comm);
+    if (t->moe) { moe_counters_reset(t->moe_counters, t->nchunks); }
+    double t0 = now_seconds();
+    pipeline_step(pipe, z, t->grads, &t->train_loader, t->progress.microbatches_done, t->M, t->B, t->T,
+                  a->overfit_single_batch, run->local_loss);
+    out->loss = global_mean_loss(t, run->local_loss, z->local_microbatches, t->M, 0, (double)t->total_batch);
+    if (t->moe) {
+        moe_microbatch_aux(&comm->pp_group, t->config.num_layers, pipe->moe_aux, z->local_microbatches,
+                           t->moe_micro_aux);
+        out->aux = global_mean_loss(t, t->moe_micro_aux, z->local_microbatches, t->M, 0, (double)t->M);
+        moe_expert_loads(t->moe_counters, t->nchunks, t->config.num_layers, t->config.num_experts, &comm->dp_group,
+                         &comm->pp_group, &out->load_min, &out->load_max);
+    }
+    out->norm = zero_grad_norm(z, &comm->tp_group);
+    if (!isfinite(out->loss) || !isfinite(out->norm)) {
+        fatal("step %d: the %s is %g: training diverged; stopping before this step updates the model "
+              "or writes anything (lower -l, check the data; the last checkpoint is intact)",
+              step + 1, isfinite(out->loss) ? "gradient norm" : "loss", isfinite(out->loss) ? out->norm : out->loss);
+    }
+    float grad_scale = a->grad_clip > 0.0f && out->norm > a->grad_clip ? a->grad_clip / out->norm : 1.0f;
+    out->lr = lr_at_step(&t->schedule, step);
+    AdamWStep s = adamw_step_constants(out->lr, a->beta1, a->beta2, a->eps, step + 1, grad_scale);
+    zero_adamw_step(z, &s, a->weight_decay);
+    t->mem->sync();
+    t->progress.microbatches_done += t->M;
+    t->progress.step = step + 1;
+    out->seconds = now_seconds() - t0;
+    // every stage's measured costs (all-gather, pp group), summed for the run summary
+    int first_of_run = step == run->first_step;
+    if (!first_of_run) { run->total_time += out->seconds; run->timed_steps++; }
+    if (comm->pp > 1 && comm->pp <= PP_MAX_LISTED_STAGES) {
+        float timing[PP_TIMING];
+        pipeline_step_timing(pipe, out->seconds, timing);
+        comm_all_gather(&comm->pp_group, timing, out->timing_all, PP_TIMING, COMM_KIND_OTHER);
+        if (!first_of_run || t->train_steps - run->first_step == 1) {
+            for (int k = 0; k < PP_TIMING * comm->pp; k++) { run->cost_sum[k] += out->timing_all[k]; }
+            run->cost_steps++;
+        }
+    }
+}
 
+// The step line on the console (world rank 0) with the experts' and the pipeline's lines, after
+// the run's first step what it sent and the memory plan; and the step in main.log.
+static inline void trainer_report_step(Trainer* t, const BuildInfo* build, const TrainRun* run, const StepResult* r) {
+    const GPT2Config* c = &t->config;
+    Comm* comm = &t->comm;
+    Zero* z = &t->zero;
+    const Pipeline* pipe = &t->pipe;
+    int first_of_run = r->step == run->first_step;
+    if (t->root) {
+        char throughput[64];
+        build->throughput(throughput, sizeof(throughput), run->flops_per_step / r->seconds);
+        printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %s\n", r->step + 1,
+               t->train_steps, r->loss, r->lr, r->norm, r->seconds * 1e3, t->total_batch / r->seconds, throughput);
+        if (t->moe) {   // the expert load over the whole step; rank 0's all-to-all traffic
+            MoeCounters sent = moe_counters_total(t->moe_counters, t->nchunks);
+            printf("           experts: aux %.6f | tokens per expert min %.0f max %.0f (of %lld per layer) | "
+                   "all-to-all %llu bytes: %lld rows out, %lld in, %lld layer passes\n", r->aux, r->load_min,
+                   r->load_max, (long long)c->top_k * t->total_batch, (unsigned long long)comm->stats.bytes[COMM_KIND_EP],
+                   sent.rows_out, sent.rows_in, sent.passes);
+        }
+        if (comm->pp > 1 && comm->pp <= PP_MAX_LISTED_STAGES) {
+            printf("           pipeline idle per stage:");
+            for (int st = 0; st < comm->pp; st++) { printf(" %.2f", r->timing_all[PP_TIMING * st]); }
+            printf(" (model %.2f)\n", pipeline_bubble_fraction(&pipe->cfg));
+            if (first_of_run) {
+                printf("pipeline activations held per stage (peak, %s):",
+                       pipe->nchunks > 1 ? "(microbatch, chunk) pairs" : "microbatches");
+                for (int st = 0; st < comm->pp; st++) { printf(" %d", (int)r->timing_all[PP_TIMING * st + 4]); }
+                printf("\n");
+            }
+        }
+        if (first_of_run) {   // what this run's first step sent, and the memory plan
+            ZeroMemory mem = zero_memory(z);
+            printf("communication per rank in this step (bytes sent):\n");
+            comm_print_stats(comm, stdout);
+            printf("zero accounting: stage %d N %d P %zu VpC %zu L %d microbatches/rank %d | "
+                   "bytes/rank/step grad %llu param %llu | bytes/rank params %.0f grads %.0f optimizer %.0f\n",
+                   z->stage, z->N, param_count(c), (size_t)c->padded_vocab_size * c->channels, c->num_layers,
+                   z->local_microbatches, (unsigned long long)comm->stats.bytes[COMM_KIND_GRAD],
+                   (unsigned long long)comm->stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
+            if (comm->cp > 1) { trainer_print_cp_accounting(t); }
+        }
+        fflush(stdout);
+    }
+    if (t->moe) {
+        logger_log_train_aux(&t->logger, r->step, r->loss, r->lr, r->norm, r->aux);
+    } else {
+        logger_log_train(&t->logger, r->step, r->loss, r->lr, r->norm);
+    }
+}
+
+// The run summary (world rank 0): what was trained, how fast (the steps after the first, which
+// carries the warm-up), the best validation loss, where the model is, and the command that
+// draws this run's pipeline schedule from its measured costs.
+static inline void trainer_print_summary(const Trainer* t, const BuildInfo* build, const TrainRun* run) {
+    if (!t->root) { return; }
+    const TrainArgs* a = &t->args;
+    const Comm* comm = &t->comm;
+    const Pipeline* pipe = &t->pipe;
+    int steps = t->train_steps - run->first_step;
+    printf("run summary: %d step(s) (%d -> %d), %.0f tokens in %.1f s", steps, run->first_step, t->train_steps,
+           (double)steps * t->total_batch, now_seconds() - run->run_start);
+    if (run->timed_steps > 0) {
+        double avg = run->total_time / run->timed_steps;
+        char throughput[160];
+        build->summary_throughput(throughput, sizeof(throughput), run->flops_per_step / avg);
+        printf("\n  average step %.1f ms (excluding the first), %.0f tok/s, %s", avg * 1e3, t->total_batch / avg,
+               throughput);
+    }
+    if (run->best_val_step >= 0) { printf("\n  best val loss %.6f (step %d)", run->best_val, run->best_val_step); }
+    if (run->last_checkpoint >= 0) {
+        printf("\n  checkpoint: %s/model_%08d.bin (resume with -y 1 -o %s)", a->output_dir, run->last_checkpoint,
+               a->output_dir);
+    }
+    printf("\n");
+    if (run->cost_steps > 0) {   // the measured costs, ready for the schedule drawing tool
+        printf("draw this run's pipeline schedule from its measured costs (ms per microbatch and chunk, "
+               "mean over %d step(s)):\n  dev/tools/pp_schedule --stages %d --microbatches %d --schedule %s",
+               run->cost_steps, comm->pp, t->zero.local_microbatches, a->pp_schedule);
+        if (pipe->cfg.kind == PP_INTERLEAVED) { printf(" --chunks %d", pipe->nchunks); }
+        const char* flags[3] = {"--fwd", "--bwd", "--wgt"};
+        for (int f = 0; f < (pipe->split ? 3 : 2); f++) {
+            printf(" %s ", flags[f]);
+            for (int st = 0; st < comm->pp; st++) {
+                printf("%s%.3f", st ? "," : "", run->cost_sum[PP_TIMING * st + 1 + f] / run->cost_steps);
+            }
+        }
+        printf(" --svg pipeline.svg\n");
+    }
+}
+
+// The startup table, then every step: validation, sampling and checkpoints when due, the
+// step (trainer_step) and its lines (trainer_report_step); at the end the run summary.
+static inline void trainer_run(Trainer* t, const BuildInfo* build) {
+    const TrainArgs* a = &t->args;
+    const GPT2Config* c = &t->config;
+    trainer_print_table(t, build);
+    TrainRun run;
+    memset(&run, 0, sizeof(run));
+    run.first_step = (int)t->progress.step;
+    run.flops_per_step = (6.0 * (double)(t->moe ? param_active_count(c) : param_count(c)) +
+                          6.0 * c->num_layers * c->channels * t->T) * (double)t->total_batch;
+    run.run_start = now_seconds();
+    run.local_loss = (float*)calloc_or_die((size_t)t->zero.local_microbatches + 1, sizeof(float), "losses");
+    run.best_val_step = run.last_checkpoint = -1;
+    for (int step = run.first_step; step <= t->train_steps; step++) {
+        int last_step = step == t->train_steps;
         if (t->do_val && (step % a->val_every == 0 || last_step)) {
             float val_loss = trainer_validate(t);
             if (t->root) { printf("val loss %.6f\n", val_loss); }
             logger_log_val(&t->logger, step, val_loss);
-            if (best_val_step < 0 || val_loss < best_val) { best_val = val_loss; best_val_step = step; }
+            if (run.best_val_step < 0 || val_loss < run.best_val) { run.best_val = val_loss; run.best_val_step = step; }
         }
         if (t->do_sample && ((step > 0 && step % a->sample_every == 0) || last_step)) { trainer_sample(t); }
         if (a->checkpoint_every > 0 && step != t->resume_step &&
             ((step > 0 && step % a->checkpoint_every == 0) || last_step)) {
             t->progress.step = step;
             trainer_write_checkpoint(t);
-            last_checkpoint = step;
+            run.last_checkpoint = step;
         }
         if (last_step) { break; }
-
-        // ---- one optimizer step over M microbatches (M / N on each data-parallel rank) ----
-        comm_reset_stats(comm);
-        for (int ch = 0; t->moe && ch < t->nchunks; ch++) {   // every chunk's routing counters
-            MoeCounters* ct = t->ops->moe_counters(t->models[ch]);
-            if (ct == NULL) { continue; }
-            memset(ct->tokens, 0, sizeof(double) * (size_t)ct->layers * ct->experts);
-            ct->passes = ct->rows_out = ct->rows_in = 0;
-        }
-        double t0 = now_seconds();
-        pipeline_step(pipe, z, t->grads, &t->train_loader, t->progress.microbatches_done, t->M, t->B, t->T,
-                      a->overfit_single_batch, local_loss);
-        float loss = global_mean_loss(t, local_loss, z->local_microbatches, t->M, 0, (double)t->total_batch);
-        float aux = 0.0f;
-        double load_min = 0, load_max = 0;
-        if (t->moe) {
-            moe_microbatch_aux(&comm->pp_group, c->num_layers, pipe->moe_aux, z->local_microbatches, t->moe_micro_aux);
-            aux = global_mean_loss(t, t->moe_micro_aux, z->local_microbatches, t->M, 0, (double)t->M);
-            trainer_expert_loads(t, &load_min, &load_max);
-        }
-        float norm = zero_grad_norm(z, &comm->tp_group);
-        if (!isfinite(loss) || !isfinite(norm)) {
-            fatal("step %d: the %s is %g: training diverged; stopping before this step updates the model "
-                  "or writes anything (lower -l, check the data; the last checkpoint is intact)",
-                  step + 1, isfinite(loss) ? "gradient norm" : "loss", isfinite(loss) ? norm : loss);
-        }
-        float grad_scale = a->grad_clip > 0.0f && norm > a->grad_clip ? a->grad_clip / norm : 1.0f;
-        float lr = lr_at_step(&t->schedule, step);
-        AdamWStep s = adamw_step_constants(lr, a->beta1, a->beta2, a->eps, step + 1, grad_scale);
-        zero_adamw_step(z, &s, a->weight_decay);
-        t->mem->sync();
-        t->progress.microbatches_done += t->M;
-        t->progress.step = step + 1;
-        double dt = now_seconds() - t0;
-        // the pipeline bubble: the fraction of the step each stage spent not computing; each
-        // stage's mean time per (microbatch, chunk) of a forward, a whole backward and its
-        // weight half; the most activations it held (all-gather, pp group)
-        double units = (double)z->local_microbatches * pipe->nchunks;
-        float timing[PP_TIMING] = {(float)(1.0 - pipe->busy / dt), (float)(pipe->fwd / units * 1e3),
-                                   (float)((pipe->bwd + pipe->wgt) / units * 1e3), (float)(pipe->wgt / units * 1e3),
-                                   (float)pipe->peak_held};
-        float timing_all[PP_TIMING * 64];
-        if (comm->pp > 1 && comm->pp <= 64) {
-            comm_all_gather(&comm->pp_group, timing, timing_all, PP_TIMING, COMM_KIND_OTHER);
-        }
-        int first_of_run = step == first_step;   // carries the warm-up: not in the average
-        if (!first_of_run) { total_time += dt; timed_steps++; }
-        if (comm->pp > 1 && comm->pp <= 64 && (!first_of_run || t->train_steps - first_step == 1)) {
-            for (int k = 0; k < PP_TIMING * comm->pp; k++) { cost_sum[k] += timing_all[k]; }
-            cost_steps++;
-        }
-        if (t->root) {
-            char throughput[64];
-            build->throughput(throughput, sizeof(throughput), flops_per_step / dt);
-            printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %s\n",
-                   step + 1, t->train_steps, loss, lr, norm, dt * 1e3, t->total_batch / dt, throughput);
-            if (t->moe) {   // the expert load over the whole step; rank 0's all-to-all traffic
-                long long rows_out = 0, rows_in = 0, passes = 0;
-                for (int ch = 0; ch < t->nchunks; ch++) {
-                    const MoeCounters* ct = t->ops->moe_counters(t->models[ch]);
-                    if (ct) { rows_out += ct->rows_out; rows_in += ct->rows_in; passes += ct->passes; }
-                }
-                printf("           experts: aux %.6f | tokens per expert min %.0f max %.0f (of %lld per layer) | "
-                       "all-to-all %llu bytes: %lld rows out, %lld in, %lld layer passes\n", aux, load_min, load_max,
-                       (long long)c->top_k * t->total_batch, (unsigned long long)comm->stats.bytes[COMM_KIND_EP],
-                       rows_out, rows_in, passes);
-            }
-            if (comm->pp > 1 && comm->pp <= 64) {
-                printf("           pipeline idle per stage:");
-                for (int st = 0; st < comm->pp; st++) { printf(" %.2f", timing_all[PP_TIMING * st]); }
-                printf(" (model %.2f)\n", pipeline_bubble_fraction(&pipe->cfg));
-                if (first_of_run) {
-                    printf("pipeline activations held per stage (peak, %s):",
-                           pipe->nchunks > 1 ? "(microbatch, chunk) pairs" : "microbatches");
-                    for (int st = 0; st < comm->pp; st++) { printf(" %d", (int)timing_all[PP_TIMING * st + 4]); }
-                    printf("\n");
-                }
-            }
-            if (first_of_run) {   // what this run's first step sent, and the memory plan
-                printf("communication per rank in this step (bytes sent):\n");
-                comm_print_stats(comm, stdout);
-                printf("zero accounting: stage %d N %d P %zu VpC %zu L %d microbatches/rank %d | "
-                       "bytes/rank/step grad %llu param %llu | bytes/rank params %.0f grads %.0f optimizer %.0f\n",
-                       z->stage, z->N, P, (size_t)c->padded_vocab_size * c->channels, c->num_layers,
-                       z->local_microbatches, (unsigned long long)comm->stats.bytes[COMM_KIND_GRAD],
-                       (unsigned long long)comm->stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
-                if (comm->cp > 1) { trainer_print_cp_accounting(t); }
-            }
-            fflush(stdout);
-        }
-        if (t->moe) {
-            logger_log_train_aux(&t->logger, step, loss, lr, norm, aux);
-        } else {
-            logger_log_train(&t->logger, step, loss, lr, norm);
-        }
+        StepResult result;
+        trainer_step(t, &run, step, &result);
+        trainer_report_step(t, build, &run, &result);
     }
-    if (t->root) {
-        // the run summary: what was trained, how fast (the steps after the first, which
-        // carries the warm-up), the best validation loss, where the model is
-        int steps = t->train_steps - first_step;
-        printf("run summary: %d step(s) (%d -> %d), %.0f tokens in %.1f s", steps, first_step, t->train_steps,
-               (double)steps * t->total_batch, now_seconds() - run_start);
-        if (timed_steps > 0) {
-            double avg = total_time / timed_steps;
-            char throughput[160];
-            build->summary_throughput(throughput, sizeof(throughput), flops_per_step / avg);
-            printf("\n  average step %.1f ms (excluding the first), %.0f tok/s, %s", avg * 1e3, t->total_batch / avg,
-                   throughput);
-        }
-        if (best_val_step >= 0) { printf("\n  best val loss %.6f (step %d)", best_val, best_val_step); }
-        if (last_checkpoint >= 0) {
-            printf("\n  checkpoint: %s/model_%08d.bin (resume with -y 1 -o %s)", a->output_dir, last_checkpoint,
-                   a->output_dir);
-        }
-        printf("\n");
-        if (cost_steps > 0) {   // the measured costs, ready for the schedule drawing tool
-            printf("draw this run's pipeline schedule from its measured costs (ms per microbatch and chunk, "
-                   "mean over %d step(s)):\n  dev/tools/pp_schedule --stages %d --microbatches %d --schedule %s",
-                   cost_steps, comm->pp, z->local_microbatches, a->pp_schedule);
-            if (pipe->cfg.kind == PP_INTERLEAVED) { printf(" --chunks %d", pipe->nchunks); }
-            const char* flags[3] = {"--fwd", "--bwd", "--wgt"};
-            for (int f = 0; f < (pipe->split ? 3 : 2); f++) {
-                printf(" %s ", flags[f]);
-                for (int st = 0; st < comm->pp; st++) {
-                    printf("%s%.3f", st ? "," : "", cost_sum[PP_TIMING * st + 1 + f] / cost_steps);
-                }
-            }
-            printf(" --svg pipeline.svg\n");
-        }
-    }
-    free(local_loss);
+    trainer_print_summary(t, build, &run);
+    free(run.local_loss);
 }
 
 static inline void trainer_end(Trainer* t) {
     free(t->pipe.moe_aux);
     free(t->moe_micro_aux);
+    free(t->moe_counters);
     pipeline_free(&t->pipe);
     if (t->do_sample) {
         for (int ch = 0; ch < t->nchunks; ch++) { t->ops->acts_destroy(t->models[ch], t->sample_acts[ch]); }
@@ -1294,7 +685,7 @@ static inline void trainer_end(Trainer* t) {
     tokenizer_free(&t->tokenizer);
     for (int ch = 0; ch < t->nchunks; ch++) { t->ops->destroy(t->models[ch]); }
     free(t->models);
-    free(t->places);
+    free(t->all_places);
     zero_free(&t->zero);
     comm_finalize(&t->comm);
 }

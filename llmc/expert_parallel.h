@@ -31,7 +31,8 @@
  * (fc column-parallel, fcproj row-parallel, Megatron's expert tensor parallelism); every
  * tensor-parallel rank routes the same positions and exchanges the same rows with its
  * counterpart (same tp rank) of the other ep ranks; an expert's partial outputs and input
- * gradients are all-reduced over the tensor-parallel group at the expert, per row.
+ * gradients are all-reduced over the tensor-parallel group at the expert, per row (the dense
+ * MLP's g forward and f backward, tensor_parallel.h).
  */
 #ifndef LLMC_EXPERT_PARALLEL_H
 #define LLMC_EXPERT_PARALLEL_H
@@ -165,5 +166,72 @@ typedef struct {
     long long rows_out;      // forward dispatch rows sent to other ep ranks
     long long rows_in;       // forward dispatch rows received from other ep ranks
 } MoeCounters;
+
+// ---- the step's statistics (what the trainer prints and logs) ----------------------------
+
+// Zeroes the routing counters of a rank's chunks (counters[ch]; NULL: a chunk without experts)
+// at the start of a step.
+static inline void moe_counters_reset(MoeCounters* const* counters, int nchunks) {
+    for (int ch = 0; ch < nchunks; ch++) {
+        MoeCounters* ct = counters[ch];
+        if (ct == NULL) { continue; }
+        memset(ct->tokens, 0, sizeof(double) * (size_t)ct->layers * ct->experts);
+        ct->passes = ct->rows_out = ct->rows_in = 0;
+    }
+}
+
+// The all-to-all traffic of a rank's chunks in the step (passes, rows out and in; no tokens).
+static inline MoeCounters moe_counters_total(MoeCounters* const* counters, int nchunks) {
+    MoeCounters total;
+    memset(&total, 0, sizeof(total));
+    for (int ch = 0; ch < nchunks; ch++) {
+        const MoeCounters* ct = counters[ch];
+        if (ct == NULL) { continue; }
+        total.rows_out += ct->rows_out;
+        total.rows_in += ct->rows_in;
+        total.passes += ct->passes;
+    }
+    return total;
+}
+
+// The fewest and the most slots routed to one expert of one layer (of L, with E experts each)
+// in the step, over every rank's microbatches: the rank's counts (its chunks') summed over the
+// dp group (all-reduce, dp group), then the stages' layers into one table (all-reduce, pp
+// group; each layer is held by one stage; integers below 2^24 are exact in floats).
+static inline void moe_expert_loads(MoeCounters* const* counters, int nchunks, int L, int E, CommGroup* dp,
+                                    CommGroup* pp, double* lo, double* hi) {
+    float* all = (float*)calloc_or_die((size_t)L * E, sizeof(float), "expert loads");
+    for (int ch = 0; ch < nchunks; ch++) {
+        const MoeCounters* ct = counters[ch];
+        for (int l = 0; ct && l < ct->layers; l++) {
+            for (int e = 0; e < E; e++) { all[(size_t)(ct->first_layer + l) * E + e] = (float)ct->tokens[(size_t)l * E + e]; }
+        }
+    }
+    comm_all_reduce_sum(dp, all, (size_t)L * E, COMM_KIND_OTHER);
+    comm_all_reduce_sum(pp, all, (size_t)L * E, COMM_KIND_OTHER);
+    *lo = *hi = all[0];
+    for (size_t i = 1; i < (size_t)L * E; i++) {
+        if (all[i] < *lo) { *lo = all[i]; }
+        if (all[i] > *hi) { *hi = all[i]; }
+    }
+    free(all);
+}
+
+// The step's load-balancing loss of each microbatch, logged beside the cross-entropy (the
+// trainer's global_mean_loss takes their mean): per microbatch the sum over the layers in layer
+// order. aux (microbatches x L) holds this stage's layers, -0.0f for the others; every stage's
+// layers are summed into one table (all-reduce, pp group: each value is held by one stage,
+// -0.0f elsewhere, exact).
+static inline void moe_microbatch_aux(CommGroup* pp, int L, const float* aux, int micro, float* out) {
+    float* all = (float*)malloc_or_die(sizeof(float) * (size_t)micro * L + 1, "aux losses");
+    memcpy(all, aux, sizeof(float) * (size_t)micro * L);
+    if (pp->size > 1) { comm_all_reduce_sum(pp, all, (size_t)micro * L, COMM_KIND_OTHER); }
+    for (int i = 0; i < micro; i++) {
+        float s = 0.0f;
+        for (int l = 0; l < L; l++) { s = s + all[(size_t)i * L + l]; }
+        out[i] = s;
+    }
+    free(all);
+}
 
 #endif // LLMC_EXPERT_PARALLEL_H

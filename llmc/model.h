@@ -171,30 +171,14 @@ static inline void param_for_each_in_file_order(const GPT2Config* c, ParamPieceF
     }
 }
 
-// Named views of one transformer layer's parameters (or gradients) in a flat buffer.
+// Named views of one transformer layer's parameters (or gradients): this rank's pieces of a
+// layer unit (train_gpt2.c layer_unit).
 typedef struct {
     float *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb;
     float *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
-    float* routerw;   // mixture of experts: the router (E,C); fcw .. fcprojb hold the E experts
+    float* routerw;   // mixture of experts: the router (E,C); fcw .. fcprojb NULL (the experts are their
+                      // own unit, train_gpt2.c ExpertTensors)
 } LayerTensors;
-
-static inline LayerTensors layer_tensors(const GPT2Config* c, float* flat, int l) {
-    LayerTensors v;
-    v.ln1w = flat + param_offset(c, P_LN1W, l);
-    v.ln1b = flat + param_offset(c, P_LN1B, l);
-    v.qkvw = flat + param_offset(c, P_QKVW, l);
-    v.qkvb = flat + param_offset(c, P_QKVB, l);
-    v.attprojw = flat + param_offset(c, P_ATTPROJW, l);
-    v.attprojb = flat + param_offset(c, P_ATTPROJB, l);
-    v.ln2w = flat + param_offset(c, P_LN2W, l);
-    v.ln2b = flat + param_offset(c, P_LN2B, l);
-    v.fcw = flat + param_offset(c, P_FCW, l);
-    v.fcb = flat + param_offset(c, P_FCB, l);
-    v.fcprojw = flat + param_offset(c, P_FCPROJW, l);
-    v.fcprojb = flat + param_offset(c, P_FCPROJB, l);
-    v.routerw = flat + param_offset(c, P_ROUTERW, l);
-    return v;
-}
 
 // llm.c pads the vocabulary to a multiple of 128 (GPU-friendly tiles; also divisible by any
 // tensor-parallel degree up to 128).

@@ -19,14 +19,18 @@
  * identical and read and write the same files.
  *
  * THE COMMUNICATION (per layer; all on the tensor-parallel group; B*T*C floats each)
- *   forward:  f = identity before qkv and before fc;
- *             g = all-reduce after attproj and after fcproj            2 all-reduces
- *   backward: g = identity; f = all-reduce of the input gradient of qkv and of fc
- *                                                                       2 all-reduces
- *   embedding: all-reduce of the lookup (each position's row lives on one rank)
- *   LM head + cross-entropy (vocab-parallel): all-reduce MAX of the row maxima, all-reduce
- *             of the sums of exponentials and of the target logits (B*T floats each); the
- *             backward needs none, then the input gradient of the LM head is all-reduced.
+ *   forward:  f = identity before qkv and before fc (tp_f_forward);
+ *             g = all-reduce after attproj and after fcproj (tp_g_forward)   2 all-reduces
+ *   backward: g = identity (tp_g_backward); f = all-reduce of the input gradient of qkv and
+ *             of fc (tp_f_backward)                                           2 all-reduces
+ *   embedding: all-reduce of the lookup (each position's row lives on one rank;
+ *             tp_vocab_embedding_reduce)
+ *   LM head + cross-entropy (vocab-parallel): all-reduce MAX of the row maxima
+ *             (tp_vocab_ce_max), all-reduce of the sums of exponentials and of the target
+ *             logits (tp_vocab_ce_sums; B*T floats each); the backward needs none, then the
+ *             input gradient of the LM head is all-reduced (f).
+ *   experts:  each expert's fc and fcproj take the dense MLP's f and g, per row received.
+ *   sampling: all-gather of one position's probabilities (tp_gather_vocab).
  *
  * EXACTNESS. A row-parallel layer's reduction over its inputs, and a column-parallel layer's
  * input gradient (a reduction over its outputs), are canonical.h R2 reductions whose 8 chunks
@@ -45,6 +49,7 @@
 #include "llmc/comm.h"
 #include "llmc/model.h"
 #include "llmc/utils.h"
+#include "llmc/zigzag.h"
 
 // Megatron's names. A column-parallel linear layer splits its OUTPUTS over the ranks: its
 // weight's rows as stored (nn.Linear's [out][in]) and its bias. A row-parallel layer splits its
@@ -197,37 +202,44 @@ static inline void tp_g_forward(CommGroup* tp, float* y, size_t n) {
 static inline void tp_g_backward(CommGroup* tp, float* dy, size_t n) { (void)tp; (void)dy; (void)n; }
 
 // ------------------------------------------------------------------------------------------
-// Zig-zag slices of sequences (canonical.h R2Z): D ranks split each of B sequences of T
-// positions (rows of C floats); rank r holds stretches r and 2D-1-r of the 2D stretches of
-// T/2D positions, stored as a (B, T/D, C) slice, low stretch first. These copy between the
-// rank-major stack of all D slices (D, B, T/D, C) and the sequences in order (B, T, C);
-// `to_slices` picks the direction. Both buffers live in `mem`.
-static inline void zz_reorder(const MemOps* mem, float* seqs, float* slices, int B, int T, int C, int D,
-                              int to_slices) {
-    size_t h = (size_t)T / (2 * D), n = (size_t)B * T / D * C;
-    for (int r = 0; r < D; r++) {
-        for (int b = 0; b < B; b++) {
-            for (int half = 0; half < 2; half++) {
-                size_t t0 = half == 0 ? (size_t)r * h : (size_t)T - (size_t)(r + 1) * h;
-                float* seq = seqs + ((size_t)b * T + t0) * C;
-                float* slice = slices + r * n + ((size_t)b * T / D + half * h) * C;
-                if (to_slices) { mem->copy(slice, seq, h * C * sizeof(float)); }
-                else { mem->copy(seq, slice, h * C * sizeof(float)); }
-            }
-        }
-    }
+// the vocab-parallel embedding and cross-entropy: rank r holds wte's rows [r*Vp/K, (r+1)*Vp/K)
+
+// The embedding lookup x (n floats: rows of C), each row from the rank holding its token
+// (-0.0f on the others): all-reduce (tp group).
+static inline void tp_vocab_embedding_reduce(CommGroup* tp, float* x, size_t n) {
+    if (tp->size > 1) { comm_all_reduce_sum(tp, x, n, COMM_KIND_TP); }
+}
+
+// maxes (BT): each position's largest logit over the whole vocabulary, from every rank's
+// maximum over its rows: all-reduce MAX (tp group).
+static inline void tp_vocab_ce_max(CommGroup* tp, float* maxes, size_t BT) {
+    if (tp->size > 1) { comm_all_reduce_max(tp, maxes, BT, COMM_KIND_TP); }
+}
+
+// sums (2,BT): each position's sum of exponentials Z (each rank's chunks of the vocabulary,
+// finished by the R1 tree), then its target logit (held by one rank, -0.0f elsewhere):
+// all-reduce (tp group).
+static inline void tp_vocab_ce_sums(CommGroup* tp, float* sums, size_t BT) {
+    if (tp->size > 1) { comm_all_reduce_sum(tp, sums, 2 * BT, COMM_KIND_TP); }
+}
+
+// full (Vp) <- every rank's slice (Vp/K) of one position's probabilities (the sampler's):
+// all-gather (tp group), accounted as small traffic, not as the activations'.
+static inline void tp_gather_vocab(CommGroup* tp, const float* slice, float* full, size_t Vl) {
+    comm_all_gather(tp, slice, full, Vl, COMM_KIND_OTHER);
 }
 
 // ------------------------------------------------------------------------------------------
 // Megatron's sequence parallelism (--sp 1): outside the tensor-parallel regions (layernorms,
-// residual stream, dropout) rank r keeps its zig-zag slice of every sequence (canonical.h
-// R2Z: stretches r and 2K-1-r of T/2K positions), a (B, T/K, C) slice: the layout whose
-// positions are whole chunks of every reduction over positions. f becomes an all-gather along
+// residual stream, dropout) rank r keeps its zig-zag slice of every sequence (zigzag.h:
+// stretches r and 2K-1-r of T/2K positions), a (B, T/K, C) slice: the layout whose positions
+// are whole chunks of every reduction over positions. f becomes an all-gather along
 // T (forward) / reduce-scatter (backward), g a reduce-scatter along T (forward) / all-gather
 // (backward): the same bytes as the all-reduces they replace (an all-reduce is a
 // reduce-scatter plus an all-gather), and the reduce-scatter sums by the same R1 tree. The
 // layernorm weight and bias gradients, summed over positions that are now on K ranks, are
-// finished per sequence over the group (train_gpt2.c).
+// finished per sequence over the group (sp_layernorm_grads_reduce, then the model's tree over
+// sequences).
 
 // full (B,T,C) <- every rank's slice (B,T/K,C): all-gather (tp group) and reorder (the
 // buffers live in the group's memory, memory.h).
@@ -247,18 +259,16 @@ static inline void tp_sp_reduce_scatter(CommGroup* tp, const float* full, float*
 
 // slice (B,T/K,C) <- this rank's positions of full (B,T,C) when every rank holds the whole of
 // it already (a mixture-of-experts layer's output and input gradient, complete per expert):
-// the sequence-parallel form of "no sum over the group".
-// This rank's zig-zag slice: stretches r and 2K-1-r of each sequence (canonical.h R2Z), as
-// tp_sp_reduce_scatter leaves it.
+// the sequence-parallel form of "no sum over the group", the slice tp_sp_reduce_scatter leaves.
 static inline void tp_sp_take_slice(CommGroup* tp, const float* full, float* slice, int B, int T, int C) {
-    int K = tp->size, r = tp->rank;
-    size_t h = (size_t)T / (2 * K), Tl = (size_t)T / K;
-    for (int b = 0; b < B; b++) {
-        for (int half = 0; half < 2; half++) {
-            size_t t0 = half == 0 ? (size_t)r * h : (size_t)T - (size_t)(r + 1) * h;
-            tp->mem->copy(slice + ((size_t)b * Tl + half * h) * C, full + ((size_t)b * T + t0) * C, h * C * sizeof(float));
-        }
-    }
+    zz_copy_slice(tp->mem, (float*)full, slice, B, T, C, tp->size, tp->rank, 1);
+}
+
+// The layernorm weight and bias gradients' per-sequence subtrees ln_partials (2,B,C), each
+// rank's over its positions: all-reduce (tp group), the R1 tree over ranks finishing the
+// subtrees over the sequence's chunks.
+static inline void sp_layernorm_grads_reduce(CommGroup* tp, float* ln_partials, int B, int C) {
+    comm_all_reduce_sum(tp, ln_partials, 2 * (size_t)B * C, COMM_KIND_TP);
 }
 
 #endif // LLMC_TENSOR_PARALLEL_H

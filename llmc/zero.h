@@ -90,6 +90,7 @@
 #include "llmc/checkpoint.h"
 #include "llmc/memory.h"
 #include "llmc/model.h"
+#include "llmc/pipeline.h"       // ChunkPlace: the layers of one model chunk
 #include "llmc/tensor_parallel.h"
 #include "llmc/utils.h"
 
@@ -123,14 +124,6 @@ typedef struct {
     size_t local_params, local_grads;   // unsharded buffer sizes (params; grads incl. E)
     size_t shard_params, shard_grads;   // shard buffer sizes
 } ZeroLayout;
-
-// What one model chunk of a pipeline rank holds (pipeline.h's virtual stage; a rank without
-// pipeline parallelism holds one chunk: every layer, the embeddings and the head).
-typedef struct {
-    int first_layer, last_layer;   // its transformer layers [first_layer, last_layer)
-    int has_embedding;             // token and position embeddings (virtual stage 0)
-    int has_head;                  // final layernorm, LM head, loss (the last virtual stage)
-} ChunkPlace;
 
 // Unit u holds parameters (every unit but E).
 static inline int zero_param_unit(const ZeroLayout* z, int u) { return u != z->num_units; }

@@ -1,4 +1,5 @@
-# The communicator (llmc/comm.h) and its tests.
+# The communicator (llmc/comm.h, with its transports: comm_transport.h's table, comm_mpi.h,
+# comm_nccl.h) and its tests.
 #
 # build/test_comm is built like train_gpt2 (mpicc -DUSE_MPI when mpicc exists) and run on 1 to
 # 8 ranks by dev/test/test_comm.sh; build/test_comm_nompi is the same test built without MPI,

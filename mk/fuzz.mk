@@ -28,7 +28,7 @@ ifeq ($(HAVE_FUZZ),1)
 TEST_BINS += $(FUZZ_BINS) $(FUZZ_SEEDS)
 endif
 
-FUZZ_HEADERS := $(wildcard dev/fuzz/*.h)
+FUZZ_HEADERS := $(wildcard dev/fuzz/*.h) dev/tools/safetensors.h
 build/fuzz/fuzz_%: dev/fuzz/fuzz_%.c $(FUZZ_HEADERS) $(LLMC_HEADERS)
 	@mkdir -p $(@D)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ $< -lm

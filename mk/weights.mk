@@ -4,7 +4,7 @@ TOOLS     += dev/tools/gpt2_weights
 TEST_BINS += build/test_weights
 TESTS     += dev/test/test_weights.sh
 
-dev/tools/gpt2_weights: dev/tools/gpt2_weights.c $(LLMC_HEADERS)
+dev/tools/gpt2_weights: dev/tools/gpt2_weights.c dev/tools/safetensors.h $(LLMC_HEADERS)
 	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
 
 build/test_weights: dev/test/test_weights.c $(LLMC_HEADERS)

@@ -9,7 +9,7 @@
  */
 #include <limits.h>
 
-#include "llmc/tokenizer.h"
+#include "llmc/bpe_encoder.h"
 #include "llmc/utils.h"
 
 #define TOKENS_MAGIC 20240520

@@ -1,12 +1,12 @@
 /*
- * fuzz_bpe: GPT-2's encoder.json and vocab.bpe (llmc/tokenizer.h bpe_init). Input files:
+ * fuzz_bpe: GPT-2's encoder.json and vocab.bpe (llmc/bpe_encoder.h bpe_init). Input files:
  * encoder.json, then optionally vocab.bpe, then optionally a text. Independent checks on an
  * accepted vocabulary: the text decodes back from its ids to the same bytes, and the llm.c
  * tokenizer file written from it (bpe_write_tokenizer_file) reads back (tokenizer_init) as
  * the same tokens.
  */
 #include "dev/fuzz/fuzz.h"
-#include "llmc/tokenizer.h"
+#include "llmc/bpe_encoder.h"
 
 __attribute__((noreturn)) static void disagree(const char* what) {
     fprintf(stderr, "fuzz_bpe: %s\n", what);

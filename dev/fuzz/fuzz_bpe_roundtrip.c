@@ -1,5 +1,5 @@
 /*
- * fuzz_bpe_roundtrip: GPT-2 BPE encoding of any bytes (llmc/tokenizer.h bpe_encode), with
+ * fuzz_bpe_roundtrip: GPT-2 BPE encoding of any bytes (llmc/bpe_encoder.h bpe_encode), with
  * GPT-2's own vocabulary when its files are found (dev/data/gpt2 from `make data`, else
  * $LLMC_SHARED_DATA/gpt2 or ../shared/data/gpt2), else the small one of fuzz_setup.h.
  * Independent checks: decode(encode(x)) == x for every x, and encoding x in pieces as a
@@ -8,7 +8,7 @@
  * allocations (LeakSanitizer judges leaks) and any fatal() is a failure (it exits).
  */
 #include "dev/fuzz/fuzz.h"
-#include "llmc/tokenizer.h"
+#include "llmc/bpe_encoder.h"
 #include "dev/fuzz/fuzz_setup.h"
 
 static BPEEncoder encoder;

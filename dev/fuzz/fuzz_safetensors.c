@@ -1,11 +1,12 @@
 /*
- * fuzz_safetensors: Hugging Face safetensors files (llmc/safetensors.h st_open, st_read_f32,
- * st_read_raw) and, on a second input file when there is one, the strict JSON reader of
- * config.json (st_json_get_ints). Independent check: an accepted file written back by st_write_file
- * and re-opened holds the same tensors (names, dtypes, shapes, bytes) and metadata.
+ * fuzz_safetensors: Hugging Face safetensors files (dev/tools/safetensors.h st_open,
+ * st_read_f32, st_read_raw) and, on a second input file when there is one, the strict JSON
+ * reader of config.json (st_json_get_ints). Independent check: an accepted file written back
+ * by st_write_file and re-opened holds the same tensors (names, dtypes, shapes, bytes) and
+ * metadata.
  */
 #include "dev/fuzz/fuzz.h"
-#include "llmc/safetensors.h"
+#include "dev/tools/safetensors.h"
 
 __attribute__((noreturn)) static void disagree(const char* what, const char* name) {
     fprintf(stderr, "fuzz_safetensors: the file written back differs: %s of '%s'\n", what, name);

@@ -12,7 +12,7 @@
 #include <string.h>
 #include "llmc/model.h"
 #include "llmc/rand.h"
-#include "llmc/tokenizer.h"
+#include "llmc/bpe_encoder.h"
 #include "llmc/utils.h"
 
 // The model of the model and state targets: P = 1048 parameters, so a model file is 5 KB.
@@ -75,7 +75,7 @@ static const FuzzMerge fuzz_merges[] = {
 };
 #define FUZZ_NUM_MERGES ((int)(sizeof(fuzz_merges) / sizeof(fuzz_merges[0])))
 
-// Writes bytes in GPT-2's byte-to-unicode alphabet (tokenizer.h), as UTF-8; JSON-escaped
+// Writes bytes in GPT-2's byte-to-unicode alphabet (bpe_encoder.h), as UTF-8; JSON-escaped
 // when `json` (only '"' and '\' need it: the alphabet has no control characters).
 static inline void fuzz_put_alphabet(FILE* f, const char* bytes, int json) {
     for (const unsigned char* p = (const unsigned char*)bytes; *p; p++) {

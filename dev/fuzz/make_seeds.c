@@ -17,8 +17,8 @@
 #include <string.h>
 #include "llmc/checkpoint.h"
 #include "llmc/gpt2_init.h"
-#include "llmc/safetensors.h"
-#include "llmc/tokenizer.h"
+#include "dev/tools/safetensors.h"
+#include "llmc/bpe_encoder.h"
 #include "dev/fuzz/fuzz_input.h"
 #include "dev/fuzz/fuzz_setup.h"
 

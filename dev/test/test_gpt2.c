@@ -223,7 +223,7 @@ static void random_params(float* params, const GPT2Config* c) {
 // for steps of M microbatches.
 static void model_on_one_rank(GPT2* model, Zero* z, const GPT2Config* c, const float* params, int M,
                               Comm* comm) {
-    ChunkPlace place = {0, c->num_layers, 1, 1};
+    ChunkPlace place = {0, c->num_layers, 1, 1, 0};
     zero_init(z, c, &memory_host, 0, &comm->dp_group, &comm->pp_group, &comm->tp_group, &place, 1, 0, params, M);
     gpt2_init(model, c, &place, z, &comm->tp_group, &comm->cp_group, 0, 0, 0, 0);
 }

@@ -1,5 +1,5 @@
 /*
- * Unit tests for llmc/pipeline.h: pipeline schedules (gpipe, 1f1b, interleaved, zb1, zbv), their
+ * Unit tests for llmc/pipeline.h and its simulator (dev/tools/pp_sim.h): pipeline schedules (gpipe, 1f1b, interleaved, zb1, zbv), their
  * communication, the simulator, the bubble model, the memory bound, the layer partition and
  * the placement of layers on (stage, chunk).
  *
@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "llmc/pipeline.h"
+#include "dev/tools/pp_sim.h"
 
 static int checks = 0, failures = 0;
 
@@ -890,7 +890,7 @@ static void expect_error(int rc, const char* err, const char* needle, const char
 // partition into S*v pieces, the embedding with virtual stage 0 and the head with the last.
 static void test_placement(void) {
     static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV};
-    PipelineChunkLayers out[64];
+    ChunkPlace out[64];
     int first[65];
     char err[256], name[64];
     for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
@@ -919,12 +919,12 @@ static void test_placement(void) {
                     int ok = 1, covered = 0;
                     for (int s = 0; s < S; s++) {
                         for (int c = 0; c < v; c++) {
-                            const PipelineChunkLayers* p = &out[s * v + c];
+                            const ChunkPlace* p = &out[s * v + c];
                             int vs = virtual_stage_of(&cfg, s, c);
                             ok &= p->virtual_stage == vs && p->first_layer == first[vs] &&
-                                  p->num_layers == first[vs + 1] - first[vs] && p->has_embedding == (vs == 0) &&
+                                  p->last_layer == first[vs + 1] && p->has_embedding == (vs == 0) &&
                                   p->has_head == (vs == S * v - 1);
-                            covered += p->num_layers;
+                            covered += p->last_layer - p->first_layer;
                         }
                     }
                     CHECK(ok && covered == L, "%s L=%d: the chunks do not hold the balanced pieces in V/round-robin "
@@ -939,7 +939,7 @@ static void test_placement(void) {
     PipelineConfig zbv = {2, 4, PP_ZBV, 2};
     pipeline_place_layers(&zbv, 8, 0.0, 0.0, out, err, sizeof(err));
     CHECK(out[0].first_layer == 0 && out[0].has_embedding && out[1].first_layer == 6 && out[1].has_head &&
-          out[2].first_layer == 2 && out[3].first_layer == 4 && out[3].num_layers == 2 && !out[3].has_head,
+          out[2].first_layer == 2 && out[3].first_layer == 4 && out[3].last_layer - out[3].first_layer == 2 && !out[3].has_head,
           "zbv S=2, 8 layers: got rank 0 at %d and %d, rank 1 at %d and %d", out[0].first_layer, out[1].first_layer,
           out[2].first_layer, out[3].first_layer);
     PipelineConfig il = {2, 4, PP_INTERLEAVED, 2};

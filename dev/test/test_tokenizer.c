@@ -1,5 +1,6 @@
 /*
- * test_tokenizer: unit tests of llmc/tokenizer.h. Run from the repository root.
+ * test_tokenizer: unit tests of llmc/tokenizer.h and llmc/bpe_encoder.h. Run from the repository
+ * root.
  *
  *  - Unicode tables and UTF-8 decoding; GPT-2's byte-to-unicode alphabet
  *  - pre-token splits, worked out from the regex by hand
@@ -14,7 +15,7 @@
  */
 #include <sys/wait.h>
 
-#include "llmc/tokenizer.h"
+#include "llmc/bpe_encoder.h"
 
 static int failures = 0;
 

@@ -26,7 +26,7 @@
  * EXPORT writes GPT-2's tensor names (no prefix, no mask buffers, no lm_head), F32, Conv1D
  * layout restored, wte cut back to V rows, __metadata__ {"format":"pt"}, in the reference
  * writer's canonical form (tensors sorted by name, header space-padded so the data starts
- * 8-byte aligned; see llmc/safetensors.h), and a config.json next to it with GPT-2's fields
+ * 8-byte aligned; see dev/tools/safetensors.h), and a config.json next to it with GPT-2's fields
  * (bos/eos_token_id are GPT-2's <|endoftext|> 50256 when V > 50256, else V - 1). Both files
  * are written atomically.
  */
@@ -37,7 +37,7 @@
 #include "llmc/utils.h"
 #include "llmc/model.h"
 #include "llmc/checkpoint.h"
-#include "llmc/safetensors.h"
+#include "dev/tools/safetensors.h"
 
 static const char* const layer_suffix[NUM_LAYER_TENSORS] = {
     "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",

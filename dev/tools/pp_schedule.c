@@ -1,5 +1,6 @@
 /*
- * pp_schedule: prints (and draws) a pipeline-parallel schedule from llmc/pipeline.h.
+ * pp_schedule: prints (and draws) a pipeline-parallel schedule from llmc/pipeline.h, timed by
+ * the simulator beside it (dev/tools/pp_sim.h).
  *
  *   dev/tools/pp_schedule --stages 4 --microbatches 8 --schedule 1f1b
  *   dev/tools/pp_schedule --stages 4 --microbatches 8 --schedule interleaved --chunks 2 --svg pp.svg
@@ -17,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "llmc/pipeline.h"
+#include "dev/tools/pp_sim.h"
 #include "llmc/utils.h"
 
 static void usage(void) {
@@ -378,15 +379,14 @@ int main(int argc, char** argv) {
 
     if (layers > 0) {
         int parts = S * cfg.num_chunks;
-        PipelineChunkLayers* place = (PipelineChunkLayers*)malloc_or_die((size_t)parts * sizeof(PipelineChunkLayers),
-                                                                         "layer placement");
+        ChunkPlace* place = (ChunkPlace*)malloc_or_die((size_t)parts * sizeof(ChunkPlace), "layer placement");
         if (pipeline_place_layers(&cfg, layers, embed_cost, head_cost, place, err, sizeof(err)) != 0) {
             fatal("--layers: %s", err);
         }
         printf("layers: %d transformer layers, embedding cost %g, head cost %g (in layers)\n", layers, embed_cost,
                head_cost);
         for (int p = 0; p < parts; p++) {
-            const PipelineChunkLayers* c = &place[p];
+            const ChunkPlace* c = &place[p];
             char where[64];
             if (with_chunk) {
                 snprintf(where, sizeof(where), "stage %d chunk %d (virtual stage %d)", p / cfg.num_chunks,
@@ -395,13 +395,13 @@ int main(int argc, char** argv) {
                 snprintf(where, sizeof(where), "stage %d", p);
             }
             printf("  %s: ", where);
-            if (c->num_layers > 0) {
-                printf("layers %d..%d", c->first_layer, c->first_layer + c->num_layers - 1);
+            if (c->last_layer > c->first_layer) {
+                printf("layers %d..%d", c->first_layer, c->last_layer - 1);
             } else {
                 printf("no layers");
             }
             printf("%s%s, cost %g\n", c->has_embedding ? " + embedding" : "", c->has_head ? " + head" : "",
-                   c->num_layers + (c->has_embedding ? embed_cost : 0.0) + (c->has_head ? head_cost : 0.0));
+                   c->last_layer - c->first_layer + (c->has_embedding ? embed_cost : 0.0) + (c->has_head ? head_cost : 0.0));
         }
         free(place);
     }

@@ -1,5 +1,6 @@
 /*
- * safetensors.h: a strict reader and a writer for Hugging Face's safetensors format.
+ * safetensors.h: a strict reader and a writer for Hugging Face's safetensors format, for
+ * dev/tools/gpt2_weights (and its test and fuzzer); the trainer reads llm.c's checkpoints only.
  *
  * THE FORMAT
  *   bytes [0, 8)        N: little-endian uint64, the length of the header
@@ -407,33 +408,34 @@ ST_FN void st_json_literal(StJson* J, const char* word) {
 
 // Iteration helpers. Call with *first = 1 after the opening bracket; each returns 1 when
 // another member/element follows (for objects: positioned at its key), 0 after the closer.
-ST_FN int st_json_object_next(StJson* J, int* first) {
+// The step they share: past the closer (0), or past the ',' before every member but the first.
+ST_FN int st_json_next(StJson* J, int* first, int closer, const char* container) {
     int c = st_json_peek(J);
     char d[16];
-    if (c == '}' && *first) { J->pos++; return 0; }
+    if (c == closer) { J->pos++; return 0; }
     if (!*first) {
-        if (c == '}') { J->pos++; return 0; }
-        if (c != ',') { st_json_fail(J, "expected ',' or '}' in an object, found %s", st_json_describe(c, d, sizeof(d))); }
+        if (c != ',') {
+            st_json_fail(J, "expected ',' or '%c' in %s, found %s", closer, container, st_json_describe(c, d, sizeof(d)));
+        }
         J->pos++;
-        c = st_json_peek(J);
     }
     *first = 0;
+    return 1;
+}
+
+ST_FN int st_json_object_next(StJson* J, int* first) {
+    if (!st_json_next(J, first, '}', "an object")) { return 0; }
+    int c = st_json_peek(J);
+    char d[16];
     if (c != '"') { st_json_fail(J, "expected a string key in an object, found %s", st_json_describe(c, d, sizeof(d))); }
     return 1;
 }
 
 ST_FN int st_json_array_next(StJson* J, int* first) {
+    int after_comma = !*first;
+    if (!st_json_next(J, first, ']', "an array")) { return 0; }
     int c = st_json_peek(J);
-    char d[16];
-    if (c == ']' && *first) { J->pos++; return 0; }
-    if (!*first) {
-        if (c == ']') { J->pos++; return 0; }
-        if (c != ',') { st_json_fail(J, "expected ',' or ']' in an array, found %s", st_json_describe(c, d, sizeof(d))); }
-        J->pos++;
-        c = st_json_peek(J);
-        if (c == ']') { st_json_fail(J, "trailing ',' before ']'"); }
-    }
-    *first = 0;
+    if (after_comma && c == ']') { st_json_fail(J, "trailing ',' before ']'"); }
     if (c < 0) { st_json_fail(J, "unterminated array"); }
     return 1;
 }

@@ -1,0 +1,440 @@
+/*
+ * pipeline_executor.h: a pipeline stage runs its list of actions from llmc/pipeline.h.
+ *
+ * Every rank runs a pipeline, of one stage when --pp is 1 (then the list is just F0 B0 F1
+ * B1 ...). A rank holds v model chunks (virtual stages; v = 1 but for interleaved and zbv),
+ * each with its own model on the rank's one Zero. A (microbatch, chunk) pair owns a slot of its
+ * chunk from its FORWARD to its BACKWARD (or, split, its BACKWARD_WEIGHT) on this stage: its
+ * activations (with its tokens) and the received gradient of its output; the schedule bounds
+ * how many are alive (1F1B: S - stage). Messages are non-blocking: a receive is posted at its
+ * RECV action and waited for right before the computation that reads it; a send is posted at
+ * its SEND action and waited for before its buffer is reused. Received activations and sent
+ * input gradients live in small message buffers of their own, so a receive posted early never
+ * needs a second slot. The schedule's message order makes this deadlock-free (pipeline.h).
+ * Consecutive virtual stages on one rank (zbv's tip of the V) hand over in memory: the forward
+ * reads the producer slot's output, the backward an input gradient kept in a message buffer.
+ * Tags name (microbatch, the boundary between virtual stages w and w+1, direction).
+ * Every buffer is in the build's memory.
+ *
+ * The schedule (which computation and which message come when, 1F1B's warmup, steady pairs
+ * and cooldown included) is all in pipeline.h's lists; pipeline_step only runs them, one case
+ * per action kind, each send and receive written with its tensor and group beside it.
+ *
+ * It drives a build's model through model_ops.h's ModelOps (and its BACKWARD_* parts).
+ */
+#ifndef LLMC_PIPELINE_EXECUTOR_H
+#define LLMC_PIPELINE_EXECUTOR_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "llmc/comm.h"
+#include "llmc/dataloader.h"
+#include "llmc/memory.h"
+#include "llmc/model_ops.h"
+#include "llmc/pipeline.h"
+#include "llmc/utils.h"
+#include "llmc/zero.h"
+
+// The monotonic clock the executor times its computations with (and the trainer its steps).
+static inline double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+typedef struct {
+    int chunk;                 // the chunk whose activations these are
+    int microbatch;            // -1: free
+    void* acts;                // the model's activations, with the microbatch's tokens
+    float* grad_out;           // (B,T,C) received d(loss)/d(chunk output)
+    CommRequest* recv_grad;
+    CommRequest* send_act;     // the chunk output being sent (the slot is not reused before)
+} MicroSlot;
+
+typedef enum { MSG_FREE, MSG_RECEIVING, MSG_TO_SEND, MSG_SENDING, MSG_HANDOFF } MessageState;
+
+typedef struct {
+    float* buf;                // (B,T,C)
+    CommRequest* req;
+    int microbatch, chunk;
+    MessageState state;        // RECEIVING: an input activation until its FORWARD; TO_SEND: an
+                               // input gradient from BACKWARD until its SEND_BACKWARD; HANDOFF:
+                               // an input gradient for this rank's chunk `chunk`, until its
+                               // BACKWARD
+} MessageBuffer;
+
+// Message buffers a stage may hold at once (a completed send's buffer is reused first); the
+// schedules keep a few per stage in flight, so reaching this means an executor bug.
+#define PP_MAX_MESSAGES 256
+// Tags 0 .. 32767 are valid under every MPI (the standard's least MPI_TAG_UB).
+#define PP_TAG_LIMIT 32768
+
+typedef struct {
+    PipelineConfig cfg;
+    PipelineAction* actions;
+    int nactions;
+    int nchunks;               // v
+    void** models;             // [v] the model of each chunk
+    ChunkPlace* places;        // [v]
+    int* vstage;               // [v] each chunk's virtual stage
+    int head_chunk;            // the chunk holding the head, or -1
+    MicroSlot* slots;          // every chunk's slots
+    int nslots;
+    MessageBuffer msgs[PP_MAX_MESSAGES];
+    int nmsgs;
+    size_t msg_floats;
+    CommGroup* pp;
+    const ModelOps* ops;
+    const MemOps* mem;
+    int split;                 // the schedule splits backwards into input and weight halves
+    double busy;               // seconds of computation in the last step
+    double fwd, bwd, wgt;      // ... of which forwards, backwards (whole or input halves), weight halves
+    int held, peak_held;       // (microbatch, chunk) activations alive now / at most in the last step
+    size_t slot_bytes;         // every slot's bytes
+    float* moe_aux;            // experts: (microbatches x L) each forward's aux loss per layer,
+                               // -0.0f for the layers of other stages
+    int num_layers;            // L
+} Pipeline;
+
+// The chunk of this stage holding virtual stage vs (-1: another stage's).
+static inline int pipeline_chunk_of(const Pipeline* p, int vs) {
+    int stage, chunk;
+    pipeline_virtual_stage_owner(&p->cfg, vs, &stage, &chunk);
+    return stage == p->pp->rank ? chunk : -1;
+}
+
+// The message tag of microbatch i crossing boundary w (between virtual stages w and w+1), forward
+// or backward; modulo PP_TAG_LIMIT (the lists' message order pairs sends and receives anyway,
+// pipeline.h).
+static inline int pipeline_tag(const Pipeline* p, int i, int boundary, int backward) {
+    long long V = (long long)p->cfg.num_stages * p->cfg.num_chunks;
+    return (int)((((long long)i * V + boundary) * 2 + backward) % PP_TAG_LIMIT);
+}
+
+static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps* mem, void** models,
+                                 const ChunkPlace* places, CommGroup* pp, PipelineScheduleKind kind, int nchunks,
+                                 int M, int B, int T, int C, int recompute, int sp_degree) {
+    memset(p, 0, sizeof(*p));
+    p->pp = pp;
+    p->ops = ops;
+    p->mem = mem;
+    p->nchunks = nchunks;
+    p->models = models;
+    p->places = (ChunkPlace*)malloc_or_die(sizeof(ChunkPlace) * nchunks, "pipeline chunks");
+    memcpy(p->places, places, sizeof(ChunkPlace) * nchunks);
+    p->cfg = (PipelineConfig){pp->size, M, kind, nchunks};
+    p->split = pipeline_splits_backward(kind);
+    char err[256];
+    int n = pipeline_stage_actions(&p->cfg, pp->rank, NULL, 0, err, sizeof(err));
+    if (n < 0) { fatal("--pp/--schedule: %s", err); }
+    p->actions = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "pipeline actions");
+    if (pipeline_stage_actions(&p->cfg, pp->rank, p->actions, n, err, sizeof(err)) != n) {
+        fatal("--pp/--schedule: %s", err);
+    }
+    p->nactions = n;
+    p->vstage = (int*)malloc_or_die(sizeof(int) * nchunks, "pipeline chunks");
+    p->head_chunk = -1;
+    for (int c = 0; c < nchunks; c++) {
+        p->vstage[c] = pipeline_virtual_stage(&p->cfg, pp->rank, c);
+        if (places[c].has_head) { p->head_chunk = c; }
+    }
+    // each chunk gets as many slots as its own actions ever hold at once
+    PipelineAction* mine = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "pipeline actions");
+    int* count = (int*)calloc_or_die((size_t)nchunks, sizeof(int), "pipeline chunks");
+    for (int c = 0; c < nchunks; c++) {
+        int k = 0;
+        for (int j = 0; j < n; j++) { if (p->actions[j].chunk == c) { mine[k++] = p->actions[j]; } }
+        count[c] = pipeline_max_in_flight(mine, k);
+        p->nslots += count[c];
+    }
+    free(mine);
+    p->slots = (MicroSlot*)calloc_or_die((size_t)(p->nslots ? p->nslots : 1), sizeof(MicroSlot), "pipeline slots");
+    p->msg_floats = (size_t)B * T / sp_degree * C;
+    for (int c = 0, k = 0; c < nchunks; c++) {
+        for (int j = 0; j < count[c]; j++, k++) {
+            MicroSlot* s = &p->slots[k];
+            size_t bytes = 0;
+            s->chunk = c;
+            s->microbatch = -1;
+            s->acts = ops->acts_create(models[c], B, T, recompute, sp_degree > 1, p->split, &bytes);
+            s->grad_out = mem_floats(mem, p->msg_floats, "pipeline gradient");
+            p->slot_bytes += bytes + sizeof(float) * p->msg_floats;
+        }
+    }
+    free(count);
+}
+
+static inline void pipeline_free(Pipeline* p) {
+    for (int i = 0; i < p->nslots; i++) {
+        p->ops->acts_destroy(p->models[p->slots[i].chunk], p->slots[i].acts);
+        p->mem->release(p->slots[i].grad_out);
+    }
+    for (int i = 0; i < p->nmsgs; i++) { p->mem->release(p->msgs[i].buf); }
+    free(p->slots);
+    free(p->actions);
+    free(p->places);
+    free(p->vstage);
+}
+
+// The first slot of chunk c (forward-only passes use it between steps).
+static inline void* pipeline_chunk_acts(Pipeline* p, int c) {
+    for (int k = 0; k < p->nslots; k++) { if (p->slots[k].chunk == c) { return p->slots[k].acts; } }
+    fatal("internal: chunk %d has no pipeline slot", c);
+}
+
+// The slot of (microbatch i, chunk c); with `take`, a free one of the chunk (its output's send
+// completed) if it has none.
+static inline MicroSlot* pipeline_slot(Pipeline* p, int i, int c, int take) {
+    for (int k = 0; k < p->nslots; k++) {
+        if (p->slots[k].microbatch == i && p->slots[k].chunk == c) { return &p->slots[k]; }
+    }
+    if (!take) { fatal("internal: microbatch %d of chunk %d has no pipeline slot", i, c); }
+    for (int k = 0; k < p->nslots; k++) {
+        MicroSlot* s = &p->slots[k];
+        if (s->chunk == c && s->microbatch < 0) {
+            comm_wait(s->send_act);   // the isend (pp group) of its last output activation
+            s->send_act = NULL;
+            s->microbatch = i;
+            if (++p->held > p->peak_held) { p->peak_held = p->held; }
+            return s;
+        }
+    }
+    fatal("internal: more microbatches in flight than the schedule's bound");
+}
+
+static inline void pipeline_slot_release(Pipeline* p, MicroSlot* s) {
+    s->microbatch = -1;   // its activations are no longer needed
+    p->held--;
+}
+
+// A message buffer for (microbatch i, chunk c) in `state`: a free one (a completed send's is
+// reused).
+static inline MessageBuffer* pipeline_message_new(Pipeline* p, int i, int c, MessageState state) {
+    MessageBuffer* m = NULL;
+    for (int k = 0; k < p->nmsgs && m == NULL; k++) {
+        MessageBuffer* q = &p->msgs[k];
+        // an isend (pp group) of an input gradient that has completed frees its buffer
+        if (q->state == MSG_SENDING && comm_test(q->req)) { comm_wait(q->req); q->req = NULL; q->state = MSG_FREE; }
+        if (q->state == MSG_FREE) { m = q; }
+    }
+    if (m == NULL) {
+        if (p->nmsgs == PP_MAX_MESSAGES) { fatal("internal: too many pipeline messages in flight"); }
+        m = &p->msgs[p->nmsgs++];
+        m->buf = mem_floats(p->mem, p->msg_floats, "pipeline message");
+    }
+    m->microbatch = i;
+    m->chunk = c;
+    m->state = state;
+    return m;
+}
+
+// The message buffer of (microbatch i, chunk c) in `state`.
+static inline MessageBuffer* pipeline_message(Pipeline* p, int i, int c, MessageState state) {
+    for (int k = 0; k < p->nmsgs; k++) {
+        MessageBuffer* m = &p->msgs[k];
+        if (m->state == state && m->microbatch == i && m->chunk == c) { return m; }
+    }
+    fatal("internal: no pipeline message for microbatch %d of chunk %d", i, c);
+}
+
+// Runs this stage's actions for one optimizer step: forward and backward of this dp rank's
+// microbatches (global indices from zero.h) on each of its chunks, gradients reduced, the tied
+// halves summed. local_loss[i] gets microbatch i's loss sum on the head's stage. The compute
+// times (busy, fwd, bwd, wgt) are measured only with several stages (they wait for the device
+// to finish each computation).
+static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* loader,
+                                 int64_t first_microbatch, int M_global, int B, int T, int overfit,
+                                 float* local_loss) {
+    const ModelOps* ops = p->ops;
+    size_t bytes = p->msg_floats * sizeof(float);
+    int timed = p->cfg.num_stages > 1, last_vs = p->cfg.num_stages * p->cfg.num_chunks - 1;
+    float dloss = 1.0f / (float)((double)B * T * M_global);
+    float* dres = ops->grad_residual(p->models[0], grads);
+    p->busy = p->fwd = p->bwd = p->wgt = 0.0;
+    p->peak_held = p->held;
+    for (int k = 0; k < p->nactions; k++) {
+        const PipelineAction* act = &p->actions[k];
+        int i = act->microbatch, c = act->chunk, vs = p->vstage[c];
+        void* model = p->models[c];
+        const ChunkPlace* place = &p->places[c];
+        MicroSlot* s;
+        MessageBuffer* m;
+        double t0;
+        int part = act->kind == PP_BACKWARD ? BACKWARD_BOTH : act->kind == PP_BACKWARD_INPUT ? BACKWARD_INPUT
+                 : BACKWARD_WEIGHT;
+        switch (act->kind) {
+            case PP_RECV_FORWARD:
+                // irecv (pp group): the input activation of (microbatch i, chunk c) from the
+                // stage holding virtual stage vs - 1
+                m = pipeline_message_new(p, i, c, MSG_RECEIVING);
+                m->req = comm_irecv(p->pp, m->buf, p->msg_floats, act->peer, pipeline_tag(p, i, vs - 1, 0), COMM_KIND_PP);
+                break;
+            case PP_FORWARD:
+                s = pipeline_slot(p, i, c, 1);
+                if (place->has_embedding || place->has_head) {
+                    dataloader_load(loader, overfit ? 0 : zero_global_microbatch(z, first_microbatch, i));
+                    ops->set_tokens(model, s->acts, loader->inputs, loader->targets, B, T);
+                }
+                if (!place->has_embedding) {   // waiting for the input is idle time, not compute
+                    int producer = pipeline_chunk_of(p, vs - 1);
+                    if (producer >= 0) {        // a hand-off on this rank
+                        MicroSlot* from = pipeline_slot(p, i, producer, 0);
+                        p->mem->copy(ops->stage_input(model, s->acts),
+                                     ops->stage_output(p->models[producer], from->acts, B, T), bytes);
+                    } else {
+                        m = pipeline_message(p, i, c, MSG_RECEIVING);
+                        comm_wait(m->req);
+                        p->mem->copy(ops->stage_input(model, s->acts), m->buf, bytes);
+                        m->req = NULL;
+                        m->state = MSG_FREE;
+                    }
+                }
+                t0 = now_seconds();
+                if (place->has_embedding) { ops->embed_forward(model, s->acts, B, T); }
+                ops->layers_forward(model, s->acts, B, T);
+                if (p->moe_aux) {
+                    ops->moe_aux(model, s->acts, p->moe_aux + (size_t)i * p->num_layers + place->first_layer);
+                }
+                if (place->has_head) {
+                    ops->head_forward(model, s->acts, B, T, 1);
+                    local_loss[i] = ops->loss_sum(model, s->acts, B, T);
+                }
+                if (timed) { p->mem->sync(); }
+                p->fwd += now_seconds() - t0;
+                break;
+            case PP_SEND_FORWARD:
+                // isend (pp group): the output of (microbatch i, chunk c) to the stage holding
+                // virtual stage vs + 1
+                s = pipeline_slot(p, i, c, 0);
+                s->send_act = comm_isend(p->pp, ops->stage_output(model, s->acts, B, T), p->msg_floats,
+                                         act->peer, pipeline_tag(p, i, vs, 0), COMM_KIND_PP);
+                break;
+            case PP_RECV_BACKWARD:
+                // irecv (pp group): d(loss)/d(output of (microbatch i, chunk c)) from the stage
+                // holding virtual stage vs + 1
+                s = pipeline_slot(p, i, c, 0);
+                s->recv_grad = comm_irecv(p->pp, s->grad_out, p->msg_floats, act->peer, pipeline_tag(p, i, vs, 1),
+                                          COMM_KIND_PP);
+                break;
+            case PP_BACKWARD:
+            case PP_BACKWARD_INPUT:
+            case PP_BACKWARD_WEIGHT:
+                s = pipeline_slot(p, i, c, 0);
+                if ((part & BACKWARD_INPUT) && vs < last_vs) {   // d(loss)/d(chunk output)
+                    if (pipeline_chunk_of(p, vs + 1) >= 0) {     // a hand-off on this rank
+                        m = pipeline_message(p, i, c, MSG_HANDOFF);
+                        p->mem->copy(dres, m->buf, bytes);
+                        m->state = MSG_FREE;
+                    } else {
+                        comm_wait(s->recv_grad);
+                        s->recv_grad = NULL;
+                        p->mem->copy(dres, s->grad_out, bytes);
+                    }
+                }
+                t0 = now_seconds();
+                // the weight gradients go into the chunk's microbatch tree (zero.h)
+                if (part & BACKWARD_WEIGHT) { zero_begin_microbatch(z, c, i); }
+                if (place->has_head) { ops->head_backward(model, s->acts, grads, B, T, dloss, part); }
+                ops->layers_backward(model, s->acts, grads, B, T, part);
+                if (place->has_embedding) { ops->embed_backward(model, s->acts, grads, B, T, part); }
+                if ((part & BACKWARD_INPUT) && vs > 0) {   // keep d(loss)/d(chunk input)
+                    int consumer = pipeline_chunk_of(p, vs - 1);
+                    m = consumer >= 0 ? pipeline_message_new(p, i, consumer, MSG_HANDOFF)
+                                      : pipeline_message_new(p, i, c, MSG_TO_SEND);
+                    p->mem->copy(m->buf, dres, bytes);
+                }
+                if (part & BACKWARD_WEIGHT) {
+                    zero_end_microbatch(z);
+                    pipeline_slot_release(p, s);
+                }
+                if (timed) { p->mem->sync(); }
+                if (part == BACKWARD_WEIGHT) { p->wgt += now_seconds() - t0; } else { p->bwd += now_seconds() - t0; }
+                break;
+            case PP_SEND_BACKWARD:
+                // isend (pp group): d(loss)/d(input of (microbatch i, chunk c)) to the stage
+                // holding virtual stage vs - 1
+                m = pipeline_message(p, i, c, MSG_TO_SEND);
+                m->state = MSG_SENDING;
+                m->req = comm_isend(p->pp, m->buf, p->msg_floats, act->peer, pipeline_tag(p, i, vs - 1, 1), COMM_KIND_PP);
+                break;
+        }
+    }
+    // the step's last isends (pp group: activations and input gradients) complete
+    for (int k = 0; k < p->nslots; k++) { comm_wait(p->slots[k].send_act); p->slots[k].send_act = NULL; }
+    for (int k = 0; k < p->nmsgs; k++) { comm_wait(p->msgs[k].req); p->msgs[k].req = NULL; p->msgs[k].state = MSG_FREE; }
+    p->busy = p->fwd + p->bwd + p->wgt;
+    // the gradients' reductions (zero.h: dp group) and the tied embedding's halves (pp group)
+    zero_finish_grads(z);
+}
+
+// What pipeline_step measured, as the PP_TIMING floats the trainer gathers from every stage:
+// the fraction of the step (`seconds`) the stage spent not computing (its bubble); its mean ms
+// per (microbatch, chunk) of a forward, of a whole backward (or input half plus weight half)
+// and of a weight half; the most (microbatch, chunk) activations it held.
+#define PP_TIMING 5
+static inline void pipeline_step_timing(const Pipeline* p, double seconds, float* out) {
+    double units = (double)p->cfg.num_microbatches * p->nchunks;
+    out[0] = (float)(1.0 - p->busy / seconds);
+    out[1] = (float)(p->fwd / units * 1e3);
+    out[2] = (float)((p->bwd + p->wgt) / units * 1e3);
+    out[3] = (float)(p->wgt / units * 1e3);
+    out[4] = (float)p->peak_held;
+}
+
+// A forward-only pass of one batch through the pipeline (validation, sampling), acts[c] the
+// activations of chunk c: the virtual stages in model order, each on the stage holding it; the
+// first embeds the tokens, each receives its input (or takes it from the chunk before on this
+// rank), runs its layers and sends its output on; the last runs the head. Blocking sends and
+// receives: every stage walks the virtual stages in the same order.
+// sp_degree: the tensor-parallel degree if acts are sequence-parallel, else 1.
+// row >= 0 (generation with a KV cache, B = 1): only position `row` of the pass laid out over
+// (1, T), its token inputs[row], through ModelOps' decode (the rows before it are in the
+// chunks' activations from the earlier calls); one row of C floats goes from stage to stage.
+static inline void pipeline_forward_pass(Pipeline* p, void** acts, const int* inputs, const int* targets,
+                                         int B, int T, int C, int sp_degree, int row) {
+    const ModelOps* ops = p->ops;
+    int decode = row >= 0;
+    size_t n = decode ? (size_t)C : (size_t)B * T / sp_degree * C;   // the message
+    size_t at = decode ? (size_t)row * C : 0;                          // where it starts
+    int V = p->cfg.num_stages * p->cfg.num_chunks;
+    for (int vs = 0; vs < V; vs++) {
+        int c = pipeline_chunk_of(p, vs);
+        if (c < 0) { continue; }
+        void* model = p->models[c];
+        const ChunkPlace* place = &p->places[c];
+        if (!decode && (place->has_embedding || place->has_head)) {
+            ops->set_tokens(model, acts[c], inputs, targets, B, T);
+        }
+        if (place->has_embedding) {
+            if (decode) { ops->embed_decode(model, acts[c], inputs[row], row, T); }
+            else { ops->embed_forward(model, acts[c], B, T); }
+        } else {
+            int producer = pipeline_chunk_of(p, vs - 1);
+            if (producer >= 0) {
+                p->mem->copy(ops->stage_input(model, acts[c]) + at,
+                             ops->stage_output(p->models[producer], acts[producer], B, T) + at, n * sizeof(float));
+            } else {
+                // recv (pp group): the output of virtual stage vs - 1
+                comm_wait(comm_irecv(p->pp, ops->stage_input(model, acts[c]) + at, n,
+                                     pipeline_neighbour_stage(&p->cfg, p->pp->rank, c, -1), pipeline_tag(p, 0, vs - 1, 0),
+                                     COMM_KIND_PP));
+            }
+        }
+        if (decode) { ops->layers_decode(model, acts[c], row, T); }
+        else { ops->layers_forward(model, acts[c], B, T); }
+        if (place->has_head) {
+            if (decode) { ops->head_decode(model, acts[c], row, T); }
+            else { ops->head_forward(model, acts[c], B, T, 0); }
+        } else if (pipeline_chunk_of(p, vs + 1) < 0) {
+            // send (pp group): this output to the stage holding virtual stage vs + 1
+            comm_wait(comm_isend(p->pp, ops->stage_output(model, acts[c], B, T) + at, n,
+                                 pipeline_neighbour_stage(&p->cfg, p->pp->rank, c, +1), pipeline_tag(p, 0, vs, 0),
+                                 COMM_KIND_PP));
+        }
+    }
+}
+
+#endif // LLMC_PIPELINE_EXECUTOR_H
