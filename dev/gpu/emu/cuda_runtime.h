@@ -27,9 +27,10 @@
  *    that exits while others wait at a barrier, is reported (on a GPU: a hang or undefined
  *    behaviour);
  *  - with the race check compiled in (emu_race.mk: every memory access of the kernels reported
- *    through gcc's -fsanitize=kernel-address hooks), a read of a word that another thread of
- *    the block wrote since the last barrier that orders them, or that another block wrote in
- *    the same launch, stops the run naming the kernel, the threads and the address.
+ *    through gcc's -fsanitize=kernel-address hooks), a read of bytes (tracked in 2-byte
+ *    halves: bf16) that another thread of the block wrote since the last barrier that orders
+ *    them, or that another block wrote in the same launch, stops the run naming the kernel,
+ *    the threads and the address.
  *  - dynamic shared memory (the launch's byte count, LAUNCH_SMEM) is a per-thread buffer ending
  *    at a guard page, filled with 0xFF bytes for each block; a launch above 48 KiB without
  *    cudaFuncSetAttribute(MaxDynamicSharedMemorySize), or above an H100's 227 KiB, fails with
