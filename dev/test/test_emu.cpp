@@ -15,6 +15,7 @@
  * What fast mode needs (dev/gpu/emu/cuda_bf16.h, ptx_emu.h):
  *   - bf16 conversions bit for bit: round to nearest even (ties both ways, the carry into the
  *     exponent and to infinity), subnormals, signed zero, every NaN to 0x7FFF; the intrinsics;
+ *     streams and events created with flags, cudaEventQuery;
  *   - dynamic shared memory: NaN for every block; a launch above 48 KiB without the kernel's
  *     cudaFuncSetAttribute, or above 227 KiB, refused with cudaErrorInvalidValue as on an
  *     H100 (per kernel, per template instance); an access past the launch's size stops the
@@ -375,6 +376,20 @@ static void test_dynamic_shared(void) {
     cudaFree(d);
 }
 
+// the stream and event calls fast mode makes: on the emulated device every call has finished
+// when it returns, so an event is always complete
+static void test_streams_events(void) {
+    cudaStream_t stream;
+    cudaEvent_t event;
+    int ok = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
+             cudaEventCreateWithFlags(&event, cudaEventDisableTiming) == cudaSuccess &&
+             cudaEventRecord(event, stream) == cudaSuccess && cudaEventQuery(event) == cudaSuccess &&
+             cudaStreamWaitEvent(stream, event, 0) == cudaSuccess && cudaEventDestroy(event) == cudaSuccess &&
+             cudaStreamDestroy(stream) == cudaSuccess;
+    CHECK(ok, "cudaStreamCreateWithFlags, cudaEventCreateWithFlags, cudaEventQuery");
+    printf("%-58s %s\n", "streams and events with flags, cudaEventQuery", ok ? "work" : "FAIL");
+}
+
 static void test_cp_async(void) {
     float* h = run_cp_async(0);
     int right = 1;
@@ -462,6 +477,7 @@ int main(void) {
     // kernels in this process only after the last child: OpenMP's threads do not survive a fork
     test_bf16();
     test_dynamic_shared();
+    test_streams_events();
     test_cp_async();
     test_mma_tile();
 #if !LLMC_EMU_RACE_CHECK
