@@ -166,7 +166,10 @@ __global__ void cp_async_kernel(float* out, const float* in, int mode) {
         cp_async16(chunks + 4 * (n + t), in + 4 * (n + t), true);
         cp_async_commit();
         cp_async_wait<1>();
-        for (int i = 0; i < 4; i++) { out[4 * t + i] = chunks[4 * t + i]; out[4 * (n + t) + i] = chunks[4 * (n + t) + i]; }
+        for (int i = 0; i < 4; i++) {
+            out[4 * t + i] = chunks[4 * t + i];
+            out[4 * (n + t) + i] = chunks[4 * (n + t) + i];
+        }
         cp_async_wait<0>();
         for (int i = 0; i < 4; i++) { out[4 * (2 * n + t) + i] = chunks[4 * (n + t) + i]; }
         return;
@@ -346,12 +349,13 @@ static void test_dynamic_shared(void) {
 #endif
     // the limits, as an H100 applies them
     const int kib = 1024;
+    const cudaFuncAttribute max_dynamic = cudaFuncAttributeMaxDynamicSharedMemorySize;
     LAUNCH_SMEM(dynamic_size_kernel<1>, 1, 1, 48 * kib, d);
     cudaError_t at_48 = cudaGetLastError();
     LAUNCH_SMEM(dynamic_size_kernel<1>, 1, 1, 64 * kib, d);
     cudaError_t without = cudaGetLastError();
     int names_attribute = strstr(cudaGetErrorString(without), "cudaFuncSetAttribute") != NULL;
-    cudaError_t set64 = cudaFuncSetAttribute(dynamic_size_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * kib);
+    cudaError_t set64 = cudaFuncSetAttribute(dynamic_size_kernel<1>, max_dynamic, 64 * kib);
     cudaCheck(cudaMemset(d, 0, 4));
     LAUNCH_SMEM(dynamic_size_kernel<1>, 1, 1, 64 * kib, d);
     cudaError_t with = cudaGetLastError();
@@ -360,9 +364,9 @@ static void test_dynamic_shared(void) {
     cudaError_t above_attribute = cudaGetLastError();
     LAUNCH_SMEM(dynamic_size_kernel<2>, 1, 1, 64 * kib, d);   // another instance: its own attribute
     cudaError_t other_instance = cudaGetLastError();
-    cudaError_t set228 = cudaFuncSetAttribute(dynamic_size_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 * kib);
+    cudaError_t set228 = cudaFuncSetAttribute(dynamic_size_kernel<2>, max_dynamic, 228 * kib);
     cudaGetLastError();
-    cudaError_t set227 = cudaFuncSetAttribute(dynamic_size_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * kib);
+    cudaError_t set227 = cudaFuncSetAttribute(dynamic_size_kernel<2>, max_dynamic, 227 * kib);
     LAUNCH_SMEM(dynamic_size_kernel<2>, 1, 1, 227 * kib, d);
     cudaError_t at_227 = cudaGetLastError();
     int ok = at_48 == cudaSuccess && without == cudaErrorInvalidValue && names_attribute && set64 == cudaSuccess &&
@@ -443,7 +447,8 @@ static void test_mma_tile(void) {
         }
     }
     CHECK(wrong == 0, "ldmatrix + mma.sync 16x16x16 tiles: %d of 512 elements differ from the triple loop", wrong);
-    printf("%-58s %s\n", "ldmatrix (.x4, .trans) + mma.sync m16n8k16 vs a triple loop", wrong ? "WRONG" : "bit-identical");
+    printf("%-58s %s\n", "ldmatrix (.x4, .trans) + mma.sync m16n8k16 vs a triple loop",
+           wrong ? "WRONG" : "bit-identical");
     cudaFree(d_in); cudaFree(d_c1); cudaFree(d_c2);
 }
 
@@ -470,9 +475,11 @@ int main(void) {
     expect_failure("race check: shared read with no barrier", race_shared, "data race in kernel block_sum_kernel");
     expect_success("race check: ... with the barrier", race_shared_none);
     expect_failure("race check: read of another block's write", race_blocks, "that block 0 wrote");
-    expect_failure("race check: dynamic shared read with no barrier", race_dynamic, "data race in kernel dynamic_sum_kernel");
+    expect_failure("race check: dynamic shared read with no barrier", race_dynamic,
+                   "data race in kernel dynamic_sum_kernel");
     expect_success("race check: ... with the barrier", race_dynamic_none);
-    expect_failure("race check: cp.async data read with no barrier", race_cp_async, "data race in kernel cp_async_kernel");
+    expect_failure("race check: cp.async data read with no barrier", race_cp_async,
+                   "data race in kernel cp_async_kernel");
 #endif
     // kernels in this process only after the last child: OpenMP's threads do not survive a fork
     test_bf16();

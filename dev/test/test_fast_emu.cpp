@@ -221,7 +221,8 @@ static void cublaslt_refusals(void) {
     cases[n++] = {"fp16 compute", cublasLtMatmulDescCreate(&desc, (cublasComputeType_t)64, CUDA_R_32F),
                   CUBLAS_STATUS_NOT_SUPPORTED};
     cases[n++] = {"fp32 A", heuristic(lfp32, l16, l16), CUBLAS_STATUS_NOT_SUPPORTED};
-    cases[n++] = {"shapes that do not chain (n 8, D 16 columns)", heuristic(l16, lsmall, l16), CUBLAS_STATUS_INVALID_VALUE};
+    cases[n++] = {"shapes that do not chain (n 8, D 16 columns)", heuristic(l16, lsmall, l16),
+                  CUBLAS_STATUS_INVALID_VALUE};
     int found_after_refusal = found;
     cases[n++] = {"bf16 A, B and fp32 D", heuristic(l16, l16, lfp32), CUBLAS_STATUS_SUCCESS};
     cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
@@ -272,7 +273,8 @@ static void cublaslt_refusals(void) {
               (int)cases[i].got, (int)cases[i].want);
         wrong += cases[i].got != cases[i].want;
     }
-    printf("cuBLASLt stand-in: %d refusals and acceptances with cuBLASLt's status codes: %s\n", n, wrong ? "FAIL" : "ok");
+    printf("cuBLASLt stand-in: %d refusals and acceptances with cuBLASLt's status codes: %s\n", n,
+           wrong ? "FAIL" : "ok");
     cublasCheck(cublasLtMatmulPreferenceDestroy(pref));
     cublasCheck(cublasLtMatrixLayoutDestroy(l16));
     cublasCheck(cublasLtMatrixLayoutDestroy(lfp32));
