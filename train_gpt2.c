@@ -1912,7 +1912,7 @@ typedef struct {
 
 // The tied token embedding gets two gradients: from the LM head (wte as the output matmul)
 // and from the embedding lookup. They are kept apart (the lookup half is zero.h's unit
-// zero_unit_E(z)) until the whole step's gradient is reduced, then added (lm part + lookup part),
+// zero_lookup_unit(z)) until the whole step's gradient is reduced, then added (lm part + lookup part),
 // because that is the order a pipeline can reproduce: there the LM head lives on the last
 // stage and the embedding on the first (Megatron sums the two copies' gradients after the
 // data-parallel reduction). zero_finish_grads() does the addition.
@@ -2686,14 +2686,14 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
 }
 
 // (the chunk with the embeddings) the embeddings' gradients from g->dresidual = d(loss)/d(encoded): the lookup
-// half of wte's gradient (zero_unit_E; this rank's vocabulary rows) and wpe's. Both sum over all
+// half of wte's gradient (zero_lookup_unit; this rank's vocabulary rows) and wpe's. Both sum over all
 // positions: with SP the gradient is all-gathered along T first (the input half, which keeps
 // it), with CP then along the sequence (cp group, the weight half), and every rank runs the
 // one-rank embedding backward on whole sequences.
 void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int lookup_unit = zero_unit_E(z);
+    int lookup_unit = zero_lookup_unit(z);
     float* dencoded = a->split_backward ? a->dencoded : g->dfcproj;
     if (part & BACKWARD_INPUT) { dres_g_backward(model, g, dencoded, B, T); }
     if (part & BACKWARD_WEIGHT) {

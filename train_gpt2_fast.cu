@@ -393,11 +393,11 @@ static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T, int 
     FastGrads* g = (FastGrads*)vg;
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
-    int E = zero_unit_E(z);
-    encoder_backward_x(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), g->dresidual, 1, a->inputs, B, T,
+    int lookup_unit = zero_lookup_unit(z);
+    encoder_backward_x(zero_grad_unit(z, lookup_unit), zero_grad_unit(z, ZERO_WPE), g->dresidual, 1, a->inputs, B, T,
                        c->channels, 0, c->padded_vocab_size, c->max_seq_len);
     zero_grad_unit_done(z, ZERO_WPE);
-    zero_grad_unit_done(z, E);
+    zero_grad_unit_done(z, lookup_unit);
 }
 
 static const ModelOps fast_model_ops = {
