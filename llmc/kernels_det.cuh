@@ -1,9 +1,10 @@
 /*
- * kernels_det.cuh: the deterministic (--deterministic 1) kernels: fp32, each one the GPU twin
- * of the train_gpt2.c kernel of the same name and ARGUMENTS, computing every output with that
- * kernel's sequence of floating-point operations (llmc/canonical.h), so the bits agree. Because
- * the names and arguments are the same, train_gpt2.cu compiles train_gpt2.c's model on these
- * kernels: one model, two kernel sets. Tensor and sequence parallelism reach the kernels as on
+ * kernels_det.cuh: the deterministic (--deterministic 1) kernels: fp32, the device set of the
+ * kernel contract (llmc/kernels.h): each host function launches the GPU twin of the CPU kernel
+ * of the same name and ARGUMENTS (train_gpt2.c's specification), computing every output with
+ * that kernel's sequence of floating-point operations (llmc/canonical.h), so the bits agree.
+ * Because the names and arguments are the contract's, train_gpt2.cu compiles train_gpt2.c's
+ * model on these kernels: one model, two kernel sets. Tensor and sequence parallelism reach the kernels as on
  * the CPU: a rank's share of the 8 reduction chunks (`nchunks`), its vocabulary rows (v0, Vl),
  * per-sequence partials of the layernorm gradients.
  *
@@ -36,6 +37,7 @@
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/canonical.h"
+#include "llmc/kernels.h"
 #include "llmc/adamw.h"
 #include "llmc/gpu_plan.h"
 #include "llmc/memory.h"
