@@ -527,76 +527,9 @@ float position_sum(const float* x, int B, int T) {
 // fused softmax + cross-entropy (crossentropy_*) are written once, vectorised: cpu_fast.h.
 
 // ------------------------------------------------------------------------------------------
-// the mixture-of-experts layer (llmc/moe.h: its arithmetic and routing plan)
-
-// probs (BT,E) = softmax of logits (BT,E) (probs may be logits); chosen, gates (BT,k)
-void moe_router_forward(float* probs, int* chosen, float* gates, const float* logits, int BT, int E, int k) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        moe_router_row(probs + (size_t)i * E, chosen + (size_t)i * k, gates + (size_t)i * k, logits + (size_t)i * E,
-                       E, k);
-    }
-}
-
-// psum (E) = R3 over the positions of probs (B,T,E) of each expert's probability
-void moe_expert_prob_sums(float* psum, const float* probs, int B, int T, int E) {
-    #pragma omp parallel for
-    for (int e = 0; e < E; e++) { psum[e] = position_reduce_elem(probs, E, e, NULL, 0, 0, B, T, CANON_R); }
-}
-
-// out (n,C) = rows in[index[i]] of in (., C)
-void moe_gather_rows(float* out, const float* in, const int* index, int n, int C) {
-    #pragma omp parallel for
-    for (int i = 0; i < n; i++) { memcpy(out + (size_t)i * C, in + (size_t)index[i] * C, sizeof(float) * C); }
-}
-
-// out (BT,C) = the gated sum of each position's k expert outputs, rows (BT*k,C) at the
-// positions' slot rows slot_row (BT,k)
-void moe_combine(float* out, const float* rows, const float* gates, const int* slot_row, int BT, int k, int C) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        for (int c = 0; c < C; c++) {
-            out[(size_t)i * C + c] = moe_combine_elem(rows, gates + (size_t)i * k, slot_row + (size_t)i * k, k, C, c);
-        }
-    }
-}
-
-// dgate (BT,k) = R2 over C of dout . the slot's expert output; drows (BT*k,C) at the slot rows
-// = gate * dout
-void moe_combine_backward(float* dgate, float* drows, const float* dout, const float* rows, const float* gates,
-                          const int* slot_row, int BT, int k, int C) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        const float* d = dout + (size_t)i * C;
-        for (int j = 0; j < k; j++) {
-            size_t s = (size_t)i * k + j, r = (size_t)slot_row[s];
-            dgate[s] = canon_dot(d, 1, rows + r * C, 1, C);
-            for (int c = 0; c < C; c++) { drows[r * C + c] = gates[s] * d[c]; }
-        }
-    }
-}
-
-// dlogits (BT,E) from probs (BT,E), chosen, gates, dgate (BT,k) and daux (E)
-void moe_router_backward(float* dlogits, const float* probs, const int* chosen, const float* gates, const float* dgate,
-                         const float* daux, int BT, int E, int k) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        moe_router_backward_row(dlogits + (size_t)i * E, probs + (size_t)i * E, chosen + (size_t)i * k,
-                                gates + (size_t)i * k, dgate + (size_t)i * k, daux, E, k);
-    }
-}
-
-// dinp (BT,C) = drouter (BT,C) + the input gradients of the position's k slots, drows (BT*k,C)
-void moe_dinput_combine(float* dinp, const float* drouter, const float* drows, const int* slot_row, int BT, int k,
-                        int C) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        for (int c = 0; c < C; c++) {
-            dinp[(size_t)i * C + c] = moe_dinput_elem(drouter[(size_t)i * C + c], drows, slot_row + (size_t)i * k, k, C, c);
-        }
-    }
-}
-
+// the mixture-of-experts layer: its per-output arithmetic is moe.h's (the CPU kernels and the
+// device twins call the same functions), its kernels' loops are in cpu_fast.h, beside the
+// experts' weight-gradient tiles, whose specification this is.
 // One expert's weight and bias gradients from its rows: for each of nsrc source microbatches
 // q (leaves leaf[q*B*8 .. (q+1)*B*8], absolute rows of dout (.,OC) and inp (.,IC)), the R3
 // reduction over the source's rows into slice q: dweight + q*slice (OC,IC) and dbias + q*slice

@@ -1,13 +1,18 @@
 /*
- * cpu_fast.h: the CPU build's fast kernels. Each computes exactly the bits of a plain
- * specification in train_gpt2.c (named above it: "= matmul_forward_naive, bit for bit";
- * test_kernels compares them on awkward shapes, with SIMD and without), vectorised across
- * output elements (simd.h: every lane runs the canonical sequence of operations of its own
- * output) and tiled so that the operands stay in cache: the matmul's register tiles, the
- * attention tiles, context parallelism's attention blocks, the experts' weight gradients, the
- * elementwise and cross-entropy kernels, and the scratch pools and thread helpers they share.
- * Every streamed reduction keeps its partials on a canonical.h CanonStack. Together with
- * train_gpt2.c's plain kernels they implement the contract of llmc/kernels.h.
+ * cpu_fast.h: the CPU kernels of the contract (llmc/kernels.h) that train_gpt2.c does not
+ * write as their plain specification, and the helpers they share (scratch pools, thread
+ * indices, the tile dispatch):
+ *  - the matmul, the attention and the experts' weight gradients: exactly the bits of
+ *    train_gpt2.c's specifications (named above each: "= matmul_forward_naive, bit for bit";
+ *    test_kernels compares them on awkward shapes, with SIMD and without), vectorised across
+ *    output elements (simd.h: every lane runs the canonical operations of its own output) in
+ *    register tiles, and blocked so that the operands stay in cache;
+ *  - context parallelism's attention blocks: attention_forward and attention_backward cut into
+ *    passes over blocks of keys, on the same tiles;
+ *  - GELU and the fused softmax + cross-entropy: canonical.h's per-element functions in every
+ *    lane; the mixture-of-experts loops: moe.h's per-output functions (the device twins call
+ *    the same ones).
+ * Every streamed reduction keeps its partials on a canonical.h CanonStack.
  */
 #ifndef LLMC_CPU_FAST_H
 #define LLMC_CPU_FAST_H
@@ -1074,6 +1079,77 @@ void crossentropy_backward(float* dlogits_probs, const int* targets, float dloss
 }
 
 // ------------------------------------------------------------------------------------------
+// The mixture-of-experts layer: loops over moe.h's per-output functions (which the device
+// twins call too), and the experts' weight-gradient tiles.
+
+// probs (BT,E) = softmax of logits (BT,E) (probs may be logits); chosen, gates (BT,k)
+void moe_router_forward(float* probs, int* chosen, float* gates, const float* logits, int BT, int E, int k) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        moe_router_row(probs + (size_t)i * E, chosen + (size_t)i * k, gates + (size_t)i * k, logits + (size_t)i * E,
+                       E, k);
+    }
+}
+
+// psum (E) = R3 over the positions of probs (B,T,E) of each expert's probability
+void moe_expert_prob_sums(float* psum, const float* probs, int B, int T, int E) {
+    #pragma omp parallel for
+    for (int e = 0; e < E; e++) { psum[e] = position_reduce_elem(probs, E, e, NULL, 0, 0, B, T, CANON_R); }
+}
+
+// out (n,C) = rows in[index[i]] of in (., C)
+void moe_gather_rows(float* out, const float* in, const int* index, int n, int C) {
+    #pragma omp parallel for
+    for (int i = 0; i < n; i++) { memcpy(out + (size_t)i * C, in + (size_t)index[i] * C, sizeof(float) * C); }
+}
+
+// out (BT,C) = the gated sum of each position's k expert outputs, rows (BT*k,C) at the
+// positions' slot rows slot_row (BT,k)
+void moe_combine(float* out, const float* rows, const float* gates, const int* slot_row, int BT, int k, int C) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        for (int c = 0; c < C; c++) {
+            out[(size_t)i * C + c] = moe_combine_elem(rows, gates + (size_t)i * k, slot_row + (size_t)i * k, k, C, c);
+        }
+    }
+}
+
+// dgate (BT,k) = R2 over C of dout . the slot's expert output; drows (BT*k,C) at the slot rows
+// = gate * dout
+void moe_combine_backward(float* dgate, float* drows, const float* dout, const float* rows, const float* gates,
+                          const int* slot_row, int BT, int k, int C) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        const float* d = dout + (size_t)i * C;
+        for (int j = 0; j < k; j++) {
+            size_t s = (size_t)i * k + j, r = (size_t)slot_row[s];
+            dgate[s] = canon_dot(d, 1, rows + r * C, 1, C);
+            for (int c = 0; c < C; c++) { drows[r * C + c] = gates[s] * d[c]; }
+        }
+    }
+}
+
+// dlogits (BT,E) from probs (BT,E), chosen, gates, dgate (BT,k) and daux (E)
+void moe_router_backward(float* dlogits, const float* probs, const int* chosen, const float* gates, const float* dgate,
+                         const float* daux, int BT, int E, int k) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        moe_router_backward_row(dlogits + (size_t)i * E, probs + (size_t)i * E, chosen + (size_t)i * k,
+                                gates + (size_t)i * k, dgate + (size_t)i * k, daux, E, k);
+    }
+}
+
+// dinp (BT,C) = drouter (BT,C) + the input gradients of the position's k slots, drows (BT*k,C)
+void moe_dinput_combine(float* dinp, const float* drouter, const float* drows, const int* slot_row, int BT, int k,
+                        int C) {
+    #pragma omp parallel for
+    for (int i = 0; i < BT; i++) {
+        for (int c = 0; c < C; c++) {
+            dinp[(size_t)i * C + c] = moe_dinput_elem(drouter[(size_t)i * C + c], drows, slot_row + (size_t)i * k, k, C, c);
+        }
+    }
+}
+
 // The experts' weight gradients = moe_expert_dweight_naive, bit for bit: matmul_dweight_tile's
 // register tiles (MM_NO outputs x nv vectors of columns) walking the leaves of moe.h's
 // routing plan instead of the chunks of T.

@@ -36,7 +36,7 @@ HD float det_load(const void* p, size_t i, int bf16) {
 // Every deterministic matmul-shaped kernel computes out[m][n] = (R2 over r of A(m,r)*B(n,r))
 // with the reduction r walked in tiles of at most DET_KT indices: chunk by chunk (the 8
 // chunks of R2, or a tensor-parallel rank's 8/tp of them: `nchunks`), within a chunk group by
-// group (the qkv weight's dinp is chunked per group, see train_gpt2.c matmul_backward),
+// group (the qkv weight's dinp is chunked per group, see train_gpt2.c matmul_backward_naive),
 // increasing r. A reduction along the positions of a sequence (over T, keys or queries) is
 // zig-zag (canonical.h R2Z): its chunk c is walked as two groups, piece c then piece
 // 2*nchunks-1-c. A tile never straddles a chunk or group boundary, so each output's terms are
@@ -72,7 +72,7 @@ enum {
     DET_CAUSAL_NONE = 0,   // all r
     DET_CAUSAL_R_LE_M = 1, // r <= m: keys up to the query (att @ v, ds @ k)
     DET_CAUSAL_R_GE_M = 2, // r >= m: queries from the key on (ds^T @ q, att^T @ dout)
-    // context parallelism's blocks (train_gpt2.c attention_*_block): row m a query of rank
+    // context parallelism's blocks (cpu_fast.h attention_*_block): row m a query of rank
     // zz_r's slice and r the keys of block zz_s that it attends to, a prefix of the block; or
     // row m a key of block zz_s and r the queries of rank zz_r that attend to it, a suffix
     DET_CAUSAL_ZZ_KEYS = 3,
@@ -338,7 +338,7 @@ static inline DetGemmArgs det_args_attention_by_queries(float* out, long ldo, co
     return g;
 }
 
-// ---- context parallelism's blocks (train_gpt2.c attention_*_block) -------------------------
+// ---- context parallelism's blocks (cpu_fast.h attention_*_block) ---------------------------
 // Rank r's Tq = T/N queries against block s's Tq keys; att and ds (B,NH,Tq,T) keep block s in
 // columns [s*Tq, (s+1)*Tq).
 
