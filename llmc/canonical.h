@@ -71,6 +71,7 @@
 #ifndef LLMC_CANONICAL_H
 #define LLMC_CANONICAL_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 

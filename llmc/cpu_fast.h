@@ -25,6 +25,7 @@
 #include "llmc/utils.h"
 #include "llmc/canonical.h"
 #include "llmc/simd.h"
+#include "llmc/moe.h"
 #include "llmc/kernels.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -85,14 +86,14 @@ static int thread_count(void) {
 #define TILE_STACK(name, depth) float name[(depth) * MM_NO * MR]
 static inline CanonStack tile_stack(float* partials, int n, int nv) { return canon_stack(partials, MM_NO * MR, n, nv * VLEN, MR); }
 
-// Pushes a tile's accumulators acc[n][nv] as one leaf.
-#define TILE_PUSH(stack, acc, n, nv, merges) do {                                                   \
-        float* leaf_ = canon_stack_next(&(stack));                                                   \
-        _Pragma("GCC unroll 8") for (int j_ = 0; j_ < (n); j_++) {                                   \
-            _Pragma("GCC unroll 4") for (int v_ = 0; v_ < (nv); v_++) { vf_store(leaf_ + j_ * MR + v_ * VLEN, (acc)[j_][v_]); } \
-        }                                                                                            \
-        canon_stack_push(&(stack), (merges));                                                        \
-    } while (0)
+// A tile's accumulators acc[n][nv] join its stack as one leaf, then `merges` pop-and-add steps.
+ALWAYS_INLINE void tile_push(CanonStack* stack, vf acc[MM_NO][MM_MV], const int n, const int nv, int merges) {
+    float* leaf = canon_stack_next(stack);
+    _Pragma("GCC unroll 8") for (int j = 0; j < n; j++) {
+        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { vf_store(leaf + j * MR + v * VLEN, acc[j][v]); }
+    }
+    canon_stack_push(stack, merges);
+}
 
 // ------------------------------------------------------------------------------------------
 // R3 over positions of dout[pos][o] * x[pos][ic] (x = NULL: of dout[pos][o] alone), scalar:
@@ -140,7 +141,7 @@ ALWAYS_INLINE void matmul_forward_tile(float* out, const float* packed, const fl
                 _Pragma("GCC unroll 4") for (int v = 0; v < MM_MV; v++) { acc[j][v] = vf_fma(a[v], w, acc[j][v]); }
             }
         }
-        TILE_PUSH(stack, acc, no, MM_MV, canon_tree_merges_after(ch, nchunks));
+        tile_push(&stack, acc, no, MM_MV, canon_tree_merges_after(ch, nchunks));
     }
     for (int j = 0; j < no; j++) {
         const float* tile = partials + j * MR;
@@ -364,7 +365,7 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
                     }
                 }
             }
-            TILE_PUSH(stack, acc, no, nv, canon_pos_merges_after(b, B, ch, tchunks));
+            tile_push(&stack, acc, no, nv, canon_pos_merges_after(b, B, ch, tchunks));
         }
     }
     for (int j = 0; j < no; j++) { memcpy(dweight + (size_t)(o0 + j) * IC + k0, partials + j * MR, sizeof(float) * nv * VLEN); }
@@ -503,7 +504,7 @@ ALWAYS_INLINE void attn_rows_tile(const AttRows* a, const int nr, int d0, const 
                 }
             }
         }
-        TILE_PUSH(stack, acc, nr, nv, canon_tree_merges_after(c, a->nchunks));
+        tile_push(&stack, acc, nr, nv, canon_tree_merges_after(c, a->nchunks));
     }
     for (int r = 0; r < nr; r++) { memcpy(a->out + r * a->ldo + d0, partials + r * MR, sizeof(float) * nv * VLEN); }
 }
@@ -559,7 +560,7 @@ ALWAYS_INLINE void attn_scores_tile(float* s, long lds, const float* q, long ldq
                 _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(qv, kv[v], acc[r][v]); }
             }
         }
-        TILE_PUSH(stack, acc, nr, nv, canon_tree_merges_after(c, CANON_R));
+        tile_push(&stack, acc, nr, nv, canon_tree_merges_after(c, CANON_R));
     }
     vf sc = vf_set1(scale);
     _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
@@ -1173,7 +1174,7 @@ ALWAYS_INLINE void moe_dweight_tile(float* dweight, const float* dout, const flo
                     _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_fma(d, xv[v], acc[j][v]); }
                 }
             }
-            TILE_PUSH(stack, acc, no, nv, canon_pos_merges_after(b, B, ch, CANON_R));
+            tile_push(&stack, acc, no, nv, canon_pos_merges_after(b, B, ch, CANON_R));
         }
     }
     for (int j = 0; j < no; j++) { memcpy(dweight + (size_t)(o0 + j) * IC + k0, partials + j * MR, sizeof(float) * nv * VLEN); }
