@@ -14,8 +14,10 @@
  * layernorm and embedding gradients use deterministic mode's exact R3 reductions on the bf16
  * activations (kernels_det.cuh), so a fast run is repeatable run to run.
  *
- * Fast mode runs one pipeline stage without tensor parallelism: data parallelism and ZeRO 0-3
- * (train_gpt2.cu refuses --tp/--pp/--sp in fast mode and says to use --deterministic 1).
+ * Fast mode runs dense models on one pipeline stage: data parallelism and ZeRO 0-3. In fast
+ * mode train_gpt2.cu refuses --tp/--pp/--sp/--cp and mixture-of-experts models (-e with
+ * experts), and says to use --deterministic 1; within this file, a split backward (the
+ * pipeline's separate input and weight gradients) is an internal error.
  */
 #include "llmc/engine.h"
 #include "llmc/kernels_det.cuh"

@@ -56,6 +56,7 @@
 #include <stddef.h>
 #include "llmc/canonical.h"
 #include "llmc/comm.h"
+#include "llmc/kernels.h"
 #include "llmc/memory.h"
 #include "llmc/model.h"
 #include "llmc/tensor_parallel.h"
