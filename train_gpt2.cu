@@ -26,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "llmc/kernels_det.cuh"   // the kernel contract's device set
+#include "llmc/kernels_moe_det.cuh"   // the kernel contract's device set (with kernels_det.cuh)
 #define LLMC_DEVICE_KERNELS
 #include "train_gpt2.c"   // the model, on the kernels above (and the engine it includes)
 #ifndef LLMC_CUDA_EMU

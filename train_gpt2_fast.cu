@@ -20,7 +20,7 @@
  * pipeline's separate input and weight gradients) is an internal error.
  */
 #include "llmc/engine.h"
-#include "llmc/kernels_det.cuh"
+#include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
 #include "llmc/kernels_fast.cuh"
 #include "llmc/matmul_cublaslt.cuh"
 #include "llmc/attention_flash.cuh"

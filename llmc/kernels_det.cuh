@@ -1009,9 +1009,6 @@ static void device_mem_tree_rows(float* rows, size_t len, int nrows, float* out)
 }
 static void device_mem_sync(void) { cudaCheck(cudaDeviceSynchronize()); }
 
-// the mixture-of-experts layer's twins (llmc/moe.h)
-#include "llmc/kernels_moe_det.cuh"
-
 static const MemOps memory_device = {
     "device", device_mem_alloc, device_mem_release, device_mem_copy, device_mem_to_host, device_mem_from_host,
     device_mem_fill, device_mem_add, device_mem_tree_rows, device_mem_sumsq, device_mem_adamw, device_holds,

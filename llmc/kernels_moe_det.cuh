@@ -1,7 +1,8 @@
 /*
  * kernels_moe_det.cuh: the deterministic device twins of the mixture-of-experts layer's CPU
- * kernels (llmc/kernels.h's contract; train_gpt2.c and llmc/cpu_fast.h), included by
- * llmc/kernels_det.cuh: the same names and arguments,
+ * kernels (llmc/kernels.h's contract; train_gpt2.c and llmc/cpu_fast.h), on top of
+ * llmc/kernels_det.cuh (whose position reductions they reuse): with it, the whole device set
+ * that train_gpt2.cu compiles the model on. The same names and arguments,
  * each output computed by one thread with moe.h's per-output functions (the router row, the
  * gated combine, the router's backward row, the R3 over an expert's rows), so the bits are the
  * CPU's. The expert MLPs themselves are kernels_det.cuh's matmuls, one per expert.
@@ -9,6 +10,7 @@
 #ifndef LLMC_KERNELS_MOE_DET_CUH
 #define LLMC_KERNELS_MOE_DET_CUH
 
+#include "llmc/kernels_det.cuh"
 #include "llmc/kernels.h"
 #include "llmc/moe.h"
 
