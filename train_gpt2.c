@@ -39,6 +39,7 @@
 #include "llmc/comm.h"
 #include "llmc/zero.h"
 #include "llmc/tensor_parallel.h"
+#include "llmc/context_parallel.h"
 #include "llmc/moe.h"
 #include "llmc/expert_parallel.h"
 #include "llmc/engine.h"
@@ -559,9 +560,6 @@ void moe_expert_dweight_naive(float* dweight, float* dbias, size_t slice, const 
 // compiles this same section on its device kernels, which take the same arguments. So the
 // model never touches tensor memory itself: it allocates and fills through the MemOps of
 // memory.h (host here, device there), and its parameters come unit by unit from zero.h.
-// Context parallelism's attention and gradient finishing (context_parallel.h) drive these
-// kernels too, so the header comes here.
-#include "llmc/context_parallel.h"
 
 // Activations of one forward pass of a model chunk (its `layers` transformer layers, and
 // the head on the chunk holding it), allocated for a capacity of (B, T) positions; a pass with fewer
