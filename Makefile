@@ -86,8 +86,8 @@ build/test_tp_ops: dev/test/test_tp_ops.c train_gpt2.c $(LLMC_HEADERS) | build
 	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
 TEST_BINS += build/test_canonical build/test_kernels build/test_kernels_scalar build/test_gpt2 build/testdata \
              build/test_tp_ops
-TESTS += build/test_canonical build/test_kernels build/test_kernels_scalar build/test_gpt2 dev/test/test_train.sh \
-         dev/test/test_dp.sh dev/test/test_pp.sh dev/test/test_tp.sh
+TESTS += dev/test/test_headers.sh build/test_canonical build/test_kernels build/test_kernels_scalar build/test_gpt2 \
+         dev/test/test_train.sh dev/test/test_dp.sh dev/test/test_pp.sh dev/test/test_tp.sh
 
 # --- benchmarks (dev/bench: tables, not tests) ---------------------------------------------
 build/bench_kernels: dev/bench/bench_kernels.c train_gpt2.c $(LLMC_HEADERS) | build

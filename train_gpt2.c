@@ -8,13 +8,19 @@
  * loop, the pipeline executor, validation, sampling and checkpoints in engine.h; parameters,
  * gradients and AdamW in zero.h (data parallelism, ZeRO); the communication in comm.h. Every
  * floating-point reduction follows the canonical order of llmc/canonical.h (rules R1-R6),
- * which is what makes this file the arithmetic truth: the CUDA build in deterministic mode
- * runs this very model on device kernels of the same names and arguments (train_gpt2.cu
- * includes this file with LLMC_DEVICE_KERNELS defined, which leaves out the CPU kernels and
- * main), and every parallel layout reproduces its bits.
+ * which is what makes this file the arithmetic truth.
+ *
+ * The kernels here are the plain specification: loops in the canonical order, one output at a
+ * time where that is clearest. The ones the training time lives in have a fast twin in
+ * llmc/cpu_fast.h (register tiles, SIMD, cache blocking) that computes exactly their bits
+ * (test_kernels compares them); together they implement the kernel contract, llmc/kernels.h.
+ * The CUDA build in deterministic mode runs this very model on the contract's device set
+ * (train_gpt2.cu includes this file with LLMC_DEVICE_KERNELS defined, which leaves out the
+ * CPU kernels and main), and every parallel layout reproduces its bits.
  *
  * Shapes: B sequences of T tokens, C channels, NH heads of hs = C/NH, vocabulary V padded to
- * Vp, L layers. "BT" is B*T positions, row-major (b, t).
+ * Vp, L layers. "BT" is B*T positions, row-major (b, t). A matmul reduces IC inputs to OC
+ * outputs.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,51 +33,20 @@
 
 #include "llmc/utils.h"
 #include "llmc/canonical.h"
+#include "llmc/kernels.h"
 #include "llmc/model.h"
 #include "llmc/memory.h"
 #include "llmc/comm.h"
 #include "llmc/zero.h"
 #include "llmc/tensor_parallel.h"
+#include "llmc/context_parallel.h"
 #include "llmc/moe.h"
 #include "llmc/expert_parallel.h"
 #include "llmc/engine.h"
 
 #ifndef LLMC_DEVICE_KERNELS
-#include "llmc/simd.h"
+#include "llmc/cpu_fast.h"
 #include "llmc/fma_peak.h"
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-// Scratch memory reused across calls (kernels run one at a time; slots keep them apart).
-enum { SCRATCH_PACK, SCRATCH_DINP, SCRATCH_DOUT, SCRATCH_XPACK, SCRATCH_ATT, SCRATCH_ATT_PACK, SCRATCH_ATT_TILE, SCRATCH_SORT,
-       SCRATCH_TREE, NUM_SCRATCH };
-static float* scratch_ptr[NUM_SCRATCH];
-static size_t scratch_bytes[NUM_SCRATCH];
-static float* scratch(int slot, size_t bytes) {
-    if (bytes > scratch_bytes[slot]) {
-        free(scratch_ptr[slot]);
-        scratch_ptr[slot] = (float*)aligned_calloc_or_die(bytes, "kernel scratch");
-        scratch_bytes[slot] = bytes;
-    }
-    return scratch_ptr[slot];
-}
-
-// The calling OpenMP thread's index, and how many a parallel region has (per-thread scratch).
-static int thread_index(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-static int thread_count(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
 
 // ==========================================================================================
 // Kernels
@@ -117,16 +92,12 @@ void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int
         float* dst = dwpe + (size_t)t * C;
         if (t >= T) { memset(dst, 0, sizeof(float) * C); continue; }
         for (int c = 0; c < C; c++) {
-            float stack[64];
-            int top = 0;
+            float partials[64];
+            CanonStack stack = canon_stack(partials, 1, 1, 1, 1);
             for (int b = 0; b < B; b++) {
-                stack[top++] = 0.0f + dout[((size_t)b * T + t) * C + c];
-                for (int m = canon_tree_merges_after(b, B); m > 0; m--) {
-                    float right = stack[--top];
-                    stack[top - 1] = stack[top - 1] + right;
-                }
+                canon_stack_push_value(&stack, 0.0f + dout[((size_t)b * T + t) * C + c], canon_tree_merges_after(b, B));
             }
-            dst[c] = stack[0];
+            dst[c] = partials[0];
         }
     }
     // counting sort of the positions by (local) token id: positions of token v0 + v are
@@ -148,21 +119,12 @@ void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int
     }
     memset(dwte_emb, 0, sizeof(float) * (size_t)Vl * C);
     int depth = 2 + CANON_LOG2_R + 32;
-    int nthreads = 1;
-#ifdef _OPENMP
-    nthreads = omp_get_max_threads();
-#endif
-    float* stacks = scratch(SCRATCH_TREE, sizeof(float) * (size_t)depth * C * nthreads);
+    float* stacks = scratch(SCRATCH_TREE, sizeof(float) * (size_t)depth * C * thread_count());
     #pragma omp parallel for schedule(dynamic, 1)
     for (int v = 0; v < Vl; v++) {
         int begin = first[v], end = first[v + 1];
         if (begin == end) { continue; }
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
-        float* stack = stacks + (size_t)tid * depth * C;
-        int top = 0;
+        CanonStack stack = canon_stack(stacks + (size_t)thread_index() * depth * C, C, 1, C, C);
         int next = begin;   // first position of token v in sequence b, in (b, t) order
         for (int b = 0; b < B; b++) {
             // piece_at[p]: the first of v's positions in sequence b at or past piece p of 16
@@ -173,7 +135,7 @@ void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int
                 piece_at[p] = next;
             }
             for (int ch = 0; ch < CANON_R; ch++) {
-                float* acc = stack + (size_t)top * C;
+                float* acc = canon_stack_next(&stack);
                 for (int c = 0; c < C; c++) { acc[c] = 0.0f; }
                 int pieces[2] = {ch, 2 * CANON_R - 1 - ch};
                 for (int half = 0; half < 2; half++) {
@@ -182,16 +144,10 @@ void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int
                         for (int c = 0; c < C; c++) { acc[c] = acc[c] + d[c]; }
                     }
                 }
-                top++;
-                for (int m = canon_pos_merges_after(b, B, ch, CANON_R); m > 0; m--) {
-                    float* right = stack + (size_t)(top - 1) * C;
-                    float* left = stack + (size_t)(top - 2) * C;
-                    for (int c = 0; c < C; c++) { left[c] = left[c] + right[c]; }
-                    top--;
-                }
+                canon_stack_push(&stack, canon_pos_merges_after(b, B, ch, CANON_R));
             }
         }
-        memcpy(dwte_emb + (size_t)v * C, stack, sizeof(float) * C);
+        memcpy(dwte_emb + (size_t)v * C, stack.base, sizeof(float) * C);
     }
 }
 
@@ -226,13 +182,13 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
 // dres (BT,C) <- dres + dinp_ln, where with n = (x-mean)*rstd, dnorm = dout*weight:
 // dinp_ln = ((dnorm - mean(dnorm)) - n * mean(dnorm*n)) * rstd  (the means are R2 over C).
 // dweight[c] = R3 over positions of dout*n (fmaf), dbias[c] = R3 of dout.  B,T for R3.
-// Under sequence (or context) parallelism a rank holds a zig-zag slice of T = T_full/K
-// positions of each sequence, i.e. nchunks = 8/K of every sequence's 8 R2Z chunks: then
-// seq_partials (2,B,C) receives each sequence's subtree for dweight and dbias, for the caller
-// to finish over the group and over the sequences (sequence_tree); otherwise (seq_partials
-// NULL, nchunks 8) the R3 is done here. The two halves are independent: dres NULL skips the
-// input gradient, dweight and seq_partials NULL the parameter gradients (a split backward runs
-// them at different times).
+// Under sequence (or context) parallelism over D ranks a rank holds a zig-zag slice of
+// T = T_full/D positions of each sequence, i.e. nchunks = 8/D of every sequence's 8 R2Z chunks:
+// then seq_partials (2,B,C) receives each sequence's subtree for dweight and dbias, for the
+// caller to finish over the group and over the sequences (sequence_tree); otherwise
+// (seq_partials NULL, nchunks 8) the R3 is done here. The two halves are independent: dres
+// NULL skips the input gradient, dweight and seq_partials NULL the parameter gradients (the
+// pipeline's deferred weight gradients run them at different times).
 void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
                         const float* inp, const float* weight, const float* mean,
                         const float* rstd, int B, int T, int C, int nchunks, float* seq_partials) {
@@ -264,16 +220,17 @@ void layernorm_backward(float* dres, float* dweight, float* dbias, const float* 
             dr[c] = dr[c] + dx;
         }
     }
-    // parameter gradients: R3 (or its per-sequence subtrees), vectorised across channels
+    // parameter gradients: R3 (or its per-sequence subtrees), 64 channels at a time
     int Cp = dweight || seq_partials ? C : 0;
     #pragma omp parallel for
     for (int c0 = 0; c0 < Cp; c0 += 64) {
         int cn = C - c0 < 64 ? C - c0 : 64;
         float sw[40][64], sb[40][64];
-        int top = 0;
+        CanonStack wstack = canon_stack(sw[0], 64, 1, cn, 64), bstack = canon_stack(sb[0], 64, 1, cn, 64);
         for (int b = 0; b < B; b++) {
             for (int ch = 0; ch < nchunks; ch++) {
-                float aw[64], ab[64];
+                float* aw = canon_stack_next(&wstack);
+                float* ab = canon_stack_next(&bstack);
                 for (int j = 0; j < cn; j++) { aw[j] = 0.0f; ab[j] = 0.0f; }
                 for (int half = 0; half < 2; half++) {
                     long tb, te;
@@ -289,23 +246,15 @@ void layernorm_backward(float* dres, float* dweight, float* dbias, const float* 
                         }
                     }
                 }
-                memcpy(sw[top], aw, sizeof(float) * cn);
-                memcpy(sb[top], ab, sizeof(float) * cn);
-                top++;
-                int merges = canon_tree_merges_after(ch, nchunks);
-                if (!seq_partials && ch == nchunks - 1) { merges += canon_tree_merges_after(b, B); }
-                for (int mg = merges; mg > 0; mg--) {
-                    for (int j = 0; j < cn; j++) {
-                        sw[top - 2][j] = sw[top - 2][j] + sw[top - 1][j];
-                        sb[top - 2][j] = sb[top - 2][j] + sb[top - 1][j];
-                    }
-                    top--;
-                }
+                // a sequence's own subtree, or on through the tree over sequences
+                int merges = seq_partials ? canon_tree_merges_after(ch, nchunks) : canon_pos_merges_after(b, B, ch, nchunks);
+                canon_stack_push(&wstack, merges);
+                canon_stack_push(&bstack, merges);
             }
             if (seq_partials) {   // this sequence's subtree; the caller finishes the tree
                 memcpy(seq_partials + (size_t)b * C + c0, sw[0], sizeof(float) * cn);
                 memcpy(seq_partials + ((size_t)B + b) * C + c0, sb[0], sizeof(float) * cn);
-                top = 0;
+                wstack.top = bstack.top = 0;
             }
         }
         if (!seq_partials) {
@@ -323,22 +272,22 @@ void sequence_tree(float* out, const float* partials, int B, int n) {
 }
 
 // ------------------------------------------------------------------------------------------
-// matmul: out (BT,OC) = inp (BT,K) @ weight (OC,K)^T + bias (OC)
+// matmul: out (BT,OC) = inp (BT,IC) @ weight (OC,IC)^T + bias (OC)
 //
-// Each output is the R2 reduction over k with `nchunks` chunks (CANON_R; a tensor-parallel
-// rank holding a 1/tp slice of k uses CANON_R/tp chunks and finishes the tree across ranks),
+// Each output is the R2 reduction over ic with `nchunks` chunks (CANON_R; a tensor-parallel
+// rank holding a 1/tp slice of ic uses CANON_R/tp chunks and finishes the tree across ranks),
 // products fused with fmaf, and the bias added after the tree. The specification, one output
-// at a time (the kernel after it computes exactly these bits, faster; test_kernels checks):
+// at a time (cpu_fast.h's matmul_forward computes exactly these bits; test_kernels checks):
 void matmul_forward_naive(float* out, const float* inp, const float* weight, const float* bias,
-                          int BT, int K, int OC, int nchunks) {
+                          int BT, int IC, int OC, int nchunks) {
     #pragma omp parallel for
     for (int bt = 0; bt < BT; bt++) {
         for (int o = 0; o < OC; o++) {
             float partial[CANON_R];
             for (int ch = 0; ch < nchunks; ch++) {
                 float acc = 0.0f;
-                for (long k = ((long)K * ch) / nchunks; k < ((long)K * (ch + 1)) / nchunks; k++) {
-                    acc = fmaf(inp[(size_t)bt * K + k], weight[(size_t)o * K + k], acc);
+                for (long ic = ((long)IC * ch) / nchunks; ic < ((long)IC * (ch + 1)) / nchunks; ic++) {
+                    acc = fmaf(inp[(size_t)bt * IC + ic], weight[(size_t)o * IC + ic], acc);
                 }
                 partial[ch] = acc;
             }
@@ -348,184 +297,39 @@ void matmul_forward_naive(float* out, const float* inp, const float* weight, con
     }
 }
 
-// The CPU kernel vectorises across ROWS: a tile of MR rows x up to 6 outputs keeps 12 vector
-// accumulators; inp is packed transposed so each k gives one vector load per MR/VLEN rows.
-#define MM_NO 6
-#define MM_MV (VLEN == 16 ? 4 : 2)   // vectors of rows per tile: 24 accumulators with AVX-512's 32 registers
-#define MR (MM_MV * VLEN)
-
-ALWAYS_INLINE void matmul_forward_tile(float* out, const float* packed, const float* weight,
-                                       const float* bias, int K, int OC, int o0, const int no,
-                                       int bt0, int nbt, int nchunks) {
-    vf acc[MM_NO][MM_MV];
-    vf stack[CANON_LOG2_R + 2][MM_NO][MM_MV];
-    int top = 0;
-    for (int ch = 0; ch < nchunks; ch++) {
-        int kb = (int)(((long)K * ch) / nchunks), ke = (int)(((long)K * (ch + 1)) / nchunks);
-        _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < MM_MV; v++) { acc[j][v] = vf_zero(); }
-        }
-        for (int k = kb; k < ke; k++) {
-            vf a[MM_MV];
-            _Pragma("GCC unroll 4") for (int v = 0; v < MM_MV; v++) { a[v] = vf_load(packed + (size_t)k * MR + v * VLEN); }
-            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                vf w = vf_set1(weight[(size_t)(o0 + j) * K + k]);
-                _Pragma("GCC unroll 4") for (int v = 0; v < MM_MV; v++) { acc[j][v] = vf_fma(a[v], w, acc[j][v]); }
-            }
-        }
-        _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < MM_MV; v++) { stack[top][j][v] = acc[j][v]; }
-        }
-        top++;
-        for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
-            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                _Pragma("GCC unroll 4") for (int v = 0; v < MM_MV; v++) {
-                    stack[top - 2][j][v] = vf_add(stack[top - 2][j][v], stack[top - 1][j][v]);
-                }
-            }
-            top--;
-        }
-    }
-    float tile[MR];
-    for (int j = 0; j < no; j++) {
-        for (int v = 0; v < MM_MV; v++) { vf_store(tile + v * VLEN, stack[0][j][v]); }
-        float* o = out + (size_t)bt0 * OC + o0 + j;
-        if (bias) {
-            float bj = bias[o0 + j];
-            for (int i = 0; i < nbt; i++) { o[(size_t)i * OC] = tile[i] + bj; }
-        } else {
-            for (int i = 0; i < nbt; i++) { o[(size_t)i * OC] = tile[i]; }
-        }
-    }
-}
-
-// A row or two (the sampler's KV-cache steps): the row tile would compute MR rows for one,
-// so vectorise across outputs instead, lane j walking weight row o0 + j (a gather per k), four
-// groups of VLEN outputs in flight; each output's chunks and tree are the tile's.
-#define MM_FEW_ROWS 2
-#define MM_FEW_GROUPS 4
-static void matmul_forward_few_rows(float* out, const float* inp, const float* weight, const float* bias,
-                                    int BT, int K, int OC, int nchunks) {
-    int W = VLEN * MM_FEW_GROUPS, tasks = (OC + W - 1) / W;
-    #pragma omp parallel for schedule(static)
-    for (int task = 0; task < tasks; task++) {
-        int o0 = task * W;
-        vidx lanes[MM_FEW_GROUPS];
-        for (int g = 0; g < MM_FEW_GROUPS; g++) {
-            int n = OC - (o0 + g * VLEN);
-            lanes[g] = vidx_strided(K, n < 0 ? 0 : n > VLEN ? VLEN : n);
-        }
-        for (int bt = 0; bt < BT; bt++) {
-            const float* x = inp + (size_t)bt * K;
-            vf stack[CANON_LOG2_R + 2][MM_FEW_GROUPS];
-            int top = 0;
-            for (int ch = 0; ch < nchunks; ch++) {
-                int kb = (int)(((long)K * ch) / nchunks), ke = (int)(((long)K * (ch + 1)) / nchunks);
-                vf acc[MM_FEW_GROUPS];
-                for (int g = 0; g < MM_FEW_GROUPS; g++) { acc[g] = vf_zero(); }
-                for (int k = kb; k < ke; k++) {
-                    vf a = vf_set1(x[k]);
-                    _Pragma("GCC unroll 4") for (int g = 0; g < MM_FEW_GROUPS; g++) {
-                        const float* w = weight + (size_t)(o0 + g * VLEN < OC ? o0 + g * VLEN : o0) * K + k;
-                        acc[g] = vf_fma(a, vf_gather(w, lanes[g]), acc[g]);
-                    }
-                }
-                for (int g = 0; g < MM_FEW_GROUPS; g++) { stack[top][g] = acc[g]; }
-                top++;
-                for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
-                    for (int g = 0; g < MM_FEW_GROUPS; g++) { stack[top - 2][g] = vf_add(stack[top - 2][g], stack[top - 1][g]); }
-                    top--;
-                }
-            }
-            float tile[VLEN * MM_FEW_GROUPS];
-            for (int g = 0; g < MM_FEW_GROUPS; g++) { vf_store(tile + g * VLEN, stack[0][g]); }
-            for (int j = 0; j < W && o0 + j < OC; j++) {
-                out[(size_t)bt * OC + o0 + j] = bias ? tile[j] + bias[o0 + j] : tile[j];
-            }
-        }
-    }
-}
-
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                    int BT, int K, int OC, int nchunks) {
-    if (BT <= MM_FEW_ROWS) {
-        matmul_forward_few_rows(out, inp, weight, bias, BT, K, OC, nchunks);
-        return;
-    }
-    // pack inp as blocks of MR rows, transposed: packed[block][k][MR], zero rows past BT
-    int nblocks = (BT + MR - 1) / MR;
-    float* packed = scratch(SCRATCH_PACK, sizeof(float) * (size_t)nblocks * K * MR);
-    #pragma omp parallel for
-    for (int blk = 0; blk < nblocks; blk++) {
-        float* p = packed + (size_t)blk * K * MR;
-        for (int i = 0; i < MR; i++) {
-            int bt = blk * MR + i;
-            if (bt < BT) {
-                const float* row = inp + (size_t)bt * K;
-                for (int k = 0; k < K; k++) { p[(size_t)k * MR + i] = row[k]; }
-            } else {
-                for (int k = 0; k < K; k++) { p[(size_t)k * MR + i] = 0.0f; }
-            }
-        }
-    }
-    // tiles: 8 groups of MM_NO outputs per task, so a task's weight rows stay in cache
-    int ogroups = (OC + MM_NO - 1) / MM_NO;
-    int otasks = (ogroups + 7) / 8;
-    #pragma omp parallel for collapse(2) schedule(static)
-    for (int ot = 0; ot < otasks; ot++) {
-        for (int blk = 0; blk < nblocks; blk++) {
-            int bt0 = blk * MR;
-            int nbt = BT - bt0 < MR ? BT - bt0 : MR;
-            const float* p = packed + (size_t)blk * K * MR;
-            for (int g = ot * 8; g < ogroups && g < ot * 8 + 8; g++) {
-                int o0 = g * MM_NO;
-                int no = OC - o0 < MM_NO ? OC - o0 : MM_NO;
-                switch (no) {
-                    case 6: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 6, bt0, nbt, nchunks); break;
-                    case 5: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 5, bt0, nbt, nchunks); break;
-                    case 4: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 4, bt0, nbt, nchunks); break;
-                    case 3: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 3, bt0, nbt, nchunks); break;
-                    case 2: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 2, bt0, nbt, nchunks); break;
-                    default: matmul_forward_tile(out, p, weight, bias, K, OC, o0, 1, bt0, nbt, nchunks); break;
-                }
-            }
-        }
-    }
-}
-
 // Backward of the matmul, three reductions:
-//  dinp (BT,K)  = dout (BT,OC) @ weight (OC,K): R2 over the OUTPUTS o. A weight made of
+//  dinp (BT,IC) = dout (BT,OC) @ weight (OC,IC): R2 over the OUTPUTS o. A weight made of
 //                 `groups` fused matrices (qkv: 3) is chunked per group: chunk c is the c-th
-//                 slice of every group, in group order, so that a column-parallel split by
+//                 slice of every group, in group order, so that a column-parallel partition by
 //                 heads (rank r owns slice r of q, of k and of v) owns whole chunks.
-//  dweight (OC,K) = R3 over positions of dout[.,o] * inp[.,k];   dbias (OC) = R3 of dout.
-// Every element is written (=), never accumulated.
-// The specification of the backward below, one output at a time.
+//  dweight (OC,IC) = R3 over positions of dout[.,o] * inp[.,ic];   dbias (OC) = R3 of dout.
+// Every element is written (=), never accumulated. The specification, one output at a time
+// (cpu_fast.h's matmul_backward computes exactly these bits).
 void matmul_backward_naive(float* dinp, float* dweight, float* dbias, const float* dout,
-                           const float* inp, const float* weight, int B, int T, int K, int OC,
+                           const float* inp, const float* weight, int B, int T, int IC, int OC,
                            int groups, int nchunks) {
     int BT = B * T, og = OC / groups;
     #pragma omp parallel for
     for (int bt = 0; bt < BT; bt++) {   // dinp: chunk c is the c-th slice of every group
-        for (int k = 0; dinp && k < K; k++) {
+        for (int ic = 0; dinp && ic < IC; ic++) {
             float partial[CANON_R];
             for (int ch = 0; ch < nchunks; ch++) {
                 float acc = 0.0f;
                 for (int g = 0; g < groups; g++) {
                     for (long j = ((long)og * ch) / nchunks; j < ((long)og * (ch + 1)) / nchunks; j++) {
                         long o = (long)g * og + j;
-                        acc = fmaf(dout[(size_t)bt * OC + o], weight[(size_t)o * K + k], acc);
+                        acc = fmaf(dout[(size_t)bt * OC + o], weight[(size_t)o * IC + ic], acc);
                     }
                 }
                 partial[ch] = acc;
             }
-            dinp[(size_t)bt * K + k] = canon_tree_sum(partial, nchunks, 1);
+            dinp[(size_t)bt * IC + ic] = canon_tree_sum(partial, nchunks, 1);
         }
     }
     #pragma omp parallel for
     for (int o = 0; o < OC; o++) {   // dweight, dbias: R3, per sequence the R2Z chunks of T, then R1
-        for (int k = -1; k < K; k++) {   // k = -1: the bias
-            if ((k < 0 && !dbias) || (k >= 0 && !dweight)) { continue; }
+        for (int ic = -1; ic < IC; ic++) {   // ic = -1: the bias
+            if ((ic < 0 && !dbias) || (ic >= 0 && !dweight)) { continue; }
             float* seq = (float*)malloc_or_die(sizeof(float) * B, "matmul spec");
             for (int b = 0; b < B; b++) {
                 float partial[CANON_R];
@@ -536,7 +340,7 @@ void matmul_backward_naive(float* dinp, float* dweight, float* dbias, const floa
                         canon_zz_half(T, CANON_R, ch, half, &tb, &te);
                         for (long t = tb; t < te; t++) {
                             size_t pos = (size_t)b * T + t;
-                            acc = k < 0 ? acc + dout[pos * OC + o] : fmaf(dout[pos * OC + o], inp[pos * K + k], acc);
+                            acc = ic < 0 ? acc + dout[pos * OC + o] : fmaf(dout[pos * OC + o], inp[pos * IC + ic], acc);
                         }
                     }
                     partial[ch] = acc;
@@ -544,315 +348,15 @@ void matmul_backward_naive(float* dinp, float* dweight, float* dbias, const floa
                 seq[b] = canon_tree8(partial);
             }
             float sum = canon_tree_sum(seq, B, 1);
-            if (k < 0) { dbias[o] = sum; } else { dweight[(size_t)o * K + k] = sum; }
+            if (ic < 0) { dbias[o] = sum; } else { dweight[(size_t)o * IC + ic] = sum; }
             free(seq);
         }
     }
 }
 
-// dinp, one register tile: rows [bt0, bt0+nr) x columns [k0, k0 + nv*VLEN), over the outputs
-// o in [ob, oe) of the current chunk, continuing the partial sums in acc_mem (zero = start).
-ALWAYS_INLINE void matmul_dinp_tile(float* acc_mem, const float* dout, const float* weight,
-                                    int K, int OC, int ob, int oe, int start, int bt0,
-                                    const int nr, int k0, const int nv) {
-    vf acc[MM_NO][MM_MV];
-    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
-            acc[r][v] = start ? vf_zero() : vf_load(acc_mem + (size_t)(bt0 + r) * K + k0 + v * VLEN);
-        }
-    }
-    for (int o = ob; o < oe; o++) {
-        const float* w = weight + (size_t)o * K + k0;
-        vf wv[MM_MV];
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { wv[v] = vf_load(w + v * VLEN); }
-        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-            vf d = vf_set1(dout[(size_t)(bt0 + r) * OC + o]);
-            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(d, wv[v], acc[r][v]); }
-        }
-    }
-    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { vf_store(acc_mem + (size_t)(bt0 + r) * K + k0 + v * VLEN, acc[r][v]); }
-    }
-}
-
-ALWAYS_INLINE void matmul_dinp_rows(float* acc_mem, const float* dout, const float* weight, int BT,
-                                    int K, int OC, int ob, int oe, int start, int k0, const int nv) {
-    int bt0 = 0;
-    for (; bt0 + MM_NO <= BT; bt0 += MM_NO) {
-        matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, MM_NO, k0, nv);
-    }
-    switch (BT - bt0) {
-        case 5: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 5, k0, nv); break;
-        case 4: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 4, k0, nv); break;
-        case 3: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 3, k0, nv); break;
-        case 2: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 2, k0, nv); break;
-        case 1: matmul_dinp_tile(acc_mem, dout, weight, K, OC, ob, oe, start, bt0, 1, k0, nv); break;
-        default: break;
-    }
-}
-
-// all rows, columns [k0, k0 + nv*VLEN), nv <= MM_MV (a compile-time constant in each case)
-static void matmul_dinp_block(float* acc_mem, const float* dout, const float* weight, int BT,
-                              int K, int OC, int ob, int oe, int start, int k0, int nv) {
-    switch (nv) {
-        case 1: matmul_dinp_rows(acc_mem, dout, weight, BT, K, OC, ob, oe, start, k0, 1); break;
-        case 2: matmul_dinp_rows(acc_mem, dout, weight, BT, K, OC, ob, oe, start, k0, 2); break;
-#if MM_MV > 2
-        case 3: matmul_dinp_rows(acc_mem, dout, weight, BT, K, OC, ob, oe, start, k0, 3); break;
-        case 4: matmul_dinp_rows(acc_mem, dout, weight, BT, K, OC, ob, oe, start, k0, 4); break;
-#endif
-        default: fatal("internal: matmul_dinp_block with %d vectors", nv);
-    }
-}
-
-// One output element of dinp, scalar, for the columns that do not fill a vector.
-static float matmul_dinp_elem(const float* dout_row, const float* weight, int k, int K, int OC,
-                              int groups, int nchunks) {
-    float stack[CANON_LOG2_R + 2] = {0.0f};
-    int top = 0;
-    int og = OC / groups;
-    for (int ch = 0; ch < nchunks; ch++) {
-        float acc = 0.0f;
-        for (int g = 0; g < groups; g++) {
-            int ob = g * og + (int)(((long)og * ch) / nchunks);
-            int oe = g * og + (int)(((long)og * (ch + 1)) / nchunks);
-            for (int o = ob; o < oe; o++) { acc = fmaf(dout_row[o], weight[(size_t)o * K + k], acc); }
-        }
-        stack[top++] = acc;
-        for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
-            stack[top - 2] = stack[top - 2] + stack[top - 1];
-            top--;
-        }
-    }
-    return stack[0];
-}
-
-// dinp (BT,K): each chunk's partial for every (row, k) is accumulated in memory, MM_DINP_OB
-// outputs at a time (so a block of weight columns stays in L1 while every row tile passes
-// over it), then pushed on the R1 stack; the bottom of the stack is dinp itself.
-#define MM_DINP_OB 128
-static void matmul_backward_dinp(float* dinp, const float* dout, const float* weight, int BT,
-                                 int K, int OC, int groups, int nchunks) {
-    float* level[CANON_LOG2_R + 2];
-    float* extra = scratch(SCRATCH_DINP, sizeof(float) * (size_t)(CANON_LOG2_R + 1) * BT * K);
-    level[0] = dinp;
-    for (int i = 1; i < CANON_LOG2_R + 2; i++) { level[i] = extra + (size_t)(i - 1) * BT * K; }
-    int kvec_end = K / VLEN * VLEN;
-    int ktiles = (kvec_end + MM_MV * VLEN - 1) / (MM_MV * VLEN);
-    int og = OC / groups;
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (int kt = 0; kt < ktiles; kt++) {
-        int k0 = kt * MM_MV * VLEN;
-        int nv = kvec_end - k0 >= MM_MV * VLEN ? MM_MV : (kvec_end - k0) / VLEN;
-        int top = 0;
-        for (int ch = 0; ch < nchunks; ch++) {
-            float* acc = level[top];
-            int start = 1;
-            for (int g = 0; g < groups; g++) {
-                int sb = g * og + (int)(((long)og * ch) / nchunks);
-                int se = g * og + (int)(((long)og * (ch + 1)) / nchunks);
-                for (int ob = sb; ob < se; ob += MM_DINP_OB) {
-                    int oe = se - ob < MM_DINP_OB ? se : ob + MM_DINP_OB;
-                    matmul_dinp_block(acc, dout, weight, BT, K, OC, ob, oe, start, k0, nv);
-                    start = 0;
-                }
-            }
-            if (start) {   // an empty chunk: its partial is 0
-                for (int r = 0; r < BT; r++) {
-                    for (int k = k0; k < k0 + nv * VLEN; k++) { acc[(size_t)r * K + k] = 0.0f; }
-                }
-            }
-            top++;
-            for (int m = canon_tree_merges_after(ch, nchunks); m > 0; m--) {
-                float* left = level[top - 2];
-                const float* right = level[top - 1];
-                for (int r = 0; r < BT; r++) {
-                    _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) {
-                        size_t at = (size_t)r * K + k0 + v * VLEN;
-                        vf_store(left + at, vf_add(vf_load(left + at), vf_load(right + at)));
-                    }
-                }
-                top--;
-            }
-        }
-    }
-    if (kvec_end < K) {
-        #pragma omp parallel for
-        for (int r = 0; r < BT; r++) {
-            for (int k = kvec_end; k < K; k++) {
-                dinp[(size_t)r * K + k] = matmul_dinp_elem(dout + (size_t)r * OC, weight, k, K, OC, groups, nchunks);
-            }
-        }
-    }
-}
-
-// dW tile: MM_NO outputs x (nv*VLEN) columns [k0, ...), all positions (R3; each sequence's T
-// positions in tchunks R2Z chunks: 8, or a zig-zag slice's 8/D). x: the tile's columns of inp,
-// position pos's at x + pos * ldx.
-ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const float* x, long ldx,
-                                       int B, int T, int K, int OC, int o0, const int no,
-                                       int k0, const int nv, int tchunks) {
-    vf acc[MM_NO][MM_MV];
-    vf stack[CANON_LOG2_R + 34][MM_NO][MM_MV];
-    int top = 0;
-    for (int b = 0; b < B; b++) {
-        for (int ch = 0; ch < tchunks; ch++) {
-            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_zero(); }
-            }
-            for (int half = 0; half < 2; half++) {
-                long tb, te;
-                canon_zz_half(T, tchunks, ch, half, &tb, &te);
-                for (long t = tb; t < te; t++) {
-                    size_t pos = (size_t)b * T + t;
-                    const float* xp = x + pos * ldx;
-                    vf xv[MM_MV];
-                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(xp + v * VLEN); }
-                    _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                        vf d = vf_set1(dout[pos * OC + o0 + j]);
-                        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_fma(d, xv[v], acc[j][v]); }
-                    }
-                }
-            }
-            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][j][v] = acc[j][v]; }
-            }
-            top++;
-            for (int m = canon_pos_merges_after(b, B, ch, tchunks); m > 0; m--) {
-                _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
-                        stack[top - 2][j][v] = vf_add(stack[top - 2][j][v], stack[top - 1][j][v]);
-                    }
-                }
-                top--;
-            }
-        }
-    }
-    _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { vf_store(dweight + (size_t)(o0 + j) * K + k0 + v * VLEN, stack[0][j][v]); }
-    }
-}
-
-// R3 over positions of dout[pos][o] * x[pos][k] (x = NULL: of dout[pos][o] alone), scalar.
-static float position_reduce_elem(const float* dout, int OC, int o, const float* x, int K, int k,
-                                  int B, int T, int tchunks) {
-    float stack[CANON_LOG2_R + 34];
-    int top = 0;
-    for (int b = 0; b < B; b++) {
-        for (int ch = 0; ch < tchunks; ch++) {
-            float acc = 0.0f;
-            for (int half = 0; half < 2; half++) {
-                long tb, te;
-                canon_zz_half(T, tchunks, ch, half, &tb, &te);
-                for (long t = tb; t < te; t++) {
-                    size_t pos = (size_t)b * T + t;
-                    acc = x ? fmaf(dout[pos * OC + o], x[pos * K + k], acc) : acc + dout[pos * OC + o];
-                }
-            }
-            stack[top++] = acc;
-            for (int m = canon_pos_merges_after(b, B, ch, tchunks); m > 0; m--) {
-                stack[top - 2] = stack[top - 2] + stack[top - 1];
-                top--;
-            }
-        }
-    }
-    return stack[0];
-}
-
-// dW of outputs [o0, o0 + no) and columns [k0, k0 + nv*VLEN), nv <= MM_MV (compile-time
-// constants in each case)
-ALWAYS_INLINE void matmul_dweight_nv(float* dweight, const float* dout, const float* x, long ldx, int B, int T,
-                                     int K, int OC, int o0, const int no, int k0, int nv, int tchunks) {
-    switch (nv) {
-        case 1: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 1, tchunks); break;
-#if MM_MV > 2
-        case 3: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 3, tchunks); break;
-        case 4: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 4, tchunks); break;
-#endif
-        default: matmul_dweight_tile(dweight, dout, x, ldx, B, T, K, OC, o0, no, k0, 2, tchunks); break;
-    }
-}
-
-static void matmul_dweight_block(float* dweight, const float* dout, const float* x, long ldx, int B, int T, int K,
-                                 int OC, int o0, int no, int k0, int nv, int tchunks) {
-    switch (no) {
-        case 6: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 6, k0, nv, tchunks); break;
-        case 5: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 5, k0, nv, tchunks); break;
-        case 4: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 4, k0, nv, tchunks); break;
-        case 3: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 3, k0, nv, tchunks); break;
-        case 2: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 2, k0, nv, tchunks); break;
-        default: matmul_dweight_nv(dweight, dout, x, ldx, B, T, K, OC, o0, 1, k0, nv, tchunks); break;
-    }
-}
-
-// dweight (OC,K), dbias (OC) = R3 over positions, each sequence's in tchunks R2Z chunks.
-// Tasks of MM_STRIP outputs (whole cache lines of dout's rows): the strip's columns of dout are
-// packed once (they stream from cache for every tile of the strip, instead of one cache line
-// per position and tile from a row OC floats long: the LM head's dout is B*T x Vp), then for
-// each block of MM_MV vectors of inp's columns (packed too, one contiguous stream per block,
-// and in cache for the strip's tiles) the strip's tiles of MM_NO outputs.
-#define MM_STRIP 48
-static void matmul_weight_grads(float* dweight, float* dbias, const float* dout, const float* inp, int B, int T,
-                                int K, int OC, int tchunks) {
-    int nstrips = dweight ? (OC + MM_STRIP - 1) / MM_STRIP : 0;
-    size_t BT = (size_t)B * T;
-    int kvec_end = K / VLEN * VLEN, W = MM_MV * VLEN, kblocks = (kvec_end + W - 1) / W;
-    float* packs = scratch(SCRATCH_DOUT, sizeof(float) * (size_t)thread_count() * BT * MM_STRIP);
-    float* xpack = scratch(SCRATCH_XPACK, sizeof(float) * ((size_t)kblocks * BT * W + 1));   // [block][pos][W]
-    #pragma omp parallel for collapse(2)
-    for (int kb = 0; kb < (nstrips ? kblocks : 0); kb++) {
-        for (size_t pos = 0; pos < BT; pos++) {
-            int k0 = kb * W, w = kvec_end - k0 < W ? kvec_end - k0 : W;
-            memcpy(xpack + ((size_t)kb * BT + pos) * W, inp + pos * K + k0, sizeof(float) * w);
-        }
-    }
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (int s = 0; s < nstrips; s++) {
-        int s0 = s * MM_STRIP, ns = OC - s0 < MM_STRIP ? OC - s0 : MM_STRIP;
-        float* strip = packs + (size_t)thread_index() * BT * MM_STRIP;   // (BT, ns) of dout
-        for (size_t pos = 0; pos < BT; pos++) { memcpy(strip + pos * ns, dout + pos * OC + s0, sizeof(float) * ns); }
-        float* dw = dweight + (size_t)s0 * K;
-        for (int kb = 0; kb < kblocks; kb++) {
-            int k0 = kb * W, nv = (kvec_end - k0) / VLEN < MM_MV ? (kvec_end - k0) / VLEN : MM_MV;
-            const float* x = xpack + (size_t)kb * BT * W;
-            for (int o0 = 0; o0 < ns; o0 += MM_NO) {
-                matmul_dweight_block(dw, strip, x, W, B, T, K, ns, o0, ns - o0 < MM_NO ? ns - o0 : MM_NO, k0, nv, tchunks);
-            }
-        }
-        for (int o = 0; o < ns; o++) {   // the columns that do not fill a vector
-            for (int k = kvec_end; k < K; k++) {
-                dw[(size_t)o * K + k] = position_reduce_elem(strip, ns, o, inp, K, k, B, T, tchunks);
-            }
-        }
-    }
-    if (dbias) {
-        #pragma omp parallel for
-        for (int o = 0; o < OC; o++) { dbias[o] = position_reduce_elem(dout, OC, o, NULL, 0, 0, B, T, tchunks); }
-    }
-}
-
-void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                     const float* inp, const float* weight, int B, int T, int K, int OC,
-                     int groups, int nchunks) {
-    if (dinp) { matmul_backward_dinp(dinp, dout, weight, B * T, K, OC, groups, nchunks); }
-    matmul_weight_grads(dweight, dbias, dout, inp, B, T, K, OC, CANON_R);
-}
-
-// Each sequence's subtree of matmul_backward's weight and bias gradients, for a rank that holds
-// a zig-zag slice of T positions of every sequence (context parallelism: tchunks = 8/D of the
-// R2Z chunks), which the group finishes: sequence b's at dweight + b*seq_stride (OC,K) and
-// dbias + b*seq_stride (OC; NULL: none).
-void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const float* dout, const float* inp,
-                          int B, int T, int K, int OC, int tchunks) {
-    for (int b = 0; b < B; b++) {
-        matmul_weight_grads(dweight + b * seq_stride, dbias ? dbias + b * seq_stride : NULL, dout + (size_t)b * T * OC,
-                            inp + (size_t)b * T * K, 1, T, K, OC, tchunks);
-    }
-}
-
 // ------------------------------------------------------------------------------------------
-// attention, causal, per (b, h) with hs = C/NH. The specification, written plainly (the fast
-// kernels after it compute exactly these bits):
+// attention, causal, per (b, h) with hs = C/NH. The specification, written plainly
+// (cpu_fast.h's attention_forward and attention_backward compute exactly these bits):
 //   qkv (B,T,3C) holds q | k | v, head h at channels [h*hs, (h+1)*hs) of each
 //   s[t][t2] = dot(q_t, k_t2) * (1/sqrt(hs))     R2 over hs, for t2 <= t
 //   att[t][t2] = exp(s - max_t2 s) / Z_t,  Z_t = R2Z over keys of the exps (the max is exact)
@@ -863,10 +367,10 @@ void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const f
 // partial rows are combined by R1; positions outside [lo, hi) are not part of the sum.
 static void attention_weighted_rows(float* out, const float* w, long wstride, const float* rows,
                                     long rstride, int T, long lo, long hi, int n) {
-    float stack[CANON_LOG2_R + 1][256];
-    int top = 0;
+    float partials[CANON_LOG2_R + 1][256];
+    CanonStack stack = canon_stack(partials[0], 256, 1, n, 256);
     for (int ch = 0; ch < CANON_R; ch++) {
-        float* acc = stack[top];
+        float* acc = canon_stack_next(&stack);
         for (int d = 0; d < n; d++) { acc[d] = 0.0f; }
         for (int half = 0; half < 2; half++) {
             long b, e;
@@ -877,13 +381,9 @@ static void attention_weighted_rows(float* out, const float* w, long wstride, co
                 for (int d = 0; d < n; d++) { acc[d] = fmaf(wj, r[d], acc[d]); }
             }
         }
-        top++;
-        for (int m = canon_tree_merges_after(ch, CANON_R); m > 0; m--) {
-            for (int d = 0; d < n; d++) { stack[top - 2][d] = stack[top - 2][d] + stack[top - 1][d]; }
-            top--;
-        }
+        canon_stack_push(&stack, canon_tree_merges_after(ch, CANON_R));
     }
-    memcpy(out, stack[0], sizeof(float) * n);
+    memcpy(out, partials[0], sizeof(float) * n);
 }
 
 // Query row t of head h of one sequence (qkv (T,3C)): att row a (T) and out (hs) = the row's
@@ -930,7 +430,7 @@ void attention_forward_naive(float* out, float* att, const float* qkv, int B, in
     }
 }
 
-// Generation with a KV cache (train_gpt2.c's sampler): query row t of one sequence laid out
+// Generation with a KV cache (engine.h's sampler): query row t of one sequence laid out
 // over T positions, against the keys and values of rows 0..t that qkv (T,3C) already holds:
 // out row t (C) and att's rows t (NH,T,T). Row t of attention_forward over the same T, bit for
 // bit (the reductions over keys are R2Z chunks of T, whatever rows are computed).
@@ -994,594 +494,6 @@ void attention_backward_naive(float* dqkv, const float* dout, const float* qkv, 
     }
 }
 
-// ------------------------------------------------------------------------------------------
-// attention, fast: exactly the bits of attention_forward_naive and attention_backward_naive
-// (test_kernels checks), vectorised across outputs and blocked so that a tile's rows of att
-// stay in cache. Every product has one of two shapes:
-//  - scores (s = q.k, datt = dout.v): a tile of up to ATT_NR query rows x vectors of keys; the
-//    keys packed transposed (kt[d][j], zero past T), the query broadcast; R2 over hs in
-//    registers, as matmul_forward's tiles do.
-//  - weighted rows (att@v and ds@k over keys; ds^T@q and att^T@dout over queries): a tile of up
-//    to ATT_NR output rows x vectors of the head's channels; the weight broadcast, the x row
-//    loaded; R2Z over j, where output row r takes only the j in [lo[r], hi[r]) (the causal
-//    mask: a term outside is skipped, never added as a zero).
-// The row reductions of the softmax (Z) and of its backward (S) run the tile's rows side by
-// side, each row's chunks in its own order.
-#define ATT_NR 6
-
-// out row r (r < nr) = R2Z over j < nj (nchunks chunks) of w(r, j) * x row j, j in [lo[r], hi[r])
-typedef struct {
-    const float* w; long wr, wj;   // w(r, j) = w[r * wr + j * wj]
-    const float* x; long ldx;      // x row j at x + j * ldx
-    float* out; long ldo;          // out row r at out + r * ldo
-    long nj; int nchunks;          // the reduced dimension: its length and R2Z chunks
-    const int* lo; const int* hi;  // row r's terms: j in [lo[r], hi[r])
-} AttRows;
-
-// One register tile: rows [0, nr) x channels [d0, d0 + nv*VLEN).
-ALWAYS_INLINE void attn_rows_tile(const AttRows* a, const int nr, int d0, const int nv) {
-    int lo_any = a->lo[0], hi_any = a->hi[0], lo_all = a->lo[0], hi_all = a->hi[0];
-    _Pragma("GCC unroll 8") for (int r = 1; r < nr; r++) {
-        lo_any = a->lo[r] < lo_any ? a->lo[r] : lo_any;
-        hi_any = a->hi[r] > hi_any ? a->hi[r] : hi_any;
-        lo_all = a->lo[r] > lo_all ? a->lo[r] : lo_all;
-        hi_all = a->hi[r] < hi_all ? a->hi[r] : hi_all;
-    }
-    vf acc[ATT_NR][MM_MV];
-    vf stack[CANON_LOG2_R + 2][ATT_NR][MM_MV];
-    int top = 0;
-    for (int c = 0; c < a->nchunks; c++) {
-        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_zero(); }
-        }
-        for (int half = 0; half < 2; half++) {
-            long pb, pe;
-            canon_zz_half(a->nj, a->nchunks, c, half, &pb, &pe);
-            if (pb < lo_any) { pb = lo_any; }
-            if (pe > hi_any) { pe = hi_any; }
-            for (long j = pb; j < pe; j++) {
-                const float* xr = a->x + j * a->ldx + d0;
-                const float* wc = a->w + j * a->wj;
-                vf xv[MM_MV];
-                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(xr + v * VLEN); }
-                if (j >= lo_all && j < hi_all) {
-                    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-                        vf wv = vf_set1(wc[r * a->wr]);
-                        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(wv, xv[v], acc[r][v]); }
-                    }
-                } else {
-                    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-                        if (j < a->lo[r] || j >= a->hi[r]) { continue; }
-                        vf wv = vf_set1(wc[r * a->wr]);
-                        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(wv, xv[v], acc[r][v]); }
-                    }
-                }
-            }
-        }
-        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][r][v] = acc[r][v]; }
-        }
-        top++;
-        for (int m = canon_tree_merges_after(c, a->nchunks); m > 0; m--) {
-            _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
-                    stack[top - 2][r][v] = vf_add(stack[top - 2][r][v], stack[top - 1][r][v]);
-                }
-            }
-            top--;
-        }
-    }
-    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { vf_store(a->out + r * a->ldo + d0 + v * VLEN, stack[0][r][v]); }
-    }
-}
-
-// One output of the same, scalar (the channels that do not fill a vector).
-static float attn_rows_elem(const AttRows* a, int r, int d) {
-    float stack[CANON_LOG2_R + 2];
-    int top = 0;
-    for (int c = 0; c < a->nchunks; c++) {
-        float acc = 0.0f;
-        for (int half = 0; half < 2; half++) {
-            long pb, pe;
-            canon_zz_half(a->nj, a->nchunks, c, half, &pb, &pe);
-            for (long j = pb < a->lo[r] ? a->lo[r] : pb; j < pe && j < a->hi[r]; j++) {
-                acc = fmaf(a->w[r * a->wr + j * a->wj], a->x[j * a->ldx + d], acc);
-            }
-        }
-        stack[top++] = acc;
-        for (int m = canon_tree_merges_after(c, a->nchunks); m > 0; m--) {
-            stack[top - 2] = stack[top - 2] + stack[top - 1];
-            top--;
-        }
-    }
-    return stack[0];
-}
-
-ALWAYS_INLINE void attn_rows_nv(const AttRows* a, const int nr, int d0, int nv) {
-    switch (nv) {
-        case 1: attn_rows_tile(a, nr, d0, 1); break;
-#if MM_MV > 2
-        case 3: attn_rows_tile(a, nr, d0, 3); break;
-        case 4: attn_rows_tile(a, nr, d0, 4); break;
-#endif
-        default: attn_rows_tile(a, nr, d0, 2); break;
-    }
-}
-
-// The outputs of nr <= ATT_NR rows, channels [0, n).
-static void attn_rows(const AttRows* a, int nr, int n) {
-    int nvec = n / VLEN;
-    for (int d0 = 0; d0 < nvec * VLEN; d0 += MM_MV * VLEN) {
-        int nv = nvec - d0 / VLEN < MM_MV ? nvec - d0 / VLEN : MM_MV;
-        switch (nr) {
-            case 6: attn_rows_nv(a, 6, d0, nv); break;
-            case 5: attn_rows_nv(a, 5, d0, nv); break;
-            case 4: attn_rows_nv(a, 4, d0, nv); break;
-            case 3: attn_rows_nv(a, 3, d0, nv); break;
-            case 2: attn_rows_nv(a, 2, d0, nv); break;
-            default: attn_rows_nv(a, 1, d0, nv); break;
-        }
-    }
-    for (int r = 0; r < nr; r++) {
-        for (int d = nvec * VLEN; d < n; d++) { a->out[r * a->ldo + d] = attn_rows_elem(a, r, d); }
-    }
-}
-
-// s rows r < nr (stride lds), keys [j0, j0 + nv*VLEN) = (R2 over d < hs of fmaf(q[r][d], kt[d][j]))
-// times scale (1: none)
-ALWAYS_INLINE void attn_scores_tile(float* s, long lds, const float* q, long ldq, const float* kt, long ldk,
-                                    int hs, const int nr, int j0, const int nv, float scale) {
-    vf acc[ATT_NR][MM_MV];
-    vf stack[CANON_LOG2_R + 2][ATT_NR][MM_MV];
-    int top = 0;
-    for (int c = 0; c < CANON_R; c++) {
-        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_zero(); }
-        }
-        for (long d = canon_chunk_begin(hs, c); d < canon_chunk_begin(hs, c + 1); d++) {
-            vf kv[MM_MV];
-            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { kv[v] = vf_load(kt + d * ldk + j0 + v * VLEN); }
-            _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-                vf qv = vf_set1(q[r * ldq + d]);
-                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_fma(qv, kv[v], acc[r][v]); }
-            }
-        }
-        _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-            _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][r][v] = acc[r][v]; }
-        }
-        top++;
-        for (int m = canon_tree_merges_after(c, CANON_R); m > 0; m--) {
-            _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
-                    stack[top - 2][r][v] = vf_add(stack[top - 2][r][v], stack[top - 1][r][v]);
-                }
-            }
-            top--;
-        }
-    }
-    vf sc = vf_set1(scale);
-    _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
-            vf_store(s + r * lds + j0 + v * VLEN, scale == 1.0f ? stack[0][r][v] : vf_mul(stack[0][r][v], sc));
-        }
-    }
-}
-
-ALWAYS_INLINE void attn_scores_nv(float* s, long lds, const float* q, long ldq, const float* kt, long ldk, int hs,
-                                  const int nr, int j0, int nv, float scale) {
-    switch (nv) {
-        case 1: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 1, scale); break;
-#if MM_MV > 2
-        case 3: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 3, scale); break;
-        case 4: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 4, scale); break;
-#endif
-        default: attn_scores_tile(s, lds, q, ldq, kt, ldk, hs, nr, j0, 2, scale); break;
-    }
-}
-
-// Scores of nr <= ATT_NR query rows against the keys [0, nkeys) (rounded up to whole vectors:
-// s rows and kt rows hold at least that many).
-static void attn_scores(float* s, long lds, const float* q, long ldq, const float* kt, long ldk, int hs, int nr,
-                        int nkeys, float scale) {
-    int nvec = (nkeys + VLEN - 1) / VLEN;
-    for (int j0 = 0; j0 < nvec * VLEN; j0 += MM_MV * VLEN) {
-        int nv = nvec - j0 / VLEN < MM_MV ? nvec - j0 / VLEN : MM_MV;
-        switch (nr) {
-            case 6: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 6, j0, nv, scale); break;
-            case 5: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 5, j0, nv, scale); break;
-            case 4: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 4, j0, nv, scale); break;
-            case 3: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 3, j0, nv, scale); break;
-            case 2: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 2, j0, nv, scale); break;
-            default: attn_scores_nv(s, lds, q, ldq, kt, ldk, hs, 1, j0, nv, scale); break;
-        }
-    }
-}
-
-// kt[bh][d][j] (hs x ldk per head, zero for j >= T) <- the rows x[b, j] + h*hs (stride ldx)
-static void attn_pack_transposed(float* kt, long ldk, const float* x, long ldx, int B, int T, int NH, int hs) {
-    #pragma omp parallel for collapse(2)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < NH; h++) {
-            float* dst = kt + ((size_t)b * NH + h) * hs * ldk;
-            const float* src = x + (size_t)b * T * ldx + h * hs;
-            for (int d = 0; d < hs; d++) {
-                for (int j = 0; j < T; j++) { dst[d * ldk + j] = src[j * ldx + d]; }
-                for (long j = T; j < ldk; j++) { dst[d * ldk + j] = 0.0f; }
-            }
-        }
-    }
-}
-
-// rows[bh][j][d] (T x hs per head, contiguous) <- x[b, j] + h*hs (stride ldx): a head's rows
-// read in the reductions over j, packed so that they stream from cache
-static void attn_pack_rows(float* rows, const float* x, long ldx, int B, int T, int NH, int hs) {
-    #pragma omp parallel for collapse(2)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < NH; h++) {
-            float* dst = rows + ((size_t)b * NH + h) * T * hs;
-            const float* src = x + (size_t)b * T * ldx + h * hs;
-            for (int j = 0; j < T; j++) { memcpy(dst + (size_t)j * hs, src + j * ldx, sizeof(float) * hs); }
-        }
-    }
-}
-
-// The largest of x[0..n): `if (x > m) m = x` from -inf, in any order (exact; a NaN never wins).
-static float attn_row_max(const float* x, long n) {
-    vf mv = vf_set1(-canon_inf());
-    long j = 0;
-    for (; j + VLEN <= n; j += VLEN) { mv = vf_max_gt(mv, vf_load(x + j)); }
-    float lanes[VLEN], m = -canon_inf();
-    vf_store(lanes, mv);
-    for (int i = 0; i < VLEN; i++) { m = lanes[i] > m ? lanes[i] : m; }
-    for (; j < n; j++) { m = x[j] > m ? x[j] : m; }
-    return m;
-}
-
-// x[j] <- canon_expf(x[j] - m) for j < n, vectorised (vf_expf is canon_expf in every lane)
-static void exps_shifted(float* x, long n, float m) {
-    vf mv = vf_set1(m);
-    long j = 0;
-    for (; j + VLEN <= n; j += VLEN) { vf_store(x + j, vf_expf(vf_sub(vf_load(x + j), mv))); }
-    for (; j < n; j++) { x[j] = canon_expf(x[j] - m); }
-}
-
-// R2Z sums (nchunks chunks over nj) of the nr rows x (stride ldx), row r over j < hi[r]: the
-// sum of x (y NULL), or the fmaf-accumulated dot product with y (stride ldy); rows side by side.
-static void attn_row_sums(float* out, const float* x, long ldx, const float* y, long ldy, int nr, const int* hi,
-                          long nj, int nchunks) {
-    float part[CANON_R][ATT_NR];
-    int hi_any = 0;
-    for (int r = 0; r < nr; r++) { hi_any = hi[r] > hi_any ? hi[r] : hi_any; }
-    for (int c = 0; c < nchunks; c++) {
-        float acc[ATT_NR] = {0.0f};
-        for (int half = 0; half < 2; half++) {
-            long pb, pe;
-            canon_zz_half(nj, nchunks, c, half, &pb, &pe);
-            for (long j = pb; j < pe && j < hi_any; j++) {
-                for (int r = 0; r < nr; r++) {
-                    if (j < hi[r]) { acc[r] = y ? fmaf(x[r * ldx + j], y[r * ldy + j], acc[r]) : acc[r] + x[r * ldx + j]; }
-                }
-            }
-        }
-        for (int r = 0; r < nr; r++) { part[c][r] = acc[r]; }
-    }
-    for (int r = 0; r < nr; r++) {
-        float p[CANON_R];
-        for (int c = 0; c < nchunks; c++) { p[c] = part[c][r]; }
-        out[r] = canon_tree_sum(p, nchunks, 1);
-    }
-}
-
-// The causal bounds of ATT_NR rows at positions p0, p0 + 1, ...: keys [0, p + 1), or, for the
-// reductions over queries, queries [p, T).
-static void attn_bounds(int* lo, int* hi, int p0, int over_queries, int T) {
-    for (int r = 0; r < ATT_NR; r++) {
-        lo[r] = over_queries ? p0 + r : 0;
-        hi[r] = over_queries ? T : p0 + r + 1;
-    }
-}
-
-// Keys (or queries) padded to whole tiles of key vectors.
-static long attn_padded(int T) { return ((long)T + MM_MV * VLEN - 1) / (MM_MV * VLEN) * (MM_MV * VLEN); }
-
-void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
-    int hs = C / NH, BH = B * NH;
-    long C3 = 3L * C, Tp = attn_padded(T);
-    float scale = canon_rsqrtf((float)hs);
-    float* kt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * hs * (Tp + T));
-    float* vr = kt + (size_t)BH * hs * Tp;
-    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)thread_count() * ATT_NR * Tp);
-    attn_pack_transposed(kt, Tp, qkv + C, C3, B, T, NH, hs);
-    attn_pack_rows(vr, qkv + 2 * C, C3, B, T, NH, hs);
-    int ntiles = (T + ATT_NR - 1) / ATT_NR;
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (long idx = 0; idx < (long)BH * ntiles; idx++) {   // a head's tiles in a row, longest rows first
-        int tile = ntiles - 1 - (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
-        int t0 = tile * ATT_NR, nr = T - t0 < ATT_NR ? T - t0 : ATT_NR;
-        int lo[ATT_NR], hi[ATT_NR];
-        attn_bounds(lo, hi, t0, 0, T);
-        float* s = tiles + (size_t)thread_index() * ATT_NR * Tp;
-        float* a = att + ((size_t)bh * T + t0) * T;
-        attn_scores(s, Tp, qkv + ((size_t)b * T + t0) * C3 + h * hs, C3, kt + (size_t)bh * hs * Tp, Tp, hs, nr,
-                    t0 + nr, scale);
-        // softmax: the max (exact), the exps, Z = R2Z over the keys, the division; 0 past t
-        float z[ATT_NR];
-        for (int r = 0; r < nr; r++) {
-            float* sr = s + r * Tp;
-            exps_shifted(sr, hi[r], attn_row_max(sr, hi[r]));
-        }
-        attn_row_sums(z, s, Tp, NULL, 0, nr, hi, T, CANON_R);
-        for (int r = 0; r < nr; r++) {
-            float* ar = a + (size_t)r * T;
-            const float* sr = s + r * Tp;
-            float zr = z[r];
-            #pragma omp simd
-            for (int j = 0; j < hi[r]; j++) { ar[j] = sr[j] / zr; }
-            for (int j = hi[r]; j < T; j++) { ar[j] = 0.0f; }
-        }
-        AttRows av = {a, T, 1, vr + (size_t)bh * T * hs, hs, out + ((size_t)b * T + t0) * C + h * hs, C, T, CANON_R, lo, hi};
-        attn_rows(&av, nr, hs);
-    }
-}
-
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
-                        int B, int T, int C, int NH) {
-    int hs = C / NH, BH = B * NH;
-    long C3 = 3L * C, Tp = attn_padded(T);
-    float scale = canon_rsqrtf((float)hs);
-    size_t head = (size_t)T * hs;
-    float* vt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * (hs * Tp + 3 * head));
-    float* kr = vt + (size_t)BH * hs * Tp;   // the rows of k, q and dout of every head
-    float* qr = kr + BH * head;
-    float* dr = qr + BH * head;
-    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)thread_count() * ATT_NR * Tp);
-    float* ds_all = scratch(SCRATCH_ATT, sizeof(float) * (size_t)BH * T * T);
-    attn_pack_transposed(vt, Tp, qkv + 2 * C, C3, B, T, NH, hs);
-    attn_pack_rows(kr, qkv + C, C3, B, T, NH, hs);
-    attn_pack_rows(qr, qkv, C3, B, T, NH, hs);
-    attn_pack_rows(dr, dout, C, B, T, NH, hs);
-    int ntiles = (T + ATT_NR - 1) / ATT_NR;
-    // per query tile: datt, S, ds (kept for the second part), dq = R2Z over keys of ds * k
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (long idx = 0; idx < (long)BH * ntiles; idx++) {   // a head's tiles in a row, longest rows first
-        int tile = ntiles - 1 - (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
-        int t0 = tile * ATT_NR, nr = T - t0 < ATT_NR ? T - t0 : ATT_NR;
-        int lo[ATT_NR], hi[ATT_NR];
-        attn_bounds(lo, hi, t0, 0, T);
-        float* datt = tiles + (size_t)thread_index() * ATT_NR * Tp;
-        const float* a = att + ((size_t)bh * T + t0) * T;
-        float* ds = ds_all + ((size_t)bh * T + t0) * T;
-        attn_scores(datt, Tp, dout + ((size_t)b * T + t0) * C + h * hs, C, vt + (size_t)bh * hs * Tp, Tp, hs, nr,
-                    t0 + nr, 1.0f);
-        float S[ATT_NR];
-        attn_row_sums(S, a, T, datt, Tp, nr, hi, T, CANON_R);
-        for (int r = 0; r < nr; r++) {
-            const float* ar = a + (size_t)r * T;
-            const float* dr = datt + r * Tp;
-            float* sr = ds + (size_t)r * T;
-            float Sr = S[r];
-            #pragma omp simd
-            for (int j = 0; j < hi[r]; j++) { sr[j] = ar[j] * (dr[j] - Sr) * scale; }
-        }
-        AttRows dq = {ds, T, 1, kr + bh * head, hs, dqkv + ((size_t)b * T + t0) * C3 + h * hs, C3, T, CANON_R, lo, hi};
-        attn_rows(&dq, nr, hs);
-    }
-    // per strip of keys (tiles of ATT_NR, a few in a row so the strip of ds and att columns
-    // stays in cache): dk = R2Z over queries of ds * q, dv = R2Z over queries of att * dout
-    int strip = 3, nstrips = (ntiles + strip - 1) / strip;
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (long idx = 0; idx < (long)BH * nstrips; idx++) {   // a head's strips in a row, longest first
-        int bh = (int)(idx / nstrips), b = bh / NH, h = bh % NH, first = (int)(idx % nstrips) * strip;
-        for (int tile = first; tile < first + strip && tile < ntiles; tile++) {
-            int t0 = tile * ATT_NR, nr = T - t0 < ATT_NR ? T - t0 : ATT_NR;
-            int lo[ATT_NR], hi[ATT_NR];
-            attn_bounds(lo, hi, t0, 1, T);
-            size_t tt = (size_t)bh * T * T;
-            float* drow = dqkv + ((size_t)b * T + t0) * C3 + h * hs;
-            AttRows dk = {ds_all + tt + t0, 1, T, qr + bh * head, hs, drow + C, C3, T, CANON_R, lo, hi};
-            AttRows dv = {att + tt + t0, 1, T, dr + bh * head, hs, drow + 2 * C, C3, T, CANON_R, lo, hi};
-            attn_rows(&dk, nr, hs);
-            attn_rows(&dv, nr, hs);
-        }
-    }
-}
-
-// ------------------------------------------------------------------------------------------
-// context parallelism's attention, one block of keys at a time (llmc/context_parallel.h drives
-// them around the group). Rank r of an N-way context-parallel group holds the queries of its
-// zig-zag slice of each sequence (Tq = T/N local positions, canonical.h R2Z) and sees the keys
-// and values of every rank's slice in turn: block s. att (B,NH,Tq,T) keeps block s in columns
-// [s*Tq, (s+1)*Tq); a query attends to the keys of block s at global positions up to its own,
-// a prefix of the block (canon_zz_count_le). Each reduction over keys is R2Z within a block
-// (8/N chunks of the block's local sequence: a complete subtree of the one-rank tree) and R1
-// over the blocks in rank order; the reductions over queries (dk, dv) likewise, over each
-// rank's queries, then R1 over the ranks. With N = 1 these are attention_forward and
-// attention_backward cut into passes: the same helpers, the same bits.
-//   qkv (B,Tq,3C) this rank's; kblk, vblk (B,Tq,C) block s's keys or values; C, NH this
-//   rank's channels and heads (tensor parallelism splits them as usual)
-
-// The keys of block s that query rows t0, t0+1, ... (nr of them, of rank r's slice) attend to:
-// [lo[i], hi[i]) = [0, count); rows past nr repeat the last one.
-static void cp_key_bounds(int* lo, int* hi, int t0, int nr, int T, int N, int r, int s) {
-    for (int i = 0; i < ATT_NR; i++) {
-        int t = t0 + (i < nr ? i : nr - 1);
-        lo[i] = 0;
-        hi[i] = canon_zz_count_le(canon_zz_global(t, T, N, r), T, N, s);
-    }
-}
-
-// The queries of rank r that block s's keys j0, j0+1, ... are attended by: [lo[i], Tq).
-static void cp_query_bounds(int* lo, int* hi, int j0, int nr, int T, int N, int r, int s) {
-    int Tq = T / N;
-    for (int i = 0; i < ATT_NR; i++) {
-        int j = j0 + (i < nr ? i : nr - 1);
-        lo[i] = Tq - canon_zz_count_ge(canon_zz_global(j, T, N, s), T, N, r);
-        hi[i] = Tq;
-    }
-}
-
-static int cp_max(const int* x, int n) {
-    int m = 0;
-    for (int i = 0; i < n; i++) { m = x[i] > m ? x[i] : m; }
-    return m;
-}
-
-// q.k (or dout.v: scale 1) of this rank's queries against block s, into att's (or ds's) block
-// columns: the entries each query attends to
-static void cp_block_products(float* att, const float* q, long ldq, const float* kblk, int B, int T, int C, int NH,
-                              int N, int r, int s, float scale) {
-    int hs = C / NH, BH = B * NH, Tq = T / N;
-    long Tp = attn_padded(Tq);
-    float* kt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * hs * Tp);
-    float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)thread_count() * ATT_NR * Tp);
-    attn_pack_transposed(kt, Tp, kblk, C, B, Tq, NH, hs);
-    int ntiles = (Tq + ATT_NR - 1) / ATT_NR;
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (long idx = 0; idx < (long)BH * ntiles; idx++) {
-        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
-        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
-        int lo[ATT_NR], hi[ATT_NR];
-        cp_key_bounds(lo, hi, t0, nr, T, N, r, s);
-        int nkeys = cp_max(hi, nr);
-        if (nkeys == 0) { continue; }
-        float* tile_s = tiles + (size_t)thread_index() * ATT_NR * Tp;
-        attn_scores(tile_s, Tp, q + ((size_t)b * Tq + t0) * ldq + h * hs, ldq, kt + (size_t)bh * hs * Tp, Tp, hs, nr,
-                    nkeys, scale);
-        for (int i = 0; i < nr; i++) {
-            memcpy(att + ((size_t)bh * Tq + t0 + i) * T + (size_t)s * Tq, tile_s + i * Tp, sizeof(float) * hi[i]);
-        }
-    }
-}
-
-// att block s <- the scores q.k * (1/sqrt(hs)) of the keys each query attends to
-void attention_scores_block(float* att, const float* qkv, const float* kblk, int B, int T, int C, int NH, int N,
-                            int r, int s) {
-    cp_block_products(att, qkv, 3L * C, kblk, B, T, C, NH, N, r, s, canon_rsqrtf((float)(C / NH)));
-}
-
-// The softmax of every row over all N blocks: the max (exact), the exps, Z = R1 over blocks of
-// each block's R2Z subtree, the division; 0 for the keys a query does not attend to.
-void attention_softmax_blocks(float* att, int B, int T, int NH, int N, int r) {
-    int Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (long idx = 0; idx < (long)B * NH * ntiles; idx++) {
-        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles);
-        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
-        float* rows = att + ((size_t)bh * Tq + t0) * T;
-        int lo[CANON_R][ATT_NR], hi[CANON_R][ATT_NR];
-        float zs[CANON_R][ATT_NR], maxv[ATT_NR];
-        for (int s = 0; s < N; s++) { cp_key_bounds(lo[s], hi[s], t0, nr, T, N, r, s); }
-        for (int i = 0; i < nr; i++) {
-            float m = -canon_inf();
-            for (int s = 0; s < N; s++) {
-                float ms = attn_row_max(rows + (size_t)i * T + (size_t)s * Tq, hi[s][i]);
-                m = ms > m ? ms : m;
-            }
-            maxv[i] = m;
-        }
-        for (int s = 0; s < N; s++) {
-            for (int i = 0; i < nr; i++) { exps_shifted(rows + (size_t)i * T + (size_t)s * Tq, hi[s][i], maxv[i]); }
-            attn_row_sums(zs[s], rows + (size_t)s * Tq, T, NULL, 0, nr, hi[s], Tq, CANON_R / N);
-        }
-        for (int i = 0; i < nr; i++) {
-            float part[CANON_R];
-            for (int s = 0; s < N; s++) { part[s] = zs[s][i]; }
-            float z = canon_tree_sum(part, N, 1);
-            for (int s = 0; s < N; s++) {
-                float* a = rows + (size_t)i * T + (size_t)s * Tq;
-                #pragma omp simd
-                for (int j = 0; j < hi[s][i]; j++) { a[j] = a[j] / z; }
-                for (int j = hi[s][i]; j < Tq; j++) { a[j] = 0.0f; }
-            }
-        }
-    }
-}
-
-// out (B,Tq,C) = block s's subtree of att @ v: R2Z over the block's keys (8/N chunks)
-void attention_values_block(float* out, const float* att, const float* vblk, int B, int T, int C, int NH, int N,
-                            int r, int s) {
-    int hs = C / NH, BH = B * NH, Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
-    float* vr = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * Tq * hs);
-    attn_pack_rows(vr, vblk, C, B, Tq, NH, hs);
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (long idx = 0; idx < (long)BH * ntiles; idx++) {
-        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
-        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
-        int lo[ATT_NR], hi[ATT_NR];
-        cp_key_bounds(lo, hi, t0, nr, T, N, r, s);
-        AttRows av = {att + ((size_t)bh * Tq + t0) * T + (size_t)s * Tq, T, 1, vr + (size_t)bh * Tq * hs, hs,
-                      out + ((size_t)b * Tq + t0) * C + h * hs, C, Tq, CANON_R / N, lo, hi};
-        attn_rows(&av, nr, hs);
-    }
-}
-
-// ds block s <- datt = dout . v of the keys each query attends to
-void attention_datt_block(float* ds, const float* dout, const float* vblk, int B, int T, int C, int NH, int N,
-                          int r, int s) {
-    cp_block_products(ds, dout, C, vblk, B, T, C, NH, N, r, s, 1.0f);
-}
-
-// ds <- att * (datt - S) * (1/sqrt(hs)) over every block, S = R1 over blocks of each block's
-// R2Z subtree of fmaf(att, datt)
-void attention_softmax_backward_blocks(float* ds, const float* att, int B, int T, int C, int NH, int N, int r) {
-    int Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
-    float scale = canon_rsqrtf((float)(C / NH));
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (long idx = 0; idx < (long)B * NH * ntiles; idx++) {
-        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles);
-        int t0 = tile * ATT_NR, nr = Tq - t0 < ATT_NR ? Tq - t0 : ATT_NR;
-        size_t row0 = ((size_t)bh * Tq + t0) * T;
-        int lo[CANON_R][ATT_NR], hi[CANON_R][ATT_NR];
-        float ss[CANON_R][ATT_NR];
-        for (int s = 0; s < N; s++) {
-            cp_key_bounds(lo[s], hi[s], t0, nr, T, N, r, s);
-            attn_row_sums(ss[s], att + row0 + (size_t)s * Tq, T, ds + row0 + (size_t)s * Tq, T, nr, hi[s], Tq, CANON_R / N);
-        }
-        for (int i = 0; i < nr; i++) {
-            float part[CANON_R];
-            for (int s = 0; s < N; s++) { part[s] = ss[s][i]; }
-            float S = canon_tree_sum(part, N, 1);
-            for (int s = 0; s < N; s++) {
-                const float* a = att + row0 + (size_t)i * T + (size_t)s * Tq;
-                float* d = ds + row0 + (size_t)i * T + (size_t)s * Tq;
-                #pragma omp simd
-                for (int j = 0; j < hi[s][i]; j++) { d[j] = a[j] * (d[j] - S) * scale; }
-            }
-        }
-    }
-}
-
-// dq (B,Tq,C) = block s's subtree of ds @ k
-void attention_dq_block(float* dq, const float* ds, const float* kblk, int B, int T, int C, int NH, int N, int r,
-                        int s) {
-    attention_values_block(dq, ds, kblk, B, T, C, NH, N, r, s);
-}
-
-// dk, dv (B,Tq,C) of block s's keys = this rank's subtree over its queries (R2Z, 8/N chunks)
-// of ds^T @ q and att^T @ dout: the partials the key's owner sums over the ranks
-void attention_dkv_block(float* dk, float* dv, const float* ds, const float* att, const float* qkv, const float* dout,
-                         int B, int T, int C, int NH, int N, int r, int s) {
-    int hs = C / NH, BH = B * NH, Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
-    float* qr = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * Tq * hs * 2);
-    float* dr = qr + (size_t)BH * Tq * hs;
-    attn_pack_rows(qr, qkv, 3L * C, B, Tq, NH, hs);
-    attn_pack_rows(dr, dout, C, B, Tq, NH, hs);
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (long idx = 0; idx < (long)BH * ntiles; idx++) {
-        int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles), b = bh / NH, h = bh % NH;
-        int j0 = tile * ATT_NR, nr = Tq - j0 < ATT_NR ? Tq - j0 : ATT_NR;
-        int lo[ATT_NR], hi[ATT_NR];
-        cp_query_bounds(lo, hi, j0, nr, T, N, r, s);
-        size_t cols = (size_t)bh * Tq * T + (size_t)s * Tq + j0;
-        size_t o = ((size_t)b * Tq + j0) * C + h * hs;
-        AttRows k = {ds + cols, 1, T, qr + (size_t)bh * Tq * hs, hs, dk + o, C, Tq, CANON_R / N, lo, hi};
-        AttRows v = {att + cols, 1, T, dr + (size_t)bh * Tq * hs, hs, dv + o, C, Tq, CANON_R / N, lo, hi};
-        attn_rows(&k, nr, hs);
-        attn_rows(&v, nr, hs);
-    }
-}
-
 // dst rows (stride ldd) <- width floats of each of `rows` src rows (stride lds): a tensor's
 // columns packed for sending, or unpacked into place
 void copy_rows(float* dst, long ldd, const float* src, long lds, long rows, int width) {
@@ -1590,125 +502,14 @@ void copy_rows(float* dst, long ldd, const float* src, long lds, long rows, int 
 }
 
 // ------------------------------------------------------------------------------------------
-// GELU (tanh form), elementwise. vf_tanh, vf_gelu and vf_gelu_grad are canonical.h's
-// canon_tanhf, canon_gelu and canon_gelu_grad in every lane, operation for operation (the
-// constant 3 * 0.044715 folded as C folds it); test_kernels compares them over a sweep.
-static inline vf vf_tanh(vf x) {
-    vf ax = vf_if_negative(x, vf_mul(x, vf_set1(-1.0f)), x);
-    vf t = vf_expf(vf_mul(vf_set1(-2.0f), ax));
-    vf r = vf_div(vf_sub(vf_set1(1.0f), t), vf_add(vf_set1(1.0f), t));
-    return vf_if_negative(x, vf_mul(r, vf_set1(-1.0f)), r);
-}
-static inline vf vf_gelu(vf x) {
-    vf cube = vf_mul(vf_mul(vf_mul(vf_set1(0.044715f), x), x), x);
-    vf u = vf_mul(vf_set1(CANON_GELU_SCALE), vf_add(x, cube));
-    return vf_mul(vf_mul(vf_set1(0.5f), x), vf_add(vf_set1(1.0f), vf_tanh(u)));
-}
-static inline vf vf_gelu_grad(vf x) {
-    vf cube = vf_mul(vf_mul(vf_mul(vf_set1(0.044715f), x), x), x);
-    vf u = vf_mul(vf_set1(CANON_GELU_SCALE), vf_add(x, cube));
-    vf th = vf_tanh(u);
-    vf sech2 = vf_sub(vf_set1(1.0f), vf_mul(th, th));
-    vf du_dx = vf_mul(vf_set1(CANON_GELU_SCALE), vf_add(vf_set1(1.0f), vf_mul(vf_mul(vf_set1(3.0f * 0.044715f), x), x)));
-    return vf_add(vf_mul(vf_set1(0.5f), vf_add(vf_set1(1.0f), th)),
-                  vf_mul(vf_mul(vf_mul(vf_set1(0.5f), x), sech2), du_dx));
-}
-
-void gelu_forward(float* out, const float* inp, size_t n) {
-    size_t nvec = n / VLEN;
-    #pragma omp parallel for
-    for (size_t i = 0; i < nvec; i++) { vf_store(out + i * VLEN, vf_gelu(vf_load(inp + i * VLEN))); }
-    for (size_t i = nvec * VLEN; i < n; i++) { out[i] = canon_gelu(inp[i]); }
-}
-
-// dinp = gelu'(inp) * dout (may be in place: dinp == dout)
-void gelu_backward(float* dinp, const float* inp, const float* dout, size_t n) {
-    size_t nvec = n / VLEN;
-    #pragma omp parallel for
-    for (size_t i = 0; i < nvec; i++) {
-        vf_store(dinp + i * VLEN, vf_mul(vf_gelu_grad(vf_load(inp + i * VLEN)), vf_load(dout + i * VLEN)));
-    }
-    for (size_t i = nvec * VLEN; i < n; i++) { dinp[i] = canon_gelu_grad(inp[i]) * dout[i]; }
-}
-
 // out = a + b, elementwise (the residual stream)
 void residual_forward(float* out, const float* a, const float* b, size_t n) {
     #pragma omp parallel for
     for (size_t i = 0; i < n; i++) { out[i] = a[i] + b[i]; }
 }
 
-// ------------------------------------------------------------------------------------------
-// fused softmax + cross-entropy, per position over the vocabulary (entries v >= V are padding:
-// probability 0, never part of a sum):
-//   max = max_{v<V} logit, e_v = exp(logit_v - max), Z = R2 over Vp of e_v,
-//   probs_v = e_v / Z, loss = log(Z) - (logit_target - max).
-// In three phases, so that a vocab-parallel rank (holding the logits (BT,Vl) of vocabulary
-// entries [v0, v0 + Vl), i.e. nchunks = 8/K of the 8 canonical chunks) can finish the max, Z
-// and the target logit over its group in between (head_forward). One rank: v0 = 0, Vl = Vp.
-
-// maxes (BT) = the largest real logit of each position among this rank's entries
-void crossentropy_max(float* maxes, const float* logits, int BT, int V, int v0, int Vl) {
-    long real = V - v0 < Vl ? V - v0 : Vl;   // entries at or past `real` are padding
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) { maxes[i] = attn_row_max(logits + (size_t)i * Vl, real > 0 ? real : 0); }
-}
-
-// logits <- exp(logits - max) in place; zs (BT) = the R2 subtree over this rank's chunks;
-// target_logits (BT) = the target's logit where this rank holds it, else -0.0f.
-void crossentropy_exps(float* zs, float* target_logits, float* logits, const float* maxes,
-                       const int* targets, int BT, int V, int v0, int Vl, int nchunks) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        float* p = logits + (size_t)i * Vl;
-        int t = targets ? targets[i] - v0 : -1;
-        target_logits[i] = t >= 0 && t < Vl ? p[t] : -0.0f;
-        long real = V - v0 < Vl ? V - v0 : Vl;   // entries at or past `real` are padding
-        exps_shifted(p, real > 0 ? real : 0, maxes[i]);
-        float partial[CANON_R];
-        for (int ch = 0; ch < nchunks; ch++) {
-            float acc = 0.0f;
-            long end = ((long)Vl * (ch + 1)) / nchunks;
-            for (long v = ((long)Vl * ch) / nchunks; v < end && v < real; v++) { acc = acc + p[v]; }
-            partial[ch] = acc;
-        }
-        zs[i] = canon_tree_sum(partial, nchunks, 1);
-    }
-}
-
-// probs = exps / Z (0 for padding); losses (BT) = log(Z) - (target logit - max) if targets
-void crossentropy_normalize(float* probs, float* losses, const float* zs, const float* target_logits,
-                            const float* maxes, const int* targets, int BT, int V, int v0, int Vl) {
-    long real = V - v0 < Vl ? (V - v0 > 0 ? V - v0 : 0) : Vl;   // entries at or past `real` are padding
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        float* p = probs + (size_t)i * Vl;
-        vf z = vf_set1(zs[i]);
-        long v = 0;
-        for (; v + VLEN <= real; v += VLEN) { vf_store(p + v, vf_div(vf_load(p + v), z)); }
-        for (; v < Vl; v++) { p[v] = v < real ? p[v] / zs[i] : 0.0f; }
-        if (targets) { losses[i] = canon_logf(zs[i]) - (target_logits[i] - maxes[i]); }
-    }
-}
-
-// dlogits (BT,Vl) = (probs - onehot(target)) * dloss, written over probs; 0 for padding.
-void crossentropy_backward(float* dlogits_probs, const int* targets, float dloss, int BT, int V,
-                           int v0, int Vl) {
-    long real = V - v0 < Vl ? (V - v0 > 0 ? V - v0 : 0) : Vl;   // entries at or past `real` are padding
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        float* p = dlogits_probs + (size_t)i * Vl;
-        long t = (long)targets[i] - v0;   // the target's entry, if this rank holds it
-        float target = t >= 0 && t < real ? p[t] : 0.0f;
-        vf d = vf_set1(dloss), zero = vf_zero();
-        long v = 0;
-        for (; v + VLEN <= real; v += VLEN) { vf_store(p + v, vf_mul(vf_sub(vf_load(p + v), zero), d)); }
-        for (; v < real; v++) { p[v] = (p[v] - 0.0f) * dloss; }
-        if (t >= 0 && t < real) { p[t] = (target - 1.0f) * dloss; }
-    }
-}
-
 // out (BT,OC) += bias: a row-parallel layer's bias, added once after its all-reduce (the same
-// addition matmul_forward does after its tree when it holds all of k).
+// addition matmul_forward does after its tree when it holds all of ic).
 void bias_forward(float* out, const float* bias, int BT, int OC) {
     #pragma omp parallel for
     for (int i = 0; i < BT; i++) {
@@ -1722,9 +523,32 @@ float position_sum(const float* x, int B, int T) {
     return position_reduce_elem(x, 1, 0, NULL, 0, 0, B, T, CANON_R);
 }
 
-// the mixture-of-experts layer's kernels (llmc/moe.h), on the helpers above
-#define LLMC_CPU_KERNELS
-#include "llmc/moe.h"
+// ------------------------------------------------------------------------------------------
+// GELU (gelu_forward, gelu_backward: canon_gelu and canon_gelu_grad of every element) and the
+// fused softmax + cross-entropy (crossentropy_*) are written once, vectorised: cpu_fast.h.
+
+// ------------------------------------------------------------------------------------------
+// the mixture-of-experts layer: its per-output arithmetic is moe.h's (the CPU kernels and the
+// device twins call the same functions), its kernels' loops are in cpu_fast.h, beside the
+// experts' weight-gradient tiles, whose specification this is.
+// One expert's weight and bias gradients from its rows: for each of nsrc source microbatches
+// q (leaves leaf[q*B*8 .. (q+1)*B*8], absolute rows of dout (.,OC) and inp (.,IC)), the R3
+// reduction over the source's rows into slice q: dweight + q*slice (OC,IC) and dbias + q*slice
+// (OC) (either may be NULL). The specification, one output at a time (cpu_fast.h's
+// moe_expert_dweight computes exactly these bits):
+void moe_expert_dweight_naive(float* dweight, float* dbias, size_t slice, const float* dout, const float* inp,
+                              const int* leaf, int nsrc, int B, int IC, int OC) {
+    #pragma omp parallel for collapse(2)
+    for (int q = 0; q < nsrc; q++) {
+        for (int o = 0; o < OC; o++) {
+            const int* lq = leaf + (size_t)q * B * CANON_R;
+            for (int ic = 0; dweight && ic < IC; ic++) {
+                dweight[q * slice + (size_t)o * IC + ic] = moe_rows_reduce_elem(dout, OC, o, inp, IC, ic, lq, B);
+            }
+            if (dbias) { dbias[q * slice + o] = moe_rows_reduce_elem(dout, OC, o, NULL, 0, 0, lq, B); }
+        }
+    }
+}
 
 #endif // LLMC_DEVICE_KERNELS
 
@@ -1736,9 +560,6 @@ float position_sum(const float* x, int B, int T) {
 // compiles this same section on its device kernels, which take the same arguments. So the
 // model never touches tensor memory itself: it allocates and fills through the MemOps of
 // memory.h (host here, device there), and its parameters come unit by unit from zero.h.
-// Context parallelism's attention and gradient finishing (context_parallel.h) drive these
-// kernels too, so the header comes here.
-#include "llmc/context_parallel.h"
 
 // Activations of one forward pass of a model chunk (its `layers` transformer layers, and
 // the head on the chunk holding it), allocated for a capacity of (B, T) positions; a pass with fewer
@@ -1912,7 +733,7 @@ typedef struct {
 
 // The tied token embedding gets two gradients: from the LM head (wte as the output matmul)
 // and from the embedding lookup. They are kept apart (the lookup half is zero.h's unit
-// zero_unit_E(z)) until the whole step's gradient is reduced, then added (lm part + lookup part),
+// zero_lookup_unit(z)) until the whole step's gradient is reduced, then added (lm part + lookup part),
 // because that is the order a pipeline can reproduce: there the LM head lives on the last
 // stage and the embedding on the first (Megatron sums the two copies' gradients after the
 // data-parallel reduction). zero_finish_grads() does the addition.
@@ -2686,14 +1507,14 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
 }
 
 // (the chunk with the embeddings) the embeddings' gradients from g->dresidual = d(loss)/d(encoded): the lookup
-// half of wte's gradient (zero_unit_E; this rank's vocabulary rows) and wpe's. Both sum over all
+// half of wte's gradient (zero_lookup_unit; this rank's vocabulary rows) and wpe's. Both sum over all
 // positions: with SP the gradient is all-gathered along T first (the input half, which keeps
 // it), with CP then along the sequence (cp group, the weight half), and every rank runs the
 // one-rank embedding backward on whole sequences.
 void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int lookup_unit = zero_unit_E(z);
+    int lookup_unit = zero_lookup_unit(z);
     float* dencoded = a->split_backward ? a->dencoded : g->dfcproj;
     if (part & BACKWARD_INPUT) { dres_g_backward(model, g, dencoded, B, T); }
     if (part & BACKWARD_WEIGHT) {

@@ -7,11 +7,12 @@
  * llmc/kernels_det.cuh). Two modes, chosen at run time:
  *
  *   --deterministic 1   train_gpt2.c's model itself (included below) on the deterministic
- *                       device kernels of llmc/kernels_det.cuh, which have the CPU kernels'
- *                       names and arguments and compute every output with their sequence of
- *                       floating-point operations (llmc/canonical.h): every logged loss, lr and
- *                       norm, the samples and the checkpoint bytes are train_gpt2's, in every
- *                       layout (DP, ZeRO, TP, SP, PP).
+ *                       device kernels of llmc/kernels_det.cuh, the device set of the kernel
+ *                       contract (llmc/kernels.h): the CPU kernels' names and arguments, every
+ *                       output computed with their sequence of floating-point operations
+ *                       (llmc/canonical.h): every logged loss, lr and norm, the samples and the
+ *                       checkpoint bytes are train_gpt2's, in every layout (DP, ZeRO, TP, SP,
+ *                       CP, PP, and EP for mixture-of-experts models).
  *   fast (the default)  bf16 weights and activations with fp32 master weights, gradients and
  *                       AdamW state; cuBLASLt tensor-core matmuls, flash attention, fused
  *                       kernels (train_gpt2_fast.cu, its own translation unit). It follows the
@@ -25,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "llmc/kernels_det.cuh"
+#include "llmc/kernels_moe_det.cuh"   // the kernel contract's device set (with kernels_det.cuh)
 #define LLMC_DEVICE_KERNELS
 #include "train_gpt2.c"   // the model, on the kernels above (and the engine it includes)
 #ifndef LLMC_CUDA_EMU

@@ -14,11 +14,13 @@
  * layernorm and embedding gradients use deterministic mode's exact R3 reductions on the bf16
  * activations (kernels_det.cuh), so a fast run is repeatable run to run.
  *
- * Fast mode runs one pipeline stage without tensor parallelism: data parallelism and ZeRO 0-3
- * (train_gpt2.cu refuses --tp/--pp/--sp in fast mode and says to use --deterministic 1).
+ * Fast mode runs dense models on one pipeline stage: data parallelism and ZeRO 0-3. In fast
+ * mode train_gpt2.cu refuses --tp/--pp/--sp/--cp and mixture-of-experts models (-e with
+ * experts), and says to use --deterministic 1; within this file, a split backward (the
+ * pipeline's separate input and weight gradients) is an internal error.
  */
 #include "llmc/engine.h"
-#include "llmc/kernels_det.cuh"
+#include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
 #include "llmc/kernels_fast.cuh"
 #include "llmc/matmul_cublaslt.cuh"
 #include "llmc/attention_flash.cuh"
@@ -393,11 +395,11 @@ static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T, int 
     FastGrads* g = (FastGrads*)vg;
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
-    int E = zero_unit_E(z);
-    encoder_backward_x(zero_grad_unit(z, E), zero_grad_unit(z, ZERO_WPE), g->dresidual, 1, a->inputs, B, T,
+    int lookup_unit = zero_lookup_unit(z);
+    encoder_backward_x(zero_grad_unit(z, lookup_unit), zero_grad_unit(z, ZERO_WPE), g->dresidual, 1, a->inputs, B, T,
                        c->channels, 0, c->padded_vocab_size, c->max_seq_len);
     zero_grad_unit_done(z, ZERO_WPE);
-    zero_grad_unit_done(z, E);
+    zero_grad_unit_done(z, lookup_unit);
 }
 
 static const ModelOps fast_model_ops = {

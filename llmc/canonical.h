@@ -2,7 +2,7 @@
  * canonical.h: the canonical arithmetic of the project, defined once for gcc and nvcc.
  *
  * Floating-point addition is not associative, so a result is reproducible only if the ORDER
- * of every reduction is fixed independently of how the work is split (threads, SIMD lanes,
+ * of every reduction is fixed independently of how the work is divided (threads, SIMD lanes,
  * GPU blocks, tensor-parallel ranks, data-parallel ranks, pipeline stages, microbatches).
  * This header is that order, and the per-element functions every kernel calls. The CPU build
  * (train_gpt2.c) and the CUDA build in deterministic mode (train_gpt2.cu) both follow it, so
@@ -10,7 +10,7 @@
  *
  * THE RULES
  *
- * R1. Halving tree. A tree sum of n leaves l[0..n) is: n == 1: l[0]; otherwise split at
+ * R1. Halving tree. A tree sum of n leaves l[0..n) is: n == 1: l[0]; otherwise cut at
  *     mid = ceil(n/2): tree(l[0..mid)) + tree(l[mid..n)). For n a power of two this is the
  *     familiar pairwise tree ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)). A contiguous block of leaves
  *     that the recursion reaches as one node (e.g. n/K leaves for K a power of two dividing n)
@@ -24,7 +24,7 @@
  *     dimension is cut into CANON_R = 8 contiguous chunks, chunk c = [c*n/8, (c+1)*n/8)
  *     (integer division; chunks may be empty when n < 8). Each chunk is accumulated
  *     sequentially from 0.0f in increasing index order, a product term with fmaf(a, b, acc);
- *     the 8 chunk partials are combined by the R1 tree. A tensor-parallel split of the
+ *     the 8 chunk partials are combined by the R1 tree. A tensor-parallel partition of the
  *     dimension into K | 8 equal parts gives each rank 8/K whole chunks (because
  *     floor(r*(8/K)*n/8) == floor(r*n/K)): the rank reduces its subtree, the cross-rank R1
  *     tree finishes it, bit-identical to one rank.
@@ -51,7 +51,7 @@
  *     Microbatches and data-parallel ranks own contiguous blocks of sequences, so for
  *     power-of-two numbers of microbatches M and ranks N (dividing the sequence count) each
  *     owns a complete subtree: changing B x M x N at a fixed global batch changes nothing.
- *     Sequence and context parallelism split T into zig-zag slices (R2Z): each rank owns
+ *     Sequence and context parallelism cut T into zig-zag slices (R2Z): each rank owns
  *     whole chunks of every sequence, so the per-sequence sums are finished across the group
  *     and then R1 over sequences.
  *
@@ -65,12 +65,13 @@
  *
  * R6. The squared gradient norm is summed EXACTLY (integer fixed-point accumulator, see
  *     SumSq below) and rounded once. An exact sum has no order at all, so it is the same for
- *     any split of the parameters across ranks: data-parallel/ZeRO shards of the flat buffer,
+ *     any partition of the parameters across ranks: data-parallel/ZeRO shards of the flat buffer,
  *     tensor-parallel slices (rows or columns) and pipeline stages alike.
  */
 #ifndef LLMC_CANONICAL_H
 #define LLMC_CANONICAL_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -103,20 +104,54 @@ HD int canon_tree_merges_after(int i, int n) {
     return merges;
 }
 
+// The partial sums of a streamed R1 (or R3) reduction: each leaf's partial is pushed in
+// order, then the pop-and-add steps its tree prescribes (canon_tree_merges_after, or
+// canon_pos_merges_after for R3), each adding the top entry into the one below (left + right);
+// after the last leaf, entry 0 holds the sum. An entry is a block of rows x cols floats (rows
+// ld apart; one partial: 1 x 1), entry i at base + i * size: one stack serves a scalar, a row
+// of channels, a register tile stored to memory and a stripe of a matrix alike.
+typedef struct {
+    float* base;
+    long size;        // floats from one entry to the next
+    int rows, cols;   // the floats of an entry that take part in the sum
+    long ld;          // the row stride within an entry
+    int top;          // entries on the stack
+} CanonStack;
+
+HD CanonStack canon_stack(float* base, long size, int rows, int cols, long ld) {
+    CanonStack s = {base, size, rows, cols, ld, 0};
+    return s;
+}
+
+// Where the next leaf's partial is written (before canon_stack_push).
+HD float* canon_stack_next(const CanonStack* s) { return s->base + (long)s->top * s->size; }
+
+// The partial written at canon_stack_next joins the stack, then `merges` pop-and-add steps.
+HD void canon_stack_push(CanonStack* s, int merges) {
+    s->top++;
+    for (; merges > 0; merges--) {
+        float* left = s->base + (long)(s->top - 2) * s->size;
+        const float* right = left + s->size;
+        for (int r = 0; r < s->rows; r++) {
+            for (int c = 0; c < s->cols; c++) { left[r * s->ld + c] = left[r * s->ld + c] + right[r * s->ld + c]; }
+        }
+        s->top--;
+    }
+}
+
+// A single partial: v joins the stack, then `merges` pop-and-add steps.
+HD void canon_stack_push_value(CanonStack* s, float v, int merges) {
+    *canon_stack_next(s) = v;
+    canon_stack_push(s, merges);
+}
+
 // The R1 tree sum of v[0], v[stride], ..., v[(n-1)*stride]. n may be up to 2^31.
 HD float canon_tree_sum(const float* v, long n, long stride) {
-    float stack[64];
-    int top = 0;
+    float partials[64];
+    CanonStack stack = canon_stack(partials, 1, 1, 1, 1);
     if (n <= 0) { return 0.0f; }
-    for (long i = 0; i < n; i++) {
-        stack[top++] = v[i * stride];
-        for (int m = canon_tree_merges_after((int)i, (int)n); m > 0; m--) {
-            float right = stack[--top];
-            float left = stack[--top];
-            stack[top++] = left + right;
-        }
-    }
-    return stack[0];
+    for (long i = 0; i < n; i++) { canon_stack_push_value(&stack, v[i * stride], canon_tree_merges_after((int)i, (int)n)); }
+    return partials[0];
 }
 
 // The R1 tree over exactly CANON_R = 8 partials, written out.
@@ -168,21 +203,6 @@ HD void canon_zz_half(long n, int nchunks, int c, int half, long* begin, long* e
     int p = half == 0 ? c : 2 * nchunks - 1 - c;
     *begin = canon_piece_begin(n, 2 * nchunks, p);
     *end = canon_piece_begin(n, 2 * nchunks, p + 1);
-}
-
-// R2Z sum of x[0..n) (stride apart).
-HD float canon_zz_sum(const float* x, long n, long stride) {
-    float partial[CANON_R];
-    for (int c = 0; c < CANON_R; c++) {
-        float acc = 0.0f;
-        for (int half = 0; half < 2; half++) {
-            long b, e;
-            canon_zz_half(n, CANON_R, c, half, &b, &e);
-            for (long i = b; i < e; i++) { acc = acc + x[i * stride]; }
-        }
-        partial[c] = acc;
-    }
-    return canon_tree8(partial);
 }
 
 // The global position of local position t of rank r's D-way zig-zag slice of a sequence of
@@ -332,7 +352,7 @@ HD float canon_gelu_grad(float x) {
 // base-2^32 digits, each in a 64-bit word so that carries can wait: a word overflows only
 // after 2^32 additions, and canon_sumsq_normalize() propagates carries (every 2^30 elements
 // and before anything reads the digits). Integer addition is associative, so partial
-// accumulators of any split of the data (threads, GPU blocks, ranks) add up to the same
+// accumulators of any partition of the data (threads, GPU blocks, ranks) add up to the same
 // digits; the result is rounded to double once.
 #define CANON_SUMSQ_DIGITS 18
 typedef struct {

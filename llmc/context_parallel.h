@@ -45,8 +45,9 @@
  * parameters are sharded over data x context ranks. The loss: the per-position losses are
  * all-gathered along T and summed as one rank sums them, over the global token count.
  *
- * Included by train_gpt2.c's model, after the kernels it drives (the CPU kernels, or the
- * device twins of kernels_det.cuh in the CUDA build). Every buffer lives in the model's memory
+ * It drives llmc/kernels.h's kernels (the CPU set, or the device twins of kernels_det.cuh in
+ * the CUDA build); the engine checks each step's bytes against cp_bytes_per_step (the end of
+ * this file). Every buffer lives in the model's memory
  * (MemOps); the messages are comm.h's (staged through host memory, or NCCL, for device
  * buffers).
  */
@@ -54,12 +55,15 @@
 #define LLMC_CONTEXT_PARALLEL_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include "llmc/canonical.h"
 #include "llmc/comm.h"
+#include "llmc/kernels.h"
 #include "llmc/memory.h"
 #include "llmc/model.h"
 #include "llmc/tensor_parallel.h"
 #include "llmc/utils.h"
+#include "llmc/zigzag.h"
 
 typedef struct {
     CommGroup* group;     // the context-parallel group (comm.h grid: cp_group)
@@ -344,6 +348,23 @@ static inline void cp_finish_sequences(ContextParallel* cp, float* out, float* p
     cp_part(cp, n, &lo, &len);
     cp->mem->copy(out + lo, partials, len * sizeof(float));
     cp_keep_part(cp, out, n);
+}
+
+// The bytes a rank sends over its context-parallel group of N ranks in one
+// optimizer step of `microbatches` microbatches, for a rank whose chunks hold `layers`
+// transformer layers, the embeddings (has_embedding) and the head (has_head). Per microbatch
+// each layer sends, with the ring, (N-1) K and (N-1) V blocks forward, (N-1) V and (N-1) K
+// blocks and (N-1) dK|dV partial blocks backward, a block being B (T/N) (C/tp) floats; with the
+// all-to-all 8 (N-1)/N blocks; the embeddings' chunk all-gathers the embedding's gradient
+// ((N-1) B (T/N) C floats), the head's chunk the per-position losses ((N-1) B (T/N)).
+static inline uint64_t cp_bytes_per_step(int N, int a2a, int layers, int has_embedding, int has_head, int B, int T,
+                                         int C, int tp, int microbatches) {
+    uint64_t positions = (uint64_t)B * (T / N);   // this rank's positions of a microbatch
+    uint64_t block = positions * (C / tp);
+    uint64_t per_layer = a2a ? 8 * (uint64_t)(N - 1) * block / N : 6 * (uint64_t)(N - 1) * block;
+    uint64_t per_micro = layers * per_layer + (has_embedding ? (uint64_t)(N - 1) * positions * C : 0) +
+                         (has_head ? (uint64_t)(N - 1) * positions : 0);
+    return sizeof(float) * per_micro * (uint64_t)microbatches;
 }
 
 #endif // LLMC_CONTEXT_PARALLEL_H

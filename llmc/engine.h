@@ -53,6 +53,7 @@
 #include "llmc/zero.h"
 #include "llmc/pipeline.h"
 #include "llmc/sampler.h"
+#include "llmc/context_parallel.h"
 #include "llmc/expert_parallel.h"
 #include "llmc/model_ops.h"
 #include "llmc/pipeline_executor.h"
@@ -428,25 +429,6 @@ static inline void trainer_write_checkpoint(Trainer* t) {
 }
 
 // ---- the loop ----------------------------------------------------------------------------
-
-// The bytes a rank sends over its context-parallel group of N ranks (context_parallel.h) in one
-// optimizer step of `microbatches` microbatches, for a rank whose chunks hold `layers`
-// transformer layers, the embeddings (has_embedding) and the head (has_head). Per microbatch
-// each layer sends, with the ring, (N-1) K and (N-1) V blocks forward, (N-1) V and (N-1) K
-// blocks and (N-1) dK|dV partial blocks backward, a block being B (T/N) (C/tp) floats; with the
-// all-to-all 8 (N-1)/N blocks; the embeddings' chunk all-gathers the embedding's gradient
-// ((N-1) B (T/N) C floats), the head's chunk the per-position losses ((N-1) B (T/N)).
-// (It belongs at the end of context_parallel.h, which engine.h cannot include while that header
-// relies on train_gpt2.c's kernels being defined before it.)
-static inline uint64_t cp_bytes_per_step(int N, int a2a, int layers, int has_embedding, int has_head, int B, int T,
-                                         int C, int tp, int microbatches) {
-    uint64_t positions = (uint64_t)B * (T / N);   // this rank's positions of a microbatch
-    uint64_t block = positions * (C / tp);
-    uint64_t per_layer = a2a ? 8 * (uint64_t)(N - 1) * block / N : 6 * (uint64_t)(N - 1) * block;
-    uint64_t per_micro = layers * per_layer + (has_embedding ? (uint64_t)(N - 1) * positions * C : 0) +
-                         (has_head ? (uint64_t)(N - 1) * positions : 0);
-    return sizeof(float) * per_micro * (uint64_t)microbatches;
-}
 
 // Context parallelism's bytes this rank sent in the step, against cp_bytes_per_step for this
 // rank's chunks.

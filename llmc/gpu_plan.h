@@ -35,8 +35,8 @@ HD float det_load(const void* p, size_t i, int bf16) {
 //
 // Every deterministic matmul-shaped kernel computes out[m][n] = (R2 over r of A(m,r)*B(n,r))
 // with the reduction r walked in tiles of at most DET_KT indices: chunk by chunk (the 8
-// chunks of R2, or a tensor-parallel rank's 8/K of them: `nchunks`), within a chunk group by
-// group (the qkv weight's dinp is chunked per group, see train_gpt2.c matmul_backward),
+// chunks of R2, or a tensor-parallel rank's 8/tp of them: `nchunks`), within a chunk group by
+// group (the qkv weight's dinp is chunked per group, see train_gpt2.c matmul_backward_naive),
 // increasing r. A reduction along the positions of a sequence (over T, keys or queries) is
 // zig-zag (canonical.h R2Z): its chunk c is walked as two groups, piece c then piece
 // 2*nchunks-1-c. A tile never straddles a chunk or group boundary, so each output's terms are
@@ -72,7 +72,7 @@ enum {
     DET_CAUSAL_NONE = 0,   // all r
     DET_CAUSAL_R_LE_M = 1, // r <= m: keys up to the query (att @ v, ds @ k)
     DET_CAUSAL_R_GE_M = 2, // r >= m: queries from the key on (ds^T @ q, att^T @ dout)
-    // context parallelism's blocks (train_gpt2.c attention_*_block): row m a query of rank
+    // context parallelism's blocks (cpu_fast.h attention_*_block): row m a query of rank
     // zz_r's slice and r the keys of block zz_s that it attends to, a prefix of the block; or
     // row m a key of block zz_s and r the queries of rank zz_r that attend to it, a suffix
     DET_CAUSAL_ZZ_KEYS = 3,
@@ -98,7 +98,7 @@ typedef struct {
     float scale;         // multiplied after the tree (attention scores; 1 otherwise, exact)
     int M, N, R;         // outputs M x N, reduction length R
     int groups;          // R's chunk groups (the qkv dinp: 3)
-    int nchunks;         // R's chunks (8, or a tensor-parallel rank's 8/K)
+    int nchunks;         // R's chunks (8, or a tensor-parallel rank's 8/tp)
     int zigzag;          // R is along a sequence: R2Z chunks
     int zdiv, Z;
     // the kernel variant: a_rc / b_rc: A (B) contiguous along r, else along m (n) (only how
@@ -122,7 +122,7 @@ HD int det_zz_first_query(const DetGemmArgs* g, int m) {
 typedef struct {
     int n;        // length of the reduced dimension
     int groups;   // its groups (n / groups each); 1 except for the qkv dinp (3); 2 if zigzag
-    int nchunks;  // its chunks: 8, or 8/K for a tensor-parallel rank's share (a power of two)
+    int nchunks;  // its chunks: 8, or 8/tp for a tensor-parallel rank's share (a power of two)
     int zigzag;   // R2Z: group 0 of chunk c is piece c, group 1 piece 2*nchunks-1-c
     int lo, hi;   // only r in [lo, hi) can take part in this tile (causal clamp); [0, n) else
 } DetReduction;
@@ -209,7 +209,7 @@ HD int det_walk_seek(const DetReduction* r, int* c, int* g, int* k0, int* kend) 
 // Streaming R1 tree over the 8 chunk partials p0..p7 with three open subtrees s0, s1, s2:
 // after chunk 7, s0 = ((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7)) = canon_tree8. (This is
 // canon_tree_merges_after(c, 8) written out for registers.) The first 2^k pushes build the
-// R1 tree of 2^k partials in s0, so a tensor-parallel rank's 8/K chunks use it unchanged.
+// R1 tree of 2^k partials in s0, so a tensor-parallel rank's 8/tp chunks use it unchanged.
 HD void det_tree8_push(int c, float p, float* s0, float* s1, float* s2) {
     switch (c) {
         case 0: *s0 = p; break;
@@ -338,7 +338,7 @@ static inline DetGemmArgs det_args_attention_by_queries(float* out, long ldo, co
     return g;
 }
 
-// ---- context parallelism's blocks (train_gpt2.c attention_*_block) -------------------------
+// ---- context parallelism's blocks (cpu_fast.h attention_*_block) ---------------------------
 // Rank r's Tq = T/N queries against block s's Tq keys; att and ds (B,NH,Tq,T) keep block s in
 // columns [s*Tq, (s+1)*Tq).
 
@@ -400,8 +400,8 @@ static inline DetGemmArgs det_args_attention_block_by_queries(float* out, const 
 //
 // A position reduction is computed as leaves, one per (sequence b, R2Z chunk ch of T), each
 // the sequential sum over its positions from 0.0f, then combined by the R3 tree. Leaf (b, ch)
-// of output o is stored at leaves[(b * nchunks + ch) * stride + o]. nchunks is 8, or 8/K when
-// a sequence-parallel rank holds a zig-zag slice of T/K positions of each sequence (its
+// of output o is stored at leaves[(b * nchunks + ch) * stride + o]. nchunks is 8, or 8/D when
+// a sequence-parallel rank holds a zig-zag slice of T/D positions of each sequence (its
 // chunks of the 8).
 
 // The R1 tree over the nchunks leaves of sequence b: the sequence's subtree of the R3 tree.
@@ -411,17 +411,13 @@ HD float det_seq_tree(const float* leaves, int b, int nchunks, long stride) {
 
 // The R3 tree of nseq * nchunks leaves: the chunks of each sequence, then R1 over sequences.
 HD float det_pos_tree(const float* leaves, int nseq, int nchunks, long stride) {
-    float stack[34];
-    int top = 0;
-    stack[0] = 0.0f;   // the value of an empty reduction (nseq == 0)
+    float partials[34];
+    CanonStack stack = canon_stack(partials, 1, 1, 1, 1);
+    partials[0] = 0.0f;   // the value of an empty reduction (nseq == 0)
     for (int b = 0; b < nseq; b++) {
-        stack[top++] = det_seq_tree(leaves, b, nchunks, stride);
-        for (int m = canon_tree_merges_after(b, nseq); m > 0; m--) {
-            stack[top - 2] = stack[top - 2] + stack[top - 1];
-            top--;
-        }
+        canon_stack_push_value(&stack, det_seq_tree(leaves, b, nchunks, stride), canon_tree_merges_after(b, nseq));
     }
-    return stack[0];
+    return partials[0];
 }
 
 // Leaf (b, ch) of sum over positions of x[pos * OC + o] (x: B*T rows of OC; bias gradients,
@@ -461,17 +457,14 @@ HD void det_ln_param_leaf(const void* x, const void* dy, int bf16, const float* 
 
 // dwpe[t][c] for t < T: one term per sequence, 0.0f + dout[b,t,c], combined by R1 over b.
 HD float det_encoder_dwpe_elem(const void* dout, int bf16, int B, int T, int C, int t, int c) {
-    float stack[34];
-    int top = 0;
-    stack[0] = 0.0f;   // the value of an empty reduction (B == 0)
+    float partials[34];
+    CanonStack stack = canon_stack(partials, 1, 1, 1, 1);
+    partials[0] = 0.0f;   // the value of an empty reduction (B == 0)
     for (int b = 0; b < B; b++) {
-        stack[top++] = 0.0f + det_load(dout, ((size_t)b * T + t) * C + c, bf16);
-        for (int m = canon_tree_merges_after(b, B); m > 0; m--) {
-            stack[top - 2] = stack[top - 2] + stack[top - 1];
-            top--;
-        }
+        canon_stack_push_value(&stack, 0.0f + det_load(dout, ((size_t)b * T + t) * C + c, bf16),
+                               canon_tree_merges_after(b, B));
     }
-    return stack[0];
+    return partials[0];
 }
 
 // dwte_emb[v][c] for a token v present in the batch: its positions order[begin..end) in
@@ -479,9 +472,9 @@ HD float det_encoder_dwpe_elem(const void* dout, int bf16, int B, int T, int C, 
 // over sequences (R3).
 HD float det_encoder_dwte_elem(const void* dout, int bf16, const int* order, int begin, int end,
                                int B, int T, int C, int c) {
-    float stack[CANON_LOG2_R + 34];
-    int top = 0;
-    stack[0] = 0.0f;   // the value of an empty reduction (B == 0)
+    float partials[CANON_LOG2_R + 34];
+    CanonStack stack = canon_stack(partials, 1, 1, 1, 1);
+    partials[0] = 0.0f;   // the value of an empty reduction (B == 0)
     int next = begin;
     for (int b = 0; b < B; b++) {
         int piece_at[2 * CANON_R + 1];   // v's first position in sequence b at or past piece p
@@ -498,14 +491,10 @@ HD float det_encoder_dwte_elem(const void* dout, int bf16, const int* order, int
                     acc = acc + det_load(dout, (size_t)order[i] * C + c, bf16);
                 }
             }
-            stack[top++] = acc;
-            for (int m = canon_pos_merges_after(b, B, ch, CANON_R); m > 0; m--) {
-                stack[top - 2] = stack[top - 2] + stack[top - 1];
-                top--;
-            }
+            canon_stack_push_value(&stack, acc, canon_pos_merges_after(b, B, ch, CANON_R));
         }
     }
-    return stack[0];
+    return partials[0];
 }
 
 // ---- row kernels: one chunk of a row per thread, the 8 partials by canon_tree8 ------------
@@ -514,13 +503,6 @@ HD float det_encoder_dwte_elem(const void* dout, int bf16, const int* order, int
 HD float det_chunk_sum(const float* x, long begin, long end) {
     float acc = 0.0f;
     for (long i = begin; i < end; i++) { acc = acc + x[i]; }
-    return acc;
-}
-
-// fmaf-accumulated dot product of a[i], b[i] for i in [begin, end), from 0.0f
-HD float det_chunk_dot(const float* a, const float* b, long begin, long end) {
-    float acc = 0.0f;
-    for (long i = begin; i < end; i++) { acc = fmaf(a[i], b[i], acc); }
     return acc;
 }
 

@@ -1,9 +1,10 @@
 /*
- * kernels_det.cuh: the deterministic (--deterministic 1) kernels: fp32, each one the GPU twin
- * of the train_gpt2.c kernel of the same name and ARGUMENTS, computing every output with that
- * kernel's sequence of floating-point operations (llmc/canonical.h), so the bits agree. Because
- * the names and arguments are the same, train_gpt2.cu compiles train_gpt2.c's model on these
- * kernels: one model, two kernel sets. Tensor and sequence parallelism reach the kernels as on
+ * kernels_det.cuh: the deterministic (--deterministic 1) kernels: fp32, the device set of the
+ * kernel contract (llmc/kernels.h): each host function launches the GPU twin of the CPU kernel
+ * of the same name and ARGUMENTS (train_gpt2.c's specification), computing every output with
+ * that kernel's sequence of floating-point operations (llmc/canonical.h), so the bits agree.
+ * Because the names and arguments are the contract's, train_gpt2.cu compiles train_gpt2.c's
+ * model on these kernels: one model, two kernel sets. Tensor and sequence parallelism reach the kernels as on
  * the CPU: a rank's share of the 8 reduction chunks (`nchunks`), its vocabulary rows (v0, Vl),
  * per-sequence partials of the layernorm gradients.
  *
@@ -36,6 +37,7 @@
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/canonical.h"
+#include "llmc/kernels.h"
 #include "llmc/adamw.h"
 #include "llmc/gpu_plan.h"
 #include "llmc/memory.h"
@@ -483,7 +485,7 @@ static inline void matmul_forward(float* out, const float* inp, const float* wei
 }
 
 // dinp (BT,K) = R2 over outputs o (nchunks chunks of each group); dweight (OC,K) = R3 over
-// positions; dbias (OC) = R3 (train_gpt2.c matmul_backward). dinp, dweight, dbias may be NULL.
+// positions; dbias (OC) = R3 (train_gpt2.c matmul_backward_naive). Any of them may be NULL.
 static inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                                    const float* inp, const float* weight, int B, int T, int K, int OC,
                                    int groups, int nchunks) {
@@ -510,7 +512,7 @@ static __global__ void position_seq_tree_kernel(float* out, long stride, const f
 }
 
 // Each sequence's subtree (tchunks R2Z chunks of its T positions) of matmul_backward's dweight
-// and dbias, at dweight + b*seq_stride and dbias + b*seq_stride (train_gpt2.c
+// and dbias, at dweight + b*seq_stride and dbias + b*seq_stride (cpu_fast.h
 // matmul_backward_seqs: context parallelism)
 static inline void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const float* dout,
                                         const float* inp, int B, int T, int K, int OC, int tchunks) {
@@ -529,7 +531,7 @@ static inline void matmul_backward_seqs(float* dweight, float* dbias, long seq_s
 }
 
 // ==========================================================================================
-// attention (train_gpt2.c attention_forward / attention_backward), causal, per (b, h)
+// attention (train_gpt2.c attention_forward_naive / attention_backward_naive), causal, per (b, h)
 // ==========================================================================================
 
 // softmax of a row a (T) of the scores of query t over keys t2 <= t, in place: max, exps, R2Z
@@ -643,7 +645,7 @@ static inline void attention_backward(float* dqkv, const float* dout, const floa
 }
 
 // ==========================================================================================
-// context parallelism's attention blocks (train_gpt2.c attention_*_block; context_parallel.h
+// context parallelism's attention blocks (cpu_fast.h attention_*_block; context_parallel.h
 // drives them): rank r's Tq = T/N queries against block s's keys, att and ds (B,NH,Tq,T) with
 // block s in columns [s*Tq, (s+1)*Tq)
 // ==========================================================================================
@@ -819,7 +821,7 @@ static inline void bias_forward(float* out, const float* bias, int BT, int OC) {
 }
 
 // ==========================================================================================
-// softmax + cross-entropy over this rank's vocabulary entries [v0, v0 + Vl) (train_gpt2.c's
+// softmax + cross-entropy over this rank's vocabulary entries [v0, v0 + Vl) (cpu_fast.h's
 // three phases; entries v >= V are padding: probability 0, in no sum)
 // ==========================================================================================
 
@@ -1006,9 +1008,6 @@ static void device_mem_tree_rows(float* rows, size_t len, int nrows, float* out)
     cudaLaunchCheck("sequence_tree_kernel (tree over ranks)");
 }
 static void device_mem_sync(void) { cudaCheck(cudaDeviceSynchronize()); }
-
-// the mixture-of-experts layer's twins (llmc/moe.h)
-#include "llmc/kernels_moe_det.cuh"
 
 static const MemOps memory_device = {
     "device", device_mem_alloc, device_mem_release, device_mem_copy, device_mem_to_host, device_mem_from_host,

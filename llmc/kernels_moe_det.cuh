@@ -1,6 +1,8 @@
 /*
- * kernels_moe_det.cuh: the deterministic device twins of llmc/moe.h's CPU kernels (the
- * mixture-of-experts layer), included by llmc/kernels_det.cuh: the same names and arguments,
+ * kernels_moe_det.cuh: the deterministic device twins of the mixture-of-experts layer's CPU
+ * kernels (llmc/kernels.h's contract; train_gpt2.c and llmc/cpu_fast.h), on top of
+ * llmc/kernels_det.cuh (whose position reductions they reuse): with it, the whole device set
+ * that train_gpt2.cu compiles the model on. The same names and arguments,
  * each output computed by one thread with moe.h's per-output functions (the router row, the
  * gated combine, the router's backward row, the R3 over an expert's rows), so the bits are the
  * CPU's. The expert MLPs themselves are kernels_det.cuh's matmuls, one per expert.
@@ -8,6 +10,8 @@
 #ifndef LLMC_KERNELS_MOE_DET_CUH
 #define LLMC_KERNELS_MOE_DET_CUH
 
+#include "llmc/kernels_det.cuh"
+#include "llmc/kernels.h"
 #include "llmc/moe.h"
 
 // one position per thread: its softmax over E, its top k, its gates
@@ -111,29 +115,29 @@ static inline void moe_dinput_combine(float* dinp, const float* drouter, const f
     cudaLaunchCheck("moe_dinput_kernel");
 }
 
-// one output (source q, o, kk) per thread, kk = K: the bias; consecutive threads walk kk so
+// one output (source q, o, ic) per thread, ic = IC: the bias; consecutive threads walk ic so
 // that the rows' loads coalesce
 static __global__ void moe_expert_dweight_kernel(float* dweight, float* dbias, size_t slice, const float* dout,
-                                                 const float* inp, const int* leaf, int nsrc, int B, int K, int OC) {
-    size_t total = (size_t)nsrc * OC * (K + 1);
+                                                 const float* inp, const int* leaf, int nsrc, int B, int IC, int OC) {
+    size_t total = (size_t)nsrc * OC * (IC + 1);
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
-        int kk = (int)(i % (K + 1));
-        int o = (int)(i / (K + 1) % OC);
-        int q = (int)(i / ((size_t)(K + 1) * OC));
+        int ic = (int)(i % (IC + 1));
+        int o = (int)(i / (IC + 1) % OC);
+        int q = (int)(i / ((size_t)(IC + 1) * OC));
         const int* lq = leaf + (size_t)q * B * CANON_R;
-        if (kk < K && dweight) {
-            dweight[q * slice + (size_t)o * K + kk] = moe_rows_reduce_elem(dout, OC, o, inp, K, kk, lq, B);
-        } else if (kk == K && dbias) {
+        if (ic < IC && dweight) {
+            dweight[q * slice + (size_t)o * IC + ic] = moe_rows_reduce_elem(dout, OC, o, inp, IC, ic, lq, B);
+        } else if (ic == IC && dbias) {
             dbias[q * slice + o] = moe_rows_reduce_elem(dout, OC, o, NULL, 0, 0, lq, B);
         }
     }
 }
 
 static inline void moe_expert_dweight(float* dweight, float* dbias, size_t slice, const float* dout, const float* inp,
-                                      const int* leaf, int nsrc, int B, int K, int OC) {
-    size_t total = (size_t)nsrc * OC * (K + 1);
+                                      const int* leaf, int nsrc, int B, int IC, int OC) {
+    size_t total = (size_t)nsrc * OC * (IC + 1);
     LAUNCH(moe_expert_dweight_kernel, elementwise_blocks(total, 256), 256, dweight, dbias, slice, dout, inp, leaf, nsrc,
-           B, K, OC);
+           B, IC, OC);
     cudaLaunchCheck("moe_expert_dweight_kernel");
 }
 

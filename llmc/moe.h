@@ -1,7 +1,9 @@
 /*
- * moe.h: the mixture-of-experts layer: its canonical arithmetic, the routing plan, and its CPU
- * kernels (each beside the plain specification it must equal bit for bit). The device twins
- * are llmc/kernels_moe_det.cuh; the communication of expert parallelism is
+ * moe.h: the mixture-of-experts layer: its canonical arithmetic (the per-output functions
+ * both kernel sets compute with) and the routing plan. The layer's kernels are part of the
+ * contract (llmc/kernels.h): the CPU's in train_gpt2.c (the plain specification) and
+ * llmc/cpu_fast.h (the experts' weight-gradient tiles), the device twins in
+ * llmc/kernels_moe_det.cuh; the communication of expert parallelism is
  * llmc/expert_parallel.h; train_gpt2.c's model calls both.
  *
  * THE LAYER (GPT2Config.num_experts E > 0) replaces a transformer layer's MLP. For position i
@@ -130,28 +132,24 @@ HD int moe_leaf_of(int pos, int T) {
 }
 
 // R3 over the rows of one source microbatch: leaf (b, ch) is rows [leaf[b*8+ch],
-// leaf[b*8+ch+1]), accumulated in row order from 0.0f (fmaf of dout[r][o] and x[r][kk], or
+// leaf[b*8+ch+1]), accumulated in row order from 0.0f (fmaf of dout[r][o] and x[r][ic], or
 // the sum of dout[r][o] when x is NULL), combined by the chunk tree of each sequence, then the
 // R1 tree over its B sequences.
-HD float moe_rows_reduce_elem(const float* dout, int OC, int o, const float* x, int K, int kk, const int* leaf,
+HD float moe_rows_reduce_elem(const float* dout, int OC, int o, const float* x, int IC, int ic, const int* leaf,
                               int B) {
-    float stack[CANON_LOG2_R + 34];
-    int top = 0;
-    stack[0] = 0.0f;
+    float partials[CANON_LOG2_R + 34];
+    CanonStack stack = canon_stack(partials, 1, 1, 1, 1);
+    partials[0] = 0.0f;
     for (int b = 0; b < B; b++) {
         for (int ch = 0; ch < CANON_R; ch++) {
             float acc = 0.0f;
             for (int r = leaf[b * CANON_R + ch]; r < leaf[b * CANON_R + ch + 1]; r++) {
-                acc = x ? fmaf(dout[(size_t)r * OC + o], x[(size_t)r * K + kk], acc) : acc + dout[(size_t)r * OC + o];
+                acc = x ? fmaf(dout[(size_t)r * OC + o], x[(size_t)r * IC + ic], acc) : acc + dout[(size_t)r * OC + o];
             }
-            stack[top++] = acc;
-            for (int m = canon_pos_merges_after(b, B, ch, CANON_R); m > 0; m--) {
-                stack[top - 2] = stack[top - 2] + stack[top - 1];
-                top--;
-            }
+            canon_stack_push_value(&stack, acc, canon_pos_merges_after(b, B, ch, CANON_R));
         }
     }
-    return stack[0];
+    return partials[0];
 }
 
 // ==========================================================================================
@@ -247,189 +245,3 @@ static inline void moe_plan_experts(const int* count, const int* pos, int Q, int
 }
 
 #endif // LLMC_MOE_H
-
-// ==========================================================================================
-// 4. The CPU kernels: compiled where train_gpt2.c includes this header again after its own
-//    kernels, with LLMC_CPU_KERNELS defined (their helpers: the SIMD tiles, scratch). The CUDA
-//    build's twins of the same names are llmc/kernels_moe_det.cuh.
-// ==========================================================================================
-#if defined(LLMC_CPU_KERNELS) && !defined(LLMC_MOE_CPU_KERNELS_H)
-#define LLMC_MOE_CPU_KERNELS_H
-
-// probs (BT,E) = softmax of logits (BT,E) (probs may be logits); chosen, gates (BT,k)
-void moe_router_forward(float* probs, int* chosen, float* gates, const float* logits, int BT, int E, int k) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        moe_router_row(probs + (size_t)i * E, chosen + (size_t)i * k, gates + (size_t)i * k, logits + (size_t)i * E,
-                       E, k);
-    }
-}
-
-// psum (E) = R3 over the positions of probs (B,T,E) of each expert's probability
-void moe_expert_prob_sums(float* psum, const float* probs, int B, int T, int E) {
-    #pragma omp parallel for
-    for (int e = 0; e < E; e++) { psum[e] = position_reduce_elem(probs, E, e, NULL, 0, 0, B, T, CANON_R); }
-}
-
-// out (n,C) = rows in[index[i]] of in (., C)
-void moe_gather_rows(float* out, const float* in, const int* index, int n, int C) {
-    #pragma omp parallel for
-    for (int i = 0; i < n; i++) { memcpy(out + (size_t)i * C, in + (size_t)index[i] * C, sizeof(float) * C); }
-}
-
-// out (BT,C) = the gated sum of each position's k expert outputs, rows (BT*k,C) at the
-// positions' slot rows slot_row (BT,k)
-void moe_combine(float* out, const float* rows, const float* gates, const int* slot_row, int BT, int k, int C) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        for (int c = 0; c < C; c++) {
-            out[(size_t)i * C + c] = moe_combine_elem(rows, gates + (size_t)i * k, slot_row + (size_t)i * k, k, C, c);
-        }
-    }
-}
-
-// dgate (BT,k) = R2 over C of dout . the slot's expert output; drows (BT*k,C) at the slot rows
-// = gate * dout
-void moe_combine_backward(float* dgate, float* drows, const float* dout, const float* rows, const float* gates,
-                          const int* slot_row, int BT, int k, int C) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        const float* d = dout + (size_t)i * C;
-        for (int j = 0; j < k; j++) {
-            size_t s = (size_t)i * k + j, r = (size_t)slot_row[s];
-            dgate[s] = canon_dot(d, 1, rows + r * C, 1, C);
-            for (int c = 0; c < C; c++) { drows[r * C + c] = gates[s] * d[c]; }
-        }
-    }
-}
-
-// dlogits (BT,E) from probs (BT,E), chosen, gates, dgate (BT,k) and daux (E)
-void moe_router_backward(float* dlogits, const float* probs, const int* chosen, const float* gates, const float* dgate,
-                         const float* daux, int BT, int E, int k) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        moe_router_backward_row(dlogits + (size_t)i * E, probs + (size_t)i * E, chosen + (size_t)i * k,
-                                gates + (size_t)i * k, dgate + (size_t)i * k, daux, E, k);
-    }
-}
-
-// dinp (BT,C) = drouter (BT,C) + the input gradients of the position's k slots, drows (BT*k,C)
-void moe_dinput_combine(float* dinp, const float* drouter, const float* drows, const int* slot_row, int BT, int k,
-                        int C) {
-    #pragma omp parallel for
-    for (int i = 0; i < BT; i++) {
-        for (int c = 0; c < C; c++) {
-            dinp[(size_t)i * C + c] = moe_dinput_elem(drouter[(size_t)i * C + c], drows, slot_row + (size_t)i * k, k, C, c);
-        }
-    }
-}
-
-// One expert's weight and bias gradients from its rows: for each of nsrc source microbatches
-// q (leaves leaf[q*B*8 .. (q+1)*B*8], absolute rows of dout (.,OC) and inp (.,K)), the R3
-// reduction over the source's rows into slice q: dweight + q*slice (OC,K) and dbias + q*slice
-// (OC) (either may be NULL). The specification, one output at a time:
-void moe_expert_dweight_naive(float* dweight, float* dbias, size_t slice, const float* dout, const float* inp,
-                              const int* leaf, int nsrc, int B, int K, int OC) {
-    #pragma omp parallel for collapse(2)
-    for (int q = 0; q < nsrc; q++) {
-        for (int o = 0; o < OC; o++) {
-            const int* lq = leaf + (size_t)q * B * CANON_R;
-            for (int kk = 0; dweight && kk < K; kk++) {
-                dweight[q * slice + (size_t)o * K + kk] = moe_rows_reduce_elem(dout, OC, o, inp, K, kk, lq, B);
-            }
-            if (dbias) { dbias[q * slice + o] = moe_rows_reduce_elem(dout, OC, o, NULL, 0, 0, lq, B); }
-        }
-    }
-}
-
-// The kernel: matmul_dweight_tile's register tiles (MM_NO outputs x nv vectors of columns)
-// walking the leaves instead of the chunks of T.
-ALWAYS_INLINE void moe_dweight_tile(float* dweight, const float* dout, const float* inp, const int* leaf, int B,
-                                    int K, int OC, int o0, const int no, int k0, const int nv) {
-    vf acc[MM_NO][MM_MV];
-    vf stack[CANON_LOG2_R + 34][MM_NO][MM_MV];
-    int top = 0;
-    for (int b = 0; b < B; b++) {
-        for (int ch = 0; ch < CANON_R; ch++) {
-            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_zero(); }
-            }
-            for (int r = leaf[b * CANON_R + ch]; r < leaf[b * CANON_R + ch + 1]; r++) {
-                const float* x = inp + (size_t)r * K + k0;
-                vf xv[MM_MV];
-                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(x + v * VLEN); }
-                _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                    vf d = vf_set1(dout[(size_t)r * OC + o0 + j]);
-                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[j][v] = vf_fma(d, xv[v], acc[j][v]); }
-                }
-            }
-            _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { stack[top][j][v] = acc[j][v]; }
-            }
-            top++;
-            for (int m = canon_pos_merges_after(b, B, ch, CANON_R); m > 0; m--) {
-                _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-                    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
-                        stack[top - 2][j][v] = vf_add(stack[top - 2][j][v], stack[top - 1][j][v]);
-                    }
-                }
-                top--;
-            }
-        }
-    }
-    _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
-        _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { vf_store(dweight + (size_t)(o0 + j) * K + k0 + v * VLEN, stack[0][j][v]); }
-    }
-}
-
-ALWAYS_INLINE void moe_dweight_cols(float* dweight, const float* dout, const float* inp, const int* leaf, int B,
-                                    int K, int OC, int o0, const int no) {
-    int kvec_end = K / VLEN * VLEN;
-    for (int k0 = 0; k0 < kvec_end; k0 += MM_MV * VLEN) {
-        switch ((kvec_end - k0) / VLEN < MM_MV ? (kvec_end - k0) / VLEN : MM_MV) {
-            case 1: moe_dweight_tile(dweight, dout, inp, leaf, B, K, OC, o0, no, k0, 1); break;
-#if MM_MV > 2
-            case 3: moe_dweight_tile(dweight, dout, inp, leaf, B, K, OC, o0, no, k0, 3); break;
-            case 4: moe_dweight_tile(dweight, dout, inp, leaf, B, K, OC, o0, no, k0, 4); break;
-#endif
-            default: moe_dweight_tile(dweight, dout, inp, leaf, B, K, OC, o0, no, k0, 2); break;
-        }
-    }
-    for (int j = 0; j < no; j++) {
-        for (int kk = kvec_end; kk < K; kk++) {
-            dweight[(size_t)(o0 + j) * K + kk] = moe_rows_reduce_elem(dout, OC, o0 + j, inp, K, kk, leaf, B);
-        }
-    }
-}
-
-void moe_expert_dweight(float* dweight, float* dbias, size_t slice, const float* dout, const float* inp,
-                        const int* leaf, int nsrc, int B, int K, int OC) {
-    int ogroups = dweight ? (OC + MM_NO - 1) / MM_NO : 0;
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int q = 0; q < nsrc; q++) {
-        for (int g = 0; g < ogroups; g++) {
-            const int* lq = leaf + (size_t)q * B * CANON_R;
-            float* dw = dweight + q * slice;
-            int o0 = g * MM_NO;
-            int no = OC - o0 < MM_NO ? OC - o0 : MM_NO;
-            switch (no) {
-                case 6: moe_dweight_cols(dw, dout, inp, lq, B, K, OC, o0, 6); break;
-                case 5: moe_dweight_cols(dw, dout, inp, lq, B, K, OC, o0, 5); break;
-                case 4: moe_dweight_cols(dw, dout, inp, lq, B, K, OC, o0, 4); break;
-                case 3: moe_dweight_cols(dw, dout, inp, lq, B, K, OC, o0, 3); break;
-                case 2: moe_dweight_cols(dw, dout, inp, lq, B, K, OC, o0, 2); break;
-                default: moe_dweight_cols(dw, dout, inp, lq, B, K, OC, o0, 1); break;
-            }
-        }
-    }
-    if (dbias) {
-        #pragma omp parallel for collapse(2)
-        for (int q = 0; q < nsrc; q++) {
-            for (int o = 0; o < OC; o++) {
-                dbias[q * slice + o] = moe_rows_reduce_elem(dout, OC, o, NULL, 0, 0, leaf + (size_t)q * B * CANON_R, B);
-            }
-        }
-    }
-}
-
-#endif // the CPU kernels

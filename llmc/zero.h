@@ -5,18 +5,18 @@
  * UNITS. The flat parameter buffer (model.h, MEMORY order) is cut into units, the buckets of
  * gradient reduction and the gather units of ZeRO-3: unit 0 = wte, unit 1 = wpe, units
  * 2..L+1 = the transformer layers, unit L+2 = the final layernorm [lnfw, lnfb]. The gradient
- * has one more piece, unit E = L+3: the embedding-lookup half of wte's gradient (Vp*C;
+ * has one more piece, the lookup unit (number L+3): the embedding-lookup half of wte's gradient (Vp*C;
  * train_gpt2.c keeps the two halves of the tied embedding apart until the step's gradient is
  * reduced, which is the order a pipeline can reproduce: Megatron's).
  * Each unit is padded to a multiple of the data-parallel size N and cut into N equal shards;
  * rank r owns shard r of every unit. With context parallelism N counts data x context ranks
  * (the sharding group; zero_init_ep says how its reduction stays exact), while the microbatches
- * go to the data-parallel ranks (`streams`). Unit E is cut exactly like wte, so a rank owns the same
+ * go to the data-parallel ranks (`streams`). The lookup unit is cut exactly like wte, so a rank owns the same
  * rows of both halves and adds them without communication.
  *
  * PIPELINE STAGES AND CHUNKS. A pipeline rank holds one or more model chunks (virtual
  * stages, pipeline.h), each a contiguous range of layers; the chunk with the embeddings also
- * wpe, wte (for the lookup) and the lookup half E of wte's gradient; the chunk with the head
+ * wpe, wte (for the lookup) and the lookup unit (the lookup half of wte's gradient); the chunk with the head
  * the final layernorm, wte (a copy, for the LM head; one copy when the same rank holds both,
  * as zbv's rank 0) and the LM-head half of wte's gradient. After the data-parallel reduction,
  * the two ranks swap their halves for the rows they own (sendrecv over the pipeline group,
@@ -59,7 +59,7 @@
  *
  * EXPERT UNITS (a mixture-of-experts model, llmc/moe.h). A layer's unit holds its attention,
  * layernorms and router; its experts are a unit of their own, unit X(l) = L+4+l
- * (zero_expert_unit), after E. With expert parallelism (--ep Q, llmc/expert_parallel.h) a rank
+ * (zero_expert_unit), after the lookup unit. With expert parallelism (--ep Q, llmc/expert_parallel.h) a rank
  * holds E/Q of the experts of each layer, so its expert units are its experts' tensors; they
  * are sharded and reduced over the expert-data-parallel (edp) group, N/Q ranks holding the same
  * experts, where the dense units use the dp group. An expert unit's gradient comes in Q slices,
@@ -102,7 +102,7 @@
 // the unit layout of one rank
 
 typedef struct {
-    int num_units;        // L + 3 parameter units; unit E = num_units is the gradient-only one
+    int num_units;        // L + 3 parameter units; unit num_units is the gradient-only lookup unit
     int num_all;          // every unit: num_units + 1, then the expert units (L of them, or 0)
     int N;                // data-parallel size the shards are cut for
     int K, tp_rank;       // tensor-parallel size and this rank's place in it
@@ -119,17 +119,17 @@ typedef struct {
     size_t* shard;        // padded / N
     size_t* local;        // offset of unit u in this rank's unsharded parameter buffer
     size_t* shard_base;   // offset of unit u's shard in this rank's parameter shard buffers
-    size_t* glocal;       // the same two for the gradient buffers (which hold E, and wte only
+    size_t* glocal;       // the same two for the gradient buffers (which hold the lookup unit, and wte only
     size_t* gshard_base;  //   on the stage that computes its LM-head half)
-    size_t local_params, local_grads;   // unsharded buffer sizes (params; grads incl. E)
+    size_t local_params, local_grads;   // unsharded buffer sizes (params; grads incl. the lookup unit)
     size_t shard_params, shard_grads;   // shard buffer sizes
 } ZeroLayout;
 
-// Unit u holds parameters (every unit but E).
+// Unit u holds parameters (every unit but the lookup unit).
 static inline int zero_param_unit(const ZeroLayout* z, int u) { return u != z->num_units; }
 static inline int zero_is_expert_unit(const ZeroLayout* z, int u) { return u > z->num_units; }
 
-// The number of units of a model (parameter units, E, and the experts' units).
+// The number of units of a model (parameter units, the lookup unit, and the experts' units).
 static inline int zero_units_all(const GPT2Config* c) {
     return c->num_layers + 4 + (c->num_experts > 0 ? c->num_layers : 0);
 }
@@ -140,7 +140,7 @@ static inline int zero_units_all(const GPT2Config* c) {
 // gradient, -1 for none.
 static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, const ChunkPlace* places,
                                     int nchunks, int K, int tp_rank, int Q, int ep_rank, int* unit_chunk) {
-    int U = c->num_layers + 3, E = U, A = zero_units_all(c);
+    int U = c->num_layers + 3, lookup = U, A = zero_units_all(c);
     z->num_units = U;
     z->num_all = A;
     z->N = N;
@@ -171,7 +171,7 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, c
             z->npieces[u] = tp_expert_unit_pieces(c, K, u - U - 1, ep_rank * El, El, z->pieces[u]);
         } else {
             z->pieces[u] = (TPPiece*)calloc_or_die(TP_MAX_PIECES, sizeof(TPPiece), "unit layout");
-            z->npieces[u] = tp_unit_pieces(c, K, u == E ? ZERO_WTE : u, z->pieces[u]);   // E mirrors wte
+            z->npieces[u] = tp_unit_pieces(c, K, u == lookup ? ZERO_WTE : u, z->pieces[u]);   // the lookup unit mirrors wte
         }
         const TPPiece* last = &z->pieces[u][z->npieces[u] - 1];
         z->size[u] = last->local + tp_piece_elements(last);
@@ -192,8 +192,8 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, c
         if (p->has_embedding) {
             z->params_here[ZERO_WTE] = 1;
             z->params_here[ZERO_WPE] = z->grads_here[ZERO_WPE] = 1;
-            z->grads_here[E] = 1;                           // the lookup half
-            unit_chunk[ZERO_WPE] = unit_chunk[E] = ch;
+            z->grads_here[lookup] = 1;                           // the lookup half
+            unit_chunk[ZERO_WPE] = unit_chunk[lookup] = ch;
         }
         if (p->has_head) {
             z->params_here[ZERO_WTE] = z->grads_here[ZERO_WTE] = 1;   // the LM-head half
@@ -203,7 +203,7 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, c
     }
     size_t local = 0, base = 0, glocal = 0, gbase = 0;
     for (int u = 0; u < A; u++) {
-        int params = u != E && z->params_here[u], grads = z->grads_here[u];
+        int params = u != lookup && z->params_here[u], grads = z->grads_here[u];
         size_t n = params || grads ? z->size[u] : 0;
         z->padded[u] = (n + z->Nu[u] - 1) / z->Nu[u] * z->Nu[u];
         z->shard[u] = z->padded[u] / z->Nu[u];
@@ -301,7 +301,7 @@ static inline float* zero_alloc(const Zero* z, size_t n, const char* what) {
     return mem_floats(z->mem, n, what);
 }
 
-static inline int zero_unit_E(const Zero* z) { return z->lay.num_units; }
+static inline int zero_lookup_unit(const Zero* z) { return z->lay.num_units; }
 
 // The expert unit of layer l (a model with experts).
 static inline int zero_expert_unit(const Zero* z, int l) { return z->lay.num_units + 1 + l; }
@@ -688,7 +688,7 @@ static inline size_t zero_opt_index(const Zero* z, int u, size_t at) {
 // The final gradient of wte's rows in this rank's range: the LM-head half's slot on the last
 // stage, the lookup half's slot (which holds the sum after zero_finish_grads) on the others.
 static inline float* zero_wte_grad_at(Zero* z, size_t at) {
-    return zero_grad_at(z, z->lay.grads_here[ZERO_WTE] ? ZERO_WTE : zero_unit_E(z), at);
+    return zero_grad_at(z, z->lay.grads_here[ZERO_WTE] ? ZERO_WTE : zero_lookup_unit(z), at);
 }
 
 // After the step's microbatches: every reduction done, and the tied embedding's gradient =
@@ -704,16 +704,16 @@ static inline void zero_finish_grads(Zero* z) {
         z->chunk_top[ch] = z->chunk_next[ch] = 0;
     }
     z->stack_top = 0;
-    int E = zero_unit_E(z);
-    int has_lm = z->lay.grads_here[ZERO_WTE], has_lookup = z->lay.grads_here[E];
+    int lookup_unit = zero_lookup_unit(z);
+    int has_lm = z->lay.grads_here[ZERO_WTE], has_lookup = z->lay.grads_here[lookup_unit];
     if (!has_lm && !has_lookup) { return; }
     size_t b, e;
-    zero_my_range(z, has_lm ? ZERO_WTE : E, &b, &e);
-    float* mine = zero_grad_at(z, has_lm ? ZERO_WTE : E, b);
+    zero_my_range(z, has_lm ? ZERO_WTE : lookup_unit, &b, &e);
+    float* mine = zero_grad_at(z, has_lm ? ZERO_WTE : lookup_unit, b);
     float* theirs = mine;
     float* recv = NULL;
     if (has_lm && has_lookup) {
-        theirs = zero_grad_at(z, E, b);
+        theirs = zero_grad_at(z, lookup_unit, b);
     } else if (e > b) {
         // sendrecv (pipeline group, gradients): stage 0's lookup half <-> the head stage's
         // LM-head half, for the same rows (same dp rank, same shard)

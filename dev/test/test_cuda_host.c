@@ -959,7 +959,7 @@ static void test_binary(void) {
 // The device launchers have their CPU twins' names, so they live in namespace gpu here.
 #include "llmc/cuda_common.cuh"
 namespace gpu {
-#include "llmc/kernels_det.cuh"
+#include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh and the experts' twins)
 #include <cublasLt.h>   // the emulated build's is dev/gpu/emu's stand-in
 #include "llmc/kernels_fast.cuh"
 #include "llmc/matmul_cublaslt.cuh"
