@@ -9,21 +9,15 @@
 #define LLMC_FMA_PEAK_H
 
 #include <stdio.h>
-#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 #include "llmc/simd.h"
-
-static inline double fma_peak_now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + 1e-9 * t.tv_nsec;
-}
+#include "llmc/utils.h"
 
 // One measurement of `iters` rounds of 24 vector FMAs per thread.
 static inline double fma_peak_gflops(long iters) {
-    double t0 = fma_peak_now();
+    double t0 = now_seconds();
     float sink = 0.0f;
     #pragma omp parallel reduction(+:sink)
     {
@@ -40,7 +34,7 @@ static inline double fma_peak_gflops(long iters) {
         vf_store(out, s);
         sink += out[0];
     }
-    double dt = fma_peak_now() - t0;
+    double dt = now_seconds() - t0;
     if (sink == 12345.0f) { printf("unlikely\n"); }   // keeps the loop from being optimised away
     int threads = 1;
 #ifdef _OPENMP

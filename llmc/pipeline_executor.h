@@ -28,7 +28,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "llmc/comm.h"
 #include "llmc/dataloader.h"
@@ -37,13 +36,6 @@
 #include "llmc/pipeline.h"
 #include "llmc/utils.h"
 #include "llmc/zero.h"
-
-// The monotonic clock the executor times its computations with (and the trainer its steps).
-static inline double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
 
 typedef struct {
     int chunk;                 // the chunk whose activations these are

@@ -19,9 +19,18 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
+
+// Seconds on the monotonic clock: what the executor times its computations with, the trainer
+// its steps and fma_peak.h its measurements.
+static inline double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
 
 // Called after the fatal message is printed, before exit (MPI_Abort under MPI).
 static void (*llmc_fatal_hook)(int exit_code) = NULL;
