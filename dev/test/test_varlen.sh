@@ -9,6 +9,7 @@
 #    rounding;
 #  - every layout equals one rank with --varlen on the documents: DP 2 and 4 x ZeRO 0-3, TP 2,
 #    PP 2 under every schedule, DP 2 x PP 2, experts with --ep 2 (main.log, checkpoint, samples);
+#  - the emulated CUDA build (deterministic) on 1 rank, DP 2 x ZeRO-3 and PP 2 equals the CPU build;
 #  - bad input: --varlen 0, -t above maxT, -d with --varlen, --cp with --varlen: one line.
 set -u
 cd "$(dirname "$0")/../.."
@@ -58,6 +59,22 @@ run moe2 2 "${MOE[@]}" --ep 2 -o "$W/moe2"
 cmp -s "$W/moe1/main.log" "$W/moe2/main.log" || fail "--ep 2: losses differ from one rank"
 cmp -s "$W/moe1/model_00000002.bin" "$W/moe2/model_00000002.bin" || fail "--ep 2: parameters differ"
 pass "--varlen with experts, --ep 2: identical to one rank"
+
+# --- the emulated CUDA build (deterministic) against the CPU build ---
+# four files without EOT whose tails (1, 3, 7, 11 tokens) are short sequences, shuffled among the
+# full ones: lengths below 16 and not multiples of it, on the small vocabulary the emulator runs fast
+[ -x ./train_gpt2cu_emu ] || fail "./train_gpt2cu_emu is not built (make train_gpt2cu_emu)"
+i=0; for k in 3 7 11 1; do i=$((i + 1)); $DATA tokens "$W/tail$i.bin" $((48 + 1 + k)) 64 $i || fail "test data"; done
+TAILS=(-e d2c32h2v64t32 -i "$W/tail*.bin" -j "$W/tail1.bin" -t 16 --varlen 4 -v 2 -m 1 -s 2 -g 6 -l 3e-3 -x 3 -n 3)
+run tails 1 "${TAILS[@]}" -o "$W/tails"
+BIN="./train_gpt2cu_emu --deterministic 1"
+for layout in "1" "2 -z 3" "2 --pp 2"; do
+  name=emu$(echo "$layout" | tr -d ' -')
+  run "$name" $layout "${TAILS[@]}" -o "$W/$name"
+  same tails "$name" 3
+done
+BIN=./train_gpt2
+pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3 and PP 2: identical to the CPU build"
 
 # --- bad input: one line, non-zero exit ---
 bad() {   # expected-text args...
