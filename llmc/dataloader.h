@@ -103,8 +103,9 @@ static inline int64_t dataloader_check_shard_(const char* path, const char* flag
     return ntok;
 }
 
-static inline void dataloader_init(DataLoader* d, const char* pattern, const char* flag, int B, int T,
-                            int vocab_size, int shuffle, uint64_t seed) {
+// What both kinds of stream start with: the fields, the shards matching the pattern.
+static inline void dataloader_open_(DataLoader* d, const char* pattern, const char* flag, int B, int T,
+                                    int vocab_size, int shuffle, uint64_t seed) {
     memset(d, 0, sizeof(*d));
     d->flag = flag;
     d->B = B;
@@ -116,6 +117,7 @@ static inline void dataloader_init(DataLoader* d, const char* pattern, const cha
     d->perm_epoch = -1;
     d->perm_shard_epoch = -1;
     d->perm_shard = -1;
+    d->perm_seq_epoch = -1;
     int rc = glob(pattern, 0, NULL, &d->glob);
     if (rc != 0 || d->glob.gl_pathc == 0) {
         fatal("%s: no token files match '%s' (run `make data` for tiny Shakespeare, or pass a "
@@ -123,6 +125,11 @@ static inline void dataloader_init(DataLoader* d, const char* pattern, const cha
     }
     d->num_shards = (int)d->glob.gl_pathc;
     d->shard_tokens = (int64_t*)malloc_or_die(sizeof(int64_t) * d->num_shards, "shard sizes");
+}
+
+static inline void dataloader_init(DataLoader* d, const char* pattern, const char* flag, int B, int T,
+                            int vocab_size, int shuffle, uint64_t seed) {
+    dataloader_open_(d, pattern, flag, B, T, vocab_size, shuffle, seed);
     d->shard_microbatches = (int64_t*)malloc_or_die(sizeof(int64_t) * d->num_shards, "shard sizes");
     int64_t tokens_per_microbatch = (int64_t)B * T;
     for (int s = 0; s < d->num_shards; s++) {
@@ -148,23 +155,8 @@ static inline void dataloader_init(DataLoader* d, const char* pattern, const cha
 // Every shard is read once here to find its documents' boundaries.
 static inline void dataloader_init_varlen(DataLoader* d, const char* pattern, const char* flag, int T,
                                           int vocab_size, int shuffle, uint64_t seed) {
-    memset(d, 0, sizeof(*d));
-    d->flag = flag;
-    d->B = 1;
-    d->T = T;
-    d->vocab_size = vocab_size;
-    d->shuffle = shuffle;
-    d->seed = seed;
+    dataloader_open_(d, pattern, flag, 1, T, vocab_size, shuffle, seed);
     d->varlen = 1;
-    d->open_shard = -1;
-    d->perm_seq_epoch = -1;
-    int rc = glob(pattern, 0, NULL, &d->glob);
-    if (rc != 0 || d->glob.gl_pathc == 0) {
-        fatal("%s: no token files match '%s' (run `make data` for tiny Shakespeare, or pass a "
-              "path/glob of llm.c .bin shards)", flag, pattern);
-    }
-    d->num_shards = (int)d->glob.gl_pathc;
-    d->shard_tokens = (int64_t*)malloc_or_die(sizeof(int64_t) * d->num_shards, "shard sizes");
     int64_t cap = 0;
     for (int s = 0; s < d->num_shards; s++) {
         const char* path = d->glob.gl_pathv[s];

@@ -7,10 +7,11 @@
 #  - the first step's loss and gradient norm equal the token-weighted sum of each sequence run
 #    alone as its own one-sequence fixed-T step (build/test_varlen reference), within float
 #    rounding;
-#  - every layout equals one rank with --varlen on the documents: DP 2 and 4 x ZeRO 0-3, TP 2,
+#  - every layout equals one rank with --varlen on the documents: DP 2 x ZeRO 0-3, DP 4 x ZeRO 1/3, TP 2,
 #    PP 2 under every schedule, DP 2 x PP 2, experts with --ep 2 (main.log, checkpoint, samples);
 #  - the emulated CUDA build (deterministic) on 1 rank, DP 2 x ZeRO-3 and PP 2 equals the CPU build;
-#  - bad input: --varlen 0, -t above maxT, -d with --varlen, --cp with --varlen: one line.
+#  - bad input: --varlen 0, -t above maxT, -d with --varlen, --cp with --varlen, and
+#    dev/tools/flexsp_plan's unknown policy and a sequence too long for the pool: one line.
 set -u
 cd "$(dirname "$0")/../.."
 command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun"; exit 0; }
@@ -88,4 +89,8 @@ bad "exceeds the model's maxT = 32" "${BAD[@]}" -t 64
 bad "leave out -d" "${BAD[@]}" -d 256
 $MPI 2 $BIN "${BAD[@]}" --cp 2 >"$W/cpbad.out" 2>&1 && fail "--cp 2 with --varlen accepted"
 grep -q -- "--varlen: not yet with --cp" "$W/cpbad.out" || fail "--cp 2 with --varlen: no line naming the flags"
-pass "bad input: --varlen 0, -t above maxT, -d, --cp: one line each"
+for args in "--policy bogus --lengths 5:--policy: expected static" "--gpus 2 --lengths 300000,5:does not fit the memory"; do
+  dev/tools/flexsp_plan ${args%%:*} >"$W/bad.out" 2>&1 && fail "flexsp_plan accepted ${args%%:*}"
+  [ "$(wc -l <"$W/bad.out")" -eq 1 ] && grep -q -- "${args#*:}" "$W/bad.out" || { cat "$W/bad.out"; fail "flexsp_plan ${args%%:*}: not one line"; }
+done
+pass "bad input: --varlen 0, -t above maxT, -d, --cp; flexsp_plan's unknown policy, a sequence too long for the pool: one line each"
