@@ -7,6 +7,7 @@
 #  - the first step's loss and gradient norm equal the token-weighted sum of each sequence run
 #    alone as its own one-sequence fixed-T step (build/test_varlen reference), within float
 #    rounding;
+#  - resume continues at the sequence where the checkpoint stopped;
 #  - every layout equals one rank with --varlen on the documents: DP 2 x ZeRO 0-3, DP 4 x ZeRO 1/3, TP 2,
 #    PP 2 under every schedule, DP 2 x PP 2, experts with --ep 2 (main.log, checkpoint, samples);
 #  - the emulated CUDA build (deterministic) on 1 rank, DP 2 x ZeRO-3 and PP 2 equals the CPU build;
@@ -41,6 +42,15 @@ awk -v a="$want" -v b="$got" 'BEGIN { split(a, x, " "); split(b, y, " ");
   for (i = 2; i <= 4; i += 2) { d = x[i] - y[i]; if (d < 0) d = -d; if (y[i] == "" || d > 1e-5 * x[i]) exit 1 } }' \
   || fail "the trainer's loss and norm differ from the one-sequence-at-a-time reference"
 pass "the first step's loss and gradient norm equal each sequence's own fixed-T step, token-weighted"
+
+# --- resume: a run stopped at step 2 and resumed ends where the uninterrupted one does ---
+RESUME=(-e "$W/model.bin" -i "$W/docs.bin" -t 16 --varlen 4 -v 0 -s 0 -l 3e-3 -x 4)
+run whole 1 "${RESUME[@]}" -n 4 -o "$W/whole"
+run half 1 "${RESUME[@]}" -x 2 -n 2 -o "$W/resumed"
+run rest 1 "${RESUME[@]}" -n 2 -y 1 -o "$W/resumed"
+cmp -s "$W/whole/model_00000004.bin" "$W/resumed/model_00000004.bin" || fail "resumed --varlen run differs"
+cmp -s "$W/whole/main.log" "$W/resumed/main.log" || fail "resumed --varlen run's main.log differs"
+pass "resume at step 2 of 4: the same checkpoint and main.log as the uninterrupted run"
 
 # --- every layout against one rank, on the documents ---
 DOCS=(-e d4c32h2v50257t32 -i "$W/docs.bin" -j "$W/docsval.bin" -t 16 --varlen 8 -v 2 -m 1 -s 2 -g 6 -l 3e-3 -c 0.1 -x 3 -n 3)
