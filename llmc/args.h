@@ -389,6 +389,10 @@ static inline void train_data_open(const TrainArgs* a, int B, int T, int V, long
     *train_steps = a->max_steps;
     if (*train_steps == -1) {
         long long epoch_steps = a->varlen ? train->num_seqs / a->varlen : train->total_tokens / total_batch;
+        if (epoch_steps < 1 && a->varlen) {
+            fatal("-i: the train data has %lld sequences, fewer than one step of --varlen %d", (long long)train->num_seqs,
+                  a->varlen);
+        }
         if (epoch_steps < 1) {
             fatal("-i: the train data has %lld tokens, less than one step of -d %lld tokens",
                   (long long)train->total_tokens, total_batch);

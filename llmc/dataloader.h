@@ -67,8 +67,8 @@ typedef struct {
     int* seq_shard;
     int64_t* seq_start;          // token offset in its shard
     int* seq_len;                // inputs (= targets) of the sequence, 1..T
-    int64_t perm_seq_epoch;
-    int64_t* seq_order;
+    int64_t perm_seq_epoch[2];   // two epochs' orders (slot epoch % 2): a step may straddle two
+    int64_t* seq_order[2];
     int loaded_T;                // positions of the loaded row(s): T, or the sequence's length
     // the loaded microbatch
     uint16_t* buffer;
@@ -117,7 +117,7 @@ static inline void dataloader_open_(DataLoader* d, const char* pattern, const ch
     d->perm_epoch = -1;
     d->perm_shard_epoch = -1;
     d->perm_shard = -1;
-    d->perm_seq_epoch = -1;
+    d->perm_seq_epoch[0] = d->perm_seq_epoch[1] = -1;
     int rc = glob(pattern, 0, NULL, &d->glob);
     if (rc != 0 || d->glob.gl_pathc == 0) {
         fatal("%s: no token files match '%s' (run `make data` for tiny Shakespeare, or pass a "
@@ -212,14 +212,15 @@ static inline void dataloader_permutation_(int64_t* out, int64_t n, uint64_t see
 static inline int64_t dataloader_sequence_(DataLoader* d, int64_t g) {
     int64_t epoch = g / d->num_seqs, k = g % d->num_seqs;
     if (!d->shuffle) { return k; }
-    if (d->perm_seq_epoch != epoch) {
-        if (d->seq_order == NULL) {
-            d->seq_order = (int64_t*)malloc_or_die(sizeof(int64_t) * (size_t)d->num_seqs, "sequence order");
+    int slot = (int)(epoch % 2);
+    if (d->perm_seq_epoch[slot] != epoch) {
+        if (d->seq_order[slot] == NULL) {
+            d->seq_order[slot] = (int64_t*)malloc_or_die(sizeof(int64_t) * (size_t)d->num_seqs, "sequence order");
         }
-        dataloader_permutation_(d->seq_order, d->num_seqs, d->seed, (uint64_t)epoch, 0xfffffffeull);
-        d->perm_seq_epoch = epoch;
+        dataloader_permutation_(d->seq_order[slot], d->num_seqs, d->seed, (uint64_t)epoch, 0xfffffffeull);
+        d->perm_seq_epoch[slot] = epoch;
     }
-    return d->seq_order[k];
+    return d->seq_order[slot][k];
 }
 
 // The positions of microbatch g: T, or with --varlen its sequence's length.
@@ -319,7 +320,8 @@ static inline void dataloader_free(DataLoader* d) {
     free(d->seq_shard);
     free(d->seq_start);
     free(d->seq_len);
-    free(d->seq_order);
+    free(d->seq_order[0]);
+    free(d->seq_order[1]);
     free(d->buffer);
     free(d->inputs);
     free(d->targets);
