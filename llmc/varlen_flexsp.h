@@ -415,7 +415,7 @@ static inline FlexSolved flexsp_milp_plan(const FlexCost* c, const double* len, 
         glp_delete_prob(lp);
     }
 #else
-    (void)tm_lim_ms;
+    (void)tm_lim_ms; (void)nb; (void)warm_start; (void)solver_of;
 #endif
     if (solved == FLEXSP_NO_SOLVER) { solved = FLEXSP_GREEDY; }
     free(bucket_of); free(padded); free(greedy_of); free(scratch);

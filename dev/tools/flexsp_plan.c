@@ -67,7 +67,7 @@ static double plan_step(const FlexCost* c, Policy policy, double max_len, const 
         int limit = left / 2 > 20 ? (int)(left / 2) : 20;
         double ms = plan_microbatch(c, policy, static_size, sorted + begin, end - begin, N, limit, p, group_of, &solved);
         if (ms == INFINITY) { fatal("--lengths: a sequence of %.0f tokens does not fit the pool of %d devices' memory", sorted[begin], N); }
-        solver_counts[solved]++;
+        if (policy == POLICY_MILP) { solver_counts[solved]++; }
         if (verbose) {
             double* gms = (double*)malloc_or_die(sizeof(double) * (size_t)p->ngroups, "plan");
             flexsp_plan_ms(c, p, sorted + begin, group_of, end - begin, gms);
@@ -103,7 +103,7 @@ static void lognormal_lengths(double* out, int n, double median, double sigma, u
 static void print_solvers(const int* counts) {
 #ifdef HAVE_GLPK
     printf("solver: GLPK optimal in %d microbatch(es), stopped at the time limit in %d (its best plan, never worse "
-           "than the greedy warm start); greedy only in %d\n", counts[FLEXSP_MILP_OPTIMAL], counts[FLEXSP_MILP_TIME_LIMIT],
+           "than the greedy warm start); the greedy plan alone in %d\n", counts[FLEXSP_MILP_OPTIMAL], counts[FLEXSP_MILP_TIME_LIMIT],
            counts[FLEXSP_GREEDY]);
 #else
     printf("solver: GLPK not built in (no glpk.h): the greedy plan in all %d microbatch(es)\n", counts[FLEXSP_GREEDY]);
