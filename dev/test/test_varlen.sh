@@ -8,7 +8,7 @@
 #    alone as its own one-sequence fixed-T step (build/test_varlen reference), within float
 #    rounding;
 #  - resume continues at the sequence where the checkpoint stopped;
-#  - every layout equals one rank with --varlen on the documents: DP 2 x ZeRO 0-3, DP 4 x ZeRO 1/3, TP 2,
+#  - every layout equals one rank with --varlen on the documents: DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2,
 #    PP 2 under every schedule, DP 2 x PP 2, experts with --ep 2 (main.log, checkpoint, samples);
 #  - the emulated CUDA build (deterministic) on 1 rank, DP 2 x ZeRO-3 and PP 2 equals the CPU build;
 #  - bad input: --varlen 0, -t above maxT, -d with --varlen, --cp with --varlen, and
@@ -29,7 +29,10 @@ PLAIN=(-e d2c32h2v64t32 -i "$W/plain.bin" -j "$W/plainval.bin" -t 16 -v 3 -s 3 -
 run fixed 1 "${PLAIN[@]}" -b 2 -d 128 -m 8 -o "$W/fixed"
 run plain 1 "${PLAIN[@]}" --varlen 8 -m 2 -o "$W/plain"
 same fixed plain 6
-pass "no EOT, --shuffle 0, G = B x accumulation = 8: every loss, the samples and the checkpoint equal the fixed-T run"
+run fixeddp 2 "${PLAIN[@]}" -b 2 -d 128 -m 4 -o "$W/fixeddp"
+run plaindp 2 "${PLAIN[@]}" --varlen 8 -m 1 -o "$W/plaindp"
+same fixeddp plaindp 6
+pass "no EOT, --shuffle 0, G = B x accumulation x DP = 8 (DP 1 and 2): every loss, the samples and the checkpoint equal the fixed-T run"
 
 # --- documents: the rule, the reference ---
 $REF data "$W/docs.bin" 4000 1 && $REF data "$W/docsval.bin" 1500 2 && $REF model "$W/model.bin" || fail "test data"
@@ -56,14 +59,14 @@ pass "resume at step 2 of 4: the same checkpoint and main.log as the uninterrupt
 DOCS=(-e d4c32h2v50257t32 -i "$W/docs.bin" -j "$W/docsval.bin" -t 16 --varlen 8 -v 2 -m 1 -s 2 -g 6 -l 3e-3 -c 0.1 -x 3 -n 3)
 run one 1 "${DOCS[@]}" -o "$W/one"
 grep -q "shuffle 1" "$W/one.out" || fail "the layouts should run with --shuffle 1"
-for layout in "2 -z 0" "2 -z 1" "2 -z 2" "2 -z 3" "4 -z 1" "4 -z 3" "2 --tp 2" \
+for layout in "2 -z 0" "2 -z 1" "2 -z 2" "2 -z 3" "4 -z 3" "2 --tp 2" \
               "2 --pp 2 --schedule 1f1b" "2 --pp 2 --schedule gpipe" "2 --pp 2 --schedule zb1" \
               "2 --pp 2 --schedule zbv" "2 --pp 2 --schedule interleaved --vpp 2" "4 --pp 2 -z 1"; do
   name=$(echo "$layout" | tr -d ' -')
   run "$name" $layout "${DOCS[@]}" -o "$W/$name"
   same one "$name" 3
 done
-pass "--varlen on DP 2 x ZeRO 0-3, DP 4 x ZeRO 1, 3, TP 2, PP 2 (1f1b, gpipe, zb1, zbv, interleaved), DP 2 x PP 2: identical to one rank"
+pass "--varlen on DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2, PP 2 (1f1b, gpipe, zb1, zbv, interleaved), DP 2 x PP 2: identical to one rank"
 MOE=(-e d2c32h2v50257t32e4k2 -i "$W/docs.bin" -t 16 --varlen 4 -v 0 -s 0 -l 3e-3 -x 2 -n 2)
 run moe1 1 "${MOE[@]}" -o "$W/moe1"
 run moe2 2 "${MOE[@]}" --ep 2 -o "$W/moe2"
