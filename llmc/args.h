@@ -53,6 +53,7 @@ typedef struct {
     float beta1, beta2, eps, grad_clip;
     int shuffle;
     long long seed;
+    int varlen;                   // sequences per step cut at EOT (dataloader.h); 0 = fixed-T windows
     int tp, pp, sp;               // tensor / pipeline / sequence parallelism
     int ep;                       // expert parallelism (a mixture-of-experts model)
     float aux_loss;               // alpha of the experts' load-balancing loss
@@ -131,6 +132,7 @@ static const ArgSpec arg_specs[] = {
     // any threshold above the largest gradient norms ever seen is the same as no clipping
     {"--grad-clip", ARG_FLOAT, ARG_FIELD(grad_clip), 0, 1e6, 0, "clip the global gradient norm to this; 0 = off"},
     {"--shuffle", ARG_INT, ARG_FIELD(shuffle), 0, 1, 0, "1 = shuffle the train shards and microbatches each epoch"},
+    {"--varlen", ARG_INT, ARG_FIELD(varlen), 1, INT_MAX, 0, "G: train on G variable-length sequences per step, cut at EOT, of at most -t tokens, one per microbatch (-b, -d unused); default 0 = fixed windows of -t tokens"},
     {"--seed", ARG_LLONG, ARG_FIELD(seed), 0, 0, ARG_ANY_VALUE, "seed of the weight init (-e dN) and of the shuffle"},
     ARG_STRING("--tokenizer", tokenizer_path, "llm.c tokenizer file used to print samples"),
     {"--tp", ARG_INT, ARG_FIELD(tp), 1, 4096, 0, "tensor-parallel degree (Megatron column/row splits)"},
@@ -356,11 +358,26 @@ static inline void train_args_validate(const TrainArgs* a) {
 
 // The data flags of both trainers resolved into loaders: -i (train), -j and -m (validation
 // batches, when -v > 0), and -x -1 = one epoch of -i at -d tokens per step.
+// With --varlen a batch is G sequences: -m batches validate on the first m*G sequences of -j,
+// and an epoch is the train data's sequences over G.
 static inline void train_data_open(const TrainArgs* a, int B, int T, int V, long long total_batch,
                                    DataLoader* train, DataLoader* val, int* val_batches, int* train_steps) {
-    dataloader_init(train, a->train_pattern, "-i", B, T, V, a->shuffle, (uint64_t)a->seed);
+    if (a->varlen) {
+        dataloader_init_varlen(train, a->train_pattern, "-i", T, V, a->shuffle, (uint64_t)a->seed);
+    } else {
+        dataloader_init(train, a->train_pattern, "-i", B, T, V, a->shuffle, (uint64_t)a->seed);
+    }
     *val_batches = 0;
     if (a->val_every > 0) {
+        if (a->varlen) {
+            dataloader_init_varlen(val, a->val_pattern, "-j", T, V, 0, 0);
+            long long m = a->val_max_steps == -1 ? -1 : (long long)a->val_max_steps * a->varlen;
+            if (m == -1 || m > val->num_seqs) { m = val->num_seqs; }
+            if (m > INT_MAX) { fatal("-m: %lld validation sequences (-m x --varlen, or all of -j); at most %d", m, INT_MAX); }
+            *val_batches = (int)m;
+        }
+    }
+    if (a->val_every > 0 && !a->varlen) {
         dataloader_init(val, a->val_pattern, "-j", B, T, V, 0, 0);
         int64_t all = val->microbatches_per_epoch;
         if (a->val_max_steps == -1 && all > INT_MAX) {
@@ -371,7 +388,11 @@ static inline void train_data_open(const TrainArgs* a, int B, int T, int V, long
     }
     *train_steps = a->max_steps;
     if (*train_steps == -1) {
-        long long epoch_steps = train->total_tokens / total_batch;
+        long long epoch_steps = a->varlen ? train->num_seqs / a->varlen : train->total_tokens / total_batch;
+        if (epoch_steps < 1 && a->varlen) {
+            fatal("-i: the train data has %lld sequences, fewer than one step of --varlen %d", (long long)train->num_seqs,
+                  a->varlen);
+        }
         if (epoch_steps < 1) {
             fatal("-i: the train data has %lld tokens, less than one step of -d %lld tokens",
                   (long long)train->total_tokens, total_batch);

@@ -54,6 +54,14 @@
  *     Sequence and context parallelism cut T into zig-zag slices (R2Z): each rank owns
  *     whole chunks of every sequence, so the per-sequence sums are finished across the group
  *     and then R1 over sequences.
+ *     Variable-length sequences (--varlen, dataloader.h): sequence i of a step has its own
+ *     length n_i, and R3 is R2Z over each sequence's n_i positions (piece p = [p*n/16,
+ *     (p+1)*n/16) with floor division: for n not a multiple of 16 the pieces differ by at most
+ *     one position, for n < 16 some are empty and add nothing), then R1 over the step's G
+ *     sequences in their index order. The trainer runs each sequence as its own microbatch
+ *     (one row of n_i positions), so that R1 is the microbatch tree over the global microbatch
+ *     index: the same sum whichever rank, stage or microbatch slot computed a sequence. With
+ *     every n_i = T and power-of-two counts it is the fixed-T run's order exactly.
  *
  * R4. Products are written as explicit fmaf where they accumulate, plain * elsewhere; the
  *     compiler must not contract a*b+c on its own (gcc -ffp-contract=off, nvcc -fmad=false).

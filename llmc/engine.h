@@ -162,8 +162,21 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
         fatal("--ep %d: the %d experts per layer must split evenly over the expert-parallel ranks", a->ep, c->num_experts);
     }
     if (a->ep > 1) { comm_setup_expert_groups(&t->comm, a->ep); }
+    if (a->varlen) {   // one sequence per microbatch: the step's G sequences are its M = G microbatches
+        if (a->total_batch != -1) {
+            fatal("-d: a --varlen step is G = %d sequences (their targets weigh the loss); leave out -d", a->varlen);
+        }
+        if (a->cp > 1 || a->sp) {
+            fatal("--varlen: not yet with %s (the zig-zag split needs every sequence's length a multiple of 2 x "
+                  "the split); use --cp 1 --sp 0", a->cp > 1 ? "--cp > 1" : "--sp 1");
+        }
+        if (a->varlen % N != 0) {
+            fatal("--varlen %d: the G sequences of a step must split evenly over the %d data-parallel ranks", a->varlen, N);
+        }
+        t->B = 1;
+    }
     t->tokens_per_micro = (long long)t->B * t->T;
-    t->total_batch = a->total_batch == -1 ? t->tokens_per_micro * N : a->total_batch;
+    t->total_batch = a->varlen ? (long long)a->varlen * t->T : a->total_batch == -1 ? t->tokens_per_micro * N : a->total_batch;
     if (t->total_batch % (t->tokens_per_micro * N) != 0) {
         fatal("-d: total batch %lld tokens is not a multiple of B*T*DP = %d*%d*%d = %lld", t->total_batch,
               t->B, t->T, N, t->tokens_per_micro * N);
@@ -306,11 +319,12 @@ static inline float global_mean_loss(Trainer* t, const float* local, int per_ran
     return loss;
 }
 
-// Validation loss over the first val_batches microbatches of the val data: batch j is done by
-// dp rank j % N (through the pipeline), and the batch sums are summed in batch order.
+// Validation loss over the first val_batches microbatches of the val data (with --varlen its
+// first val_batches sequences): batch j is done by dp rank j % N (through the pipeline), the
+// batch sums are summed in batch order and divided by their targets.
 static inline float trainer_validate(Trainer* t) {
     Zero* z = &t->zero;
-    int B = t->B, T = t->T, batches = t->val_batches;
+    int B = t->B, batches = t->val_batches;
     int sp_degree = trainer_sequence_split(t);
     void** acts = (void**)malloc_or_die(sizeof(void*) * t->nchunks, "validation activations");
     for (int ch = 0; ch < t->nchunks; ch++) { acts[ch] = pipeline_chunk_acts(&t->pipe, ch); }
@@ -323,11 +337,12 @@ static inline float trainer_validate(Trainer* t) {
         // expert parallelism in every forward's token exchanges
         if (j >= batches && z->stage != 3 && z->ep->size == 1) { continue; }
         dataloader_load(&t->val_loader, j < batches ? j : 0);
-        pipeline_forward_pass(&t->pipe, acts, t->val_loader.inputs, t->val_loader.targets, B, T,
+        int Tj = t->val_loader.loaded_T;   // T, or the --varlen sequence's length
+        pipeline_forward_pass(&t->pipe, acts, t->val_loader.inputs, t->val_loader.targets, B, Tj,
                               t->config.channels, sp_degree, -1);
-        if (hc >= 0 && j < batches) { local[k] = t->ops->loss_sum(t->models[hc], acts[hc], B, T); }
+        if (hc >= 0 && j < batches) { local[k] = t->ops->loss_sum(t->models[hc], acts[hc], B, Tj); }
     }
-    float loss = global_mean_loss(t, local, per_rank, batches, 1, (double)batches * B * T);
+    float loss = global_mean_loss(t, local, per_rank, batches, 1, (double)dataloader_targets(&t->val_loader, 0, batches));
     free(local);
     free(acts);
     return loss;
@@ -455,6 +470,7 @@ typedef struct {
     double flops_per_step;
     double run_start, total_time;   // total_time: the timed steps' seconds
     int timed_steps;                // the steps after the first, which carries the warm-up
+    double tokens, timed_tokens;    // the targets of all steps, of the timed ones
     float* local_loss;              // (local microbatches) this rank's loss sums of the step
     float best_val;
     int best_val_step, last_checkpoint;                   // -1: none
@@ -466,6 +482,7 @@ typedef struct {
 typedef struct {
     int step;                       // 0-based: the step line says step + 1
     float loss, aux, norm, lr;      // aux: the experts' load-balancing loss
+    double tokens;                  // the step's targets (B*T*M; with --varlen its sequences')
     double seconds, load_min, load_max;   // load: the fewest / most slots of one expert
     float timing_all[PP_TIMING * PP_MAX_LISTED_STAGES];   // every stage's pipeline_step_timing
 } StepResult;
@@ -484,9 +501,11 @@ static inline void trainer_step(Trainer* t, TrainRun* run, int step, StepResult*
     comm_reset_stats(comm);
     if (t->moe) { moe_counters_reset(t->moe_counters, t->nchunks); }
     double t0 = now_seconds();
+    out->tokens = (double)dataloader_step_targets(&t->train_loader, t->progress.microbatches_done, t->M,
+                                                  a->overfit_single_batch);
     pipeline_step(pipe, z, t->grads, &t->train_loader, t->progress.microbatches_done, t->M, t->B, t->T,
                   a->overfit_single_batch, run->local_loss);
-    out->loss = global_mean_loss(t, run->local_loss, z->local_microbatches, t->M, 0, (double)t->total_batch);
+    out->loss = global_mean_loss(t, run->local_loss, z->local_microbatches, t->M, 0, out->tokens);
     if (t->moe) {
         moe_microbatch_aux(&comm->pp_group, t->config.num_layers, pipe->moe_aux, z->local_microbatches,
                            t->moe_micro_aux);
@@ -510,7 +529,8 @@ static inline void trainer_step(Trainer* t, TrainRun* run, int step, StepResult*
     out->seconds = now_seconds() - t0;
     // every stage's measured costs (all-gather, pp group), summed for the run summary
     int first_of_run = step == run->first_step;
-    if (!first_of_run) { run->total_time += out->seconds; run->timed_steps++; }
+    run->tokens += out->tokens;
+    if (!first_of_run) { run->total_time += out->seconds; run->timed_steps++; run->timed_tokens += out->tokens; }
     if (comm->pp > 1 && comm->pp <= PP_MAX_LISTED_STAGES) {
         float timing[PP_TIMING];
         pipeline_step_timing(pipe, out->seconds, timing);
@@ -532,9 +552,10 @@ static inline void trainer_report_step(Trainer* t, const BuildInfo* build, const
     int first_of_run = r->step == run->first_step;
     if (t->root) {
         char throughput[64];
-        build->throughput(throughput, sizeof(throughput), run->flops_per_step / r->seconds);
+        // flops_per_step is for total_batch tokens (with --varlen: G x T, the most a step holds)
+        build->throughput(throughput, sizeof(throughput), run->flops_per_step * (r->tokens / t->total_batch) / r->seconds);
         printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %s\n", r->step + 1,
-               t->train_steps, r->loss, r->lr, r->norm, r->seconds * 1e3, t->total_batch / r->seconds, throughput);
+               t->train_steps, r->loss, r->lr, r->norm, r->seconds * 1e3, r->tokens / r->seconds, throughput);
         if (t->moe) {   // the expert load over the whole step; rank 0's all-to-all traffic
             MoeCounters sent = moe_counters_total(t->moe_counters, t->nchunks);
             printf("           experts: aux %.6f | tokens per expert min %.0f max %.0f (of %lld per layer) | "
@@ -583,12 +604,13 @@ static inline void trainer_print_summary(const Trainer* t, const BuildInfo* buil
     const Pipeline* pipe = &t->pipe;
     int steps = t->train_steps - run->first_step;
     printf("run summary: %d step(s) (%d -> %d), %.0f tokens in %.1f s", steps, run->first_step, t->train_steps,
-           (double)steps * t->total_batch, now_seconds() - run->run_start);
+           run->tokens, now_seconds() - run->run_start);
     if (run->timed_steps > 0) {
         double avg = run->total_time / run->timed_steps;
         char throughput[160];
-        build->summary_throughput(throughput, sizeof(throughput), run->flops_per_step / avg);
-        printf("\n  average step %.1f ms (excluding the first), %.0f tok/s, %s", avg * 1e3, t->total_batch / avg,
+        build->summary_throughput(throughput, sizeof(throughput),
+                                  run->flops_per_step * (run->timed_tokens / run->timed_steps / t->total_batch) / avg);
+        printf("\n  average step %.1f ms (excluding the first), %.0f tok/s, %s", avg * 1e3, run->timed_tokens / run->total_time,
                throughput);
     }
     if (run->best_val_step >= 0) { printf("\n  best val loss %.6f (step %d)", run->best_val, run->best_val_step); }

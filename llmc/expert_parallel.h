@@ -64,6 +64,8 @@ typedef struct {
     int* inv;           // (n_recv) received row -> work row
     int* first;         // (El + 1) each local expert's first work row
     int* leaf;          // (El x (Q*B*8 + 1)) the R3 leaves of each expert's rows (moe.h)
+    int* send_T;        // (Q) this pass's T, for each rank of the group
+    int* src_T;         // (Q) each source's T (--varlen: microbatches of different lengths)
     int cap_recv;       // capacity of recv_pos, perm, inv
 } MoeRoute;
 
@@ -81,11 +83,13 @@ static inline void moe_route_init(MoeRoute* r, int BT, int k, int E, int Q, int 
     r->recv_rows = (size_t*)malloc_or_die(sizeof(size_t) * (size_t)Q, "routing");
     r->first = (int*)malloc_or_die(sizeof(int) * ((size_t)r->El + 1), "routing");
     r->leaf = (int*)malloc_or_die(sizeof(int) * (size_t)r->El * ((size_t)Q * B * CANON_R + 1), "routing");
+    r->send_T = (int*)malloc_or_die(sizeof(int) * (size_t)Q, "routing");
+    r->src_T = (int*)malloc_or_die(sizeof(int) * (size_t)Q, "routing");
 }
 
 static inline void moe_route_free(MoeRoute* r) {
     void* all[] = {r->chosen, r->count, r->row_pos, r->slot_row, r->cursor, r->send_rows, r->recv_count,
-                   r->recv_rows, r->recv_pos, r->perm, r->inv, r->first, r->leaf};
+                   r->recv_rows, r->recv_pos, r->perm, r->inv, r->first, r->leaf, r->send_T, r->src_T};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { free(all[i]); }
     memset(r, 0, sizeof(*r));
 }
@@ -121,7 +125,13 @@ static inline void moe_route_plan(MoeRoute* r, CommGroup* ep, int B, int T) {
     }
     // all-to-all (ep group): the positions of the rows each rank will receive
     comm_all_to_all_ints(ep, r->row_pos, r->send_rows, r->recv_pos, r->recv_rows, COMM_KIND_EP);
-    moe_plan_experts(r->recv_count, r->recv_pos, Q, El, B, T, r->perm, r->inv, r->first, r->leaf);
+    // all-to-all (ep group): each source's T, which places its positions in their R3 leaves
+    // (one int per rank, counted as other traffic: the experts' bytes are the rows and counts)
+    size_t* one = (size_t*)malloc_or_die(sizeof(size_t) * (size_t)Q, "routing");
+    for (int q = 0; q < Q; q++) { r->send_T[q] = T; one[q] = 1; }
+    comm_all_to_all_ints(ep, r->send_T, one, r->src_T, one, COMM_KIND_OTHER);
+    free(one);
+    moe_plan_experts_sources(r->recv_count, r->recv_pos, Q, El, B, r->src_T, r->perm, r->inv, r->first, r->leaf);
 }
 
 // all-to-all (ep group) of rows of C floats: send_rows[q] rows to rank q, recv_rows[q] from it.

@@ -57,6 +57,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "llmc/canonical.h"
+#include "llmc/utils.h"
 
 // ==========================================================================================
 // 1. The per-output arithmetic (HD: the CPU kernels, the device twins and the host test)
@@ -220,9 +221,10 @@ static inline void moe_plan_routes(const int* chosen, int B, int T, int k, int E
 // source's microbatch of B sequences of T) put in expert-major order (expert e's rows: source
 // 0's, then source 1's, ...): work row w holds received row perm[w], received row r lands in
 // work row inv[r]; expert e's rows are [first[e], first[e+1]); its leaves (Q*B*8 + 1 each,
-// absolute work rows) are leaf[e * (Q*B*8 + 1) + (q*B + b)*8 + ch].
-static inline void moe_plan_experts(const int* count, const int* pos, int Q, int El, int B, int T, int* perm,
-                                    int* inv, int* first, int* leaf) {
+// absolute work rows) are leaf[e * (Q*B*8 + 1) + (q*B + b)*8 + ch]. Source q's sequences have
+// T_of[q] positions (--varlen: each rank's microbatch is a sequence of its own length).
+static inline void moe_plan_experts_sources(const int* count, const int* pos, int Q, int El, int B, const int* T_of,
+                                            int* perm, int* inv, int* first, int* leaf) {
     int nleaf = Q * B * CANON_R + 1;
     int w = 0;
     first[0] = 0;
@@ -235,13 +237,22 @@ static inline void moe_plan_experts(const int* count, const int* pos, int Q, int
             int n = count[q * El + e];
             int* lq = lf + (size_t)q * B * CANON_R;
             for (int l = 0; l < B * CANON_R; l++) { lq[l] = 0; }
-            for (int r = r0; r < r0 + n; r++) { lq[moe_leaf_of(pos[r], T)]++; }
+            for (int r = r0; r < r0 + n; r++) { lq[moe_leaf_of(pos[r], T_of[q])]++; }
             for (int l = 0, at = w; l < B * CANON_R; l++) { int c = lq[l]; lq[l] = at; at += c; }
             for (int r = r0; r < r0 + n; r++) { perm[w] = r; inv[r] = w; w++; }
         }
         lf[Q * B * CANON_R] = w;
         first[e + 1] = w;
     }
+}
+
+// The same for sources whose sequences all have T positions.
+static inline void moe_plan_experts(const int* count, const int* pos, int Q, int El, int B, int T, int* perm,
+                                    int* inv, int* first, int* leaf) {
+    int* T_of = (int*)malloc_or_die(sizeof(int) * (size_t)Q, "routing");
+    for (int q = 0; q < Q; q++) { T_of[q] = T; }
+    moe_plan_experts_sources(count, pos, Q, El, B, T_of, perm, inv, first, leaf);
+    free(T_of);
 }
 
 #endif // LLMC_MOE_H

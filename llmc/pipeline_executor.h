@@ -77,7 +77,8 @@ typedef struct {
     int nslots;
     MessageBuffer msgs[PP_MAX_MESSAGES];
     int nmsgs;
-    size_t msg_floats;
+    size_t msg_floats;         // a boundary activation of (B, T) positions
+    int C;                     // ... of C channels each
     CommGroup* pp;
     const ModelOps* ops;
     const MemOps* mem;
@@ -145,6 +146,7 @@ static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps*
     free(mine);
     p->slots = (MicroSlot*)calloc_or_die((size_t)(p->nslots ? p->nslots : 1), sizeof(MicroSlot), "pipeline slots");
     p->msg_floats = (size_t)B * T / sp_degree * C;
+    p->C = C;
     for (int c = 0, k = 0; c < nchunks; c++) {
         for (int j = 0; j < count[c]; j++, k++) {
             MicroSlot* s = &p->slots[k];
@@ -241,9 +243,10 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
                                  int64_t first_microbatch, int M_global, int B, int T, int overfit,
                                  float* local_loss) {
     const ModelOps* ops = p->ops;
-    size_t bytes = p->msg_floats * sizeof(float);
     int timed = p->cfg.num_stages > 1, last_vs = p->cfg.num_stages * p->cfg.num_chunks - 1;
-    float dloss = 1.0f / (float)((double)B * T * M_global);
+    // d(loss)/d(each position's loss): the step's loss is token-weighted (over --varlen's
+    // sequences of different lengths too)
+    float dloss = 1.0f / (float)(double)dataloader_step_targets(loader, first_microbatch, M_global, overfit);
     float* dres = ops->grad_residual(p->models[0], grads);
     p->busy = p->fwd = p->bwd = p->wgt = 0.0;
     p->peak_held = p->held;
@@ -252,6 +255,11 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
         int i = act->microbatch, c = act->chunk, vs = p->vstage[c];
         void* model = p->models[c];
         const ChunkPlace* place = &p->places[c];
+        // the microbatch's positions: T, or its --varlen sequence's length (which every stage
+        // reads from the data's table, so the messages need no header); --varlen runs without
+        // sequence splits
+        int Ti = dataloader_length(loader, overfit ? 0 : zero_global_microbatch(z, first_microbatch, i));
+        size_t floats = Ti == T ? p->msg_floats : (size_t)B * Ti * p->C, bytes = floats * sizeof(float);
         MicroSlot* s;
         MessageBuffer* m;
         double t0;
@@ -262,20 +270,20 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
                 // irecv (pp group): the input activation of (microbatch i, chunk c) from the
                 // stage holding virtual stage vs - 1
                 m = pipeline_message_new(p, i, c, MSG_RECEIVING);
-                m->req = comm_irecv(p->pp, m->buf, p->msg_floats, act->peer, pipeline_tag(p, i, vs - 1, 0), COMM_KIND_PP);
+                m->req = comm_irecv(p->pp, m->buf, floats, act->peer, pipeline_tag(p, i, vs - 1, 0), COMM_KIND_PP);
                 break;
             case PP_FORWARD:
                 s = pipeline_slot(p, i, c, 1);
                 if (place->has_embedding || place->has_head) {
                     dataloader_load(loader, overfit ? 0 : zero_global_microbatch(z, first_microbatch, i));
-                    ops->set_tokens(model, s->acts, loader->inputs, loader->targets, B, T);
+                    ops->set_tokens(model, s->acts, loader->inputs, loader->targets, B, Ti);
                 }
                 if (!place->has_embedding) {   // waiting for the input is idle time, not compute
                     int producer = pipeline_chunk_of(p, vs - 1);
                     if (producer >= 0) {        // a hand-off on this rank
                         MicroSlot* from = pipeline_slot(p, i, producer, 0);
                         p->mem->copy(ops->stage_input(model, s->acts),
-                                     ops->stage_output(p->models[producer], from->acts, B, T), bytes);
+                                     ops->stage_output(p->models[producer], from->acts, B, Ti), bytes);
                     } else {
                         m = pipeline_message(p, i, c, MSG_RECEIVING);
                         comm_wait(m->req);
@@ -285,14 +293,14 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
                     }
                 }
                 t0 = now_seconds();
-                if (place->has_embedding) { ops->embed_forward(model, s->acts, B, T); }
-                ops->layers_forward(model, s->acts, B, T);
+                if (place->has_embedding) { ops->embed_forward(model, s->acts, B, Ti); }
+                ops->layers_forward(model, s->acts, B, Ti);
                 if (p->moe_aux) {
                     ops->moe_aux(model, s->acts, p->moe_aux + (size_t)i * p->num_layers + place->first_layer);
                 }
                 if (place->has_head) {
-                    ops->head_forward(model, s->acts, B, T, 1);
-                    local_loss[i] = ops->loss_sum(model, s->acts, B, T);
+                    ops->head_forward(model, s->acts, B, Ti, 1);
+                    local_loss[i] = ops->loss_sum(model, s->acts, B, Ti);
                 }
                 if (timed) { p->mem->sync(); }
                 p->fwd += now_seconds() - t0;
@@ -301,14 +309,14 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
                 // isend (pp group): the output of (microbatch i, chunk c) to the stage holding
                 // virtual stage vs + 1
                 s = pipeline_slot(p, i, c, 0);
-                s->send_act = comm_isend(p->pp, ops->stage_output(model, s->acts, B, T), p->msg_floats,
+                s->send_act = comm_isend(p->pp, ops->stage_output(model, s->acts, B, Ti), floats,
                                          act->peer, pipeline_tag(p, i, vs, 0), COMM_KIND_PP);
                 break;
             case PP_RECV_BACKWARD:
                 // irecv (pp group): d(loss)/d(output of (microbatch i, chunk c)) from the stage
                 // holding virtual stage vs + 1
                 s = pipeline_slot(p, i, c, 0);
-                s->recv_grad = comm_irecv(p->pp, s->grad_out, p->msg_floats, act->peer, pipeline_tag(p, i, vs, 1),
+                s->recv_grad = comm_irecv(p->pp, s->grad_out, floats, act->peer, pipeline_tag(p, i, vs, 1),
                                           COMM_KIND_PP);
                 break;
             case PP_BACKWARD:
@@ -329,9 +337,9 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
                 t0 = now_seconds();
                 // the weight gradients go into the chunk's microbatch tree (zero.h)
                 if (part & BACKWARD_WEIGHT) { zero_begin_microbatch(z, c, i); }
-                if (place->has_head) { ops->head_backward(model, s->acts, grads, B, T, dloss, part); }
-                ops->layers_backward(model, s->acts, grads, B, T, part);
-                if (place->has_embedding) { ops->embed_backward(model, s->acts, grads, B, T, part); }
+                if (place->has_head) { ops->head_backward(model, s->acts, grads, B, Ti, dloss, part); }
+                ops->layers_backward(model, s->acts, grads, B, Ti, part);
+                if (place->has_embedding) { ops->embed_backward(model, s->acts, grads, B, Ti, part); }
                 if ((part & BACKWARD_INPUT) && vs > 0) {   // keep d(loss)/d(chunk input)
                     int consumer = pipeline_chunk_of(p, vs - 1);
                     m = consumer >= 0 ? pipeline_message_new(p, i, consumer, MSG_HANDOFF)
@@ -350,7 +358,7 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
                 // holding virtual stage vs - 1
                 m = pipeline_message(p, i, c, MSG_TO_SEND);
                 m->state = MSG_SENDING;
-                m->req = comm_isend(p->pp, m->buf, p->msg_floats, act->peer, pipeline_tag(p, i, vs - 1, 1), COMM_KIND_PP);
+                m->req = comm_isend(p->pp, m->buf, floats, act->peer, pipeline_tag(p, i, vs - 1, 1), COMM_KIND_PP);
                 break;
         }
     }

@@ -83,8 +83,14 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
                    mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576);
         }
     }
-    printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
-           t->B, t->T, t->M, z->local_microbatches, t->total_batch);
+    if (a->varlen) {
+        printf("| batch         --varlen: G=%d sequences of up to T=%d tokens cut at EOT, one per microbatch (%d per "
+               "data-parallel rank), at most %lld tokens; %lld sequences per epoch\n", t->M, t->T, z->local_microbatches,
+               t->total_batch, (long long)t->train_loader.num_seqs);
+    } else {
+        printf("| batch         B=%d T=%d, %d microbatch(es) per step (%d per data-parallel rank) = %lld tokens\n",
+               t->B, t->T, t->M, z->local_microbatches, t->total_batch);
+    }
     if (comm->pp > 1) {
         PipelineConfig cfg = pipe->cfg;
         int v = cfg.num_chunks;

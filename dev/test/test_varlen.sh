@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Variable-length sequences (--varlen G, llmc/dataloader.h), against independent references:
+#  - on a file without EOT, --shuffle 0 and G = B x accumulation: every logged loss (train and
+#    validation over the same sequences) and the checkpoint bytes equal today's fixed-T run;
+#  - the loader cuts a file with documents exactly as the issue's rule, written again in
+#    build/test_varlen (at T, at EOT, at the file's end; two epochs; the shuffle's permutations);
+#  - the first step's loss and gradient norm equal the token-weighted sum of each sequence run
+#    alone as its own one-sequence fixed-T step (build/test_varlen reference), within float
+#    rounding;
+#  - resume continues at the sequence where the checkpoint stopped;
+#  - every layout equals one rank with --varlen on the documents: DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2,
+#    PP 2 under every schedule, DP 2 x PP 2, experts with --ep 2 (main.log, checkpoint, samples);
+#  - the emulated CUDA build (deterministic) on 1 rank, DP 2 x ZeRO-3 and PP 2 equals the CPU build;
+#  - bad input: --varlen 0, -t above maxT, -d with --varlen, --cp with --varlen, and
+#    dev/tools/flexsp_plan's unknown policy and a sequence too long for the pool: one line.
+set -u
+cd "$(dirname "$0")/../.."
+command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun"; exit 0; }
+DATA=build/testdata
+REF=build/test_varlen
+W=$(mktemp -d /tmp/llmc_varlen_test.XXXXXX)
+trap 'rm -rf "$W"' EXIT
+export OMP_NUM_THREADS=1
+source dev/test/lib.sh
+
+# --- no EOT: the fixed-T run, bit for bit ---
+$DATA tokens "$W/plain.bin" 20000 64 1 && $DATA tokens "$W/plainval.bin" 3000 64 2 || fail "test data"
+PLAIN=(-e d2c32h2v64t32 -i "$W/plain.bin" -j "$W/plainval.bin" -t 16 -v 3 -s 3 -g 8 -l 3e-3 --shuffle 0 -c 0.1 -x 6 -n 6)
+run fixed 1 "${PLAIN[@]}" -b 2 -d 128 -m 8 -o "$W/fixed"
+run plain 1 "${PLAIN[@]}" --varlen 8 -m 2 -o "$W/plain"
+same fixed plain 6
+run fixeddp 2 "${PLAIN[@]}" -b 2 -d 128 -m 4 -o "$W/fixeddp"
+run plaindp 2 "${PLAIN[@]}" --varlen 8 -m 1 -o "$W/plaindp"
+same fixeddp plaindp 6
+pass "no EOT, --shuffle 0, G = B x accumulation x DP = 8 (DP 1 and 2): every loss, the samples and the checkpoint equal the fixed-T run"
+
+# --- documents: the rule, the reference ---
+$REF data "$W/docs.bin" 4000 1 && $REF data "$W/docsval.bin" 1500 2 && $REF model "$W/model.bin" || fail "test data"
+$REF check "$W/docs.bin" 16 || fail "the loader's sequences differ from the rule"
+want=$($REF reference "$W/model.bin" "$W/docs.bin" 16 8) || fail "reference"
+run docs 1 -e "$W/model.bin" -i "$W/docs.bin" -t 16 --varlen 8 --shuffle 0 -x 1 -v 0 -s 0 -o "$W/docs"
+got=$(sed -n 's/^s:0 trl:\([^ ]*\) .*norm:\([^ ]*\)$/loss \1 norm \2/p' "$W/docs/main.log")
+echo "   reference: $want; trainer: $got"
+awk -v a="$want" -v b="$got" 'BEGIN { split(a, x, " "); split(b, y, " ");
+  for (i = 2; i <= 4; i += 2) { d = x[i] - y[i]; if (d < 0) d = -d; if (y[i] == "" || d > 1e-5 * x[i]) exit 1 } }' \
+  || fail "the trainer's loss and norm differ from the one-sequence-at-a-time reference"
+pass "the first step's loss and gradient norm equal each sequence's own fixed-T step, token-weighted"
+
+# --- resume: a run stopped at step 2 and resumed ends where the uninterrupted one does ---
+RESUME=(-e "$W/model.bin" -i "$W/docs.bin" -t 16 --varlen 4 -v 0 -s 0 -l 3e-3 -x 4)
+run whole 1 "${RESUME[@]}" -n 4 -o "$W/whole"
+run half 1 "${RESUME[@]}" -x 2 -n 2 -o "$W/resumed"
+run rest 1 "${RESUME[@]}" -n 2 -y 1 -o "$W/resumed"
+cmp -s "$W/whole/model_00000004.bin" "$W/resumed/model_00000004.bin" || fail "resumed --varlen run differs"
+cmp -s "$W/whole/main.log" "$W/resumed/main.log" || fail "resumed --varlen run's main.log differs"
+pass "resume at step 2 of 4: the same checkpoint and main.log as the uninterrupted run"
+
+# --- every layout against one rank, on the documents ---
+DOCS=(-e d4c32h2v50257t32 -i "$W/docs.bin" -j "$W/docsval.bin" -t 16 --varlen 8 -v 2 -m 1 -s 2 -g 6 -l 3e-3 -c 0.1 -x 3 -n 3)
+run one 1 "${DOCS[@]}" -o "$W/one"
+grep -q "shuffle 1" "$W/one.out" || fail "the layouts should run with --shuffle 1"
+for layout in "2 -z 0" "2 -z 1" "2 -z 2" "2 -z 3" "4 -z 3" "2 --tp 2" \
+              "2 --pp 2 --schedule 1f1b" "2 --pp 2 --schedule gpipe" "2 --pp 2 --schedule zb1" \
+              "2 --pp 2 --schedule zbv" "2 --pp 2 --schedule interleaved --vpp 2" "4 --pp 2 -z 1"; do
+  name=$(echo "$layout" | tr -d ' -')
+  run "$name" $layout "${DOCS[@]}" -o "$W/$name"
+  same one "$name" 3
+done
+pass "--varlen on DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2, PP 2 (1f1b, gpipe, zb1, zbv, interleaved), DP 2 x PP 2: identical to one rank"
+MOE=(-e d2c32h2v50257t32e4k2 -i "$W/docs.bin" -t 16 --varlen 4 -v 0 -s 0 -l 3e-3 -x 2 -n 2)
+run moe1 1 "${MOE[@]}" -o "$W/moe1"
+run moe2 2 "${MOE[@]}" --ep 2 -o "$W/moe2"
+cmp -s "$W/moe1/main.log" "$W/moe2/main.log" || fail "--ep 2: losses differ from one rank"
+cmp -s "$W/moe1/model_00000002.bin" "$W/moe2/model_00000002.bin" || fail "--ep 2: parameters differ"
+pass "--varlen with experts, --ep 2: identical to one rank"
+
+# --- the emulated CUDA build (deterministic) against the CPU build ---
+# four files without EOT whose tails (1, 3, 7, 11 tokens) are short sequences, shuffled among the
+# full ones: lengths below 16 and not multiples of it, on the small vocabulary the emulator runs fast
+[ -x ./train_gpt2cu_emu ] || fail "./train_gpt2cu_emu is not built (make train_gpt2cu_emu)"
+i=0; for k in 3 7 11 1; do i=$((i + 1)); $DATA tokens "$W/tail$i.bin" $((48 + 1 + k)) 64 $i || fail "test data"; done
+TAILS=(-e d2c32h2v64t32 -i "$W/tail*.bin" -j "$W/tail1.bin" -t 16 --varlen 4 -v 2 -m 1 -s 2 -g 6 -l 3e-3 -x 3 -n 3)
+run tails 1 "${TAILS[@]}" -o "$W/tails"
+BIN="./train_gpt2cu_emu --deterministic 1"
+for layout in "1" "2 -z 3" "2 --pp 2"; do
+  name=emu$(echo "$layout" | tr -d ' -')
+  run "$name" $layout "${TAILS[@]}" -o "$W/$name"
+  same tails "$name" 3
+done
+BIN=./train_gpt2
+pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3 and PP 2: identical to the CPU build"
+
+# --- bad input: one line, non-zero exit ---
+bad() {   # expected-text args...
+  local want=$1; shift
+  ./train_gpt2 "$@" >"$W/bad.out" 2>&1 && fail "accepted: $*"
+  [ "$(wc -l <"$W/bad.out")" -eq 1 ] && grep -q -- "$want" "$W/bad.out" || { cat "$W/bad.out"; fail "not one line naming '$want': $*"; }
+}
+BAD=(-e d2c32h2v50257t32 -i "$W/docs.bin" -t 16 --varlen 8 -v 0 -s 0 -x 1)
+bad "--varlen: expected an integer in \[1," "${BAD[@]}" --varlen 0
+bad "exceeds the model's maxT = 32" "${BAD[@]}" -t 64
+bad "leave out -d" "${BAD[@]}" -d 256
+$MPI 2 $BIN "${BAD[@]}" --cp 2 >"$W/cpbad.out" 2>&1 && fail "--cp 2 with --varlen accepted"
+grep -q -- "--varlen: not yet with --cp" "$W/cpbad.out" || fail "--cp 2 with --varlen: no line naming the flags"
+for args in "--policy bogus --lengths 5:--policy: expected static" "--gpus 2 --lengths 300000,5:does not fit the memory"; do
+  dev/tools/flexsp_plan ${args%%:*} >"$W/bad.out" 2>&1 && fail "flexsp_plan accepted ${args%%:*}"
+  [ "$(wc -l <"$W/bad.out")" -eq 1 ] && grep -q -- "${args#*:}" "$W/bad.out" || { cat "$W/bad.out"; fail "flexsp_plan ${args%%:*}: not one line"; }
+done
+pass "bad input: --varlen 0, -t above maxT, -d, --cp; flexsp_plan's unknown policy, a sequence too long for the pool: one line each"

@@ -1,0 +1,16 @@
+# Variable-length sequences (--varlen, llmc/dataloader.h): the independent reference program
+# and the end-to-end test (fixed-T equivalence, the reference, every layout against one rank).
+build/test_varlen: dev/test/test_varlen.c train_gpt2.c $(LLMC_HEADERS) | build
+	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
+TEST_BINS += build/test_varlen
+TESTS += dev/test/test_varlen.sh
+
+# FlexSP's planner on its cost model (llmc/varlen_flexsp.h), with GLPK where it is installed
+FLEXSP_GLPK := $(if $(wildcard /usr/include/glpk.h),-DHAVE_GLPK,)
+FLEXSP_LIBS := $(if $(wildcard /usr/include/glpk.h),-lglpk,)
+dev/tools/flexsp_plan: dev/tools/flexsp_plan.c $(LLMC_HEADERS)
+	$(CC) $(CFLAGS) $(FLEXSP_GLPK) -o $@ $< $(FLEXSP_LIBS) -lm
+build/test_flexsp: dev/test/test_flexsp.c $(LLMC_HEADERS) | build
+	$(CC) $(TEST_CFLAGS) $(FLEXSP_GLPK) -o $@ $< $(FLEXSP_LIBS) -lm
+TEST_BINS += build/test_flexsp dev/tools/flexsp_plan
+TESTS += build/test_flexsp
