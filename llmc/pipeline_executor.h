@@ -2,7 +2,8 @@
  * pipeline_executor.h: a pipeline stage runs its list of actions from llmc/pipeline.h.
  *
  * Every rank runs a pipeline, of one stage when --pp is 1 (then the list is just F0 B0 F1
- * B1 ...). A rank holds v model chunks (virtual stages; v = 1 but for interleaved and zbv),
+ * B1 ...). A rank holds v model chunks (virtual stages; v = 1 but for interleaved, zbv and
+ * dualpipev),
  * each with its own model on the rank's one Zero. A (microbatch, chunk) pair owns a slot of its
  * chunk from its FORWARD to its BACKWARD (or, split, its BACKWARD_WEIGHT) on this stage: its
  * activations (with its tokens) and the received gradient of its output; the schedule bounds
@@ -84,6 +85,7 @@ typedef struct {
     int split;                 // the schedule splits backwards into input and weight halves
     double busy;               // seconds of computation in the last step
     double fwd, bwd, wgt;      // ... of which forwards, backwards (whole or input halves), weight halves
+    double pair;               // ... of which in F&B pairs (their forward and backward halves)
     int held, peak_held;       // (microbatch, chunk) activations alive now / at most in the last step
     size_t slot_bytes;         // every slot's bytes
     float* moe_aux;            // experts: (microbatches x L) each forward's aux loss per layer,
@@ -133,12 +135,16 @@ static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps*
         p->vstage[c] = pipeline_virtual_stage(&p->cfg, pp->rank, c);
         if (places[c].has_head) { p->head_chunk = c; }
     }
-    // each chunk gets as many slots as its own actions ever hold at once
-    PipelineAction* mine = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "pipeline actions");
+    // each chunk gets as many slots as its own computations (an F&B's halves apart) ever hold at once
+    PipelineAction* mine = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * 2 * (n ? n : 1), "pipeline actions");
     int* count = (int*)calloc_or_die((size_t)nchunks, sizeof(int), "pipeline chunks");
     for (int c = 0; c < nchunks; c++) {
         int k = 0;
-        for (int j = 0; j < n; j++) { if (p->actions[j].chunk == c) { mine[k++] = p->actions[j]; } }
+        for (int j = 0; j < n; j++) {
+            PipelineAction halves[2];
+            int nh = pipeline_action_halves(&p->actions[j], halves);
+            for (int h = 0; h < nh; h++) { if (halves[h].chunk == c) { mine[k++] = halves[h]; } }
+        }
         count[c] = pipeline_max_in_flight(mine, k);
         p->nslots += count[c];
     }
@@ -232,31 +238,119 @@ static inline MessageBuffer* pipeline_message(Pipeline* p, int i, int c, Message
     fatal("internal: no pipeline message for microbatch %d of chunk %d", i, c);
 }
 
+// What one step's computations share: the global microbatches, the loss scale, the tokens.
+typedef struct {
+    Zero* z;
+    void* grads;
+    DataLoader* loader;
+    int64_t first_microbatch;
+    int B, T, overfit, timed, last_vs;
+    float dloss;
+    float* dres;         // the residual stream's gradient buffer
+    float* local_loss;
+} PipelineStepContext;
+
+// FORWARD of (microbatch i, chunk c): its input from the data loader (virtual stage 0), the
+// chunk before it on this rank, or the received message; the loss on the head's chunk.
+static inline void pipeline_run_forward(Pipeline* p, const PipelineStepContext* x, int i, int c) {
+    const ModelOps* ops = p->ops;
+    int B = x->B, T = x->T, vs = p->vstage[c];
+    void* model = p->models[c];
+    const ChunkPlace* place = &p->places[c];
+    size_t bytes = p->msg_floats * sizeof(float);
+    MicroSlot* s = pipeline_slot(p, i, c, 1);
+    if (place->has_embedding || place->has_head) {
+        dataloader_load(x->loader, x->overfit ? 0 : zero_global_microbatch(x->z, x->first_microbatch, i));
+        ops->set_tokens(model, s->acts, x->loader->inputs, x->loader->targets, B, T);
+    }
+    if (!place->has_embedding) {   // waiting for the input is idle time, not compute
+        int producer = pipeline_chunk_of(p, vs - 1);
+        if (producer >= 0) {        // a hand-off on this rank
+            MicroSlot* from = pipeline_slot(p, i, producer, 0);
+            p->mem->copy(ops->stage_input(model, s->acts), ops->stage_output(p->models[producer], from->acts, B, T),
+                         bytes);
+        } else {
+            MessageBuffer* m = pipeline_message(p, i, c, MSG_RECEIVING);
+            comm_wait(m->req);
+            p->mem->copy(ops->stage_input(model, s->acts), m->buf, bytes);
+            m->req = NULL;
+            m->state = MSG_FREE;
+        }
+    }
+    double t0 = now_seconds();
+    if (place->has_embedding) { ops->embed_forward(model, s->acts, B, T); }
+    ops->layers_forward(model, s->acts, B, T);
+    if (p->moe_aux) { ops->moe_aux(model, s->acts, p->moe_aux + (size_t)i * p->num_layers + place->first_layer); }
+    if (place->has_head) {
+        ops->head_forward(model, s->acts, B, T, 1);
+        x->local_loss[i] = ops->loss_sum(model, s->acts, B, T);
+    }
+    if (x->timed) { p->mem->sync(); }
+    p->fwd += now_seconds() - t0;
+}
+
+// BACKWARD (part BACKWARD_BOTH), BACKWARD_INPUT or BACKWARD_WEIGHT of (microbatch i, chunk c):
+// the gradient of its output from the received message or, handed off, from the chunk after it
+// on this rank; the input gradient kept for the send or the hand-off; weight gradients into the
+// chunk's microbatch tree (zero.h).
+static inline void pipeline_run_backward(Pipeline* p, const PipelineStepContext* x, int i, int c, int part) {
+    const ModelOps* ops = p->ops;
+    int B = x->B, T = x->T, vs = p->vstage[c];
+    void* model = p->models[c];
+    const ChunkPlace* place = &p->places[c];
+    size_t bytes = p->msg_floats * sizeof(float);
+    MicroSlot* s = pipeline_slot(p, i, c, 0);
+    if ((part & BACKWARD_INPUT) && vs < x->last_vs) {   // d(loss)/d(chunk output)
+        if (pipeline_chunk_of(p, vs + 1) >= 0) {         // a hand-off on this rank
+            MessageBuffer* m = pipeline_message(p, i, c, MSG_HANDOFF);
+            p->mem->copy(x->dres, m->buf, bytes);
+            m->state = MSG_FREE;
+        } else {
+            comm_wait(s->recv_grad);
+            s->recv_grad = NULL;
+            p->mem->copy(x->dres, s->grad_out, bytes);
+        }
+    }
+    double t0 = now_seconds();
+    if (part & BACKWARD_WEIGHT) { zero_begin_microbatch(x->z, c, i); }
+    if (place->has_head) { ops->head_backward(model, s->acts, x->grads, B, T, x->dloss, part); }
+    ops->layers_backward(model, s->acts, x->grads, B, T, part);
+    if (place->has_embedding) { ops->embed_backward(model, s->acts, x->grads, B, T, part); }
+    if ((part & BACKWARD_INPUT) && vs > 0) {   // keep d(loss)/d(chunk input)
+        int consumer = pipeline_chunk_of(p, vs - 1);
+        MessageBuffer* m = consumer >= 0 ? pipeline_message_new(p, i, consumer, MSG_HANDOFF)
+                                         : pipeline_message_new(p, i, c, MSG_TO_SEND);
+        p->mem->copy(m->buf, x->dres, bytes);
+    }
+    if (part & BACKWARD_WEIGHT) {
+        zero_end_microbatch(x->z);
+        pipeline_slot_release(p, s);
+    }
+    if (x->timed) { p->mem->sync(); }
+    if (part == BACKWARD_WEIGHT) { p->wgt += now_seconds() - t0; } else { p->bwd += now_seconds() - t0; }
+}
+
 // Runs this stage's actions for one optimizer step: forward and backward of this dp rank's
 // microbatches (global indices from zero.h) on each of its chunks, gradients reduced, the tied
 // halves summed. local_loss[i] gets microbatch i's loss sum on the head's stage. The compute
-// times (busy, fwd, bwd, wgt) are measured only with several stages (they wait for the device
-// to finish each computation).
+// times (busy, fwd, bwd, wgt, pair) are measured only with several stages (they wait for the
+// device to finish each computation).
 static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* loader,
                                  int64_t first_microbatch, int M_global, int B, int T, int overfit,
                                  float* local_loss) {
     const ModelOps* ops = p->ops;
-    size_t bytes = p->msg_floats * sizeof(float);
-    int timed = p->cfg.num_stages > 1, last_vs = p->cfg.num_stages * p->cfg.num_chunks - 1;
-    float dloss = 1.0f / (float)((double)B * T * M_global);
-    float* dres = ops->grad_residual(p->models[0], grads);
-    p->busy = p->fwd = p->bwd = p->wgt = 0.0;
+    PipelineStepContext x = {z, grads, loader, first_microbatch, B, T, overfit, p->cfg.num_stages > 1,
+                             p->cfg.num_stages * p->cfg.num_chunks - 1, 1.0f / (float)((double)B * T * M_global),
+                             ops->grad_residual(p->models[0], grads), local_loss};
+    p->busy = p->fwd = p->bwd = p->wgt = p->pair = 0.0;
     p->peak_held = p->held;
     for (int k = 0; k < p->nactions; k++) {
         const PipelineAction* act = &p->actions[k];
         int i = act->microbatch, c = act->chunk, vs = p->vstage[c];
         void* model = p->models[c];
-        const ChunkPlace* place = &p->places[c];
         MicroSlot* s;
         MessageBuffer* m;
         double t0;
-        int part = act->kind == PP_BACKWARD ? BACKWARD_BOTH : act->kind == PP_BACKWARD_INPUT ? BACKWARD_INPUT
-                 : BACKWARD_WEIGHT;
         switch (act->kind) {
             case PP_RECV_FORWARD:
                 // irecv (pp group): the input activation of (microbatch i, chunk c) from the
@@ -265,37 +359,17 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
                 m->req = comm_irecv(p->pp, m->buf, p->msg_floats, act->peer, pipeline_tag(p, i, vs - 1, 0), COMM_KIND_PP);
                 break;
             case PP_FORWARD:
-                s = pipeline_slot(p, i, c, 1);
-                if (place->has_embedding || place->has_head) {
-                    dataloader_load(loader, overfit ? 0 : zero_global_microbatch(z, first_microbatch, i));
-                    ops->set_tokens(model, s->acts, loader->inputs, loader->targets, B, T);
-                }
-                if (!place->has_embedding) {   // waiting for the input is idle time, not compute
-                    int producer = pipeline_chunk_of(p, vs - 1);
-                    if (producer >= 0) {        // a hand-off on this rank
-                        MicroSlot* from = pipeline_slot(p, i, producer, 0);
-                        p->mem->copy(ops->stage_input(model, s->acts),
-                                     ops->stage_output(p->models[producer], from->acts, B, T), bytes);
-                    } else {
-                        m = pipeline_message(p, i, c, MSG_RECEIVING);
-                        comm_wait(m->req);
-                        p->mem->copy(ops->stage_input(model, s->acts), m->buf, bytes);
-                        m->req = NULL;
-                        m->state = MSG_FREE;
-                    }
-                }
+                pipeline_run_forward(p, &x, i, c);
+                break;
+            case PP_FORWARD_BACKWARD:
+                // F&B: every message of both halves was posted before it (their receives) or
+                // is posted right after it (their sends), so both chunks' messages are in flight
+                // together while it computes; on one CPU thread the two halves run one after the
+                // other, the forward first (it frees nothing the backward needs)
                 t0 = now_seconds();
-                if (place->has_embedding) { ops->embed_forward(model, s->acts, B, T); }
-                ops->layers_forward(model, s->acts, B, T);
-                if (p->moe_aux) {
-                    ops->moe_aux(model, s->acts, p->moe_aux + (size_t)i * p->num_layers + place->first_layer);
-                }
-                if (place->has_head) {
-                    ops->head_forward(model, s->acts, B, T, 1);
-                    local_loss[i] = ops->loss_sum(model, s->acts, B, T);
-                }
-                if (timed) { p->mem->sync(); }
-                p->fwd += now_seconds() - t0;
+                pipeline_run_forward(p, &x, i, c);
+                pipeline_run_backward(p, &x, act->backward_microbatch, act->backward_chunk, BACKWARD_BOTH);
+                p->pair += now_seconds() - t0;
                 break;
             case PP_SEND_FORWARD:
                 // isend (pp group): the output of (microbatch i, chunk c) to the stage holding
@@ -314,36 +388,8 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
             case PP_BACKWARD:
             case PP_BACKWARD_INPUT:
             case PP_BACKWARD_WEIGHT:
-                s = pipeline_slot(p, i, c, 0);
-                if ((part & BACKWARD_INPUT) && vs < last_vs) {   // d(loss)/d(chunk output)
-                    if (pipeline_chunk_of(p, vs + 1) >= 0) {     // a hand-off on this rank
-                        m = pipeline_message(p, i, c, MSG_HANDOFF);
-                        p->mem->copy(dres, m->buf, bytes);
-                        m->state = MSG_FREE;
-                    } else {
-                        comm_wait(s->recv_grad);
-                        s->recv_grad = NULL;
-                        p->mem->copy(dres, s->grad_out, bytes);
-                    }
-                }
-                t0 = now_seconds();
-                // the weight gradients go into the chunk's microbatch tree (zero.h)
-                if (part & BACKWARD_WEIGHT) { zero_begin_microbatch(z, c, i); }
-                if (place->has_head) { ops->head_backward(model, s->acts, grads, B, T, dloss, part); }
-                ops->layers_backward(model, s->acts, grads, B, T, part);
-                if (place->has_embedding) { ops->embed_backward(model, s->acts, grads, B, T, part); }
-                if ((part & BACKWARD_INPUT) && vs > 0) {   // keep d(loss)/d(chunk input)
-                    int consumer = pipeline_chunk_of(p, vs - 1);
-                    m = consumer >= 0 ? pipeline_message_new(p, i, consumer, MSG_HANDOFF)
-                                      : pipeline_message_new(p, i, c, MSG_TO_SEND);
-                    p->mem->copy(m->buf, dres, bytes);
-                }
-                if (part & BACKWARD_WEIGHT) {
-                    zero_end_microbatch(z);
-                    pipeline_slot_release(p, s);
-                }
-                if (timed) { p->mem->sync(); }
-                if (part == BACKWARD_WEIGHT) { p->wgt += now_seconds() - t0; } else { p->bwd += now_seconds() - t0; }
+                pipeline_run_backward(p, &x, i, c, act->kind == PP_BACKWARD ? BACKWARD_BOTH
+                                                   : act->kind == PP_BACKWARD_INPUT ? BACKWARD_INPUT : BACKWARD_WEIGHT);
                 break;
             case PP_SEND_BACKWARD:
                 // isend (pp group): d(loss)/d(input of (microbatch i, chunk c)) to the stage

@@ -1,5 +1,6 @@
 /*
- * Unit tests for llmc/pipeline.h and its simulator (dev/tools/pp_sim.h): pipeline schedules (gpipe, 1f1b, interleaved, zb1, zbv), their
+ * Unit tests for llmc/pipeline.h and its simulator (dev/tools/pp_sim.h): pipeline schedules (gpipe, 1f1b, interleaved, zb1, zbv,
+ * dualpipev), their
  * communication, the simulator, the bubble model, the memory bound, the layer partition and
  * the placement of layers on (stage, chunk).
  *
@@ -43,14 +44,30 @@ static const char* kind_name(int kind) {
         case PP_INTERLEAVED: return "interleaved";
         case PP_ZB1: return "zb1";
         case PP_ZBV: return "zbv";
+        case PP_DUALPIPEV: return "dualpipev";
     }
     return "?";
 }
 
-static int splits_backward(int kind) { return kind == PP_ZB1 || kind == PP_ZBV; }
+// zb1 and zbv split every backward, dualpipev some (the others whole), the rest none.
+static int splits_backward(int kind) { return kind == PP_ZB1 || kind == PP_ZBV || kind == PP_DUALPIPEV; }
+static int splits_every_backward(int kind) { return kind == PP_ZB1 || kind == PP_ZBV; }
 
 static int is_compute(PipelineActionKind kind) {
-    return kind == PP_FORWARD || kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT || kind == PP_BACKWARD_WEIGHT;
+    return kind == PP_FORWARD || kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT || kind == PP_BACKWARD_WEIGHT ||
+           kind == PP_FORWARD_BACKWARD;
+}
+
+// An F&B as its forward, then its whole backward (peer -1); anything else as itself. Returns 2 or 1.
+static int unpair(const PipelineAction* a, PipelineAction* out) {
+    out[0] = *a;
+    if (a->kind != PP_FORWARD_BACKWARD) { return 1; }
+    out[0].kind = PP_FORWARD;
+    out[1] = out[0];
+    out[1].kind = PP_BACKWARD;
+    out[1].microbatch = a->backward_microbatch;
+    out[1].chunk = a->backward_chunk;
+    return 2;
 }
 
 static void describe(char* buf, size_t len, const PipelineConfig* cfg) {
@@ -65,7 +82,7 @@ static void describe(char* buf, size_t len, const PipelineConfig* cfg) {
 // Where chunk c of stage s sits in the model, by the schedules' definitions: interleaved goes
 // round the ring of stages v times (Megatron-LM), zbv down the stages and back up (the V).
 static int virtual_stage_of(const PipelineConfig* cfg, int s, int c) {
-    if (cfg->kind == PP_ZBV) { return c == 0 ? s : 2 * cfg->num_stages - 1 - s; }
+    if (cfg->kind == PP_ZBV || cfg->kind == PP_DUALPIPEV) { return c == 0 ? s : 2 * cfg->num_stages - 1 - s; }
     return c * cfg->num_stages + s;
 }
 
@@ -89,7 +106,7 @@ static int chunk_of(const PipelineConfig* cfg, int s, int vs) {
 
 // Tokens: F3 B3 I3 W3 computations (forward, backward, its input / weight halves); rF3 sF3 rB3
 // sB3 receive/send forward activation or backward gradient; "c1" for chunk 1 when with_chunk;
-// a trailing "+" marks post_with_next.
+// a trailing "+" marks post_with_next; an F&B as F3c0&B1c1.
 static void format_actions(char* buf, size_t len, const PipelineAction* a, int n, int with_comm, int with_chunk) {
     size_t used = 0;
     buf[0] = '\0';
@@ -104,10 +121,18 @@ static void format_actions(char* buf, size_t len, const PipelineAction* a, int n
             case PP_SEND_FORWARD: p = "sF"; break;
             case PP_RECV_BACKWARD: p = "rB"; break;
             case PP_SEND_BACKWARD: p = "sB"; break;
+            case PP_FORWARD_BACKWARD: break;
         }
         if (!is_compute(a[i].kind) && !with_comm) { continue; }
         char chunk[16] = "";
         if (with_chunk) { snprintf(chunk, sizeof(chunk), "c%d", a[i].chunk); }
+        if (a[i].kind == PP_FORWARD_BACKWARD) {
+            char bchunk[16] = "";
+            if (with_chunk) { snprintf(bchunk, sizeof(bchunk), "c%d", a[i].backward_chunk); }
+            used += (size_t)snprintf(buf + used, len - used, "%sF%d%s&B%d%s", used ? " " : "", a[i].microbatch, chunk,
+                                     a[i].backward_microbatch, bchunk);
+            continue;
+        }
         used += (size_t)snprintf(buf + used, len - used, "%s%s%d%s%s", used ? " " : "", p, a[i].microbatch, chunk,
                                  with_comm && a[i].post_with_next ? "+" : "");
     }
@@ -123,6 +148,7 @@ static int parse_actions(const char* text, const PipelineConfig* cfg, int s, Pip
         if (!*p) { break; }
         PipelineAction a;
         memset(&a, 0, sizeof(a));
+        a.backward_microbatch = a.backward_chunk = -1;
         int recv = *p == 'r', send = *p == 's';
         if (recv || send) { p++; }
         char letter = *p++;
@@ -147,6 +173,7 @@ static int parse_actions(const char* text, const PipelineConfig* cfg, int s, Pip
 typedef struct {
     PipelineActionKind kind;
     int microbatch, chunk;
+    int backward_microbatch, backward_chunk;  // an F&B's backward half; -1 otherwise
 } Computation;
 
 static int add_computation(Computation* out, int n, int M, PipelineActionKind kind, int microbatch, int chunk) {
@@ -154,6 +181,7 @@ static int add_computation(Computation* out, int n, int M, PipelineActionKind ki
     out[n].kind = kind;
     out[n].microbatch = microbatch;
     out[n].chunk = chunk;
+    out[n].backward_microbatch = out[n].backward_chunk = -1;
     return n + 1;
 }
 
@@ -178,6 +206,7 @@ static int expected_one_forward_one_backward(const PipelineConfig* cfg, int s, C
         out[i].kind = is_fwd[i] ? PP_FORWARD : PP_BACKWARD;
         out[i].microbatch = (k / (S * v)) * S + in_group % S;
         out[i].chunk = is_fwd[i] ? in_group / S : v - 1 - in_group / S;
+        out[i].backward_microbatch = out[i].backward_chunk = -1;
     }
     free(is_fwd);
     return count;
@@ -237,20 +266,82 @@ static int expected_zbv(const PipelineConfig* cfg, int r, Computation* out) {
     return count;
 }
 
+// DualPipeV on rank r, DeepSeek's eight phases as the issue (and deepseek-ai/DualPipe's
+// DualPipeV) give them, written as patterns: "F0" forward of chunk 0, "B1" whole backward of
+// chunk 1, "I1" backward of chunk 1 with W split off, "W" the oldest W still due, "F0&B1" an
+// F&B, each step taking that chunk's next microbatch. Phase 4's first pair on the last rank is
+// "F0 B1"; in phase 6 the last r+1 of the 2(r+1) backwards are split.
+typedef struct {
+    int f[2], b[2];
+    int due[128], due_head, due_count;  // W's due: microbatch * 2 + chunk, oldest first
+} DualPipeVState;
+
+static int dualpipev_phase(Computation* out, int n, int M, DualPipeVState* st, int repeats, const char* pattern) {
+    for (int r = 0; r < repeats; r++) {
+        for (const char* p = pattern; *p;) {
+            if (*p == ' ') { p++; continue; }
+            if (p[0] == 'W') {
+                int d = st->due[st->due_head++];
+                n = add_computation(out, n, M, PP_BACKWARD_WEIGHT, d / 2, d % 2);
+                p += 1;
+            } else if (p[0] == 'F' && p[2] == '&') {
+                int fc = p[1] - '0', bc = p[4] - '0';
+                n = add_computation(out, n, M, PP_FORWARD_BACKWARD, st->f[fc]++, fc);
+                out[n - 1].backward_microbatch = st->b[bc]++;
+                out[n - 1].backward_chunk = bc;
+                p += 5;
+            } else {
+                int c = p[1] - '0';
+                if (p[0] == 'I') { st->due[st->due_count++] = st->b[c] * 2 + c; }
+                PipelineActionKind kind = p[0] == 'F' ? PP_FORWARD : p[0] == 'B' ? PP_BACKWARD : PP_BACKWARD_INPUT;
+                n = add_computation(out, n, M, kind, p[0] == 'F' ? st->f[c]++ : st->b[c]++, c);
+                p += 2;
+            }
+        }
+    }
+    return n;
+}
+
+static int expected_dualpipev(const PipelineConfig* cfg, int r, Computation* out) {
+    int P = cfg->num_stages, N = cfg->num_microbatches;
+    DualPipeVState st;
+    memset(&st, 0, sizeof(st));
+    int n = 0;
+    n = dualpipev_phase(out, n, N, &st, 2 * (P - r - 1), "F0");
+    n = dualpipev_phase(out, n, N, &st, r + 1, "F0 F1");
+    n = dualpipev_phase(out, n, N, &st, P - r - 1, "I1 W F1");
+    if (r == P - 1) {
+        n = dualpipev_phase(out, n, N, &st, 1, "F0 B1 F1&B0");
+        n = dualpipev_phase(out, n, N, &st, N - 2 * P + r, "F0&B1 F1&B0");
+    } else {
+        n = dualpipev_phase(out, n, N, &st, N - 2 * P + r + 1, "F0&B1 F1&B0");
+    }
+    n = dualpipev_phase(out, n, N, &st, P - r - 1, "B1 F1&B0");
+    for (int k = 0; k < 2 * (r + 1); k++) {
+        n = dualpipev_phase(out, n, N, &st, 1, k % 2 == 0 ? (k >= r + 1 ? "I1" : "B1") : (k >= r + 1 ? "I0" : "B0"));
+    }
+    n = dualpipev_phase(out, n, N, &st, P - r - 1, "W I0");
+    n = dualpipev_phase(out, n, N, &st, r + 1, "W");
+    return n;
+}
+
 static int expected_compute(const PipelineConfig* cfg, int s, Computation* out) {
     if (cfg->kind == PP_ZB1) { return expected_zb1(cfg, s, out); }
     if (cfg->kind == PP_ZBV) { return expected_zbv(cfg, s, out); }
+    if (cfg->kind == PP_DUALPIPEV) { return expected_dualpipev(cfg, s, out); }
     return expected_one_forward_one_backward(cfg, s, out);
 }
 
 // The textbook bound on the (microbatch, chunk) activations a stage holds, each from its F to
 // its W (or B): gpipe every microbatch; 1f1b the warmup and one; interleaved Megatron-LM's
 // warmup and one; zb1 1F1B's peak, min(S, M), on every stage (the paper: ZB-H1 keeps 1F1B's
-// peak memory); zbv the paper's p*M_B, S microbatches of a 1f1b stage's layers = 2S chunks.
+// peak memory); zbv the paper's p*M_B, S microbatches of a 1f1b stage's layers = 2S chunks;
+// dualpipev DeepSeek's PP + 1 for the DualPipe of PP = 2S ranks it halves.
 static int textbook_memory_bound(const PipelineConfig* cfg, int s) {
     int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks;
     int bound = cfg->kind == PP_GPIPE ? M : cfg->kind == PP_1F1B ? S - s
-              : cfg->kind == PP_INTERLEAVED ? 2 * (S - s - 1) + (v - 1) * S + 1 : cfg->kind == PP_ZB1 ? S : 2 * S;
+              : cfg->kind == PP_INTERLEAVED ? 2 * (S - s - 1) + (v - 1) * S + 1 : cfg->kind == PP_ZB1 ? S
+              : cfg->kind == PP_DUALPIPEV ? 2 * S + 1 : 2 * S;
     return bound < v * M ? bound : v * M;
 }
 
@@ -369,6 +460,21 @@ static void test_hand_written(void) {
     // 1 forward of c0; 1 x (F I W c1); steady once; 1 x (I c0, W c0).
     PipelineConfig v4 = {1, 2, PP_ZBV, 2};
     check_stage_text(&v4, 0, 1, "F0c0 F0c1 I0c1 W0c1 F1c0 I0c0 W0c0 F1c1 I1c1 W1c1 I1c0 W1c0");
+
+    // dualpipev, S=2, M=4, DeepSeek's phases by hand. Rank 0 (r = 0): F0 x 2; (F0, F1) x 1;
+    // (I1, W, F1) x 1; (F0&B1, F1&B0) x (4-4+0+1) = 1; (B1, F1&B0) x 1; (B1, B0) x 1 with the
+    // second (B0) split; (W, I0) x 1; W x 1. Rank 1 (the last): no F0 x ..; (F0, F1) x 2; no
+    // phase 3; phase 4 twice, the first pair's F0&B1 as F0 then B1; no phase 5; (B1, B0) x 2,
+    // the last two split; no phase 7; W x 2.
+    PipelineConfig d1 = {2, 4, PP_DUALPIPEV, 2};
+    check_stage_text(&d1, 0, 0, "F0c0 F1c0 F2c0 F0c1 I0c1 W0c1 F1c1 F3c0&B1c1 F2c1&B0c0 B2c1 F3c1&B1c0 B3c1 I2c0 "
+                                "W2c0 I3c0 W3c0");
+    check_stage_text(&d1, 1, 0, "F0c0 F0c1 F1c0 F1c1 F2c0 B0c1 F2c1&B0c0 F3c0&B1c1 F3c1&B1c0 B2c1 B2c0 I3c1 I3c0 "
+                                "W3c1 W3c0");
+    // dualpipev on one stage: both hand-offs are local, no message at all; N = 2: (F0, F1);
+    // phase 4 once, its first pair not overlapped (rank 0 is the last rank); (B1, B0), B0 split; W.
+    PipelineConfig d2 = {1, 2, PP_DUALPIPEV, 2};
+    check_stage_text(&d2, 0, 1, "F0c0 F0c1 F1c0 B0c1 F1c1&B0c0 B1c1 I1c0 W1c0");
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -377,6 +483,7 @@ static void test_hand_written(void) {
 // Time of a computation of `kind` on stage s under the given costs (I = backward - weight).
 static double cost_of(PipelineActionKind kind, int s, const double* fwd, const double* bwd, const double* wgt) {
     double w = wgt != NULL ? wgt[s] : bwd[s] / 2.0;
+    if (kind == PP_FORWARD_BACKWARD) { return fwd[s] + bwd[s]; }  // nothing hidden, the simulator's default
     return kind == PP_FORWARD ? fwd[s] : kind == PP_BACKWARD_INPUT ? bwd[s] - w : kind == PP_BACKWARD_WEIGHT ? w : bwd[s];
 }
 
@@ -408,9 +515,12 @@ static void check_timeline(const char* name, const char* model, const PipelineSc
             CHECK(tl->start[i] >= free_at - 1e-9, "%s %s stage %d action %d: starts at %g before the stage is free at %g",
                   name, model, s, i, tl->start[i], free_at);
             free_at = tl->end[i];
-            int u = virtual_stage_of(cfg, s, a->chunk) * M + a->microbatch;
-            if (a->kind == PP_FORWARD) { fwd_end[u] = tl->end[i]; }
-            if (a->kind == PP_BACKWARD || a->kind == PP_BACKWARD_INPUT) { bwd_end[u] = tl->end[i]; }
+            PipelineAction halves[2];
+            for (int h = 0, nh = unpair(a, halves); h < nh; h++) {
+                int u = virtual_stage_of(cfg, s, halves[h].chunk) * M + halves[h].microbatch;
+                if (halves[h].kind == PP_FORWARD) { fwd_end[u] = tl->end[i]; }
+                if (halves[h].kind == PP_BACKWARD || halves[h].kind == PP_BACKWARD_INPUT) { bwd_end[u] = tl->end[i]; }
+            }
         }
         CHECK(fabs(tl->busy[s] - busy) <= 1e-9 && fabs(tl->idle[s] - (tl->makespan - busy)) <= 1e-9,
               "%s %s stage %d: busy %g idle %g, expected %g and %g", name, model, s, tl->busy[s], tl->idle[s], busy,
@@ -420,7 +530,9 @@ static void check_timeline(const char* name, const char* model, const PipelineSc
           makespan);
     for (int s = 0; s < S; s++) {
         for (int i = sch->offset[s]; i < sch->offset[s + 1]; i++) {
-            const PipelineAction* a = &sch->actions[i];
+          PipelineAction halves[2];
+          for (int h = 0, nh = unpair(&sch->actions[i], halves); h < nh; h++) {
+            const PipelineAction* a = &halves[h];
             int vs = virtual_stage_of(cfg, s, a->chunk), u = vs * M + a->microbatch;
             if (a->kind == PP_FORWARD && vs > 0) {
                 double ready = fwd_end[u - M] + (stage_of(cfg, vs - 1) == s ? 0.0 : transfer);
@@ -440,6 +552,7 @@ static void check_timeline(const char* name, const char* model, const PipelineSc
                 CHECK(tl->start[i] >= bwd_end[u] - 1e-9, "%s %s stage %d: W%d chunk %d starts at %g before its I ends "
                       "at %g", name, model, s, a->microbatch, a->chunk, tl->start[i], bwd_end[u]);
             }
+          }
         }
     }
     free(fwd_end);
@@ -458,7 +571,7 @@ static void simulate_all_models(const char* name, const PipelineSchedule* sch, c
     static const PipelineCommModel models[3] = {PP_COMM_RENDEZVOUS, PP_COMM_BATCHED, PP_COMM_EAGER};
     static const char* model_names[3] = {"rendezvous", "batched", "eager"};
     for (int m = 0; m < 3; m++) {
-        PipelineCosts costs = {fwd, bwd, transfer, models[m], wgt};
+        PipelineCosts costs = {fwd, bwd, transfer, models[m], wgt, NULL};
         PipelineTimeline tl;
         char err[1024];
         makespan[m] = NAN;
@@ -498,9 +611,13 @@ static void simulate_all_models(const char* name, const PipelineSchedule* sch, c
 //                 stage's F and I, S-2 more I's), rank S-1 then runs I and W of both its chunks per
 //                 microbatch (4 units), and the last gradient crosses S-1 ranks back before rank
 //                 0's last W.
+//   dualpipev     6M + 2(S-1): 6M units of work on every rank plus DeepSeek's bubble
+//                 (PP/2-1)(F&B + B - 3W) for PP = 2S, with F&B = F + B = 3 (nothing hidden),
+//                 B = 2, W = 1: (S-1)(3 + 2 - 3).
 static double textbook_makespan(const PipelineConfig* cfg) {
     double S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks;
     switch (cfg->kind) {
+        case PP_DUALPIPEV: return 6.0 * M + 2.0 * (S - 1.0);
         case PP_ZB1: return fmax(3.0 * M + S - 1.0, 2.0 * M + 2.0 * S - 1.0);
         case PP_ZBV: return fmax(6.0 * M + S - 1.0, 4.0 * M + 4.0 * S - 2.0);
         default: return (v * M + S - 1.0) * 3.0;
@@ -509,7 +626,7 @@ static double textbook_makespan(const PipelineConfig* cfg) {
 
 static void test_schedule(const PipelineConfig* cfg) {
     int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks, V = S * v;
-    int split = splits_backward(cfg->kind);
+    int split = splits_backward(cfg->kind), split_all = splits_every_backward(cfg->kind);
     char name[64], err[512];
     describe(name, sizeof(name), cfg);
     PipelineSchedule sch;
@@ -518,51 +635,71 @@ static void test_schedule(const PipelineConfig* cfg) {
     if (rc != 0) { return; }
 
     Computation* want = (Computation*)malloc(sizeof(Computation) * 3 * v * M);
+    PipelineAction* flat = (PipelineAction*)malloc(sizeof(PipelineAction) * (pipeline_max_actions(cfg) + v * M));
     for (int s = 0; s < S; s++) {
-        const PipelineAction* acts = sch.actions + sch.offset[s];
-        int n = sch.offset[s + 1] - sch.offset[s];
+        const PipelineAction* listed = sch.actions + sch.offset[s];
+        int listed_n = sch.offset[s + 1] - sch.offset[s];
+        // most checks read the list with each F&B as its F, then its B (its messages come before
+        // and after both)
+        const PipelineAction* acts = flat;
+        int n = 0;
+        for (int i = 0; i < listed_n; i++) { n += unpair(&listed[i], flat + n); }
 
         // the per-stage API gives the same list, and its count query agrees
         PipelineAction* one = (PipelineAction*)malloc(sizeof(PipelineAction) * (n + 1));
         int count = pipeline_stage_actions(cfg, s, NULL, 0, err, sizeof(err));
-        int got = pipeline_stage_actions(cfg, s, one, n + 1, err, sizeof(err));
-        CHECK(count == n && got == n && memcmp(one, acts, sizeof(PipelineAction) * n) == 0,
+        int got = pipeline_stage_actions(cfg, s, one, listed_n + 1, err, sizeof(err));
+        CHECK(count == listed_n && got == listed_n && memcmp(one, listed, sizeof(PipelineAction) * listed_n) == 0,
               "%s stage %d: pipeline_stage_actions (count %d, got %d) differs from pipeline_schedule_build (%d)",
-              name, s, count, got, n);
-        CHECK(n <= pipeline_max_actions(cfg), "%s stage %d: %d actions, more than pipeline_max_actions %d", name, s, n,
-              pipeline_max_actions(cfg));
+              name, s, count, got, listed_n);
+        CHECK(listed_n <= pipeline_max_actions(cfg), "%s stage %d: %d actions, more than pipeline_max_actions %d", name,
+              s, listed_n, pipeline_max_actions(cfg));
         free(one);
 
-        // compute order: exactly the definition
+        // compute order: exactly the definition (an F&B with both its halves)
         int wanted = expected_compute(cfg, s, want);
         int k = 0, order_ok = 1;
-        for (int i = 0; i < n; i++) {
-            if (!is_compute(acts[i].kind)) { continue; }
-            if (k >= wanted || acts[i].kind != want[k].kind || acts[i].microbatch != want[k].microbatch ||
-                acts[i].chunk != want[k].chunk || acts[i].peer != -1) {
+        for (int i = 0; i < listed_n; i++) {
+            const PipelineAction* a = &listed[i];
+            if (!is_compute(a->kind)) {
+                order_ok &= a->backward_microbatch == -1 && a->backward_chunk == -1;
+                continue;
+            }
+            if (k >= wanted || a->kind != want[k].kind || a->microbatch != want[k].microbatch ||
+                a->chunk != want[k].chunk || a->peer != -1 || a->backward_microbatch != want[k].backward_microbatch ||
+                a->backward_chunk != want[k].backward_chunk) {
                 order_ok = 0;
             }
             k++;
         }
         CHECK(order_ok && k == wanted, "%s stage %d: compute order differs from the definition", name, s);
 
-        // each (microbatch, chunk) exactly once: F, then B (or I, then W); per chunk the F's, the
-        // B's (I's) and the W's each in microbatch order, so weight gradients sum the
-        // microbatches in one rank's order
+        // each (microbatch, chunk) exactly once: F, then B (or I, then W; zb1 and zbv always split,
+        // dualpipev sometimes, the others never); per chunk the F's, the B's and I's, and the W's
+        // each in microbatch order, so weight gradients sum the microbatches in one rank's order
         for (int c = 0; c < v; c++) {
-            int next_f = 0, next_b = 0, next_w = 0, ok = 1;
+            int next_f = 0, next_b = 0, inputs = 0, weights = 0, last_w = -1, ok = 1;
+            char* input_done = (char*)calloc((size_t)M, 1);
             for (int i = 0; i < n; i++) {
-                if (acts[i].chunk != c) { continue; }
+                if (acts[i].chunk != c || !is_compute(acts[i].kind)) { continue; }
                 PipelineActionKind kind = acts[i].kind;
-                if (kind == PP_FORWARD) { ok &= acts[i].microbatch == next_f++; }
-                if (kind == (split ? PP_BACKWARD_INPUT : PP_BACKWARD)) {
-                    ok &= acts[i].microbatch == next_b++ && next_b <= next_f;
+                int mb = acts[i].microbatch;
+                if (kind == PP_FORWARD) { ok &= mb == next_f++; }
+                if (kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT) {
+                    ok &= mb == next_b++ && next_b <= next_f;
+                    ok &= kind == PP_BACKWARD ? !split_all : split;
+                    if (kind == PP_BACKWARD_INPUT) { input_done[mb] = 1; inputs++; }
                 }
-                if (kind == PP_BACKWARD_WEIGHT) { ok &= split && acts[i].microbatch == next_w++ && next_w <= next_b; }
-                if (kind == (split ? PP_BACKWARD : PP_BACKWARD_INPUT)) { ok = 0; }
+                if (kind == PP_BACKWARD_WEIGHT) {
+                    ok &= split && input_done[mb] && mb > last_w;
+                    last_w = mb;
+                    weights++;
+                }
             }
-            CHECK(ok && next_f == M && next_b == M && next_w == (split ? M : 0), "%s stage %d chunk %d: computations "
-                  "not each once, in microbatch order, F before %s", name, s, c, split ? "I before W" : "B");
+            free(input_done);
+            CHECK(ok && next_f == M && next_b == M && weights == inputs && inputs == (split_all ? M : inputs) &&
+                  (split || inputs == 0), "%s stage %d chunk %d: computations not each once, in microbatch order, F "
+                  "before %s", name, s, c, split ? "I before W" : "B");
         }
 
         // communication around each computation: a FORWARD whose previous virtual stage is on
@@ -618,22 +755,23 @@ static void test_schedule(const PipelineConfig* cfg) {
         free(computed);
 
         // post_with_next only joins sends/receives
-        for (int i = 0; i < n; i++) {
-            if (!acts[i].post_with_next) { continue; }
-            int comm_next = i + 1 < n && !is_compute(acts[i + 1].kind);
-            CHECK(!is_compute(acts[i].kind) && comm_next, "%s stage %d action %d: post_with_next joins a computation",
+        for (int i = 0; i < listed_n; i++) {
+            if (!listed[i].post_with_next) { continue; }
+            int comm_next = i + 1 < listed_n && !is_compute(listed[i + 1].kind);
+            CHECK(!is_compute(listed[i].kind) && comm_next, "%s stage %d action %d: post_with_next joins a computation",
                   name, s, i);
         }
 
-        // activations held: from F to W, or to B when not split
+        // activations held: from F to W, or to B when whole (an F&B holds both its halves' at once)
         int held = 0, most = 0;
         for (int i = 0; i < n; i++) {
-            held += (acts[i].kind == PP_FORWARD) - (acts[i].kind == (split ? PP_BACKWARD_WEIGHT : PP_BACKWARD));
+            held += acts[i].kind == PP_FORWARD;
             if (held > most) { most = held; }
+            held -= acts[i].kind == PP_BACKWARD_WEIGHT || acts[i].kind == PP_BACKWARD;
         }
         int bound = textbook_memory_bound(cfg, s);
-        CHECK(pipeline_max_in_flight(acts, n) == most, "%s stage %d: pipeline_max_in_flight %d, counted %d", name, s,
-              pipeline_max_in_flight(acts, n), most);
+        CHECK(pipeline_max_in_flight(listed, listed_n) == most, "%s stage %d: pipeline_max_in_flight %d, counted %d",
+              name, s, pipeline_max_in_flight(listed, listed_n), most);
         CHECK(pipeline_memory_bound(cfg, s) == bound, "%s stage %d: pipeline_memory_bound %d, textbook %d", name, s,
               pipeline_memory_bound(cfg, s), bound);
         CHECK(most <= bound, "%s stage %d: holds %d (microbatch, chunk) activations, more than the textbook %d", name, s,
@@ -672,6 +810,7 @@ static void test_schedule(const PipelineConfig* cfg) {
         }
     }
     free(want);
+    free(flat);
 
     // sends and receives match across stages: for every ordered pair of stages (a, b), the
     // messages a sends to b, in a's order, are the messages b receives from a, in b's order.
@@ -752,7 +891,7 @@ static void test_schedule(const PipelineConfig* cfg) {
     // S + 2*(S-1). gpipe first runs all M forwards on the last stage: (M+S-1) + 2*(S-1).
     if (cfg->kind == PP_GPIPE || cfg->kind == PP_1F1B) {
         for (int s = 0; s < S; s++) { fwd[s] = 1.0; bwd[s] = 2.0; }
-        PipelineCosts costs = {fwd, bwd, 0.0, PP_COMM_RENDEZVOUS, NULL};
+        PipelineCosts costs = {fwd, bwd, 0.0, PP_COMM_RENDEZVOUS, NULL, NULL};
         PipelineTimeline tl;
         if (pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)) == 0) {
             double want_time = (cfg->kind == PP_1F1B ? S : M + S - 1) + 2.0 * (S - 1), got = -1.0;
@@ -790,6 +929,11 @@ static void test_all_schedules(void) {
                 PipelineConfig i = {S, M, PP_INTERLEAVED, v};
                 if (S >= 2 && M % S == 0) { test_schedule(&i); }
             }
+        }
+        // DualPipeV needs M >= 2S (its phases have 2S microbatches in flight)
+        for (int M = 2 * S; M <= 32; M++) {
+            PipelineConfig dv = {S, M, PP_DUALPIPEV, 2};
+            test_schedule(&dv);
         }
     }
 }
@@ -889,7 +1033,7 @@ static void expect_error(int rc, const char* err, const char* needle, const char
 // Placement: chunk c of stage s holds virtual stage virtual_stage_of(s, c) of the balanced
 // partition into S*v pieces, the embedding with virtual stage 0 and the head with the last.
 static void test_placement(void) {
-    static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV};
+    static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV, PP_DUALPIPEV};
     ChunkPlace out[64];
     int first[65];
     char err[256], name[64];
@@ -967,6 +1111,8 @@ static void test_invalid_inputs(void) {
           "interleaved is not parsed");
     CHECK(pipeline_parse_schedule("zb1", &kind, err, sizeof(err)) == 0 && kind == PP_ZB1, "zb1 is not parsed");
     CHECK(pipeline_parse_schedule("zbv", &kind, err, sizeof(err)) == 0 && kind == PP_ZBV, "zbv is not parsed");
+    CHECK(pipeline_parse_schedule("dualpipev", &kind, err, sizeof(err)) == 0 && kind == PP_DUALPIPEV,
+          "dualpipev is not parsed");
 
     struct { PipelineConfig cfg; const char* needle; const char* what; } bad[] = {
         {{0, 4, PP_1F1B, 1}, "stages", "1f1b S=0"},
@@ -981,6 +1127,8 @@ static void test_invalid_inputs(void) {
         {{4, 8, PP_ZBV, 1}, "chunks", "zbv with 1 chunk"},
         {{4, 8, PP_ZBV, 4}, "chunks", "zbv with 4 chunks"},
         {{4, 0, PP_ZBV, 2}, "microbatches", "zbv M=0"},
+        {{4, 7, PP_DUALPIPEV, 2}, "at least 2 x stages = 8 microbatches, got 7", "dualpipev M < 2S"},
+        {{2, 4, PP_DUALPIPEV, 1}, "chunks must be 2", "dualpipev with 1 chunk"},
         {{4, 8, (PipelineScheduleKind)7, 1}, "unknown", "schedule kind 7"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
@@ -1011,7 +1159,7 @@ static void test_invalid_inputs(void) {
     PipelineSchedule sch;
     pipeline_schedule_build(&sch, &ok, err, sizeof(err));
     double f[4] = {1, 1, 1, 1}, b[4] = {2, 2, -2, 2};
-    PipelineCosts costs = {f, b, 0.0, PP_COMM_EAGER, NULL};
+    PipelineCosts costs = {f, b, 0.0, PP_COMM_EAGER, NULL, NULL};
     PipelineTimeline tl;
     expect_error(pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)), err, "stage 2", "a negative backward time");
     b[2] = 2;
@@ -1042,7 +1190,7 @@ static int simulate_lists(const PipelineConfig* cfg, const char* const* stages, 
     sch.offset = offset;
     sch.actions = acts;
     double f[8] = {1, 1, 1, 1, 1, 1, 1, 1}, b[8] = {2, 2, 2, 2, 2, 2, 2, 2};
-    PipelineCosts costs = {f, b, 0.0, comm, NULL};
+    PipelineCosts costs = {f, b, 0.0, comm, NULL, NULL};
     PipelineTimeline tl;
     err[0] = '\0';
     int rc = pipeline_simulate(&sch, &costs, &tl, err, errlen);
