@@ -366,10 +366,10 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
                 // is posted right after it (their sends), so both chunks' messages are in flight
                 // together while it computes; on one CPU thread the two halves run one after the
                 // other, the forward first (it frees nothing the backward needs)
-                t0 = now_seconds();
+                t0 = p->fwd + p->bwd;   // the pair's compute time, its waits for inputs left out
                 pipeline_run_forward(p, &x, i, c);
                 pipeline_run_backward(p, &x, act->backward_microbatch, act->backward_chunk, BACKWARD_BOTH);
-                p->pair += now_seconds() - t0;
+                p->pair += p->fwd + p->bwd - t0;
                 break;
             case PP_SEND_FORWARD:
                 // isend (pp group): the output of (microbatch i, chunk c) to the stage holding
@@ -410,16 +410,23 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
 
 // What pipeline_step measured, as the PP_TIMING floats the trainer gathers from every stage:
 // the fraction of the step (`seconds`) the stage spent not computing (its bubble); its mean ms
-// per (microbatch, chunk) of a forward, of a whole backward (or input half plus weight half)
-// and of a weight half; the most (microbatch, chunk) activations it held.
-#define PP_TIMING 5
+// per (microbatch, chunk) of a forward and of a whole backward (or input half plus weight
+// half), and per weight half; the most (microbatch, chunk) activations it held; its mean ms
+// per F&B pair (0 without pairs).
+#define PP_TIMING 6
 static inline void pipeline_step_timing(const Pipeline* p, double seconds, float* out) {
     double units = (double)p->cfg.num_microbatches * p->nchunks;
+    int pairs = 0, weights = 0;   // dualpipev splits only some backwards
+    for (int k = 0; k < p->nactions; k++) {
+        pairs += p->actions[k].kind == PP_FORWARD_BACKWARD;
+        weights += p->actions[k].kind == PP_BACKWARD_WEIGHT;
+    }
     out[0] = (float)(1.0 - p->busy / seconds);
     out[1] = (float)(p->fwd / units * 1e3);
     out[2] = (float)((p->bwd + p->wgt) / units * 1e3);
-    out[3] = (float)(p->wgt / units * 1e3);
+    out[3] = weights > 0 ? (float)(p->wgt / weights * 1e3) : 0.0f;
     out[4] = (float)p->peak_held;
+    out[5] = pairs > 0 ? (float)(p->pair / pairs * 1e3) : 0.0f;
 }
 
 // A forward-only pass of one batch through the pipeline (validation, sampling), acts[c] the
