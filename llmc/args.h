@@ -156,7 +156,7 @@ static const ArgSpec arg_specs[] = {
 static inline int train_args_chunks(const TrainArgs* a) {
     if (a->vpp > 0) { return a->vpp; }
     return strcmp(a->pp_schedule, "interleaved") == 0 || strcmp(a->pp_schedule, "zbv") == 0 ||
-           strcmp(a->pp_schedule, "dualpipev") == 0 ? 2 : 1;
+           strcmp(a->pp_schedule, "dualpipev") == 0 || strcmp(a->pp_schedule, "dualpipe") == 0 ? 2 : 1;
 }
 
 static inline void train_args_defaults(TrainArgs* a) {
@@ -340,6 +340,10 @@ static inline void train_args_validate(const TrainArgs* a) {
     PipelineScheduleKind kind;
     char err[256];
     if (pipeline_parse_schedule(a->pp_schedule, &kind, err, sizeof(err)) != 0) { fatal("--schedule: %s", err); }
+    if (kind == PP_DUALPIPE) {
+        fatal("--schedule dualpipe: the trainer does not run it yet (each stage's parameters on two ranks, their "
+              "gradients summed across the copies); --schedule dualpipev runs its schedule on half the ranks");
+    }
     int chunks = train_args_chunks(a);
     int own_chunks = kind == PP_ZBV || kind == PP_DUALPIPEV ? 2 : 1;
     if (kind != PP_INTERLEAVED && chunks != own_chunks) {

@@ -67,6 +67,14 @@
  *                2S+1 (microbatch, chunk) pairs (DeepSeek's PP+1 with PP = 2S).
  *                S=2, M=4, rank 1: F0c0 F0c1 F1c0 F1c1 B0c1 F2c0 F2c1&B0c0 F3c0&B1c1 F3c1&B1c0
  *                B2c1 B2c0 I3c1 I3c0 W3c1 W3c0.
+ *   dualpipe     DeepSeek's DualPipe: the model's S stages each on two ranks. Microbatches
+ *                [0, M/2) enter at rank 0 (model stage k on rank k), [M/2, M) at rank S-1
+ *                (model stage k on rank S-1-k); rank s and its mirror S-1-s hold model stages
+ *                h = min(s, S-1-s) (chunk 0) and S-1-h (chunk 1), each chunk on one half of the
+ *                microbatches (pipeline_chunk_microbatches), and both run rank h's dualpipev
+ *                phases for S/2 ranks and M/2 microbatches. Needs S even, M even and >= 2S.
+ *                A rank holds up to S+1 (microbatch, chunk) pairs (DeepSeek's PP+1); the two
+ *                copies of a stage would sum their gradients (the trainer does not run it yet).
  *
  * Layer placement (pipeline_place_layers). The layers are balanced over the S*v virtual stages
  * (pipeline_partition_layers) in model order, and chunk c of rank s holds the layers of
@@ -143,12 +151,14 @@
  * API (all functions static inline):
  *   pipeline_check_config(cfg, err, errlen)             0, or -1 with a message
  *   pipeline_parse_schedule("1f1b", &kind, err, errlen)  names: gpipe, 1f1b, interleaved, zb1, zbv,
- *                                                        dualpipev
+ *                                                        dualpipev, dualpipe
  *   pipeline_splits_backward(kind)                       1: I and W instead of B (zb1, zbv; some
  *                                                        backwards under dualpipev)
  *   pipeline_is_compute(kind), pipeline_action_halves(action, halves)
  *                                                        computations; an F&B's F and B
- *   pipeline_virtual_stage(cfg, stage, chunk), pipeline_virtual_stage_owner(cfg, vs, &stage, &chunk)
+ *   pipeline_virtual_stage(cfg, stage, chunk), pipeline_virtual_stage_owner(cfg, vs, &stage, &chunk),
+ *   pipeline_num_virtual_stages(cfg), pipeline_unit_owner(cfg, vs, microbatch, &stage, &chunk),
+ *   pipeline_chunk_microbatches(cfg, stage, chunk, &first, &count)   (dualpipe's two copies)
  *   pipeline_neighbour_stage(cfg, stage, chunk, -1 or +1)
  *                                                        the stage before / after a chunk: -1
  *                                                        none, `stage` a local hand-off
@@ -192,6 +202,7 @@ typedef enum {
     PP_ZB1 = 3,
     PP_ZBV = 4,
     PP_DUALPIPEV = 5,
+    PP_DUALPIPE = 6,
 } PipelineScheduleKind;
 
 typedef struct {
@@ -225,27 +236,29 @@ static inline const char* pipeline_schedule_name(PipelineScheduleKind kind) {
         case PP_ZB1: return "zb1";
         case PP_ZBV: return "zbv";
         case PP_DUALPIPEV: return "dualpipev";
+        case PP_DUALPIPE: return "dualpipe";
     }
     return "unknown";
 }
 
 static inline int pipeline_parse_schedule(const char* name, PipelineScheduleKind* kind,
                                           char* err, size_t errlen) {
-    static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV, PP_DUALPIPEV};
+    static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV, PP_DUALPIPEV, PP_DUALPIPE};
     for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
         if (name != NULL && strcmp(name, pipeline_schedule_name(kinds[i])) == 0) {
             *kind = kinds[i];
             return 0;
         }
     }
-    return pp_error(err, errlen, "unknown pipeline schedule '%s' (expected gpipe, 1f1b, interleaved, zb1, zbv or dualpipev)",
+    return pp_error(err, errlen, "unknown pipeline schedule '%s' (expected gpipe, 1f1b, interleaved, zb1, zbv, dualpipev or dualpipe)",
                     name != NULL ? name : "(null)");
 }
 
 // 1 when the schedule runs BACKWARD_INPUT and BACKWARD_WEIGHT instead of BACKWARD: for every
-// (microbatch, chunk) under zb1 and zbv, for some under dualpipev (its other backwards are whole).
+// (microbatch, chunk) under zb1 and zbv, for some under dualpipev and dualpipe (their other
+// backwards are whole).
 static inline int pipeline_splits_backward(PipelineScheduleKind kind) {
-    return kind == PP_ZB1 || kind == PP_ZBV || kind == PP_DUALPIPEV;
+    return kind == PP_ZB1 || kind == PP_ZBV || kind == PP_DUALPIPEV || kind == PP_DUALPIPE;
 }
 
 static inline int pipeline_check_config(const PipelineConfig* cfg, char* err, size_t errlen) {
@@ -276,6 +289,7 @@ static inline int pipeline_check_config(const PipelineConfig* cfg, char* err, si
             break;
         case PP_ZBV:
         case PP_DUALPIPEV:
+        case PP_DUALPIPE:
             if (v != 2) {
                 return pp_error(err, errlen, "pipeline: the %s schedule runs two model chunks per stage (the V), "
                                 "so the number of chunks must be 2, got %d", pipeline_schedule_name(cfg->kind), v);
@@ -284,6 +298,15 @@ static inline int pipeline_check_config(const PipelineConfig* cfg, char* err, si
             if (cfg->kind == PP_DUALPIPEV && M < 2 * S) {
                 return pp_error(err, errlen, "pipeline: the dualpipev schedule needs at least 2 x stages = %d "
                                 "microbatches, got %d", 2 * S, M);
+            }
+            // half the microbatches enter at each end; each half runs dualpipev's phases on
+            // half the ranks
+            if (cfg->kind == PP_DUALPIPE && S % 2 != 0) {
+                return pp_error(err, errlen, "pipeline: the dualpipe schedule needs an even number of stages, got %d", S);
+            }
+            if (cfg->kind == PP_DUALPIPE && (M % 2 != 0 || M < 2 * S)) {
+                return pp_error(err, errlen, "pipeline: the dualpipe schedule needs an even number of microbatches, at "
+                                "least 2 x stages = %d, got %d", 2 * S, M);
             }
             break;
         default:
@@ -355,15 +378,45 @@ static inline int pipeline_is_input_backward(PipelineActionKind kind) {
 // with one chunk, c*S + s interleaved (round-robin), s and 2S-1-s for zbv (the V).
 static inline int pp_is_v_shape(PipelineScheduleKind kind) { return kind == PP_ZBV || kind == PP_DUALPIPEV; }
 
+// Virtual stages of the model: S*v, but S under dualpipe (each stage is on two ranks).
+static inline int pipeline_num_virtual_stages(const PipelineConfig* cfg) {
+    return cfg->kind == PP_DUALPIPE ? cfg->num_stages : cfg->num_stages * cfg->num_chunks;
+}
+
+// dualpipe: the direction of chunk `chunk` of `stage`: 0 for the microbatches entering at
+// stage 0 (stage s runs model stage s), 1 for those entering at stage S-1 (stage s runs model
+// stage S-1-s). Rank s < S/2 holds model stage s for direction 0 as chunk 0 and S-1-s for
+// direction 1 as chunk 1; rank S-1-s mirrors it.
+static inline int pipeline_direction(const PipelineConfig* cfg, int stage, int chunk) {
+    if (cfg->kind != PP_DUALPIPE) { return 0; }
+    return (stage < cfg->num_stages / 2) == (chunk == 0) ? 0 : 1;
+}
+
+// The microbatches chunk `chunk` of `stage` runs: [first, first + count). Every one but under
+// dualpipe, where each direction has half: [0, M/2) enter at stage 0, [M/2, M) at stage S-1.
+static inline void pipeline_chunk_microbatches(const PipelineConfig* cfg, int stage, int chunk, int* first, int* count) {
+    int M = cfg->num_microbatches;
+    *first = cfg->kind == PP_DUALPIPE ? pipeline_direction(cfg, stage, chunk) * (M / 2) : 0;
+    *count = cfg->kind == PP_DUALPIPE ? M / 2 : M;
+}
+
 static inline int pipeline_virtual_stage(const PipelineConfig* cfg, int stage, int chunk) {
+    if (cfg->kind == PP_DUALPIPE) {
+        int h = stage < cfg->num_stages - 1 - stage ? stage : cfg->num_stages - 1 - stage;
+        return chunk == 0 ? h : cfg->num_stages - 1 - h;
+    }
     if (pp_is_v_shape(cfg->kind)) { return chunk == 0 ? stage : 2 * cfg->num_stages - 1 - stage; }
     return chunk * cfg->num_stages + stage;
 }
 
-// The inverse: which stage and chunk hold virtual stage vs.
+// The inverse: which stage and chunk hold virtual stage vs (under dualpipe its copy of
+// direction 0, stage vs; pipeline_unit_owner names the copy a microbatch runs on).
 static inline void pipeline_virtual_stage_owner(const PipelineConfig* cfg, int vs, int* stage, int* chunk) {
     int S = cfg->num_stages;
-    if (pp_is_v_shape(cfg->kind)) {
+    if (cfg->kind == PP_DUALPIPE) {
+        *stage = vs;
+        *chunk = vs < S / 2 ? 0 : 1;
+    } else if (pp_is_v_shape(cfg->kind)) {
         *chunk = vs < S ? 0 : 1;
         *stage = vs < S ? vs : 2 * S - 1 - vs;
     } else {
@@ -372,19 +425,23 @@ static inline void pipeline_virtual_stage_owner(const PipelineConfig* cfg, int v
     }
 }
 
-static inline int pp_owner_stage(const PipelineConfig* cfg, int vs) {
-    int stage, chunk;
-    pipeline_virtual_stage_owner(cfg, vs, &stage, &chunk);
-    return stage;
+// The stage and chunk running virtual stage vs of microbatch m.
+static inline void pipeline_unit_owner(const PipelineConfig* cfg, int vs, int m, int* stage, int* chunk) {
+    pipeline_virtual_stage_owner(cfg, vs, stage, chunk);
+    // direction 1: the mirror rank, whose chunk of the same number holds vs too
+    if (cfg->kind == PP_DUALPIPE && m >= cfg->num_microbatches / 2) { *stage = cfg->num_stages - 1 - vs; }
 }
 
 // The stage holding the virtual stage before (step = -1) or after (step = +1) chunk `chunk` of
-// `stage`: -1 if there is none (the first / last virtual stage), `stage` itself for a local
-// hand-off (no message; see the header comment).
+// `stage` (on that chunk's microbatches' way): -1 if there is none (the first / last virtual
+// stage), `stage` itself for a local hand-off (no message; see the header comment).
 static inline int pipeline_neighbour_stage(const PipelineConfig* cfg, int stage, int chunk, int step) {
     int vs = pipeline_virtual_stage(cfg, stage, chunk) + step;
-    if (vs < 0 || vs >= cfg->num_stages * cfg->num_chunks) { return -1; }
-    return pp_owner_stage(cfg, vs);
+    if (vs < 0 || vs >= pipeline_num_virtual_stages(cfg)) { return -1; }
+    int first, count, owner, owner_chunk;
+    pipeline_chunk_microbatches(cfg, stage, chunk, &first, &count);
+    pipeline_unit_owner(cfg, vs, first, &owner, &owner_chunk);
+    return owner;
 }
 
 // Most actions one stage's list can have: per (microbatch, chunk) its computations (F and B, or
@@ -440,7 +497,8 @@ static inline int pp_warmup(const PipelineConfig* cfg, int stage) {
         // stage (the activation has one more stage to go out, the gradient one more to come back).
         case PP_INTERLEAVED: w = 2 * (S - stage - 1) + (v - 1) * S; break;
         case PP_ZBV:
-        case PP_DUALPIPEV: break;  // have phases of their own (pp_order_zbv, pp_order_dualpipev)
+        case PP_DUALPIPEV:
+        case PP_DUALPIPE: break;  // have phases of their own (pp_order_zbv, pp_order_dualpipev)
     }
     return w < v * M ? w : v * M;
 }
@@ -559,10 +617,21 @@ static inline void pp_push_dualpipev_pair(const PipelineConfig* cfg, PipelineAct
 //   7. (W, I0) x (P-r-1)        8. W x (r+1)
 // A W is always the oldest weight half still due (the reference's FIFO), so each chunk's W's
 // come in microbatch order.
+//
+// dualpipe (DeepSeek's DualPipe): rank s and its mirror S-1-s both run rank r = min(s, S-1-s)'s
+// phases of a dualpipev of P = S/2 ranks and N = M/2 microbatches, chunk 0 being model stage r
+// and chunk 1 model stage S-1-r, each chunk on the microbatches of its direction
+// (pipeline_chunk_microbatches).
 static inline int pp_order_dualpipev(const PipelineConfig* cfg, int stage, PipelineAction* out) {
-    int P = cfg->num_stages, N = cfg->num_microbatches, r = stage;
-    int forwards[2] = {0, 0}, backwards[2] = {0, 0};
-    int* weights_due = (int*)malloc_or_die((size_t)2 * N * sizeof(int), "pipeline order");
+    int dual = cfg->kind == PP_DUALPIPE;
+    int P = dual ? cfg->num_stages / 2 : cfg->num_stages, N = dual ? cfg->num_microbatches / 2 : cfg->num_microbatches;
+    int r = stage < P ? stage : cfg->num_stages - 1 - stage;
+    int forwards[2], backwards[2], per_chunk;
+    for (int c = 0; c < 2; c++) {
+        pipeline_chunk_microbatches(cfg, stage, c, &forwards[c], &per_chunk);
+        backwards[c] = forwards[c];
+    }
+    int* weights_due = (int*)malloc_or_die((size_t)2 * cfg->num_microbatches * sizeof(int), "pipeline order");
     int due_count = 0, head = 0, count = 0;
     for (int i = 0; i < 2 * (P - r - 1); i++) { pp_push_next(cfg, out, &count, PP_FORWARD, forwards, 0); }
     for (int i = 0; i < r + 1; i++) {
@@ -604,7 +673,8 @@ static inline int pp_compute_order(const PipelineConfig* cfg, int stage, Pipelin
     switch (cfg->kind) {
         case PP_ZB1: return pp_order_zb1(cfg, stage, out);
         case PP_ZBV: return pp_order_zbv(cfg, stage, out);
-        case PP_DUALPIPEV: return pp_order_dualpipev(cfg, stage, out);
+        case PP_DUALPIPEV:
+        case PP_DUALPIPE: return pp_order_dualpipev(cfg, stage, out);
         default: return pp_order_one_forward_one_backward(cfg, stage, out);
     }
 }
@@ -632,7 +702,7 @@ static inline int pp_reference_cost(PipelineActionKind kind) {
 // When the input of one computation (not an F&B) exists in the reference timeline; -1: not yet.
 static inline int pp_reference_ready(const PPReference* ref, const PipelineConfig* cfg, int stage,
                                      const PipelineAction* a) {
-    int M = cfg->num_microbatches, V = cfg->num_stages * cfg->num_chunks;
+    int M = cfg->num_microbatches, V = pipeline_num_virtual_stages(cfg);
     int u = pipeline_virtual_stage(cfg, stage, a->chunk) * M + a->microbatch;
     if (a->kind == PP_FORWARD) { return u < M ? 0 : ref->fwd_end[u - M]; }
     if (a->kind == PP_BACKWARD_WEIGHT) { return ref->bwd_end[u]; }
@@ -640,7 +710,7 @@ static inline int pp_reference_ready(const PPReference* ref, const PipelineConfi
 }
 
 static inline void pp_reference_build(PPReference* ref, const PipelineConfig* cfg) {
-    int S = cfg->num_stages, M = cfg->num_microbatches, V = S * cfg->num_chunks;
+    int S = cfg->num_stages, M = cfg->num_microbatches, V = pipeline_num_virtual_stages(cfg);
     int n = pp_computations(cfg);
     size_t units = (size_t)V * M;
     ref->n = n;
@@ -656,7 +726,7 @@ static inline void pp_reference_build(PPReference* ref, const PipelineConfig* cf
     long long remaining = 0;
     for (int s = 0; s < S; s++) {
         int count = pp_compute_order(cfg, s, ref->order + (size_t)s * n);
-        if (count > n || (cfg->kind != PP_DUALPIPEV && count != n)) {
+        if (count > n || (cfg->kind != PP_DUALPIPEV && cfg->kind != PP_DUALPIPE && count != n)) {
             fatal("pipeline: internal error: the %s compute order of stage %d has %d computations, expected %d",
                   pipeline_schedule_name(cfg->kind), s, count, n);
         }
@@ -743,7 +813,8 @@ static inline int pp_message_instant(const PPReference* ref, int from, int to, i
 // starting then (phase 1). A message crosses boundary w (between virtual stages w and w+1) on
 // link w mod S. Messages across one boundary in one direction come from one virtual stage, whose
 // computations end at distinct times, so (produced, boundary) makes the order of messages total
-// and the same on both ends.
+// and the same on both ends; under dualpipe the middle link carries two directions' messages
+// across one boundary, and the microbatch tells them apart.
 typedef struct {
     int time, phase, link, dir, produced, boundary;
     PipelineAction action;
@@ -757,7 +828,9 @@ static inline int pp_event_compare(const void* pa, const void* pb) {
     if (a->link != b->link) { return a->link < b->link ? -1 : 1; }
     if (a->dir != b->dir) { return a->dir < b->dir ? -1 : 1; }
     if (a->produced != b->produced) { return a->produced < b->produced ? -1 : 1; }
-    return a->boundary < b->boundary ? -1 : (a->boundary > b->boundary ? 1 : 0);
+    if (a->boundary != b->boundary) { return a->boundary < b->boundary ? -1 : 1; }
+    // dualpipe's middle pair of ranks carries both directions across one boundary
+    return a->action.microbatch < b->action.microbatch ? -1 : (a->action.microbatch > b->action.microbatch ? 1 : 0);
 }
 
 static inline void pp_add_event(PPEvent* events, int* count, int time, int phase, int boundary, int num_stages,
@@ -943,6 +1016,7 @@ static inline double pipeline_bubble_fraction(const PipelineConfig* cfg) {
         case PP_ZB1: T = fmax(3.0 * M + S - 1.0, 2.0 * M + 2.0 * S - 1.0); break;
         case PP_ZBV: T = fmax(6.0 * M + S - 1.0, 4.0 * M + 4.0 * S - 2.0); break;
         case PP_DUALPIPEV: T = 6.0 * M + 2.0 * (S - 1.0); break;
+        case PP_DUALPIPE: return (S - 2.0) / (3.0 * M + S - 2.0);
         default: return (S - 1.0) / (v * M + S - 1.0);
     }
     return (T - 3.0 * v * M) / T;
@@ -1010,7 +1084,7 @@ typedef struct {
 static inline int pipeline_place_layers(const PipelineConfig* cfg, int num_layers, double embed_cost, double head_cost,
                                         ChunkPlace* out, char* err, size_t errlen) {
     if (pipeline_check_config(cfg, err, errlen) != 0) { return -1; }
-    int S = cfg->num_stages, v = cfg->num_chunks, V = S * v;
+    int S = cfg->num_stages, v = cfg->num_chunks, V = pipeline_num_virtual_stages(cfg);
     int* first = (int*)malloc_or_die((size_t)(V + 1) * sizeof(int), "pipeline placement");
     if (pipeline_partition_layers(num_layers, V, embed_cost, head_cost, first, err, errlen) != 0) {
         free(first);

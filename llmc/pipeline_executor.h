@@ -257,7 +257,6 @@ static inline void pipeline_run_forward(Pipeline* p, const PipelineStepContext* 
     int B = x->B, T = x->T, vs = p->vstage[c];
     void* model = p->models[c];
     const ChunkPlace* place = &p->places[c];
-    size_t bytes = p->msg_floats * sizeof(float);
     MicroSlot* s = pipeline_slot(p, i, c, 1);
     if (place->has_embedding || place->has_head) {
         dataloader_load(x->loader, x->overfit ? 0 : zero_global_microbatch(x->z, x->first_microbatch, i));
@@ -268,11 +267,11 @@ static inline void pipeline_run_forward(Pipeline* p, const PipelineStepContext* 
         if (producer >= 0) {        // a hand-off on this rank
             MicroSlot* from = pipeline_slot(p, i, producer, 0);
             p->mem->copy(ops->stage_input(model, s->acts), ops->stage_output(p->models[producer], from->acts, B, T),
-                         bytes);
+                         p->msg_floats * sizeof(float));
         } else {
             MessageBuffer* m = pipeline_message(p, i, c, MSG_RECEIVING);
             comm_wait(m->req);
-            p->mem->copy(ops->stage_input(model, s->acts), m->buf, bytes);
+            p->mem->copy(ops->stage_input(model, s->acts), m->buf, p->msg_floats * sizeof(float));
             m->req = NULL;
             m->state = MSG_FREE;
         }
@@ -294,10 +293,7 @@ static inline void pipeline_run_forward(Pipeline* p, const PipelineStepContext* 
 // on this rank; the input gradient kept for the send or the hand-off; weight gradients into the
 // chunk's microbatch tree (zero.h).
 static inline void pipeline_run_backward(Pipeline* p, const PipelineStepContext* x, int i, int c, int part) {
-    const ModelOps* ops = p->ops;
-    int B = x->B, T = x->T, vs = p->vstage[c];
-    void* model = p->models[c];
-    const ChunkPlace* place = &p->places[c];
+    int vs = p->vstage[c];
     size_t bytes = p->msg_floats * sizeof(float);
     MicroSlot* s = pipeline_slot(p, i, c, 0);
     if ((part & BACKWARD_INPUT) && vs < x->last_vs) {   // d(loss)/d(chunk output)
@@ -312,10 +308,12 @@ static inline void pipeline_run_backward(Pipeline* p, const PipelineStepContext*
         }
     }
     double t0 = now_seconds();
+    const ModelOps* ops = p->ops;
+    void* model = p->models[c];
     if (part & BACKWARD_WEIGHT) { zero_begin_microbatch(x->z, c, i); }
-    if (place->has_head) { ops->head_backward(model, s->acts, x->grads, B, T, x->dloss, part); }
-    ops->layers_backward(model, s->acts, x->grads, B, T, part);
-    if (place->has_embedding) { ops->embed_backward(model, s->acts, x->grads, B, T, part); }
+    if (p->places[c].has_head) { ops->head_backward(model, s->acts, x->grads, x->B, x->T, x->dloss, part); }
+    ops->layers_backward(model, s->acts, x->grads, x->B, x->T, part);
+    if (p->places[c].has_embedding) { ops->embed_backward(model, s->acts, x->grads, x->B, x->T, part); }
     if ((part & BACKWARD_INPUT) && vs > 0) {   // keep d(loss)/d(chunk input)
         int consumer = pipeline_chunk_of(p, vs - 1);
         MessageBuffer* m = consumer >= 0 ? pipeline_message_new(p, i, consumer, MSG_HANDOFF)

@@ -45,12 +45,15 @@ static const char* kind_name(int kind) {
         case PP_ZB1: return "zb1";
         case PP_ZBV: return "zbv";
         case PP_DUALPIPEV: return "dualpipev";
+        case PP_DUALPIPE: return "dualpipe";
     }
     return "?";
 }
 
 // zb1 and zbv split every backward, dualpipev some (the others whole), the rest none.
-static int splits_backward(int kind) { return kind == PP_ZB1 || kind == PP_ZBV || kind == PP_DUALPIPEV; }
+static int splits_backward(int kind) {
+    return kind == PP_ZB1 || kind == PP_ZBV || kind == PP_DUALPIPEV || kind == PP_DUALPIPE;
+}
 static int splits_every_backward(int kind) { return kind == PP_ZB1 || kind == PP_ZBV; }
 
 static int is_compute(PipelineActionKind kind) {
@@ -80,10 +83,34 @@ static void describe(char* buf, size_t len, const PipelineConfig* cfg) {
 }
 
 // Where chunk c of stage s sits in the model, by the schedules' definitions: interleaved goes
-// round the ring of stages v times (Megatron-LM), zbv down the stages and back up (the V).
+// round the ring of stages v times (Megatron-LM), zbv down the stages and back up (the V);
+// dualpipe's S model stages each on two ranks: rank s and rank S-1-s hold min(s, S-1-s) as
+// chunk 0 and the mirror stage as chunk 1.
 static int virtual_stage_of(const PipelineConfig* cfg, int s, int c) {
-    if (cfg->kind == PP_ZBV || cfg->kind == PP_DUALPIPEV) { return c == 0 ? s : 2 * cfg->num_stages - 1 - s; }
-    return c * cfg->num_stages + s;
+    int S = cfg->num_stages;
+    if (cfg->kind == PP_ZBV || cfg->kind == PP_DUALPIPEV) { return c == 0 ? s : 2 * S - 1 - s; }
+    if (cfg->kind == PP_DUALPIPE) {
+        int h = s < S - 1 - s ? s : S - 1 - s;
+        return c == 0 ? h : S - 1 - h;
+    }
+    return c * S + s;
+}
+
+static int model_stages(const PipelineConfig* cfg) {
+    return cfg->kind == PP_DUALPIPE ? cfg->num_stages : cfg->num_stages * cfg->num_chunks;
+}
+
+// dualpipe: 1 when chunk c of stage s carries the microbatches that enter at stage 0 (model
+// stage k on rank k) -- the first half, [0, M/2) -- rather than those entering at stage S-1
+// (model stage k on rank S-1-k), [M/2, M). Every chunk of the other schedules runs all M.
+static int runs_first_half(const PipelineConfig* cfg, int s, int c) {
+    return cfg->kind != PP_DUALPIPE || (virtual_stage_of(cfg, s, c) == s);
+}
+static int first_microbatch_of(const PipelineConfig* cfg, int s, int c) {
+    return runs_first_half(cfg, s, c) ? 0 : cfg->num_microbatches / 2;
+}
+static int microbatches_of(const PipelineConfig* cfg) {
+    return cfg->kind == PP_DUALPIPE ? cfg->num_microbatches / 2 : cfg->num_microbatches;
 }
 
 // The stage holding virtual stage vs, by search; -1 if none.
@@ -94,6 +121,15 @@ static int stage_of(const PipelineConfig* cfg, int vs) {
         }
     }
     return -1;
+}
+
+// The stage running the virtual stage before (step -1) or after (+1) chunk c of stage s on its
+// microbatches' way; -1 if none.
+static int neighbour_of(const PipelineConfig* cfg, int s, int c, int step) {
+    int vs = virtual_stage_of(cfg, s, c) + step;
+    if (vs < 0 || vs >= model_stages(cfg)) { return -1; }
+    if (cfg->kind == PP_DUALPIPE) { return runs_first_half(cfg, s, c) ? vs : cfg->num_stages - 1 - vs; }
+    return stage_of(cfg, vs);
 }
 
 // The chunk of stage s holding virtual stage vs; -1 if none.
@@ -161,9 +197,8 @@ static int parse_actions(const char* text, const PipelineConfig* cfg, int s, Pip
         }
         a.microbatch = (int)strtol(p, (char**)&p, 10);
         if (*p == 'c') { p++; a.chunk = (int)strtol(p, (char**)&p, 10); }
-        int vs = virtual_stage_of(cfg, s, a.chunk);
         int towards_input = a.kind == PP_RECV_FORWARD || a.kind == PP_SEND_BACKWARD;
-        a.peer = recv || send ? stage_of(cfg, towards_input ? vs - 1 : vs + 1) : -1;
+        a.peer = recv || send ? neighbour_of(cfg, s, a.chunk, towards_input ? -1 : +1) : -1;
         if (*p == '+') { a.post_with_next = 1; p++; }
         out[n++] = a;
     }
@@ -302,33 +337,38 @@ static int dualpipev_phase(Computation* out, int n, int M, DualPipeVState* st, i
     return n;
 }
 
-static int expected_dualpipev(const PipelineConfig* cfg, int r, Computation* out) {
-    int P = cfg->num_stages, N = cfg->num_microbatches;
+// DualPipe (deepseek-ai/DualPipe): ranks s and S-1-s both run rank min(s, S-1-s)'s phases of a
+// DualPipeV of S/2 ranks and M/2 microbatches, each chunk on its own half of the microbatches.
+static int expected_dualpipev(const PipelineConfig* cfg, int s, Computation* out) {
+    int dual = cfg->kind == PP_DUALPIPE, S = cfg->num_stages;
+    int P = dual ? S / 2 : S, N = dual ? cfg->num_microbatches / 2 : cfg->num_microbatches;
+    int r = s < S - 1 - s || !dual ? s : S - 1 - s;
     DualPipeVState st;
     memset(&st, 0, sizeof(st));
+    for (int c = 0; c < 2; c++) { st.f[c] = st.b[c] = first_microbatch_of(cfg, s, c); }
     int n = 0;
-    n = dualpipev_phase(out, n, N, &st, 2 * (P - r - 1), "F0");
-    n = dualpipev_phase(out, n, N, &st, r + 1, "F0 F1");
-    n = dualpipev_phase(out, n, N, &st, P - r - 1, "I1 W F1");
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, 2 * (P - r - 1), "F0");
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, r + 1, "F0 F1");
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, P - r - 1, "I1 W F1");
     if (r == P - 1) {
-        n = dualpipev_phase(out, n, N, &st, 1, "F0 B1 F1&B0");
-        n = dualpipev_phase(out, n, N, &st, N - 2 * P + r, "F0&B1 F1&B0");
+        n = dualpipev_phase(out, n, cfg->num_microbatches, &st, 1, "F0 B1 F1&B0");
+        n = dualpipev_phase(out, n, cfg->num_microbatches, &st, N - 2 * P + r, "F0&B1 F1&B0");
     } else {
-        n = dualpipev_phase(out, n, N, &st, N - 2 * P + r + 1, "F0&B1 F1&B0");
+        n = dualpipev_phase(out, n, cfg->num_microbatches, &st, N - 2 * P + r + 1, "F0&B1 F1&B0");
     }
-    n = dualpipev_phase(out, n, N, &st, P - r - 1, "B1 F1&B0");
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, P - r - 1, "B1 F1&B0");
     for (int k = 0; k < 2 * (r + 1); k++) {
-        n = dualpipev_phase(out, n, N, &st, 1, k % 2 == 0 ? (k >= r + 1 ? "I1" : "B1") : (k >= r + 1 ? "I0" : "B0"));
+        n = dualpipev_phase(out, n, cfg->num_microbatches, &st, 1, k % 2 == 0 ? (k >= r + 1 ? "I1" : "B1") : (k >= r + 1 ? "I0" : "B0"));
     }
-    n = dualpipev_phase(out, n, N, &st, P - r - 1, "W I0");
-    n = dualpipev_phase(out, n, N, &st, r + 1, "W");
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, P - r - 1, "W I0");
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, r + 1, "W");
     return n;
 }
 
 static int expected_compute(const PipelineConfig* cfg, int s, Computation* out) {
     if (cfg->kind == PP_ZB1) { return expected_zb1(cfg, s, out); }
     if (cfg->kind == PP_ZBV) { return expected_zbv(cfg, s, out); }
-    if (cfg->kind == PP_DUALPIPEV) { return expected_dualpipev(cfg, s, out); }
+    if (cfg->kind == PP_DUALPIPEV || cfg->kind == PP_DUALPIPE) { return expected_dualpipev(cfg, s, out); }
     return expected_one_forward_one_backward(cfg, s, out);
 }
 
@@ -336,12 +376,12 @@ static int expected_compute(const PipelineConfig* cfg, int s, Computation* out) 
 // its W (or B): gpipe every microbatch; 1f1b the warmup and one; interleaved Megatron-LM's
 // warmup and one; zb1 1F1B's peak, min(S, M), on every stage (the paper: ZB-H1 keeps 1F1B's
 // peak memory); zbv the paper's p*M_B, S microbatches of a 1f1b stage's layers = 2S chunks;
-// dualpipev DeepSeek's PP + 1 for the DualPipe of PP = 2S ranks it halves.
+// dualpipev DeepSeek's PP + 1 for the DualPipe of PP = 2S ranks it halves; dualpipe PP + 1.
 static int textbook_memory_bound(const PipelineConfig* cfg, int s) {
     int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks;
     int bound = cfg->kind == PP_GPIPE ? M : cfg->kind == PP_1F1B ? S - s
               : cfg->kind == PP_INTERLEAVED ? 2 * (S - s - 1) + (v - 1) * S + 1 : cfg->kind == PP_ZB1 ? S
-              : cfg->kind == PP_DUALPIPEV ? 2 * S + 1 : 2 * S;
+              : cfg->kind == PP_DUALPIPEV ? 2 * S + 1 : cfg->kind == PP_DUALPIPE ? S + 1 : 2 * S;
     return bound < v * M ? bound : v * M;
 }
 
@@ -467,14 +507,21 @@ static void test_hand_written(void) {
     // phase 3; phase 4 twice, the first pair's F0&B1 as F0 then B1; no phase 5; (B1, B0) x 2,
     // the last two split; no phase 7; W x 2.
     PipelineConfig d1 = {2, 4, PP_DUALPIPEV, 2};
-    check_stage_text(&d1, 0, 0, "F0c0 F1c0 F2c0 F0c1 I0c1 W0c1 F1c1 F3c0&B1c1 F2c1&B0c0 B2c1 F3c1&B1c0 B3c1 I2c0 "
-                                "W2c0 I3c0 W3c0");
-    check_stage_text(&d1, 1, 0, "F0c0 F0c1 F1c0 F1c1 F2c0 B0c1 F2c1&B0c0 F3c0&B1c1 F3c1&B1c0 B2c1 B2c0 I3c1 I3c0 "
-                                "W3c1 W3c0");
+    static const char* const dualpipev_ranks[2] = {
+        "F0c0 F1c0 F2c0 F0c1 I0c1 W0c1 F1c1 F3c0&B1c1 F2c1&B0c0 B2c1 F3c1&B1c0 B3c1 I2c0 W2c0 I3c0 W3c0",
+        "F0c0 F0c1 F1c0 F1c1 F2c0 B0c1 F2c1&B0c0 F3c0&B1c1 F3c1&B1c0 B2c1 B2c0 I3c1 I3c0 W3c1 W3c0"};
+    for (int r = 0; r < 2; r++) { check_stage_text(&d1, r, 0, dualpipev_ranks[r]); }
     // dualpipev on one stage: both hand-offs are local, no message at all; N = 2: (F0, F1);
     // phase 4 once, its first pair not overlapped (rank 0 is the last rank); (B1, B0), B0 split; W.
     PipelineConfig d2 = {1, 2, PP_DUALPIPEV, 2};
     check_stage_text(&d2, 0, 1, "F0c0 F0c1 F1c0 B0c1 F1c1&B0c0 B1c1 I1c0 W1c0");
+    // dualpipe, S=2, M=4: both ranks run rank 0's phases of a one-rank dualpipev with N = 2 (the
+    // list above), rank 0's chunk 0 on microbatches 0, 1 (they enter at rank 0, model stage 0)
+    // and its chunk 1 on 2, 3 (they enter at rank 1 and end at rank 0, model stage 1); rank 1
+    // the mirror: chunk 0 = model stage 0 on 2, 3, chunk 1 = model stage 1 on 0, 1.
+    PipelineConfig d3 = {2, 4, PP_DUALPIPE, 2};
+    check_stage_text(&d3, 0, 0, "F0c0 F2c1 F1c0 B2c1 F3c1&B0c0 B3c1 I1c0 W1c0");
+    check_stage_text(&d3, 1, 0, "F2c0 F0c1 F3c0 B0c1 F1c1&B2c0 B1c1 I3c0 W3c0");
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -495,7 +542,7 @@ static double cost_of(PipelineActionKind kind, int s, const double* fwd, const d
 static void check_timeline(const char* name, const char* model, const PipelineSchedule* sch, const PipelineTimeline* tl,
                            const double* fwd, const double* bwd, const double* wgt, double transfer) {
     const PipelineConfig* cfg = &sch->cfg;
-    int S = cfg->num_stages, M = cfg->num_microbatches, V = S * cfg->num_chunks;
+    int S = cfg->num_stages, M = cfg->num_microbatches, V = model_stages(cfg);
     double* fwd_end = (double*)calloc((size_t)V * M, sizeof(double));
     double* bwd_end = (double*)calloc((size_t)V * M, sizeof(double));
     double makespan = 0.0;
@@ -535,12 +582,12 @@ static void check_timeline(const char* name, const char* model, const PipelineSc
             const PipelineAction* a = &halves[h];
             int vs = virtual_stage_of(cfg, s, a->chunk), u = vs * M + a->microbatch;
             if (a->kind == PP_FORWARD && vs > 0) {
-                double ready = fwd_end[u - M] + (stage_of(cfg, vs - 1) == s ? 0.0 : transfer);
+                double ready = fwd_end[u - M] + (neighbour_of(cfg, s, a->chunk, -1) == s ? 0.0 : transfer);
                 CHECK(tl->start[i] >= ready - 1e-9, "%s %s stage %d: F%d chunk %d starts at %g before its input is "
                       "there at %g", name, model, s, a->microbatch, a->chunk, tl->start[i], ready);
             }
             if ((a->kind == PP_BACKWARD || a->kind == PP_BACKWARD_INPUT) && vs < V - 1) {
-                double ready = bwd_end[u + M] + (stage_of(cfg, vs + 1) == s ? 0.0 : transfer);
+                double ready = bwd_end[u + M] + (neighbour_of(cfg, s, a->chunk, +1) == s ? 0.0 : transfer);
                 CHECK(tl->start[i] >= ready - 1e-9, "%s %s stage %d: backward %d chunk %d starts at %g before its "
                       "gradient is there at %g", name, model, s, a->microbatch, a->chunk, tl->start[i], ready);
             }
@@ -614,9 +661,12 @@ static void simulate_all_models(const char* name, const PipelineSchedule* sch, c
 //   dualpipev     6M + 2(S-1): 6M units of work on every rank plus DeepSeek's bubble
 //                 (PP/2-1)(F&B + B - 3W) for PP = 2S, with F&B = F + B = 3 (nothing hidden),
 //                 B = 2, W = 1: (S-1)(3 + 2 - 3).
+//   dualpipe      3M + S - 2: each rank runs M/2 microbatches on each chunk (3M units), plus
+//                 DeepSeek's (PP/2-1)(F&B + B - 3W) = (S/2 - 1)(3 + 2 - 3).
 static double textbook_makespan(const PipelineConfig* cfg) {
     double S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks;
     switch (cfg->kind) {
+        case PP_DUALPIPE: return 3.0 * M + S - 2.0;
         case PP_DUALPIPEV: return 6.0 * M + 2.0 * (S - 1.0);
         case PP_ZB1: return fmax(3.0 * M + S - 1.0, 2.0 * M + 2.0 * S - 1.0);
         case PP_ZBV: return fmax(6.0 * M + S - 1.0, 4.0 * M + 4.0 * S - 2.0);
@@ -625,7 +675,7 @@ static double textbook_makespan(const PipelineConfig* cfg) {
 }
 
 static void test_schedule(const PipelineConfig* cfg) {
-    int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks, V = S * v;
+    int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks, V = model_stages(cfg);
     int split = splits_backward(cfg->kind), split_all = splits_every_backward(cfg->kind);
     char name[64], err[512];
     describe(name, sizeof(name), cfg);
@@ -678,7 +728,8 @@ static void test_schedule(const PipelineConfig* cfg) {
         // dualpipev sometimes, the others never); per chunk the F's, the B's and I's, and the W's
         // each in microbatch order, so weight gradients sum the microbatches in one rank's order
         for (int c = 0; c < v; c++) {
-            int next_f = 0, next_b = 0, inputs = 0, weights = 0, last_w = -1, ok = 1;
+            int first = first_microbatch_of(cfg, s, c), last = first + microbatches_of(cfg);
+            int next_f = first, next_b = first, inputs = 0, weights = 0, last_w = -1, ok = 1;
             char* input_done = (char*)calloc((size_t)M, 1);
             for (int i = 0; i < n; i++) {
                 if (acts[i].chunk != c || !is_compute(acts[i].kind)) { continue; }
@@ -697,7 +748,7 @@ static void test_schedule(const PipelineConfig* cfg) {
                 }
             }
             free(input_done);
-            CHECK(ok && next_f == M && next_b == M && weights == inputs && inputs == (split_all ? M : inputs) &&
+            CHECK(ok && next_f == last && next_b == last && weights == inputs && inputs == (split_all ? M : inputs) &&
                   (split || inputs == 0), "%s stage %d chunk %d: computations not each once, in microbatch order, F "
                   "before %s", name, s, c, split ? "I before W" : "B");
         }
@@ -713,7 +764,7 @@ static void test_schedule(const PipelineConfig* cfg) {
         for (int i = 0; i < n; i++) {
             const PipelineAction* a = &acts[i];
             int vs = virtual_stage_of(cfg, s, a->chunk), u = a->chunk * M + a->microbatch;
-            int prev = vs > 0 ? stage_of(cfg, vs - 1) : -1, next = vs < V - 1 ? stage_of(cfg, vs + 1) : -1;
+            int prev = neighbour_of(cfg, s, a->chunk, -1), next = neighbour_of(cfg, s, a->chunk, +1);
             int slot = a->kind == PP_RECV_FORWARD ? 0 : a->kind == PP_SEND_FORWARD ? 1
                      : a->kind == PP_RECV_BACKWARD ? 2 : a->kind == PP_SEND_BACKWARD ? 3 : -1;
             if (slot >= 0) {
@@ -741,10 +792,11 @@ static void test_schedule(const PipelineConfig* cfg) {
             }
         }
         for (int c = 0; c < v; c++) {
-            int vs = virtual_stage_of(cfg, s, c);
-            int remote_prev = vs > 0 && stage_of(cfg, vs - 1) != s, remote_next = vs < V - 1 && stage_of(cfg, vs + 1) != s;
+            int prev = neighbour_of(cfg, s, c, -1), next = neighbour_of(cfg, s, c, +1);
+            int first = first_microbatch_of(cfg, s, c), last = first + microbatches_of(cfg);
             for (int i = 0; i < M; i++) {
-                int u = c * M + i;
+                int u = c * M + i, mine = i >= first && i < last;
+                int remote_prev = mine && prev >= 0 && prev != s, remote_next = mine && next >= 0 && next != s;
                 ok &= seen[0 * v * M + u] == remote_prev && seen[3 * v * M + u] == remote_prev;
                 ok &= seen[1 * v * M + u] == remote_next && seen[2 * v * M + u] == remote_next;
             }
@@ -850,7 +902,8 @@ static void test_schedule(const PipelineConfig* cfg) {
     // interleaved with eager (non-blocking) sends.
     double fwd[16], bwd[16], wgt[16], makespan[3], bubble[3], span[16];
     double units[2] = {1.0, 0.5};
-    double busy = 3.0 * v * M;  // per stage, in units: F + B = F + I + W = 3 per (microbatch, chunk)
+    // per stage, in units: F + B = F + I + W = 3 per (microbatch, chunk) it runs
+    double busy = 3.0 * v * microbatches_of(cfg);
     for (int t = 0; t < 2; t++) {
         for (int s = 0; s < S; s++) { fwd[s] = units[t]; bwd[s] = 2.0 * units[t]; wgt[s] = units[t]; }
         // the default split (NULL: half the backward) and an explicit W = f give the same timeline
@@ -933,7 +986,9 @@ static void test_all_schedules(void) {
         // DualPipeV needs M >= 2S (its phases have 2S microbatches in flight)
         for (int M = 2 * S; M <= 32; M++) {
             PipelineConfig dv = {S, M, PP_DUALPIPEV, 2};
+            PipelineConfig dp = {S, M, PP_DUALPIPE, 2};
             test_schedule(&dv);
+            if (S % 2 == 0 && M % 2 == 0) { test_schedule(&dp); }   // its requirements
         }
     }
 }
@@ -1033,7 +1088,8 @@ static void expect_error(int rc, const char* err, const char* needle, const char
 // Placement: chunk c of stage s holds virtual stage virtual_stage_of(s, c) of the balanced
 // partition into S*v pieces, the embedding with virtual stage 0 and the head with the last.
 static void test_placement(void) {
-    static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV, PP_DUALPIPEV};
+    static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV, PP_DUALPIPEV,
+                                                 PP_DUALPIPE};
     ChunkPlace out[64];
     int first[65];
     char err[256], name[64];
@@ -1047,10 +1103,11 @@ static void test_placement(void) {
                 for (int s = 0; s < S; s++) {
                     for (int c = 0; c < v; c++) {
                         int vs = virtual_stage_of(&cfg, s, c), owner = -1, owner_chunk = -1;
-                        pipeline_virtual_stage_owner(&cfg, vs, &owner, &owner_chunk);
+                        // the copy running microbatch first_microbatch_of(s, c) of vs is this one
+                        pipeline_unit_owner(&cfg, vs, first_microbatch_of(&cfg, s, c), &owner, &owner_chunk);
                         ok &= pipeline_virtual_stage(&cfg, s, c) == vs && owner == s && owner_chunk == c;
-                        ok &= pipeline_neighbour_stage(&cfg, s, c, -1) == (vs > 0 ? stage_of(&cfg, vs - 1) : -1);
-                        ok &= pipeline_neighbour_stage(&cfg, s, c, +1) == (vs < S * v - 1 ? stage_of(&cfg, vs + 1) : -1);
+                        ok &= pipeline_neighbour_stage(&cfg, s, c, -1) == neighbour_of(&cfg, s, c, -1);
+                        ok &= pipeline_neighbour_stage(&cfg, s, c, +1) == neighbour_of(&cfg, s, c, +1);
                     }
                 }
                 CHECK(ok, "%s: virtual stages, their owners or neighbours differ from the definition", name);
@@ -1059,7 +1116,7 @@ static void test_placement(void) {
                     int rc = pipeline_place_layers(&cfg, L, 0.25, head, out, err, sizeof(err));
                     CHECK(rc == 0, "%s L=%d: pipeline_place_layers failed: %s", name, L, err);
                     if (rc != 0) { continue; }
-                    pipeline_partition_layers(L, S * v, 0.25, head, first, err, sizeof(err));
+                    pipeline_partition_layers(L, model_stages(&cfg), 0.25, head, first, err, sizeof(err));
                     int ok = 1, covered = 0;
                     for (int s = 0; s < S; s++) {
                         for (int c = 0; c < v; c++) {
@@ -1067,12 +1124,14 @@ static void test_placement(void) {
                             int vs = virtual_stage_of(&cfg, s, c);
                             ok &= p->virtual_stage == vs && p->first_layer == first[vs] &&
                                   p->last_layer == first[vs + 1] && p->has_embedding == (vs == 0) &&
-                                  p->has_head == (vs == S * v - 1);
+                                  p->has_head == (vs == model_stages(&cfg) - 1);
                             covered += p->last_layer - p->first_layer;
                         }
                     }
-                    CHECK(ok && covered == L, "%s L=%d: the chunks do not hold the balanced pieces in V/round-robin "
-                          "order", name, L);
+                    // dualpipe holds every piece twice
+                    int copies = cfg.kind == PP_DUALPIPE ? 2 : 1;
+                    CHECK(ok && covered == copies * L, "%s L=%d: the chunks do not hold the balanced pieces in "
+                          "V/round-robin order", name, L);
                 }
             }
         }
@@ -1113,6 +1172,8 @@ static void test_invalid_inputs(void) {
     CHECK(pipeline_parse_schedule("zbv", &kind, err, sizeof(err)) == 0 && kind == PP_ZBV, "zbv is not parsed");
     CHECK(pipeline_parse_schedule("dualpipev", &kind, err, sizeof(err)) == 0 && kind == PP_DUALPIPEV,
           "dualpipev is not parsed");
+    CHECK(pipeline_parse_schedule("dualpipe", &kind, err, sizeof(err)) == 0 && kind == PP_DUALPIPE,
+          "dualpipe is not parsed");
 
     struct { PipelineConfig cfg; const char* needle; const char* what; } bad[] = {
         {{0, 4, PP_1F1B, 1}, "stages", "1f1b S=0"},
@@ -1129,6 +1190,9 @@ static void test_invalid_inputs(void) {
         {{4, 0, PP_ZBV, 2}, "microbatches", "zbv M=0"},
         {{4, 7, PP_DUALPIPEV, 2}, "at least 2 x stages = 8 microbatches, got 7", "dualpipev M < 2S"},
         {{2, 4, PP_DUALPIPEV, 1}, "chunks must be 2", "dualpipev with 1 chunk"},
+        {{3, 12, PP_DUALPIPE, 2}, "an even number of stages, got 3", "dualpipe on 3 stages"},
+        {{4, 9, PP_DUALPIPE, 2}, "an even number of microbatches, at least 2 x stages = 8, got 9", "dualpipe M odd"},
+        {{4, 6, PP_DUALPIPE, 2}, "at least 2 x stages = 8, got 6", "dualpipe M < 2S"},
         {{4, 8, (PipelineScheduleKind)7, 1}, "unknown", "schedule kind 7"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {

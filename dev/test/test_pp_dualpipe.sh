@@ -9,7 +9,8 @@
 #  - each rank's peak activations: DeepSeek's PP+1 = 2S+1 (microbatch, chunk) pairs;
 #  - with ./train_gpt2cu_emu built: the emulated CUDA build on --pp 2 and DP 2 x PP 2 ZeRO-1,
 #    identical to the CPU build;
-#  - too few microbatches (M < 2S) and a model with experts: one clear line each.
+#  - too few microbatches (M < 2S), a model with experts, and --schedule dualpipe (whose lists
+#    pipeline.h builds, but whose duplicated stages the trainer does not hold): one clear line each.
 set -u
 cd "$(dirname "$0")/../.."
 command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun"; exit 0; }
@@ -84,5 +85,8 @@ $MPI 2 $BIN "${COMMON[@]}" -e d4c32h2v64t32e4k2 -d 128 --pp 2 "${DV[@]}" -x 1 >"
   && fail "dualpipev with experts should fail"
 grep -q "error: .*--schedule dualpipev: a mixture-of-experts model runs whole backwards" "$W/bad2.out" \
   || fail "no clear error for dualpipev with experts: $(grep error "$W/bad2.out")"
-pass "refusals: M < 2S, experts"
+$MPI 2 $BIN "${COMMON[@]}" -d 128 --pp 2 --schedule dualpipe -x 1 >"$W/bad3.out" 2>&1 && fail "dualpipe should be refused"
+grep -q "error: .*--schedule dualpipe: the trainer does not run it yet" "$W/bad3.out" \
+  || fail "no clear error for dualpipe: $(grep error "$W/bad3.out")"
+pass "refusals: M < 2S, experts, dualpipe (its two parameter copies are not built)"
 echo "all dualpipe tests passed"

@@ -35,8 +35,10 @@ static void usage(void) {
         "  --schedule NAME     gpipe, 1f1b (Megatron-LM's non-interleaved 1F1B), interleaved\n"
         "                      (Megatron-LM's interleaved 1F1B), zb1 (ZB-H1) or zbv (ZB-V, two chunks\n"
         "                      per stage placed as a V) or dualpipev (DeepSeek's DualPipeV: the V of\n"
-        "                      zbv with F&B pairs, M >= 2S); zb1 and zbv split each backward into I\n"
-        "                      (the input gradient) and W (the weight gradient), dualpipev some\n"
+        "                      zbv with F&B pairs, M >= 2S) or dualpipe (DeepSeek's DualPipe: S even,\n"
+        "                      M even >= 2S, each stage on two ranks, half the microbatches entering\n"
+        "                      at each end); zb1 and zbv split each backward into I (the input\n"
+        "                      gradient) and W (the weight gradient), dualpipev and dualpipe some\n"
         "  --chunks V          model chunks per stage, interleaved only (default 2; zbv and dualpipev\n"
         "                      have 2)\n"
         "  --fwd T[,T,...]     time of one forward (one microbatch, one chunk): one value for every\n"
@@ -274,7 +276,7 @@ static void write_svg(const char* path, const PipelineSchedule* sch, const Pipel
                 lx, ly, lx + 24.0, ly + 10.5);
     if (cfg->num_chunks > 1) {
         text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">lighter: later chunk (label: microbatch c chunk)%s"
-                    "</text>\n", left, ly + 32.0, cfg->kind == PP_DUALPIPEV ? "; framed in purple: an F&B pair, "
+                    "</text>\n", left, ly + 32.0, cfg->kind == PP_DUALPIPEV || cfg->kind == PP_DUALPIPE ? "; framed in purple: an F&B pair, "
                     "its forward overlapped with the other chunk's backward" : "");
     }
     text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"13\">%s</text>\n", left, ly + 56.0, caption);
@@ -334,14 +336,15 @@ int main(int argc, char** argv) {
     }
     if (S == 0) { fatal("--stages is required (see --help)"); }
     if (M == 0) { fatal("--microbatches is required (see --help)"); }
-    if (schedule == NULL) { fatal("--schedule is required: gpipe, 1f1b, interleaved, zb1, zbv or dualpipev"); }
+    if (schedule == NULL) { fatal("--schedule is required: gpipe, 1f1b, interleaved, zb1, zbv, dualpipev or dualpipe"); }
 
     char err[512];
     PipelineConfig cfg;
     cfg.num_stages = S;
     cfg.num_microbatches = M;
     if (pipeline_parse_schedule(schedule, &cfg.kind, err, sizeof(err)) != 0) { fatal("--schedule: %s", err); }
-    cfg.num_chunks = chunks > 0 ? chunks : (cfg.kind == PP_INTERLEAVED || cfg.kind == PP_ZBV || cfg.kind == PP_DUALPIPEV ? 2 : 1);
+    int two_chunks = cfg.kind == PP_INTERLEAVED || cfg.kind == PP_ZBV || cfg.kind == PP_DUALPIPEV || cfg.kind == PP_DUALPIPE;
+    cfg.num_chunks = chunks > 0 ? chunks : (two_chunks ? 2 : 1);
     PipelineCommModel comm;
     if (strcmp(comm_text, "eager") == 0) { comm = PP_COMM_EAGER; }
     else if (strcmp(comm_text, "batched") == 0) { comm = PP_COMM_BATCHED; }
@@ -391,7 +394,8 @@ int main(int argc, char** argv) {
     const char* formula = cfg.kind == PP_INTERLEAVED ? "(S-1)/(v*M+S-1)"
                         : cfg.kind == PP_ZB1 ? "with F=I=W: 1 - 3M/max(3M+S-1, 2M+2S-1)"
                         : cfg.kind == PP_ZBV ? "with F=I=W: 1 - 6M/max(6M+S-1, 4M+4S-2)"
-                        : cfg.kind == PP_DUALPIPEV ? "with F=I=W, F&B=F+B: 1 - 6M/(6M+2(S-1))" : "(S-1)/(M+S-1)";
+                        : cfg.kind == PP_DUALPIPEV ? "with F=I=W, F&B=F+B: 1 - 6M/(6M+2(S-1))"
+                        : cfg.kind == PP_DUALPIPE ? "with F=I=W, F&B=F+B: (S-2)/(3M+S-2)" : "(S-1)/(M+S-1)";
     printf("bubble fraction, modelled %s: %.4f\n", formula, modelled);
     printf("bubble fraction, simulated (%s sends, transfer %g): %.4f, makespan %g\n", pipeline_comm_model_name(comm),
            transfer, simulated, tl.makespan);
@@ -437,7 +441,7 @@ int main(int argc, char** argv) {
     if (svg != NULL) {
         char caption[512], weight[160] = "";
         if (split) { snprintf(weight, sizeof(weight), ", wgt %s", wgt_text != NULL ? wgt_text : "bwd/2"); }
-        if (cfg.kind == PP_DUALPIPEV) {
+        if (cfg.kind == PP_DUALPIPEV || cfg.kind == PP_DUALPIPE) {
             size_t used = strlen(weight);
             snprintf(weight + used, sizeof(weight) - used, ", F&B %s", fb_text != NULL ? fb_text : "fwd+bwd");
         }

@@ -89,6 +89,7 @@ static inline void pipeline_action_token(const PipelineAction* a, int with_chunk
 //                chunk has half of them (ZB-V's peak memory p*M_B in the paper)
 //   dualpipev    2S + 1 on every rank: DeepSeek's PP + 1 chunk activations (PP = 2S, the
 //                DualPipe ranks it halves), the one more being an F&B's two halves together
+//   dualpipe     S + 1 on every rank: DeepSeek's PP + 1
 static inline int pipeline_memory_bound(const PipelineConfig* cfg, int stage) {
     int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks;
     int bound = 0;
@@ -99,6 +100,7 @@ static inline int pipeline_memory_bound(const PipelineConfig* cfg, int stage) {
         case PP_ZB1: bound = S; break;
         case PP_ZBV: bound = 2 * S; break;
         case PP_DUALPIPEV: bound = 2 * S + 1; break;
+        case PP_DUALPIPE: bound = S + 1; break;
     }
     return bound < v * M ? bound : v * M;
 }
@@ -195,7 +197,7 @@ static inline void pp_describe(const PipelineSchedule* sch, int stage, int index
 // post_with_next only between two sends/receives.
 static inline int pp_check_action(const PipelineSchedule* sch, int stage, int index, char* err, size_t errlen) {
     const PipelineConfig* cfg = &sch->cfg;
-    int S = cfg->num_stages, V = S * cfg->num_chunks;
+    int V = pipeline_num_virtual_stages(cfg);
     const PipelineAction* a = &sch->actions[sch->offset[stage] + index];
     int count = sch->offset[stage + 1] - sch->offset[stage];
     if ((int)a->kind < (int)PP_RECV_FORWARD || (int)a->kind > (int)PP_FORWARD_BACKWARD) {
@@ -206,7 +208,13 @@ static inline int pp_check_action(const PipelineSchedule* sch, int stage, int in
                         "expected 0..%d and 0..%d", stage, index, pipeline_action_kind_name(a->kind),
                         a->microbatch, a->chunk, cfg->num_microbatches - 1, cfg->num_chunks - 1);
     }
-    int pair = a->kind == PP_FORWARD_BACKWARD;
+    int first, count_of_chunk, pair = a->kind == PP_FORWARD_BACKWARD;
+    pipeline_chunk_microbatches(cfg, stage, a->chunk, &first, &count_of_chunk);
+    if (a->microbatch < first || a->microbatch >= first + count_of_chunk) {
+        return pp_error(err, errlen, "pipeline: stage %d action %d (%s) has microbatch %d, but its chunk %d runs "
+                        "microbatches %d..%d", stage, index, pipeline_action_kind_name(a->kind), a->microbatch,
+                        a->chunk, first, first + count_of_chunk - 1);
+    }
     if (pair ? (a->backward_microbatch < 0 || a->backward_microbatch >= cfg->num_microbatches ||
                 a->backward_chunk < 0 || a->backward_chunk >= cfg->num_chunks)
              : (a->backward_microbatch != -1 || a->backward_chunk != -1)) {
@@ -466,7 +474,7 @@ static inline int pipeline_simulate(const PipelineSchedule* sch, const PipelineC
     sim.costs = costs;
     sim.tl = tl;
     sim.M = cfg->num_microbatches;
-    sim.V = S * cfg->num_chunks;
+    sim.V = pipeline_num_virtual_stages(cfg);
     sim.units = (size_t)sim.V * sim.M;
     size_t total = (size_t)sch->offset[S];
     sim.fwd_done = (char*)calloc_or_die(sim.units, 1, "pipeline simulation");
@@ -515,7 +523,7 @@ static inline int pipeline_simulate(const PipelineSchedule* sch, const PipelineC
     for (size_t u = 0; u < sim.units && status == 0; u++) {
         if (!sim.fwd_done[u] || !sim.bwd_done[u] || !sim.wgt_done[u]) {
             int stage, chunk;
-            pipeline_virtual_stage_owner(cfg, (int)(u / sim.M), &stage, &chunk);
+            pipeline_unit_owner(cfg, (int)(u / sim.M), (int)(u % sim.M), &stage, &chunk);
             // a BACKWARD sets both, so an input gradient without a weight gradient was split
             const char* missing = !sim.fwd_done[u] ? "FORWARD" : (!sim.bwd_done[u] ? "BACKWARD" : "BACKWARD_WEIGHT");
             status = pp_error(err, errlen, "pipeline: stage %d never runs the %s of microbatch %d chunk %d",
@@ -525,7 +533,7 @@ static inline int pipeline_simulate(const PipelineSchedule* sch, const PipelineC
     for (size_t m = 0; m < 2 * sim.units && status == 0; m++) {
         if (sim.sent[m] && !sim.received[m]) {
             int stage, chunk;
-            pipeline_virtual_stage_owner(cfg, (int)((m % sim.units) / sim.M), &stage, &chunk);
+            pipeline_unit_owner(cfg, (int)((m % sim.units) / sim.M), (int)(m % sim.M), &stage, &chunk);
             status = pp_error(err, errlen, "pipeline: the %s message of microbatch %d from stage %d chunk %d "
                               "is never received", m < sim.units ? "forward" : "backward", (int)(m % sim.M),
                               stage, chunk);
