@@ -3,8 +3,7 @@
  *
  * Every rank runs a pipeline, of one stage when --pp is 1 (then the list is just F0 B0 F1
  * B1 ...). A rank holds v model chunks (virtual stages; v = 1 but for interleaved, zbv and
- * dualpipev),
- * each with its own model on the rank's one Zero. A (microbatch, chunk) pair owns a slot of its
+ * dualpipev), each with its own model on the rank's one Zero. A (microbatch, chunk) pair owns a slot of its
  * chunk from its FORWARD to its BACKWARD (or, split, its BACKWARD_WEIGHT) on this stage: its
  * activations (with its tokens) and the received gradient of its output; the schedule bounds
  * how many are alive (1F1B: S - stage). Messages are non-blocking: a receive is posted at its
@@ -19,7 +18,9 @@
  *
  * The schedule (which computation and which message come when, 1F1B's warmup, steady pairs
  * and cooldown included) is all in pipeline.h's lists; pipeline_step only runs them, one case
- * per action kind, each send and receive written with its tensor and group beside it.
+ * per action kind, each send and receive written with its tensor and group beside it. An F&B
+ * (FORWARD_BACKWARD, dualpipev) runs its forward, then its backward, through the same two
+ * functions as a lone FORWARD and BACKWARD: its messages are the list's around it.
  *
  * It drives a build's model through model_ops.h's ModelOps (and its BACKWARD_* parts).
  */
