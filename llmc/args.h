@@ -141,8 +141,8 @@ static const ArgSpec arg_specs[] = {
     {"--ep", ARG_INT, ARG_FIELD(ep), 1, 4096, 0, "expert-parallel degree: the experts split over this many data-parallel ranks (a divisor of E and of the data-parallel size)"},
     // the load-balancing loss is about 1 when balanced: alpha above 100 would drown the language model
     {"--aux-loss", ARG_FLOAT, ARG_FIELD(aux_loss), 0, 100, 0, "alpha of the experts' load-balancing loss (Switch Transformer), added to each microbatch's loss"},
-    ARG_STRING("--schedule", pp_schedule, "pipeline schedule: 1f1b | gpipe | interleaved (Megatron's, --vpp chunks per rank) | zb1 (zero bubble ZB-H1) | zbv (zero bubble, V-shaped, 2 chunks per rank)"),
-    {"--vpp", ARG_INT, ARG_FIELD(vpp), 0, 64, 0, "model chunks (virtual pipeline stages) per pipeline rank: interleaved >= 2, zbv 2, others 1; 0 = the schedule's (interleaved 2)"},
+    ARG_STRING("--schedule", pp_schedule, "pipeline schedule: 1f1b | gpipe | interleaved (Megatron's, --vpp chunks per rank) | zb1 (zero bubble ZB-H1) | zbv (zero bubble, V-shaped, 2 chunks per rank) | dualpipev (DeepSeek's DualPipeV: V-shaped, F&B pairs, >= 2 x --pp microbatches)"),
+    {"--vpp", ARG_INT, ARG_FIELD(vpp), 0, 64, 0, "model chunks (virtual pipeline stages) per pipeline rank: interleaved >= 2, zbv and dualpipev 2, others 1; 0 = the schedule's (interleaved 2)"},
     {"--cp", ARG_INT, ARG_FIELD(cp), 1, 8, 0, "context-parallel degree: 1, 2, 4 or 8 ranks split each sequence (zig-zag, 2*cp | T)"},
     ARG_STRING("--cp-mode", cp_mode, "context parallelism's attention: ring (K/V blocks around the group) | a2a (Ulysses: all-to-all to heads)"),
     {"--deterministic", ARG_INT, ARG_FIELD(deterministic), 0, 1, 0, "CUDA build: 1 = fp32 canonical kernels, bit-identical to the CPU build"},
@@ -153,10 +153,12 @@ static const ArgSpec arg_specs[] = {
 #undef ARG_STRING
 #define NUM_ARG_SPECS ((int)(sizeof(arg_specs) / sizeof(arg_specs[0])))
 
-// Model chunks per pipeline rank: --vpp, or the schedule's own (interleaved 2, zbv 2, else 1).
+// Model chunks per pipeline rank: --vpp, or the schedule's own (interleaved, zbv and dualpipev 2,
+// else 1).
 static inline int train_args_chunks(const TrainArgs* a) {
     if (a->vpp > 0) { return a->vpp; }
-    return strcmp(a->pp_schedule, "interleaved") == 0 || strcmp(a->pp_schedule, "zbv") == 0 ? 2 : 1;
+    return strcmp(a->pp_schedule, "interleaved") == 0 || strcmp(a->pp_schedule, "zbv") == 0 ||
+           strcmp(a->pp_schedule, "dualpipev") == 0 || strcmp(a->pp_schedule, "dualpipe") == 0 ? 2 : 1;
 }
 
 static inline void train_args_defaults(TrainArgs* a) {
@@ -340,10 +342,15 @@ static inline void train_args_validate(const TrainArgs* a) {
     PipelineScheduleKind kind;
     char err[256];
     if (pipeline_parse_schedule(a->pp_schedule, &kind, err, sizeof(err)) != 0) { fatal("--schedule: %s", err); }
+    if (kind == PP_DUALPIPE) {
+        fatal("--schedule dualpipe: the trainer does not run it yet (each stage's parameters on two ranks, their "
+              "gradients summed across the copies); --schedule dualpipev runs its schedule on half the ranks");
+    }
     int chunks = train_args_chunks(a);
-    if (kind != PP_INTERLEAVED && chunks != (kind == PP_ZBV ? 2 : 1)) {
+    int own_chunks = kind == PP_ZBV || kind == PP_DUALPIPEV ? 2 : 1;
+    if (kind != PP_INTERLEAVED && chunks != own_chunks) {
         fatal("--vpp %d: the %s schedule runs %d model chunk(s) per pipeline rank; --vpp is for --schedule "
-              "interleaved", a->vpp, a->pp_schedule, kind == PP_ZBV ? 2 : 1);
+              "interleaved", a->vpp, a->pp_schedule, own_chunks);
     }
     if (kind == PP_INTERLEAVED && chunks < 2) {
         fatal("--vpp %d: the interleaved schedule needs at least 2 model chunks per pipeline rank", a->vpp);

@@ -631,6 +631,12 @@ static inline void trainer_print_summary(const Trainer* t, const BuildInfo* buil
                 printf("%s%.3f", st ? "," : "", run->cost_sum[PP_TIMING * st + 1 + f] / run->cost_steps);
             }
         }
+        if (pipe->cfg.kind == PP_DUALPIPEV) {   // the measured F&B pairs (PP_TIMING's last)
+            printf(" --fb ");
+            for (int st = 0; st < comm->pp; st++) {
+                printf("%s%.3f", st ? "," : "", run->cost_sum[PP_TIMING * st + 5] / run->cost_steps);
+            }
+        }
         printf(" --svg pipeline.svg\n");
     }
 }

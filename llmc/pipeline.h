@@ -8,7 +8,7 @@
  * piece after it, and going back it receives the gradient of its output from the piece after it
  * and sends the gradient of its input to the piece before it. The order of those computations and
  * messages on every stage is the schedule. This header produces it as a plain list of actions per
- * stage, so that the trainer only executes a list (a switch over eight kinds: the executor,
+ * stage, so that the trainer only executes a list (a switch over nine kinds: the executor,
  * llmc/pipeline_executor.h), the tests check every schedule exhaustively, and
  * dev/tools/pp_schedule draws it (both through the simulator beside it, dev/tools/pp_sim.h).
  * Nothing here talks to MPI.
@@ -56,11 +56,30 @@
  *                paper's peak memory p*M_B, on every rank.
  *                S=2, M=4, rank 1: F0c0 F0c1 F1c0 F1c1 I0c1 W0c1 F2c0 I0c0 W0c0 F2c1 I1c1 W1c1
  *                F3c0 I1c0 W1c0 F3c1 I2c1 W2c1 I2c0 I3c1 I3c0 W2c0 W3c1 W3c0.
+ *   dualpipev    DeepSeek's DualPipe cut in half (deepseek-ai/DualPipe's DualPipeV): zbv's V
+ *                placement, and the overlapped pair F&B (FORWARD_BACKWARD: the forward of one
+ *                chunk and the whole backward of the other in one action, so that one's
+ *                computation hides the other's messages). Rank r of P = S, N = M >= 2S
+ *                microbatches, DeepSeek's eight phases (pp_order_dualpipev): F0 x 2(P-r-1);
+ *                (F0, F1) x (r+1); (I1, W1, F1) x (P-r-1); (F0&B1, F1&B0) x (N-2P+r+1), the
+ *                last rank's first pair not overlapped; (B1, F1&B0) x (P-r-1); (B1, B0) x (r+1),
+ *                the last r+1 of them split; (W, I0) x (P-r-1); W x (r+1). A rank holds up to
+ *                2S+1 (microbatch, chunk) pairs (DeepSeek's PP+1 with PP = 2S).
+ *                S=2, M=4, rank 1: F0c0 F0c1 F1c0 F1c1 B0c1 F2c0 F2c1&B0c0 F3c0&B1c1 F3c1&B1c0
+ *                B2c1 B2c0 I3c1 I3c0 W3c1 W3c0.
+ *   dualpipe     DeepSeek's DualPipe: the model's S stages each on two ranks. Microbatches
+ *                [0, M/2) enter at rank 0 (model stage k on rank k), [M/2, M) at rank S-1
+ *                (model stage k on rank S-1-k); rank s and its mirror S-1-s hold model stages
+ *                h = min(s, S-1-s) (chunk 0) and S-1-h (chunk 1), each chunk on one half of the
+ *                microbatches (pipeline_chunk_microbatches), and both run rank h's dualpipev
+ *                phases for S/2 ranks and M/2 microbatches. Needs S even, M even and >= 2S.
+ *                A rank holds up to S+1 (microbatch, chunk) pairs (DeepSeek's PP+1); the two
+ *                copies of a stage would sum their gradients (the trainer does not run it yet).
  *
  * Layer placement (pipeline_place_layers). The layers are balanced over the S*v virtual stages
  * (pipeline_partition_layers) in model order, and chunk c of rank s holds the layers of
  * pipeline_virtual_stage(cfg, s, c): s for one chunk, c*S + s for interleaved (Megatron's
- * round-robin), s or 2S-1-s for zbv. Virtual stage 0 also holds the embedding, the last one the
+ * round-robin), s or 2S-1-s for zbv and dualpipev. Virtual stage 0 also holds the embedding, the last one the
  * final layernorm, the LM head and the loss.
  *
  * Local hand-offs. When consecutive virtual stages w and w+1 are on the same rank (zbv: the
@@ -76,7 +95,8 @@
  * Where the sends and receives go (the pairing rule). Take the reference timeline: the compute
  * orders above run with FORWARD = 1 and BACKWARD = 2 time units (backward computes gradients of
  * both inputs and weights, about twice the forward), or, when the backward is split, FORWARD =
- * BACKWARD_INPUT = BACKWARD_WEIGHT = 1 (the zero-bubble paper's T_F = T_B = T_W); instant
+ * BACKWARD_INPUT = BACKWARD_WEIGHT = 1 (the zero-bubble paper's T_F = T_B = T_W), an F&B
+ * F + B = 3 (both its halves' outputs ready when it ends); instant
  * transfers, and every computation starting as soon as its stage is free and its input is there.
  * Every message gets one instant: the first time, from when its producer ends to when its
  * consumer starts, at which neither the sender nor the receiver is in the middle of a
@@ -118,6 +138,8 @@
  *   BACKWARD         gradients of (m, c)'s input and weights; frees its activations
  *   BACKWARD_INPUT   the gradient of (m, c)'s input only; keeps the activations (W reads them)
  *   BACKWARD_WEIGHT  the weight gradient of (m, c), after its BACKWARD_INPUT; frees them
+ *   FORWARD_BACKWARD FORWARD of (m, c) and BACKWARD of (a.backward_microbatch, a.backward_chunk)
+ *                    together; the receives of both halves come before it, the sends after
  *   SEND_BACKWARD    send the gradient of (m, c)'s input to a.peer
  * On every chunk the B's (or the W's) come in microbatch order, so a weight's gradient sums the
  * microbatches in the same order as on one rank. Virtual stage 0 reads its input from the
@@ -128,9 +150,15 @@
  *
  * API (all functions static inline):
  *   pipeline_check_config(cfg, err, errlen)             0, or -1 with a message
- *   pipeline_parse_schedule("1f1b", &kind, err, errlen)  names: gpipe, 1f1b, interleaved, zb1, zbv
- *   pipeline_splits_backward(kind)                       1: I and W instead of B (zb1, zbv)
- *   pipeline_virtual_stage(cfg, stage, chunk), pipeline_virtual_stage_owner(cfg, vs, &stage, &chunk)
+ *   pipeline_parse_schedule("1f1b", &kind, err, errlen)  names: gpipe, 1f1b, interleaved, zb1, zbv,
+ *                                                        dualpipev, dualpipe
+ *   pipeline_splits_backward(kind)                       1: I and W instead of B (zb1, zbv; some
+ *                                                        backwards under dualpipev)
+ *   pipeline_is_compute(kind), pipeline_action_halves(action, halves)
+ *                                                        computations; an F&B's F and B
+ *   pipeline_virtual_stage(cfg, stage, chunk), pipeline_virtual_stage_owner(cfg, vs, &stage, &chunk),
+ *   pipeline_num_virtual_stages(cfg), pipeline_unit_owner(cfg, vs, microbatch, &stage, &chunk),
+ *   pipeline_chunk_microbatches(cfg, stage, chunk, &first, &count)   (dualpipe's two copies)
  *   pipeline_neighbour_stage(cfg, stage, chunk, -1 or +1)
  *                                                        the stage before / after a chunk: -1
  *                                                        none, `stage` a local hand-off
@@ -173,6 +201,8 @@ typedef enum {
     PP_INTERLEAVED = 2,
     PP_ZB1 = 3,
     PP_ZBV = 4,
+    PP_DUALPIPEV = 5,
+    PP_DUALPIPE = 6,
 } PipelineScheduleKind;
 
 typedef struct {
@@ -180,7 +210,7 @@ typedef struct {
     int num_microbatches;       // M: microbatches per optimizer step
     PipelineScheduleKind kind;
     int num_chunks;             // v: model chunks per rank; 1 for gpipe, 1f1b and zb1, >= 2
-                                // interleaved, 2 zbv
+                                // interleaved, 2 zbv and dualpipev
 } PipelineConfig;
 
 // Bound on S*v*M (e.g. 64 stages x 4 chunks x 4096 microbatches), so that counts fit an int
@@ -205,26 +235,30 @@ static inline const char* pipeline_schedule_name(PipelineScheduleKind kind) {
         case PP_INTERLEAVED: return "interleaved";
         case PP_ZB1: return "zb1";
         case PP_ZBV: return "zbv";
+        case PP_DUALPIPEV: return "dualpipev";
+        case PP_DUALPIPE: return "dualpipe";
     }
     return "unknown";
 }
 
 static inline int pipeline_parse_schedule(const char* name, PipelineScheduleKind* kind,
                                           char* err, size_t errlen) {
-    static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV};
+    static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV, PP_DUALPIPEV, PP_DUALPIPE};
     for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
         if (name != NULL && strcmp(name, pipeline_schedule_name(kinds[i])) == 0) {
             *kind = kinds[i];
             return 0;
         }
     }
-    return pp_error(err, errlen, "unknown pipeline schedule '%s' (expected gpipe, 1f1b, interleaved, zb1 or zbv)",
+    return pp_error(err, errlen, "unknown pipeline schedule '%s' (expected gpipe, 1f1b, interleaved, zb1, zbv, dualpipev or dualpipe)",
                     name != NULL ? name : "(null)");
 }
 
-// 1 when the schedule runs BACKWARD_INPUT and BACKWARD_WEIGHT instead of BACKWARD.
+// 1 when the schedule runs BACKWARD_INPUT and BACKWARD_WEIGHT instead of BACKWARD: for every
+// (microbatch, chunk) under zb1 and zbv, for some under dualpipev and dualpipe (their other
+// backwards are whole).
 static inline int pipeline_splits_backward(PipelineScheduleKind kind) {
-    return kind == PP_ZB1 || kind == PP_ZBV;
+    return kind == PP_ZB1 || kind == PP_ZBV || kind == PP_DUALPIPEV || kind == PP_DUALPIPE;
 }
 
 static inline int pipeline_check_config(const PipelineConfig* cfg, char* err, size_t errlen) {
@@ -254,9 +288,25 @@ static inline int pipeline_check_config(const PipelineConfig* cfg, char* err, si
             }
             break;
         case PP_ZBV:
+        case PP_DUALPIPEV:
+        case PP_DUALPIPE:
             if (v != 2) {
-                return pp_error(err, errlen, "pipeline: the zbv schedule runs two model chunks per stage (the V), "
-                                "so the number of chunks must be 2, got %d", v);
+                return pp_error(err, errlen, "pipeline: the %s schedule runs two model chunks per stage (the V), "
+                                "so the number of chunks must be 2, got %d", pipeline_schedule_name(cfg->kind), v);
+            }
+            // its phases are written for at least two microbatches per virtual stage of a rank
+            if (cfg->kind == PP_DUALPIPEV && M < 2 * S) {
+                return pp_error(err, errlen, "pipeline: the dualpipev schedule needs at least 2 x stages = %d "
+                                "microbatches, got %d", 2 * S, M);
+            }
+            // half the microbatches enter at each end; each half runs dualpipev's phases on
+            // half the ranks
+            if (cfg->kind == PP_DUALPIPE && S % 2 != 0) {
+                return pp_error(err, errlen, "pipeline: the dualpipe schedule needs an even number of stages, got %d", S);
+            }
+            if (cfg->kind == PP_DUALPIPE && (M % 2 != 0 || M < 2 * S)) {
+                return pp_error(err, errlen, "pipeline: the dualpipe schedule needs an even number of microbatches, at "
+                                "least 2 x stages = %d, got %d", 2 * S, M);
             }
             break;
         default:
@@ -281,6 +331,8 @@ typedef enum {
     PP_SEND_BACKWARD,     // send the gradient w.r.t. the input of (microbatch, chunk) to peer
     PP_BACKWARD_INPUT,    // split backward, first half: the input gradient only
     PP_BACKWARD_WEIGHT,   // split backward, second half: the weight gradient
+    PP_FORWARD_BACKWARD,  // F&B (dualpipev): the forward of (microbatch, chunk) overlapped with the
+                          // whole backward of (backward_microbatch, backward_chunk)
 } PipelineActionKind;
 
 typedef struct {
@@ -291,7 +343,31 @@ typedef struct {
                          // -1 for computations
     int post_with_next;  // 1: a send/receive at the same instant as the next action, which is one
                          // too; the run may be posted as one batch (see the pairing rule above)
+    int backward_microbatch, backward_chunk;  // the backward half of a FORWARD_BACKWARD; -1 otherwise
 } PipelineAction;
+
+// 1 for F, B, I, W and F&B; 0 for sends and receives.
+static inline int pipeline_is_compute(PipelineActionKind kind) {
+    return kind == PP_FORWARD || kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT || kind == PP_BACKWARD_WEIGHT ||
+           kind == PP_FORWARD_BACKWARD;
+}
+
+// The one or two computations an action runs: itself, or a FORWARD_BACKWARD's FORWARD then its
+// BACKWARD. Returns their number (0 for a send or receive).
+static inline int pipeline_action_halves(const PipelineAction* a, PipelineAction* halves) {
+    if (a->kind != PP_FORWARD_BACKWARD) {
+        halves[0] = *a;
+        return pipeline_is_compute(a->kind);
+    }
+    halves[0] = *a;
+    halves[0].kind = PP_FORWARD;
+    halves[0].backward_microbatch = halves[0].backward_chunk = -1;
+    halves[1] = halves[0];
+    halves[1].kind = PP_BACKWARD;
+    halves[1].microbatch = a->backward_microbatch;
+    halves[1].chunk = a->backward_chunk;
+    return 2;
+}
 
 // The computations that produce the input gradient, which SEND_BACKWARD sends.
 static inline int pipeline_is_input_backward(PipelineActionKind kind) {
@@ -300,15 +376,47 @@ static inline int pipeline_is_input_backward(PipelineActionKind kind) {
 
 // The position in the model of chunk `chunk` of stage `stage`, 0 .. S*v-1: the stage itself
 // with one chunk, c*S + s interleaved (round-robin), s and 2S-1-s for zbv (the V).
+static inline int pp_is_v_shape(PipelineScheduleKind kind) { return kind == PP_ZBV || kind == PP_DUALPIPEV; }
+
+// Virtual stages of the model: S*v, but S under dualpipe (each stage is on two ranks).
+static inline int pipeline_num_virtual_stages(const PipelineConfig* cfg) {
+    return cfg->kind == PP_DUALPIPE ? cfg->num_stages : cfg->num_stages * cfg->num_chunks;
+}
+
+// dualpipe: the direction of chunk `chunk` of `stage`: 0 for the microbatches entering at
+// stage 0 (stage s runs model stage s), 1 for those entering at stage S-1 (stage s runs model
+// stage S-1-s). Rank s < S/2 holds model stage s for direction 0 as chunk 0 and S-1-s for
+// direction 1 as chunk 1; rank S-1-s mirrors it.
+static inline int pipeline_direction(const PipelineConfig* cfg, int stage, int chunk) {
+    if (cfg->kind != PP_DUALPIPE) { return 0; }
+    return (stage < cfg->num_stages / 2) == (chunk == 0) ? 0 : 1;
+}
+
+// The microbatches chunk `chunk` of `stage` runs: [first, first + count). Every one but under
+// dualpipe, where each direction has half: [0, M/2) enter at stage 0, [M/2, M) at stage S-1.
+static inline void pipeline_chunk_microbatches(const PipelineConfig* cfg, int stage, int chunk, int* first, int* count) {
+    int M = cfg->num_microbatches;
+    *first = cfg->kind == PP_DUALPIPE ? pipeline_direction(cfg, stage, chunk) * (M / 2) : 0;
+    *count = cfg->kind == PP_DUALPIPE ? M / 2 : M;
+}
+
 static inline int pipeline_virtual_stage(const PipelineConfig* cfg, int stage, int chunk) {
-    if (cfg->kind == PP_ZBV) { return chunk == 0 ? stage : 2 * cfg->num_stages - 1 - stage; }
+    if (cfg->kind == PP_DUALPIPE) {
+        int h = stage < cfg->num_stages - 1 - stage ? stage : cfg->num_stages - 1 - stage;
+        return chunk == 0 ? h : cfg->num_stages - 1 - h;
+    }
+    if (pp_is_v_shape(cfg->kind)) { return chunk == 0 ? stage : 2 * cfg->num_stages - 1 - stage; }
     return chunk * cfg->num_stages + stage;
 }
 
-// The inverse: which stage and chunk hold virtual stage vs.
+// The inverse: which stage and chunk hold virtual stage vs (under dualpipe its copy of
+// direction 0, stage vs; pipeline_unit_owner names the copy a microbatch runs on).
 static inline void pipeline_virtual_stage_owner(const PipelineConfig* cfg, int vs, int* stage, int* chunk) {
     int S = cfg->num_stages;
-    if (cfg->kind == PP_ZBV) {
+    if (cfg->kind == PP_DUALPIPE) {
+        *stage = vs;
+        *chunk = vs < S / 2 ? 0 : 1;
+    } else if (pp_is_v_shape(cfg->kind)) {
         *chunk = vs < S ? 0 : 1;
         *stage = vs < S ? vs : 2 * S - 1 - vs;
     } else {
@@ -317,19 +425,23 @@ static inline void pipeline_virtual_stage_owner(const PipelineConfig* cfg, int v
     }
 }
 
-static inline int pp_owner_stage(const PipelineConfig* cfg, int vs) {
-    int stage, chunk;
-    pipeline_virtual_stage_owner(cfg, vs, &stage, &chunk);
-    return stage;
+// The stage and chunk running virtual stage vs of microbatch m.
+static inline void pipeline_unit_owner(const PipelineConfig* cfg, int vs, int m, int* stage, int* chunk) {
+    pipeline_virtual_stage_owner(cfg, vs, stage, chunk);
+    // direction 1: the mirror rank, whose chunk of the same number holds vs too
+    if (cfg->kind == PP_DUALPIPE && m >= cfg->num_microbatches / 2) { *stage = cfg->num_stages - 1 - vs; }
 }
 
 // The stage holding the virtual stage before (step = -1) or after (step = +1) chunk `chunk` of
-// `stage`: -1 if there is none (the first / last virtual stage), `stage` itself for a local
-// hand-off (no message; see the header comment).
+// `stage` (on that chunk's microbatches' way): -1 if there is none (the first / last virtual
+// stage), `stage` itself for a local hand-off (no message; see the header comment).
 static inline int pipeline_neighbour_stage(const PipelineConfig* cfg, int stage, int chunk, int step) {
     int vs = pipeline_virtual_stage(cfg, stage, chunk) + step;
-    if (vs < 0 || vs >= cfg->num_stages * cfg->num_chunks) { return -1; }
-    return pp_owner_stage(cfg, vs);
+    if (vs < 0 || vs >= pipeline_num_virtual_stages(cfg)) { return -1; }
+    int first, count, owner, owner_chunk;
+    pipeline_chunk_microbatches(cfg, stage, chunk, &first, &count);
+    pipeline_unit_owner(cfg, vs, first, &owner, &owner_chunk);
+    return owner;
 }
 
 // Most actions one stage's list can have: per (microbatch, chunk) its computations (F and B, or
@@ -341,7 +453,8 @@ static inline int pipeline_max_actions(const PipelineConfig* cfg) {
 // ----------------------------------------------------------------------------------------------
 // compute order
 
-// Computations per stage: F and B, or F, I and W, of every (microbatch, chunk).
+// Computations per stage: F and B, or F, I and W, of every (microbatch, chunk); for dualpipev
+// at most that (an F&B is one computation).
 static inline int pp_computations(const PipelineConfig* cfg) {
     return (pipeline_splits_backward(cfg->kind) ? 3 : 2) * cfg->num_chunks * cfg->num_microbatches;
 }
@@ -357,6 +470,7 @@ static inline void pp_push(const PipelineConfig* cfg, PipelineAction* out, int* 
     a->chunk = chunk;
     a->peer = -1;
     a->post_with_next = 0;
+    a->backward_microbatch = a->backward_chunk = -1;
 }
 
 // The k-th forward (or backward) of a stage, k in 0 .. v*M-1, as (microbatch, chunk).
@@ -382,7 +496,9 @@ static inline int pp_warmup(const PipelineConfig* cfg, int stage) {
         // Megatron-LM: a group of S forwards for each chunk but the last, plus two per later
         // stage (the activation has one more stage to go out, the gradient one more to come back).
         case PP_INTERLEAVED: w = 2 * (S - stage - 1) + (v - 1) * S; break;
-        case PP_ZBV: break;  // has phases of its own (pp_order_zbv)
+        case PP_ZBV:
+        case PP_DUALPIPEV:
+        case PP_DUALPIPE: break;  // have phases of their own (pp_order_zbv, pp_order_dualpipev)
     }
     return w < v * M ? w : v * M;
 }
@@ -466,11 +582,99 @@ static inline int pp_order_zbv(const PipelineConfig* cfg, int stage, PipelineAct
     return count;
 }
 
+// dualpipev: appends the next backward of chunk c (counter backwards[c]), whole or with its
+// weight half split off; a split one's W joins the queue weights_due (the FIFO of DeepSeek's
+// WeightGradStore) as microbatch * 2 + chunk.
+static inline void pp_push_dualpipev_backward(const PipelineConfig* cfg, PipelineAction* out, int* count,
+                                              int* backwards, int c, int split, int* weights_due, int* due_count) {
+    if (split) { weights_due[(*due_count)++] = backwards[c] * 2 + c; }
+    pp_push_next(cfg, out, count, split ? PP_BACKWARD_INPUT : PP_BACKWARD, backwards, c);
+}
+
+// dualpipev: the oldest weight half in the queue (head: its index).
+static inline void pp_push_dualpipev_weight(const PipelineConfig* cfg, PipelineAction* out, int* count,
+                                            const int* weights_due, int* head) {
+    int due = weights_due[(*head)++];
+    pp_push(cfg, out, count, PP_BACKWARD_WEIGHT, due / 2, due % 2);
+}
+
+// dualpipev: F&B, the next forward of chunk fc overlapped with the next whole backward of chunk bc.
+static inline void pp_push_dualpipev_pair(const PipelineConfig* cfg, PipelineAction* out, int* count,
+                                          int* forwards, int fc, int* backwards, int bc) {
+    pp_push_next(cfg, out, count, PP_FORWARD, forwards, fc);
+    PipelineAction* a = &out[*count - 1];
+    a->kind = PP_FORWARD_BACKWARD;
+    a->backward_microbatch = backwards[bc]++;
+    a->backward_chunk = bc;
+}
+
+// dualpipev (DeepSeek's DualPipe cut in half, as deepseek-ai/DualPipe's DualPipeV), the eight
+// phases of rank r of P = S ranks, N = M microbatches, chunk 0 = virtual stage r going down the
+// V, chunk 1 = virtual stage 2P-1-r coming back:
+//   1. F0 x 2(P-r-1)            2. (F0, F1) x (r+1)          3. (I1, W1, F1) x (P-r-1)
+//   4. (F0&B1, F1&B0) x (N-2P+r+1), on the last rank the first pair as F0 then B1 (not overlapped)
+//   5. (B1, F1&B0) x (P-r-1)    6. (B1, B0) x (r+1), the last r+1 of these backwards split
+//   7. (W, I0) x (P-r-1)        8. W x (r+1)
+// A W is always the oldest weight half still due (the reference's FIFO), so each chunk's W's
+// come in microbatch order.
+//
+// dualpipe (DeepSeek's DualPipe): rank s and its mirror S-1-s both run rank r = min(s, S-1-s)'s
+// phases of a dualpipev of P = S/2 ranks and N = M/2 microbatches, chunk 0 being model stage r
+// and chunk 1 model stage S-1-r, each chunk on the microbatches of its direction
+// (pipeline_chunk_microbatches).
+static inline int pp_order_dualpipev(const PipelineConfig* cfg, int stage, PipelineAction* out) {
+    int dual = cfg->kind == PP_DUALPIPE;
+    int P = dual ? cfg->num_stages / 2 : cfg->num_stages, N = dual ? cfg->num_microbatches / 2 : cfg->num_microbatches;
+    int r = stage < P ? stage : cfg->num_stages - 1 - stage;
+    int forwards[2], backwards[2], per_chunk;
+    for (int c = 0; c < 2; c++) {
+        pipeline_chunk_microbatches(cfg, stage, c, &forwards[c], &per_chunk);
+        backwards[c] = forwards[c];
+    }
+    int* weights_due = (int*)malloc_or_die((size_t)2 * cfg->num_microbatches * sizeof(int), "pipeline order");
+    int due_count = 0, head = 0, count = 0;
+    for (int i = 0; i < 2 * (P - r - 1); i++) { pp_push_next(cfg, out, &count, PP_FORWARD, forwards, 0); }
+    for (int i = 0; i < r + 1; i++) {
+        pp_push_next(cfg, out, &count, PP_FORWARD, forwards, 0);
+        pp_push_next(cfg, out, &count, PP_FORWARD, forwards, 1);
+    }
+    for (int i = 0; i < P - r - 1; i++) {
+        pp_push_dualpipev_backward(cfg, out, &count, backwards, 1, 1, weights_due, &due_count);
+        pp_push_dualpipev_weight(cfg, out, &count, weights_due, &head);
+        pp_push_next(cfg, out, &count, PP_FORWARD, forwards, 1);
+    }
+    for (int i = 0; i < N - 2 * P + r + 1; i++) {
+        if (i == 0 && r == P - 1) {
+            pp_push_next(cfg, out, &count, PP_FORWARD, forwards, 0);
+            pp_push_dualpipev_backward(cfg, out, &count, backwards, 1, 0, weights_due, &due_count);
+        } else {
+            pp_push_dualpipev_pair(cfg, out, &count, forwards, 0, backwards, 1);
+        }
+        pp_push_dualpipev_pair(cfg, out, &count, forwards, 1, backwards, 0);
+    }
+    for (int i = 0; i < P - r - 1; i++) {
+        pp_push_dualpipev_backward(cfg, out, &count, backwards, 1, 0, weights_due, &due_count);
+        pp_push_dualpipev_pair(cfg, out, &count, forwards, 1, backwards, 0);
+    }
+    for (int k = 0; k < 2 * (r + 1); k++) {
+        pp_push_dualpipev_backward(cfg, out, &count, backwards, k % 2 == 0 ? 1 : 0, k >= r + 1, weights_due, &due_count);
+    }
+    for (int i = 0; i < P - r - 1; i++) {
+        pp_push_dualpipev_weight(cfg, out, &count, weights_due, &head);
+        pp_push_dualpipev_backward(cfg, out, &count, backwards, 0, 1, weights_due, &due_count);
+    }
+    while (head < due_count) { pp_push_dualpipev_weight(cfg, out, &count, weights_due, &head); }
+    free(weights_due);
+    return count;
+}
+
 // Writes the stage's computations in execution order; returns their number.
 static inline int pp_compute_order(const PipelineConfig* cfg, int stage, PipelineAction* out) {
     switch (cfg->kind) {
         case PP_ZB1: return pp_order_zb1(cfg, stage, out);
         case PP_ZBV: return pp_order_zbv(cfg, stage, out);
+        case PP_DUALPIPEV:
+        case PP_DUALPIPE: return pp_order_dualpipev(cfg, stage, out);
         default: return pp_order_one_forward_one_backward(cfg, stage, out);
     }
 }
@@ -479,7 +683,8 @@ static inline int pp_compute_order(const PipelineConfig* cfg, int stage, Pipelin
 // reference costs, each computation starting once its stage is free and its input exists,
 // transfers instant. Integer times, so exact.
 typedef struct {
-    int n;                  // computations per stage
+    int n;                  // room for computations per stage (pp_computations)
+    int* count;             // [S]: stage s's computations, order[s*n .. s*n + count[s])
     PipelineAction* order;  // [S*n]: each stage's compute order
     int* start;             // [S*n]: when each of them starts
     int* fwd_start;         // [V*M]: when the FORWARD of (virtual stage, microbatch) starts
@@ -491,14 +696,25 @@ typedef struct {
 } PPReference;
 
 static inline int pp_reference_cost(PipelineActionKind kind) {
-    return kind == PP_BACKWARD ? 2 : 1;
+    return kind == PP_FORWARD_BACKWARD ? 3 : kind == PP_BACKWARD ? 2 : 1;
+}
+
+// When the input of one computation (not an F&B) exists in the reference timeline; -1: not yet.
+static inline int pp_reference_ready(const PPReference* ref, const PipelineConfig* cfg, int stage,
+                                     const PipelineAction* a) {
+    int M = cfg->num_microbatches, V = pipeline_num_virtual_stages(cfg);
+    int u = pipeline_virtual_stage(cfg, stage, a->chunk) * M + a->microbatch;
+    if (a->kind == PP_FORWARD) { return u < M ? 0 : ref->fwd_end[u - M]; }
+    if (a->kind == PP_BACKWARD_WEIGHT) { return ref->bwd_end[u]; }
+    return u >= (V - 1) * M ? ref->fwd_end[u] : ref->bwd_end[u + M];
 }
 
 static inline void pp_reference_build(PPReference* ref, const PipelineConfig* cfg) {
-    int S = cfg->num_stages, M = cfg->num_microbatches, V = S * cfg->num_chunks;
+    int S = cfg->num_stages, M = cfg->num_microbatches, V = pipeline_num_virtual_stages(cfg);
     int n = pp_computations(cfg);
     size_t units = (size_t)V * M;
     ref->n = n;
+    ref->count = (int*)malloc_or_die((size_t)S * sizeof(int), "pipeline order");
     ref->order = (PipelineAction*)malloc_or_die((size_t)S * n * sizeof(PipelineAction), "pipeline order");
     ref->start = (int*)malloc_or_die((size_t)S * n * sizeof(int), "pipeline reference timeline");
     ref->fwd_start = (int*)malloc_or_die(units * sizeof(int), "pipeline reference timeline");
@@ -507,39 +723,42 @@ static inline void pp_reference_build(PPReference* ref, const PipelineConfig* cf
     ref->bwd_end = (int*)malloc_or_die(units * sizeof(int), "pipeline reference timeline");
     int* pos = (int*)calloc_or_die((size_t)S, sizeof(int), "pipeline reference timeline");
     int* clock = (int*)calloc_or_die((size_t)S, sizeof(int), "pipeline reference timeline");
+    long long remaining = 0;
     for (int s = 0; s < S; s++) {
         int count = pp_compute_order(cfg, s, ref->order + (size_t)s * n);
-        if (count != n) {
+        if (count > n || (cfg->kind != PP_DUALPIPEV && cfg->kind != PP_DUALPIPE && count != n)) {
             fatal("pipeline: internal error: the %s compute order of stage %d has %d computations, expected %d",
                   pipeline_schedule_name(cfg->kind), s, count, n);
         }
+        ref->count[s] = count;
+        remaining += count;
     }
     for (size_t i = 0; i < units; i++) { ref->fwd_start[i] = ref->fwd_end[i] = ref->bwd_start[i] = ref->bwd_end[i] = -1; }
-    long long remaining = (long long)S * n;
     while (remaining > 0) {
         int progress = 0;
         for (int s = 0; s < S; s++) {
-            while (pos[s] < n) {
+            while (pos[s] < ref->count[s]) {
                 const PipelineAction* a = &ref->order[(size_t)s * n + pos[s]];
-                int u = pipeline_virtual_stage(cfg, s, a->chunk) * M + a->microbatch;
-                int ready;  // when the input exists; -1: not yet
-                if (a->kind == PP_FORWARD) {
-                    ready = u < M ? 0 : ref->fwd_end[u - M];
-                } else if (a->kind == PP_BACKWARD_WEIGHT) {
-                    ready = ref->bwd_end[u];
-                } else {
-                    ready = u >= (V - 1) * M ? ref->fwd_end[u] : ref->bwd_end[u + M];
+                // an F&B starts once the inputs of both halves exist; both end with it
+                PipelineAction halves[2];
+                int nh = pipeline_action_halves(a, halves), ready = 0;  // when the input exists; -1: not yet
+                for (int h = 0; h < nh && ready >= 0; h++) {
+                    int r = pp_reference_ready(ref, cfg, s, &halves[h]);
+                    ready = r < 0 ? -1 : (r > ready ? r : ready);
                 }
                 if (ready < 0) { break; }
                 int start = clock[s] > ready ? clock[s] : ready;
                 clock[s] = start + pp_reference_cost(a->kind);
                 ref->start[(size_t)s * n + pos[s]] = start;
-                if (a->kind == PP_FORWARD) {
-                    ref->fwd_start[u] = start;
-                    ref->fwd_end[u] = clock[s];
-                } else if (pipeline_is_input_backward(a->kind)) {
-                    ref->bwd_start[u] = start;
-                    ref->bwd_end[u] = clock[s];
+                for (int h = 0; h < nh; h++) {
+                    int u = pipeline_virtual_stage(cfg, s, halves[h].chunk) * M + halves[h].microbatch;
+                    if (halves[h].kind == PP_FORWARD) {
+                        ref->fwd_start[u] = start;
+                        ref->fwd_end[u] = clock[s];
+                    } else if (pipeline_is_input_backward(halves[h].kind)) {
+                        ref->bwd_start[u] = start;
+                        ref->bwd_end[u] = clock[s];
+                    }
                 }
                 pos[s]++;
                 remaining--;
@@ -554,7 +773,7 @@ static inline void pp_reference_build(PPReference* ref, const PipelineConfig* cf
     for (int s = 0; s < S; s++) { ref->horizon = clock[s] > ref->horizon ? clock[s] : ref->horizon; }
     ref->inside = (char*)calloc_or_die((size_t)S * (ref->horizon + 1), 1, "pipeline reference timeline");
     for (int s = 0; s < S; s++) {
-        for (int j = 0; j < n; j++) {
+        for (int j = 0; j < ref->count[s]; j++) {
             int start = ref->start[(size_t)s * n + j];
             int end = start + pp_reference_cost(ref->order[(size_t)s * n + j].kind);
             for (int t = start + 1; t < end; t++) { ref->inside[(size_t)s * (ref->horizon + 1) + t] = 1; }
@@ -565,6 +784,7 @@ static inline void pp_reference_build(PPReference* ref, const PipelineConfig* cf
 }
 
 static inline void pp_reference_free(PPReference* ref) {
+    free(ref->count);
     free(ref->order);
     free(ref->start);
     free(ref->fwd_start);
@@ -593,7 +813,8 @@ static inline int pp_message_instant(const PPReference* ref, int from, int to, i
 // starting then (phase 1). A message crosses boundary w (between virtual stages w and w+1) on
 // link w mod S. Messages across one boundary in one direction come from one virtual stage, whose
 // computations end at distinct times, so (produced, boundary) makes the order of messages total
-// and the same on both ends.
+// and the same on both ends; under dualpipe the middle link carries two directions' messages
+// across one boundary, and the microbatch tells them apart.
 typedef struct {
     int time, phase, link, dir, produced, boundary;
     PipelineAction action;
@@ -607,7 +828,9 @@ static inline int pp_event_compare(const void* pa, const void* pb) {
     if (a->link != b->link) { return a->link < b->link ? -1 : 1; }
     if (a->dir != b->dir) { return a->dir < b->dir ? -1 : 1; }
     if (a->produced != b->produced) { return a->produced < b->produced ? -1 : 1; }
-    return a->boundary < b->boundary ? -1 : (a->boundary > b->boundary ? 1 : 0);
+    if (a->boundary != b->boundary) { return a->boundary < b->boundary ? -1 : 1; }
+    // dualpipe's middle pair of ranks carries both directions across one boundary
+    return a->action.microbatch < b->action.microbatch ? -1 : (a->action.microbatch > b->action.microbatch ? 1 : 0);
 }
 
 static inline void pp_add_event(PPEvent* events, int* count, int time, int phase, int boundary, int num_stages,
@@ -634,38 +857,41 @@ static inline int pp_emit_stage(const PipelineConfig* cfg, const PPReference* re
     const int* fwd_end = ref->fwd_end;
     const int* bwd_end = ref->bwd_end;
     int count = 0;
-    for (int j = 0; j < n; j++) {
+    for (int j = 0; j < ref->count[stage]; j++) {
         const PipelineAction* a = &ref->order[(size_t)stage * n + j];
         int start = ref->start[(size_t)stage * n + j];
-        int vs = pipeline_virtual_stage(cfg, stage, a->chunk);
-        int u = vs * M + a->microbatch;
-        // messages only to and from another stage
-        int prev = pipeline_neighbour_stage(cfg, stage, a->chunk, -1);
-        int next = pipeline_neighbour_stage(cfg, stage, a->chunk, +1);
-        int prev_is_remote = prev >= 0 && prev != stage, next_is_remote = next >= 0 && next != stage;
-        // dir 0 forward, 1 backward
-        if (a->kind == PP_FORWARD) {
-            if (prev_is_remote) {
-                int t = pp_message_instant(ref, prev, stage, fwd_end[u - M], start);
-                pp_add_event(events, &count, t, 0, vs - 1, S, 0, fwd_end[u - M], PP_RECV_FORWARD, a, prev);
+        pp_add_event(events, &count, start, 1, 0, S, 0, 0, a->kind, a, -1);
+        // the messages of each half (an F&B's: both receives before it, both sends after)
+        PipelineAction halves[2];
+        int nh = pipeline_action_halves(a, halves);
+        for (int h = 0; h < nh; h++) {
+            const PipelineAction* c = &halves[h];
+            int vs = pipeline_virtual_stage(cfg, stage, c->chunk);
+            int u = vs * M + c->microbatch;
+            // messages only to and from another stage
+            int prev = pipeline_neighbour_stage(cfg, stage, c->chunk, -1);
+            int next = pipeline_neighbour_stage(cfg, stage, c->chunk, +1);
+            int prev_is_remote = prev >= 0 && prev != stage, next_is_remote = next >= 0 && next != stage;
+            // dir 0 forward, 1 backward
+            if (c->kind == PP_FORWARD) {
+                if (prev_is_remote) {
+                    int t = pp_message_instant(ref, prev, stage, fwd_end[u - M], start);
+                    pp_add_event(events, &count, t, 0, vs - 1, S, 0, fwd_end[u - M], PP_RECV_FORWARD, c, prev);
+                }
+                if (next_is_remote) {
+                    int t = pp_message_instant(ref, stage, next, fwd_end[u], ref->fwd_start[u + M]);
+                    pp_add_event(events, &count, t, 0, vs, S, 0, fwd_end[u], PP_SEND_FORWARD, c, next);
+                }
+            } else if (pipeline_is_input_backward(c->kind)) {
+                if (next_is_remote) {
+                    int t = pp_message_instant(ref, next, stage, bwd_end[u + M], start);
+                    pp_add_event(events, &count, t, 0, vs, S, 1, bwd_end[u + M], PP_RECV_BACKWARD, c, next);
+                }
+                if (prev_is_remote) {
+                    int t = pp_message_instant(ref, stage, prev, bwd_end[u], ref->bwd_start[u - M]);
+                    pp_add_event(events, &count, t, 0, vs - 1, S, 1, bwd_end[u], PP_SEND_BACKWARD, c, prev);
+                }
             }
-            pp_add_event(events, &count, start, 1, 0, S, 0, 0, a->kind, a, -1);
-            if (next_is_remote) {
-                int t = pp_message_instant(ref, stage, next, fwd_end[u], ref->fwd_start[u + M]);
-                pp_add_event(events, &count, t, 0, vs, S, 0, fwd_end[u], PP_SEND_FORWARD, a, next);
-            }
-        } else if (pipeline_is_input_backward(a->kind)) {
-            if (next_is_remote) {
-                int t = pp_message_instant(ref, next, stage, bwd_end[u + M], start);
-                pp_add_event(events, &count, t, 0, vs, S, 1, bwd_end[u + M], PP_RECV_BACKWARD, a, next);
-            }
-            pp_add_event(events, &count, start, 1, 0, S, 0, 0, a->kind, a, -1);
-            if (prev_is_remote) {
-                int t = pp_message_instant(ref, stage, prev, bwd_end[u], ref->bwd_start[u - M]);
-                pp_add_event(events, &count, t, 0, vs - 1, S, 1, bwd_end[u], PP_SEND_BACKWARD, a, prev);
-            }
-        } else {
-            pp_add_event(events, &count, start, 1, 0, S, 0, 0, a->kind, a, -1);
         }
     }
     qsort(events, (size_t)count, sizeof(PPEvent), pp_event_compare);
@@ -744,13 +970,18 @@ static inline void pipeline_schedule_free(PipelineSchedule* sch) {
 // Most (microbatch, chunk) activations a stage holds at once, maximised over the list: each is
 // held from its FORWARD until its BACKWARD, or until its BACKWARD_WEIGHT when the backward is
 // split (the weight gradient reads the layer inputs too). With several chunks a pair holds one
-// chunk's activations (1/v of the stage's layers).
+// chunk's activations (1/v of the stage's layers). An F&B holds its forward's and its
+// backward's together.
 static inline int pipeline_max_in_flight(const PipelineAction* actions, int n) {
     int held = 0, most = 0;
     for (int i = 0; i < n; i++) {
-        if (actions[i].kind == PP_FORWARD) { held++; }
-        if (actions[i].kind == PP_BACKWARD || actions[i].kind == PP_BACKWARD_WEIGHT) { held--; }
-        if (held > most) { most = held; }
+        PipelineAction halves[2];
+        int nh = pipeline_action_halves(&actions[i], halves);
+        for (int h = 0; h < nh; h++) {
+            if (halves[h].kind == PP_FORWARD) { held++; }
+            if (held > most) { most = held; }
+            if (halves[h].kind == PP_BACKWARD || halves[h].kind == PP_BACKWARD_WEIGHT) { held--; }
+        }
     }
     return most;
 }
@@ -775,12 +1006,17 @@ static inline int pipeline_max_in_flight(const PipelineAction* actions, int n) {
 //          microbatch 0's reaches rank S-1 (the tip of the V) at 3S-1, from there rank S-1 runs
 //          I and W of both its chunks, 4 units per microbatch, and the last gradient then
 //          crosses S-1 ranks back before rank 0 runs the last W.
+//   dualpipev  with F = 1, B = 2, I = W = 1 and an F&B costing F + B = 3 (nothing hidden):
+//          T = 6M + 2(S-1). Every rank idles 2(S-1) units: DeepSeek's DualPipe bubble
+//          (PP/2-1)(F&B + B - 3W) with PP = 2S (the DualPipe it halves) = (S-1)(3 + 2 - 3).
 static inline double pipeline_bubble_fraction(const PipelineConfig* cfg) {
     double S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks;
     double T;
     switch (cfg->kind) {
         case PP_ZB1: T = fmax(3.0 * M + S - 1.0, 2.0 * M + 2.0 * S - 1.0); break;
         case PP_ZBV: T = fmax(6.0 * M + S - 1.0, 4.0 * M + 4.0 * S - 2.0); break;
+        case PP_DUALPIPEV: T = 6.0 * M + 2.0 * (S - 1.0); break;
+        case PP_DUALPIPE: return (S - 2.0) / (3.0 * M + S - 2.0);
         default: return (S - 1.0) / (v * M + S - 1.0);
     }
     return (T - 3.0 * v * M) / T;
@@ -848,7 +1084,7 @@ typedef struct {
 static inline int pipeline_place_layers(const PipelineConfig* cfg, int num_layers, double embed_cost, double head_cost,
                                         ChunkPlace* out, char* err, size_t errlen) {
     if (pipeline_check_config(cfg, err, errlen) != 0) { return -1; }
-    int S = cfg->num_stages, v = cfg->num_chunks, V = S * v;
+    int S = cfg->num_stages, v = cfg->num_chunks, V = pipeline_num_virtual_stages(cfg);
     int* first = (int*)malloc_or_die((size_t)(V + 1) * sizeof(int), "pipeline placement");
     if (pipeline_partition_layers(num_layers, V, embed_cost, head_cost, first, err, errlen) != 0) {
         free(first);

@@ -2,8 +2,8 @@
  * pipeline_executor.h: a pipeline stage runs its list of actions from llmc/pipeline.h.
  *
  * Every rank runs a pipeline, of one stage when --pp is 1 (then the list is just F0 B0 F1
- * B1 ...). A rank holds v model chunks (virtual stages; v = 1 but for interleaved and zbv),
- * each with its own model on the rank's one Zero. A (microbatch, chunk) pair owns a slot of its
+ * B1 ...). A rank holds v model chunks (virtual stages; v = 1 but for interleaved, zbv and
+ * dualpipev), each with its own model on the rank's one Zero. A (microbatch, chunk) pair owns a slot of its
  * chunk from its FORWARD to its BACKWARD (or, split, its BACKWARD_WEIGHT) on this stage: its
  * activations (with its tokens) and the received gradient of its output; the schedule bounds
  * how many are alive (1F1B: S - stage). Messages are non-blocking: a receive is posted at its
@@ -18,7 +18,9 @@
  *
  * The schedule (which computation and which message come when, 1F1B's warmup, steady pairs
  * and cooldown included) is all in pipeline.h's lists; pipeline_step only runs them, one case
- * per action kind, each send and receive written with its tensor and group beside it.
+ * per action kind, each send and receive written with its tensor and group beside it. An F&B
+ * (FORWARD_BACKWARD, dualpipev) runs its forward, then its backward, through the same two
+ * functions as a lone FORWARD and BACKWARD: its messages are the list's around it.
  *
  * It drives a build's model through model_ops.h's ModelOps (and its BACKWARD_* parts).
  */
@@ -85,6 +87,7 @@ typedef struct {
     int split;                 // the schedule splits backwards into input and weight halves
     double busy;               // seconds of computation in the last step
     double fwd, bwd, wgt;      // ... of which forwards, backwards (whole or input halves), weight halves
+    double pair;               // ... of which in F&B pairs (their forward and backward halves)
     int held, peak_held;       // (microbatch, chunk) activations alive now / at most in the last step
     size_t slot_bytes;         // every slot's bytes
     float* moe_aux;            // experts: (microbatches x L) each forward's aux loss per layer,
@@ -134,12 +137,16 @@ static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps*
         p->vstage[c] = pipeline_virtual_stage(&p->cfg, pp->rank, c);
         if (places[c].has_head) { p->head_chunk = c; }
     }
-    // each chunk gets as many slots as its own actions ever hold at once
-    PipelineAction* mine = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * (n ? n : 1), "pipeline actions");
+    // each chunk gets as many slots as its own computations (an F&B's halves apart) ever hold at once
+    PipelineAction* mine = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * 2 * (n ? n : 1), "pipeline actions");
     int* count = (int*)calloc_or_die((size_t)nchunks, sizeof(int), "pipeline chunks");
     for (int c = 0; c < nchunks; c++) {
         int k = 0;
-        for (int j = 0; j < n; j++) { if (p->actions[j].chunk == c) { mine[k++] = p->actions[j]; } }
+        for (int j = 0; j < n; j++) {
+            PipelineAction halves[2];
+            int nh = pipeline_action_halves(&p->actions[j], halves);
+            for (int h = 0; h < nh; h++) { if (halves[h].chunk == c) { mine[k++] = halves[h]; } }
+        }
         count[c] = pipeline_max_in_flight(mine, k);
         p->nslots += count[c];
     }
@@ -234,131 +241,180 @@ static inline MessageBuffer* pipeline_message(Pipeline* p, int i, int c, Message
     fatal("internal: no pipeline message for microbatch %d of chunk %d", i, c);
 }
 
+// What one step's computations share: the global microbatches, the loss scale, the tokens.
+typedef struct {
+    Zero* z;
+    void* grads;
+    DataLoader* loader;
+    int64_t first_microbatch;
+    int B, T, overfit, timed, last_vs;
+    float dloss;
+    float* dres;         // the residual stream's gradient buffer
+    float* local_loss;
+} PipelineStepContext;
+
+// The positions of microbatch i: T, or its --varlen sequence's length, which every stage reads
+// from the data's table, so the messages need no header (--varlen runs without sequence splits).
+static inline int pipeline_positions(const PipelineStepContext* x, int i) {
+    return dataloader_length(x->loader, x->overfit ? 0 : zero_global_microbatch(x->z, x->first_microbatch, i));
+}
+
+// The floats of microbatch i's boundary message (its activation or its gradient).
+static inline size_t pipeline_message_floats(const Pipeline* p, const PipelineStepContext* x, int i) {
+    int Ti = pipeline_positions(x, i);
+    return Ti == x->T ? p->msg_floats : (size_t)x->B * Ti * p->C;
+}
+
+// FORWARD of (microbatch i, chunk c): its input from the data loader (virtual stage 0), the
+// chunk before it on this rank, or the received message; the loss on the head's chunk.
+static inline void pipeline_run_forward(Pipeline* p, const PipelineStepContext* x, int i, int c) {
+    const ModelOps* ops = p->ops;
+    int B = x->B, T = pipeline_positions(x, i), vs = p->vstage[c];
+    size_t bytes = pipeline_message_floats(p, x, i) * sizeof(float);
+    void* model = p->models[c];
+    const ChunkPlace* place = &p->places[c];
+    MicroSlot* s = pipeline_slot(p, i, c, 1);
+    if (place->has_embedding || place->has_head) {
+        dataloader_load(x->loader, x->overfit ? 0 : zero_global_microbatch(x->z, x->first_microbatch, i));
+        ops->set_tokens(model, s->acts, x->loader->inputs, x->loader->targets, B, T);
+    }
+    if (!place->has_embedding) {   // waiting for the input is idle time, not compute
+        int producer = pipeline_chunk_of(p, vs - 1);
+        if (producer >= 0) {        // a hand-off on this rank
+            MicroSlot* from = pipeline_slot(p, i, producer, 0);
+            p->mem->copy(ops->stage_input(model, s->acts), ops->stage_output(p->models[producer], from->acts, B, T),
+                         bytes);
+        } else {
+            MessageBuffer* m = pipeline_message(p, i, c, MSG_RECEIVING);
+            comm_wait(m->req);
+            p->mem->copy(ops->stage_input(model, s->acts), m->buf, bytes);
+            m->req = NULL;
+            m->state = MSG_FREE;
+        }
+    }
+    double t0 = now_seconds();
+    if (place->has_embedding) { ops->embed_forward(model, s->acts, B, T); }
+    ops->layers_forward(model, s->acts, B, T);
+    if (p->moe_aux) { ops->moe_aux(model, s->acts, p->moe_aux + (size_t)i * p->num_layers + place->first_layer); }
+    if (place->has_head) {
+        ops->head_forward(model, s->acts, B, T, 1);
+        x->local_loss[i] = ops->loss_sum(model, s->acts, B, T);
+    }
+    if (x->timed) { p->mem->sync(); }
+    p->fwd += now_seconds() - t0;
+}
+
+// BACKWARD (part BACKWARD_BOTH), BACKWARD_INPUT or BACKWARD_WEIGHT of (microbatch i, chunk c):
+// the gradient of its output from the received message or, handed off, from the chunk after it
+// on this rank; the input gradient kept for the send or the hand-off; weight gradients into the
+// chunk's microbatch tree (zero.h).
+static inline void pipeline_run_backward(Pipeline* p, const PipelineStepContext* x, int i, int c, int part) {
+    int vs = p->vstage[c], T = pipeline_positions(x, i);
+    size_t bytes = pipeline_message_floats(p, x, i) * sizeof(float);
+    MicroSlot* s = pipeline_slot(p, i, c, 0);
+    if ((part & BACKWARD_INPUT) && vs < x->last_vs) {   // d(loss)/d(chunk output)
+        if (pipeline_chunk_of(p, vs + 1) >= 0) {         // a hand-off on this rank
+            MessageBuffer* m = pipeline_message(p, i, c, MSG_HANDOFF);
+            p->mem->copy(x->dres, m->buf, bytes);
+            m->state = MSG_FREE;
+        } else {
+            comm_wait(s->recv_grad);
+            s->recv_grad = NULL;
+            p->mem->copy(x->dres, s->grad_out, bytes);
+        }
+    }
+    double t0 = now_seconds();
+    const ModelOps* ops = p->ops;
+    void* model = p->models[c];
+    if (part & BACKWARD_WEIGHT) { zero_begin_microbatch(x->z, c, i); }
+    if (p->places[c].has_head) { ops->head_backward(model, s->acts, x->grads, x->B, T, x->dloss, part); }
+    ops->layers_backward(model, s->acts, x->grads, x->B, T, part);
+    if (p->places[c].has_embedding) { ops->embed_backward(model, s->acts, x->grads, x->B, T, part); }
+    if ((part & BACKWARD_INPUT) && vs > 0) {   // keep d(loss)/d(chunk input)
+        int consumer = pipeline_chunk_of(p, vs - 1);
+        MessageBuffer* m = consumer >= 0 ? pipeline_message_new(p, i, consumer, MSG_HANDOFF)
+                                         : pipeline_message_new(p, i, c, MSG_TO_SEND);
+        p->mem->copy(m->buf, x->dres, bytes);
+    }
+    if (part & BACKWARD_WEIGHT) {
+        zero_end_microbatch(x->z);
+        pipeline_slot_release(p, s);
+    }
+    if (x->timed) { p->mem->sync(); }
+    if (part == BACKWARD_WEIGHT) { p->wgt += now_seconds() - t0; } else { p->bwd += now_seconds() - t0; }
+}
+
 // Runs this stage's actions for one optimizer step: forward and backward of this dp rank's
 // microbatches (global indices from zero.h) on each of its chunks, gradients reduced, the tied
 // halves summed. local_loss[i] gets microbatch i's loss sum on the head's stage. The compute
-// times (busy, fwd, bwd, wgt) are measured only with several stages (they wait for the device
-// to finish each computation).
+// times (busy, fwd, bwd, wgt, pair) are measured only with several stages (they wait for the
+// device to finish each computation).
 static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* loader,
                                  int64_t first_microbatch, int M_global, int B, int T, int overfit,
                                  float* local_loss) {
     const ModelOps* ops = p->ops;
-    int timed = p->cfg.num_stages > 1, last_vs = p->cfg.num_stages * p->cfg.num_chunks - 1;
-    // d(loss)/d(each position's loss): the step's loss is token-weighted (over --varlen's
+    // dloss = d(loss)/d(each position's loss): the step's loss is token-weighted (over --varlen's
     // sequences of different lengths too)
     float dloss = 1.0f / (float)(double)dataloader_step_targets(loader, first_microbatch, M_global, overfit);
-    float* dres = ops->grad_residual(p->models[0], grads);
-    p->busy = p->fwd = p->bwd = p->wgt = 0.0;
+    PipelineStepContext x = {z, grads, loader, first_microbatch, B, T, overfit, p->cfg.num_stages > 1,
+                             p->cfg.num_stages * p->cfg.num_chunks - 1, dloss,
+                             ops->grad_residual(p->models[0], grads), local_loss};
+    p->busy = p->fwd = p->bwd = p->wgt = p->pair = 0.0;
     p->peak_held = p->held;
     for (int k = 0; k < p->nactions; k++) {
         const PipelineAction* act = &p->actions[k];
         int i = act->microbatch, c = act->chunk, vs = p->vstage[c];
         void* model = p->models[c];
-        const ChunkPlace* place = &p->places[c];
-        // the microbatch's positions: T, or its --varlen sequence's length (which every stage
-        // reads from the data's table, so the messages need no header); --varlen runs without
-        // sequence splits
-        int Ti = dataloader_length(loader, overfit ? 0 : zero_global_microbatch(z, first_microbatch, i));
-        size_t floats = Ti == T ? p->msg_floats : (size_t)B * Ti * p->C, bytes = floats * sizeof(float);
         MicroSlot* s;
         MessageBuffer* m;
         double t0;
-        int part = act->kind == PP_BACKWARD ? BACKWARD_BOTH : act->kind == PP_BACKWARD_INPUT ? BACKWARD_INPUT
-                 : BACKWARD_WEIGHT;
         switch (act->kind) {
             case PP_RECV_FORWARD:
                 // irecv (pp group): the input activation of (microbatch i, chunk c) from the
                 // stage holding virtual stage vs - 1
                 m = pipeline_message_new(p, i, c, MSG_RECEIVING);
-                m->req = comm_irecv(p->pp, m->buf, floats, act->peer, pipeline_tag(p, i, vs - 1, 0), COMM_KIND_PP);
+                m->req = comm_irecv(p->pp, m->buf, pipeline_message_floats(p, &x, i), act->peer, pipeline_tag(p, i, vs - 1, 0), COMM_KIND_PP);
                 break;
             case PP_FORWARD:
-                s = pipeline_slot(p, i, c, 1);
-                if (place->has_embedding || place->has_head) {
-                    dataloader_load(loader, overfit ? 0 : zero_global_microbatch(z, first_microbatch, i));
-                    ops->set_tokens(model, s->acts, loader->inputs, loader->targets, B, Ti);
-                }
-                if (!place->has_embedding) {   // waiting for the input is idle time, not compute
-                    int producer = pipeline_chunk_of(p, vs - 1);
-                    if (producer >= 0) {        // a hand-off on this rank
-                        MicroSlot* from = pipeline_slot(p, i, producer, 0);
-                        p->mem->copy(ops->stage_input(model, s->acts),
-                                     ops->stage_output(p->models[producer], from->acts, B, Ti), bytes);
-                    } else {
-                        m = pipeline_message(p, i, c, MSG_RECEIVING);
-                        comm_wait(m->req);
-                        p->mem->copy(ops->stage_input(model, s->acts), m->buf, bytes);
-                        m->req = NULL;
-                        m->state = MSG_FREE;
-                    }
-                }
-                t0 = now_seconds();
-                if (place->has_embedding) { ops->embed_forward(model, s->acts, B, Ti); }
-                ops->layers_forward(model, s->acts, B, Ti);
-                if (p->moe_aux) {
-                    ops->moe_aux(model, s->acts, p->moe_aux + (size_t)i * p->num_layers + place->first_layer);
-                }
-                if (place->has_head) {
-                    ops->head_forward(model, s->acts, B, Ti, 1);
-                    local_loss[i] = ops->loss_sum(model, s->acts, B, Ti);
-                }
-                if (timed) { p->mem->sync(); }
-                p->fwd += now_seconds() - t0;
+                pipeline_run_forward(p, &x, i, c);
+                break;
+            case PP_FORWARD_BACKWARD:
+                // F&B: every message of both halves was posted before it (their receives) or
+                // is posted right after it (their sends), so both chunks' messages are in flight
+                // together while it computes; on one CPU thread the two halves run one after the
+                // other, the forward first (it frees nothing the backward needs)
+                t0 = p->fwd + p->bwd;   // the pair's compute time, its waits for inputs left out
+                pipeline_run_forward(p, &x, i, c);
+                pipeline_run_backward(p, &x, act->backward_microbatch, act->backward_chunk, BACKWARD_BOTH);
+                p->pair += p->fwd + p->bwd - t0;
                 break;
             case PP_SEND_FORWARD:
                 // isend (pp group): the output of (microbatch i, chunk c) to the stage holding
                 // virtual stage vs + 1
                 s = pipeline_slot(p, i, c, 0);
-                s->send_act = comm_isend(p->pp, ops->stage_output(model, s->acts, B, Ti), floats,
+                s->send_act = comm_isend(p->pp, ops->stage_output(model, s->acts, B, pipeline_positions(&x, i)),
+                                         pipeline_message_floats(p, &x, i),
                                          act->peer, pipeline_tag(p, i, vs, 0), COMM_KIND_PP);
                 break;
             case PP_RECV_BACKWARD:
                 // irecv (pp group): d(loss)/d(output of (microbatch i, chunk c)) from the stage
                 // holding virtual stage vs + 1
                 s = pipeline_slot(p, i, c, 0);
-                s->recv_grad = comm_irecv(p->pp, s->grad_out, floats, act->peer, pipeline_tag(p, i, vs, 1),
+                s->recv_grad = comm_irecv(p->pp, s->grad_out, pipeline_message_floats(p, &x, i), act->peer, pipeline_tag(p, i, vs, 1),
                                           COMM_KIND_PP);
                 break;
             case PP_BACKWARD:
             case PP_BACKWARD_INPUT:
             case PP_BACKWARD_WEIGHT:
-                s = pipeline_slot(p, i, c, 0);
-                if ((part & BACKWARD_INPUT) && vs < last_vs) {   // d(loss)/d(chunk output)
-                    if (pipeline_chunk_of(p, vs + 1) >= 0) {     // a hand-off on this rank
-                        m = pipeline_message(p, i, c, MSG_HANDOFF);
-                        p->mem->copy(dres, m->buf, bytes);
-                        m->state = MSG_FREE;
-                    } else {
-                        comm_wait(s->recv_grad);
-                        s->recv_grad = NULL;
-                        p->mem->copy(dres, s->grad_out, bytes);
-                    }
-                }
-                t0 = now_seconds();
-                // the weight gradients go into the chunk's microbatch tree (zero.h)
-                if (part & BACKWARD_WEIGHT) { zero_begin_microbatch(z, c, i); }
-                if (place->has_head) { ops->head_backward(model, s->acts, grads, B, Ti, dloss, part); }
-                ops->layers_backward(model, s->acts, grads, B, Ti, part);
-                if (place->has_embedding) { ops->embed_backward(model, s->acts, grads, B, Ti, part); }
-                if ((part & BACKWARD_INPUT) && vs > 0) {   // keep d(loss)/d(chunk input)
-                    int consumer = pipeline_chunk_of(p, vs - 1);
-                    m = consumer >= 0 ? pipeline_message_new(p, i, consumer, MSG_HANDOFF)
-                                      : pipeline_message_new(p, i, c, MSG_TO_SEND);
-                    p->mem->copy(m->buf, dres, bytes);
-                }
-                if (part & BACKWARD_WEIGHT) {
-                    zero_end_microbatch(z);
-                    pipeline_slot_release(p, s);
-                }
-                if (timed) { p->mem->sync(); }
-                if (part == BACKWARD_WEIGHT) { p->wgt += now_seconds() - t0; } else { p->bwd += now_seconds() - t0; }
+                pipeline_run_backward(p, &x, i, c, act->kind == PP_BACKWARD ? BACKWARD_BOTH
+                                                   : act->kind == PP_BACKWARD_INPUT ? BACKWARD_INPUT : BACKWARD_WEIGHT);
                 break;
             case PP_SEND_BACKWARD:
                 // isend (pp group): d(loss)/d(input of (microbatch i, chunk c)) to the stage
                 // holding virtual stage vs - 1
                 m = pipeline_message(p, i, c, MSG_TO_SEND);
                 m->state = MSG_SENDING;
-                m->req = comm_isend(p->pp, m->buf, floats, act->peer, pipeline_tag(p, i, vs - 1, 1), COMM_KIND_PP);
+                m->req = comm_isend(p->pp, m->buf, pipeline_message_floats(p, &x, i), act->peer, pipeline_tag(p, i, vs - 1, 1), COMM_KIND_PP);
                 break;
         }
     }
@@ -372,16 +428,23 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
 
 // What pipeline_step measured, as the PP_TIMING floats the trainer gathers from every stage:
 // the fraction of the step (`seconds`) the stage spent not computing (its bubble); its mean ms
-// per (microbatch, chunk) of a forward, of a whole backward (or input half plus weight half)
-// and of a weight half; the most (microbatch, chunk) activations it held.
-#define PP_TIMING 5
+// per (microbatch, chunk) of a forward and of a whole backward (or input half plus weight
+// half), and per weight half; the most (microbatch, chunk) activations it held; its mean ms
+// per F&B pair (0 without pairs).
+#define PP_TIMING 6
 static inline void pipeline_step_timing(const Pipeline* p, double seconds, float* out) {
     double units = (double)p->cfg.num_microbatches * p->nchunks;
+    int pairs = 0, weights = 0;   // dualpipev splits only some backwards
+    for (int k = 0; k < p->nactions; k++) {
+        pairs += p->actions[k].kind == PP_FORWARD_BACKWARD;
+        weights += p->actions[k].kind == PP_BACKWARD_WEIGHT;
+    }
     out[0] = (float)(1.0 - p->busy / seconds);
     out[1] = (float)(p->fwd / units * 1e3);
     out[2] = (float)((p->bwd + p->wgt) / units * 1e3);
-    out[3] = (float)(p->wgt / units * 1e3);
+    out[3] = weights > 0 ? (float)(p->wgt / weights * 1e3) : 0.0f;
     out[4] = (float)p->peak_held;
+    out[5] = pairs > 0 ? (float)(p->pair / pairs * 1e3) : 0.0f;
 }
 
 // A forward-only pass of one batch through the pipeline (validation, sampling), acts[c] the

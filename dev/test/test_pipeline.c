@@ -1,5 +1,6 @@
 /*
- * Unit tests for llmc/pipeline.h and its simulator (dev/tools/pp_sim.h): pipeline schedules (gpipe, 1f1b, interleaved, zb1, zbv), their
+ * Unit tests for llmc/pipeline.h and its simulator (dev/tools/pp_sim.h): pipeline schedules (gpipe, 1f1b, interleaved, zb1, zbv,
+ * dualpipev), their
  * communication, the simulator, the bubble model, the memory bound, the layer partition and
  * the placement of layers on (stage, chunk).
  *
@@ -43,14 +44,33 @@ static const char* kind_name(int kind) {
         case PP_INTERLEAVED: return "interleaved";
         case PP_ZB1: return "zb1";
         case PP_ZBV: return "zbv";
+        case PP_DUALPIPEV: return "dualpipev";
+        case PP_DUALPIPE: return "dualpipe";
     }
     return "?";
 }
 
-static int splits_backward(int kind) { return kind == PP_ZB1 || kind == PP_ZBV; }
+// zb1 and zbv split every backward, dualpipev some (the others whole), the rest none.
+static int splits_backward(int kind) {
+    return kind == PP_ZB1 || kind == PP_ZBV || kind == PP_DUALPIPEV || kind == PP_DUALPIPE;
+}
+static int splits_every_backward(int kind) { return kind == PP_ZB1 || kind == PP_ZBV; }
 
 static int is_compute(PipelineActionKind kind) {
-    return kind == PP_FORWARD || kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT || kind == PP_BACKWARD_WEIGHT;
+    return kind == PP_FORWARD || kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT || kind == PP_BACKWARD_WEIGHT ||
+           kind == PP_FORWARD_BACKWARD;
+}
+
+// An F&B as its forward, then its whole backward (peer -1); anything else as itself. Returns 2 or 1.
+static int unpair(const PipelineAction* a, PipelineAction* out) {
+    out[0] = *a;
+    if (a->kind != PP_FORWARD_BACKWARD) { return 1; }
+    out[0].kind = PP_FORWARD;
+    out[1] = out[0];
+    out[1].kind = PP_BACKWARD;
+    out[1].microbatch = a->backward_microbatch;
+    out[1].chunk = a->backward_chunk;
+    return 2;
 }
 
 static void describe(char* buf, size_t len, const PipelineConfig* cfg) {
@@ -63,10 +83,34 @@ static void describe(char* buf, size_t len, const PipelineConfig* cfg) {
 }
 
 // Where chunk c of stage s sits in the model, by the schedules' definitions: interleaved goes
-// round the ring of stages v times (Megatron-LM), zbv down the stages and back up (the V).
+// round the ring of stages v times (Megatron-LM), zbv down the stages and back up (the V);
+// dualpipe's S model stages each on two ranks: rank s and rank S-1-s hold min(s, S-1-s) as
+// chunk 0 and the mirror stage as chunk 1.
 static int virtual_stage_of(const PipelineConfig* cfg, int s, int c) {
-    if (cfg->kind == PP_ZBV) { return c == 0 ? s : 2 * cfg->num_stages - 1 - s; }
-    return c * cfg->num_stages + s;
+    int S = cfg->num_stages;
+    if (cfg->kind == PP_ZBV || cfg->kind == PP_DUALPIPEV) { return c == 0 ? s : 2 * S - 1 - s; }
+    if (cfg->kind == PP_DUALPIPE) {
+        int h = s < S - 1 - s ? s : S - 1 - s;
+        return c == 0 ? h : S - 1 - h;
+    }
+    return c * S + s;
+}
+
+static int model_stages(const PipelineConfig* cfg) {
+    return cfg->kind == PP_DUALPIPE ? cfg->num_stages : cfg->num_stages * cfg->num_chunks;
+}
+
+// dualpipe: 1 when chunk c of stage s carries the microbatches that enter at stage 0 (model
+// stage k on rank k) -- the first half, [0, M/2) -- rather than those entering at stage S-1
+// (model stage k on rank S-1-k), [M/2, M). Every chunk of the other schedules runs all M.
+static int runs_first_half(const PipelineConfig* cfg, int s, int c) {
+    return cfg->kind != PP_DUALPIPE || (virtual_stage_of(cfg, s, c) == s);
+}
+static int first_microbatch_of(const PipelineConfig* cfg, int s, int c) {
+    return runs_first_half(cfg, s, c) ? 0 : cfg->num_microbatches / 2;
+}
+static int microbatches_of(const PipelineConfig* cfg) {
+    return cfg->kind == PP_DUALPIPE ? cfg->num_microbatches / 2 : cfg->num_microbatches;
 }
 
 // The stage holding virtual stage vs, by search; -1 if none.
@@ -79,6 +123,15 @@ static int stage_of(const PipelineConfig* cfg, int vs) {
     return -1;
 }
 
+// The stage running the virtual stage before (step -1) or after (+1) chunk c of stage s on its
+// microbatches' way; -1 if none.
+static int neighbour_of(const PipelineConfig* cfg, int s, int c, int step) {
+    int vs = virtual_stage_of(cfg, s, c) + step;
+    if (vs < 0 || vs >= model_stages(cfg)) { return -1; }
+    if (cfg->kind == PP_DUALPIPE) { return runs_first_half(cfg, s, c) ? vs : cfg->num_stages - 1 - vs; }
+    return stage_of(cfg, vs);
+}
+
 // The chunk of stage s holding virtual stage vs; -1 if none.
 static int chunk_of(const PipelineConfig* cfg, int s, int vs) {
     for (int c = 0; c < cfg->num_chunks; c++) {
@@ -89,7 +142,7 @@ static int chunk_of(const PipelineConfig* cfg, int s, int vs) {
 
 // Tokens: F3 B3 I3 W3 computations (forward, backward, its input / weight halves); rF3 sF3 rB3
 // sB3 receive/send forward activation or backward gradient; "c1" for chunk 1 when with_chunk;
-// a trailing "+" marks post_with_next.
+// a trailing "+" marks post_with_next; an F&B as F3c0&B1c1.
 static void format_actions(char* buf, size_t len, const PipelineAction* a, int n, int with_comm, int with_chunk) {
     size_t used = 0;
     buf[0] = '\0';
@@ -104,10 +157,18 @@ static void format_actions(char* buf, size_t len, const PipelineAction* a, int n
             case PP_SEND_FORWARD: p = "sF"; break;
             case PP_RECV_BACKWARD: p = "rB"; break;
             case PP_SEND_BACKWARD: p = "sB"; break;
+            case PP_FORWARD_BACKWARD: break;
         }
         if (!is_compute(a[i].kind) && !with_comm) { continue; }
         char chunk[16] = "";
         if (with_chunk) { snprintf(chunk, sizeof(chunk), "c%d", a[i].chunk); }
+        if (a[i].kind == PP_FORWARD_BACKWARD) {
+            char bchunk[16] = "";
+            if (with_chunk) { snprintf(bchunk, sizeof(bchunk), "c%d", a[i].backward_chunk); }
+            used += (size_t)snprintf(buf + used, len - used, "%sF%d%s&B%d%s", used ? " " : "", a[i].microbatch, chunk,
+                                     a[i].backward_microbatch, bchunk);
+            continue;
+        }
         used += (size_t)snprintf(buf + used, len - used, "%s%s%d%s%s", used ? " " : "", p, a[i].microbatch, chunk,
                                  with_comm && a[i].post_with_next ? "+" : "");
     }
@@ -123,6 +184,7 @@ static int parse_actions(const char* text, const PipelineConfig* cfg, int s, Pip
         if (!*p) { break; }
         PipelineAction a;
         memset(&a, 0, sizeof(a));
+        a.backward_microbatch = a.backward_chunk = -1;
         int recv = *p == 'r', send = *p == 's';
         if (recv || send) { p++; }
         char letter = *p++;
@@ -135,9 +197,8 @@ static int parse_actions(const char* text, const PipelineConfig* cfg, int s, Pip
         }
         a.microbatch = (int)strtol(p, (char**)&p, 10);
         if (*p == 'c') { p++; a.chunk = (int)strtol(p, (char**)&p, 10); }
-        int vs = virtual_stage_of(cfg, s, a.chunk);
         int towards_input = a.kind == PP_RECV_FORWARD || a.kind == PP_SEND_BACKWARD;
-        a.peer = recv || send ? stage_of(cfg, towards_input ? vs - 1 : vs + 1) : -1;
+        a.peer = recv || send ? neighbour_of(cfg, s, a.chunk, towards_input ? -1 : +1) : -1;
         if (*p == '+') { a.post_with_next = 1; p++; }
         out[n++] = a;
     }
@@ -147,6 +208,7 @@ static int parse_actions(const char* text, const PipelineConfig* cfg, int s, Pip
 typedef struct {
     PipelineActionKind kind;
     int microbatch, chunk;
+    int backward_microbatch, backward_chunk;  // an F&B's backward half; -1 otherwise
 } Computation;
 
 static int add_computation(Computation* out, int n, int M, PipelineActionKind kind, int microbatch, int chunk) {
@@ -154,6 +216,7 @@ static int add_computation(Computation* out, int n, int M, PipelineActionKind ki
     out[n].kind = kind;
     out[n].microbatch = microbatch;
     out[n].chunk = chunk;
+    out[n].backward_microbatch = out[n].backward_chunk = -1;
     return n + 1;
 }
 
@@ -178,6 +241,7 @@ static int expected_one_forward_one_backward(const PipelineConfig* cfg, int s, C
         out[i].kind = is_fwd[i] ? PP_FORWARD : PP_BACKWARD;
         out[i].microbatch = (k / (S * v)) * S + in_group % S;
         out[i].chunk = is_fwd[i] ? in_group / S : v - 1 - in_group / S;
+        out[i].backward_microbatch = out[i].backward_chunk = -1;
     }
     free(is_fwd);
     return count;
@@ -237,20 +301,87 @@ static int expected_zbv(const PipelineConfig* cfg, int r, Computation* out) {
     return count;
 }
 
+// DualPipeV on rank r, DeepSeek's eight phases as the issue (and deepseek-ai/DualPipe's
+// DualPipeV) give them, written as patterns: "F0" forward of chunk 0, "B1" whole backward of
+// chunk 1, "I1" backward of chunk 1 with W split off, "W" the oldest W still due, "F0&B1" an
+// F&B, each step taking that chunk's next microbatch. Phase 4's first pair on the last rank is
+// "F0 B1"; in phase 6 the last r+1 of the 2(r+1) backwards are split.
+typedef struct {
+    int f[2], b[2];
+    int due[128], due_head, due_count;  // W's due: microbatch * 2 + chunk, oldest first
+} DualPipeVState;
+
+static int dualpipev_phase(Computation* out, int n, int M, DualPipeVState* st, int repeats, const char* pattern) {
+    for (int r = 0; r < repeats; r++) {
+        for (const char* p = pattern; *p;) {
+            if (*p == ' ') { p++; continue; }
+            if (p[0] == 'W') {
+                int d = st->due[st->due_head++];
+                n = add_computation(out, n, M, PP_BACKWARD_WEIGHT, d / 2, d % 2);
+                p += 1;
+            } else if (p[0] == 'F' && p[2] == '&') {
+                int fc = p[1] - '0', bc = p[4] - '0';
+                n = add_computation(out, n, M, PP_FORWARD_BACKWARD, st->f[fc]++, fc);
+                out[n - 1].backward_microbatch = st->b[bc]++;
+                out[n - 1].backward_chunk = bc;
+                p += 5;
+            } else {
+                int c = p[1] - '0';
+                if (p[0] == 'I') { st->due[st->due_count++] = st->b[c] * 2 + c; }
+                PipelineActionKind kind = p[0] == 'F' ? PP_FORWARD : p[0] == 'B' ? PP_BACKWARD : PP_BACKWARD_INPUT;
+                n = add_computation(out, n, M, kind, p[0] == 'F' ? st->f[c]++ : st->b[c]++, c);
+                p += 2;
+            }
+        }
+    }
+    return n;
+}
+
+// DualPipe (deepseek-ai/DualPipe): ranks s and S-1-s both run rank min(s, S-1-s)'s phases of a
+// DualPipeV of S/2 ranks and M/2 microbatches, each chunk on its own half of the microbatches.
+static int expected_dualpipev(const PipelineConfig* cfg, int s, Computation* out) {
+    int dual = cfg->kind == PP_DUALPIPE, S = cfg->num_stages;
+    int P = dual ? S / 2 : S, N = dual ? cfg->num_microbatches / 2 : cfg->num_microbatches;
+    int r = s < S - 1 - s || !dual ? s : S - 1 - s;
+    DualPipeVState st;
+    memset(&st, 0, sizeof(st));
+    for (int c = 0; c < 2; c++) { st.f[c] = st.b[c] = first_microbatch_of(cfg, s, c); }
+    int n = 0;
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, 2 * (P - r - 1), "F0");
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, r + 1, "F0 F1");
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, P - r - 1, "I1 W F1");
+    if (r == P - 1) {
+        n = dualpipev_phase(out, n, cfg->num_microbatches, &st, 1, "F0 B1 F1&B0");
+        n = dualpipev_phase(out, n, cfg->num_microbatches, &st, N - 2 * P + r, "F0&B1 F1&B0");
+    } else {
+        n = dualpipev_phase(out, n, cfg->num_microbatches, &st, N - 2 * P + r + 1, "F0&B1 F1&B0");
+    }
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, P - r - 1, "B1 F1&B0");
+    for (int k = 0; k < 2 * (r + 1); k++) {
+        n = dualpipev_phase(out, n, cfg->num_microbatches, &st, 1, k % 2 == 0 ? (k >= r + 1 ? "I1" : "B1") : (k >= r + 1 ? "I0" : "B0"));
+    }
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, P - r - 1, "W I0");
+    n = dualpipev_phase(out, n, cfg->num_microbatches, &st, r + 1, "W");
+    return n;
+}
+
 static int expected_compute(const PipelineConfig* cfg, int s, Computation* out) {
     if (cfg->kind == PP_ZB1) { return expected_zb1(cfg, s, out); }
     if (cfg->kind == PP_ZBV) { return expected_zbv(cfg, s, out); }
+    if (cfg->kind == PP_DUALPIPEV || cfg->kind == PP_DUALPIPE) { return expected_dualpipev(cfg, s, out); }
     return expected_one_forward_one_backward(cfg, s, out);
 }
 
 // The textbook bound on the (microbatch, chunk) activations a stage holds, each from its F to
 // its W (or B): gpipe every microbatch; 1f1b the warmup and one; interleaved Megatron-LM's
 // warmup and one; zb1 1F1B's peak, min(S, M), on every stage (the paper: ZB-H1 keeps 1F1B's
-// peak memory); zbv the paper's p*M_B, S microbatches of a 1f1b stage's layers = 2S chunks.
+// peak memory); zbv the paper's p*M_B, S microbatches of a 1f1b stage's layers = 2S chunks;
+// dualpipev DeepSeek's PP + 1 for the DualPipe of PP = 2S ranks it halves; dualpipe PP + 1.
 static int textbook_memory_bound(const PipelineConfig* cfg, int s) {
     int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks;
     int bound = cfg->kind == PP_GPIPE ? M : cfg->kind == PP_1F1B ? S - s
-              : cfg->kind == PP_INTERLEAVED ? 2 * (S - s - 1) + (v - 1) * S + 1 : cfg->kind == PP_ZB1 ? S : 2 * S;
+              : cfg->kind == PP_INTERLEAVED ? 2 * (S - s - 1) + (v - 1) * S + 1 : cfg->kind == PP_ZB1 ? S
+              : cfg->kind == PP_DUALPIPEV ? 2 * S + 1 : cfg->kind == PP_DUALPIPE ? S + 1 : 2 * S;
     return bound < v * M ? bound : v * M;
 }
 
@@ -369,6 +500,28 @@ static void test_hand_written(void) {
     // 1 forward of c0; 1 x (F I W c1); steady once; 1 x (I c0, W c0).
     PipelineConfig v4 = {1, 2, PP_ZBV, 2};
     check_stage_text(&v4, 0, 1, "F0c0 F0c1 I0c1 W0c1 F1c0 I0c0 W0c0 F1c1 I1c1 W1c1 I1c0 W1c0");
+
+    // dualpipev, S=2, M=4, DeepSeek's phases by hand. Rank 0 (r = 0): F0 x 2; (F0, F1) x 1;
+    // (I1, W, F1) x 1; (F0&B1, F1&B0) x (4-4+0+1) = 1; (B1, F1&B0) x 1; (B1, B0) x 1 with the
+    // second (B0) split; (W, I0) x 1; W x 1. Rank 1 (the last): no F0 x ..; (F0, F1) x 2; no
+    // phase 3; phase 4 twice, the first pair's F0&B1 as F0 then B1; no phase 5; (B1, B0) x 2,
+    // the last two split; no phase 7; W x 2.
+    PipelineConfig d1 = {2, 4, PP_DUALPIPEV, 2};
+    static const char* const dualpipev_ranks[2] = {
+        "F0c0 F1c0 F2c0 F0c1 I0c1 W0c1 F1c1 F3c0&B1c1 F2c1&B0c0 B2c1 F3c1&B1c0 B3c1 I2c0 W2c0 I3c0 W3c0",
+        "F0c0 F0c1 F1c0 F1c1 F2c0 B0c1 F2c1&B0c0 F3c0&B1c1 F3c1&B1c0 B2c1 B2c0 I3c1 I3c0 W3c1 W3c0"};
+    for (int r = 0; r < 2; r++) { check_stage_text(&d1, r, 0, dualpipev_ranks[r]); }
+    // dualpipev on one stage: both hand-offs are local, no message at all; N = 2: (F0, F1);
+    // phase 4 once, its first pair not overlapped (rank 0 is the last rank); (B1, B0), B0 split; W.
+    PipelineConfig d2 = {1, 2, PP_DUALPIPEV, 2};
+    check_stage_text(&d2, 0, 1, "F0c0 F0c1 F1c0 B0c1 F1c1&B0c0 B1c1 I1c0 W1c0");
+    // dualpipe, S=2, M=4: both ranks run rank 0's phases of a one-rank dualpipev with N = 2 (the
+    // list above), rank 0's chunk 0 on microbatches 0, 1 (they enter at rank 0, model stage 0)
+    // and its chunk 1 on 2, 3 (they enter at rank 1 and end at rank 0, model stage 1); rank 1
+    // the mirror: chunk 0 = model stage 0 on 2, 3, chunk 1 = model stage 1 on 0, 1.
+    PipelineConfig d3 = {2, 4, PP_DUALPIPE, 2};
+    check_stage_text(&d3, 0, 0, "F0c0 F2c1 F1c0 B2c1 F3c1&B0c0 B3c1 I1c0 W1c0");
+    check_stage_text(&d3, 1, 0, "F2c0 F0c1 F3c0 B0c1 F1c1&B2c0 B1c1 I3c0 W3c0");
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -377,6 +530,7 @@ static void test_hand_written(void) {
 // Time of a computation of `kind` on stage s under the given costs (I = backward - weight).
 static double cost_of(PipelineActionKind kind, int s, const double* fwd, const double* bwd, const double* wgt) {
     double w = wgt != NULL ? wgt[s] : bwd[s] / 2.0;
+    if (kind == PP_FORWARD_BACKWARD) { return fwd[s] + bwd[s]; }  // nothing hidden, the simulator's default
     return kind == PP_FORWARD ? fwd[s] : kind == PP_BACKWARD_INPUT ? bwd[s] - w : kind == PP_BACKWARD_WEIGHT ? w : bwd[s];
 }
 
@@ -388,7 +542,7 @@ static double cost_of(PipelineActionKind kind, int s, const double* fwd, const d
 static void check_timeline(const char* name, const char* model, const PipelineSchedule* sch, const PipelineTimeline* tl,
                            const double* fwd, const double* bwd, const double* wgt, double transfer) {
     const PipelineConfig* cfg = &sch->cfg;
-    int S = cfg->num_stages, M = cfg->num_microbatches, V = S * cfg->num_chunks;
+    int S = cfg->num_stages, M = cfg->num_microbatches, V = model_stages(cfg);
     double* fwd_end = (double*)calloc((size_t)V * M, sizeof(double));
     double* bwd_end = (double*)calloc((size_t)V * M, sizeof(double));
     double makespan = 0.0;
@@ -408,9 +562,12 @@ static void check_timeline(const char* name, const char* model, const PipelineSc
             CHECK(tl->start[i] >= free_at - 1e-9, "%s %s stage %d action %d: starts at %g before the stage is free at %g",
                   name, model, s, i, tl->start[i], free_at);
             free_at = tl->end[i];
-            int u = virtual_stage_of(cfg, s, a->chunk) * M + a->microbatch;
-            if (a->kind == PP_FORWARD) { fwd_end[u] = tl->end[i]; }
-            if (a->kind == PP_BACKWARD || a->kind == PP_BACKWARD_INPUT) { bwd_end[u] = tl->end[i]; }
+            PipelineAction halves[2];
+            for (int h = 0, nh = unpair(a, halves); h < nh; h++) {
+                int u = virtual_stage_of(cfg, s, halves[h].chunk) * M + halves[h].microbatch;
+                if (halves[h].kind == PP_FORWARD) { fwd_end[u] = tl->end[i]; }
+                if (halves[h].kind == PP_BACKWARD || halves[h].kind == PP_BACKWARD_INPUT) { bwd_end[u] = tl->end[i]; }
+            }
         }
         CHECK(fabs(tl->busy[s] - busy) <= 1e-9 && fabs(tl->idle[s] - (tl->makespan - busy)) <= 1e-9,
               "%s %s stage %d: busy %g idle %g, expected %g and %g", name, model, s, tl->busy[s], tl->idle[s], busy,
@@ -420,15 +577,17 @@ static void check_timeline(const char* name, const char* model, const PipelineSc
           makespan);
     for (int s = 0; s < S; s++) {
         for (int i = sch->offset[s]; i < sch->offset[s + 1]; i++) {
-            const PipelineAction* a = &sch->actions[i];
+          PipelineAction halves[2];
+          for (int h = 0, nh = unpair(&sch->actions[i], halves); h < nh; h++) {
+            const PipelineAction* a = &halves[h];
             int vs = virtual_stage_of(cfg, s, a->chunk), u = vs * M + a->microbatch;
             if (a->kind == PP_FORWARD && vs > 0) {
-                double ready = fwd_end[u - M] + (stage_of(cfg, vs - 1) == s ? 0.0 : transfer);
+                double ready = fwd_end[u - M] + (neighbour_of(cfg, s, a->chunk, -1) == s ? 0.0 : transfer);
                 CHECK(tl->start[i] >= ready - 1e-9, "%s %s stage %d: F%d chunk %d starts at %g before its input is "
                       "there at %g", name, model, s, a->microbatch, a->chunk, tl->start[i], ready);
             }
             if ((a->kind == PP_BACKWARD || a->kind == PP_BACKWARD_INPUT) && vs < V - 1) {
-                double ready = bwd_end[u + M] + (stage_of(cfg, vs + 1) == s ? 0.0 : transfer);
+                double ready = bwd_end[u + M] + (neighbour_of(cfg, s, a->chunk, +1) == s ? 0.0 : transfer);
                 CHECK(tl->start[i] >= ready - 1e-9, "%s %s stage %d: backward %d chunk %d starts at %g before its "
                       "gradient is there at %g", name, model, s, a->microbatch, a->chunk, tl->start[i], ready);
             }
@@ -440,6 +599,7 @@ static void check_timeline(const char* name, const char* model, const PipelineSc
                 CHECK(tl->start[i] >= bwd_end[u] - 1e-9, "%s %s stage %d: W%d chunk %d starts at %g before its I ends "
                       "at %g", name, model, s, a->microbatch, a->chunk, tl->start[i], bwd_end[u]);
             }
+          }
         }
     }
     free(fwd_end);
@@ -458,7 +618,7 @@ static void simulate_all_models(const char* name, const PipelineSchedule* sch, c
     static const PipelineCommModel models[3] = {PP_COMM_RENDEZVOUS, PP_COMM_BATCHED, PP_COMM_EAGER};
     static const char* model_names[3] = {"rendezvous", "batched", "eager"};
     for (int m = 0; m < 3; m++) {
-        PipelineCosts costs = {fwd, bwd, transfer, models[m], wgt};
+        PipelineCosts costs = {fwd, bwd, transfer, models[m], wgt, NULL};
         PipelineTimeline tl;
         char err[1024];
         makespan[m] = NAN;
@@ -498,9 +658,16 @@ static void simulate_all_models(const char* name, const PipelineSchedule* sch, c
 //                 stage's F and I, S-2 more I's), rank S-1 then runs I and W of both its chunks per
 //                 microbatch (4 units), and the last gradient crosses S-1 ranks back before rank
 //                 0's last W.
+//   dualpipev     6M + 2(S-1): 6M units of work on every rank plus DeepSeek's bubble
+//                 (PP/2-1)(F&B + B - 3W) for PP = 2S, with F&B = F + B = 3 (nothing hidden),
+//                 B = 2, W = 1: (S-1)(3 + 2 - 3).
+//   dualpipe      3M + S - 2: each rank runs M/2 microbatches on each chunk (3M units), plus
+//                 DeepSeek's (PP/2-1)(F&B + B - 3W) = (S/2 - 1)(3 + 2 - 3).
 static double textbook_makespan(const PipelineConfig* cfg) {
     double S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks;
     switch (cfg->kind) {
+        case PP_DUALPIPE: return 3.0 * M + S - 2.0;
+        case PP_DUALPIPEV: return 6.0 * M + 2.0 * (S - 1.0);
         case PP_ZB1: return fmax(3.0 * M + S - 1.0, 2.0 * M + 2.0 * S - 1.0);
         case PP_ZBV: return fmax(6.0 * M + S - 1.0, 4.0 * M + 4.0 * S - 2.0);
         default: return (v * M + S - 1.0) * 3.0;
@@ -508,8 +675,8 @@ static double textbook_makespan(const PipelineConfig* cfg) {
 }
 
 static void test_schedule(const PipelineConfig* cfg) {
-    int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks, V = S * v;
-    int split = splits_backward(cfg->kind);
+    int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks, V = model_stages(cfg);
+    int split = splits_backward(cfg->kind), split_all = splits_every_backward(cfg->kind);
     char name[64], err[512];
     describe(name, sizeof(name), cfg);
     PipelineSchedule sch;
@@ -518,51 +685,72 @@ static void test_schedule(const PipelineConfig* cfg) {
     if (rc != 0) { return; }
 
     Computation* want = (Computation*)malloc(sizeof(Computation) * 3 * v * M);
+    PipelineAction* flat = (PipelineAction*)malloc(sizeof(PipelineAction) * (pipeline_max_actions(cfg) + v * M));
     for (int s = 0; s < S; s++) {
-        const PipelineAction* acts = sch.actions + sch.offset[s];
-        int n = sch.offset[s + 1] - sch.offset[s];
+        const PipelineAction* listed = sch.actions + sch.offset[s];
+        int listed_n = sch.offset[s + 1] - sch.offset[s];
+        // most checks read the list with each F&B as its F, then its B (its messages come before
+        // and after both)
+        const PipelineAction* acts = flat;
+        int n = 0;
+        for (int i = 0; i < listed_n; i++) { n += unpair(&listed[i], flat + n); }
 
         // the per-stage API gives the same list, and its count query agrees
         PipelineAction* one = (PipelineAction*)malloc(sizeof(PipelineAction) * (n + 1));
         int count = pipeline_stage_actions(cfg, s, NULL, 0, err, sizeof(err));
-        int got = pipeline_stage_actions(cfg, s, one, n + 1, err, sizeof(err));
-        CHECK(count == n && got == n && memcmp(one, acts, sizeof(PipelineAction) * n) == 0,
+        int got = pipeline_stage_actions(cfg, s, one, listed_n + 1, err, sizeof(err));
+        CHECK(count == listed_n && got == listed_n && memcmp(one, listed, sizeof(PipelineAction) * listed_n) == 0,
               "%s stage %d: pipeline_stage_actions (count %d, got %d) differs from pipeline_schedule_build (%d)",
-              name, s, count, got, n);
-        CHECK(n <= pipeline_max_actions(cfg), "%s stage %d: %d actions, more than pipeline_max_actions %d", name, s, n,
-              pipeline_max_actions(cfg));
+              name, s, count, got, listed_n);
+        CHECK(listed_n <= pipeline_max_actions(cfg), "%s stage %d: %d actions, more than pipeline_max_actions %d", name,
+              s, listed_n, pipeline_max_actions(cfg));
         free(one);
 
-        // compute order: exactly the definition
+        // compute order: exactly the definition (an F&B with both its halves)
         int wanted = expected_compute(cfg, s, want);
         int k = 0, order_ok = 1;
-        for (int i = 0; i < n; i++) {
-            if (!is_compute(acts[i].kind)) { continue; }
-            if (k >= wanted || acts[i].kind != want[k].kind || acts[i].microbatch != want[k].microbatch ||
-                acts[i].chunk != want[k].chunk || acts[i].peer != -1) {
+        for (int i = 0; i < listed_n; i++) {
+            const PipelineAction* a = &listed[i];
+            if (!is_compute(a->kind)) {
+                order_ok &= a->backward_microbatch == -1 && a->backward_chunk == -1;
+                continue;
+            }
+            if (k >= wanted || a->kind != want[k].kind || a->microbatch != want[k].microbatch ||
+                a->chunk != want[k].chunk || a->peer != -1 || a->backward_microbatch != want[k].backward_microbatch ||
+                a->backward_chunk != want[k].backward_chunk) {
                 order_ok = 0;
             }
             k++;
         }
         CHECK(order_ok && k == wanted, "%s stage %d: compute order differs from the definition", name, s);
 
-        // each (microbatch, chunk) exactly once: F, then B (or I, then W); per chunk the F's, the
-        // B's (I's) and the W's each in microbatch order, so weight gradients sum the
-        // microbatches in one rank's order
+        // each (microbatch, chunk) exactly once: F, then B (or I, then W; zb1 and zbv always split,
+        // dualpipev sometimes, the others never); per chunk the F's, the B's and I's, and the W's
+        // each in microbatch order, so weight gradients sum the microbatches in one rank's order
         for (int c = 0; c < v; c++) {
-            int next_f = 0, next_b = 0, next_w = 0, ok = 1;
+            int first = first_microbatch_of(cfg, s, c), last = first + microbatches_of(cfg);
+            int next_f = first, next_b = first, inputs = 0, weights = 0, last_w = -1, ok = 1;
+            char* input_done = (char*)calloc((size_t)M, 1);
             for (int i = 0; i < n; i++) {
-                if (acts[i].chunk != c) { continue; }
+                if (acts[i].chunk != c || !is_compute(acts[i].kind)) { continue; }
                 PipelineActionKind kind = acts[i].kind;
-                if (kind == PP_FORWARD) { ok &= acts[i].microbatch == next_f++; }
-                if (kind == (split ? PP_BACKWARD_INPUT : PP_BACKWARD)) {
-                    ok &= acts[i].microbatch == next_b++ && next_b <= next_f;
+                int mb = acts[i].microbatch;
+                if (kind == PP_FORWARD) { ok &= mb == next_f++; }
+                if (kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT) {
+                    ok &= mb == next_b++ && next_b <= next_f;
+                    ok &= kind == PP_BACKWARD ? !split_all : split;
+                    if (kind == PP_BACKWARD_INPUT) { input_done[mb] = 1; inputs++; }
                 }
-                if (kind == PP_BACKWARD_WEIGHT) { ok &= split && acts[i].microbatch == next_w++ && next_w <= next_b; }
-                if (kind == (split ? PP_BACKWARD : PP_BACKWARD_INPUT)) { ok = 0; }
+                if (kind == PP_BACKWARD_WEIGHT) {
+                    ok &= split && input_done[mb] && mb > last_w;
+                    last_w = mb;
+                    weights++;
+                }
             }
-            CHECK(ok && next_f == M && next_b == M && next_w == (split ? M : 0), "%s stage %d chunk %d: computations "
-                  "not each once, in microbatch order, F before %s", name, s, c, split ? "I before W" : "B");
+            free(input_done);
+            CHECK(ok && next_f == last && next_b == last && weights == inputs && inputs == (split_all ? M : inputs) &&
+                  (split || inputs == 0), "%s stage %d chunk %d: computations not each once, in microbatch order, F "
+                  "before %s", name, s, c, split ? "I before W" : "B");
         }
 
         // communication around each computation: a FORWARD whose previous virtual stage is on
@@ -576,7 +764,7 @@ static void test_schedule(const PipelineConfig* cfg) {
         for (int i = 0; i < n; i++) {
             const PipelineAction* a = &acts[i];
             int vs = virtual_stage_of(cfg, s, a->chunk), u = a->chunk * M + a->microbatch;
-            int prev = vs > 0 ? stage_of(cfg, vs - 1) : -1, next = vs < V - 1 ? stage_of(cfg, vs + 1) : -1;
+            int prev = neighbour_of(cfg, s, a->chunk, -1), next = neighbour_of(cfg, s, a->chunk, +1);
             int slot = a->kind == PP_RECV_FORWARD ? 0 : a->kind == PP_SEND_FORWARD ? 1
                      : a->kind == PP_RECV_BACKWARD ? 2 : a->kind == PP_SEND_BACKWARD ? 3 : -1;
             if (slot >= 0) {
@@ -604,10 +792,11 @@ static void test_schedule(const PipelineConfig* cfg) {
             }
         }
         for (int c = 0; c < v; c++) {
-            int vs = virtual_stage_of(cfg, s, c);
-            int remote_prev = vs > 0 && stage_of(cfg, vs - 1) != s, remote_next = vs < V - 1 && stage_of(cfg, vs + 1) != s;
+            int prev = neighbour_of(cfg, s, c, -1), next = neighbour_of(cfg, s, c, +1);
+            int first = first_microbatch_of(cfg, s, c), last = first + microbatches_of(cfg);
             for (int i = 0; i < M; i++) {
-                int u = c * M + i;
+                int u = c * M + i, mine = i >= first && i < last;
+                int remote_prev = mine && prev >= 0 && prev != s, remote_next = mine && next >= 0 && next != s;
                 ok &= seen[0 * v * M + u] == remote_prev && seen[3 * v * M + u] == remote_prev;
                 ok &= seen[1 * v * M + u] == remote_next && seen[2 * v * M + u] == remote_next;
             }
@@ -618,22 +807,23 @@ static void test_schedule(const PipelineConfig* cfg) {
         free(computed);
 
         // post_with_next only joins sends/receives
-        for (int i = 0; i < n; i++) {
-            if (!acts[i].post_with_next) { continue; }
-            int comm_next = i + 1 < n && !is_compute(acts[i + 1].kind);
-            CHECK(!is_compute(acts[i].kind) && comm_next, "%s stage %d action %d: post_with_next joins a computation",
+        for (int i = 0; i < listed_n; i++) {
+            if (!listed[i].post_with_next) { continue; }
+            int comm_next = i + 1 < listed_n && !is_compute(listed[i + 1].kind);
+            CHECK(!is_compute(listed[i].kind) && comm_next, "%s stage %d action %d: post_with_next joins a computation",
                   name, s, i);
         }
 
-        // activations held: from F to W, or to B when not split
+        // activations held: from F to W, or to B when whole (an F&B holds both its halves' at once)
         int held = 0, most = 0;
         for (int i = 0; i < n; i++) {
-            held += (acts[i].kind == PP_FORWARD) - (acts[i].kind == (split ? PP_BACKWARD_WEIGHT : PP_BACKWARD));
+            held += acts[i].kind == PP_FORWARD;
             if (held > most) { most = held; }
+            held -= acts[i].kind == PP_BACKWARD_WEIGHT || acts[i].kind == PP_BACKWARD;
         }
         int bound = textbook_memory_bound(cfg, s);
-        CHECK(pipeline_max_in_flight(acts, n) == most, "%s stage %d: pipeline_max_in_flight %d, counted %d", name, s,
-              pipeline_max_in_flight(acts, n), most);
+        CHECK(pipeline_max_in_flight(listed, listed_n) == most, "%s stage %d: pipeline_max_in_flight %d, counted %d",
+              name, s, pipeline_max_in_flight(listed, listed_n), most);
         CHECK(pipeline_memory_bound(cfg, s) == bound, "%s stage %d: pipeline_memory_bound %d, textbook %d", name, s,
               pipeline_memory_bound(cfg, s), bound);
         CHECK(most <= bound, "%s stage %d: holds %d (microbatch, chunk) activations, more than the textbook %d", name, s,
@@ -672,6 +862,7 @@ static void test_schedule(const PipelineConfig* cfg) {
         }
     }
     free(want);
+    free(flat);
 
     // sends and receives match across stages: for every ordered pair of stages (a, b), the
     // messages a sends to b, in a's order, are the messages b receives from a, in b's order.
@@ -711,7 +902,8 @@ static void test_schedule(const PipelineConfig* cfg) {
     // interleaved with eager (non-blocking) sends.
     double fwd[16], bwd[16], wgt[16], makespan[3], bubble[3], span[16];
     double units[2] = {1.0, 0.5};
-    double busy = 3.0 * v * M;  // per stage, in units: F + B = F + I + W = 3 per (microbatch, chunk)
+    // per stage, in units: F + B = F + I + W = 3 per (microbatch, chunk) it runs
+    double busy = 3.0 * v * microbatches_of(cfg);
     for (int t = 0; t < 2; t++) {
         for (int s = 0; s < S; s++) { fwd[s] = units[t]; bwd[s] = 2.0 * units[t]; wgt[s] = units[t]; }
         // the default split (NULL: half the backward) and an explicit W = f give the same timeline
@@ -752,7 +944,7 @@ static void test_schedule(const PipelineConfig* cfg) {
     // S + 2*(S-1). gpipe first runs all M forwards on the last stage: (M+S-1) + 2*(S-1).
     if (cfg->kind == PP_GPIPE || cfg->kind == PP_1F1B) {
         for (int s = 0; s < S; s++) { fwd[s] = 1.0; bwd[s] = 2.0; }
-        PipelineCosts costs = {fwd, bwd, 0.0, PP_COMM_RENDEZVOUS, NULL};
+        PipelineCosts costs = {fwd, bwd, 0.0, PP_COMM_RENDEZVOUS, NULL, NULL};
         PipelineTimeline tl;
         if (pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)) == 0) {
             double want_time = (cfg->kind == PP_1F1B ? S : M + S - 1) + 2.0 * (S - 1), got = -1.0;
@@ -790,6 +982,13 @@ static void test_all_schedules(void) {
                 PipelineConfig i = {S, M, PP_INTERLEAVED, v};
                 if (S >= 2 && M % S == 0) { test_schedule(&i); }
             }
+        }
+        // DualPipeV needs M >= 2S (its phases have 2S microbatches in flight)
+        for (int M = 2 * S; M <= 32; M++) {
+            PipelineConfig dv = {S, M, PP_DUALPIPEV, 2};
+            PipelineConfig dp = {S, M, PP_DUALPIPE, 2};
+            test_schedule(&dv);
+            if (S % 2 == 0 && M % 2 == 0) { test_schedule(&dp); }   // its requirements
         }
     }
 }
@@ -889,7 +1088,8 @@ static void expect_error(int rc, const char* err, const char* needle, const char
 // Placement: chunk c of stage s holds virtual stage virtual_stage_of(s, c) of the balanced
 // partition into S*v pieces, the embedding with virtual stage 0 and the head with the last.
 static void test_placement(void) {
-    static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV};
+    static const PipelineScheduleKind kinds[] = {PP_GPIPE, PP_1F1B, PP_INTERLEAVED, PP_ZB1, PP_ZBV, PP_DUALPIPEV,
+                                                 PP_DUALPIPE};
     ChunkPlace out[64];
     int first[65];
     char err[256], name[64];
@@ -903,10 +1103,11 @@ static void test_placement(void) {
                 for (int s = 0; s < S; s++) {
                     for (int c = 0; c < v; c++) {
                         int vs = virtual_stage_of(&cfg, s, c), owner = -1, owner_chunk = -1;
-                        pipeline_virtual_stage_owner(&cfg, vs, &owner, &owner_chunk);
+                        // the copy running microbatch first_microbatch_of(s, c) of vs is this one
+                        pipeline_unit_owner(&cfg, vs, first_microbatch_of(&cfg, s, c), &owner, &owner_chunk);
                         ok &= pipeline_virtual_stage(&cfg, s, c) == vs && owner == s && owner_chunk == c;
-                        ok &= pipeline_neighbour_stage(&cfg, s, c, -1) == (vs > 0 ? stage_of(&cfg, vs - 1) : -1);
-                        ok &= pipeline_neighbour_stage(&cfg, s, c, +1) == (vs < S * v - 1 ? stage_of(&cfg, vs + 1) : -1);
+                        ok &= pipeline_neighbour_stage(&cfg, s, c, -1) == neighbour_of(&cfg, s, c, -1);
+                        ok &= pipeline_neighbour_stage(&cfg, s, c, +1) == neighbour_of(&cfg, s, c, +1);
                     }
                 }
                 CHECK(ok, "%s: virtual stages, their owners or neighbours differ from the definition", name);
@@ -915,7 +1116,7 @@ static void test_placement(void) {
                     int rc = pipeline_place_layers(&cfg, L, 0.25, head, out, err, sizeof(err));
                     CHECK(rc == 0, "%s L=%d: pipeline_place_layers failed: %s", name, L, err);
                     if (rc != 0) { continue; }
-                    pipeline_partition_layers(L, S * v, 0.25, head, first, err, sizeof(err));
+                    pipeline_partition_layers(L, model_stages(&cfg), 0.25, head, first, err, sizeof(err));
                     int ok = 1, covered = 0;
                     for (int s = 0; s < S; s++) {
                         for (int c = 0; c < v; c++) {
@@ -923,12 +1124,14 @@ static void test_placement(void) {
                             int vs = virtual_stage_of(&cfg, s, c);
                             ok &= p->virtual_stage == vs && p->first_layer == first[vs] &&
                                   p->last_layer == first[vs + 1] && p->has_embedding == (vs == 0) &&
-                                  p->has_head == (vs == S * v - 1);
+                                  p->has_head == (vs == model_stages(&cfg) - 1);
                             covered += p->last_layer - p->first_layer;
                         }
                     }
-                    CHECK(ok && covered == L, "%s L=%d: the chunks do not hold the balanced pieces in V/round-robin "
-                          "order", name, L);
+                    // dualpipe holds every piece twice
+                    int copies = cfg.kind == PP_DUALPIPE ? 2 : 1;
+                    CHECK(ok && covered == copies * L, "%s L=%d: the chunks do not hold the balanced pieces in "
+                          "V/round-robin order", name, L);
                 }
             }
         }
@@ -967,6 +1170,10 @@ static void test_invalid_inputs(void) {
           "interleaved is not parsed");
     CHECK(pipeline_parse_schedule("zb1", &kind, err, sizeof(err)) == 0 && kind == PP_ZB1, "zb1 is not parsed");
     CHECK(pipeline_parse_schedule("zbv", &kind, err, sizeof(err)) == 0 && kind == PP_ZBV, "zbv is not parsed");
+    CHECK(pipeline_parse_schedule("dualpipev", &kind, err, sizeof(err)) == 0 && kind == PP_DUALPIPEV,
+          "dualpipev is not parsed");
+    CHECK(pipeline_parse_schedule("dualpipe", &kind, err, sizeof(err)) == 0 && kind == PP_DUALPIPE,
+          "dualpipe is not parsed");
 
     struct { PipelineConfig cfg; const char* needle; const char* what; } bad[] = {
         {{0, 4, PP_1F1B, 1}, "stages", "1f1b S=0"},
@@ -981,6 +1188,11 @@ static void test_invalid_inputs(void) {
         {{4, 8, PP_ZBV, 1}, "chunks", "zbv with 1 chunk"},
         {{4, 8, PP_ZBV, 4}, "chunks", "zbv with 4 chunks"},
         {{4, 0, PP_ZBV, 2}, "microbatches", "zbv M=0"},
+        {{4, 7, PP_DUALPIPEV, 2}, "at least 2 x stages = 8 microbatches, got 7", "dualpipev M < 2S"},
+        {{2, 4, PP_DUALPIPEV, 1}, "chunks must be 2", "dualpipev with 1 chunk"},
+        {{3, 12, PP_DUALPIPE, 2}, "an even number of stages, got 3", "dualpipe on 3 stages"},
+        {{4, 9, PP_DUALPIPE, 2}, "an even number of microbatches, at least 2 x stages = 8, got 9", "dualpipe M odd"},
+        {{4, 6, PP_DUALPIPE, 2}, "at least 2 x stages = 8, got 6", "dualpipe M < 2S"},
         {{4, 8, (PipelineScheduleKind)7, 1}, "unknown", "schedule kind 7"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
@@ -1011,7 +1223,7 @@ static void test_invalid_inputs(void) {
     PipelineSchedule sch;
     pipeline_schedule_build(&sch, &ok, err, sizeof(err));
     double f[4] = {1, 1, 1, 1}, b[4] = {2, 2, -2, 2};
-    PipelineCosts costs = {f, b, 0.0, PP_COMM_EAGER, NULL};
+    PipelineCosts costs = {f, b, 0.0, PP_COMM_EAGER, NULL, NULL};
     PipelineTimeline tl;
     expect_error(pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)), err, "stage 2", "a negative backward time");
     b[2] = 2;
@@ -1042,7 +1254,7 @@ static int simulate_lists(const PipelineConfig* cfg, const char* const* stages, 
     sch.offset = offset;
     sch.actions = acts;
     double f[8] = {1, 1, 1, 1, 1, 1, 1, 1}, b[8] = {2, 2, 2, 2, 2, 2, 2, 2};
-    PipelineCosts costs = {f, b, 0.0, comm, NULL};
+    PipelineCosts costs = {f, b, 0.0, comm, NULL, NULL};
     PipelineTimeline tl;
     err[0] = '\0';
     int rc = pipeline_simulate(&sch, &costs, &tl, err, errlen);

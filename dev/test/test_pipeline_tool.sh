@@ -2,7 +2,9 @@
 # Tests of dev/tools/pp_schedule, run from the repository root (make test):
 #  - every schedule prints, simulates and draws (with --actions --layers --svg)
 #  - the simulated makespans with the default costs (F = 1, B = 2, so F = I = W = 1 when split)
-#    are the textbook ones: 1f1b (M+S-1)*3, zb1 3M+S-1, zbv 6M+S-1
+#    are the textbook ones: 1f1b (M+S-1)*3, zb1 3M+S-1, zbv 6M+S-1, dualpipe 3M+S-2, dualpipev 6M+2(S-1) (and
+#    less with an F&B cheaper than F + B, --fb)
+#  - dualpipev draws its F&B pairs framed
 #  - the split schedules draw W boxes in their own colour, the others none; the title carries
 #    the bubble fraction
 #  - per-stage --fwd/--bwd/--wgt as the trainer prints them are accepted; --wgt is ignored by
@@ -24,7 +26,7 @@ rm -rf $WORK && mkdir -p $WORK
 # makespan NAME: the simulated makespan printed in $WORK/NAME.out
 makespan() { sed -n 's/.*makespan \([0-9.]*\)$/\1/p' "$WORK/$1.out"; }
 
-for schedule in gpipe 1f1b interleaved zb1 zbv; do
+for schedule in gpipe 1f1b interleaved zb1 zbv dualpipev dualpipe; do
   if $TOOL --stages 4 --microbatches 8 --schedule $schedule --actions --layers 12 --head-cost 5.46 \
        --svg $WORK/$schedule.svg >$WORK/$schedule.out 2>&1 && grep -q '</svg>' $WORK/$schedule.svg &&
      grep -q "Pipeline schedule: $schedule, 4 stages, 8 microbatches.*: bubble 0\.[0-9]" $WORK/$schedule.svg; then
@@ -38,8 +40,19 @@ done
 [ "$(makespan 1f1b)" = 33 ] && pass "1f1b makespan (M+S-1)*3 = 33" || fail "1f1b makespan $(makespan 1f1b), expected 33"
 [ "$(makespan zb1)" = 27 ] && pass "zb1 makespan 3M+S-1 = 27" || fail "zb1 makespan $(makespan zb1), expected 27"
 [ "$(makespan zbv)" = 51 ] && pass "zbv makespan 6M+S-1 = 51" || fail "zbv makespan $(makespan zbv), expected 51"
+[ "$(makespan dualpipev)" = 54 ] && pass "dualpipev makespan 6M+2(S-1) = 54" \
+  || fail "dualpipev makespan $(makespan dualpipev), expected 54"
+[ "$(makespan dualpipe)" = 26 ] && pass "dualpipe makespan 3M+S-2 = 26" || fail "dualpipe makespan $(makespan dualpipe), expected 26"
+# F&B = 2.5 instead of F + B = 3: rank 0 of 4 with 8 microbatches runs 2 pairs in phase 4
+# (8 - 8 + 0 + 1 = 1 round) and 3 in phase 5 (4 - 0 - 1 rounds), so it is busy 48 - 5 x 0.5
+$TOOL --stages 4 --microbatches 8 --schedule dualpipev --fb 2.5 --actions >$WORK/dualpipev_fb.out 2>&1
+pairs=$(sed -n 's/^stage 0: //p' $WORK/dualpipev_fb.out | tr ' ' '\n' | grep -c '&')
+busy=$(awk '$1 == "0" && NF >= 7 { print $5 }' $WORK/dualpipev_fb.out)
+[ "$pairs" = 5 ] && [ "$busy" = 45.5 ] && pass "dualpipev --fb 2.5: stage 0 runs 5 pairs, busy 45.5" \
+  || fail "dualpipev --fb 2.5: stage 0 runs $pairs pairs, busy '$busy'; expected 5 and 45.5"
+grep -q 'stroke="#7b2d8e"' $WORK/dualpipev.svg && pass "dualpipev frames its F&B pairs" || fail "dualpipev: no framed F&B pair"
 
-for schedule in zb1 zbv; do
+for schedule in zb1 zbv dualpipev; do
   grep -q "fill=\"$W_COLOUR\"" $WORK/$schedule.svg && grep -q 'weight gradient (W)' $WORK/$schedule.svg \
     && pass "$schedule draws W boxes" || fail "$schedule: no W boxes in the SVG"
 done
@@ -77,6 +90,9 @@ expect_error wgt_over_bwd --wgt --stages 2 --microbatches 4 --schedule zbv --bwd
 expect_error wgt_count --wgt --stages 2 --microbatches 4 --schedule zb1 --wgt 1,1,1
 expect_error zbv_chunks chunks --stages 2 --microbatches 4 --schedule zbv --chunks 3
 expect_error unknown_schedule zb2 --stages 2 --microbatches 4 --schedule zb2
+expect_error dualpipev_few "at least 2 x stages" --stages 4 --microbatches 7 --schedule dualpipev
+expect_error dualpipe_odd "even number of stages" --stages 3 --microbatches 12 --schedule dualpipe
+expect_error fb_negative --fb --stages 2 --microbatches 4 --schedule dualpipev --fb -1
 
 [ $fails = 0 ] || { echo "$fails pp_schedule check(s) FAILED"; exit 1; }
 echo "all pp_schedule checks passed"

@@ -6,7 +6,8 @@
 # stage, which the trainer prints at the end). The timelines are simulated from those costs,
 # so they mean something even on a machine with fewer cores than ranks, where the measured idle
 # time does not. Writes docs/pipeline_<schedule>.svg and prints a table of bubble fractions.
-#   usage: dev/tools/pipeline_pictures.sh        (after make train_gpt2 dev/tools/pp_schedule build/testdata)
+#   usage: dev/tools/pipeline_pictures.sh [SCHEDULE...]   (default: all of them; after make
+#          train_gpt2 dev/tools/pp_schedule build/testdata)
 set -eu
 cd "$(dirname "$0")/../.."
 W=$(mktemp -d /tmp/llmc_pp_pictures.XXXXXX)
@@ -14,7 +15,7 @@ trap 'rm -rf "$W"' EXIT
 mkdir -p docs
 build/testdata tokens "$W/train.bin" 200000 512 1
 printf "| schedule | bubble, simulated from measured costs | bubble model (F = I = W) | peak activations per stage |\n|---|---|---|---|\n"
-for schedule in 1f1b interleaved zb1 zbv; do
+for schedule in ${*:-1f1b interleaved zb1 zbv dualpipev}; do
   OMP_NUM_THREADS=1 dev/test/mpi.sh 4 ./train_gpt2 -e d8c128h4v512t64 -i "$W/train.bin" -b 4 -t 64 -d 2048 -x 5 \
     -v 0 -s 0 --pp 4 --schedule "$schedule" >"$W/$schedule.out" 2>&1 || { tail -5 "$W/$schedule.out"; exit 1; }
   draw=$(grep -A1 "^draw this run's pipeline schedule" "$W/$schedule.out" | tail -1 | sed "s|--svg pipeline.svg|--svg docs/pipeline_$schedule.svg|")

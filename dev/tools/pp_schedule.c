@@ -5,9 +5,11 @@
  *   dev/tools/pp_schedule --stages 4 --microbatches 8 --schedule 1f1b
  *   dev/tools/pp_schedule --stages 4 --microbatches 8 --schedule interleaved --chunks 2 --svg pp.svg
  *   dev/tools/pp_schedule --stages 4 --microbatches 8 --schedule zbv --fwd 1 --bwd 2.2 --wgt 1 --svg pp.svg
+ *   dev/tools/pp_schedule --stages 4 --microbatches 8 --schedule dualpipev --fb 2.5 --svg pp.svg
  *
  * For each stage: its actions (F3 / B3 = forward / backward of microbatch 3; I3 / W3 = its
- * input-gradient / weight-gradient halves under zb1 and zbv), then the modelled bubble
+ * input-gradient / weight-gradient halves under zb1 and zbv; F3c0&B1c1 an F&B pair under
+ * dualpipev), then the modelled bubble
  * fraction, the bubble of a simulated run with the given times, and the most (microbatch,
  * chunk) activations each stage holds against the schedule's textbook bound. --svg draws the
  * simulated timeline.
@@ -32,9 +34,13 @@ static void usage(void) {
         "  --microbatches M    microbatches per step, >= 1 (interleaved: a multiple of S)\n"
         "  --schedule NAME     gpipe, 1f1b (Megatron-LM's non-interleaved 1F1B), interleaved\n"
         "                      (Megatron-LM's interleaved 1F1B), zb1 (ZB-H1) or zbv (ZB-V, two chunks\n"
-        "                      per stage placed as a V); zb1 and zbv split each backward into I (the\n"
-        "                      input gradient) and W (the weight gradient)\n"
-        "  --chunks V          model chunks per stage, interleaved only (default 2; zbv has 2)\n"
+        "                      per stage placed as a V) or dualpipev (DeepSeek's DualPipeV: the V of\n"
+        "                      zbv with F&B pairs, M >= 2S) or dualpipe (DeepSeek's DualPipe: S even,\n"
+        "                      M even >= 2S, each stage on two ranks, half the microbatches entering\n"
+        "                      at each end); zb1 and zbv split each backward into I (the input\n"
+        "                      gradient) and W (the weight gradient), dualpipev and dualpipe some\n"
+        "  --chunks V          model chunks per stage, interleaved only (default 2; zbv and dualpipev\n"
+        "                      have 2)\n"
         "  --fwd T[,T,...]     time of one forward (one microbatch, one chunk): one value for every\n"
         "                      stage or one per stage, e.g. measured (default 1)\n"
         "  --bwd T[,T,...]     time of one whole backward (input and weight gradients), likewise\n"
@@ -43,6 +49,9 @@ static void usage(void) {
         "                      --bwd; I then takes bwd - wgt (default: half of --bwd, so the defaults\n"
         "                      give F = I = W = 1 as in the zero-bubble paper). Ignored by schedules\n"
         "                      that do not split the backward, so one command line compares them all\n"
+        "  --fb T[,T,...]      time of one F&B pair (a forward overlapped with a whole backward),\n"
+        "                      likewise (default fwd + bwd: nothing hidden; measured, it can be more:\n"
+        "                      the halves contend for the cores)\n"
         "  --transfer T        time one activation or gradient takes between stages (default 0)\n"
         "  --comm MODEL        how sends behave in the simulation: eager (default; buffered, never\n"
         "                      wait), batched (runs joined by '+' posted at once, each send waits for\n"
@@ -51,7 +60,7 @@ static void usage(void) {
         "                      activation, rB3 / sB3 its gradient; '+' joins actions posted together\n"
         "  --layers L          also print which of L transformer layers each stage (and chunk) holds:\n"
         "                      balanced over the S*V virtual stages, placed round-robin (interleaved)\n"
-        "                      or as a V (zbv)\n"
+        "                      or as a V (zbv, dualpipev)\n"
         "  --embed-cost E      cost of the embedding for --layers, in layers (default 0)\n"
         "  --head-cost H       cost of final layernorm + LM head + loss for --layers, in layers\n"
         "                      (default 0; GPT-2 124M: 50304/(12*768) = 5.46)\n"
@@ -59,7 +68,8 @@ static void usage(void) {
         "  --help              this text\n"
         "\n"
         "With several chunks actions carry their chunk: F3c1 is the forward of microbatch 3 on chunk 1.\n"
-        "The SVG draws forwards blue, backwards (or I) orange, W green, later chunks lighter.\n");
+        "The SVG draws forwards blue, backwards (or I) orange, W green, later chunks lighter; an F&B\n"
+        "pair as its forward beside its backward, framed in purple.\n");
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -157,7 +167,7 @@ static double tick_step(double span) {
 }
 
 static void write_svg(const char* path, const PipelineSchedule* sch, const PipelineTimeline* tl, double bubble,
-                      const char* caption) {
+                      const double* fwd, const double* bwd, const char* caption) {
     const PipelineConfig* cfg = &sch->cfg;
     int S = cfg->num_stages;
     const double left = 70.0, top = 44.0, row_h = 28.0, row_gap = 8.0;
@@ -194,31 +204,44 @@ static void write_svg(const char* path, const PipelineSchedule* sch, const Pipel
         text_printf(&t, "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"url(#idle)\" stroke=\"#bbbbbb\" "
                     "stroke-width=\"0.5\"/>\n", left, y, tl->makespan * scale, row_h);
         for (int i = sch->offset[s]; i < sch->offset[s + 1]; i++) {
-            const PipelineAction* a = &sch->actions[i];
-            if (!pipeline_is_compute(a->kind)) { continue; }
-            double x = left + tl->start[i] * scale, w = (tl->end[i] - tl->start[i]) * scale;
-            char colour[16], label[32];
-            box_colour(colour, sizeof(colour), a->kind, a->chunk, cfg->num_chunks);
-            if (cfg->num_chunks > 1) {
-                snprintf(label, sizeof(label), "%dc%d", a->microbatch, a->chunk);
-            } else {
-                snprintf(label, sizeof(label), "%d", a->microbatch);
+            const PipelineAction* pair = &sch->actions[i];
+            if (!pipeline_is_compute(pair->kind)) { continue; }
+            // an F&B: its forward, then its backward, splitting the box by their own times
+            PipelineAction halves[2];
+            int nh = pipeline_action_halves(pair, halves);
+            double box_x = left + tl->start[i] * scale, box_w = (tl->end[i] - tl->start[i]) * scale;
+            double forward_share = nh == 2 ? fwd[s] / (fwd[s] + bwd[s]) : 1.0;
+            for (int h = 0; h < nh; h++) {
+                const PipelineAction* a = &halves[h];
+                double x = box_x + (h == 1 ? forward_share * box_w : 0.0);
+                double w = nh == 2 ? (h == 0 ? forward_share : 1.0 - forward_share) * box_w : box_w;
+                char colour[16], label[32];
+                box_colour(colour, sizeof(colour), a->kind, a->chunk, cfg->num_chunks);
+                if (cfg->num_chunks > 1) {
+                    snprintf(label, sizeof(label), "%dc%d", a->microbatch, a->chunk);
+                } else {
+                    snprintf(label, sizeof(label), "%d", a->microbatch);
+                }
+                const char* what = a->kind == PP_FORWARD ? "forward" : a->kind == PP_BACKWARD ? "backward"
+                                 : a->kind == PP_BACKWARD_INPUT ? "input gradient (I)" : "weight gradient (W)";
+                text_printf(&t, "<g><title>%s of microbatch %d chunk %d: %g to %g</title>"
+                            "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\" stroke=\"white\" "
+                            "stroke-width=\"0.75\"/>", what, a->microbatch, a->chunk, tl->start[i], tl->end[i], x, y, w,
+                            row_h, colour);
+                // the microbatch number, as large as fits the box (about 0.6 em per digit)
+                double font = w / (0.62 * strlen(label) + 0.5);
+                if (font > 12.0) { font = 12.0; }
+                if (font >= 5.0) {
+                    text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"%.1f\" text-anchor=\"middle\" fill=\"%s\">%s"
+                                "</text>", x + w / 2.0, y + row_h / 2.0 + font * 0.35, font,
+                                chunk_lightness(a->chunk, cfg->num_chunks) > 0.3 ? "#222222" : "white", label);
+                }
+                text_printf(&t, "</g>\n");
             }
-            const char* what = a->kind == PP_FORWARD ? "forward" : a->kind == PP_BACKWARD ? "backward"
-                             : a->kind == PP_BACKWARD_INPUT ? "input gradient (I)" : "weight gradient (W)";
-            text_printf(&t, "<g><title>%s of microbatch %d chunk %d: %g to %g</title>"
-                        "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\" stroke=\"white\" "
-                        "stroke-width=\"0.75\"/>", what, a->microbatch, a->chunk, tl->start[i], tl->end[i], x, y, w,
-                        row_h, colour);
-            // the microbatch number, as large as fits the box (about 0.6 em per digit)
-            double font = w / (0.62 * strlen(label) + 0.5);
-            if (font > 12.0) { font = 12.0; }
-            if (font >= 5.0) {
-                text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"%.1f\" text-anchor=\"middle\" fill=\"%s\">%s"
-                            "</text>", x + w / 2.0, y + row_h / 2.0 + font * 0.35, font,
-                            chunk_lightness(a->chunk, cfg->num_chunks) > 0.3 ? "#222222" : "white", label);
+            if (nh == 2) {
+                text_printf(&t, "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"none\" "
+                            "stroke=\"#7b2d8e\" stroke-width=\"2\"/>\n", box_x + 1.0, y + 1.0, box_w - 2.0, row_h - 2.0);
             }
-            text_printf(&t, "</g>\n");
         }
     }
     // time axis
@@ -252,8 +275,9 @@ static void write_svg(const char* path, const PipelineSchedule* sch, const Pipel
                 "stroke-width=\"0.5\"/><text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">idle (bubble)</text>\n",
                 lx, ly, lx + 24.0, ly + 10.5);
     if (cfg->num_chunks > 1) {
-        text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">lighter: later chunk (label: microbatch c chunk)"
-                    "</text>\n", left, ly + 32.0);
+        text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"12\">lighter: later chunk (label: microbatch c chunk)%s"
+                    "</text>\n", left, ly + 32.0, cfg->kind == PP_DUALPIPEV || cfg->kind == PP_DUALPIPE ? "; framed in purple: an F&B pair, "
+                    "its forward overlapped with the other chunk's backward" : "");
     }
     text_printf(&t, "<text x=\"%.2f\" y=\"%.2f\" font-size=\"13\">%s</text>\n", left, ly + 56.0, caption);
     text_printf(&t, "</svg>\n");
@@ -273,6 +297,7 @@ int main(int argc, char** argv) {
     const char* fwd_text = "1";
     const char* bwd_text = "2";
     const char* wgt_text = NULL;
+    const char* fb_text = NULL;
     const char* comm_text = "eager";
     const char* svg = NULL;
     double transfer = 0.0, embed_cost = 0.0, head_cost = 0.0;
@@ -287,7 +312,7 @@ int main(int argc, char** argv) {
             continue;
         }
         static const char* const with_value[] = {"--stages", "--microbatches", "--schedule", "--chunks", "--fwd",
-                                                 "--bwd", "--wgt", "--transfer", "--comm", "--layers", "--embed-cost",
+                                                 "--bwd", "--wgt", "--fb", "--transfer", "--comm", "--layers", "--embed-cost",
                                                  "--head-cost", "--svg"};
         int known = 0;
         for (size_t k = 0; k < sizeof(with_value) / sizeof(with_value[0]); k++) { known |= strcmp(flag, with_value[k]) == 0; }
@@ -301,6 +326,7 @@ int main(int argc, char** argv) {
         else if (strcmp(flag, "--fwd") == 0) { fwd_text = value; }
         else if (strcmp(flag, "--bwd") == 0) { bwd_text = value; }
         else if (strcmp(flag, "--wgt") == 0) { wgt_text = value; }
+        else if (strcmp(flag, "--fb") == 0) { fb_text = value; }
         else if (strcmp(flag, "--transfer") == 0) { transfer = parse_time(flag, value); }
         else if (strcmp(flag, "--comm") == 0) { comm_text = value; }
         else if (strcmp(flag, "--layers") == 0) { layers = parse_int_flag(flag, value, 1); }
@@ -310,14 +336,15 @@ int main(int argc, char** argv) {
     }
     if (S == 0) { fatal("--stages is required (see --help)"); }
     if (M == 0) { fatal("--microbatches is required (see --help)"); }
-    if (schedule == NULL) { fatal("--schedule is required: gpipe, 1f1b, interleaved, zb1 or zbv"); }
+    if (schedule == NULL) { fatal("--schedule is required: gpipe, 1f1b, interleaved, zb1, zbv, dualpipev or dualpipe"); }
 
     char err[512];
     PipelineConfig cfg;
     cfg.num_stages = S;
     cfg.num_microbatches = M;
     if (pipeline_parse_schedule(schedule, &cfg.kind, err, sizeof(err)) != 0) { fatal("--schedule: %s", err); }
-    cfg.num_chunks = chunks > 0 ? chunks : (cfg.kind == PP_INTERLEAVED || cfg.kind == PP_ZBV ? 2 : 1);
+    int two_chunks = cfg.kind == PP_INTERLEAVED || cfg.kind == PP_ZBV || cfg.kind == PP_DUALPIPEV || cfg.kind == PP_DUALPIPE;
+    cfg.num_chunks = chunks > 0 ? chunks : (two_chunks ? 2 : 1);
     PipelineCommModel comm;
     if (strcmp(comm_text, "eager") == 0) { comm = PP_COMM_EAGER; }
     else if (strcmp(comm_text, "batched") == 0) { comm = PP_COMM_BATCHED; }
@@ -337,6 +364,9 @@ int main(int argc, char** argv) {
             fatal("--wgt: stage %d: W (%g) is part of the backward, so it cannot exceed --bwd (%g)", s, wgt[s], bwd[s]);
         }
     }
+    double* overlapped = (double*)malloc_or_die((size_t)S * sizeof(double), "F&B times");
+    for (int s = 0; s < S; s++) { overlapped[s] = fwd[s] + bwd[s]; }
+    if (fb_text != NULL) { parse_times("--fb", fb_text, S, overlapped); }
 
     int split = pipeline_splits_backward(cfg.kind), with_chunk = cfg.num_chunks > 1;
     if (with_chunk) {
@@ -357,13 +387,15 @@ int main(int argc, char** argv) {
         printf("\n");
     }
 
-    PipelineCosts costs = {fwd, bwd, transfer, comm, wgt};
+    PipelineCosts costs = {fwd, bwd, transfer, comm, wgt, overlapped};
     PipelineTimeline tl;
     if (pipeline_simulate(&sch, &costs, &tl, err, sizeof(err)) != 0) { fatal("%s", err); }
     double modelled = pipeline_bubble_fraction(&cfg), simulated = pipeline_timeline_bubble(&tl);
     const char* formula = cfg.kind == PP_INTERLEAVED ? "(S-1)/(v*M+S-1)"
                         : cfg.kind == PP_ZB1 ? "with F=I=W: 1 - 3M/max(3M+S-1, 2M+2S-1)"
-                        : cfg.kind == PP_ZBV ? "with F=I=W: 1 - 6M/max(6M+S-1, 4M+4S-2)" : "(S-1)/(M+S-1)";
+                        : cfg.kind == PP_ZBV ? "with F=I=W: 1 - 6M/max(6M+S-1, 4M+4S-2)"
+                        : cfg.kind == PP_DUALPIPEV ? "with F=I=W, F&B=F+B: 1 - 6M/(6M+2(S-1))"
+                        : cfg.kind == PP_DUALPIPE ? "with F=I=W, F&B=F+B: (S-2)/(3M+S-2)" : "(S-1)/(M+S-1)";
     printf("bubble fraction, modelled %s: %.4f\n", formula, modelled);
     printf("bubble fraction, simulated (%s sends, transfer %g): %.4f, makespan %g\n", pipeline_comm_model_name(comm),
            transfer, simulated, tl.makespan);
@@ -409,10 +441,14 @@ int main(int argc, char** argv) {
     if (svg != NULL) {
         char caption[512], weight[160] = "";
         if (split) { snprintf(weight, sizeof(weight), ", wgt %s", wgt_text != NULL ? wgt_text : "bwd/2"); }
+        if (cfg.kind == PP_DUALPIPEV || cfg.kind == PP_DUALPIPE) {
+            size_t used = strlen(weight);
+            snprintf(weight + used, sizeof(weight) - used, ", F&B %s", fb_text != NULL ? fb_text : "fwd+bwd");
+        }
         snprintf(caption, sizeof(caption), "bubble fraction: modelled %s = %.3f; simulated %.3f (makespan %g, "
                  "fwd %s, bwd %s%s, %s sends)", formula, modelled, simulated, tl.makespan, fwd_text, bwd_text, weight,
                  pipeline_comm_model_name(comm));
-        write_svg(svg, &sch, &tl, simulated, caption);
+        write_svg(svg, &sch, &tl, simulated, fwd, bwd, caption);
         printf("wrote %s\n", svg);
     }
     pipeline_timeline_free(&tl);
@@ -420,5 +456,6 @@ int main(int argc, char** argv) {
     free(fwd);
     free(bwd);
     free(wgt);
+    free(overlapped);
     return 0;
 }

@@ -6,7 +6,6 @@
  * invalid schedule instead of hanging. The trainer needs none of it.
  *
  * API (all functions static inline):
- *   pipeline_is_compute(kind)               1 for F, B, I and W; 0 for sends and receives
  *   pipeline_action_kind_name(kind), pipeline_action_token(action, with_chunk, buf, len)
  *   pipeline_memory_bound(cfg, stage)       the textbook bound on pipeline_max_in_flight
  *   pipeline_simulate(&sch, &costs, &timeline, err, errlen), pipeline_timeline_free(&timeline)
@@ -20,16 +19,13 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "llmc/pipeline.h"
 #include "llmc/utils.h"
 
 // ----------------------------------------------------------------------------------------------
 // kinds and names of actions
-
-static inline int pipeline_is_compute(PipelineActionKind kind) {
-    return kind == PP_FORWARD || kind == PP_BACKWARD || kind == PP_BACKWARD_INPUT || kind == PP_BACKWARD_WEIGHT;
-}
 
 static inline const char* pipeline_action_kind_name(PipelineActionKind kind) {
     switch (kind) {
@@ -41,14 +37,26 @@ static inline const char* pipeline_action_kind_name(PipelineActionKind kind) {
         case PP_SEND_BACKWARD: return "SEND_BACKWARD";
         case PP_BACKWARD_INPUT: return "BACKWARD_INPUT";
         case PP_BACKWARD_WEIGHT: return "BACKWARD_WEIGHT";
+        case PP_FORWARD_BACKWARD: return "FORWARD_BACKWARD";
     }
     return "UNKNOWN";
 }
 
 // Compact token: F3 / B3 / I3 / W3 for computations, rF3 sF3 rB3 sB3 for receive/send of the
 // forward activation or backward gradient of microbatch 3; "c1" appended for chunk 1 when the
-// stages hold several chunks.
+// stages hold several chunks; an F&B as its two halves joined by "&" (F3c0&B1c1).
 static inline void pipeline_action_token(const PipelineAction* a, int with_chunk, char* buf, size_t len) {
+    PipelineAction halves[2];
+    if (a->kind == PP_FORWARD_BACKWARD && len > 0) {
+        pipeline_action_halves(a, halves);
+        pipeline_action_token(&halves[0], with_chunk, buf, len);
+        size_t used = strlen(buf);
+        if (used + 1 < len) {
+            buf[used] = '&';
+            pipeline_action_token(&halves[1], with_chunk, buf + used + 1, len - used - 1);
+        }
+        return;
+    }
     const char* prefix = "?";
     switch (a->kind) {
         case PP_RECV_FORWARD: prefix = "rF"; break;
@@ -59,6 +67,7 @@ static inline void pipeline_action_token(const PipelineAction* a, int with_chunk
         case PP_SEND_BACKWARD: prefix = "sB"; break;
         case PP_BACKWARD_INPUT: prefix = "I"; break;
         case PP_BACKWARD_WEIGHT: prefix = "W"; break;
+        case PP_FORWARD_BACKWARD: break;
     }
     if (with_chunk) {
         snprintf(buf, len, "%s%dc%d", prefix, a->microbatch, a->chunk);
@@ -78,6 +87,9 @@ static inline void pipeline_action_token(const PipelineAction* a, int with_chunk
 //                stage s defers its W's by s microbatches)
 //   zbv          min(2S, 2M) on every rank: S microbatches of a 1f1b stage's layers, as each
 //                chunk has half of them (ZB-V's peak memory p*M_B in the paper)
+//   dualpipev    2S + 1 on every rank: DeepSeek's PP + 1 chunk activations (PP = 2S, the
+//                DualPipe ranks it halves), the one more being an F&B's two halves together
+//   dualpipe     S + 1 on every rank: DeepSeek's PP + 1
 static inline int pipeline_memory_bound(const PipelineConfig* cfg, int stage) {
     int S = cfg->num_stages, M = cfg->num_microbatches, v = cfg->num_chunks;
     int bound = 0;
@@ -87,6 +99,8 @@ static inline int pipeline_memory_bound(const PipelineConfig* cfg, int stage) {
         case PP_INTERLEAVED: bound = 2 * (S - stage - 1) + (v - 1) * S + 1; break;
         case PP_ZB1: bound = S; break;
         case PP_ZBV: bound = 2 * S; break;
+        case PP_DUALPIPEV: bound = 2 * S + 1; break;
+        case PP_DUALPIPE: bound = S + 1; break;
     }
     return bound < v * M ? bound : v * M;
 }
@@ -120,6 +134,9 @@ typedef struct {
     const double* weight;    // [S]: time of one BACKWARD_WEIGHT, 0 .. backward; a BACKWARD_INPUT
                              // takes backward - weight. NULL: half the backward each (the
                              // zero-bubble paper's T_B = T_W)
+    const double* overlapped;  // [S]: time of one F&B (less than forward + backward where one half
+                               // hides the other's messages or idle units). NULL: forward +
+                               // backward (nothing hidden, as on one CPU thread)
 } PipelineCosts;
 
 typedef struct {
@@ -153,6 +170,8 @@ static inline double pp_compute_cost(const PipelineCosts* costs, int s, Pipeline
         case PP_FORWARD: return costs->forward[s];
         case PP_BACKWARD_INPUT: return costs->backward[s] - weight;
         case PP_BACKWARD_WEIGHT: return weight;
+        case PP_FORWARD_BACKWARD:
+            return costs->overlapped != NULL ? costs->overlapped[s] : costs->forward[s] + costs->backward[s];
         default: return costs->backward[s];
     }
 }
@@ -160,7 +179,10 @@ static inline double pp_compute_cost(const PipelineCosts* costs, int s, Pipeline
 // Writes "stage 2 action 5 (SEND_FORWARD of microbatch 3 chunk 0 to stage 3)".
 static inline void pp_describe(const PipelineSchedule* sch, int stage, int index, char* buf, size_t len) {
     const PipelineAction* a = &sch->actions[sch->offset[stage] + index];
-    if (pipeline_is_compute(a->kind)) {
+    if (a->kind == PP_FORWARD_BACKWARD) {
+        snprintf(buf, len, "stage %d action %d (FORWARD of microbatch %d chunk %d & BACKWARD of microbatch %d chunk %d)",
+                 stage, index, a->microbatch, a->chunk, a->backward_microbatch, a->backward_chunk);
+    } else if (pipeline_is_compute(a->kind)) {
         snprintf(buf, len, "stage %d action %d (%s of microbatch %d chunk %d)", stage, index,
                  pipeline_action_kind_name(a->kind), a->microbatch, a->chunk);
     } else {
@@ -175,10 +197,10 @@ static inline void pp_describe(const PipelineSchedule* sch, int stage, int index
 // post_with_next only between two sends/receives.
 static inline int pp_check_action(const PipelineSchedule* sch, int stage, int index, char* err, size_t errlen) {
     const PipelineConfig* cfg = &sch->cfg;
-    int S = cfg->num_stages, V = S * cfg->num_chunks;
+    int V = pipeline_num_virtual_stages(cfg);
     const PipelineAction* a = &sch->actions[sch->offset[stage] + index];
     int count = sch->offset[stage + 1] - sch->offset[stage];
-    if ((int)a->kind < (int)PP_RECV_FORWARD || (int)a->kind > (int)PP_BACKWARD_WEIGHT) {
+    if ((int)a->kind < (int)PP_RECV_FORWARD || (int)a->kind > (int)PP_FORWARD_BACKWARD) {
         return pp_error(err, errlen, "pipeline: stage %d action %d has unknown kind %d", stage, index, (int)a->kind);
     }
     if (a->microbatch < 0 || a->microbatch >= cfg->num_microbatches || a->chunk < 0 || a->chunk >= cfg->num_chunks) {
@@ -186,7 +208,21 @@ static inline int pp_check_action(const PipelineSchedule* sch, int stage, int in
                         "expected 0..%d and 0..%d", stage, index, pipeline_action_kind_name(a->kind),
                         a->microbatch, a->chunk, cfg->num_microbatches - 1, cfg->num_chunks - 1);
     }
-    char what[160];
+    int first, count_of_chunk, pair = a->kind == PP_FORWARD_BACKWARD;
+    pipeline_chunk_microbatches(cfg, stage, a->chunk, &first, &count_of_chunk);
+    if (a->microbatch < first || a->microbatch >= first + count_of_chunk) {
+        return pp_error(err, errlen, "pipeline: stage %d action %d (%s) has microbatch %d, but its chunk %d runs "
+                        "microbatches %d..%d", stage, index, pipeline_action_kind_name(a->kind), a->microbatch,
+                        a->chunk, first, first + count_of_chunk - 1);
+    }
+    if (pair ? (a->backward_microbatch < 0 || a->backward_microbatch >= cfg->num_microbatches ||
+                a->backward_chunk < 0 || a->backward_chunk >= cfg->num_chunks)
+             : (a->backward_microbatch != -1 || a->backward_chunk != -1)) {
+        return pp_error(err, errlen, "pipeline: stage %d action %d (%s) has backward half microbatch %d chunk %d, "
+                        "expected %s", stage, index, pipeline_action_kind_name(a->kind), a->backward_microbatch,
+                        a->backward_chunk, pair ? "an existing one" : "-1 -1 (none)");
+    }
+    char what[200];
     pp_describe(sch, stage, index, what, sizeof(what));
     int vs = pipeline_virtual_stage(cfg, stage, a->chunk);
     int to_prev = a->kind == PP_RECV_FORWARD || a->kind == PP_SEND_BACKWARD;
@@ -241,16 +277,14 @@ static inline int pp_sim_posted_until(const PPSim* sim, int s) {
     return last;
 }
 
-static inline int pp_sim_compute(PPSim* sim, int s, char* err, size_t errlen) {
+// Checks and records one computation c (an F&B runs two) of the action `what` on stage s.
+static inline int pp_sim_half(PPSim* sim, int s, const PipelineAction* c, const char* what, char* err, size_t errlen) {
     const PipelineConfig* cfg = &sim->sch->cfg;
-    int i = sim->sch->offset[s] + sim->pc[s];
-    const PipelineAction* a = &sim->sch->actions[i];
-    int vs = pipeline_virtual_stage(cfg, s, a->chunk);
-    int prev = pipeline_neighbour_stage(cfg, s, a->chunk, -1), next = pipeline_neighbour_stage(cfg, s, a->chunk, +1);
-    size_t u = (size_t)vs * sim->M + a->microbatch;
-    char what[160];
-    pp_describe(sim->sch, s, sim->pc[s], what, sizeof(what));
-    if (a->kind == PP_FORWARD) {
+    int vs = pipeline_virtual_stage(cfg, s, c->chunk);
+    int prev = pipeline_neighbour_stage(cfg, s, c->chunk, -1), next = pipeline_neighbour_stage(cfg, s, c->chunk, +1);
+    size_t u = (size_t)vs * sim->M + c->microbatch;
+    const char* half = c->kind == PP_FORWARD ? "FORWARD" : c->kind == PP_BACKWARD_WEIGHT ? "BACKWARD_WEIGHT" : "backward";
+    if (c->kind == PP_FORWARD) {
         if (sim->fwd_done[u]) { return pp_error(err, errlen, "pipeline: %s runs a second time", what); }
         if (prev == s && !sim->fwd_done[u - sim->M]) {
             return pp_error(err, errlen, "pipeline: %s runs before the FORWARD of virtual stage %d on the same stage, "
@@ -260,22 +294,35 @@ static inline int pp_sim_compute(PPSim* sim, int s, char* err, size_t errlen) {
             return pp_error(err, errlen, "pipeline: %s runs before its input activation was received", what);
         }
         sim->fwd_done[u] = 1;
-    } else if (a->kind == PP_BACKWARD_WEIGHT) {
+    } else if (c->kind == PP_BACKWARD_WEIGHT) {
         if (sim->wgt_done[u]) { return pp_error(err, errlen, "pipeline: %s runs a second time", what); }
         if (!sim->bwd_done[u]) { return pp_error(err, errlen, "pipeline: %s runs before its BACKWARD_INPUT", what); }
         sim->wgt_done[u] = 1;
     } else {
-        if (sim->bwd_done[u]) { return pp_error(err, errlen, "pipeline: %s runs a second time", what); }
-        if (!sim->fwd_done[u]) { return pp_error(err, errlen, "pipeline: %s runs before its forward", what); }
+        if (sim->bwd_done[u]) { return pp_error(err, errlen, "pipeline: %s (its %s) runs a second time", what, half); }
+        if (!sim->fwd_done[u]) { return pp_error(err, errlen, "pipeline: %s (its %s) runs before its forward", what, half); }
         if (next == s && !sim->bwd_done[u + sim->M]) {
             return pp_error(err, errlen, "pipeline: %s runs before the backward of virtual stage %d on the same stage, "
                             "whose input gradient is its output gradient", what, vs + 1);
         }
         if (next >= 0 && next != s && !sim->bwd_in[u]) {
-            return pp_error(err, errlen, "pipeline: %s runs before its output gradient was received", what);
+            return pp_error(err, errlen, "pipeline: %s (its %s) runs before its output gradient was received", what, half);
         }
         sim->bwd_done[u] = 1;
-        if (a->kind == PP_BACKWARD) { sim->wgt_done[u] = 1; }
+        if (c->kind == PP_BACKWARD) { sim->wgt_done[u] = 1; }
+    }
+    return 0;
+}
+
+static inline int pp_sim_compute(PPSim* sim, int s, char* err, size_t errlen) {
+    int i = sim->sch->offset[s] + sim->pc[s];
+    const PipelineAction* a = &sim->sch->actions[i];
+    char what[200];
+    pp_describe(sim->sch, s, sim->pc[s], what, sizeof(what));
+    PipelineAction halves[2];
+    int nh = pipeline_action_halves(a, halves);
+    for (int h = 0; h < nh; h++) {
+        if (pp_sim_half(sim, s, &halves[h], what, err, errlen) != 0) { return -1; }
     }
     double cost = pp_compute_cost(sim->costs, s, a->kind);
     sim->tl->start[i] = sim->clock[s];
@@ -401,6 +448,10 @@ static inline int pipeline_simulate(const PipelineSchedule* sch, const PipelineC
             return pp_error(err, errlen, "pipeline simulation: stage %d: the weight-gradient time must be within "
                             "0 .. the backward time %g, got %g", s, costs->backward[s], costs->weight[s]);
         }
+        if (costs->overlapped != NULL && (!(costs->overlapped[s] >= 0.0) || !isfinite(costs->overlapped[s]))) {
+            return pp_error(err, errlen, "pipeline simulation: stage %d: the F&B time must be finite and >= 0, got %g", s,
+                            costs->overlapped[s]);
+        }
     }
     if (!(costs->transfer >= 0.0) || !isfinite(costs->transfer)) {
         return pp_error(err, errlen, "pipeline simulation: the transfer time must be finite and >= 0, got %g",
@@ -423,7 +474,7 @@ static inline int pipeline_simulate(const PipelineSchedule* sch, const PipelineC
     sim.costs = costs;
     sim.tl = tl;
     sim.M = cfg->num_microbatches;
-    sim.V = S * cfg->num_chunks;
+    sim.V = pipeline_num_virtual_stages(cfg);
     sim.units = (size_t)sim.V * sim.M;
     size_t total = (size_t)sch->offset[S];
     sim.fwd_done = (char*)calloc_or_die(sim.units, 1, "pipeline simulation");
@@ -472,7 +523,7 @@ static inline int pipeline_simulate(const PipelineSchedule* sch, const PipelineC
     for (size_t u = 0; u < sim.units && status == 0; u++) {
         if (!sim.fwd_done[u] || !sim.bwd_done[u] || !sim.wgt_done[u]) {
             int stage, chunk;
-            pipeline_virtual_stage_owner(cfg, (int)(u / sim.M), &stage, &chunk);
+            pipeline_unit_owner(cfg, (int)(u / sim.M), (int)(u % sim.M), &stage, &chunk);
             // a BACKWARD sets both, so an input gradient without a weight gradient was split
             const char* missing = !sim.fwd_done[u] ? "FORWARD" : (!sim.bwd_done[u] ? "BACKWARD" : "BACKWARD_WEIGHT");
             status = pp_error(err, errlen, "pipeline: stage %d never runs the %s of microbatch %d chunk %d",
@@ -482,7 +533,7 @@ static inline int pipeline_simulate(const PipelineSchedule* sch, const PipelineC
     for (size_t m = 0; m < 2 * sim.units && status == 0; m++) {
         if (sim.sent[m] && !sim.received[m]) {
             int stage, chunk;
-            pipeline_virtual_stage_owner(cfg, (int)((m % sim.units) / sim.M), &stage, &chunk);
+            pipeline_unit_owner(cfg, (int)((m % sim.units) / sim.M), (int)(m % sim.M), &stage, &chunk);
             status = pp_error(err, errlen, "pipeline: the %s message of microbatch %d from stage %d chunk %d "
                               "is never received", m < sim.units ? "forward" : "backward", (int)(m % sim.M),
                               stage, chunk);

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# DualPipeV (--schedule dualpipev: DeepSeek's DualPipe cut in half, llmc/pipeline.h) under real
+# mpirun, against one rank with the same microbatches (every logged loss, the samples and the
+# final checkpoint bytes identical):
+#  - --pp 1 (both hand-offs on the rank), --pp 2 and --pp 4 (8 virtual stages);
+#  - data x pipeline = 2 x 2 with ZeRO 0-3, tensor x pipeline = 2 x 2 with sequence
+#    parallelism, context x pipeline = 2 x 2;
+#  - resume across layouts: dualpipev on 2 stages -> 2 data x 2 stages zbv (ZeRO-2) -> one rank;
+#  - each rank's peak activations: DeepSeek's PP+1 = 2S+1 (microbatch, chunk) pairs;
+#  - with ./train_gpt2cu_emu built: the emulated CUDA build on --pp 2 and DP 2 x PP 2 ZeRO-1,
+#    identical to the CPU build;
+#  - too few microbatches (M < 2S), a model with experts, and --schedule dualpipe (whose lists
+#    pipeline.h builds, but whose duplicated stages the trainer does not hold): one clear line each.
+set -u
+cd "$(dirname "$0")/../.."
+command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun"; exit 0; }
+W=$(mktemp -d /tmp/llmc_dualpipe_test.XXXXXX)
+trap '[ -n "${KEEP:-}" ] || rm -rf "$W"' EXIT
+export OMP_NUM_THREADS=1
+source dev/test/lib.sh
+
+build/testdata tokens "$W/train.bin" 20000 64 1 && build/testdata tokens "$W/val.bin" 3000 64 2 || fail "test data"
+COMMON=(-e d4c32h2v64t32 -i "$W/train.bin" -j "$W/val.bin" -b 2 -t 16 -v 3 -m 3 -s 3 -g 5 -l 3e-3 --shuffle 0 -c 0.1)
+DV=(--schedule dualpipev)
+
+# 4 microbatches per step (-d 128 = 4 x B*T): 2 stages need at least 2S = 4 per data-parallel rank
+run ref 1 "${COMMON[@]}" -d 128 -x 4 -n 4 -o "$W/ref"
+run ref8 1 "${COMMON[@]}" -d 256 -x 4 -n 4 -o "$W/ref8"
+for layout in "1 --pp 1:128:ref" "2 --pp 2:128:ref" "4 --pp 2 --tp 2 --sp 1:128:ref" "4 --pp 2 --cp 2:128:ref" \
+              "4 --pp 2 -z 0:256:ref8" "4 --pp 2 -z 1:256:ref8" "4 --pp 2 -z 2:256:ref8" "4 --pp 2 -z 3:256:ref8"; do
+  IFS=: read -r flags batch reference <<<"$layout"
+  set -- $flags
+  np=$1; shift
+  name=dv$(echo "$flags" | tr -d ' -')
+  run "$name" "$np" "${COMMON[@]}" -d "$batch" -x 4 -n 4 "$@" "${DV[@]}" -o "$W/$name"
+  same "$reference" "$name" 4
+done
+grep -q "pipeline activations held per stage (peak, [^:]*): 5 5$" "$W/dv2pp2.out" \
+  || fail "dualpipev on 2 stages: each rank's peak should be 2S+1 = 5 (microbatch, chunk) pairs: $(grep 'activations held' "$W/dv2pp2.out")"
+pass "dualpipev on 1 and 2 stages, with TP 2 + SP, CP 2, and 2 data x 2 pipeline x ZeRO 0-3: identical to one rank; peak 2S+1 activations"
+
+# 4 stages x 2 chunks = 8 virtual stages: a model of 8 layers, 8 microbatches
+E8=(-e d8c32h2v64t32)
+run ref8l 1 "${COMMON[@]}" "${E8[@]}" -d 256 -x 3 -n 3 -o "$W/ref8l"
+run dv4 4 "${COMMON[@]}" "${E8[@]}" -d 256 -x 3 -n 3 --pp 4 "${DV[@]}" -o "$W/dv4"
+same ref8l dv4 3
+grep -q "pipeline activations held per stage (peak, [^:]*): 9 9 9 9$" "$W/dv4.out" \
+  || fail "dualpipev on 4 stages: each rank's peak should be 2S+1 = 9: $(grep 'activations held' "$W/dv4.out")"
+pass "dualpipev on 4 stages (8 virtual stages): identical to one rank; peak 2S+1 = 9 activations on every rank"
+
+# resume: dualpipev on 2 stages -> 2 data x 2 stages zbv with ZeRO-2 -> one rank
+run long 1 "${COMMON[@]}" -d 256 -x 6 -n 6 -o "$W/long"
+run a 2 "${COMMON[@]}" -d 256 -x 6 -n 2 --pp 2 "${DV[@]}" -o "$W/a"
+mkdir -p "$W/b" "$W/c"
+cp "$W/a/model_00000002.bin" "$W"/a/state_00000002_* "$W/a/DONE_00000002" "$W/b/"
+run b 4 "${COMMON[@]}" -d 256 -x 6 -n 2 --pp 2 -z 2 --schedule zbv -o "$W/b" -y 1
+cp "$W/b/model_00000004.bin" "$W"/b/state_00000004_* "$W/b/DONE_00000004" "$W/c/"
+run c 1 "${COMMON[@]}" -d 256 -x 6 -n 2 -o "$W/c" -y 1
+cmp -s "$W/long/model_00000006.bin" "$W/c/model_00000006.bin" || fail "resumed dualpipev 2 stages -> 2x2 zbv ZeRO-2 -> 1 rank differs"
+diff <(grep trl "$W/long/main.log" | sed -n '3,6p') <(grep trl "$W/b/main.log") >/dev/null || fail "losses after the first resume differ"
+diff <(grep trl "$W/long/main.log" | sed -n '5,6p') <(grep trl "$W/c/main.log") >/dev/null || fail "losses after the second resume differ"
+pass "resume dualpipev 2 stages -> 2 data x 2 stages zbv ZeRO-2 -> 1 rank: identical"
+
+# the emulated CUDA build (deterministic kernels on dev/gpu/emu) runs the same lists
+if [ -x ./train_gpt2cu_emu ]; then
+  for layout in "2 --pp 2:128:ref" "4 --pp 2 -z 1:256:ref8"; do
+    IFS=: read -r flags batch reference <<<"$layout"
+    set -- $flags
+    np=$1; shift
+    name=emu$(echo "$flags" | tr -d ' -')
+    $MPI "$np" ./train_gpt2cu_emu --deterministic 1 "${COMMON[@]}" -d "$batch" -x 4 -n 4 "$@" "${DV[@]}" -o "$W/$name" \
+      >"$W/$name.out" 2>&1 || { tail -5 "$W/$name.out"; fail "$name: train_gpt2cu_emu exited with an error"; }
+    same "$reference" "$name" 4
+  done
+  pass "the emulated CUDA build: dualpipev on 2 stages and 2 data x 2 stages ZeRO-1 identical to the CPU build's one rank"
+else
+  echo "     (./train_gpt2cu_emu not built: its dualpipev runs skipped; make train_gpt2cu_emu)"
+fi
+
+# refusals, one clear line each
+$MPI 2 $BIN "${COMMON[@]}" -d 96 --pp 2 "${DV[@]}" -x 1 >"$W/bad1.out" 2>&1 && fail "dualpipev with 3 microbatches on 2 stages should fail"
+grep -q "error: .*--schedule dualpipev with -d 96 .*at least 2 x stages = 4 microbatches, got 3" "$W/bad1.out" \
+  || fail "no clear error for dualpipev with M < 2S: $(grep error "$W/bad1.out")"
+$MPI 2 $BIN "${COMMON[@]}" -e d4c32h2v64t32e4k2 -d 128 --pp 2 "${DV[@]}" -x 1 >"$W/bad2.out" 2>&1 \
+  && fail "dualpipev with experts should fail"
+grep -q "error: .*--schedule dualpipev: a mixture-of-experts model runs whole backwards" "$W/bad2.out" \
+  || fail "no clear error for dualpipev with experts: $(grep error "$W/bad2.out")"
+$MPI 2 $BIN "${COMMON[@]}" -d 128 --pp 2 --schedule dualpipe -x 1 >"$W/bad3.out" 2>&1 && fail "dualpipe should be refused"
+grep -q "error: .*--schedule dualpipe: the trainer does not run it yet" "$W/bad3.out" \
+  || fail "no clear error for dualpipe: $(grep error "$W/bad3.out")"
+pass "refusals: M < 2S, experts, dualpipe (its two parameter copies are not built)"
+echo "all dualpipe tests passed"
