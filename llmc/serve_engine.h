@@ -90,7 +90,7 @@ typedef struct ServeEngine {
     int *row_tok, *row_pos, *head_rows;    // per row: token, position; the rows the head reads
     const int** row_table;                  // per row: its request's block table
     ServeRequest** sched;                   // the step's requests, their last rows
-    int *sched_last_row, num_sched;
+    int *sched_last_row, num_sched, num_rows;
     // counters
     long long steps, rows_computed, tokens_generated, preemptions;
 } ServeEngine;
@@ -346,9 +346,11 @@ static inline void serve_schedule(ServeEngine* e, ServeRequest* r, int n, int* r
     e->sched_last_row[s] = *rows - 1;
 }
 
-// One iteration: schedule, one forward over the scheduled rows, a token for each request that
-// caught up. Returns the rows computed (0: nothing to do).
-static inline int serve_engine_step(ServeEngine* e) {
+// An iteration in three parts, so that a server can run the forward without its lock: the
+// schedule and the draws change the requests and the queues, the forward only the cache and
+// the engine's activations.
+// 1. The schedule: which rows of which requests this step computes; returns their number.
+static inline int serve_engine_schedule(ServeEngine* e) {
     int budget = e->max_batch_tokens, rows = 0, preempted = 0;
     e->num_sched = 0;
     for (int i = 0; i < e->num_running && budget > 0; i++) {
@@ -375,18 +377,29 @@ static inline int serve_engine_step(ServeEngine* e) {
         serve_schedule(e, r, n, &rows);
         budget -= n;
     }
-    if (rows == 0) { return 0; }
-    serve_forward(e, rows);
-    // the requests that caught up draw from their last row
+    e->num_rows = rows;
+    return rows;
+}
+
+// 2. The forward over the scheduled rows, and the head on the last row of every request that
+// caught up (all its known tokens computed).
+static inline void serve_engine_forward(ServeEngine* e) {
+    if (e->num_rows == 0) { return; }
+    serve_forward(e, e->num_rows);
     int M = 0;
     for (int s = 0; s < e->num_sched; s++) {
         ServeRequest* r = e->sched[s];
-        r->computed = e->row_pos[e->sched_last_row[s]] + 1;
-        if (r->computed == r->len) { e->head_rows[M++] = e->sched_last_row[s]; }
+        if (e->row_pos[e->sched_last_row[s]] + 1 == r->len) { e->head_rows[M++] = e->sched_last_row[s]; }
     }
     if (M > 0) { serve_head(e, M); }
+}
+
+// 3. Each request that caught up draws its next token; the finished ones leave.
+static inline void serve_engine_finish_step(ServeEngine* e) {
+    if (e->num_rows == 0) { return; }
     for (int s = 0, m = 0; s < e->num_sched; s++) {
         ServeRequest* r = e->sched[s];
+        r->computed = e->row_pos[e->sched_last_row[s]] + 1;
         if (r->computed != r->len) { continue; }
         const char* reason = serve_draw(e, r, e->logits + (size_t)m++ * e->Vp);
         if (reason) {
@@ -397,7 +410,16 @@ static inline int serve_engine_step(ServeEngine* e) {
         }
     }
     e->steps++;
-    e->rows_computed += rows;
+    e->rows_computed += e->num_rows;
+    e->num_rows = 0;
+}
+
+// One iteration: schedule, one forward over the scheduled rows, a token for each request that
+// caught up. Returns the rows computed (0: nothing to do).
+static inline int serve_engine_step(ServeEngine* e) {
+    int rows = serve_engine_schedule(e);
+    serve_engine_forward(e);
+    serve_engine_finish_step(e);
     return rows;
 }
 
