@@ -45,3 +45,16 @@ build/serve_json: dev/test/serve_json.c | build
 ifeq ($(HAVE_SERVE_LIBS),1)
 TEST_BINS += build/serve_json
 endif
+
+# the request parser's libFuzzer target (clang, ASan, UBSan; mk/fuzz.mk's toolchain), replayed
+# over dev/fuzz/seeds_serve_request by test_serve.sh; `make fuzz-serve` runs a campaign
+build/fuzz/fuzz_serve_request: dev/fuzz/fuzz_serve_request.c $(LLMC_HEADERS)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ $< -lcjson -lm
+ifeq ($(HAVE_SERVE_LIBS)$(HAVE_FUZZ),11)
+TEST_BINS += build/fuzz/fuzz_serve_request
+endif
+.PHONY: fuzz-serve
+fuzz-serve: build/fuzz/fuzz_serve_request
+	@mkdir -p build/fuzz/corpus/serve_request
+	build/fuzz/fuzz_serve_request -max_total_time=$(FUZZ_SECONDS) build/fuzz/corpus/serve_request dev/fuzz/seeds_serve_request
