@@ -362,9 +362,14 @@ typedef struct {
     int too_large, counted, over_limit;
 } ConnCtx;
 
+// the encoder's scratch and word cache are shared: one connection encodes at a time (decoding,
+// bpe_token, reads only the vocabulary)
+static pthread_mutex_t encode_mu = PTHREAD_MUTEX_INITIALIZER;
 static int encode_text(void* ctx, const char* text, size_t n, int** ids) {
     TokenIds t = {0};
+    pthread_mutex_lock(&encode_mu);
     bpe_encode((BPEEncoder*)ctx, (const uint8_t*)text, n, 1, &t);
+    pthread_mutex_unlock(&encode_mu);
     *ids = (int*)malloc(sizeof(int) * (t.n > 0 ? t.n : 1));
     for (size_t i = 0; i < t.n; i++) { (*ids)[i] = (int)t.ids[i]; }
     int count = (int)t.n;
@@ -554,6 +559,14 @@ static long flag_int(const char* flag, const char* v, long lo, long hi) {
     return x;
 }
 
+// SIGTERM and SIGINT, whichever thread they reach, wake main through a pipe
+static int stop_pipe[2];
+static void on_stop_signal(int sig) {
+    unsigned char b = (unsigned char)sig;
+    ssize_t w = write(stop_pipe[1], &b, 1);
+    (void)w;
+}
+
 static void usage(void) {
     printf("usage: serve_gpt2 -e MODEL.bin [options]\n"
            "  -e FILE                 llm.c checkpoint (any the trainer reads; dense GPT-2)\n"
@@ -620,12 +633,11 @@ int main(int argc, char** argv) {
     S.max_body = (size_t)max_body;
     S.limits = (ServeLimits){config.max_seq_len - 1, config.vocab_size, S.model_name, encode_text, &S.bpe};
 
-    // signals go to main's sigwait only: every thread started below inherits the mask
-    sigset_t stop_signals;
-    sigemptyset(&stop_signals);
-    sigaddset(&stop_signals, SIGTERM);
-    sigaddset(&stop_signals, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &stop_signals, NULL);
+    if (pipe(stop_pipe) != 0) { fatal("serve_gpt2: pipe: %s", strerror(errno)); }
+    struct sigaction stop_action = {0};
+    stop_action.sa_handler = on_stop_signal;
+    sigaction(SIGTERM, &stop_action, NULL);
+    sigaction(SIGINT, &stop_action, NULL);
     signal(SIGPIPE, SIG_IGN);
     pthread_t engine;
     pthread_create(&engine, NULL, engine_thread, NULL);
@@ -641,8 +653,8 @@ int main(int argc, char** argv) {
     printf("serving %s on http://%s:%u\n", S.model_name, host, info ? info->port : (unsigned)port);
     fflush(stdout);
 
-    int sig;
-    sigwait(&stop_signals, &sig);
+    unsigned char sig = 0;
+    while (read(stop_pipe[0], &sig, 1) != 1 && errno == EINTR) {}
     printf("serve_gpt2: signal %d: no new requests; finishing the %d running\n", sig, S.connections);
     fflush(stdout);
     pthread_mutex_lock(&S.mu);
