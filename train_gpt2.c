@@ -442,6 +442,35 @@ void attention_forward_row(float* out, float* att, const float* qkv, int t, int 
     }
 }
 
+// Serving (llmc/serve_engine.h): N query rows of different sequences, each against the keys
+// and values its own sequence holds in a paged KV cache (llmc/paged_kv.h), every sequence laid
+// out over the same T positions (the model's maxT), so a row's reductions depend on its own
+// position only: never on the other rows, nor on the longest sequence.
+//   qkv (N,3C): each row's q (its own k, v are already in the cache)
+//   key p of row r's sequence: kv + tables[r][p / bs] * block_stride + (p % bs) * 2C, k (C) | v (C)
+//   pos (N): each row's position; out (N,C); scratch: T*3C + NH*T floats
+// Row r is row pos[r] of attention_forward over that one sequence (1,T), bit for bit: its keys
+// and values, gathered into scratch, are that pass's qkv rows, and attention_query_row runs on
+// them unchanged.
+void attention_forward_paged(float* out, float* scratch, const float* qkv, const float* kv, long block_stride,
+                             const int* const* tables, const int* pos, int N, int T, int bs, int C, int NH) {
+    int hs = C / NH;
+    size_t C3 = 3 * (size_t)C;
+    float* seq = scratch;
+    for (int r = 0; r < N; r++) {
+        int t = pos[r];
+        for (int p = 0; p <= t; p++) {
+            const float* kvp = kv + tables[r][p / bs] * block_stride + (size_t)(p % bs) * 2 * C;
+            memcpy(seq + p * C3 + C, kvp, sizeof(float) * 2 * C);
+        }
+        memcpy(seq + t * C3, qkv + r * C3, sizeof(float) * C);
+        #pragma omp parallel for
+        for (int h = 0; h < NH; h++) {
+            attention_query_row(out + (size_t)r * C + h * hs, seq + T * C3 + (size_t)h * T, seq, t, T, C, NH, h);
+        }
+    }
+}
+
 // Backward, per (b, h):
 //   datt[t][t2] = dot(dout_t, v_t2)                       R2 over hs
 //   S_t = R2Z over keys of fmaf(att, datt);  ds = att * (datt - S_t) * scale

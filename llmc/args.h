@@ -45,6 +45,7 @@ typedef struct {
     float temperature;            // sampling: 1 = the model's distribution
     int top_k;                    // sampling: 0 = every token
     int kv_cache;                 // sampling: 1 = one new position per token (the same tokens)
+    const char* sample_prompt;    // sampling: comma-separated token ids; NULL = <|endoftext|>
     int checkpoint_every;
     int resume;
     int zero_stage;
@@ -118,7 +119,7 @@ static const ArgSpec arg_specs[] = {
     {"-m", ARG_INT, ARG_FIELD(val_max_steps), 1, INT_MAX, ARG_OR_MINUS_ONE, "validation batches per evaluation; -1 = all"},
     {"-s", ARG_INT, ARG_FIELD(sample_every), 0, INT_MAX, 0, "sample text every N steps; 0 = never"},
     {"-g", ARG_INT, ARG_FIELD(gen_T), 1, MAX_SEQ_LEN, 0, "tokens to generate when sampling"},
-    {"--temperature", ARG_FLOAT, ARG_FIELD(temperature), 0, 100, ARG_ABOVE_MIN, "sampling temperature (1 = the model's distribution, as llm.c)"},
+    {"--temperature", ARG_FLOAT, ARG_FIELD(temperature), 0, 100, 0, "sampling temperature (1 = the model's distribution, as llm.c; 0 = greedy)"},
     {"--top-k", ARG_INT, ARG_FIELD(top_k), 0, INT_MAX, 0, "sample among the k most likely tokens only; 0 = all (as llm.c)"},
     {"--kv-cache", ARG_INT, ARG_FIELD(kv_cache), 0, 1, 0, "sampling: 1 = a KV cache (each token computes one position), 0 = a full forward per token; the same tokens"},
     {"-n", ARG_INT, ARG_FIELD(checkpoint_every), 0, INT_MAX, 0, "write a checkpoint every N steps (and at the end); 0 = never (needs -o)"},
@@ -134,6 +135,7 @@ static const ArgSpec arg_specs[] = {
     {"--shuffle", ARG_INT, ARG_FIELD(shuffle), 0, 1, 0, "1 = shuffle the train shards and microbatches each epoch"},
     {"--varlen", ARG_INT, ARG_FIELD(varlen), 1, INT_MAX, 0, "G: train on G variable-length sequences per step, cut at EOT, of at most -t tokens, one per microbatch (-b, -d unused); default 0 = fixed windows of -t tokens"},
     {"--seed", ARG_LLONG, ARG_FIELD(seed), 0, 0, ARG_ANY_VALUE, "seed of the weight init (-e dN) and of the shuffle"},
+    ARG_STRING("--prompt", sample_prompt, "sampling: the prompt as comma-separated token ids (default: <|endoftext|>); the sample continues it"),
     ARG_STRING("--tokenizer", tokenizer_path, "llm.c tokenizer file used to print samples"),
     {"--tp", ARG_INT, ARG_FIELD(tp), 1, 4096, 0, "tensor-parallel degree (Megatron column/row splits)"},
     {"--sp", ARG_INT, ARG_FIELD(sp), 0, 1, 0, "1 = Megatron sequence parallelism within the tensor-parallel group"},

@@ -198,6 +198,30 @@ static inline int trainer_sequence_split(const Trainer* t) {
     return t->comm.cp * (t->args.sp ? t->comm.tp : 1);
 }
 
+// --prompt "id,id,...": the token ids into prompt (room for genT, which the prompt must leave one
+// position of); none: <|endoftext|> (GPT-2's 50256, or V - 1 for a smaller vocabulary).
+// Returns the prompt's length.
+static inline int trainer_parse_prompt(const char* text, int* prompt, int genT, int V) {
+    if (text == NULL) {
+        prompt[0] = V > 50256 ? 50256 : V - 1;
+        return 1;
+    }
+    int n = 0;
+    const char* p = text;
+    for (;;) {
+        char* end;
+        long id = strtol(p, &end, 10);
+        if (end == p || id < 0 || id >= V) {
+            fatal("--prompt: expected comma-separated token ids in [0, %d), got '%s'", V, text);
+        }
+        if (n + 1 >= genT) { fatal("--prompt: %s has %d or more tokens; -g %d leaves room for %d", text, n + 1, genT, genT - 1); }
+        prompt[n++] = (int)id;
+        if (*end == '\0') { return n; }
+        if (*end != ',') { fatal("--prompt: expected comma-separated token ids in [0, %d), got '%s'", V, text); }
+        p = end + 1;
+    }
+}
+
 // The model of this rank's stage on `ops` (its parameters, gradients and AdamW state in
 // zero.h's buffers in `mem`), the data, the tokenizer, the pipeline, the resumed state, main.log.
 static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* mem) {
@@ -255,6 +279,8 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
         for (int ch = 0; ch < v; ch++) { t->moe_counters[ch] = ops->moe_counters(t->models[ch]); }
     }
     t->genT = a->gen_T < c->max_seq_len ? a->gen_T : c->max_seq_len;
+    t->sample_prompt = (int*)malloc_or_die(sizeof(int) * t->genT, "sample prompt");
+    t->sample_prompt_len = trainer_parse_prompt(a->sample_prompt, t->sample_prompt, t->genT, c->vocab_size);
     // the sampler's forward passes: every dp rank takes part under ZeRO-3 (parameter gathers)
     // and with expert parallelism (token exchanges)
     t->do_sample = a->sample_every > 0 && (comm->dp_rank == 0 || t->zero.stage == 3 || comm->ep > 1);
@@ -348,7 +374,8 @@ static inline float trainer_validate(Trainer* t) {
     return loss;
 }
 
-// Samples genT tokens after <|endoftext|> with xorshift seeded 1337 (llm.c's sampler, with
+// Samples the tokens after the prompt (--prompt, or <|endoftext|>) up to genT with xorshift
+// seeded 1337 (llm.c's sampler, with
 // --temperature and --top-k: llmc/sampler.h). Token pos is drawn from row pos - 1 of the
 // forward pass over (1, genT) through the pipeline: with a KV cache (ModelOps' decode; not
 // with --kv-cache 0) each step computes only that row, otherwise (fast mode) the whole pass,
@@ -365,10 +392,12 @@ static inline void trainer_sample(Trainer* t) {
     Sampler sampler;
     sampler_init(&sampler, t->args.temperature, t->args.top_k, V);
     for (int i = 0; i < genT; i++) { gen[i] = V > 50256 ? 50256 : V - 1; }   // <|endoftext|> for GPT-2's vocabulary
+    memcpy(gen, t->sample_prompt, sizeof(int) * t->sample_prompt_len);
     if (printing) { printf("generating:\n---\n"); }
     for (int pos = 1; pos < genT; pos++) {
         int kv = t->ops->layers_decode && t->args.kv_cache;
         pipeline_forward_pass(&t->pipe, t->sample_acts, gen, NULL, 1, genT, C, 1, kv ? pos - 1 : -1);
+        if (pos < t->sample_prompt_len) { continue; }   // the prompt's rows only fill the cache
         int next = V - 1, hc = t->pipe.head_chunk;
         if (hc >= 0) {
             t->ops->probs_at(t->models[hc], t->sample_acts[hc], pos - 1, t->sample_probs);
@@ -689,6 +718,7 @@ static inline void trainer_end(Trainer* t) {
         free(t->sample_acts);
         free(t->sample_probs);
     }
+    free(t->sample_prompt);
     t->ops->grads_destroy(t->models[0], t->grads);
     dataloader_free(&t->train_loader);
     if (t->do_val) { dataloader_free(&t->val_loader); }

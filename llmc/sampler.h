@@ -8,7 +8,9 @@
  * rounding leaves the coin above the total). Otherwise each probability p becomes
  * p^(1/temperature) (that is softmax(logits / temperature) once normalised), top-k keeps the k
  * largest (ties to the lower token id) and zeroes the rest, and the coin is scaled by their
- * total, in double.
+ * total, in double. Temperature 0 is greedy: the most likely token (ties to the lower id), no
+ * coin looked at. top-p (nucleus, the server's requests) then keeps the fewest most likely
+ * tokens (by weight, ties to the lower id) whose weights reach top_p of the total.
  */
 #ifndef LLMC_SAMPLER_H
 #define LLMC_SAMPLER_H
@@ -18,15 +20,19 @@
 #include "llmc/utils.h"
 
 typedef struct {
-    float temperature;   // > 0; 1 = the model's distribution
+    float temperature;   // >= 0; 1 = the model's distribution, 0 = greedy
     int top_k;           // 0 = every token
+    float top_p;         // 1 = every token (sampler_init); else the nucleus of top_p
     double* weights;     // scratch of V entries (sampler_init)
     int* heap;           // scratch of top_k entries
+    int* order;          // scratch of V entries for top-p
 } Sampler;
 
 static inline void sampler_init(Sampler* s, float temperature, int top_k, int V) {
     s->temperature = temperature;
     s->top_k = top_k >= V ? 0 : top_k;
+    s->top_p = 1.0f;
+    s->order = (int*)malloc_or_die(sizeof(int) * (V > 0 ? V : 1), "sampler");
     s->weights = (double*)malloc_or_die(sizeof(double) * (V > 0 ? V : 1), "sampler");
     s->heap = (int*)malloc_or_die(sizeof(int) * (s->top_k > 0 ? s->top_k : 1), "sampler");
 }
@@ -34,6 +40,7 @@ static inline void sampler_init(Sampler* s, float temperature, int top_k, int V)
 static inline void sampler_free(Sampler* s) {
     free(s->weights);
     free(s->heap);
+    free(s->order);
 }
 
 // Token a ranks below token b: a smaller weight, or the same weight and a larger id.
@@ -53,9 +60,37 @@ static inline void sampler_sift_down(const double* w, int* heap, int n, int i) {
     }
 }
 
+static inline int sampler_heavier_first_(const void* a, const void* b, void* weights) {
+    const double* w = (const double*)weights;
+    int x = *(const int*)a, y = *(const int*)b;
+    return sampler_below(w, y, x) ? -1 : sampler_below(w, x, y) ? 1 : 0;
+}
+
+// Zeroes every weight outside the nucleus: the heaviest weights, in order, until their sum
+// reaches top_p of the total.
+static inline void sampler_nucleus(Sampler* s, double* w, int V) {
+    int n = 0;
+    double total = 0.0;
+    for (int v = 0; v < V; v++) {
+        if (w[v] > 0.0) { s->order[n++] = v; total += w[v]; }
+    }
+    qsort_r(s->order, (size_t)n, sizeof(int), sampler_heavier_first_, w);   // glibc's (_GNU_SOURCE)
+    double kept = 0.0;
+    int i = 0;
+    while (i < n && kept < (double)s->top_p * total) { kept += w[s->order[i++]]; }
+    for (; i < n; i++) { w[s->order[i]] = 0.0; }
+}
+
 // The next token from probs[0 .. V) (host memory) and a coin in [0, 1).
 static inline int sampler_draw(Sampler* s, const float* probs, int V, float coin) {
-    if (s->temperature == 1.0f && s->top_k == 0) {   // llm.c's sample_mult
+    if (s->temperature == 0.0f) {   // greedy
+        int best = 0;
+        for (int v = 1; v < V; v++) {
+            if (probs[v] > probs[best]) { best = v; }
+        }
+        return best;
+    }
+    if (s->temperature == 1.0f && s->top_k == 0 && s->top_p >= 1.0f) {   // llm.c's sample_mult
         float cdf = 0.0f;
         for (int v = 0; v < V; v++) {
             cdf += probs[v];
@@ -85,6 +120,7 @@ static inline int sampler_draw(Sampler* s, const float* probs, int V, float coin
             if (w[v] < threshold || (w[v] == threshold && v > lowest_kept)) { w[v] = 0.0; }
         }
     }
+    if (s->top_p < 1.0f) { sampler_nucleus(s, w, V); }
     double total = 0.0;
     for (int v = 0; v < V; v++) { total += w[v]; }
     double target = (double)coin * total, cdf = 0.0;

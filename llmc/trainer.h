@@ -55,6 +55,8 @@ typedef struct {
     LRSchedule schedule;
     Tokenizer tokenizer;
     int do_sample, genT;
+    int* sample_prompt;    // the sampler's first sample_prompt_len tokens (--prompt)
+    int sample_prompt_len;
     void** sample_acts;             // [nchunks]
     float* sample_probs;            // host, Vp
     TrainProgress progress;

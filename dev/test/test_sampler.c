@@ -1,8 +1,9 @@
 // llmc/sampler.h against a plain reference: with temperature 1 and top-k off, llm.c's
 // sample_mult; otherwise the tokens sorted by probability (a full sort, not the sampler's heap),
-// the k best kept, the coin walked along their cumulative weight in vocabulary order. Also
-// properties no implementation detail decides: top-k 1 is the argmax, and the drawn
-// frequencies follow the tempered distribution.
+// the k best kept, then (top-p) the fewest best whose weight reaches top_p of the total, the coin
+// walked along their cumulative weight in vocabulary order. Also properties no implementation
+// detail decides: top-k 1 and temperature 0 are the argmax, and the drawn frequencies follow
+// the tempered distribution.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,7 +30,7 @@ static int by_weight_then_id(const void* a, const void* b) {
     return i - j;
 }
 
-static int reference_draw(const float* probs, int V, float temperature, int top_k, float coin) {
+static int reference_draw(const float* probs, int V, float temperature, int top_k, float top_p, float coin) {
     double* w = malloc(sizeof(double) * V);
     int* order = malloc(sizeof(int) * V);
     for (int v = 0; v < V; v++) {
@@ -41,6 +42,15 @@ static int reference_draw(const float* probs, int V, float temperature, int top_
         sort_weights = w;
         qsort(order, V, sizeof(int), by_weight_then_id);
         for (int r = top_k; r < V; r++) { w[order[r]] = 0.0; }
+    }
+    if (top_p < 1.0f) {
+        double mass = 0.0, kept = 0.0;
+        for (int v = 0; v < V; v++) { mass += w[v]; order[v] = v; }
+        sort_weights = w;
+        qsort(order, V, sizeof(int), by_weight_then_id);
+        for (int r = 0; r < V; r++) {
+            if (kept >= (double)top_p * mass) { w[order[r]] = 0.0; } else { kept += w[order[r]]; }
+        }
     }
     double total = 0.0;
     for (int v = 0; v < V; v++) { total += w[v]; }
@@ -64,6 +74,7 @@ int main(void) {
     // 1. against the references, on distributions with ties and zeros
     const float temps[] = {1.0f, 0.7f, 1.5f, 0.05f};
     const int ks[] = {0, 1, 5, 40, 299, 300, 1000};
+    const float tps[] = {1.0f, 0.9f, 0.3f};
     long draws = 0;
     for (int trial = 0; trial < 40; trial++) {
         double sum = 0.0;
@@ -75,18 +86,21 @@ int main(void) {
         for (int v = 0; v < V; v++) { probs[v] = (float)(probs[v] / sum); }
         for (size_t ti = 0; ti < sizeof(temps) / sizeof(temps[0]); ti++) {
             for (size_t ki = 0; ki < sizeof(ks) / sizeof(ks[0]); ki++) {
-                Sampler s;
-                sampler_init(&s, temps[ti], ks[ki], V);
-                for (int c = 0; c < 50; c++) {
-                    float coin = random_f32(&rng);
-                    int got = sampler_draw(&s, probs, V, coin);
-                    int want = temps[ti] == 1.0f && (ks[ki] == 0 || ks[ki] >= V)
-                             ? sample_mult(probs, V, coin) : reference_draw(probs, V, temps[ti], ks[ki], coin);
-                    CHECK(got == want, "trial %d temperature %g top-k %d coin %.9g: drew %d, the reference %d",
-                          trial, temps[ti], ks[ki], coin, got, want);
-                    draws++;
+                for (size_t pi = 0; pi < sizeof(tps) / sizeof(tps[0]); pi++) {
+                    Sampler s;
+                    sampler_init(&s, temps[ti], ks[ki], V);
+                    s.top_p = tps[pi];
+                    for (int c = 0; c < 50; c++) {
+                        float coin = random_f32(&rng);
+                        int got = sampler_draw(&s, probs, V, coin);
+                        int want = temps[ti] == 1.0f && (ks[ki] == 0 || ks[ki] >= V) && tps[pi] == 1.0f
+                                 ? sample_mult(probs, V, coin) : reference_draw(probs, V, temps[ti], ks[ki], tps[pi], coin);
+                        CHECK(got == want, "trial %d temperature %g top-k %d top-p %g coin %.9g: drew %d, the reference %d",
+                              trial, temps[ti], ks[ki], tps[pi], coin, got, want);
+                        draws++;
+                    }
+                    sampler_free(&s);
                 }
-                sampler_free(&s);
             }
         }
     }
@@ -102,6 +116,15 @@ int main(void) {
         CHECK(got == 17, "top-k 1 drew %d, the argmax is 17", got);
     }
     sampler_free(&one);
+    // temperature 0 (greedy) is the argmax too, top-k and top-p aside
+    Sampler greedy;
+    sampler_init(&greedy, 0.0f, 5, V);
+    greedy.top_p = 0.5f;
+    for (int c = 0; c < 100; c++) {
+        int got = sampler_draw(&greedy, probs, V, random_f32(&rng));
+        CHECK(got == 17, "temperature 0 drew %d, the argmax is 17", got);
+    }
+    sampler_free(&greedy);
 
     // 3. frequencies: 4 tokens with p = .1 .2 .3 .4 at temperature 0.5 are drawn in proportion
     //    to p^2 = 1 : 4 : 9 : 16 (chi-square with 3 degrees of freedom below 16.3: p < 0.001)

@@ -1,0 +1,260 @@
+#!/usr/bin/env bash
+# serve_gpt2 under a real HTTP client (curl), on a d2 checkpoint of GPT-2's vocabulary that the
+# test trains with ./train_gpt2:
+#   1. greedy and seeded top-k outputs = the trainer's sampler's (--prompt, -g maxT), token for token;
+#   2. 18 requests of mixed lengths at random arrival times, in a cache small enough to preempt,
+#      each = the same request run alone;
+#   3. streaming: the events are JSON, end with data: [DONE], carry the same text; chat, models;
+#   4. every bad input gets its 4xx and an OpenAI-style JSON error, and the server keeps serving;
+#      too many connections get 429; a body over the limit 413;
+#   5. a client that disconnects mid-stream: its request is cancelled, its blocks freed;
+#   6. the metrics agree with the answers;
+#   7. a soak: 256 tiny requests at 32 connections, every 8th cut off midway: every answer
+#      complete JSON, every KV block free at the end, the resident memory after the second half
+#      where the first half left it;
+#   8. SIGTERM: the running stream finishes, new connections are refused, exit status 0;
+# and first the request parser's fuzz target replays its seeds (when clang's libFuzzer is there).
+# Exits non-zero on the first failure, saying which.
+set -u
+cd "$(dirname "$0")/../.."
+D=../shared/data/gpt2
+J=build/serve_json
+W=$(mktemp -d /tmp/llmc_serve_test.XXXXXX)
+SERVER_PID=
+cleanup() {
+  if [ -n "$SERVER_PID" ]; then kill -9 "$SERVER_PID" 2>/dev/null; fi
+  rm -rf "$W"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; [ -f "$W/server.out" ] && tail -5 "$W/server.out"; exit 1; }
+pass() { echo "ok   $* (${SECONDS}s)"; }
+export OMP_NUM_THREADS=1   # the engine's kernels on one core each: the same bits, less contention here
+
+if [ -x build/fuzz/fuzz_serve_request ]; then
+  build/fuzz/fuzz_serve_request dev/fuzz/seeds_serve_request/* >"$W/fuzz.out" 2>&1 ||
+    fail "fuzz_serve_request: $(grep -m1 -E 'fuzz_serve_request:|ERROR' "$W/fuzz.out")"
+  pass "fuzz_serve_request: $(ls dev/fuzz/seeds_serve_request | wc -l) seeds replayed under ASan and UBSan"
+else
+  echo "note: build/fuzz/fuzz_serve_request is not built (clang with libFuzzer): its replay is skipped"
+fi
+
+./train_gpt2 -e d2c32h2t64 -i $D/tiny_shakespeare_train.bin -b 4 -t 64 -x 10 -v 0 -s 0 -l 3e-3 -n 10 \
+  -o "$W/ck" >"$W/train.out" 2>&1 || fail "could not train the test checkpoint: $(tail -3 "$W/train.out")"
+CK=$W/ck/model_00000010.bin
+
+start_server() {   # flags...: URL and SERVER_PID of a fresh server
+  ./serve_gpt2 -e "$CK" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "$@" >"$W/server.out" 2>&1 &
+  SERVER_PID=$!
+  local port=
+  for _ in $(seq 200); do
+    port=$(grep -o 'http://127.0.0.1:[0-9]*' "$W/server.out" | sed 's/.*://')
+    [ -n "$port" ] && break
+    sleep 0.05
+  done
+  [ -n "$port" ] || fail "the server did not start: $(cat "$W/server.out")"
+  URL=http://127.0.0.1:$port
+}
+stop_server() {
+  kill -TERM "$SERVER_PID"
+  wait "$SERVER_PID"
+  local rc=$?
+  SERVER_PID=
+  return $rc
+}
+post() {   # NAME PATH BODY: the answer in $W/NAME.json; prints the HTTP status
+  curl -s -o "$W/$1.json" -w '%{http_code}' -H 'Content-Type: application/json' -H 'Authorization: Bearer sk-test' \
+    "$URL$2" --data-binary "$3"
+}
+field() { $J "$W/$1.json" "${@:2}"; }
+metric() { curl -s "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
+
+# --- 1. the trainer's sampler --------------------------------------------------------------
+PROMPT=5962,22307,25,198
+sampler() {   # TEMPERATURE TOP_K: the sampler's tokens after PROMPT, comma-separated
+  ./train_gpt2 -e "$CK" -i $D/tiny_shakespeare_train.bin -b 1 -t 64 -x 1 -l 0 -v 0 -s 1 -g 64 \
+    --temperature "$1" --top-k "$2" --prompt $PROMPT >"$W/sampler.out" 2>&1 || fail "the sampler failed: $(tail -2 "$W/sampler.out")"
+  awk '/^generating:/ { getline; getline; print; exit }' "$W/sampler.out" | tr -s ' ' | sed 's/ $//; s/ /,/g'
+}
+greedy_ref=$(sampler 0 0)
+topk_ref=$(sampler 1 40)
+[ "$(tr ',' '\n' <<<"$greedy_ref" | wc -l)" = 60 ] || fail "the sampler gave $(tr ',' '\n' <<<"$greedy_ref" | wc -l) tokens, not 60"
+
+start_server --kv-blocks 8 --max-batch-tokens 16
+code=$(post greedy /v1/completions "{\"model\":\"gpt2\",\"prompt\":[$PROMPT],\"max_tokens\":60,\"temperature\":0,\"ignore_eos\":true}")
+[ "$code" = 200 ] || fail "greedy completion: HTTP $code: $(cat "$W/greedy.json")"
+[ "$(field greedy choices.0.token_ids)" = "$greedy_ref" ] || fail "greedy output differs from the sampler's"
+[ "$(field greedy choices.0.finish_reason)" = '"length"' ] || fail "greedy: finish_reason $(field greedy choices.0.finish_reason)"
+code=$(post topk /v1/completions "{\"prompt\":[$PROMPT],\"max_tokens\":60,\"temperature\":1,\"top_k\":40,\"seed\":1337,\"ignore_eos\":true}")
+[ "$(field topk choices.0.token_ids)" = "$topk_ref" ] || fail "top-k 40 seed 1337 differs from the sampler's"
+[ "$greedy_ref" != "$topk_ref" ] || fail "greedy and sampled outputs are the same: the comparison cannot tell them apart"
+pass "greedy and top-k (seed 1337) outputs = the trainer's sampler's, 60 tokens each"
+
+# --- 2. mixed requests at random arrival times = each alone ----------------------------------
+read -r -a toks <"$D/tinyshakespeare_first1000.tokens.txt"
+body() {   # I: request i's body
+  local i=$1 n=$((1 + (i * 7) % 37)) off=$((i * 11))
+  local ids
+  ids=$(IFS=,; echo "${toks[*]:$off:$n}")
+  local temps=(0 1 0.7 1.3)
+  echo "{\"prompt\":[$ids],\"max_tokens\":$((1 + (i * 13) % 30)),\"temperature\":${temps[$((i % 4))]},\"top_k\":$(((i % 3) * 5)),\"top_p\":0.$((9 - i % 3)),\"seed\":$((100 + i)),\"ignore_eos\":true}"
+}
+N=18
+for i in $(seq 0 $((N - 1))); do
+  code=$(post alone_$i /v1/completions "$(body $i)")
+  [ "$code" = 200 ] || fail "request $i alone: HTTP $code"
+done
+before=$(metric serve_preemptions_total)
+RANDOM=7
+clients=()
+for i in $(seq 0 $((N - 1))); do
+  delay=$((RANDOM % 400))
+  (sleep "$(printf '0.%03d' $delay)"; post batched_$i /v1/completions "$(body $i)" >"$W/batched_$i.code") &
+  clients+=($!)
+done
+wait "${clients[@]}"
+for i in $(seq 0 $((N - 1))); do
+  [ "$(cat "$W/batched_$i.code")" = 200 ] || fail "request $i batched: HTTP $(cat "$W/batched_$i.code")"
+  [ "$(field batched_$i choices.0.token_ids)" = "$(field alone_$i choices.0.token_ids)" ] ||
+    fail "request $i: batched output differs from the same request alone"
+done
+after=$(metric serve_preemptions_total)
+[ "$after" -gt "$before" ] || fail "the small cache preempted nobody ($before -> $after): preemption was not tested"
+pass "$N requests of mixed lengths at random arrival times = each alone ($((after - before)) preemptions on the way)"
+
+# --- 3. streaming, chat, models, health ----------------------------------------------------
+curl -sN "$URL/v1/completions" -d "{\"prompt\":[$PROMPT],\"max_tokens\":60,\"temperature\":0,\"ignore_eos\":true,\"stream\":true,\"stream_options\":{\"include_usage\":true}}" \
+  >"$W/stream.sse" || fail "streaming request failed"
+$J --sse "$W/stream.sse" >"$W/stream.txt" || fail "the stream is not complete SSE of JSON events"
+[ "$(sed -n 1p "$W/stream.txt")" = "$(field greedy choices.0.text)" ] || fail "the streamed text differs from the whole answer's"
+[ "$(sed -n 2p "$W/stream.txt")" = length ] || fail "stream: finish_reason $(sed -n 2p "$W/stream.txt")"
+[ "$(sed -n 3p "$W/stream.txt")" = 60 ] || fail "stream: usage.completion_tokens $(sed -n 3p "$W/stream.txt")"
+[ "$(grep -c '^data: ' "$W/stream.sse")" -gt 3 ] || fail "the stream came in one piece"
+code=$(post chat /v1/chat/completions '{"model":"gpt2","messages":[{"role":"user","content":"Hello"}],"max_tokens":5,"user":"u1"}')
+[ "$code" = 200 ] || fail "chat: HTTP $code"
+[ "$(field chat choices.0.message.role)" = '"assistant"' ] || fail "chat: no assistant message"
+[ "$(field chat usage.prompt_tokens)" = 7 ] || fail "chat: the template 'user: Hello\\nassistant:' is 7 tokens, got $(field chat usage.prompt_tokens)"
+curl -s "$URL/v1/models" >"$W/models.json"
+[ "$(field models data.0.id)" = '"gpt2"' ] || fail "/v1/models: $(cat "$W/models.json")"
+[ "$(curl -s -o /dev/null -w '%{http_code}' "$URL/health")" = 200 ] || fail "/health"
+pass "streaming (JSON events, data: [DONE], the same text and usage), chat, /v1/models, /health"
+
+# --- 6. the metrics agree with the answers so far ------------------------------------------
+want=60
+want=$((want + 60))
+for i in $(seq 0 $((N - 1))); do want=$((want + $(field alone_$i usage.completion_tokens) + $(field batched_$i usage.completion_tokens))); done
+want=$((want + 60 + $(field chat usage.completion_tokens)))
+[ "$(metric serve_generation_tokens_total)" = $want ] || fail "metrics: serve_generation_tokens_total $(metric serve_generation_tokens_total), the answers say $want"
+[ "$(metric serve_kv_blocks_used)" = 0 ] && [ "$(metric serve_kv_blocks_free)" = 8 ] || fail "metrics: KV blocks not all free when idle"
+[ "$(metric serve_requests_running)" = 0 ] && [ "$(metric serve_requests_waiting)" = 0 ] || fail "metrics: requests left when idle"
+[ "$(metric serve_time_to_first_token_seconds_count)" = $((2 * N + 4)) ] || fail "metrics: TTFT count $(metric serve_time_to_first_token_seconds_count), expected $((2 * N + 4))"
+[ "$(metric serve_inter_token_latency_seconds_count)" = $((want - 2 * N - 4)) ] || fail "metrics: ITL count $(metric serve_inter_token_latency_seconds_count)"
+curl -s "$URL/metrics" | awk '/_bucket/ { if ($2 < last[$1 ~ /first/]) bad = 1; last[$1 ~ /first/] = $2 } END { exit bad }' ||
+  fail "metrics: histogram buckets are not cumulative"
+pass "metrics: tokens out, KV blocks, running and waiting, TTFT and ITL counts agree with the answers"
+stop_server || fail "the server's exit status after SIGTERM was not 0"
+
+# --- 4. bad input ------------------------------------------------------------------------
+start_server --max-connections 2 --max-body-bytes 4096 --step-delay-ms 20 --kv-blocks 16
+long=$(IFS=,; echo "${toks[*]:0:64}")
+bad() {   # CODE BODY [PATH]
+  local code
+  code=$(post bad /v1/completions "$2")
+  [ "$code" = "$1" ] || fail "body $2: HTTP $code, expected $1: $(cat "$W/bad.json")"
+  field bad error.message error.type >/dev/null || fail "body $2: not an OpenAI-style JSON error: $(cat "$W/bad.json")"
+}
+bad 400 '{"prompt":'
+bad 400 '[1,2]'
+bad 400 'not json'
+bad 400 ''
+bad 400 '{"prompt":"hi","max_tokens":"5"}'
+bad 400 '{"prompt":42}'
+bad 400 '{"prompt":""}'
+bad 400 '{"prompt":[]}'
+bad 400 "{\"prompt\":[$long]}"
+bad 400 '{"prompt":"hi","max_tokens":-1}'
+bad 400 '{"prompt":"hi","max_tokens":0}'
+bad 400 '{"prompt":[50257]}'
+bad 400 '{"prompt":[-1]}'
+bad 400 '{"prompt":[1.5]}'
+bad 400 '{"prompt":["a","b"]}'
+bad 400 '{"prompt":"hi","temperature":-1}'
+bad 400 '{"prompt":"hi","top_p":0}'
+bad 400 '{"prompt":"hi","stop":[1]}'
+bad 400 '{"prompt":"hi","stop":["a","b","c","d","e"]}'
+bad 400 '{"prompt":"hi","n":2}'
+bad 400 '{"prompt":"hi","stream":"yes"}'
+bad 400 '{"prompt":"hi","seed":0}'
+bad 400 '{"max_tokens":3}'
+bad 404 '{"prompt":"hi","model":"gpt-4"}'
+bad 413 "{\"prompt\":\"$(head -c 5000 /dev/zero | tr '\0' a)\"}"
+code=$(post chatbad /v1/chat/completions '{"messages":[{"role":"user"}]}')
+[ "$code" = 400 ] || fail "chat without content: HTTP $code"
+[ "$(curl -s -o "$W/bad.json" -w '%{http_code}' "$URL/v1/completions")" = 405 ] || fail "GET /v1/completions is not 405"
+[ "$(curl -s -o "$W/bad.json" -w '%{http_code}' "$URL/v2/nothing")" = 404 ] || fail "an unknown route is not 404"
+field bad error.message >/dev/null || fail "404 without a JSON error"
+# too many connections: two requests held open mid-body, a third gets 429, then room again
+exec 5<>/dev/tcp/127.0.0.1/"${URL##*:}"
+exec 6<>/dev/tcp/127.0.0.1/"${URL##*:}"
+printf 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{' >&5
+printf 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{' >&6
+sleep 0.3
+bad 429 '{"prompt":"hi","max_tokens":1}'
+exec 5>&- 6>&-
+for _ in $(seq 50); do [ "$(post ok /v1/completions '{"prompt":"hi","max_tokens":2}')" = 200 ] && break; sleep 0.1; done
+[ "$(field ok choices.0.finish_reason)" = '"length"' ] || fail "the server does not serve after the bad inputs: $(cat "$W/ok.json")"
+pass "bad input: malformed JSON, wrong types, empty and too-long prompts, max_tokens < 1, ids out of range, unknown model, body over the limit, too many connections: each its 4xx with a JSON error; then a normal answer"
+
+# --- 5. a disconnect mid-stream ---------------------------------------------------------
+curl -sN "$URL/v1/completions" -d '{"prompt":"The","max_tokens":60,"ignore_eos":true,"stream":true}' | head -c 300 >/dev/null
+for _ in $(seq 100); do [ "$(metric 'serve_requests_total{outcome="cancelled"}')" = 1 ] && break; sleep 0.05; done
+[ "$(metric 'serve_requests_total{outcome="cancelled"}')" = 1 ] || fail "a client gone mid-stream was not cancelled"
+[ "$(metric serve_kv_blocks_used)" = 0 ] && [ "$(metric serve_kv_blocks_free)" = 16 ] || fail "the cancelled request's blocks were not freed"
+pass "a client gone mid-stream: its request cancelled, its blocks back on the free list"
+
+# --- 8. SIGTERM: the running stream finishes, then exit 0 --------------------------------
+curl -sN "$URL/v1/completions" -d '{"prompt":"The","max_tokens":30,"ignore_eos":true,"stream":true}' >"$W/term.sse" &
+client=$!
+sleep 0.2
+port=${URL##*:}
+kill -TERM "$SERVER_PID"
+sleep 0.1
+curl -s --max-time 2 -o /dev/null "$URL/health" && fail "the server still accepts connections after SIGTERM"
+wait "$SERVER_PID"
+rc=$?
+SERVER_PID=
+wait $client
+[ $rc = 0 ] || fail "exit status $rc after SIGTERM"
+$J --sse "$W/term.sse" >"$W/term.txt" || fail "the stream running at SIGTERM was cut"
+[ "$(sed -n 2p "$W/term.txt")" = length ] || fail "the stream running at SIGTERM did not finish: $(sed -n 2p "$W/term.txt")"
+pass "SIGTERM: no new connections, the running stream finished, exit status 0"
+
+# --- 7. the soak -----------------------------------------------------------------------
+# two malloc arenas: glibc's per-thread arenas (a thread per connection) would blur the memory measure
+MALLOC_ARENA_MAX=2 start_server --max-connections 64 --kv-blocks 24 --max-batch-tokens 64
+rss() { awk '/^VmRSS/ { print $2 }' /proc/"$SERVER_PID"/status; }
+soak_round() {   # ROUND: 128 requests at 32 connections, every 8th a stream cut off after its first bytes
+  seq 0 127 | xargs -P 32 -I{} sh -c '
+    i={}; out='"$W"'/soak_'"$1"'_$i
+    if [ $((i % 8)) = 7 ]; then
+      curl -sN '"$URL"'/v1/completions -d "{\"prompt\":\"To be or\",\"max_tokens\":40,\"stream\":true}" | head -c 120 >/dev/null
+    elif [ $((i % 2)) = 0 ]; then
+      curl -s -o $out.json '"$URL"'/v1/completions -d "{\"prompt\":[$((i % 50 + 1)),$((i % 7 + 3))],\"max_tokens\":$((i % 4 + 1)),\"temperature\":0.$((i % 10))}"
+    else
+      curl -s -o $out.json '"$URL"'/v1/completions -d "{\"prompt\":\"Request $i, words to encode\",\"max_tokens\":$((i % 4 + 1))}"
+    fi'
+}
+soak_round a   # the first round grows the heap and the threads' arenas to their working size
+rss0=$(rss)
+soak_round b
+for f in "$W"/soak_*.json; do
+  $J "$f" choices.0.finish_reason usage.completion_tokens >/dev/null || fail "soak: an incomplete or invalid answer $(basename "$f")"
+done
+[ "$(ls "$W"/soak_*.json | wc -l)" = 224 ] || fail "soak: $(ls "$W"/soak_*.json | wc -l) answers of 224"
+for _ in $(seq 100); do [ "$(metric serve_requests_running)" = 0 ] && [ "$(metric serve_requests_waiting)" = 0 ] && break; sleep 0.05; done
+[ "$(metric serve_kv_blocks_used)" = 0 ] && [ "$(metric serve_kv_blocks_free)" = 24 ] ||
+  fail "soak: $(metric serve_kv_blocks_used) KV blocks still used at the end"
+rss1=$(rss)
+[ "$rss1" -le $((rss0 + rss0 / 10 + 2048)) ] || fail "soak: resident memory grew from $rss0 kB to $rss1 kB"
+pass "soak: 256 requests at 32 connections (32 cut off): 224 complete JSON answers, every KV block free, memory after the first and the second half $rss0 -> $rss1 kB"
+stop_server || fail "exit status after the soak"
+echo "all serve tests passed"

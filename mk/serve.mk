@@ -1,0 +1,60 @@
+# Serving (issue 26): serve_gpt2, an OpenAI-compatible server (serve_gpt2.c) on the serving
+# engine (llmc/serve_engine.h, llmc/paged_kv.h; the request parser llmc/serve_request.h).
+#
+#   make serve_gpt2     the server (needs libmicrohttpd and cJSON: Debian libmicrohttpd-dev,
+#                       libcjson-dev; without them `make` says so in one line and skips it)
+#   make serve          serves the quick start's checkpoint (make train) on port 8000
+#
+# Tests: build/test_serve_engine drives the engine without HTTP; dev/test/test_serve.sh runs the
+# server under curl.
+TEST_BINS += build/test_serve_engine
+TESTS     += build/test_serve_engine
+
+build/test_serve_engine: dev/test/test_serve_engine.c train_gpt2.c $(LLMC_HEADERS) | build
+	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
+
+SERVE_LIBS := -lmicrohttpd -lcjson -lpthread
+HAVE_SERVE_LIBS := $(shell printf '\#include <microhttpd.h>\n\#include <cjson/cJSON.h>\nint main(void){return 0;}\n' | \
+                     $(CC) -x c - -o /dev/null $(SERVE_LIBS) >/dev/null 2>&1 && echo 1)
+
+ifeq ($(HAVE_SERVE_LIBS),1)
+all: serve_gpt2
+TEST_BINS += serve_gpt2
+TESTS     += dev/test/test_serve.sh
+else
+all: serve_gpt2_skipped
+endif
+
+.PHONY: serve serve_gpt2_skipped
+serve_gpt2_skipped:
+	@echo "note: libmicrohttpd or cJSON not found (Debian: libmicrohttpd-dev libcjson-dev): skipping serve_gpt2"
+
+serve_gpt2: serve_gpt2.c train_gpt2.c $(LLMC_HEADERS)
+	$(CC) $(CFLAGS) -Wno-unused-function -o $@ $< $(LDLIBS) $(SERVE_LIBS)
+
+# the quick start's checkpoint: the latest a run of `make train` wrote, else the GPT-2 124M
+# weights it fine-tuned
+serve: serve_gpt2
+	@ckpt=$$(ls -t out/quickstart/*/model_*.bin 2>/dev/null | head -1); \
+	[ -n "$$ckpt" ] || ckpt=gpt2_124M.bin; \
+	[ -s "$$ckpt" ] || { echo "make serve: no checkpoint: run make train first"; exit 1; }; \
+	echo "./serve_gpt2 -e $$ckpt"; ./serve_gpt2 -e "$$ckpt"
+
+build/serve_json: dev/test/serve_json.c | build
+	$(CC) $(CFLAGS) -o $@ $< -lcjson
+ifeq ($(HAVE_SERVE_LIBS),1)
+TEST_BINS += build/serve_json
+endif
+
+# the request parser's libFuzzer target (clang, ASan, UBSan; mk/fuzz.mk's toolchain), replayed
+# over dev/fuzz/seeds_serve_request by test_serve.sh; `make fuzz-serve` runs a campaign
+build/fuzz/fuzz_serve_request: dev/fuzz/fuzz_serve_request.c $(LLMC_HEADERS)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ $< -lcjson -lm
+ifeq ($(HAVE_SERVE_LIBS)$(HAVE_FUZZ),11)
+TEST_BINS += build/fuzz/fuzz_serve_request
+endif
+.PHONY: fuzz-serve
+fuzz-serve: build/fuzz/fuzz_serve_request
+	@mkdir -p build/fuzz/corpus/serve_request
+	build/fuzz/fuzz_serve_request -max_total_time=$(FUZZ_SECONDS) build/fuzz/corpus/serve_request dev/fuzz/seeds_serve_request
