@@ -495,8 +495,6 @@ __global__ void __launch_bounds__(FA_THREADS) flash_backward_dkdv_kernel(
 
 // ---- launchers ---------------------------------------------------------------------------
 
-static bool flash_head_size_supported(int hs) { return gpu_flash_head_size(hs); }
-
 template <int HS> static size_t fa_forward_smem() { return 5 * FaTile<HS>::ELEMS * sizeof(floatX); }
 template <int HS> static size_t fa_dq_smem() { return 6 * FaTile<HS>::ELEMS * sizeof(floatX); }
 template <int HS> static size_t fa_dkdv_smem() {

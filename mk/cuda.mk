@@ -72,8 +72,11 @@ EMU_CXXFLAGS = -std=c++17 -O2 $(ARCH) -ffp-contract=off -fno-fast-math -fno-stri
 build/cuda_emu.o: dev/gpu/emu/cuda_emu.cpp dev/gpu/emu/cuda_runtime.h | build
 	$(CXX) $(EMU_CXXFLAGS) -c -o $@ $<
 
-train_gpt2cu_emu: train_gpt2.cu train_gpt2.c build/cuda_emu.o $(LLMC_HEADERS) $(CUDA_HEADERS) $(EMU_FILES)
-	$(EMU_CXX) $(EMU_CXXFLAGS) -x c++ train_gpt2.cu -x none build/cuda_emu.o -o $@ -lm
+# fast mode's translation unit too (no LLMC_CUDNN: the emulator has no cuDNN)
+build/train_gpt2_fast_emu.o: train_gpt2_fast.cu $(LLMC_HEADERS) $(CUDA_HEADERS) $(EMU_FILES) | build
+	$(EMU_CXX) $(EMU_CXXFLAGS) -x c++ -c -o $@ $<
+train_gpt2cu_emu: train_gpt2.cu train_gpt2.c build/cuda_emu.o build/train_gpt2_fast_emu.o $(LLMC_HEADERS) $(CUDA_HEADERS) $(EMU_FILES)
+	$(EMU_CXX) $(EMU_CXXFLAGS) -x c++ train_gpt2.cu -x none build/train_gpt2_fast_emu.o build/cuda_emu.o -o $@ -lm
 
 TEST_BINS += build/test_cuda_host train_gpt2cu_emu build/test_cuda_kernels_emu
 TESTS     += build/test_cuda_host build/test_cuda_kernels_emu
