@@ -1,7 +1,8 @@
 /*
  * train_gpt2_fast.cu: fast mode of the CUDA build (train_gpt2cu without --deterministic 1), in a
- * translation unit of its own so that its kernels are compiled WITHOUT the deterministic
- * kernels' -fmad=false -prec-div=true -prec-sqrt=true (mk/cuda.mk).
+ * translation unit of its own. It is compiled with -fmad=false (mk/cuda.mk) because the exact
+ * reductions it takes from kernels_det.cuh need it; its own kernels write their fused
+ * multiply-adds explicitly.
  *
  * The same GPT-2 as train_gpt2.c's model, driven by the same engine (llmc/engine.h) through
  * the same ModelOps table, with its parameters, gradients and AdamW state in zero.h's fp32

@@ -16,12 +16,15 @@
 # them `make` builds the rest and says it skipped train_gpt2cu.
 # Knobs: NVCC=..., CUDA_HOME=..., CUDA_ARCHS="80 90" (compute capabilities to build for).
 #
-# Deterministic mode depends on these flags, given to train_gpt2.cu only (fast mode's kernels
-# are train_gpt2_fast.cu, compiled without them): -fmad=false (no contraction of a*b+c: every
-# fused multiply-add is an explicit fmaf, as in the CPU build's -ffp-contract=off), IEEE
-# division and square root (-prec-div=true -prec-sqrt=true), subnormals kept (-ftz=false);
-# never --use_fast_math. Host code that must match train_gpt2's bits (initialisation, learning
-# rate, AdamW constants) gets the CPU build's -ffp-contract=off through -Xcompiler.
+# Deterministic mode depends on these flags, given to train_gpt2.cu: -fmad=false (no
+# contraction of a*b+c: every fused multiply-add is an explicit fmaf, as in the CPU build's
+# -ffp-contract=off), IEEE division and square root (-prec-div=true -prec-sqrt=true),
+# subnormals kept (-ftz=false); never --use_fast_math. Host code that must match train_gpt2's
+# bits (initialisation, learning rate, AdamW constants) gets the CPU build's -ffp-contract=off
+# through -Xcompiler. train_gpt2_fast.cu gets -fmad=false too: it includes kernels_det.cuh for
+# the exact bias, layernorm and embedding gradient reductions, which are exact only without
+# contraction (the other three are nvcc's defaults); its own kernels write their fused
+# multiply-adds explicitly (__fmaf_rn) and take the rest of their speed from cuBLASLt and mma.
 
 NVCC ?= $(firstword $(wildcard /usr/local/cuda/bin/nvcc) $(shell command -v nvcc 2>/dev/null))
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(realpath $(NVCC))),/usr/local/cuda)
@@ -117,7 +120,7 @@ build/train_gpt2cu.o: train_gpt2.cu train_gpt2.c $(LLMC_HEADERS) $(CUDA_HEADERS)
 
 # fast mode uses cuDNN's attention when mk/cudnn.mk finds cuDNN (read when the recipe runs)
 build/train_gpt2_fast.o: train_gpt2_fast.cu $(LLMC_HEADERS) $(CUDA_HEADERS) | build
-	$(NVCC) $(NVCC_FLAGS) $(MPI_CUDA_CFLAGS) $(if $(HAVE_CUDNN),-DLLMC_CUDNN -I$(CUDNN_INCDIR)) -c -o $@ $<
+	$(NVCC) $(NVCC_FLAGS) -fmad=false $(MPI_CUDA_CFLAGS) $(if $(HAVE_CUDNN),-DLLMC_CUDNN -I$(CUDNN_INCDIR)) -c -o $@ $<
 
 train_gpt2cu: build/train_gpt2cu.o build/train_gpt2_fast.o
 	$(NVCC) $(NVCC_FLAGS) -o $@ $^ $(NVCC_LDLIBS) $(MPI_CUDA_LIBS) \
