@@ -412,7 +412,8 @@ static const ModelOps fast_model_ops = {
     fast_grads_create, fast_grads_destroy, fast_grad_residual, fast_head_backward, fast_layers_backward,
     fast_embed_backward,
     NULL, NULL,         // no mixture of experts (train_gpt2.cu refuses one)
-    NULL, NULL, NULL    // no KV cache: the sampler runs a full forward per token
+    NULL, NULL, NULL,   // no KV cache: the sampler runs a full forward per token
+    sizeof(floatX)      // bf16 activations between stages
 };
 
 const ModelOps* gpt2_fast_model_ops(void) { return &fast_model_ops; }
