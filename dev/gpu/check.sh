@@ -52,8 +52,11 @@
 #                ln V = 10.82 at init. The CPU gets to ~0.008 nats in 60 steps. The CPU
 #                itself must pass it too (else the configuration proves nothing).
 #     and cuDNN vs flash with the same drift tolerances (they differ only in the attention's
-#     roundings, a subset of what separates each from fp32). Per-step tables with every
-#     tolerance beside the measured drift: drift_*.txt in the archive.
+#     roundings, a subset of what separates each from fp32). And this GPU's flash fast mode
+#     against the EMULATED fast mode's numbers for the same run (dev/gpu/golden: a small d2
+#     run on the same tokens, its main.log from train_gpt2cu_emu, kept current by make test):
+#     the same kernels on other hardware, within the same tolerances. Per-step tables with
+#     every tolerance beside the measured drift: drift_*.txt in the archive.
 #  3. finite values: every loss, lr, norm, ms, tok/s and MFU printed on the console and
 #     every value in main.log of every GPU run is a number (a regex on the token: awk
 #     comparisons with "nan" are silently false); a "diverged" line fails too. A bad run
@@ -176,6 +179,23 @@ run() {
   return $RC
 }
 why() { if [ "$1" = 124 ] || [ "$1" = 137 ]; then echo "timed out"; else echo "exit $1"; fi; }
+# pair TAG LIMIT GPU_COMMAND... -- ARGS...: the CPU's run and GPU_COMMAND's of the same ARGS,
+# output in $W/TAG_cpu and $W/TAG_gpu (logs kept, the GPU's numbers checked finite); 0 if both
+# ran, else a FAIL row for $name saying which did not
+pair() {
+  local tag=$1 limit=$2 gpu=() rc_cpu rc_gpu
+  shift 2
+  while [ "$1" != -- ]; do gpu+=("$1"); shift; done
+  shift
+  run "${tag}_cpu" "$limit" $CPU_BIN "$@" -o "$W/${tag}_cpu"; rc_cpu=$RC; keep "${tag}_cpu" "$W/${tag}_cpu"
+  run "${tag}_gpu" "$limit" "${gpu[@]}" "$@" -o "$W/${tag}_gpu"; rc_gpu=$RC; keep "${tag}_gpu" "$W/${tag}_gpu"
+  finite "${tag}_gpu" "$W/${tag}_gpu"
+  [ $rc_cpu = 0 ] && [ $rc_gpu = 0 ] && return 0
+  [ $rc_cpu != 0 ] && said "${tag}_cpu"
+  [ $rc_gpu != 0 ] && said "${tag}_gpu"
+  fail "$name" "a run failed: CPU $(why $rc_cpu), GPU $(why $rc_gpu); see ${tag}_*.out"
+  return 1
+}
 # tail of a failed run's output, on the console, and a short reason for its row
 said() { tail -4 "$LOGS/$1.out" | sed 's/^/    /'; grep -m1 -i 'error\|fatal' "$LOGS/$1.out" | cut -c1-150; }
 # keep NAME DIR: the run's main.log goes into the archive as NAME.main.log
@@ -448,15 +468,7 @@ if want 1; then
   fi
   name="1. experts: deterministic == CPU"   # a mixture of experts (llmc/moe.h), its device twins
   if in_time "$name" 20; then
-    run s1_moe_cpu $T1 $CPU_BIN "${S1_MOE[@]}" "${D1[@]}" -o "$W/s1_moe_cpu"; rc_cpu=$RC; keep s1_moe_cpu "$W/s1_moe_cpu"
-    run s1_moe_gpu $T1 $GPU_BIN --deterministic 1 "${S1_MOE[@]}" "${D1[@]}" -o "$W/s1_moe_gpu"; rc_gpu=$RC
-    keep s1_moe_gpu "$W/s1_moe_gpu"
-    finite s1_moe_gpu "$W/s1_moe_gpu"
-    if [ $rc_cpu != 0 ] || [ $rc_gpu != 0 ]; then
-      [ $rc_cpu != 0 ] && said s1_moe_cpu
-      [ $rc_gpu != 0 ] && said s1_moe_gpu
-      fail "$name" "a run failed: CPU $(why $rc_cpu), GPU $(why $rc_gpu); see s1_moe_*.out"
-    else
+    if pair s1_moe $T1 $GPU_BIN --deterministic 1 -- "${S1_MOE[@]}" "${D1[@]}"; then
       bad=()
       for f in main.log model_$(printf %08d "$S1_MOE_END").bin; do
         where=$(same "$W/s1_moe_cpu/$f" "$W/s1_moe_gpu/$f") || bad+=("$f ($where)")
@@ -525,7 +537,24 @@ if want 2; then
       fail "$name" "a run is missing (see the rows above)"
     fi
   fi
-  rm -rf "$W/s2_cpu" "$W/s2_cudnn" "$W/s2_flash"
+  # the same kernels on the emulated GPU: dev/gpu/golden holds the emulated run's main.log
+  # (make test keeps it current); this GPU's flash fast mode must be within the bf16 tolerances
+  # of it (the emulator's reference GEMM accumulates in another order than the tensor cores)
+  name="2. fast (flash) vs emulated fast"
+  GOLDEN=$ROOT/dev/gpu/golden/fast_emu_tinyshakespeare
+  if [ $REAL = 1 ] && in_time "$name" 10; then
+    read -r -a S2E <"$GOLDEN.args"
+    S2E_D=(-i "$TRAIN" -j "$VAL")
+    S2E_N=$(echo "${S2E[*]}" | awk '{for (i = 1; i < NF; i++) {if ($i == "-b") b = $(i + 1); if ($i == "-t") t = $(i + 1)}; print b * t}')
+    S2E_L=$(echo "${S2E[*]}" | sed -n 's/.*-e d\([0-9]*\).*/\1/p')
+    if pair s2e $T2 $FAST_BIN --attention flash -- "${S2E[@]}" "${S2E_D[@]}"; then
+      res=$(compare "$W/s2e_cpu/main.log" "$GOLDEN.log" "$W/s2e_gpu/main.log" "$S2E_L" "$S2E_N" "$LOGS/drift_gpu_vs_emu.txt")
+      s0=$(echo "$res" | sed -n 's/^S0 //p') dr=$(echo "$res" | sed -n 's/^DRIFT //p')
+      if [ "${s0%% *}" = ok ] && [ "${dr%% *}" = ok ]; then pass "$name" "step 0: ${s0#* }; ${dr#* }"
+      else fail "$name" "step 0: ${s0#* }; ${dr#* }"; fi
+    fi
+  fi
+  rm -rf "$W/s2_cpu" "$W/s2_cudnn" "$W/s2_flash" "$W/s2e_cpu" "$W/s2e_gpu"
   pack
 fi
 

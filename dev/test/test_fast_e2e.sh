@@ -5,7 +5,8 @@
 # dev/gpu/fast_tolerance.awk, and run by both), then the exact properties that need none:
 #   1. synthetic tokens, V=512: step 0 and the drift of 4 steps with validation and sampling;
 #      the banner says the flash kernels run (the emulator has no cuDNN)
-#   2. real tiny-Shakespeare tokens (V=50257), one repeated batch: step 0 and 3 steps' drift
+#   2. real tiny-Shakespeare tokens (V=50257), one repeated batch: step 0 and 3 steps' drift;
+#      its main.log is dev/gpu/golden's, byte for byte (the numbers check.sh compares a GPU with)
 #   3. bit-identical across LLMC_EMU_SEED (block and thread order): main.log, checkpoint bytes
 #      and samples; fast mode's own run-to-run determinism
 #   4. DP 2 x ZeRO 0-3 (mpirun -np 2, the staged MPI transport) identical to one rank of fast
@@ -15,10 +16,8 @@ set -u
 cd "$(dirname "$0")/../.."
 W=$(mktemp -d /tmp/llmc_fast_e2e.XXXXXX)
 trap 'rm -rf "$W"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
-pass() { echo "ok   $*"; }
+. dev/test/lib.sh   # fail, pass, MPI
 export OMP_NUM_THREADS=1   # 2 shared cores: OpenMP threads would only wait on each other
-MPI=dev/test/mpi.sh
 for f in ./train_gpt2 ./train_gpt2cu_emu build/testdata; do [ -x "$f" ] || fail "$f is not built (make test builds it)"; done
 
 build/testdata tokens "$W/train.bin" 20000 512 1 || fail "could not write test tokens"
@@ -46,15 +45,12 @@ within() {
 # identical A B WHAT: main.log and the model files of A in B byte for byte, and the optimizer
 # state files when both runs cut the state into the same pieces (ZeRO 1-3 shard it by rank)
 identical() {
-  local f n=0 states="$W/$1/state_*.bin"
-  cmp -s "$W/$1/main.log" "$W/$2/main.log" || fail "$3: main.log differs ($(diff "$W/$1/main.log" "$W/$2/main.log" | head -3))"
-  [ "$(ls "$W/$1" | grep -c '^state_')" = "$(ls "$W/$2" | grep -c '^state_')" ] || states=""
-  for f in "$W/$1"/model_*.bin $states; do
-    [ -f "$f" ] || continue
-    cmp -s "$f" "$W/$2/$(basename "$f")" || fail "$3: $(basename "$f") differs"
-    n=$((n + 1))
+  local f states=""
+  [ "$(ls "$W/$1" | grep -c '^state_')" = "$(ls "$W/$2" | grep -c '^state_')" ] && states=$(cd "$W/$1" && ls state_*.bin)
+  ls "$W/$1" | grep -q '^model_' || fail "$3: no checkpoint was written"
+  for f in main.log $(cd "$W/$1" && ls model_*.bin) $states; do
+    cmp -s "$W/$1/$f" "$W/$2/$f" || fail "$3: $f differs"
   done
-  [ $n -ge 1 ] || fail "$3: no checkpoint files were compared"
 }
 
 # 1. synthetic tokens
@@ -71,11 +67,18 @@ D=dev/data/tinyshakespeare
 if [ ! -f $D/tiny_shakespeare_train.bin ]; then
   make data >"$W/data.out" 2>&1 || { tail -3 "$W/data.out"; fail "make data failed: this test needs tiny Shakespeare"; }
 fi
-REAL=(-e d2c32h2t32 -i $D/tiny_shakespeare_train.bin -j $D/tiny_shakespeare_val.bin -b 2 -t 16 -a 1 --shuffle 0 -l 1e-3
-      -x 4 -v 0 -s 0)
+# the run dev/gpu/golden holds the emulated numbers of (check.sh compares a GPU's with them)
+GOLDEN=dev/gpu/golden/fast_emu_tinyshakespeare
+read -r -a REAL <"$GOLDEN.args" || fail "cannot read $GOLDEN.args"
+REAL+=(-i $D/tiny_shakespeare_train.bin -j $D/tiny_shakespeare_val.bin)
 run cpu_real 1 ./train_gpt2 "${REAL[@]}"
-run fast_real 1 "${FAST[@]}" "${REAL[@]}"
+run fast_real 1 "${FAST[@]}" --attention flash "${REAL[@]}"
 within "tiny Shakespeare (L=2, B=2 T=16)" 2 32 cpu_real fast_real
+cmp -s "$GOLDEN.log" "$W/fast_real/main.log" || fail "$GOLDEN.log is not what the emulated fast mode computes now \
+($(diff "$GOLDEN.log" "$W/fast_real/main.log" | head -3 | tr '\n' ' ')); if fast mode's arithmetic changed on purpose: \
+./train_gpt2cu_emu --deterministic 0 --attention flash \$(cat $GOLDEN.args) -i $D/tiny_shakespeare_train.bin \
+-j $D/tiny_shakespeare_val.bin -o DIR, then cp DIR/main.log $GOLDEN.log"
+pass "$GOLDEN.log (the GPU check's emulated numbers) is what the emulator computes"
 
 # 3. run-to-run: another block and thread order of the emulator, the same bits
 for seed in 0 5; do   # 0: blocks and threads in order
