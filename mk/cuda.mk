@@ -3,9 +3,11 @@
 #
 #   make train_gpt2cu            needs CUDA: nvcc, cuBLASLt (found under CUDA_HOME); links Open MPI
 #                                when mpicc is found (several GPUs under mpirun)
-#   make train_gpt2cu_emu        no nvcc, no GPU: train_gpt2.cu's deterministic path compiled by g++
-#                                on the CPU emulation of CUDA in dev/gpu/emu (its header says what
-#                                it proves); the same flags, files and bits as train_gpt2
+#   make train_gpt2cu_emu        no nvcc, no GPU: train_gpt2.cu and train_gpt2_fast.cu compiled by
+#                                g++ on the CPU emulation of CUDA in dev/gpu/emu (its header says
+#                                what it proves): --deterministic 1 with the same flags, files and
+#                                bits as train_gpt2; fast mode on the flash kernels and the
+#                                cuBLASLt stand-in (no cuDNN)
 #   build/test_cuda_host         gcc, always: the CUDA build's per-output arithmetic against
 #                                train_gpt2.c and its launch planning, train_gpt2cu's startup errors
 #   build/test_cuda_kernels      nvcc: the same file as CUDA; on a GPU, every kernel against its
