@@ -19,8 +19,9 @@
  *                       reference within bf16 precision (dev/gpu/check.sh states the tolerances).
  *
  * One GPU per rank under mpirun (the rank's index on its node selects the device; more ranks
- * than GPUs share them). `make train_gpt2cu_emu` builds this file with g++ on the CPU emulation
- * of CUDA in dev/gpu/emu: the deterministic path, end to end, with no GPU.
+ * than GPUs share them). `make train_gpt2cu_emu` builds this file and train_gpt2_fast.cu with g++
+ * on the CPU emulation of CUDA in dev/gpu/emu: both modes, end to end, with no GPU (fast mode
+ * there runs the flash kernels on the cuBLASLt stand-in; the emulator has no cuDNN).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,9 +30,7 @@
 #include "llmc/kernels_moe_det.cuh"   // the kernel contract's device set (with kernels_det.cuh)
 #define LLMC_DEVICE_KERNELS
 #include "train_gpt2.c"   // the model, on the kernels above (and the engine it includes)
-#ifndef LLMC_CUDA_EMU
 #include "llmc/gpt2_fast.h"
-#endif
 
 // What the banner and the step line say about the device.
 static cudaDeviceProp device_prop;
@@ -138,10 +137,6 @@ int main(int argc, char** argv) {
     device_deterministic = det;
 #ifdef LLMC_CUDA_EMU
     emu_fatal_hook = emu_fatal;
-    if (!det) {
-        fatal("--deterministic 0: fast mode (bf16, cuBLASLt, tensor cores, cuDNN) needs a GPU; this emulated "
-              "build (train_gpt2cu_emu) runs --deterministic 1 only");
-    }
 #endif
     if (!det && t.config.num_experts > 0) {
         fatal("-e: fast mode has no mixture-of-experts model yet (E=%d); run it with --deterministic 1",
@@ -163,19 +158,15 @@ int main(int argc, char** argv) {
     const char* problem = gpu_launch_problem(&t.config, t.B, t.T, det, genT, err, sizeof(err));
     if (problem) { fatal("-e/-b/-t: %s", problem); }
     const ModelOps* ops = &gpt2_model_ops;
-#ifndef LLMC_CUDA_EMU
     if (!det) {
         fast_attention = gpt2_fast_setup(t.args.attention, &t.config, t.B, t.T, genT);
         ops = gpt2_fast_model_ops();
     }
-#endif
     trainer_build(&t, ops, &memory_device);
     BuildInfo build = {"train_gpt2cu", cuda_banner, cuda_memory_line, cuda_throughput, cuda_summary_throughput};
     trainer_run(&t, &build);
     trainer_end(&t);
-#ifndef LLMC_CUDA_EMU
     if (!det) { gpt2_fast_teardown(); }
-#endif
     return 0;
 }
 #endif

@@ -1,7 +1,8 @@
 /*
  * train_gpt2_fast.cu: fast mode of the CUDA build (train_gpt2cu without --deterministic 1), in a
- * translation unit of its own so that its kernels are compiled WITHOUT the deterministic
- * kernels' -fmad=false -prec-div=true -prec-sqrt=true (mk/cuda.mk).
+ * translation unit of its own. It is compiled with -fmad=false (mk/cuda.mk) because the exact
+ * reductions it takes from kernels_det.cuh need it; its own kernels write their fused
+ * multiply-adds explicitly.
  *
  * The same GPT-2 as train_gpt2.c's model, driven by the same engine (llmc/engine.h) through
  * the same ModelOps table, with its parameters, gradients and AdamW state in zero.h's fp32
@@ -33,10 +34,12 @@
 // (the sampler's growing T, where a cuDNN plan per length would be built) when their head
 // sizes allow. The two keep different softmax statistics (cuDNN: natural-log logsumexp, flash:
 // base 2), so a pass's forward and backward always use the same one.
+#ifdef LLMC_CUDNN
 static int attention_cudnn_B = 0, attention_cudnn_T = 0;   // the shape cuDNN runs (0: none)
 static int attention_uses_cudnn(int B, int T, int hs) {
     return (B == attention_cudnn_B && T == attention_cudnn_T) || !gpu_flash_head_size(hs);
 }
+#endif
 static void fast_attention_forward(floatX* out, float* stats, const floatX* qkv, int B, int T, int C, int NH) {
 #ifdef LLMC_CUDNN
     if (attention_uses_cudnn(B, T, C / NH)) {
@@ -152,7 +155,7 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
     a->ln1_rstd = act_f(m, L * BT, bytes);
     a->qkv = act(m, L * BT * 3 * C, bytes);
     a->atty = act(m, L * BT * C, bytes);
-    a->att = act_f(m, L * B * NH * T, bytes);
+    a->att = act_f(m, L * gpu_attention_stats_stride(B, NH, T), bytes);
     a->residual2 = act(m, L * BT * C, bytes);
     a->ln2 = act(m, L * BT * C, bytes);
     a->ln2_mean = act_f(m, L * BT, bytes);
@@ -188,11 +191,12 @@ static void fast_set_tokens(void* vm, void* va, const int* inputs, const int* ta
     a->targets = targets ? a->targets_buf : NULL;
 }
 
-// fast mode runs one stage: nothing is received or sent between stages
+// fast mode runs one stage: nothing is received or sent between stages; a stage's output
+// would be its last layer's residual stream
 static float* fast_stage_input(void* vm, void* va) { (void)vm; return (float*)((FastActs*)va)->encoded; }
 static float* fast_stage_output(void* vm, void* va, int B, int T) {
-    (void)vm; (void)B; (void)T;
-    return (float*)((FastActs*)va)->residual3;
+    const GPT2Config* c = &((FastModel*)vm)->config;
+    return (float*)(((FastActs*)va)->residual3 + (size_t)(c->num_layers - 1) * B * T * c->channels);
 }
 
 // Per-layer views of the activations of layer l for a pass over (B, T).
@@ -209,7 +213,7 @@ static FastLayerActs fast_layer_acts(const FastActs* a, const GPT2Config* c, int
     v.ln1_rstd = a->ln1_rstd + l * BT;
     v.qkv = a->qkv + l * BT * 3 * C;
     v.atty = a->atty + l * BT * C;
-    v.att = a->att + l * (size_t)B * NH * T;
+    v.att = a->att + l * gpu_attention_stats_stride(B, NH, T);
     v.residual2 = a->residual2 + l * BT * C;
     v.ln2 = a->ln2 + l * BT * C;
     v.ln2_mean = a->ln2_mean + l * BT;
@@ -408,44 +412,47 @@ static const ModelOps fast_model_ops = {
     fast_grads_create, fast_grads_destroy, fast_grad_residual, fast_head_backward, fast_layers_backward,
     fast_embed_backward,
     NULL, NULL,         // no mixture of experts (train_gpt2.cu refuses one)
-    NULL, NULL, NULL    // no KV cache: the sampler runs a full forward per token
+    NULL, NULL, NULL,   // no KV cache: the sampler runs a full forward per token
+    sizeof(floatX)      // bf16 activations between stages
 };
 
 const ModelOps* gpt2_fast_model_ops(void) { return &fast_model_ops; }
 
-// Chooses the attention (see above) for training passes of (B, T); the sampler's (B = 1,
-// T < genT) use flash attention unless the head size needs cuDNN. Returns one line saying
-// which runs, or fails with one naming why the choice cannot run.
+// Chooses the attention (see above) for training passes of (B, T); the sampler's forward
+// passes of (1, genT) use flash attention unless the head size needs cuDNN. Returns one line
+// saying which runs, or fails with one naming why the choice cannot run.
 const char* gpt2_fast_setup(const char* attention, const GPT2Config* c, int B, int T, int genT) {
     static char said[256];
     int hs = c->channels / c->num_heads, want_cudnn = strcmp(attention, "flash") != 0;
     char why[256] = "this build has no cuDNN (cudnn_graph.h and libcudnn were not found)";
+#ifdef LLMC_CUDA_EMU
+    snprintf(why, sizeof(why), "the emulated GPU has no cuDNN");
+#endif
     cublaslt_init();
     flash_attention_setup();
-    int cudnn_ok = 0;
 #ifdef LLMC_CUDNN
+    int cudnn_ok = 0;
     if (want_cudnn) {
         cudnn_ok = cudnn_attention_supported(B, T, c->num_heads, hs, why, sizeof(why));
-        for (int t = 1; cudnn_ok && !gpu_flash_head_size(hs) && t < genT; t++) {   // the sampler's shapes
-            cudnn_ok = cudnn_attention_supported(1, t, c->num_heads, hs, why, sizeof(why));
+        if (cudnn_ok && genT > 0 && !gpu_flash_head_size(hs)) {   // the sampler's one shape, forward only
+            cudnn_ok = cudnn_attention_forward_supported(1, genT, c->num_heads, hs, why, sizeof(why));
         }
-    }
-#endif
-    if (strcmp(attention, "cudnn") == 0 && !cudnn_ok) { fatal("--attention cudnn: %s", why); }
-    if (!cudnn_ok && !gpu_flash_head_size(hs)) {
-        fatal("-e: head size C/NH = %d: fast mode's flash attention supports 16, 32 and 64, and cuDNN cannot "
-              "run it (%s); use --deterministic 1", hs, why);
     }
     if (cudnn_ok) {
         attention_cudnn_B = B;
         attention_cudnn_T = T;
         snprintf(said, sizeof(said), "cuDNN fused attention (deterministic backward)%s",
                  gpu_flash_head_size(hs) ? ", flash attention for the sampler" : "");
-    } else {
-        snprintf(said, sizeof(said), "flash attention%s%s", want_cudnn ? " (cuDNN cannot: " : "",
-                 want_cudnn ? why : "");
-        if (want_cudnn) { strncat(said, ")", sizeof(said) - strlen(said) - 1); }
+        return said;
     }
+#endif
+    if (strcmp(attention, "cudnn") == 0) { fatal("--attention cudnn: %s", why); }
+    if (!gpu_flash_head_size(hs)) {
+        fatal("-e: head size C/NH = %d: fast mode's flash attention supports 16, 32 and 64, and cuDNN cannot "
+              "run it (%s); use --deterministic 1", hs, why);
+    }
+    snprintf(said, sizeof(said), "flash attention%s%s%s", want_cudnn ? " (cuDNN cannot: " : "", want_cudnn ? why : "",
+             want_cudnn ? ")" : "");
     return said;
 }
 

@@ -16,6 +16,7 @@
  *
  *   int  cudnn_attention_supported(B, T, NH, HS, why, len)  builds and caches the plans of a
  *        shape (training forward and backward); 0 with the reason in why if cuDNN cannot
+ *   int  cudnn_attention_forward_supported(B, T, NH, HS, why, len)  the training forward's only
  *   void attention_forward_cudnn(out, stats, qkv, B, T, NH, HS, training)  stats may be NULL
  *        when training == 0 (its plan is built on first use)
  *   void attention_backward_cudnn(dqkv, dout, qkv, out, stats, B, T, NH, HS)
@@ -309,9 +310,6 @@ static void ca_build_forward_graph(CaBuild* g, int B, int T, int NH, int HS, int
     cudnnBackendDescriptor_t O = ca_tensor(g, CA_UID_O, BF, s.q_dim, s.o_str, false, "O");
     cudnnBackendDescriptor_t scale = ca_tensor(g, CA_UID_SCALE, F, s.one, s.one, true, "attn scale");
     cudnnBackendDescriptor_t neginf = ca_tensor(g, CA_UID_NEGINF, F, s.one, s.one, true, "-inf");
-    // inference: the statistics stay inside the graph (virtual)
-    cudnnBackendDescriptor_t stats = ca_tensor(g, training ? CA_UID_STATS : 0, F, s.r_dim, s.r_str, false, "stats");
-
     cudnnBackendDescriptor_t S = ca_tensor(g, 0, F, s.s_dim, s.s_str, false, "S");
     ca_matmul(g, Q, KT, S, "bmm1 Q.K^T");
     cudnnBackendDescriptor_t Ss = ca_tensor(g, 0, F, s.s_dim, s.s_str, false, "S*scale");
@@ -326,9 +324,12 @@ static void ca_build_forward_graph(CaBuild* g, int B, int T, int NH, int HS, int
     ca_pointwise(g, CUDNN_POINTWISE_EXP, F, -1, Sd, NULL, NULL, E, "exp");
     cudnnBackendDescriptor_t Z = ca_tensor(g, 0, F, s.r_dim, s.r_str, false, "row sum");
     ca_reduction(g, CUDNN_REDUCE_TENSOR_ADD, E, Z, "reduce sum");
-    cudnnBackendDescriptor_t L = ca_tensor(g, 0, F, s.r_dim, s.r_str, false, "log sum");
-    ca_pointwise(g, CUDNN_POINTWISE_LOG, F, -1, Z, NULL, NULL, L, "log");
-    ca_pointwise(g, CUDNN_POINTWISE_ADD, F, -1, M, L, NULL, stats, "stats = max + log sum");
+    if (training) {   // inference builds no statistics: nothing would read them
+        cudnnBackendDescriptor_t stats = ca_tensor(g, CA_UID_STATS, F, s.r_dim, s.r_str, false, "stats");
+        cudnnBackendDescriptor_t L = ca_tensor(g, 0, F, s.r_dim, s.r_str, false, "log sum");
+        ca_pointwise(g, CUDNN_POINTWISE_LOG, F, -1, Z, NULL, NULL, L, "log");
+        ca_pointwise(g, CUDNN_POINTWISE_ADD, F, -1, M, L, NULL, stats, "stats = max + log sum");
+    }
     // P is bf16: the second matmul's A operand is of the i/o type
     cudnnBackendDescriptor_t P = ca_tensor(g, 0, BF, s.s_dim, s.s_str, false, "P");
     ca_pointwise(g, CUDNN_POINTWISE_DIV, F, -1, E, Z, NULL, P, "div sum");
@@ -778,8 +779,13 @@ static float ca_scale_value, ca_neginf_value, ca_one_value;
 
 // --- the interface --------------------------------------------------------------------------
 
+// a forward pass that keeps its statistics (fast mode's forward always does), e.g. the sampler's
+static int cudnn_attention_forward_supported(int B, int T, int NH, int HS, char* why, size_t len) {
+    return ca_get(CA_FWD, B, T, NH, HS, 1, why, len) != NULL;
+}
+
 static int cudnn_attention_supported(int B, int T, int NH, int HS, char* why, size_t len) {
-    if (!ca_get(CA_FWD, B, T, NH, HS, 1, why, len)) { return 0; }
+    if (!cudnn_attention_forward_supported(B, T, NH, HS, why, len)) { return 0; }
     if (!ca_get(CA_BWD, B, T, NH, HS, cudnn_attention_deterministic ? 1 : 0, why, len)) { return 0; }
     return 1;
 }

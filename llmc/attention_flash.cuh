@@ -495,8 +495,6 @@ __global__ void __launch_bounds__(FA_THREADS) flash_backward_dkdv_kernel(
 
 // ---- launchers ---------------------------------------------------------------------------
 
-static bool flash_head_size_supported(int hs) { return gpu_flash_head_size(hs); }
-
 template <int HS> static size_t fa_forward_smem() { return 5 * FaTile<HS>::ELEMS * sizeof(floatX); }
 template <int HS> static size_t fa_dq_smem() { return 6 * FaTile<HS>::ELEMS * sizeof(floatX); }
 template <int HS> static size_t fa_dkdv_smem() {
@@ -516,10 +514,15 @@ static void flash_attention_setup(void) {
     flash_setup_hs<64>();
 }
 
+// The softmax scale, computed once for the forward and the backward: the backward recomputes
+// P = exp2(s * scale_log2 - stats) from the forward's stats, so both must scale by the same float.
+template <int HS> static float fa_scale() { return 1.0f / sqrtf((float)HS); }
+template <int HS> static float fa_scale_log2() { return FA_LOG2E * fa_scale<HS>(); }
+
 template <int HS>
 static void flash_forward_hs(floatX* out, float* stats, const floatX* qkv, int B, int T, int NH) {
     dim3 grid((T + FA_ROWS - 1) / FA_ROWS, B * NH);
-    float scale_log2 = FA_LOG2E / sqrtf((float)HS);
+    float scale_log2 = fa_scale_log2<HS>();
     LAUNCH_SMEM(flash_forward_kernel<HS>, grid, FA_THREADS, fa_forward_smem<HS>(), out, stats, qkv, T, NH, scale_log2);
     cudaLaunchCheck("flash_forward_kernel");
 }
@@ -531,7 +534,7 @@ static void flash_backward_hs(floatX* dqkv, const floatX* dout, const floatX* qk
     LAUNCH(flash_backward_preprocess_kernel<HS>, ceil_div_u(rows, 256), 256, D, dout, out, B, T, NH);
     cudaLaunchCheck("flash_backward_preprocess_kernel");
     dim3 grid((T + FA_ROWS - 1) / FA_ROWS, B * NH);
-    float scale = 1.0f / sqrtf((float)HS), scale_log2 = FA_LOG2E * scale;
+    float scale = fa_scale<HS>(), scale_log2 = fa_scale_log2<HS>();
     LAUNCH_SMEM(flash_backward_dkdv_kernel<HS>, grid, FA_THREADS, fa_dkdv_smem<HS>(), dqkv, dout, qkv, stats, D, T,
                 NH, scale_log2, scale);
     cudaLaunchCheck("flash_backward_dkdv_kernel");

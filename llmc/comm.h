@@ -487,13 +487,16 @@ static inline void comm_set_memory(Comm* c, const MemOps* mem) {
 
 #ifdef USE_NCCL
 // The NCCL transport for the device buffers of the dp, tp, pp, cp and dp x cp groups
-// (comm_nccl.h); one GPU per rank. Collective over the world.
+// (comm_nccl.h); one GPU per rank. Collective over the world: every rank creates the
+// communicators in this order. With cp = 1 the dp x cp group is the dp group's ranks in the
+// same order, and shares its communicator (no idle duplicate).
 static inline void comm_enable_nccl(Comm* c) {
     CommGroup* groups[] = { &c->dp_group, &c->tp_group, &c->pp_group, &c->cp_group, &c->dpcp_group };
     for (size_t i = 0; i < sizeof(groups) / sizeof(groups[0]); i++) {
         CommGroup* g = groups[i];
         if (g->size == 1 || g->nccl) { continue; }
-        g->nccl = comm_nccl_new(&g->staged);
+        int same_as_dp = g == &c->dpcp_group && c->cp == 1 && c->dp_group.nccl;
+        g->nccl = same_as_dp ? comm_nccl_share(c->dp_group.nccl) : comm_nccl_new(&g->staged);
         g->device = (CommRoute){ &comm_nccl_transport, g->nccl };
     }
 }

@@ -11,12 +11,14 @@
  * (comm_mpi_staged), as host values do; MPI also bootstraps NCCL: rank 0 of each group makes
  * the unique id and MPI broadcasts it.
  *
- * Streams: each group posts its NCCL operations on a stream of its own, so that ZeRO's
- * reductions (dp group), the pipeline's messages (pp group) and tensor parallelism's
- * collectives (tp group) are ordered within their group only, as MPI's non-blocking calls are.
- * An operation starts after everything the compute stream has queued (an event), and the
- * compute stream waits for it (another event, the operation in flight) when it is waited for:
- * until then the transfer overlaps the compute, as on the CPU.
+ * Stream: every group's NCCL operations go on ONE stream per rank, in the order the rank
+ * posts them (serialised). NCCL kernels of different communicators running concurrently can
+ * deadlock unless every rank issues them in the same order (NCCL's documentation, "Using
+ * multiple NCCL communicators concurrently"); on one stream they never run concurrently, and
+ * the ranks of a group post that group's operations in the same program order (the schedules
+ * are the same on every replica). An operation starts after everything the compute stream has
+ * queued (an event), and the compute stream waits for it (another event, the operation in
+ * flight) when it is waited for: until then the transfer overlaps the compute, as on the CPU.
  *
  * Nothing here is compiled without USE_NCCL (which the build sets only with USE_MPI).
  */
@@ -29,13 +31,18 @@
 #include "llmc/comm_transport.h"
 #include "llmc/utils.h"
 
-// One group's link: its communicator, its stream, and the staged MPI link of the same group.
+// One group's link: its communicator, the rank's NCCL stream, and the staged MPI link of the
+// same group. Groups of the same ranks (dp and dp x cp when cp = 1) share one link (refs).
 typedef struct CommNccl {
     ncclComm_t comm;
-    cudaStream_t stream;           // this group's NCCL operations, in the order posted
-    int rank, size;
+    cudaStream_t stream;           // comm_nccl_stream: every group's NCCL operations, in the order posted
+    int rank, size, refs;
     CommMpiStaged* staged;
 } CommNccl;
+
+// the rank's one NCCL stream, and how many links use it
+static cudaStream_t comm_nccl_stream;
+static int comm_nccl_links;
 
 static inline void comm_nccl_check(ncclResult_t result, const char* what) {
     if (result != ncclSuccess) { fatal("NCCL error in %s: %s", what, ncclGetErrorString(result)); }
@@ -143,16 +150,26 @@ static inline CommNccl* comm_nccl_new(CommMpiStaged* staged) {
     nc->rank = mpi->rank;
     nc->size = mpi->size;
     nc->staged = staged;
+    nc->refs = 1;
     comm_nccl_check(ncclCommInitRank(&nc->comm, nc->size, id, nc->rank), "ncclCommInitRank");
-    comm_cuda_check(cudaStreamCreateWithFlags(&nc->stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    if (comm_nccl_links++ == 0) {
+        comm_cuda_check(cudaStreamCreateWithFlags(&comm_nccl_stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    }
+    nc->stream = comm_nccl_stream;
+    return nc;
+}
+
+// another group of the same ranks uses this link
+static inline CommNccl* comm_nccl_share(CommNccl* nc) {
+    nc->refs++;
     return nc;
 }
 
 static inline void comm_nccl_free(CommNccl* nc) {
-    if (nc == NULL) { return; }
+    if (nc == NULL || --nc->refs > 0) { return; }
     cudaStreamSynchronize(nc->stream);
     ncclCommDestroy(nc->comm);
-    cudaStreamDestroy(nc->stream);
+    if (--comm_nccl_links == 0) { cudaStreamDestroy(comm_nccl_stream); }
     free(nc);
 }
 

@@ -579,6 +579,11 @@ static inline int det_gemm_grid(long M, long N, long Z, unsigned* gx, unsigned* 
 // tiles, B*NH).
 static inline int gpu_flash_head_size(int hs) { return hs == 16 || hs == 32 || hs == 64; }
 
+// Fast mode keeps one layer's softmax statistics (B,NH,T) fp32 after another; cuDNN reads and
+// writes them only at 16-byte aligned addresses, so each layer's block starts on a multiple of
+// 4 floats (B*NH*T need not be one).
+static inline size_t gpu_attention_stats_stride(long B, long NH, long T) { return ((size_t)(B * NH * T) + 3) & ~(size_t)3; }
+
 // Every launch a run over (B, T) positions makes (and the sampler's, B = 1, T = genT; genT 0:
 // no sampling), checked against CUDA's limits and the kernels' assumptions before anything is
 // allocated, so that an impossible shape fails at startup with one line instead of in the

@@ -344,39 +344,86 @@ static __global__ void encoder_dwpe_kernel(float* dwpe, const void* dout, int bf
     }
 }
 
-// one block row per distinct token, threads over channels
+// one block row per distinct token (rows past nuniq have none), threads over channels
 static __global__ void encoder_dwte_kernel(float* dwte_emb, const void* dout, int bf16, const int* order,
-                                    const int* begin, const int* tokens, int B, int T, int C) {
+                                    const int* begin, const int* tokens, const int* nuniq, int B, int T, int C) {
     int u = blockIdx.x;
     int c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (c >= C) { return; }
+    if (u >= *nuniq || c >= C) { return; }
     dwte_emb[(size_t)tokens[u] * C + c] =
         det_encoder_dwte_elem(dout, bf16, order, begin[u], begin[u + 1], B, T, C, c);
 }
 
+// The positions grouped by token on the device, the plan gpu_plan.h's encoder_backward_plan
+// specifies (tokens ascending, each token's positions ascending), in four steps whose results
+// do not depend on the order threads run in: integer counts, one thread's prefix sum, the
+// positions dropped into their token's range in any order, then each placed by its rank there
+// (how many of the range's positions are smaller; positions are distinct).
+// count (Vl+1) zeroed: count[v + 1] = positions holding token v0 + v
+static __global__ void encoder_plan_count_kernel(int* count, const int* inp, int BT, int v0, int Vl) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= BT) { return; }
+    int v = inp[i] - v0;
+    if (v >= 0 && v < Vl) { atomicAdd(&count[v + 1], 1); }
+}
+// one thread: count -> each token's first slot, tokens/begin of the distinct tokens, nuniq;
+// cursor (Vl) zeroed for the drop
+static __global__ void encoder_plan_scan_kernel(int* count, int* cursor, int* tokens, int* begin, int* nuniq, int Vl) {
+    int n = 0;
+    for (int v = 0; v < Vl; v++) {
+        cursor[v] = 0;
+        if (count[v + 1] > 0) { tokens[n] = v; begin[n++] = count[v]; }
+        count[v + 1] += count[v];
+    }
+    begin[n] = count[Vl];
+    *nuniq = n;
+}
+static __global__ void encoder_plan_drop_kernel(int* dropped, int* cursor, const int* count, const int* inp, int BT,
+                                         int v0, int Vl) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= BT) { return; }
+    int v = inp[i] - v0;
+    if (v >= 0 && v < Vl) { dropped[count[v] + atomicAdd(&cursor[v], 1)] = i; }
+}
+static __global__ void encoder_plan_rank_kernel(int* order, const int* dropped, const int* count, const int* inp,
+                                         int BT, int v0, int Vl) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= BT) { return; }
+    int v = inp[i] - v0;
+    if (v < 0 || v >= Vl) { return; }
+    int rank = 0;
+    for (int k = count[v]; k < count[v + 1]; k++) { rank += dropped[k] < i; }
+    order[count[v] + rank] = i;
+}
+
 // dwte_emb (Vl,C) for the vocabulary rows [v0, v0 + Vl), dwpe (maxT,C) <- dout (B,T,C), dout
-// fp32 or bf16, inp the tokens (device). The positions are grouped by token on the host
-// (gpu_plan.h encoder_backward_plan); rows of tokens not in the batch are 0; every element is
-// written.
+// fp32 or bf16, inp the tokens (device). The positions are grouped by token on the device
+// (the kernels above; no copy to the host); rows of tokens not in the batch are 0; every
+// element is written.
 static inline void encoder_backward_x(float* dwte_emb, float* dwpe, const void* dout, int bf16, const int* inp,
                                       int B, int T, int C, int v0, int Vl, int maxT) {
     int BT = B * T;
-    int* host = (int*)malloc_or_die(sizeof(int) * (2 * (size_t)BT + 1 + BT + (size_t)Vl + 1 + BT), "token grouping");
-    int *tokens_in = host, *order = host + BT, *begin = order + BT, *tokens = begin + BT + 1, *count = tokens + BT;
-    cudaCheck(cudaMemcpy(tokens_in, inp, sizeof(int) * BT, cudaMemcpyDeviceToHost));
-    int nuniq = encoder_backward_plan(tokens_in, BT, v0, Vl, count, order, begin, tokens);
-    int* plan = (int*)device_scratch(DSCRATCH_ENC, sizeof(int) * (2 * (size_t)BT + 1 + BT));
-    cudaCheck(cudaMemcpy(plan, order, sizeof(int) * (2 * (size_t)BT + 1 + BT), cudaMemcpyHostToDevice));
-    free(host);
+    // order (BT) | begin (BT+1) | tokens (BT) | nuniq | dropped (BT) | count (Vl+1) | cursor (Vl)
+    size_t words = 4 * (size_t)BT + 2 + 2 * (size_t)Vl + 1;
+    int* plan = (int*)device_scratch(DSCRATCH_ENC, sizeof(int) * words);
+    int *order = plan, *begin = order + BT, *tokens = begin + BT + 1, *nuniq = tokens + BT, *dropped = nuniq + 1;
+    int *count = dropped + BT, *cursor = count + Vl + 1;
+    unsigned blocks = ceil_div_u(BT, 256);
+    cudaCheck(cudaMemsetAsync(count, 0, sizeof(int) * ((size_t)Vl + 1)));
+    LAUNCH(encoder_plan_count_kernel, blocks, 256, count, inp, BT, v0, Vl);
+    cudaLaunchCheck("encoder_plan_count_kernel");
+    LAUNCH(encoder_plan_scan_kernel, 1, 1, count, cursor, tokens, begin, nuniq, Vl);
+    cudaLaunchCheck("encoder_plan_scan_kernel");
+    LAUNCH(encoder_plan_drop_kernel, blocks, 256, dropped, cursor, count, inp, BT, v0, Vl);
+    cudaLaunchCheck("encoder_plan_drop_kernel");
+    LAUNCH(encoder_plan_rank_kernel, blocks, 256, order, dropped, count, inp, BT, v0, Vl);
+    cudaLaunchCheck("encoder_plan_rank_kernel");
     LAUNCH(encoder_dwpe_kernel, elementwise_blocks((size_t)maxT * C, 256), 256, dwpe, dout, bf16, B, T, C, maxT);
     cudaLaunchCheck("encoder_dwpe_kernel");
     cudaCheck(cudaMemsetAsync(dwte_emb, 0, sizeof(float) * (size_t)Vl * C));
-    if (nuniq > 0) {
-        const int *d_order = plan, *d_begin = plan + BT, *d_tokens = plan + 2 * BT + 1;
-        LAUNCH(encoder_dwte_kernel, dim3(nuniq, ceil_div_u(C, 128)), 128, dwte_emb, dout, bf16, d_order, d_begin,
-               d_tokens, B, T, C);
-        cudaLaunchCheck("encoder_dwte_kernel");
-    }
+    LAUNCH(encoder_dwte_kernel, dim3(BT, ceil_div_u(C, 128)), 128, dwte_emb, dout, bf16, order, begin, tokens, nuniq,
+           B, T, C);
+    cudaLaunchCheck("encoder_dwte_kernel");
 }
 
 static inline void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, const int* inp, int B, int T,

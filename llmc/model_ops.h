@@ -75,6 +75,9 @@ typedef struct {
     void (*embed_decode)(void* model, void* acts, int token, int t, int T);
     void (*layers_decode)(void* model, void* acts, int t, int T);
     void (*head_decode)(void* model, void* acts, int t, int T);
+    // bytes of one element of stage_input, stage_output and grad_residual (fp32 or bf16): what
+    // the pipeline executor sizes, copies and sends them by
+    size_t stage_elem_bytes;
 } ModelOps;
 
 // What a build adds to the engine's console output.

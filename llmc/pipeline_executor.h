@@ -79,8 +79,9 @@ typedef struct {
     int nslots;
     MessageBuffer msgs[PP_MAX_MESSAGES];
     int nmsgs;
-    size_t msg_floats;         // a boundary activation of (B, T) positions
-    int C;                     // ... of C channels each
+    size_t msg_floats;         // a boundary activation of (B, T) positions of C channels, in
+                               // 4-byte words (ModelOps.stage_elem_bytes each element)
+    int C;                     // C (a --varlen microbatch's message is B x its length x C)
     CommGroup* pp;
     const ModelOps* ops;
     const MemOps* mem;
@@ -108,6 +109,14 @@ static inline int pipeline_chunk_of(const Pipeline* p, int vs) {
 static inline int pipeline_tag(const Pipeline* p, int i, int boundary, int backward) {
     long long V = (long long)p->cfg.num_stages * p->cfg.num_chunks;
     return (int)((((long long)i * V + boundary) * 2 + backward) % PP_TAG_LIMIT);
+}
+
+// n elements of a stage activation (or its gradient) in the 4-byte words the transports and
+// the float* views count: a bf16 model's are half as many
+static inline size_t pipeline_words(const ModelOps* ops, size_t n) {
+    size_t bytes = n * ops->stage_elem_bytes;
+    if (bytes % sizeof(float) != 0) { fatal("internal: a stage message of %zu bytes is not whole 4-byte words", bytes); }
+    return bytes / sizeof(float);
 }
 
 static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps* mem, void** models,
@@ -152,7 +161,7 @@ static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps*
     }
     free(mine);
     p->slots = (MicroSlot*)calloc_or_die((size_t)(p->nslots ? p->nslots : 1), sizeof(MicroSlot), "pipeline slots");
-    p->msg_floats = (size_t)B * T / sp_degree * C;
+    p->msg_floats = pipeline_words(ops, (size_t)B * T / sp_degree * C);
     p->C = C;
     for (int c = 0, k = 0; c < nchunks; c++) {
         for (int j = 0; j < count[c]; j++, k++) {
@@ -259,10 +268,10 @@ static inline int pipeline_positions(const PipelineStepContext* x, int i) {
     return dataloader_length(x->loader, x->overfit ? 0 : zero_global_microbatch(x->z, x->first_microbatch, i));
 }
 
-// The floats of microbatch i's boundary message (its activation or its gradient).
+// The 4-byte words of microbatch i's boundary message (its activation or its gradient).
 static inline size_t pipeline_message_floats(const Pipeline* p, const PipelineStepContext* x, int i) {
     int Ti = pipeline_positions(x, i);
-    return Ti == x->T ? p->msg_floats : (size_t)x->B * Ti * p->C;
+    return Ti == x->T ? p->msg_floats : pipeline_words(p->ops, (size_t)x->B * Ti * p->C);
 }
 
 // FORWARD of (microbatch i, chunk c): its input from the data loader (virtual stage 0), the
@@ -460,8 +469,8 @@ static inline void pipeline_forward_pass(Pipeline* p, void** acts, const int* in
                                          int B, int T, int C, int sp_degree, int row) {
     const ModelOps* ops = p->ops;
     int decode = row >= 0;
-    size_t n = decode ? (size_t)C : (size_t)B * T / sp_degree * C;   // the message
-    size_t at = decode ? (size_t)row * C : 0;                          // where it starts
+    size_t n = pipeline_words(ops, decode ? (size_t)C : (size_t)B * T / sp_degree * C);   // the message
+    size_t at = pipeline_words(ops, decode ? (size_t)row * C : 0);                          // where it starts
     int V = p->cfg.num_stages * p->cfg.num_chunks;
     for (int vs = 0; vs < V; vs++) {
         int c = pipeline_chunk_of(p, vs);

@@ -3,9 +3,11 @@
 #
 #   make train_gpt2cu            needs CUDA: nvcc, cuBLASLt (found under CUDA_HOME); links Open MPI
 #                                when mpicc is found (several GPUs under mpirun)
-#   make train_gpt2cu_emu        no nvcc, no GPU: train_gpt2.cu's deterministic path compiled by g++
-#                                on the CPU emulation of CUDA in dev/gpu/emu (its header says what
-#                                it proves); the same flags, files and bits as train_gpt2
+#   make train_gpt2cu_emu        no nvcc, no GPU: train_gpt2.cu and train_gpt2_fast.cu compiled by
+#                                g++ on the CPU emulation of CUDA in dev/gpu/emu (its header says
+#                                what it proves): --deterministic 1 with the same flags, files and
+#                                bits as train_gpt2; fast mode on the flash kernels and the
+#                                cuBLASLt stand-in (no cuDNN)
 #   build/test_cuda_host         gcc, always: the CUDA build's per-output arithmetic against
 #                                train_gpt2.c and its launch planning, train_gpt2cu's startup errors
 #   build/test_cuda_kernels      nvcc: the same file as CUDA; on a GPU, every kernel against its
@@ -16,12 +18,15 @@
 # them `make` builds the rest and says it skipped train_gpt2cu.
 # Knobs: NVCC=..., CUDA_HOME=..., CUDA_ARCHS="80 90" (compute capabilities to build for).
 #
-# Deterministic mode depends on these flags, given to train_gpt2.cu only (fast mode's kernels
-# are train_gpt2_fast.cu, compiled without them): -fmad=false (no contraction of a*b+c: every
-# fused multiply-add is an explicit fmaf, as in the CPU build's -ffp-contract=off), IEEE
-# division and square root (-prec-div=true -prec-sqrt=true), subnormals kept (-ftz=false);
-# never --use_fast_math. Host code that must match train_gpt2's bits (initialisation, learning
-# rate, AdamW constants) gets the CPU build's -ffp-contract=off through -Xcompiler.
+# Deterministic mode depends on these flags, given to train_gpt2.cu: -fmad=false (no
+# contraction of a*b+c: every fused multiply-add is an explicit fmaf, as in the CPU build's
+# -ffp-contract=off), IEEE division and square root (-prec-div=true -prec-sqrt=true),
+# subnormals kept (-ftz=false); never --use_fast_math. Host code that must match train_gpt2's
+# bits (initialisation, learning rate, AdamW constants) gets the CPU build's -ffp-contract=off
+# through -Xcompiler. train_gpt2_fast.cu gets -fmad=false too: it includes kernels_det.cuh for
+# the exact bias, layernorm and embedding gradient reductions, which are exact only without
+# contraction (the other three are nvcc's defaults); its own kernels write their fused
+# multiply-adds explicitly (__fmaf_rn) and take the rest of their speed from cuBLASLt and mma.
 
 NVCC ?= $(firstword $(wildcard /usr/local/cuda/bin/nvcc) $(shell command -v nvcc 2>/dev/null))
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(realpath $(NVCC))),/usr/local/cuda)
@@ -72,8 +77,11 @@ EMU_CXXFLAGS = -std=c++17 -O2 $(ARCH) -ffp-contract=off -fno-fast-math -fno-stri
 build/cuda_emu.o: dev/gpu/emu/cuda_emu.cpp dev/gpu/emu/cuda_runtime.h | build
 	$(CXX) $(EMU_CXXFLAGS) -c -o $@ $<
 
-train_gpt2cu_emu: train_gpt2.cu train_gpt2.c build/cuda_emu.o $(LLMC_HEADERS) $(CUDA_HEADERS) $(EMU_FILES)
-	$(EMU_CXX) $(EMU_CXXFLAGS) -x c++ train_gpt2.cu -x none build/cuda_emu.o -o $@ -lm
+# fast mode's translation unit too (no LLMC_CUDNN: the emulator has no cuDNN)
+build/train_gpt2_fast_emu.o: train_gpt2_fast.cu $(LLMC_HEADERS) $(CUDA_HEADERS) $(EMU_FILES) | build
+	$(EMU_CXX) $(EMU_CXXFLAGS) -x c++ -c -o $@ $<
+train_gpt2cu_emu: train_gpt2.cu train_gpt2.c build/cuda_emu.o build/train_gpt2_fast_emu.o $(LLMC_HEADERS) $(CUDA_HEADERS) $(EMU_FILES)
+	$(EMU_CXX) $(EMU_CXXFLAGS) -x c++ train_gpt2.cu -x none build/train_gpt2_fast_emu.o build/cuda_emu.o -o $@ -lm
 
 TEST_BINS += build/test_cuda_host train_gpt2cu_emu build/test_cuda_kernels_emu
 TESTS     += build/test_cuda_host build/test_cuda_kernels_emu
@@ -114,7 +122,7 @@ build/train_gpt2cu.o: train_gpt2.cu train_gpt2.c $(LLMC_HEADERS) $(CUDA_HEADERS)
 
 # fast mode uses cuDNN's attention when mk/cudnn.mk finds cuDNN (read when the recipe runs)
 build/train_gpt2_fast.o: train_gpt2_fast.cu $(LLMC_HEADERS) $(CUDA_HEADERS) | build
-	$(NVCC) $(NVCC_FLAGS) $(MPI_CUDA_CFLAGS) $(if $(HAVE_CUDNN),-DLLMC_CUDNN -I$(CUDNN_INCDIR)) -c -o $@ $<
+	$(NVCC) $(NVCC_FLAGS) -fmad=false $(MPI_CUDA_CFLAGS) $(if $(HAVE_CUDNN),-DLLMC_CUDNN -I$(CUDNN_INCDIR)) -c -o $@ $<
 
 train_gpt2cu: build/train_gpt2cu.o build/train_gpt2_fast.o
 	$(NVCC) $(NVCC_FLAGS) -o $@ $^ $(NVCC_LDLIBS) $(MPI_CUDA_LIBS) \

@@ -12,9 +12,9 @@
 # packages). Without them (or without CUDA) the targets say what is missing.
 # Knobs: CUDNN_HOME=...
 #
-# The test is compiled without -fmad=false -prec-div=true -prec-sqrt=true, as fast mode's
-# kernels will be (its own translation unit): attention_cudnn.cuh and attention_flash.cuh must
-# be right without them.
+# The test is compiled without -fmad=false -prec-div=true -prec-sqrt=true:
+# attention_cudnn.cuh and attention_flash.cuh must be right without them (fast mode's
+# translation unit has -fmad=false only for the kernels_det.cuh reductions it reuses).
 
 CUDNN_HOME ?= $(CUDA_HOME)
 CUDNN_INCDIR := $(patsubst %/cudnn_graph.h,%,$(firstword $(wildcard $(CUDNN_HOME)/include/cudnn_graph.h) \
@@ -36,7 +36,7 @@ CUDNN_NVCC_FLAGS = $(filter-out -fmad=false -prec-div=true -prec-sqrt=true,$(NVC
 CUDNN_LDLIBS = $(NVCC_LDLIBS) -L$(CUDNN_LIBDIR) -Xlinker -rpath=$(CUDNN_LIBDIR) -lcudnn
 
 # the CPU reference runs on every core (OpenMP)
-build/test_attention_gpu: dev/gpu/test_attention.cu $(LLMC_HEADERS) $(CUDA_HEADERS) | build
+build/test_attention_gpu: dev/gpu/test_attention.cu dev/gpu/attention_reference.h $(LLMC_HEADERS) $(CUDA_HEADERS) | build
 	$(NVCC) $(CUDNN_NVCC_FLAGS) -Xcompiler -fopenmp -o $@ $< $(CUDNN_LDLIBS) -lgomp
 GPU_TESTS += build/test_attention_gpu
 gpu-tests: build/test_attention_gpu

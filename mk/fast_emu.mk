@@ -11,3 +11,8 @@ build/test_fast_emu_race: dev/test/test_fast_emu.cpp dev/gpu/attention_reference
 
 TEST_BINS += build/test_fast_emu build/test_fast_emu_race
 TESTS     += build/test_fast_emu build/test_fast_emu_race
+
+# fast mode end to end: train_gpt2cu_emu --deterministic 0 against train_gpt2 within
+# dev/gpu/fast_tolerance.awk's bf16 tolerances, bit-identical across LLMC_EMU_SEED, DP 2 x
+# ZeRO 0-3 = one rank
+TESTS += dev/test/test_fast_e2e.sh

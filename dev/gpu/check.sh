@@ -52,8 +52,11 @@
 #                ln V = 10.82 at init. The CPU gets to ~0.008 nats in 60 steps. The CPU
 #                itself must pass it too (else the configuration proves nothing).
 #     and cuDNN vs flash with the same drift tolerances (they differ only in the attention's
-#     roundings, a subset of what separates each from fp32). Per-step tables with every
-#     tolerance beside the measured drift: drift_*.txt in the archive.
+#     roundings, a subset of what separates each from fp32). And this GPU's flash fast mode
+#     against the EMULATED fast mode's numbers for the same run (dev/gpu/golden: a small d2
+#     run on the same tokens, its main.log from train_gpt2cu_emu, kept current by make test):
+#     the same kernels on other hardware, within the same tolerances. Per-step tables with
+#     every tolerance beside the measured drift: drift_*.txt in the archive.
 #  3. finite values: every loss, lr, norm, ms, tok/s and MFU printed on the console and
 #     every value in main.log of every GPU run is a number (a regex on the token: awk
 #     comparisons with "nan" are silently false); a "diverged" line fails too. A bad run
@@ -176,6 +179,23 @@ run() {
   return $RC
 }
 why() { if [ "$1" = 124 ] || [ "$1" = 137 ]; then echo "timed out"; else echo "exit $1"; fi; }
+# pair TAG LIMIT GPU_COMMAND... -- ARGS...: the CPU's run and GPU_COMMAND's of the same ARGS,
+# output in $W/TAG_cpu and $W/TAG_gpu (logs kept, the GPU's numbers checked finite); 0 if both
+# ran, else a FAIL row for $name saying which did not
+pair() {
+  local tag=$1 limit=$2 gpu=() rc_cpu rc_gpu
+  shift 2
+  while [ "$1" != -- ]; do gpu+=("$1"); shift; done
+  shift
+  run "${tag}_cpu" "$limit" $CPU_BIN "$@" -o "$W/${tag}_cpu"; rc_cpu=$RC; keep "${tag}_cpu" "$W/${tag}_cpu"
+  run "${tag}_gpu" "$limit" "${gpu[@]}" "$@" -o "$W/${tag}_gpu"; rc_gpu=$RC; keep "${tag}_gpu" "$W/${tag}_gpu"
+  finite "${tag}_gpu" "$W/${tag}_gpu"
+  [ $rc_cpu = 0 ] && [ $rc_gpu = 0 ] && return 0
+  [ $rc_cpu != 0 ] && said "${tag}_cpu"
+  [ $rc_gpu != 0 ] && said "${tag}_gpu"
+  fail "$name" "a run failed: CPU $(why $rc_cpu), GPU $(why $rc_gpu); see ${tag}_*.out"
+  return 1
+}
 # tail of a failed run's output, on the console, and a short reason for its row
 said() { tail -4 "$LOGS/$1.out" | sed 's/^/    /'; grep -m1 -i 'error\|fatal' "$LOGS/$1.out" | cut -c1-150; }
 # keep NAME DIR: the run's main.log goes into the archive as NAME.main.log
@@ -448,15 +468,7 @@ if want 1; then
   fi
   name="1. experts: deterministic == CPU"   # a mixture of experts (llmc/moe.h), its device twins
   if in_time "$name" 20; then
-    run s1_moe_cpu $T1 $CPU_BIN "${S1_MOE[@]}" "${D1[@]}" -o "$W/s1_moe_cpu"; rc_cpu=$RC; keep s1_moe_cpu "$W/s1_moe_cpu"
-    run s1_moe_gpu $T1 $GPU_BIN --deterministic 1 "${S1_MOE[@]}" "${D1[@]}" -o "$W/s1_moe_gpu"; rc_gpu=$RC
-    keep s1_moe_gpu "$W/s1_moe_gpu"
-    finite s1_moe_gpu "$W/s1_moe_gpu"
-    if [ $rc_cpu != 0 ] || [ $rc_gpu != 0 ]; then
-      [ $rc_cpu != 0 ] && said s1_moe_cpu
-      [ $rc_gpu != 0 ] && said s1_moe_gpu
-      fail "$name" "a run failed: CPU $(why $rc_cpu), GPU $(why $rc_gpu); see s1_moe_*.out"
-    else
+    if pair s1_moe $T1 $GPU_BIN --deterministic 1 -- "${S1_MOE[@]}" "${D1[@]}"; then
       bad=()
       for f in main.log model_$(printf %08d "$S1_MOE_END").bin; do
         where=$(same "$W/s1_moe_cpu/$f" "$W/s1_moe_gpu/$f") || bad+=("$f ($where)")
@@ -470,61 +482,10 @@ if want 1; then
 fi
 
 # ---- 2. fast mode vs the CPU, within bf16 tolerances ------------------------------------------
-# compare SCALE REF GOT L N DRIFTFILE: prints "S0 ok|bad DETAIL", "DRIFT ok|bad DETAIL" and
-# "FINAL LOSS"; the per-step table goes to DRIFTFILE. SCALE: the CPU's log (l_s); the
-# tolerances are derived in the header (S, Z, u, K, N)
+# compare SCALE REF GOT L N DRIFTFILE: dev/gpu/fast_tolerance.awk (the tolerances derived in
+# the header, defined there once): "S0 ok|bad DETAIL", "DRIFT ok|bad DETAIL", "FINAL LOSS"
 compare() {
-  awk -v L="$4" -v N="$5" -v S=6 -v Z=1 -v drift="$6" -v numre="$NUMRE" '
-    function abs(x) { return x < 0 ? -x : x }
-    function val(k,   i) { for (i = 2; i <= NF; i++) if (index($i, k ":") == 1) return substr($i, length(k) + 2); return "" }
-    function num(v) { return v ~ numre }
-    BEGIN {
-      u = 1 / 256; rho = u / (2 * sqrt(3)); K = 4 * L + 2
-      sf = rho * sqrt(K); sb = rho * sqrt(2 * K)
-      tl0 = S * sf * Z / sqrt(N); tn0 = S * sb / sqrt(N)
-      last = -1
-    }
-    FNR == 1 { f++ }
-    { s = substr($1, 3) + 0; tr = val("trl"); te = val("tel") }
-    f == 1 { if (tr != "") sl[s] = tr; next }
-    f == 2 { if (tr != "") { rl[s] = tr; rn[s] = val("norm"); rlr[s] = val("lr"); if (s > last) last = s } else if (te != "") rv[s] = te; next }
-    f == 3 { if (tr != "") { gl[s] = tr; gn[s] = val("norm"); glr[s] = val("lr"); glast = s } else if (te != "") gv[s] = te }
-    END {
-      printf "# u=2^-8 rho=%.3g L=%d K=%d N=%d S=%d Z=%d: tol_loss0=%.3g nats, tol_norm0=%.3g relative\n", rho, L, K, N, S, Z, tl0, tn0 > drift
-      printf "# tol_loss(s) = tol_loss0 + tol_norm0 sqrt(s) (l0 - l_s); tol_norm(s) = tol_norm0 + (tol_loss(s) - tol_loss0) / min(l_s, 1)\n" > drift
-      printf "# step   ref_loss    loss       |d|       tol    d/tol |   ref_norm       norm     rel_d       tol  d/tol   l_s(CPU)\n" > drift
-      l0 = sl[0]; wl = wn = -1; over = missing = nonnum = lrbad = steps = 0; ok0 = 0; d0 = "no step 0"
-      if (last < 0 || !num(l0)) { print "S0 bad the reference log has no steps"; print "DRIFT bad no reference"; print "FINAL nan"; exit }
-      for (s = 0; s <= last; s++) {
-        if (!(s in rl)) continue
-        if (!(s in gl)) { missing++; continue }
-        if (!num(gl[s]) || !num(gn[s]) || !num(rl[s]) || !num(rn[s])) { nonnum++; continue }
-        if (glr[s] != rlr[s]) lrbad++
-        dl = abs(gl[s] - rl[s]); dn = abs(gn[s] - rn[s]) / (rn[s] != 0 ? abs(rn[s]) : 1)
-        ls = (s in sl) ? sl[s] + 0 : rl[s] + 0
-        grow = s == 0 ? 0 : tn0 * sqrt(s) * (l0 - ls > 0 ? l0 - ls : 0)
-        tl = tl0 + grow; tn = tn0 + grow / (ls < 1 && ls > 0 ? ls : 1)
-        printf "%6d %10.6f %10.6f %9.2e %9.2e %5.2f | %10.4f %10.4f %9.2e %9.2e %5.2f %10.6f\n", s, rl[s], gl[s], dl, tl, dl / tl, rn[s], gn[s], dn, tn, dn / tn, ls > drift
-        if (s == 0) {
-          ok0 = dl <= tl && dn <= tn
-          d0 = sprintf("loss |d| %.1e (tol %.1e), norm rel %.1e (tol %.1e)", dl, tl, dn, tn)
-          continue
-        }
-        steps++
-        if (dl > tl || dn > tn) over++
-        if (wl < 0 || dl / tl > wlr) { wl = s; wlr = dl / tl; wld = dl; wlt = tl }
-        if (wn < 0 || dn / tn > wnr) { wn = s; wnr = dn / tn; wnd = dn; wnt = tn }
-      }
-      if ((0 in rv) && (0 in gv) && num(gv[0])) {
-        dv = abs(gv[0] - rv[0]); ok0 = ok0 && dv <= tl0
-        d0 = d0 sprintf(", val |d| %.1e (tol %.1e)", dv, tl0)
-      } else if (0 in rv) { ok0 = 0; d0 = d0 ", no val loss at step 0" }
-      for (s in rv) if (s != 0 && (s in gv)) printf "# val loss at step %d: reference %s, compared %s, |d| %.2e\n", s, rv[s], gv[s], abs(gv[s] - rv[s]) > drift
-      print "S0", ok0 ? "ok" : "bad", d0
-      ok = over == 0 && missing == 0 && nonnum == 0 && lrbad == 0 && steps > 0
-      printf "DRIFT %s %d steps: worst loss %.2f of tol at step %d (|d| %.1e, tol %.1e), worst norm %.2f of tol at step %d (rel %.1e, tol %.1e); %d over tol, %d missing, %d not numbers, %d lr differ\n", ok ? "ok" : "bad", steps, wlr, wl, wld, wlt, wnr, wn, wnd, wnt, over, missing, nonnum, lrbad
-      print "FINAL", (glast == last && num(gl[last])) ? gl[last] : "missing"
-    }' "$1" "$2" "$3"
+  awk -v L="$4" -v N="$5" -v drift="$6" -f "$ROOT/dev/gpu/fast_tolerance.awk" "$1" "$2" "$3"
 }
 if want 2; then
   stage "2. fast mode vs the CPU on real tokens, within bf16 tolerances"
@@ -576,7 +537,24 @@ if want 2; then
       fail "$name" "a run is missing (see the rows above)"
     fi
   fi
-  rm -rf "$W/s2_cpu" "$W/s2_cudnn" "$W/s2_flash"
+  # the same kernels on the emulated GPU: dev/gpu/golden holds the emulated run's main.log
+  # (make test keeps it current); this GPU's flash fast mode must be within the bf16 tolerances
+  # of it (the emulator's reference GEMM accumulates in another order than the tensor cores)
+  name="2. fast (flash) vs emulated fast"
+  GOLDEN=$ROOT/dev/gpu/golden/fast_emu_tinyshakespeare
+  if [ $REAL = 1 ] && in_time "$name" 10; then
+    read -r -a S2E <"$GOLDEN.args"
+    S2E_D=(-i "$TRAIN" -j "$VAL")
+    S2E_N=$(echo "${S2E[*]}" | awk '{for (i = 1; i < NF; i++) {if ($i == "-b") b = $(i + 1); if ($i == "-t") t = $(i + 1)}; print b * t}')
+    S2E_L=$(echo "${S2E[*]}" | sed -n 's/.*-e d\([0-9]*\).*/\1/p')
+    if pair s2e $T2 $FAST_BIN --attention flash -- "${S2E[@]}" "${S2E_D[@]}"; then
+      res=$(compare "$W/s2e_cpu/main.log" "$GOLDEN.log" "$W/s2e_gpu/main.log" "$S2E_L" "$S2E_N" "$LOGS/drift_gpu_vs_emu.txt")
+      s0=$(echo "$res" | sed -n 's/^S0 //p') dr=$(echo "$res" | sed -n 's/^DRIFT //p')
+      if [ "${s0%% *}" = ok ] && [ "${dr%% *}" = ok ]; then pass "$name" "step 0: ${s0#* }; ${dr#* }"
+      else fail "$name" "step 0: ${s0#* }; ${dr#* }"; fi
+    fi
+  fi
+  rm -rf "$W/s2_cpu" "$W/s2_cudnn" "$W/s2_flash" "$W/s2e_cpu" "$W/s2e_gpu"
   pack
 fi
 

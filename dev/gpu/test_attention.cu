@@ -174,7 +174,7 @@ static void run_case(int B, int T, int NH, int HS) {
 
         // --- flash kernels (HS 16/32/64)
         char flash_cell[160] = "-";
-        if (flash_head_size_supported(HS)) {
+        if (gpu_flash_head_size(HS)) {
             floatX* d_fout;
             float* d_fstats;
             cudaCheck(cudaMalloc(&d_fout, n_out * sizeof(floatX)));

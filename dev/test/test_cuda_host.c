@@ -18,7 +18,8 @@
  *        B=64, T=1024, logits past 2^31 elements, fits in both modes; impossible shapes are
  *        refused with a reason), the initialisation (llmc/gpt2_init.h), the MFU peaks.
  *     3. The binaries, when built: train_gpt2cu --help and its refusals; without a GPU, one
- *        clear error line and exit status 1; train_gpt2cu_emu's refusal of fast mode.
+ *        clear error line and exit status 1; train_gpt2cu_emu in fast mode
+ *        refuses --attention cudnn in one line (dev/test/test_fast_e2e.sh runs it).
  *  - build/test_cuda_kernels_emu, by g++ on the CPU emulation of CUDA (dev/gpu/emu): the same,
  *    and 4. every kernel of llmc/kernels_det.cuh and the device memory operations, launched
  *    (emulated: fibers, shuffled blocks and threads, poisoned memory) and compared with their
@@ -824,6 +825,15 @@ static void test_launch_plans(void) {
     GPT2Config big;
     config_from_descriptor("d48c4096h32", &big);
     CHECK(gpu_launch_problem(&big, 1, 64, 0, 0, buf, sizeof(buf)) != NULL && strstr(buf, "2^31"), "2^31 gradient values");
+    // fast mode's per-layer softmax statistics: every layer's block 16-byte aligned for cuDNN,
+    // none overlapping the next (B*NH*T = 1*3*7 = 21 floats is not a multiple of 4)
+    for (long b = 1; b <= 3; b++) {
+        for (long t = 1; t <= 9; t++) {
+            size_t stride = gpu_attention_stats_stride(b, 3, t);
+            CHECK(stride * sizeof(float) % 16 == 0 && stride >= (size_t)(b * 3 * t) && stride < (size_t)(b * 3 * t) + 4,
+                  "stats stride of B=%ld NH=3 T=%ld: %zu floats", b, t, stride);
+        }
+    }
 }
 
 static void test_plan(void) {
@@ -922,9 +932,10 @@ static void test_binary(void) {
     static char out[1 << 16];
     int rc;
     if (file_exists("train_gpt2cu_emu")) {
-        rc = run_cmd("./train_gpt2cu_emu --deterministic 0 -e d2c32h2v64t32 -t 8 -x 1", out, sizeof(out));
-        CHECK(rc == 1 && count_error_lines(out) == 1 && strstr(out, "needs a GPU"),
-              "train_gpt2cu_emu must refuse fast mode with one line (exit %d): %s", rc, out);
+        // fast mode runs there on the flash kernels (the emulator has no cuDNN)
+        rc = run_cmd("./train_gpt2cu_emu --deterministic 0 --attention cudnn -e d2c32h2v64t32 -t 8 -x 1", out, sizeof(out));
+        CHECK(rc == 1 && count_error_lines(out) == 1 && strstr(out, "error: --attention cudnn: the emulated GPU has no cuDNN"),
+              "train_gpt2cu_emu must refuse --attention cudnn with one line (exit %d): %s", rc, out);
     }
     if (!file_exists("train_gpt2cu")) {
         printf("note: ./train_gpt2cu not built (no CUDA): its command-line checks are skipped\n");

@@ -1,7 +1,7 @@
 /*
- * cuda_runtime.h (emulated): the part of CUDA that the deterministic path of train_gpt2.cu
- * uses, on the CPU, so that `make train_gpt2cu_emu` builds and runs the CUDA trainer's real
- * kernels, launch configurations and host orchestration with g++ and no GPU.
+ * cuda_runtime.h (emulated): the part of CUDA that train_gpt2.cu and train_gpt2_fast.cu use,
+ * on the CPU, so that `make train_gpt2cu_emu` builds and runs the CUDA trainer's real kernels
+ * (both modes), launch configurations and host orchestration with g++ and no GPU.
  *
  * The build puts dev/gpu/emu first on the include path, so the sources' own
  * `#include <cuda_runtime.h>` lands here; they are unchanged except that kernel launches are
