@@ -344,12 +344,8 @@ static inline void train_args_validate(const TrainArgs* a) {
     PipelineScheduleKind kind;
     char err[256];
     if (pipeline_parse_schedule(a->pp_schedule, &kind, err, sizeof(err)) != 0) { fatal("--schedule: %s", err); }
-    if (kind == PP_DUALPIPE) {
-        fatal("--schedule dualpipe: the trainer does not run it yet (each stage's parameters on two ranks, their "
-              "gradients summed across the copies); --schedule dualpipev runs its schedule on half the ranks");
-    }
     int chunks = train_args_chunks(a);
-    int own_chunks = kind == PP_ZBV || kind == PP_DUALPIPEV ? 2 : 1;
+    int own_chunks = kind == PP_ZBV || kind == PP_DUALPIPEV || kind == PP_DUALPIPE ? 2 : 1;
     if (kind != PP_INTERLEAVED && chunks != own_chunks) {
         fatal("--vpp %d: the %s schedule runs %d model chunk(s) per pipeline rank; --vpp is for --schedule "
               "interleaved", a->vpp, a->pp_schedule, own_chunks);

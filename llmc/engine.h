@@ -141,9 +141,11 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
         fatal("--schedule %s: a mixture-of-experts model runs whole backwards (its expert exchanges are not split "
               "into input and weight halves); use 1f1b, gpipe or interleaved", a->pp_schedule);
     }
-    if (a->pp * t->nchunks > c->num_layers) {
+    // dualpipe's two chunks per rank are copies of the S stages' (pipeline.h)
+    int virtual_stages = t->pp_kind == PP_DUALPIPE ? a->pp : a->pp * t->nchunks;
+    if (virtual_stages > c->num_layers) {
         fatal("--pp %d x %d model chunks (--schedule %s) = %d virtual stages: the model has only %d layers; every "
-              "virtual stage needs at least one", a->pp, t->nchunks, a->pp_schedule, a->pp * t->nchunks, c->num_layers);
+              "virtual stage needs at least one", a->pp, t->nchunks, a->pp_schedule, virtual_stages, c->num_layers);
     }
     if (a->sp && t->T % (2 * a->tp) != 0) {
         fatal("--sp 1: the sequence length -t %d must be a multiple of 2 x --tp %d (each rank holds two stretches "
@@ -249,6 +251,11 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     zero_init_ep(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->dpcp_group, comm->ep > 1 ? &comm->ep_group : NULL,
                  comm->ep > 1 ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, t->places, v,
                  t->head_stage, t->start_params, t->M);
+    if (t->pp_kind == PP_DUALPIPE) {   // each stage's chunks on this rank and its mirror (pipeline.h)
+        int first[2], count[2];
+        for (int ch = 0; ch < v; ch++) { pipeline_chunk_microbatches(&cfg, comm->pp_rank, ch, &first[ch], &count[ch]); }
+        zero_set_mirror(&t->zero, S - 1 - comm->pp_rank, first, count);
+    }
     free(t->start_params);
     t->start_params = NULL;
     t->models = (void**)malloc_or_die(sizeof(void*) * v, "models");
@@ -474,6 +481,30 @@ static inline void trainer_write_checkpoint(Trainer* t) {
 
 // ---- the loop ----------------------------------------------------------------------------
 
+// LLMC_DUALPIPE_DUMP=DIR (a debugging aid; test_pp_dualpipe.sh compares the files): under
+// dualpipe every rank writes what it holds after step `step`'s update, its parameters (ZeRO-3:
+// its shards) then AdamW's m and v, to DIR/copy_STEP_dpD_cpC_tpT_ppS.bin. The two copies of
+// a stage, pp S and pp S-1-S, hold the same layout, so their files must be the same bytes.
+static inline void trainer_dump_copy(Trainer* t, int step) {
+    const char* dir = getenv("LLMC_DUALPIPE_DUMP");
+    if (dir == NULL || t->pp_kind != PP_DUALPIPE) { return; }
+    const Zero* z = &t->zero;
+    const Comm* comm = &t->comm;
+    size_t n = z->stage <= 2 ? z->lay.local_params : z->lay.shard_params;
+    float* host = (float*)host_alloc((n + 2 * z->opt_len + 1) * sizeof(float), "copy dump");
+    t->mem->to_host(host, z->stage <= 2 ? z->params : z->param_shard, n * sizeof(float));
+    t->mem->to_host(host + n, z->m, z->opt_len * sizeof(float));
+    t->mem->to_host(host + n + z->opt_len, z->v, z->opt_len * sizeof(float));
+    char path[1200];
+    snprintf(path, sizeof(path), "%s/copy_%08d_dp%d_cp%d_tp%d_pp%d.bin", dir, step, comm->dp_rank, comm->cp_rank,
+             comm->tp_rank, comm->pp_rank);
+    FILE* f = fopen(path, "wb");
+    if (f == NULL || fwrite(host, sizeof(float), n + 2 * z->opt_len, f) != n + 2 * z->opt_len || fclose(f) != 0) {
+        fatal("LLMC_DUALPIPE_DUMP: cannot write '%s'", path);
+    }
+    free(host);
+}
+
 // Context parallelism's bytes this rank sent in the step, against cp_bytes_per_step for this
 // rank's chunks.
 static inline void trainer_print_cp_accounting(const Trainer* t) {
@@ -553,6 +584,7 @@ static inline void trainer_step(Trainer* t, TrainRun* run, int step, StepResult*
     AdamWStep s = adamw_step_constants(out->lr, a->beta1, a->beta2, a->eps, step + 1, grad_scale);
     zero_adamw_step(z, &s, a->weight_decay);
     t->mem->sync();
+    trainer_dump_copy(t, step + 1);
     t->progress.microbatches_done += t->M;
     t->progress.step = step + 1;
     out->seconds = now_seconds() - t0;

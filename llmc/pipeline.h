@@ -74,7 +74,7 @@
  *                microbatches (pipeline_chunk_microbatches), and both run rank h's dualpipev
  *                phases for S/2 ranks and M/2 microbatches. Needs S even, M even and >= 2S.
  *                A rank holds up to S+1 (microbatch, chunk) pairs (DeepSeek's PP+1); the two
- *                copies of a stage would sum their gradients (the trainer does not run it yet).
+ *                copies of a stage sum their halves' gradients (zero.h zero_set_mirror).
  *
  * Layer placement (pipeline_place_layers). The layers are balanced over the S*v virtual stages
  * (pipeline_partition_layers) in model order, and chunk c of rank s holds the layers of

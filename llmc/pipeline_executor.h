@@ -3,9 +3,11 @@
  *
  * Every rank runs a pipeline, of one stage when --pp is 1 (then the list is just F0 B0 F1
  * B1 ...). A rank holds v model chunks (virtual stages; v = 1 but for interleaved, zbv and
- * dualpipev), each with its own model on the rank's one Zero. A (microbatch, chunk) pair owns a slot of its
- * chunk from its FORWARD to its BACKWARD (or, split, its BACKWARD_WEIGHT) on this stage: its
- * activations (with its tokens) and the received gradient of its output; the schedule bounds
+ * dualpipev, dualpipe), each with its own model on the rank's one Zero (under dualpipe each
+ * chunk runs half the microbatches, its mirror rank's same chunk the other half). A
+ * (microbatch, chunk) pair owns a slot of its chunk from its FORWARD to its BACKWARD (or,
+ * split, its BACKWARD_WEIGHT) on this stage: its activations (with its tokens) and the
+ * received gradient of its output; the schedule bounds
  * how many are alive (1F1B: S - stage). Messages are non-blocking: a receive is posted at its
  * RECV action and waited for right before the computation that reads it; a send is posted at
  * its SEND action and waited for before its buffer is reused. Received activations and sent
@@ -19,7 +21,7 @@
  * The schedule (which computation and which message come when, 1F1B's warmup, steady pairs
  * and cooldown included) is all in pipeline.h's lists; pipeline_step only runs them, one case
  * per action kind, each send and receive written with its tensor and group beside it. An F&B
- * (FORWARD_BACKWARD, dualpipev) runs its forward, then its backward, through the same two
+ * (FORWARD_BACKWARD, dualpipev and dualpipe) runs its forward, then its backward, through the same two
  * functions as a lone FORWARD and BACKWARD: its messages are the list's around it.
  *
  * It drives a build's model through model_ops.h's ModelOps (and its BACKWARD_* parts).
@@ -96,18 +98,27 @@ typedef struct {
     int num_layers;            // L
 } Pipeline;
 
-// The chunk of this stage holding virtual stage vs (-1: another stage's).
+// The chunk of this stage holding virtual stage vs (-1: another stage's); under dualpipe on
+// the way of the microbatches entering at stage 0 (forward-only passes take it).
 static inline int pipeline_chunk_of(const Pipeline* p, int vs) {
     int stage, chunk;
     pipeline_virtual_stage_owner(&p->cfg, vs, &stage, &chunk);
     return stage == p->pp->rank ? chunk : -1;
 }
 
+// The chunk of this stage holding the virtual stage before (step -1) or after (+1) chunk c on
+// c's microbatches' way, -1 if another stage holds it or there is none (under dualpipe always:
+// a rank's two chunks are on the two directions' ways).
+static inline int pipeline_local_neighbour(const Pipeline* p, int c, int step) {
+    if (pipeline_neighbour_stage(&p->cfg, p->pp->rank, c, step) != p->pp->rank) { return -1; }
+    return pipeline_chunk_of(p, p->vstage[c] + step);
+}
+
 // The message tag of microbatch i crossing boundary w (between virtual stages w and w+1), forward
 // or backward; modulo PP_TAG_LIMIT (the lists' message order pairs sends and receives anyway,
 // pipeline.h).
 static inline int pipeline_tag(const Pipeline* p, int i, int boundary, int backward) {
-    long long V = (long long)p->cfg.num_stages * p->cfg.num_chunks;
+    long long V = pipeline_num_virtual_stages(&p->cfg);
     return (int)((((long long)i * V + boundary) * 2 + backward) % PP_TAG_LIMIT);
 }
 
@@ -144,7 +155,9 @@ static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps*
     p->head_chunk = -1;
     for (int c = 0; c < nchunks; c++) {
         p->vstage[c] = pipeline_virtual_stage(&p->cfg, pp->rank, c);
-        if (places[c].has_head) { p->head_chunk = c; }
+        // under dualpipe both copies of the last stage hold the head: the one on the way of
+        // the microbatches entering at stage 0 is the head of forward-only passes and of the loss
+        if (places[c].has_head && pipeline_direction(&p->cfg, pp->rank, c) == 0) { p->head_chunk = c; }
     }
     // each chunk gets as many slots as its own computations (an F&B's halves apart) ever hold at once
     PipelineAction* mine = (PipelineAction*)malloc_or_die(sizeof(PipelineAction) * 2 * (n ? n : 1), "pipeline actions");
@@ -278,7 +291,7 @@ static inline size_t pipeline_message_floats(const Pipeline* p, const PipelineSt
 // chunk before it on this rank, or the received message; the loss on the head's chunk.
 static inline void pipeline_run_forward(Pipeline* p, const PipelineStepContext* x, int i, int c) {
     const ModelOps* ops = p->ops;
-    int B = x->B, T = pipeline_positions(x, i), vs = p->vstage[c];
+    int B = x->B, T = pipeline_positions(x, i);
     size_t bytes = pipeline_message_floats(p, x, i) * sizeof(float);
     void* model = p->models[c];
     const ChunkPlace* place = &p->places[c];
@@ -288,7 +301,7 @@ static inline void pipeline_run_forward(Pipeline* p, const PipelineStepContext* 
         ops->set_tokens(model, s->acts, x->loader->inputs, x->loader->targets, B, T);
     }
     if (!place->has_embedding) {   // waiting for the input is idle time, not compute
-        int producer = pipeline_chunk_of(p, vs - 1);
+        int producer = pipeline_local_neighbour(p, c, -1);
         if (producer >= 0) {        // a hand-off on this rank
             MicroSlot* from = pipeline_slot(p, i, producer, 0);
             p->mem->copy(ops->stage_input(model, s->acts), ops->stage_output(p->models[producer], from->acts, B, T),
@@ -322,7 +335,7 @@ static inline void pipeline_run_backward(Pipeline* p, const PipelineStepContext*
     size_t bytes = pipeline_message_floats(p, x, i) * sizeof(float);
     MicroSlot* s = pipeline_slot(p, i, c, 0);
     if ((part & BACKWARD_INPUT) && vs < x->last_vs) {   // d(loss)/d(chunk output)
-        if (pipeline_chunk_of(p, vs + 1) >= 0) {         // a hand-off on this rank
+        if (pipeline_local_neighbour(p, c, +1) >= 0) {   // a hand-off on this rank
             MessageBuffer* m = pipeline_message(p, i, c, MSG_HANDOFF);
             p->mem->copy(x->dres, m->buf, bytes);
             m->state = MSG_FREE;
@@ -340,7 +353,7 @@ static inline void pipeline_run_backward(Pipeline* p, const PipelineStepContext*
     ops->layers_backward(model, s->acts, x->grads, x->B, T, part);
     if (p->places[c].has_embedding) { ops->embed_backward(model, s->acts, x->grads, x->B, T, part); }
     if ((part & BACKWARD_INPUT) && vs > 0) {   // keep d(loss)/d(chunk input)
-        int consumer = pipeline_chunk_of(p, vs - 1);
+        int consumer = pipeline_local_neighbour(p, c, -1);
         MessageBuffer* m = consumer >= 0 ? pipeline_message_new(p, i, consumer, MSG_HANDOFF)
                                          : pipeline_message_new(p, i, c, MSG_TO_SEND);
         p->mem->copy(m->buf, x->dres, bytes);
@@ -351,6 +364,24 @@ static inline void pipeline_run_backward(Pipeline* p, const PipelineStepContext*
     }
     if (x->timed) { p->mem->sync(); }
     if (part == BACKWARD_WEIGHT) { p->wgt += now_seconds() - t0; } else { p->bwd += now_seconds() - t0; }
+}
+
+// dualpipe: the copy of the head on the way of the microbatches entering at stage S-1 sends
+// their loss sums to the head chunk's stage (send / recv, pp group), which then has them all.
+static inline void pipeline_gather_losses(Pipeline* p, float* local_loss) {
+    if (p->cfg.kind != PP_DUALPIPE) { return; }
+    int S = p->cfg.num_stages, rank = p->pp->rank, first, count;
+    for (int c = 0; c < p->nchunks; c++) {
+        if (!p->places[c].has_head) { continue; }
+        pipeline_chunk_microbatches(&p->cfg, rank, c, &first, &count);
+        if (c == p->head_chunk) {
+            comm_wait(comm_irecv(p->pp, local_loss + (first + count) % p->cfg.num_microbatches, (size_t)count,
+                                 S - 1 - rank, PP_TAG_LIMIT - 1, COMM_KIND_OTHER));
+        } else {
+            comm_wait(comm_isend(p->pp, local_loss + first, (size_t)count, S - 1 - rank, PP_TAG_LIMIT - 1,
+                                 COMM_KIND_OTHER));
+        }
+    }
 }
 
 // Runs this stage's actions for one optimizer step: forward and backward of this dp rank's
@@ -366,7 +397,7 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
     // sequences of different lengths too)
     float dloss = 1.0f / (float)(double)dataloader_step_targets(loader, first_microbatch, M_global, overfit);
     PipelineStepContext x = {z, grads, loader, first_microbatch, B, T, overfit, p->cfg.num_stages > 1,
-                             p->cfg.num_stages * p->cfg.num_chunks - 1, dloss,
+                             pipeline_num_virtual_stages(&p->cfg) - 1, dloss,
                              ops->grad_residual(p->models[0], grads), local_loss};
     p->busy = p->fwd = p->bwd = p->wgt = p->pair = 0.0;
     p->peak_held = p->held;
@@ -431,6 +462,7 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
     for (int k = 0; k < p->nslots; k++) { comm_wait(p->slots[k].send_act); p->slots[k].send_act = NULL; }
     for (int k = 0; k < p->nmsgs; k++) { comm_wait(p->msgs[k].req); p->msgs[k].req = NULL; p->msgs[k].state = MSG_FREE; }
     p->busy = p->fwd + p->bwd + p->wgt;
+    pipeline_gather_losses(p, local_loss);
     // the gradients' reductions (zero.h: dp group) and the tied embedding's halves (pp group)
     zero_finish_grads(z);
 }
@@ -442,7 +474,7 @@ static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* 
 // per F&B pair (0 without pairs).
 #define PP_TIMING 6
 static inline void pipeline_step_timing(const Pipeline* p, double seconds, float* out) {
-    double units = (double)p->cfg.num_microbatches * p->nchunks;
+    double units = (double)p->cfg.num_microbatches * p->nchunks / (p->cfg.kind == PP_DUALPIPE ? 2 : 1);
     int pairs = 0, weights = 0;   // dualpipev splits only some backwards
     for (int k = 0; k < p->nactions; k++) {
         pairs += p->actions[k].kind == PP_FORWARD_BACKWARD;
@@ -471,7 +503,7 @@ static inline void pipeline_forward_pass(Pipeline* p, void** acts, const int* in
     int decode = row >= 0;
     size_t n = pipeline_words(ops, decode ? (size_t)C : (size_t)B * T / sp_degree * C);   // the message
     size_t at = pipeline_words(ops, decode ? (size_t)row * C : 0);                          // where it starts
-    int V = p->cfg.num_stages * p->cfg.num_chunks;
+    int V = pipeline_num_virtual_stages(&p->cfg);
     for (int vs = 0; vs < V; vs++) {
         int c = pipeline_chunk_of(p, vs);
         if (c < 0) { continue; }

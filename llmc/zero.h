@@ -281,8 +281,13 @@ typedef struct {
     int nchunks;
     int* unit_chunk;           // [lay.num_all]: the chunk computing unit u's gradient, or -1
     int* chunk_top;            // [nchunks]: each chunk's stack depth between its microbatches
-    int* chunk_next;           // [nchunks]: the local microbatch each chunk computes next
-    int chunk, micro;          // the chunk and local microbatch being computed
+    int* chunk_next;           // [nchunks]: how many of its microbatches each chunk has computed
+    int* chunk_first;          // [nchunks]: the local microbatches of each chunk's tree: [first,
+    int* chunk_count;          //   first + count), every one but under dualpipe (zero_set_mirror)
+    int chunk, micro;          // the chunk being computed and its position in the chunk's tree
+    int mirror;                // dualpipe: the stage holding this rank's chunks for the other
+                               // microbatches (their gradients are summed), else -1
+    int counts_params;         // this rank's copy counts (norm, checkpoint): 0 on a mirror's upper copy
     float** unit_grad;         // [num_units + 1]: where backward writes each unit's gradient now
     ZeroSlot gslots[ZERO_MAX_INFLIGHT];   // stages 2-3: unit gradients being reduce-scattered
     int ngslots;
@@ -377,11 +382,16 @@ static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem,
     z->config = c;
     z->nchunks = nchunks;
     int A = zero_units_all(c);
-    z->unit_chunk = (int*)calloc_or_die((size_t)A + 2 * (size_t)nchunks, sizeof(int), "unit chunks");
+    z->unit_chunk = (int*)calloc_or_die((size_t)A + 4 * (size_t)nchunks, sizeof(int), "unit chunks");
     z->chunk_top = z->unit_chunk + A;
     z->chunk_next = z->chunk_top + nchunks;
+    z->chunk_first = z->chunk_next + nchunks;
+    z->chunk_count = z->chunk_first + nchunks;
     zero_layout_init(&z->lay, c, z->N, places, nchunks, tp->size, tp->rank, ep->size, ep->rank, z->unit_chunk);
     z->local_microbatches = M / z->streams;
+    for (int ch = 0; ch < nchunks; ch++) { z->chunk_count[ch] = z->local_microbatches; }
+    z->mirror = -1;
+    z->counts_params = 1;
     for (int u = 0; u < z->lay.num_all; u++) {
         if (zero_unit_work(&z->lay, u) > z->max_padded) { z->max_padded = zero_unit_work(&z->lay, u); }
     }
@@ -426,6 +436,21 @@ static inline void zero_init(Zero* z, const GPT2Config* c, const MemOps* mem, in
                              CommGroup* pp, CommGroup* tp, const ChunkPlace* places, int nchunks, int head_stage,
                              const float* params, int M) {
     zero_init_ep(z, c, mem, stage, dp, dp, NULL, NULL, pp, tp, places, nchunks, head_stage, params, M);
+}
+
+// dualpipe (pipeline.h): chunk c computes the gradient of the local microbatches [first[c],
+// first[c] + count[c]) only, and pipeline stage `mirror` holds the same units for the other
+// ones. R1 splits an even n at n/2, so each copy's tree over its half is a subtree of the tree
+// over all of them, and zero_finish_grads adds the two (x + y == y + x: both copies get the
+// same bits) before any data-parallel reduction that finishes the tree. The lower stage's copy
+// is the one counted (gradient norm, checkpoint).
+static inline void zero_set_mirror(Zero* z, int mirror, const int* first, const int* count) {
+    for (int ch = 0; ch < z->nchunks; ch++) {
+        z->chunk_first[ch] = first[ch];
+        z->chunk_count[ch] = count[ch];
+    }
+    z->mirror = mirror;
+    z->counts_params = z->pp_stage < mirror;
 }
 
 // Global index of this rank's local microbatch i of the step whose first global microbatch
@@ -530,11 +555,11 @@ static inline void zero_stack_add_chunk(Zero* z, int depth_left) {
 // Starts the backward (its weight-gradient part) of chunk `chunk` on local microbatch i:
 // decides where it writes each unit's gradient. A chunk's microbatches come in order.
 static inline void zero_begin_microbatch(Zero* z, int chunk, int i) {
-    if (chunk < 0 || chunk >= z->nchunks || i != z->chunk_next[chunk]) {
+    if (chunk < 0 || chunk >= z->nchunks || i != z->chunk_first[chunk] + z->chunk_next[chunk]) {
         fatal("internal: chunk %d computes microbatch %d's gradient out of order", chunk, i);
     }
     z->chunk = chunk;
-    z->micro = i;
+    z->micro = z->chunk_next[chunk];
     z->stack_top = z->chunk_top[chunk];
     if (z->stage <= 1) {
         float* g = zero_stack_push(z);
@@ -572,6 +597,30 @@ static inline void zero_progress(Zero* z) {
     for (int i = 0; i < z->ninflight; i++) { if (z->inflight[i]) { comm_test(z->inflight[i]); } }
 }
 
+// Stages 0-1: launch the data-parallel reduction of unit u's finished local gradient.
+static inline void zero_reduce_unit_start(Zero* z, int u) {
+    size_t size = z->lay.size[u], begin = z->lay.glocal[u];
+    CommGroup* group = zero_unit_group(z, u);
+    if (group->size == 1) { return; }
+    ZeroSlot* s = zero_slot_get(z, z->sslots, &z->nsslots, u);
+    z->mem->copy(s->buf, z->grads + begin, size * sizeof(float));
+    z->mem->fill(s->buf + size, 0.0f, z->lay.padded[u] - size);
+    CommRequest* req;
+    if (z->stage == 0) {
+        // all-reduce (dp group; edp group for an expert unit; gradients): the whole unit, R1
+        // tree over ranks
+        req = comm_all_reduce_sum_start(group, s->buf, size, COMM_KIND_GRAD);
+    } else {
+        // reduce-scatter (dp group; edp group for an expert unit; gradients): the unit -> this
+        // rank's shard (in place at the shard's offset in the copy; copied back into the
+        // gradient buffer when done)
+        req = comm_reduce_scatter_start(group, s->buf, s->buf + (size_t)group->rank * z->lay.shard[u],
+                                        z->lay.shard[u], COMM_KIND_GRAD);
+    }
+    zero_track(z, req, u, s);
+    zero_progress(z);
+}
+
 // Backward has written all of unit u's gradient for the current microbatch: launch its
 // reduction if this is the moment (see WHAT IS SENT, AND WHEN).
 static inline void zero_grad_unit_done(Zero* z, int u) {
@@ -597,34 +646,19 @@ static inline void zero_grad_unit_done(Zero* z, int u) {
         zero_progress(z);
         return;
     }
-    if (z->micro != z->local_microbatches - 1) { return; }   // accumulate first, reduce once
+    int count = z->chunk_count[z->chunk];
+    if (z->micro != count - 1) { return; }   // accumulate first, reduce once
     // the last local microbatch: finish the local tree over this unit's range (every slice),
     // then the tree over the slices, then reduce
     size_t begin = z->lay.glocal[u], end = begin + size * slices;
     int top = z->stack_top;
-    for (int mg = canon_tree_merges_after(z->micro, z->local_microbatches); mg > 0; mg--) {
+    for (int mg = canon_tree_merges_after(z->micro, count); mg > 0; mg--) {
         zero_stack_add_range(z, top - 2, begin, end);
         top--;
     }
     if (slices > 1) { z->mem->tree_rows(z->grads + begin, size, slices, z->grads + begin); }
-    if (group->size == 1) { return; }
-    ZeroSlot* s = zero_slot_get(z, z->sslots, &z->nsslots, u);
-    z->mem->copy(s->buf, z->grads + begin, size * sizeof(float));
-    z->mem->fill(s->buf + size, 0.0f, z->lay.padded[u] - size);
-    CommRequest* req;
-    if (z->stage == 0) {
-        // all-reduce (dp group; edp group for an expert unit; gradients): the whole unit, R1
-        // tree over ranks
-        req = comm_all_reduce_sum_start(group, s->buf, size, COMM_KIND_GRAD);
-    } else {
-        // reduce-scatter (dp group; edp group for an expert unit; gradients): the unit -> this
-        // rank's shard (in place at the shard's offset in the copy; copied back into the
-        // gradient buffer when done)
-        req = comm_reduce_scatter_start(group, s->buf, s->buf + (size_t)group->rank * z->lay.shard[u],
-                                        z->lay.shard[u], COMM_KIND_GRAD);
-    }
-    zero_track(z, req, u, s);
-    zero_progress(z);
+    // dualpipe: the reduction waits for the mirror's half (zero_finish_grads)
+    if (z->mirror < 0) { zero_reduce_unit_start(z, u); }
 }
 
 // Waits for every reduction in flight, in launch order, and puts the results in place.
@@ -649,10 +683,10 @@ static inline void zero_wait_reductions(Zero* z) {
 // reduce-scatters and merge the chunk's local tree of shard buffers; stages 0-1 merge the
 // chunk's local tree (the last microbatch was merged unit by unit in zero_grad_unit_done).
 static inline void zero_end_microbatch(Zero* z) {
-    int i = z->micro;
+    int i = z->micro, count = z->chunk_count[z->chunk];
     if (z->stage >= 2) { zero_wait_reductions(z); }
-    if (z->stage >= 2 || i != z->local_microbatches - 1) {
-        for (int mg = canon_tree_merges_after(i, z->local_microbatches); mg > 0; mg--) {
+    if (z->stage >= 2 || i != count - 1) {
+        for (int mg = canon_tree_merges_after(i, count); mg > 0; mg--) {
             zero_stack_add_chunk(z, z->stack_top - 2);
             z->stack_top--;
         }
@@ -697,13 +731,26 @@ static inline float* zero_wte_grad_at(Zero* z, size_t at) {
 static inline void zero_finish_grads(Zero* z) {
     zero_wait_reductions(z);
     for (int ch = 0; ch < z->nchunks; ch++) {
-        if (z->chunk_next[ch] != z->local_microbatches) {
+        if (z->chunk_next[ch] != z->chunk_count[ch]) {
             fatal("internal: chunk %d computed %d of %d microbatch gradients", ch, z->chunk_next[ch],
-                  z->local_microbatches);
+                  z->chunk_count[ch]);
         }
         z->chunk_top[ch] = z->chunk_next[ch] = 0;
     }
     z->stack_top = 0;
+    if (z->mirror >= 0) {
+        // sendrecv (pipeline group, gradients): this copy's tree over its half of the
+        // microbatches <-> the mirror's over the other half, every unit at once (stages 0-1 the
+        // local gradients, 2-3 the dp-reduced shards: the same dp and tp rank, the same rows)
+        float* theirs = zero_alloc(z, z->stack_len, "mirror gradients");
+        comm_sendrecv(z->pp, z->stack[0], z->stack_len, z->mirror, theirs, z->stack_len, z->mirror, 8, COMM_KIND_PP);
+        z->mem->add(z->stack[0], z->stack[0], theirs, z->stack_len);
+        z->mem->release(theirs);
+        if (z->stage <= 1) {
+            for (int u = 0; u < z->lay.num_all; u++) { if (z->lay.grads_here[u]) { zero_reduce_unit_start(z, u); } }
+            zero_wait_reductions(z);
+        }
+    }
     int lookup_unit = zero_lookup_unit(z);
     int has_lm = z->lay.grads_here[ZERO_WTE], has_lookup = z->lay.grads_here[lookup_unit];
     if (!has_lm && !has_lookup) { return; }
@@ -739,7 +786,10 @@ static inline float zero_grad_norm(Zero* z, CommGroup* tp) {
     canon_sumsq_init(&experts);
     int split_experts = z->stage == 0 && z->ep->size > 1;
     for (int u = 0; u < z->lay.num_all; u++) {
-        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u] || (u == ZERO_WTE && z->pp_stage != 0)) { continue; }
+        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u] || (u == ZERO_WTE && z->pp_stage != 0) ||
+            !z->counts_params) {
+            continue;
+        }
         SumSq* acc = split_experts && zero_is_expert_unit(&z->lay, u) ? &experts : &total;
         size_t b, e;
         zero_my_range(z, u, &b, &e);
@@ -818,7 +868,7 @@ static inline void zero_full_params(Zero* z, float* dst) {
         if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) { continue; }
         const float* held = zero_params_acquire(z, u, -1);
         int writer = zero_is_expert_unit(&z->lay, u) ? z->edp->rank == 0 : z->rank == 0;
-        if (dst && writer && !(u == ZERO_WTE && z->pp_stage != 0)) {
+        if (dst && writer && z->counts_params && !(u == ZERO_WTE && z->pp_stage != 0)) {
             z->mem->to_host(unit, held, z->lay.size[u] * sizeof(float));
             ZeroScatterCtx ctx = {dst, unit};
             for (int k = 0; k < z->lay.npieces[u]; k++) {
@@ -850,7 +900,8 @@ static inline void zero_range_run(size_t canonical, size_t local, size_t len, vo
 static inline int zero_state_ranges(const Zero* z, int writing, StateRange* out) {
     ZeroRangeCtx ctx = {out, 0, z, 0, 0};
     for (int u = 0; u < z->lay.num_all; u++) {
-        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u] || (writing && u == ZERO_WTE && z->pp_stage != 0)) {
+        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u] ||
+            (writing && ((u == ZERO_WTE && z->pp_stage != 0) || !z->counts_params))) {
             continue;
         }
         // ZeRO-0 replicates: dp rank 0 writes the dense units, edp rank 0 the expert units

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# DualPipeV (--schedule dualpipev: DeepSeek's DualPipe cut in half, llmc/pipeline.h) under real
-# mpirun, against one rank with the same microbatches (every logged loss, the samples and the
-# final checkpoint bytes identical):
+# DualPipeV (--schedule dualpipev: DeepSeek's DualPipe cut in half, llmc/pipeline.h) and
+# DualPipe (--schedule dualpipe: each stage on two ranks) under real mpirun, against one rank
+# with the same microbatches (every logged loss, the samples and the final checkpoint bytes
+# identical). dualpipev:
 #  - --pp 1 (both hand-offs on the rank), --pp 2 and --pp 4 (8 virtual stages);
 #  - data x pipeline = 2 x 2 with ZeRO 0-3, tensor x pipeline = 2 x 2 with sequence
 #    parallelism, context x pipeline = 2 x 2;
@@ -9,8 +10,14 @@
 #  - each rank's peak activations: DeepSeek's PP+1 = 2S+1 (microbatch, chunk) pairs;
 #  - with ./train_gpt2cu_emu built: the emulated CUDA build on --pp 2 and DP 2 x PP 2 ZeRO-1,
 #    identical to the CPU build;
-#  - too few microbatches (M < 2S), a model with experts, and --schedule dualpipe (whose lists
-#    pipeline.h builds, but whose duplicated stages the trainer does not hold): one clear line each.
+#  - too few microbatches (M < 2S) and a model with experts: one clear line each.
+# dualpipe:
+#  - 2 stages, then resumed across layouts: -> one rank -> 4 stages; 2 data x 2 stages with
+#    ZeRO 1 and 3;
+#  - the two copies of every stage hold the same parameters and AdamW state after every step
+#    (LLMC_DUALPIPE_DUMP: each rank's buffers, compared byte for byte with its mirror's);
+#  - peak activations S+1 (DeepSeek's PP+1); the emulated CUDA build on 2 stages when built;
+#  - an odd number of stages, an odd number of microbatches fewer than 2S, experts: one line each.
 set -u
 cd "$(dirname "$0")/../.."
 command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun"; exit 0; }
@@ -77,16 +84,74 @@ else
   echo "     (./train_gpt2cu_emu not built: its dualpipev runs skipped; make train_gpt2cu_emu)"
 fi
 
-# refusals, one clear line each
-$MPI 2 $BIN "${COMMON[@]}" -d 96 --pp 2 "${DV[@]}" -x 1 >"$W/bad1.out" 2>&1 && fail "dualpipev with 3 microbatches on 2 stages should fail"
-grep -q "error: .*--schedule dualpipev with -d 96 .*at least 2 x stages = 4 microbatches, got 3" "$W/bad1.out" \
-  || fail "no clear error for dualpipev with M < 2S: $(grep error "$W/bad1.out")"
-$MPI 2 $BIN "${COMMON[@]}" -e d4c32h2v64t32e4k2 -d 128 --pp 2 "${DV[@]}" -x 1 >"$W/bad2.out" 2>&1 \
-  && fail "dualpipev with experts should fail"
-grep -q "error: .*--schedule dualpipev: a mixture-of-experts model runs whole backwards" "$W/bad2.out" \
-  || fail "no clear error for dualpipev with experts: $(grep error "$W/bad2.out")"
-$MPI 2 $BIN "${COMMON[@]}" -d 128 --pp 2 --schedule dualpipe -x 1 >"$W/bad3.out" 2>&1 && fail "dualpipe should be refused"
-grep -q "error: .*--schedule dualpipe: the trainer does not run it yet" "$W/bad3.out" \
-  || fail "no clear error for dualpipe: $(grep error "$W/bad3.out")"
-pass "refusals: M < 2S, experts, dualpipe (its two parameter copies are not built)"
+# refused NAME NP PATTERN ARGS...: train_gpt2 on NP ranks stops with one error line matching PATTERN
+refused() {
+  local name=$1 np=$2 pattern=$3
+  shift 3
+  $MPI "$np" $BIN "${COMMON[@]}" "$@" -x 1 >"$W/$name.out" 2>&1 && fail "$name should be refused"
+  grep -q "error: .*$pattern" "$W/$name.out" || fail "$name: no clear error: $(grep error "$W/$name.out")"
+}
+refused dualpipev-few 2 "--schedule dualpipev with -d 96 .*at least 2 x stages = 4 microbatches, got 3" \
+  -d 96 --pp 2 "${DV[@]}"
+refused dualpipev-experts 2 "--schedule dualpipev: a mixture-of-experts model runs whole backwards" \
+  -e d4c32h2v64t32e4k2 -d 128 --pp 2 "${DV[@]}"
+pass "refusals: M < 2S, experts"
+
+# ---- dualpipe: every stage on rank s and its mirror S-1-s ----
+DP=(--schedule dualpipe)
+# copies NAME S FIRST LAST: after each step FIRST..LAST every dumped rank's buffers equal its mirror's
+copies() {
+  local d="$W/$1.dump" s step f
+  for step in $(seq "$3" "$4"); do
+    for f in "$d"/copy_$(printf %08d "$step")_*_pp0.bin; do
+      [ -s "$f" ] || fail "$1: no dump of step $step"
+      for s in $(seq 0 $(($2 / 2 - 1))); do
+        cmp -s "${f%_pp0.bin}_pp$s.bin" "${f%_pp0.bin}_pp$(($2 - 1 - s)).bin" \
+          || fail "$1: after step $step the copies of stage $s (pp $s and pp $(($2 - 1 - s))) differ: ${f##*/}"
+      done
+    done
+  done
+}
+# dumped NAME NP ARGS...: run with LLMC_DUALPIPE_DUMP into $W/NAME.dump
+dumped() { mkdir -p "$W/$1.dump"; LLMC_DUALPIPE_DUMP="$W/$1.dump" run "$@"; }
+
+# 2 stages from scratch (6 steps, checkpoints 2, 4, 6) -> one rank from step 2 -> 4 stages from
+# step 4: each identical to the one-rank run, the copies identical after every step
+dumped pa 2 "${COMMON[@]}" -d 256 -x 6 -n 2 --pp 2 "${DP[@]}" -o "$W/pa"
+same long pa 6
+copies pa 2 1 6
+mkdir -p "$W/pb" "$W/pc"
+cp "$W/pa/model_00000002.bin" "$W"/pa/state_00000002_* "$W/pa/DONE_00000002" "$W/pb/"
+run pb 1 "${COMMON[@]}" -d 256 -x 6 -n 2 -o "$W/pb" -y 1
+cp "$W/pb/model_00000004.bin" "$W"/pb/state_00000004_* "$W/pb/DONE_00000004" "$W/pc/"
+dumped pc 4 "${COMMON[@]}" -d 256 -x 6 -n 2 --pp 4 "${DP[@]}" -o "$W/pc" -y 1
+copies pc 4 5 6
+cmp -s "$W/long/model_00000006.bin" "$W/pc/model_00000006.bin" || fail "resumed dualpipe 2 stages -> 1 rank -> dualpipe 4 stages differs"
+diff <(grep trl "$W/long/main.log" | sed -n '3,6p') <(grep trl "$W/pb/main.log") >/dev/null || fail "losses after resuming from dualpipe differ"
+diff <(grep trl "$W/long/main.log" | sed -n '5,6p') <(grep trl "$W/pc/main.log") >/dev/null || fail "losses after resuming into dualpipe differ"
+grep -q "pipeline activations held per stage (peak, [^:]*): 5 5 5 5$" "$W/pc.out" \
+  || fail "dualpipe on 4 stages: each rank's peak should be S+1 = 5: $(grep 'activations held' "$W/pc.out")"
+pass "dualpipe on 2 stages, resumed on one rank, resumed on 4 stages: identical to one rank; each stage's copies identical after every step; peak S+1"
+
+for z in 1 3; do   # ZeRO-1 reduces after the copies' sum, ZeRO-3 reduce-scatters before it
+  dumped dpz$z 4 "${COMMON[@]}" -d 256 -x 4 -n 4 --pp 2 -z $z "${DP[@]}" -o "$W/dpz$z"
+  same ref8 dpz$z 4
+  copies dpz$z 2 1 4
+done
+pass "dualpipe on 2 data x 2 stages, ZeRO 1 and 3: identical to one rank; copies identical after every step"
+
+if [ -x ./train_gpt2cu_emu ]; then
+  $MPI 2 ./train_gpt2cu_emu --deterministic 1 "${COMMON[@]}" -d 128 -x 4 -n 4 --pp 2 "${DP[@]}" -o "$W/emudp" \
+    >"$W/emudp.out" 2>&1 || { tail -5 "$W/emudp.out"; fail "emudp: train_gpt2cu_emu exited with an error"; }
+  same ref emudp 4
+  pass "the emulated CUDA build: dualpipe on 2 stages identical to the CPU build's one rank"
+fi
+
+refused dualpipe-3-stages 3 "--schedule dualpipe with -d 192 .*needs an even number of stages, got 3" \
+  -d 192 --pp 3 "${DP[@]}"
+refused dualpipe-few 2 "--schedule dualpipe with -d 96 .*an even number of microbatches, at least 2 x stages = 4, got 3" \
+  -d 96 --pp 2 "${DP[@]}"
+refused dualpipe-experts 2 "--schedule dualpipe: a mixture-of-experts model runs whole backwards" \
+  -e d4c32h2v64t32e4k2 -d 128 --pp 2 "${DP[@]}"
+pass "dualpipe refusals: odd stages, M odd and < 2S, experts"
 echo "all dualpipe tests passed"
