@@ -578,6 +578,9 @@ static void usage(void) {
            "  --block-size N          positions per KV block (default 16)\n"
            "  --kv-blocks N           KV blocks (default: room for 8 requests of maxT)\n"
            "  --max-batch-tokens N    rows per step: decoding rows plus prefill chunks (default 256)\n"
+           "  --batching MODE         inflight: a waiting request joins at any step with room (default);\n"
+           "                          static: a batch admitted together, none joins until all of it finished\n"
+           "  --max-running N         requests in the batch at most (1: one at a time; default --max-connections)\n"
            "  --max-connections N     requests at a time; more get 429 (default 64)\n"
            "  --max-body-bytes N      request bodies over this get 413 (default 1048576)\n"
            "  --shutdown-timeout S    on SIGTERM, seconds to finish what runs before cancelling it (default 30)\n"
@@ -586,7 +589,8 @@ static void usage(void) {
 
 int main(int argc, char** argv) {
     const char *model = NULL, *host = "127.0.0.1", *encoder = "dev/data/gpt2/encoder.json", *merges = "dev/data/gpt2/vocab.bpe";
-    long port = 8000, block_size = 16, kv_blocks = 0, max_batch = 256, max_conn = 64, max_body = 1 << 20, shutdown_s = 30;
+    long port = 8000, block_size = 16, kv_blocks = 0, max_batch = 256, max_conn = 64, max_running = 0, max_body = 1 << 20, shutdown_s = 30;
+    ServeBatching batching = SERVE_INFLIGHT;
     S.model_name = "gpt2";
     pthread_mutex_init(&S.mu, NULL);
     pthread_cond_init(&S.work, NULL);
@@ -605,6 +609,12 @@ int main(int argc, char** argv) {
         else if (strcmp(f, "--block-size") == 0) { block_size = flag_int(f, v, 1, 4096); }
         else if (strcmp(f, "--kv-blocks") == 0) { kv_blocks = flag_int(f, v, 1, 1 << 24); }
         else if (strcmp(f, "--max-batch-tokens") == 0) { max_batch = flag_int(f, v, 1, 1 << 20); }
+        else if (strcmp(f, "--max-running") == 0) { max_running = flag_int(f, v, 1, 100000); }
+        else if (strcmp(f, "--batching") == 0) {
+            if (strcmp(v, "inflight") == 0) { batching = SERVE_INFLIGHT; }
+            else if (strcmp(v, "static") == 0) { batching = SERVE_STATIC; }
+            else { fatal("--batching: expected inflight or static, got '%s'", v); }
+        }
         else if (strcmp(f, "--max-connections") == 0) { max_conn = flag_int(f, v, 1, 100000); }
         else if (strcmp(f, "--max-body-bytes") == 0) { max_body = flag_int(f, v, 64, 1L << 30); }
         else if (strcmp(f, "--shutdown-timeout") == 0) { shutdown_s = flag_int(f, v, 0, 86400); }
@@ -626,6 +636,8 @@ int main(int argc, char** argv) {
         kv_blocks = 8 * per_request;
     }
     serve_engine_init(&S.engine, &config, params, (int)kv_blocks, (int)block_size, (int)max_batch, (int)max_conn);
+    S.engine.batching = batching;
+    if (max_running > 0) { S.engine.max_running = (int)(max_running < max_conn ? max_running : max_conn); }
     S.engine.token_text = token_text;
     S.engine.token_text_ctx = &S.bpe;
     S.engine.on_event = on_event;
@@ -648,8 +660,9 @@ int main(int argc, char** argv) {
         (unsigned)(max_conn + 64), MHD_OPTION_NOTIFY_COMPLETED, request_completed, NULL, MHD_OPTION_END);
     if (!d) { fatal("--host %s --port %ld: cannot listen there (%s)", host, port, strerror(errno)); }
     const union MHD_DaemonInfo* info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
-    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d), %ld KV blocks of %ld, %ld rows per step\n", model,
-           config.num_layers, config.channels, config.max_seq_len, config.vocab_size, kv_blocks, block_size, max_batch);
+    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d), %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
+           model, config.num_layers, config.channels, config.max_seq_len, config.vocab_size, kv_blocks, block_size,
+           max_batch, batching == SERVE_STATIC ? "static" : "in-flight", S.engine.max_running);
     printf("serving %s on http://%s:%u\n", S.model_name, host, info ? info->port : (unsigned)port);
     fflush(stdout);
 

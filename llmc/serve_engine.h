@@ -43,6 +43,12 @@
 
 typedef enum { SERVE_WAITING, SERVE_RUNNING, SERVE_FINISHED } ServeState;
 
+// How waiting requests join: SERVE_INFLIGHT, at any step with room (continuous batching);
+// SERVE_STATIC, a batch admitted together when the last one finished, none joining until all
+// of it has (the baseline in-flight batching is measured against: make bench-serve). Either
+// way a request's rows are the same bits, as batch invariance says.
+typedef enum { SERVE_INFLIGHT, SERVE_STATIC } ServeBatching;
+
 typedef struct ServeRequest {
     // what was asked (serve_request_init, then the caller's fields)
     int* tokens;            // (cap): the prompt's num_prompt tokens, then the generated ones
@@ -78,6 +84,8 @@ typedef struct ServeEngine {
     int num_running;
     ServeRequest** waiting;   // FCFS; preempted requests at the front
     int num_waiting, max_requests;
+    int max_running;          // requests in the batch at most (1: one at a time); default max_requests
+    ServeBatching batching;   // default SERVE_INFLIGHT
     ServeTokenText token_text;
     void* token_text_ctx;
     // called for each drawn token (after the request's fields are updated) and once when it
@@ -139,6 +147,8 @@ static inline void serve_engine_init(ServeEngine* e, const GPT2Config* config, c
     e->Vp = config->padded_vocab_size;
     e->max_batch_tokens = max_batch_tokens;
     e->max_requests = max_requests;
+    e->max_running = max_requests;
+    e->batching = SERVE_INFLIGHT;
     int C = e->C, N = max_batch_tokens;
     if (max_batch_tokens < 1) { fatal("--max-batch-tokens %d: at least 1 row per step", max_batch_tokens); }
     if ((long)kv_blocks * block_size < e->maxT) {
@@ -350,9 +360,19 @@ static inline void serve_schedule(ServeEngine* e, ServeRequest* r, int n, int* r
 // schedule and the draws change the requests and the queues, the forward only the cache and
 // the engine's activations.
 // 1. The schedule: which rows of which requests this step computes; returns their number.
+static inline void serve_admit(ServeEngine* e) {
+    ServeRequest* r = e->waiting[0];
+    serve_remove_at(e->waiting, &e->num_waiting, 0);
+    r->state = SERVE_RUNNING;
+    e->running[e->num_running++] = r;
+}
+
 static inline int serve_engine_schedule(ServeEngine* e) {
     int budget = e->max_batch_tokens, rows = 0, preempted = 0;
     e->num_sched = 0;
+    if (e->batching == SERVE_STATIC && e->num_running == 0) {   // the whole batch at once; its prefill chunked below
+        while (e->num_waiting > 0 && e->num_running < e->max_running) { serve_admit(e); }
+    }
     for (int i = 0; i < e->num_running && budget > 0; i++) {
         ServeRequest* r = e->running[i];
         int n = r->len - r->computed < budget ? r->len - r->computed : budget;
@@ -367,13 +387,12 @@ static inline int serve_engine_schedule(ServeEngine* e) {
         serve_schedule(e, r, n, &rows);
         budget -= n;
     }
-    while (!preempted && e->num_waiting > 0 && budget > 0) {
+    while (e->batching == SERVE_INFLIGHT && !preempted && e->num_waiting > 0 && budget > 0 &&
+           e->num_running < e->max_running) {
         ServeRequest* r = e->waiting[0];
         int n = r->len - r->computed < budget ? r->len - r->computed : budget;
         if (!block_table_reserve(&e->kv, &r->table, r->computed + n)) { break; }
-        serve_remove_at(e->waiting, &e->num_waiting, 0);
-        r->state = SERVE_RUNNING;
-        e->running[e->num_running++] = r;
+        serve_admit(e);
         serve_schedule(e, r, n, &rows);
         budget -= n;
     }

@@ -4,6 +4,7 @@
 #   make serve_gpt2     the server (needs libmicrohttpd and cJSON: Debian libmicrohttpd-dev,
 #                       libcjson-dev; without them `make` says so in one line and skips it)
 #   make serve          serves the quick start's checkpoint (make train) on port 8000
+#   make bench-serve    in-flight vs static batching vs one at a time on d12 (a table, not a test)
 #
 # Tests: build/test_serve_engine drives the engine without HTTP; dev/test/test_serve.sh runs the
 # server under curl.
@@ -58,3 +59,11 @@ endif
 fuzz-serve: build/fuzz/fuzz_serve_request
 	@mkdir -p build/fuzz/corpus/serve_request
 	build/fuzz/fuzz_serve_request -max_total_time=$(FUZZ_SECONDS) build/fuzz/corpus/serve_request dev/fuzz/seeds_serve_request
+
+# the serving benchmark (dev/bench/bench_serve.sh; a table, not a test): in-flight against
+# static batching and one request at a time, on d12, under our load generator
+build/serve_load: dev/bench/serve_load.c | build
+	$(CC) -O2 -std=c11 -Wall -Wextra -o $@ $< -lm -lpthread
+.PHONY: bench-serve
+bench-serve: serve_gpt2 build/serve_load
+	dev/bench/bench_serve.sh

@@ -80,18 +80,24 @@ static int same_tokens(const ServeRequest* r, const Case* k) {
 // Runs the cases through one engine; case i arrives at step arrive[i] (in that order when
 // several share a step). Returns how many requests were preempted at least once.
 static int run_batched(const GPT2Config* c, const float* params, Case* cases, const int* order, const int* arrive,
-                       int kv_blocks, int block_size, int max_batch_tokens, const char* name) {
+                       int kv_blocks, int block_size, int max_batch_tokens, ServeBatching batching, int max_running,
+                       const char* name) {
     ServeEngine e;
     serve_engine_init(&e, c, params, kv_blocks, block_size, max_batch_tokens, NCASES);
+    e.batching = batching;
+    if (max_running > 0) { e.max_running = max_running; }
     ServeRequest reqs[NCASES];
-    int next = 0;
+    int next = 0, busiest = 0, joined = 0;   // the schedule's own promises: the batch's cap, none joining a static batch
     for (int step = 0; next < NCASES || !serve_engine_idle(&e); step++) {
         while (next < NCASES && arrive[order[next]] <= step) {
             request_from_case(&reqs[order[next]], &cases[order[next]], c->vocab_size);
             CHECK(serve_engine_submit(&e, &reqs[order[next]]), "%s: submit refused", name);
             next++;
         }
+        int before = e.num_running;
         serve_engine_step(&e);
+        if (max_running > 0) { busiest = e.num_running > busiest ? e.num_running : busiest; }
+        if (batching == SERVE_STATIC && before > 0 && e.num_running > before) { joined++; }
         CHECK(step < 100000, "%s: the engine does not finish", name);
         if (step >= 100000) { break; }
     }
@@ -102,6 +108,8 @@ static int run_batched(const GPT2Config* c, const float* params, Case* cases, co
         serve_request_free(&reqs[i]);
     }
     CHECK(bad == 0, "%s: %d request(s) differ from the sampler", name, bad);
+    CHECK(busiest <= max_running, "%s: %d requests ran at once, over --max-running %d", name, busiest, max_running);
+    CHECK(joined == 0, "%s: requests joined a running static batch at %d steps", name, joined);
     CHECK(e.kv.num_free == kv_blocks, "%s: %d of %d blocks free at the end", name, e.kv.num_free, kv_blocks);
     printf("%s: %d requests = the sampler's tokens, %lld steps, %d preempted, all blocks free: %s\n", name, NCASES,
            e.steps, preempted, bad == 0 && e.kv.num_free == kv_blocks ? "ok" : "FAIL");
@@ -170,15 +178,19 @@ int main(int argc, char** argv) {
             if (arrive[order[j]] < arrive[order[i]]) { int t = order[i]; order[i] = order[j]; order[j] = t; }
         }
     }
-    int p1 = run_batched(&c, params, cases, order, arrive, 10, 16, 16, "batched, 10 blocks of 16, chunks of 16");
+    int p1 = run_batched(&c, params, cases, order, arrive, 10, 16, 16, SERVE_INFLIGHT, 0, "batched, 10 blocks of 16, chunks of 16");
     CHECK(p1 > 0, "the small cache preempted nobody: the test does not reach preemption");
     int reversed[NCASES], same_step[NCASES];
     for (int i = 0; i < NCASES; i++) {
         reversed[i] = order[NCASES - 1 - i];
         same_step[i] = 0;
     }
-    run_batched(&c, params, cases, reversed, same_step, 40, 4, 5, "all at once reversed, 40 blocks of 4, chunks of 5");
-    run_batched(&c, params, cases, order, arrive, 256, 16, 256, "batched, room for all, one chunk");
+    run_batched(&c, params, cases, reversed, same_step, 40, 4, 5, SERVE_INFLIGHT, 0, "all at once reversed, 40 blocks of 4, chunks of 5");
+    run_batched(&c, params, cases, order, arrive, 256, 16, 256, SERVE_INFLIGHT, 0, "batched, room for all, one chunk");
+    // the schedules make bench-serve compares in-flight batching with: the same bits
+    run_batched(&c, params, cases, order, arrive, 10, 16, 16, SERVE_STATIC, 0, "static batches, 10 blocks of 16");
+    run_batched(&c, params, cases, order, arrive, 256, 16, 256, SERVE_STATIC, 4, "static batches of 4");
+    run_batched(&c, params, cases, order, arrive, 256, 16, 7, SERVE_INFLIGHT, 1, "one at a time, chunks of 7");
 
     // 3. a stop string: the letters the sampler's tokens spell, cut before the first match
     {

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The serving benchmark (a table, not a test): serve_gpt2 on GPT-2 124M's shape (d12; the
+# quick start's checkpoint when there is one, else a random d12 written once to
+# build/bench_serve/) under build/serve_load (Poisson arrivals; tiny Shakespeare prompts; greedy,
+# ignore_eos, output lengths uniform in OUT), one server per row:
+#   lone request            in-flight batching, 1 request at a time from the client
+#   in-flight, 16 conc.     in-flight batching (the default), 16 requests in flight
+#   static, 16 conc.        --batching static: a batch admitted together, none joins until all finish
+#   one at a time, 16 conc. --max-running 1: the engine runs one request, 15 queue
+# TTFT, TPOT, ITL in ms (mean / p50 / p99), as vLLM's benchmark_serving reports them.
+# Usage: dev/bench/bench_serve.sh  (env: N requests per 16-concurrent row, default 16; N1 for
+# the one-request-at-a-time rows, default 4; OUT=MIN:MAX output tokens, default 16:32;
+# PROMPT=MIN:MAX characters, default 40:160; RATE requests/s, default 4)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+N=${N:-16}; N1=${N1:-4}; OUT=${OUT:-16:32}; PROMPT=${PROMPT:-40:160}; RATE=${RATE:-4}
+D=dev/data
+[ -s $D/tinyshakespeare.txt ] || D=../shared/data
+G=$D/gpt2
+make -s serve_gpt2 train_gpt2 build/serve_load >/dev/null
+ckpt=$(ls -t out/quickstart/*/model_*.bin 2>/dev/null | head -1 || true)
+if [ -z "$ckpt" ]; then
+  ckpt=build/bench_serve/ck/model_00000001.bin
+  if [ ! -s "$ckpt" ]; then   # a random d12: one step at learning rate 0 writes the initial weights
+    echo "writing a random d12 checkpoint to $ckpt (once)"
+    ./train_gpt2 -e d12 -i $G/tiny_shakespeare_train.bin -b 1 -t 64 -x 1 -l 0 -v 0 -s 0 -n 1 \
+      -o build/bench_serve/ck >build/bench_serve.train.out 2>&1 || { tail -3 build/bench_serve.train.out; exit 1; }
+    rm -f build/bench_serve/ck/state_*.bin
+  fi
+fi
+W=$(mktemp -d /tmp/llmc_bench_serve.XXXXXX)
+PID=
+trap '[ -n "$PID" ] && kill -TERM $PID 2>/dev/null; rm -rf "$W"' EXIT
+row() {   # label, requests, concurrency, server flags...
+  local label=$1 n=$2 conc=$3; shift 3
+  ./serve_gpt2 -e "$ckpt" --port 0 --encoder $G/encoder.json --bpe $G/vocab.bpe "$@" >"$W/server.out" 2>&1 &
+  PID=$!
+  local port=
+  for _ in $(seq 600); do
+    port=$(grep -o 'http://127.0.0.1:[0-9]*' "$W/server.out" | sed 's/.*://' || true)
+    [ -n "$port" ] && break
+    sleep 0.1
+  done
+  [ -n "$port" ] || { cat "$W/server.out"; exit 1; }
+  build/serve_load --port "$port" --text $D/tinyshakespeare.txt --num-prompts "$n" --max-concurrency "$conc" \
+    --rate "$RATE" --output-tokens "$OUT" --prompt-chars "$PROMPT" --label "$label" >"$W/load.out" || { cat "$W/load.out"; exit 1; }
+  kill -TERM $PID; wait $PID || true; PID=
+  grep '^|' "$W/load.out"
+}
+echo "$ckpt, prompts $PROMPT chars, outputs $OUT tokens, Poisson arrivals at $RATE/s, $(nproc) cores"
+echo "| schedule | requests | req/s | output tok/s | TTFT ms (mean / p50 / p99) | TPOT ms | ITL ms |"
+echo "|---|---|---|---|---|---|---|"
+row "lone request (1 concurrent)" "$N1" 1
+row "in-flight, 16 concurrent" "$N" 16
+row "static, 16 concurrent" "$N" 16 --batching static
+row "one at a time (--max-running 1), 16 concurrent" "$N1" 16 --max-running 1
