@@ -27,8 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "llmc/kernels_moe_det.cuh"   // the kernel contract's device set (with kernels_det.cuh)
-#define LLMC_DEVICE_KERNELS
+#include "llmc/kernels_moe_det.cuh"   // the kernel contract's device set (with kernels_det.cuh,
+                                      // which defines LLMC_DEVICE_KERNELS)
 #include "train_gpt2.c"   // the model, on the kernels above (and the engine it includes)
 #include "llmc/gpt2_fast.h"
 

