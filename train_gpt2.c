@@ -15,9 +15,8 @@
  * llmc/cpu_fast.h (register tiles, SIMD, cache blocking) that computes exactly their bits
  * (test_kernels compares them); together they implement the kernel contract, llmc/kernels.h.
  * The CUDA build in deterministic mode runs this very model on the contract's device set
- * (train_gpt2.cu includes this file after the device set, whose kernels_det.cuh defines
- * LLMC_DEVICE_KERNELS, which leaves out the CPU kernels and main), and every parallel layout
- * reproduces its bits.
+ * (train_gpt2.cu includes this file with LLMC_DEVICE_KERNELS defined, which leaves out the
+ * CPU kernels and main), and every parallel layout reproduces its bits.
  *
  * Shapes: B sequences of T tokens, C channels, NH heads of hs = C/NH, vocabulary V padded to
  * Vp, L layers. "BT" is B*T positions, row-major (b, t). A matmul reduces IC inputs to OC

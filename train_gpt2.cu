@@ -27,8 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "llmc/kernels_moe_det.cuh"   // the kernel contract's device set (with kernels_det.cuh,
-                                      // which defines LLMC_DEVICE_KERNELS)
+#include "llmc/kernels_moe_det.cuh"   // the kernel contract's device set (with kernels_det.cuh)
+#define LLMC_DEVICE_KERNELS
 #include "train_gpt2.c"   // the model, on the kernels above (and the engine it includes)
 #include "llmc/gpt2_fast.h"
 
@@ -141,6 +141,10 @@ int main(int argc, char** argv) {
     if (!det && t.config.num_experts > 0) {
         fatal("-e: fast mode has no mixture-of-experts model yet (E=%d); run it with --deterministic 1",
               t.config.num_experts);
+    }
+    if (!det && t.args.varlen) {
+        fatal("--varlen: fast mode trains fixed windows of -t tokens only (each sequence length would be a new "
+              "attention plan); run --varlen with --deterministic 1");
     }
     if (!det && (t.args.tp > 1 || t.args.pp > 1 || t.args.sp || t.args.cp > 1)) {
         fatal("--tp/--pp/--sp/--cp: fast mode runs data parallelism and ZeRO on one pipeline stage; tensor, sequence, "

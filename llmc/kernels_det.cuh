@@ -37,9 +37,6 @@
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/canonical.h"
-// this translation unit's kernels are the device set: kernels.h leaves out what only the CPU
-// set has, and train_gpt2.c (included after this) its CPU kernels and main
-#define LLMC_DEVICE_KERNELS
 #include "llmc/kernels.h"
 #include "llmc/adamw.h"
 #include "llmc/gpu_plan.h"

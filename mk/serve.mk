@@ -68,3 +68,8 @@ build/serve_load: dev/bench/serve_load.c | build
 .PHONY: bench-serve
 bench-serve: serve_gpt2 build/serve_load
 	dev/bench/bench_serve.sh
+
+.PHONY: clean-serve
+clean: clean-serve
+clean-serve:
+	rm -f serve_gpt2

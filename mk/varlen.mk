@@ -14,3 +14,8 @@ build/test_flexsp: dev/test/test_flexsp.c $(LLMC_HEADERS) | build
 	$(CC) $(TEST_CFLAGS) $(FLEXSP_GLPK) -o $@ $< $(FLEXSP_LIBS) -lm
 TEST_BINS += build/test_flexsp dev/tools/flexsp_plan
 TESTS += build/test_flexsp
+
+.PHONY: clean-varlen
+clean: clean-varlen
+clean-varlen:
+	rm -f dev/tools/flexsp_plan

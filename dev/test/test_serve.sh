@@ -17,7 +17,7 @@
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
-D=../shared/data/gpt2
+D=${LLMC_SHARED_DATA:-../shared/data}/gpt2   # override with LLMC_SHARED_DATA
 J=build/serve_json
 W=$(mktemp -d /tmp/llmc_serve_test.XXXXXX)
 SERVER_PID=
@@ -197,7 +197,9 @@ exec 5<>/dev/tcp/127.0.0.1/"${URL##*:}"
 exec 6<>/dev/tcp/127.0.0.1/"${URL##*:}"
 printf 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{' >&5
 printf 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{' >&6
-sleep 0.3
+# until the server has taken both (a loaded machine may need a moment): a request's 200 then
+# only means it came first
+for _ in $(seq 50); do [ "$(post busy /v1/completions '{"prompt":"hi","max_tokens":1}')" = 429 ] && break; sleep 0.1; done
 bad 429 '{"prompt":"hi","max_tokens":1}'
 exec 5>&- 6>&-
 for _ in $(seq 50); do [ "$(post ok /v1/completions '{"prompt":"hi","max_tokens":2}')" = 200 ] && break; sleep 0.1; done
@@ -214,10 +216,11 @@ pass "a client gone mid-stream: its request cancelled, its blocks back on the fr
 # --- 8. SIGTERM: the running stream finishes, then exit 0 --------------------------------
 curl -sN "$URL/v1/completions" -d '{"prompt":"The","max_tokens":30,"ignore_eos":true,"stream":true}' >"$W/term.sse" &
 client=$!
-sleep 0.2
-port=${URL##*:}
+for _ in $(seq 100); do [ "$(metric serve_requests_running)" = 1 ] && break; sleep 0.05; done
+[ "$(metric serve_requests_running)" = 1 ] || fail "the stream to run at SIGTERM did not start"
 kill -TERM "$SERVER_PID"
-sleep 0.1
+# it stops accepting at once; a loaded machine may take a moment to deliver the signal
+for _ in $(seq 40); do curl -s --max-time 1 -o /dev/null "$URL/health" || break; sleep 0.05; done
 curl -s --max-time 2 -o /dev/null "$URL/health" && fail "the server still accepts connections after SIGTERM"
 wait "$SERVER_PID"
 rc=$?

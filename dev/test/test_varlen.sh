@@ -61,12 +61,13 @@ run one 1 "${DOCS[@]}" -o "$W/one"
 grep -q "shuffle 1" "$W/one.out" || fail "the layouts should run with --shuffle 1"
 for layout in "2 -z 0" "2 -z 1" "2 -z 2" "2 -z 3" "4 -z 3" "2 --tp 2" \
               "2 --pp 2 --schedule 1f1b" "2 --pp 2 --schedule gpipe" "2 --pp 2 --schedule zb1" \
-              "2 --pp 2 --schedule zbv" "2 --pp 2 --schedule interleaved --vpp 2" "4 --pp 2 -z 1"; do
+              "2 --pp 2 --schedule zbv" "2 --pp 2 --schedule interleaved --vpp 2" "4 --pp 2 -z 1" \
+              "2 --pp 2 --schedule dualpipev" "2 --pp 2 --schedule dualpipe"; do
   name=$(echo "$layout" | tr -d ' -')
   run "$name" $layout "${DOCS[@]}" -o "$W/$name"
   same one "$name" 3
 done
-pass "--varlen on DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2, PP 2 (1f1b, gpipe, zb1, zbv, interleaved), DP 2 x PP 2: identical to one rank"
+pass "--varlen on DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2, PP 2 (1f1b, gpipe, zb1, zbv, interleaved, dualpipev, dualpipe), DP 2 x PP 2: identical to one rank"
 MOE=(-e d2c32h2v50257t32e4k2 -i "$W/docs.bin" -t 16 --varlen 4 -v 0 -s 0 -l 3e-3 -x 2 -n 2)
 run moe1 1 "${MOE[@]}" -o "$W/moe1"
 run moe2 2 "${MOE[@]}" --ep 2 -o "$W/moe2"
@@ -88,7 +89,9 @@ for layout in "1" "2 -z 3" "2 --pp 2"; do
   same tails "$name" 3
 done
 BIN=./train_gpt2
-pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3 and PP 2: identical to the CPU build"
+./train_gpt2cu_emu --deterministic 0 "${TAILS[@]}" -o "$W/fastbad" >"$W/fastbad.out" 2>&1 && fail "fast mode accepted --varlen"
+grep -q -- "--varlen: fast mode trains fixed windows" "$W/fastbad.out" || { cat "$W/fastbad.out"; fail "fast mode with --varlen: no line naming the flag"; }
+pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3 and PP 2: identical to the CPU build; fast mode refuses --varlen"
 
 # --- bad input: one line, non-zero exit ---
 bad() {   # expected-text args...
