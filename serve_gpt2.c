@@ -569,7 +569,7 @@ static void on_stop_signal(int sig) {
 
 static void usage(void) {
     printf("usage: serve_gpt2 -e MODEL.bin [options]\n"
-           "  -e FILE                 llm.c checkpoint (any the trainer reads; dense GPT-2)\n"
+           "  -e FILE                 llm.c checkpoint (any the trainer reads, experts included)\n"
            "  --port N                TCP port (default 8000; 0 = any free one, printed)\n"
            "  --host ADDR             IPv4 address to listen on (default 127.0.0.1, loopback)\n"
            "  --served-model-name S   the model's name in /v1/models and requests (default gpt2)\n"
@@ -629,7 +629,6 @@ int main(int argc, char** argv) {
 
     GPT2Config config;
     float* params = gpt2_read_finite_model(model, &config, 0);
-    if (config.num_experts > 0) { fatal("%s: a mixture-of-experts checkpoint; serve_gpt2 serves dense GPT-2 only so far", model); }
     bpe_init(&S.bpe, encoder, merges);
     if (kv_blocks == 0) {
         long per_request = (config.max_seq_len + block_size - 1) / block_size;
@@ -660,8 +659,9 @@ int main(int argc, char** argv) {
         (unsigned)(max_conn + 64), MHD_OPTION_NOTIFY_COMPLETED, request_completed, NULL, MHD_OPTION_END);
     if (!d) { fatal("--host %s --port %ld: cannot listen there (%s)", host, port, strerror(errno)); }
     const union MHD_DaemonInfo* info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
-    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d), %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
-           model, config.num_layers, config.channels, config.max_seq_len, config.vocab_size, kv_blocks, block_size,
+    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d E=%d k=%d), %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
+           model, config.num_layers, config.channels, config.max_seq_len, config.vocab_size, config.num_experts,
+           config.top_k, kv_blocks, block_size,
            max_batch, batching == SERVE_STATIC ? "static" : "in-flight", S.engine.max_running);
     printf("serving %s on http://%s:%u\n", S.model_name, host, info ? info->port : (unsigned)port);
     fflush(stdout);

@@ -18,7 +18,11 @@
  * (attention_forward_paged) lays every request out over the same maxT positions, so its R2Z
  * chunks of keys are fixed by the position alone. A request's rows are therefore the rows of
  * the trainer's sampler's forward over (1, maxT), bit for bit: alone or batched, in any
- * arrival order, any prefill chunking, after a preemption. Its draws come from its own
+ * arrival order, any prefill chunking, after a preemption. A mixture-of-experts layer keeps
+ * this (serve_moe_forward): the router and its top-k choice are per row and the trainer's layer
+ * has no capacity limit (moe.h: every slot reaches its expert), so nothing couples a row to the
+ * other rows of its batch: not the serving batch, nor the padding positions after the prompt
+ * in the sampler's (1, maxT) pass. Its draws come from its own
  * Sampler and xorshift state (seed), one coin per token as the trainer's sampler (engine.h),
  * which with -g maxT, --prompt and seed 1337 gives the same tokens.
  *
@@ -34,6 +38,7 @@
 #include "llmc/canonical.h"
 #include "llmc/kernels.h"
 #include "llmc/model.h"
+#include "llmc/moe.h"
 #include "llmc/paged_kv.h"
 #include "llmc/rand.h"
 #include "llmc/sampler.h"
@@ -95,6 +100,10 @@ typedef struct ServeEngine {
     // the forward's activations over at most max_batch_tokens rows
     float *x, *ln, *mean, *rstd, *qkv, *atty, *proj, *x2, *fch, *fch_gelu, *att_scratch;
     float *hx, *logits, *ce;
+    // a mixture-of-experts layer's routing over the step's rows (config.num_experts > 0; fch and
+    // fch_gelu then hold the k dispatch rows of each row)
+    float *moe_probs, *moe_gates, *moe_xin, *moe_ret;
+    int *moe_chosen, *moe_count, *moe_row_pos, *moe_slot_row, *moe_cursor;
     int *row_tok, *row_pos, *head_rows;    // per row: token, position; the rows the head reads
     const int** row_table;                  // per row: its request's block table
     ServeRequest** sched;                   // the step's requests, their last rows
@@ -158,7 +167,7 @@ static inline void serve_engine_init(ServeEngine* e, const GPT2Config* config, c
     paged_kv_init(&e->kv, kv_blocks, block_size, config->num_layers, C);
     e->running = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "running requests");
     e->waiting = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "waiting requests");
-    size_t rows = (size_t)N;
+    size_t rows = (size_t)N, E = (size_t)config->num_experts, slots = rows * (E > 0 ? (size_t)config->top_k : 1);
     e->x = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
     e->ln = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
     e->mean = (float*)malloc_or_die(sizeof(float) * rows, "serve activations");
@@ -167,8 +176,19 @@ static inline void serve_engine_init(ServeEngine* e, const GPT2Config* config, c
     e->atty = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
     e->proj = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
     e->x2 = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
-    e->fch = (float*)malloc_or_die(sizeof(float) * rows * 4 * C, "serve activations");
-    e->fch_gelu = (float*)malloc_or_die(sizeof(float) * rows * 4 * C, "serve activations");
+    e->fch = (float*)malloc_or_die(sizeof(float) * slots * 4 * C, "serve activations");
+    e->fch_gelu = (float*)malloc_or_die(sizeof(float) * slots * 4 * C, "serve activations");
+    if (E > 0) {
+        e->moe_probs = (float*)malloc_or_die(sizeof(float) * rows * E, "serve routing");
+        e->moe_gates = (float*)malloc_or_die(sizeof(float) * slots, "serve routing");
+        e->moe_xin = (float*)malloc_or_die(sizeof(float) * slots * C, "serve expert rows");
+        e->moe_ret = (float*)malloc_or_die(sizeof(float) * slots * C, "serve expert rows");
+        e->moe_chosen = (int*)malloc_or_die(sizeof(int) * slots, "serve routing");
+        e->moe_count = (int*)malloc_or_die(sizeof(int) * E, "serve routing");
+        e->moe_row_pos = (int*)malloc_or_die(sizeof(int) * slots, "serve routing");
+        e->moe_slot_row = (int*)malloc_or_die(sizeof(int) * slots, "serve routing");
+        e->moe_cursor = (int*)malloc_or_die(sizeof(int) * E, "serve routing");
+    }
     e->att_scratch = (float*)malloc_or_die(sizeof(float) * ((size_t)e->maxT * 3 * C + (size_t)config->num_heads * e->maxT),
                                            "serve attention scratch");
     e->hx = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
@@ -186,7 +206,8 @@ static inline void serve_engine_free(ServeEngine* e) {
     paged_kv_free(&e->kv);
     void* bufs[] = {e->running, e->waiting, e->x, e->ln, e->mean, e->rstd, e->qkv, e->atty, e->proj, e->x2, e->fch,
                     e->fch_gelu, e->att_scratch, e->hx, e->logits, e->ce, e->row_tok, e->row_pos, e->head_rows,
-                    (void*)e->row_table, e->sched, e->sched_last_row};
+                    (void*)e->row_table, e->sched, e->sched_last_row, e->moe_probs, e->moe_gates, e->moe_xin,
+                    e->moe_ret, e->moe_chosen, e->moe_count, e->moe_row_pos, e->moe_slot_row, e->moe_cursor};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) { free(bufs[i]); }
 }
 
@@ -240,6 +261,36 @@ static inline void serve_preempt_latest(ServeEngine* e) {
     e->num_waiting++;
 }
 
+// A mixture-of-experts layer l in place of the MLP (llmc/moe.h THE LAYER; train_gpt2.c
+// moe_forward at one rank, kernel for kernel) on the step's N rows: e->ln (N,C) -> e->proj
+// (N,C). Each row's router logits, choice and gates are its own (per-row kernels), and every
+// slot reaches its expert (no capacity limit), so the dispatch order (rows sorted by expert,
+// moe_plan_routes with each row a sequence of one position) only places the rows: each
+// expert's matmuls reduce per row, and the combine sums a row's k outputs in ascending expert
+// index. A row's output is therefore the same bits in any batch, as in the sampler's pass.
+static inline void serve_moe_forward(ServeEngine* e, int l, int N) {
+    const GPT2Config* c = &e->config;
+    int C = e->C, C4 = 4 * C, E = c->num_experts, k = c->top_k;
+    const float* p = e->params;
+    matmul_forward(e->moe_probs, e->ln, p + param_offset(c, P_ROUTERW, l), NULL, N, C, E, CANON_R);
+    moe_router_forward(e->moe_probs, e->moe_chosen, e->moe_gates, e->moe_probs, N, E, k);
+    moe_plan_routes(e->moe_chosen, N, 1, k, E, e->moe_count, e->moe_row_pos, e->moe_slot_row, e->moe_cursor);
+    moe_gather_rows(e->moe_xin, e->ln, e->moe_row_pos, N * k, C);
+    // expert x's tensors: block x of the stacked fcw (E,4C,C), fcb (E,4C), fcprojw (E,C,4C), fcprojb (E,C)
+    const float *fcw = p + param_offset(c, P_FCW, l), *fcb = p + param_offset(c, P_FCB, l);
+    const float *fcprojw = p + param_offset(c, P_FCPROJW, l), *fcprojb = p + param_offset(c, P_FCPROJB, l);
+    for (int x = 0, r0 = 0; x < E; r0 += e->moe_count[x], x++) {
+        int n = e->moe_count[x];
+        if (n == 0) { continue; }
+        float *fch = e->fch + (size_t)r0 * C4, *gelu = e->fch_gelu + (size_t)r0 * C4, *y = e->moe_ret + (size_t)r0 * C;
+        matmul_forward(fch, e->moe_xin + (size_t)r0 * C, fcw + (size_t)x * C4 * C, fcb + (size_t)x * C4, n, C, C4, CANON_R);
+        gelu_forward(gelu, fch, (size_t)n * C4);
+        matmul_forward(y, gelu, fcprojw + (size_t)x * C * C4, NULL, n, C4, C, CANON_R);
+        bias_forward(y, fcprojb + (size_t)x * C, n, C);
+    }
+    moe_combine(e->proj, e->moe_ret, e->moe_gates, e->moe_slot_row, N, k, C);
+}
+
 // The forward over the step's N rows: x (N,C) -> each layer -> the final residual in e->x.
 // The layer is the trainer's (train_gpt2.c layers_forward at one rank), kernel for kernel; the
 // new keys and values go into their cache slots before attention reads them.
@@ -267,10 +318,14 @@ static inline void serve_forward(ServeEngine* e, int N) {
         bias_forward(e->proj, W(P_ATTPROJB), N, C);
         residual_forward(e->x2, e->x, e->proj, (size_t)N * C);
         layernorm_forward(e->ln, e->mean, e->rstd, e->x2, W(P_LN2W), W(P_LN2B), N, C);
-        matmul_forward(e->fch, e->ln, W(P_FCW), W(P_FCB), N, C, 4 * C, CANON_R);
-        gelu_forward(e->fch_gelu, e->fch, (size_t)N * 4 * C);
-        matmul_forward(e->proj, e->fch_gelu, W(P_FCPROJW), NULL, N, 4 * C, C, CANON_R);
-        bias_forward(e->proj, W(P_FCPROJB), N, C);
+        if (c->num_experts > 0) {
+            serve_moe_forward(e, l, N);
+        } else {
+            matmul_forward(e->fch, e->ln, W(P_FCW), W(P_FCB), N, C, 4 * C, CANON_R);
+            gelu_forward(e->fch_gelu, e->fch, (size_t)N * 4 * C);
+            matmul_forward(e->proj, e->fch_gelu, W(P_FCPROJW), NULL, N, 4 * C, C, CANON_R);
+            bias_forward(e->proj, W(P_FCPROJB), N, C);
+        }
         residual_forward(e->x, e->x2, e->proj, (size_t)N * C);
 #undef W
     }

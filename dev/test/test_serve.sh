@@ -13,6 +13,8 @@
 #      complete JSON, every KV block free at the end, the resident memory after the second half
 #      where the first half left it;
 #   8. SIGTERM: the running stream finishes, new connections are refused, exit status 0;
+#   9. a mixture-of-experts checkpoint (4 experts, top 2): greedy = the trainer's sampler's, and
+#      4 requests at once = each alone;
 # and first the request parser's fuzz target replays its seeds (when clang's libFuzzer is there).
 # Exits non-zero on the first failure, saying which.
 set -u
@@ -262,4 +264,27 @@ rss1=$(rss)
 [ "$rss1" -le $((rss0 + rss0 / 4 + 4096)) ] || fail "soak: resident memory grew from $rss0 kB to $rss1 kB"
 pass "soak: 256 requests at 32 connections (32 cut off): 224 complete JSON answers, every KV block free, memory after the first and the second half $rss0 -> $rss1 kB"
 stop_server || fail "exit status after the soak"
+
+# --- 9. a mixture-of-experts checkpoint ------------------------------------------------------
+./train_gpt2 -e d2c32h2t64e4k2 -i $D/tiny_shakespeare_train.bin -b 4 -t 64 -x 10 -v 0 -s 0 -l 3e-3 -n 10 \
+  -o "$W/moe" >"$W/train_moe.out" 2>&1 || fail "could not train the expert checkpoint: $(tail -3 "$W/train_moe.out")"
+CK=$W/moe/model_00000010.bin
+moe_greedy_ref=$(sampler 0 0)
+[ "$moe_greedy_ref" != "$greedy_ref" ] || fail "the expert model's greedy output is the dense one's: the comparison cannot tell them apart"
+start_server --kv-blocks 8 --max-batch-tokens 16
+grep -q 'E=4 k=2' "$W/server.out" || fail "the server did not load the experts: $(head -1 "$W/server.out")"
+code=$(post moe_greedy /v1/completions "{\"prompt\":[$PROMPT],\"max_tokens\":60,\"temperature\":0,\"ignore_eos\":true}")
+[ "$code" = 200 ] || fail "expert model, greedy: HTTP $code: $(cat "$W/moe_greedy.json")"
+[ "$(field moe_greedy choices.0.token_ids)" = "$moe_greedy_ref" ] || fail "expert model: greedy output differs from the sampler's"
+for i in 0 1 2 3; do post moe_alone_$i /v1/completions "$(body $i)" >/dev/null; done
+clients=()
+for i in 0 1 2 3; do post moe_batched_$i /v1/completions "$(body $i)" >/dev/null & clients+=($!); done
+wait "${clients[@]}"
+for i in 0 1 2 3; do
+  [ -n "$(field moe_alone_$i choices.0.token_ids)" ] || fail "expert model: request $i alone has no tokens"
+  [ "$(field moe_batched_$i choices.0.token_ids)" = "$(field moe_alone_$i choices.0.token_ids)" ] ||
+    fail "expert model: request $i batched differs from the same request alone"
+done
+stop_server || fail "exit status of the expert model's server"
+pass "a 4-expert top-2 checkpoint: greedy = the trainer's sampler's, 4 requests at once = each alone"
 echo "all serve tests passed"

@@ -14,6 +14,9 @@
  *     and chunk sizes; every block free at the end;
  *  3. a stop string ends the text before it (finish_reason "stop"), maxT ends with "length";
  *  4. a request cancelled midway gives its blocks back and changes nobody else's tokens.
+ * All of it twice: on a dense model, and on a mixture-of-experts one (4 experts, top 2) whose
+ * rows the trainer routes in its (1, maxT) pass beside the padding positions and the engine
+ * beside other requests' rows.
  * Exits non-zero on any failure.
  */
 #define TESTING
@@ -117,19 +120,18 @@ static int run_batched(const GPT2Config* c, const float* params, Case* cases, co
     return preempted;
 }
 
-int main(int argc, char** argv) {
-    Comm comm;
-    comm_init(&comm, &argc, &argv);
-    GPT2Config c = {.max_seq_len = 64, .vocab_size = 90, .padded_vocab_size = padded_vocab(90),
-                    .num_layers = 2, .num_heads = 4, .channels = 32};
+// Sections 1-4 on the model of configuration c.
+static void check_engine(Comm* comm, GPT2Config c, const char* model_name) {
+    printf("== %s: L=%d C=%d NH=%d V=%d maxT=%d E=%d k=%d\n", model_name, c.num_layers, c.channels, c.num_heads,
+           c.vocab_size, c.max_seq_len, c.num_experts, c.top_k);
     float* params = gpt2_random_params(&c, 7);
     // larger embeddings than GPT-2's init, so the distributions are far from uniform
     for (size_t i = 0; i < (size_t)c.vocab_size * c.channels; i++) { params[i] *= 3.0f; }
     GPT2 model;
     Zero zero;
     ChunkPlace place = {0, c.num_layers, 1, 1, 0};
-    zero_init(&zero, &c, &memory_host, 0, &comm.dp_group, &comm.pp_group, &comm.tp_group, &place, 1, 0, params, 1);
-    gpt2_init(&model, &c, &place, &zero, &comm.tp_group, &comm.cp_group, 0, 0, 0, 0);
+    zero_init(&zero, &c, &memory_host, 0, &comm->dp_group, &comm->pp_group, &comm->tp_group, &place, 1, 0, params, 1);
+    gpt2_init(&model, &c, &place, &zero, &comm->tp_group, &comm->cp_group, 0, 0, 0, 0);
     Activations acts;
     activations_alloc(&acts, &model, 1, c.max_seq_len, 0, 0, 0);
 
@@ -149,6 +151,10 @@ int main(int argc, char** argv) {
         sampler_reference(&model, &acts, &c, k);
     }
     CHECK(cases[3].num_prompt + cases[3].num_expect == c.max_seq_len, "case 3 should run into maxT");
+    for (int i = 0; i < c.num_layers * c.num_experts; i++) {   // the routing really varies from row to row
+        CHECK(model.counters.tokens[i] > 0, "expert %d of layer %d received no token: the test routes trivially",
+              i % c.num_experts, i / c.num_experts);
+    }
 
     // 1. each request alone, its prompt in chunks of 8 rows
     int alone_bad = 0;
@@ -247,6 +253,18 @@ int main(int argc, char** argv) {
     gpt2_free(&model);
     zero_free(&zero);
     free(params);
+}
+
+int main(int argc, char** argv) {
+    Comm comm;
+    comm_init(&comm, &argc, &argv);
+    GPT2Config c = {.max_seq_len = 64, .vocab_size = 90, .padded_vocab_size = padded_vocab(90),
+                    .num_layers = 2, .num_heads = 4, .channels = 32};
+    check_engine(&comm, c, "dense GPT-2");
+    GPT2Config moe = c;
+    moe.num_experts = 4;
+    moe.top_k = 2;
+    check_engine(&comm, moe, "mixture of experts");
     comm_finalize(&comm);
     if (failures) { printf("%d FAILURE(S)\n", failures); return 1; }
     printf("all serve engine tests passed\n");
