@@ -7,7 +7,8 @@
  * The same GPT-2 as train_gpt2.c's model, driven by the same engine (llmc/engine.h) through
  * the same ModelOps table, with its parameters, gradients and AdamW state in zero.h's fp32
  * buffers: only the arithmetic differs. Weights and activations are bf16 (the units zero.h
- * holds in fp32 are rounded to bf16 as they are acquired), matmuls run on tensor cores through
+ * holds in fp32 are rounded to bf16 as they are acquired; under ZeRO-3 only the units in
+ * flight have a bf16 copy), matmuls run on tensor cores through
  * cuBLASLt with the bias and GELU fused (llmc/matmul_cublaslt.cuh), attention is cuDNN's fused
  * attention (llmc/attention_cudnn.cuh) or our flash kernels (llmc/attention_flash.cuh), chosen
  * by --attention, the residual add and the next layernorm are one kernel,
@@ -60,11 +61,23 @@ static void fast_attention_backward(floatX* dqkv, const floatX* dout, const floa
     attention_backward_fast(dqkv, dout, qkv, out, stats, D, B, T, C, NH);
 }
 
+// ZeRO-3: the units with a bf16 copy at once. The passes hold one unit and acquire the next
+// (the embeddings' wte then wpe; layer l then l + 1; the last layer then lnf); the head holds
+// wte alone from its forward to its backward.
+#define FAST_UNITS_IN_FLIGHT 2
+static char fast_weights_said[160];   // what the bf16 copy takes (gpt2_fast_weights_line)
+
 typedef struct {
     GPT2Config config;
     Zero* zero;
     const MemOps* mem;
-    floatX* params_bf16;   // the held units rounded to bf16, at zero.h's unit offsets (lay.local)
+    // ZeRO 0-2: every held unit rounded to bf16, at zero.h's unit offsets (lay.local).
+    // ZeRO-3: FAST_UNITS_IN_FLIGHT buffers of the largest unit, buffer i holding unit
+    // bf16_unit[i] (-1: free), as zero.h's gathered fp32 units are held only while in use.
+    floatX* params_bf16;
+    int bf16_unit[FAST_UNITS_IN_FLIGHT];
+    size_t bf16_unit_len;  // ZeRO-3: elements of one buffer (the largest unit)
+    size_t bf16_bytes;     // what params_bf16 takes on this rank
     float* att_D;          // flash attention backward's rowsum(dO * O) (B,NH,T)
 } FastModel;
 
@@ -96,13 +109,35 @@ template <typename X> static LayerViews<X> layer_views(const Zero* z, int u, X* 
     return v;
 }
 
+// Where unit u's bf16 copy lives; ZeRO-3: the buffer holding it, else (take_free) a free one.
+static floatX* fast_bf16_of(FastModel* m, int u, int take_free) {
+    if (m->zero->stage != 3) { return m->params_bf16 + m->zero->lay.local[u]; }
+    int free_slot = -1;
+    for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) {
+        if (m->bf16_unit[i] == u) { return m->params_bf16 + i * m->bf16_unit_len; }
+        if (m->bf16_unit[i] < 0 && free_slot < 0) { free_slot = i; }
+    }
+    if (!take_free) { fatal("internal: unit %d has no bf16 copy", u); }
+    if (free_slot < 0) { fatal("internal: more than %d units in flight in fast mode", FAST_UNITS_IN_FLIGHT); }
+    m->bf16_unit[free_slot] = u;
+    return m->params_bf16 + free_slot * m->bf16_unit_len;
+}
+
 // Unit u's parameters in bf16: acquired from zero.h (ZeRO-3 gathers it, prefetching `next`)
-// and rounded; zero_params_release(z, u) when done.
+// and rounded; fast_release(m, u) when done.
 static floatX* fast_params(FastModel* m, int u, int next) {
     const float* p = zero_params_acquire(m->zero, u, next);
-    floatX* dst = m->params_bf16 + m->zero->lay.local[u];
+    floatX* dst = fast_bf16_of(m, u, 1);
     float_to_bf16(dst, p, m->zero->lay.size[u]);
     return dst;
+}
+
+// Unit u's fp32 gather (ZeRO-3) and its bf16 copy are no longer needed.
+static void fast_release(FastModel* m, int u) {
+    zero_params_release(m->zero, u);
+    for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) {
+        if (m->bf16_unit[i] == u) { m->bf16_unit[i] = -1; }
+    }
 }
 
 static floatX* act(FastModel* m, size_t n, size_t* bytes) {
@@ -125,7 +160,23 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
     m->config = *c;
     m->zero = zero;
     m->mem = zero->mem;
-    m->params_bf16 = (floatX*)m->mem->alloc(zero->lay.local_params * sizeof(floatX), "bf16 parameters");
+    size_t n = zero->lay.local_params;
+    if (zero->stage == 3) {
+        for (int u = 0; u < zero->lay.num_units; u++) {
+            if (zero_param_unit(&zero->lay, u) && zero->lay.size[u] > m->bf16_unit_len) { m->bf16_unit_len = zero->lay.size[u]; }
+        }
+        for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) { m->bf16_unit[i] = -1; }
+        n = FAST_UNITS_IN_FLIGHT * m->bf16_unit_len;
+    }
+    m->bf16_bytes = n * sizeof(floatX);
+    m->params_bf16 = (floatX*)m->mem->alloc(m->bf16_bytes, "bf16 parameters");
+    if (zero->stage == 3) {
+        snprintf(fast_weights_said, sizeof(fast_weights_said), "%zu bytes per rank (ZeRO-3: %d units in flight x "
+                 "%zu elements, the largest unit)", m->bf16_bytes, FAST_UNITS_IN_FLIGHT, m->bf16_unit_len);
+    } else {
+        snprintf(fast_weights_said, sizeof(fast_weights_said), "%zu bytes per rank (the whole model: %zu elements)",
+                 m->bf16_bytes, n);
+    }
     m->att_D = (float*)m->mem->alloc(sizeof(float) * (size_t)B * c->num_heads * T, "attention D");
     return m;
 }
@@ -227,12 +278,11 @@ static FastLayerActs fast_layer_acts(const FastActs* a, const GPT2Config* c, int
 static void fast_embed_forward(void* vm, void* va, int B, int T) {
     FastModel* m = (FastModel*)vm;
     FastActs* a = (FastActs*)va;
-    Zero* z = m->zero;
     floatX* wte = fast_params(m, ZERO_WTE, ZERO_WPE);
     floatX* wpe = fast_params(m, ZERO_WPE, ZERO_LAYER(0));
     encoder_forward_fast(a->encoded, a->inputs, wte, wpe, B, T, m->config.channels);
-    zero_params_release(z, ZERO_WTE);
-    zero_params_release(z, ZERO_WPE);
+    fast_release(m, ZERO_WTE);
+    fast_release(m, ZERO_WPE);
 }
 
 // The layers, with each layer's residual add fused into the next layernorm (the next layer's
@@ -262,14 +312,14 @@ static void fast_layers_forward(void* vm, void* va, int B, int T) {
             FastLayerActs xn = fast_layer_acts(a, c, l + 1, B, T);
             fused_residual_layernorm(x.residual3, xn.ln1, xn.ln1_mean, xn.ln1_rstd, x.residual2, a->proj,
                                      wn.ln1w, wn.ln1b, BT, C);
-            zero_params_release(z, ZERO_LAYER(l));
+            fast_release(m, ZERO_LAYER(l));
             w = wn;
         } else {
             floatX* lnf = fast_params(m, LNF, ZERO_WTE);
             fused_residual_layernorm(x.residual3, a->lnf, a->lnf_mean, a->lnf_rstd, x.residual2, a->proj,
                                      lnf, lnf + C, BT, C);
-            zero_params_release(z, LNF);
-            zero_params_release(z, ZERO_LAYER(l));
+            fast_release(m, LNF);
+            fast_release(m, ZERO_LAYER(l));
         }
     }
 }
@@ -286,7 +336,7 @@ static void fast_head_forward(void* vm, void* va, int B, int T, int training) {
     if (a->targets) {
         fused_classifier(a->logits, a->losses, a->targets, 0.0f, BT, c->vocab_size, c->padded_vocab_size, 0);
     }
-    if (!training) { zero_params_release(m->zero, ZERO_WTE); }
+    if (!training) { fast_release(m, ZERO_WTE); }
 }
 
 static float fast_loss_sum(void* vm, void* va, int B, int T) {
@@ -347,12 +397,12 @@ static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float
     Zero* z = m->zero;
     int C = c->channels, L = c->num_layers, BT = B * T;
     int LNF = z->lay.num_units - 1;
-    floatX* wte = m->params_bf16 + z->lay.local[ZERO_WTE];   // still held from the forward
+    floatX* wte = fast_bf16_of(m, ZERO_WTE, 0);   // still held from the forward
     fused_classifier(a->logits, a->losses, a->targets, dloss, BT, c->vocab_size, c->padded_vocab_size, 1);
     matmul_backward_fast(g->dbtc, zero_grad_unit(z, ZERO_WTE), NULL, a->logits, a->lnf, wte, B, T, C,
                          c->padded_vocab_size, NULL);
     zero_grad_unit_done(z, ZERO_WTE);
-    zero_params_release(z, ZERO_WTE);
+    fast_release(m, ZERO_WTE);
     floatX* lnf = fast_params(m, LNF, ZERO_LAYER(L - 1));
     float* dlnf = zero_grad_unit(z, LNF);
     floatX* last = a->residual3 + (size_t)(L - 1) * BT * C;
@@ -360,7 +410,7 @@ static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float
     layernorm_backward_fast(g->dresidual, g->dbtc, last, lnf, a->lnf_mean, a->lnf_rstd, BT, C);
     layernorm_param_grads_x(dlnf, dlnf + C, NULL, last, g->dbtc, 1, a->lnf_mean, a->lnf_rstd, B, T, C, CANON_R);
     zero_grad_unit_done(z, LNF);
-    zero_params_release(z, LNF);
+    fast_release(m, LNF);
 }
 
 static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int part) {
@@ -388,7 +438,7 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
         layernorm_backward_fast(g->dresidual, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, BT, C);
         layernorm_param_grads_x(dw.ln1w, dw.ln1b, NULL, x.residual, g->dbtc, 1, x.ln1_mean, x.ln1_rstd, B, T, C, CANON_R);
         zero_grad_unit_done(z, ZERO_LAYER(l));
-        zero_params_release(z, ZERO_LAYER(l));
+        fast_release(m, ZERO_LAYER(l));
     }
 }
 
@@ -417,6 +467,8 @@ static const ModelOps fast_model_ops = {
 };
 
 const ModelOps* gpt2_fast_model_ops(void) { return &fast_model_ops; }
+
+const char* gpt2_fast_weights_line(void) { return fast_weights_said; }
 
 // Chooses the attention (see above) for training passes of (B, T); the sampler's forward
 // passes of (1, genT) use flash attention unless the head size needs cuDNN. Returns one line

@@ -10,7 +10,9 @@
 #   3. bit-identical across LLMC_EMU_SEED (block and thread order): main.log, checkpoint bytes
 #      and samples; fast mode's own run-to-run determinism
 #   4. DP 2 x ZeRO 0-3 (mpirun -np 2, the staged MPI transport) identical to one rank of fast
-#      mode with the same global batch -d: main.log and the checkpoint bytes
+#      mode with the same global batch -d: main.log and the checkpoint bytes; the bf16 copy of
+#      the weights per rank (the startup table's line) against its formula: the whole model at
+#      ZeRO 0-2, only the units in flight at ZeRO-3
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -93,8 +95,20 @@ pass "fast mode is bit-identical across LLMC_EMU_SEED 0, 1, 5 (main.log, checkpo
 command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun, fast-mode data parallelism is not tested"; exit 0; }
 DP=(-e d2c32h2v512t32 -i "$W/train.bin" -j "$W/val.bin" -b 2 -t 32 -d 128 -l 1e-3 --shuffle 0 -x 2 -v 0 -s 0 -n 2)
 run fast_ref 1 "${FAST[@]}" "${DP[@]}"
+# the bf16 copy of the weights per rank, from d2c32h2v512t32's shapes: ZeRO 0-2 the whole model
+# (P elements); ZeRO-3 two units in flight (a pass holds one unit while it acquires the next) x
+# the largest unit (wte Vp x C, wpe T x C, a layer 12C^2 + 13C, lnf 2C), 2 bytes an element
+C=32 L=2 Vp=512 T=32
+P=$((Vp * C + T * C + L * (12 * C * C + 13 * C) + 2 * C))
+largest=$((Vp * C)); for n in $((T * C)) $((12 * C * C + 13 * C)) $((2 * C)); do [ $n -gt $largest ] && largest=$n; done
+bf16_bytes() { sed -n 's/^| bf16 weights  \([0-9]*\) bytes per rank.*/\1/p' "$W/$1.out"; }
 for z in 0 1 2 3; do
   run "fast_dp2z$z" 2 "${FAST[@]}" "${DP[@]}" -z $z
   identical fast_ref "fast_dp2z$z" "DP 2 x ZeRO $z"
+  want=$((2 * P)); [ $z = 3 ] && want=$((2 * 2 * largest))
+  got=$(bf16_bytes "fast_dp2z$z")
+  [ "$got" = "$want" ] || fail "DP 2 x ZeRO $z: the bf16 weights take '$got' bytes per rank, want $want \
+($(grep '^| bf16 weights' "$W/fast_dp2z$z.out"))"
 done
-pass "fast mode DP 2 x ZeRO 0-3 = one rank (main.log, checkpoints)"
+pass "fast mode DP 2 x ZeRO 0-3 = one rank (main.log, checkpoints); bf16 weights per rank: $((2 * P)) bytes \
+(ZeRO 0-2), $((4 * largest)) (ZeRO-3: 2 units in flight x the largest unit)"
