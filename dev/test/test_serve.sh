@@ -72,9 +72,10 @@ metric() { curl -s "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
 
 # --- 1. the trainer's sampler --------------------------------------------------------------
 PROMPT=5962,22307,25,198
-sampler() {   # TEMPERATURE TOP_K: the sampler's tokens after PROMPT, comma-separated
+sampler() {   # TEMPERATURE TOP_K: the sampler's tokens after PROMPT, comma-separated (ids: no
+              # tokenizer file, so it prints token ids even where gpt2_tokenizer.bin exists)
   ./train_gpt2 -e "$CK" -i $D/tiny_shakespeare_train.bin -b 1 -t 64 -x 1 -l 0 -v 0 -s 1 -g 64 \
-    --temperature "$1" --top-k "$2" --prompt $PROMPT >"$W/sampler.out" 2>&1 || fail "the sampler failed: $(tail -2 "$W/sampler.out")"
+    --tokenizer "$W/no_tokenizer.bin" --temperature "$1" --top-k "$2" --prompt $PROMPT >"$W/sampler.out" 2>&1 || fail "the sampler failed: $(tail -2 "$W/sampler.out")"
   awk '/^generating:/ { getline; getline; print; exit }' "$W/sampler.out" | tr -s ' ' | sed 's/ $//; s/ /,/g'
 }
 greedy_ref=$(sampler 0 0)
