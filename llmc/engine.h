@@ -200,12 +200,15 @@ static inline int trainer_sequence_split(const Trainer* t) {
     return t->comm.cp * (t->args.sp ? t->comm.tp : 1);
 }
 
+// <|endoftext|>: GPT-2's 50256, or the last id of a smaller vocabulary
+static inline int trainer_eot_token(int V) { return V > 50256 ? 50256 : V - 1; }
+
 // --prompt "id,id,...": the token ids into prompt (room for genT, which the prompt must leave one
 // position of); none: <|endoftext|> (GPT-2's 50256, or V - 1 for a smaller vocabulary).
 // Returns the prompt's length.
 static inline int trainer_parse_prompt(const char* text, int* prompt, int genT, int V) {
     if (text == NULL) {
-        prompt[0] = V > 50256 ? 50256 : V - 1;
+        prompt[0] = trainer_eot_token(V);
         return 1;
     }
     int n = 0;
@@ -398,7 +401,7 @@ static inline void trainer_sample(Trainer* t) {
     uint64_t rng = 1337;
     Sampler sampler;
     sampler_init(&sampler, t->args.temperature, t->args.top_k, V);
-    for (int i = 0; i < genT; i++) { gen[i] = V > 50256 ? 50256 : V - 1; }   // <|endoftext|> for GPT-2's vocabulary
+    for (int i = 0; i < genT; i++) { gen[i] = trainer_eot_token(V); }
     memcpy(gen, t->sample_prompt, sizeof(int) * t->sample_prompt_len);
     if (printing) { printf("generating:\n---\n"); }
     for (int pos = 1; pos < genT; pos++) {
@@ -561,9 +564,10 @@ static inline void trainer_step(Trainer* t, TrainRun* run, int step, StepResult*
     comm_reset_stats(comm);
     if (t->moe) { moe_counters_reset(t->moe_counters, t->nchunks); }
     double t0 = now_seconds();
-    out->tokens = (double)dataloader_step_targets(&t->train_loader, t->progress.microbatches_done, t->M,
-                                                  a->overfit_single_batch);
-    pipeline_step(pipe, z, t->grads, &t->train_loader, t->progress.microbatches_done, t->M, t->B, t->T,
+    int64_t targets = dataloader_step_targets(&t->train_loader, t->progress.microbatches_done, t->M,
+                                              a->overfit_single_batch);
+    out->tokens = (double)targets;
+    pipeline_step(pipe, z, t->grads, &t->train_loader, t->progress.microbatches_done, targets, t->B, t->T,
                   a->overfit_single_batch, run->local_loss);
     out->loss = global_mean_loss(t, run->local_loss, z->local_microbatches, t->M, 0, out->tokens);
     if (t->moe) {

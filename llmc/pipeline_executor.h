@@ -386,16 +386,17 @@ static inline void pipeline_gather_losses(Pipeline* p, float* local_loss) {
 
 // Runs this stage's actions for one optimizer step: forward and backward of this dp rank's
 // microbatches (global indices from zero.h) on each of its chunks, gradients reduced, the tied
-// halves summed. local_loss[i] gets microbatch i's loss sum on the head's stage. The compute
-// times (busy, fwd, bwd, wgt, pair) are measured only with several stages (they wait for the
-// device to finish each computation).
+// halves summed. step_targets: the targets of all the step's microbatches (every rank's), the
+// token-weighted loss's denominator. local_loss[i] gets microbatch i's loss sum on the head's
+// stage. The compute times (busy, fwd, bwd, wgt, pair) are measured only with several stages
+// (they wait for the device to finish each computation).
 static inline void pipeline_step(Pipeline* p, Zero* z, void* grads, DataLoader* loader,
-                                 int64_t first_microbatch, int M_global, int B, int T, int overfit,
+                                 int64_t first_microbatch, int64_t step_targets, int B, int T, int overfit,
                                  float* local_loss) {
     const ModelOps* ops = p->ops;
     // dloss = d(loss)/d(each position's loss): the step's loss is token-weighted (over --varlen's
     // sequences of different lengths too)
-    float dloss = 1.0f / (float)(double)dataloader_step_targets(loader, first_microbatch, M_global, overfit);
+    float dloss = 1.0f / (float)(double)step_targets;
     PipelineStepContext x = {z, grads, loader, first_microbatch, B, T, overfit, p->cfg.num_stages > 1,
                              pipeline_num_virtual_stages(&p->cfg) - 1, dloss,
                              ops->grad_residual(p->models[0], grads), local_loss};
