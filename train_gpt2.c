@@ -678,6 +678,7 @@ typedef struct {
 
 typedef struct {
     int layers, cap_B, cap_T, recompute, seq_split, cp_split;
+    int by_length;      // SEQS_SPLIT_BY_LENGTH: each pass picks cp_split from its length (pass_split)
     int C3, Ca, NHl, C4, Vl;   // local widths: qkv, atty, heads, fch, vocabulary
     int* inputs;        // (B,T)     the pass's tokens
     int* inputs_full;   // (B,T*cp_split) every position's tokens (context parallelism: the
@@ -697,7 +698,7 @@ typedef struct {
 // positions x C; emb, sp, moe 1 or 0).
 #define ACTIVATION_GRADS(X, owner)                                                                                     \
     X(owner, float, dresidual, BTC)            /* (B,T,C)  d(residual stream); (B,T/tp,C) under SP */                  \
-    X(owner, float, dwhole, cp_whole * BTC * cp) /* (B,T*cp_split,C) the embedding's, gathered along T */              \
+    X(owner, float, dwhole, cp_whole * BTC * cap_split) /* (B,T*cp_split,C) the embedding's, gathered along T */       \
     X(owner, float, ln_partials, per_seq * 2 * B * C) /* (2,B,C) layernorm weight/bias grads per sequence */           \
     X(owner, float, dbtc, sp * BTC)            /* (B,T,C)  a layernorm output's gradient before the tp sum */          \
     X(owner, float, datty, BTC / tp)           /* (B,T,C/tp) d(attention output) */                                    \
@@ -806,24 +807,28 @@ static void moe_grads_rows(const GPT2* model, ActivationGrads* g, size_t rows, i
     g->rows_cap = rows;
 }
 
-// split_seqs: the sequences are split as the model's layout says (context parallelism over
-// its cp group, and with seq_parallel the residual stream over the tensor-parallel group:
-// Megatron's sequence parallelism); 0: every position on every rank (the sampler's passes).
+// split_seqs (model_ops.h SeqSplit): SEQS_SPLIT, the sequences are split as the model's layout
+// says (context parallelism over its cp group, and with seq_parallel the residual stream over
+// the tensor-parallel group: Megatron's sequence parallelism); SEQS_WHOLE: every position on
+// every rank (the sampler's passes); SEQS_SPLIT_BY_LENGTH (--varlen with CP): each pass is
+// split or whole by its length (pass_split), in memory for a whole pass.
 // split_backward: room for a split backward's kept gradients.
 void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int split_seqs,
                        int split_backward) {
     const GPT2Config* c = &model->config;
     int tp = model->tp_size, cp = split_seqs ? model->cp_size : 1, sp = split_seqs && model->seq_parallel;
-    size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T / cp;
+    int by_length = split_seqs == SEQS_SPLIT_BY_LENGTH && cp > 1, cap_split = by_length ? 1 : cp;
+    size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T / cap_split;
     size_t BTs = BT / (sp ? tp : 1);   // positions of the sequence-split tensors
     size_t H = model->has_head ? 1 : 0, S = split_backward ? 1 : 0, emb = model->has_embedding ? 1 : 0;
-    size_t dense = model->num_experts > 0 ? 0 : 1, a2a = cp > 1 && model->cp.a2a, Tq = T / cp;
+    size_t dense = model->num_experts > 0 ? 0 : 1, a2a = cp > 1 && model->cp.a2a, Tq = T / cap_split;
     size_t gelus = dense * (recompute ? 1 : L);   // fch_gelu: one layer's, reused by all, with recompute
     memset(a, 0, sizeof(*a));
     a->layers = (int)L;
     a->cap_B = B;
     a->cap_T = T;
     a->recompute = recompute;
+    a->by_length = by_length;
     a->cp_split = cp;
     a->seq_split = (sp ? tp : 1) * cp;
     size_t C3 = a->C3 = 3 * c->channels / tp, Ca = a->Ca = c->channels / tp, NHl = a->NHl = c->num_heads / tp;
@@ -867,17 +872,34 @@ void activations_free(const GPT2* model, Activations* a) {
     memset(a, 0, sizeof(*a));
 }
 
+// Activations laid out by length (--varlen with CP): a pass over sequences of T positions is
+// split over the cp group when the length allows, else whole on every rank of it
+// (context_parallel.h, VARIABLE LENGTHS); g, the backward's gradients, follows the pass. Every
+// entry point of a pass calls it before reading cp_split.
+static void pass_split(const GPT2* model, Activations* a, ActivationGrads* g, int T) {
+    if (!a->by_length) { return; }
+    a->cp_split = a->seq_split = zz_splits_length(model->cp_size, T) ? model->cp_size : 1;   // no SP with --varlen
+    if (g) { g->cp_split = g->seq_split = a->cp_split; }
+}
+
+// A pass that every rank of a context-parallel group computes whole (--varlen, a length the
+// group does not split): each rank hands ZeRO its part of every gradient (cp_keep_part).
+static int whole_in_group(const GPT2* model, const Activations* a) { return a->by_length && a->cp_split == 1; }
+
 // The pass's tokens (B sequences of T), from host memory; targets NULL: the pass computes no
 // loss. With context parallelism the rank keeps its slice of each sequence (and all of the
 // inputs, for the embedding's gradient).
 void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs, const int* targets,
                             int B, int T) {
+    pass_split(model, a, NULL, T);
     int cp = a->cp_split, Tl = T / cp;
     size_t bytes = (size_t)B * Tl * sizeof(int);
     a->targets = targets ? a->target_buf : NULL;
     if (cp == 1) {
         model->mem->from_host(a->inputs, inputs, bytes);
         if (targets) { model->mem->from_host(a->target_buf, targets, bytes); }
+        // a whole pass of a context-parallel model: the embedding's gradient reads inputs_full
+        if (a->inputs_full != a->inputs) { model->mem->from_host(a->inputs_full, inputs, bytes); }
         return;
     }
     model->mem->from_host(a->inputs_full, inputs, (size_t)B * T * sizeof(int));
@@ -897,7 +919,8 @@ void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs
 // split_seqs: as activations_alloc's
 void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T, int split_seqs) {
     int tp = model->tp_size, cp = split_seqs ? model->cp_size : 1, sp = split_seqs && model->seq_parallel;
-    size_t C = model->config.channels, BTC = (size_t)B * T / cp * C, num_experts = model->num_experts;
+    int cap_split = split_seqs == SEQS_SPLIT_BY_LENGTH ? 1 : cp;   // by length: room for a whole pass
+    size_t C = model->config.channels, BTC = (size_t)B * T / cap_split * C, num_experts = model->num_experts;
     size_t moe = num_experts > 0, dense = !moe, slots = (size_t)B * T * model->top_k;
     size_t cp_whole = cp > 1 && model->has_embedding, per_seq = sp || cp > 1;
     memset(g, 0, sizeof(*g));
@@ -1194,6 +1217,7 @@ static void attention_forward_rows(GPT2* model, Activations* a, int l, int B, in
 void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
+    pass_split(model, a, NULL, T);   // a stage without the embeddings gets no set_tokens
     int C = c->channels, Tn = t1 - t0, tp_size = model->tp_size, moe = model->num_experts > 0;
     int rows = (int)pass_rows(B, t0, t1, a->cp_split);
     size_t rows_s = pass_rows(B, t0, t1, a->seq_split);
@@ -1354,6 +1378,7 @@ static void dres_g_backward(GPT2* model, ActivationGrads* g, float* dst, int B, 
 void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, float dloss, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
+    pass_split(model, a, g, T);
     int C = c->channels, V = c->vocab_size, cp_split = a->cp_split, Tl = T / cp_split, BT = B * Tl;
     int sp = g->seq_split > cp_split, LNF = z->lay.num_units - 1;
     float* dlnf = a->split_backward ? a->dlnf : g->dln1;
@@ -1376,12 +1401,14 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
         matmul_weight_backward_cp(cp_split, cp_split > 1 ? model->seq_grads : dwte_lm, NULL, (long)nwte, a->probs,
                                   a->lnf, B, Tl, C, model->Vl);
         if (cp_split > 1) { cp_finish_sequences(&model->cp, dwte_lm, model->seq_grads, B, nwte); }
+        if (whole_in_group(model, a)) { cp_keep_part(&model->cp, dwte_lm, nwte); }
         zero_grad_unit_done(z, ZERO_WTE);
         float* dlnfw = zero_grad_unit(z, LNF);
         float* dl = cp_split > 1 ? model->seq_grads : dlnfw;   // [weight | bias], per sequence with CP
         ln_backward_f_weight(model, g, dl, dl + C, 2L * C, dlnf, stage_output(a, c, B, T), a->lnf_mean, a->lnf_rstd,
                              B, T);
         if (cp_split > 1) { cp_finish_sequences(&model->cp, dlnfw, model->seq_grads, B, 2 * (size_t)C); }
+        if (whole_in_group(model, a)) { cp_keep_part(&model->cp, dlnfw, 2 * (size_t)C); }
         zero_grad_unit_done(z, LNF);
     }
 }
@@ -1466,6 +1493,7 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
 void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
+    pass_split(model, a, g, T);
     int C = c->channels, cp_split = a->cp_split, Tl = T / cp_split, BT = B * Tl, tp_size = model->tp_size;
     int sp = g->seq_split > cp_split;
     int in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT, moe = model->num_experts > 0;
@@ -1529,6 +1557,7 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         if (wt) {
             ln_backward_f_weight(model, g, dw.ln1w, dw.ln1b, us, d.dln1, act.residual, act.ln1_mean, act.ln1_rstd, B, T);
             if (cp_split > 1) { cp_finish_sequences(&model->cp, grad, model->seq_grads, B, (size_t)us); }
+            if (whole_in_group(model, a)) { cp_keep_part(&model->cp, grad, (size_t)us); }
             zero_grad_unit_done(z, ZERO_LAYER(l));
         }
         if (in) { zero_params_release(z, ZERO_LAYER(l)); }
@@ -1544,6 +1573,7 @@ void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int 
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
     int lookup_unit = zero_lookup_unit(z);
+    pass_split(model, a, g, T);
     float* dencoded = a->split_backward ? a->dencoded : g->dfcproj;
     if (part & BACKWARD_INPUT) { dres_g_backward(model, g, dencoded, B, T); }
     if (part & BACKWARD_WEIGHT) {
@@ -1556,7 +1586,7 @@ void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int 
         float* dwpe = zero_grad_unit(z, ZERO_WPE);
         encoder_backward(dwte_lookup, dwpe, dwhole, a->inputs_full, B, T, c->channels, model->v0, model->Vl,
                          c->max_seq_len);
-        if (a->cp_split > 1) {   // every rank of the group computed them whole: hand ZeRO its part
+        if (a->cp_split > 1 || whole_in_group(model, a)) {   // every rank of the group computed them whole: hand ZeRO its part
             cp_keep_part(&model->cp, dwte_lookup, z->lay.size[lookup_unit]);
             cp_keep_part(&model->cp, dwpe, z->lay.size[ZERO_WPE]);
         }

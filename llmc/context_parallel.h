@@ -45,6 +45,21 @@
  * parameters are sharded over data x context ranks. The loss: the per-position losses are
  * all-gathered along T and summed as one rank sums them, over the global token count.
  *
+ * VARIABLE LENGTHS (--varlen: one sequence of its own length n per microbatch). A sequence is
+ * split over the group when 2N | n (zigzag.h zz_splits_length): its 2N stretches of n/2N are then whole
+ * R2Z pieces of its own length (floor(r*(8/N)*n/16) == r*n/2N, so each rank's slice is a
+ * complete subtree of every reduction over its positions, as for a fixed T), and the passes
+ * above run unchanged with T = n. Any other length, which includes every sequence shorter than
+ * 2N, is not split: every rank of the group computes it whole, as one rank does, and hands
+ * ZeRO its part of each gradient and -0.0f elsewhere (cp_keep_part, as with the embedding's
+ * gradient), so the data x context reduction finishes exactly one rank's tree. That keeps the
+ * bits and is the simplest choice: it sends no message (one rank computing it would have to
+ * scatter every unit's gradient to the others) and is the sampler's whole pass; padding would
+ * change n and so R2Z's pieces (other bits), and an uneven split would need R2Z's unequal
+ * pieces in every block kernel. The price: the group spends one rank's time on such a
+ * sequence, and the activations are sized for a whole pass of -t positions (train_gpt2.c,
+ * SEQS_SPLIT_BY_LENGTH).
+ *
  * It drives llmc/kernels.h's kernels (the CPU set, or the device twins of kernels_det.cuh in
  * the CUDA build); the engine checks each step's bytes against cp_bytes_per_step (the end of
  * this file). Every buffer lives in the model's memory
@@ -365,6 +380,20 @@ static inline uint64_t cp_bytes_per_step(int N, int a2a, int layers, int has_emb
     uint64_t per_micro = layers * per_layer + (has_embedding ? (uint64_t)(N - 1) * positions * C : 0) +
                          (has_head ? (uint64_t)(N - 1) * positions : 0);
     return sizeof(float) * per_micro * (uint64_t)microbatches;
+}
+
+// cp_bytes_per_step for a --varlen step: the sum over this rank's sequences (lengths[i], i <
+// count) of one microbatch of B = 1, T = lengths[i] each, for those the group splits; a
+// sequence every rank computes whole sends nothing.
+static inline uint64_t cp_bytes_per_varlen_step(int N, int a2a, int layers, int has_embedding, int has_head,
+                                                const int* lengths, int count, int C, int tp) {
+    uint64_t bytes = 0;
+    for (int i = 0; i < count; i++) {
+        if (zz_splits_length(N, lengths[i])) {
+            bytes += cp_bytes_per_step(N, a2a, layers, has_embedding, has_head, 1, lengths[i], C, tp, 1);
+        }
+    }
+    return bytes;
 }
 
 #endif // LLMC_CONTEXT_PARALLEL_H

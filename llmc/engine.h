@@ -168,9 +168,8 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
         if (a->total_batch != -1) {
             fatal("-d: a --varlen step is G = %d sequences (their targets weigh the loss); leave out -d", a->varlen);
         }
-        if (a->cp > 1 || a->sp) {
-            fatal("--varlen: not yet with %s (the zig-zag split needs every sequence's length a multiple of 2 x "
-                  "the split); use --cp 1 --sp 0", a->cp > 1 ? "--cp > 1" : "--sp 1");
+        if (a->sp) {
+            fatal("--varlen: not yet with --sp 1 (a sequence-parallel split of every length is not written); use --sp 0");
         }
         if (a->varlen % N != 0) {
             fatal("--varlen %d: the G sequences of a step must split evenly over the %d data-parallel ranks", a->varlen, N);
@@ -276,9 +275,11 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     if (t->root && a->sample_every > 0) { tokenizer_init_for_model(&t->tokenizer, a->tokenizer_path, c->vocab_size); }
 
     int split = trainer_sequence_split(t);
+    // --varlen with CP: each sequence split or whole by its length (context_parallel.h)
+    SeqSplit layout = split == 1 ? SEQS_WHOLE : a->varlen ? SEQS_SPLIT_BY_LENGTH : SEQS_SPLIT;
     pipeline_init(&t->pipe, ops, mem, t->models, t->places, &comm->pp_group, t->pp_kind, v,
-                  t->zero.local_microbatches, B, T, c->channels, a->recompute, split);
-    t->grads = ops->grads_create(t->models[0], B, T, split > 1, &t->grads_bytes);
+                  t->zero.local_microbatches, B, T, c->channels, a->recompute, split, layout);
+    t->grads = ops->grads_create(t->models[0], B, T, layout, &t->grads_bytes);
     if (t->moe) {
         size_t n = (size_t)t->zero.local_microbatches * c->num_layers;
         t->pipe.num_layers = c->num_layers;
@@ -520,7 +521,24 @@ static inline void trainer_print_cp_accounting(const Trainer* t) {
     }
     uint64_t want = cp_bytes_per_step(comm->cp, a2a, layers, first, last, t->B, t->T, t->config.channels, comm->tp,
                                       t->zero.local_microbatches);
+    int split_seqs = -1;   // --varlen: how many of this rank's sequences the group split
+    if (t->args.varlen) {  // the step just run: its sequences' lengths
+        int n = t->zero.local_microbatches, *lengths = (int*)malloc_or_die(sizeof(int) * n, "lengths");
+        int64_t first_micro = t->progress.microbatches_done - t->M;
+        split_seqs = 0;
+        for (int i = 0; i < n; i++) {
+            int64_t g = t->args.overfit_single_batch ? 0 : zero_global_microbatch(&t->zero, first_micro, i);
+            lengths[i] = dataloader_length((DataLoader*)&t->train_loader, g);
+            split_seqs += zz_splits_length(comm->cp, lengths[i]);
+        }
+        want = cp_bytes_per_varlen_step(comm->cp, a2a, layers, first, last, lengths, n, t->config.channels, comm->tp);
+        free(lengths);
+    }
     uint64_t got = comm->stats.bytes[COMM_KIND_CP];
+    if (split_seqs >= 0) {
+        printf("cp varlen: %d of this rank's %d sequences split over the group (length a multiple of 2 x %d), "
+               "the others computed whole by every rank of it\n", split_seqs, t->zero.local_microbatches, comm->cp);
+    }
     printf("cp accounting: %s N %d layers %d B %d T/N %d C/tp %d microbatches/rank %d | bytes/rank/step cp %llu, "
            "formula %llu (%s)\n", a2a ? "a2a" : "ring", comm->cp, layers, t->B, t->T / comm->cp,
            t->config.channels / comm->tp, t->zero.local_microbatches, (unsigned long long)got,

@@ -28,6 +28,13 @@
 // tokens come from host memory. Forward and backward come in three parts, run by the chunks
 // that hold them: the embeddings, the chunk's transformer layers, the head (final layernorm,
 // LM head, cross-entropy).
+// How a training pass lays out its sequences over the ranks that split them (context
+// parallelism, sequence parallelism): SEQS_WHOLE every position on every rank (the sampler);
+// SEQS_SPLIT every pass split; SEQS_SPLIT_BY_LENGTH (--varlen with --cp > 1) each pass split
+// when its length allows, else whole on every rank of the group (context_parallel.h,
+// VARIABLE LENGTHS), in memory for a whole pass of (B, T).
+typedef enum { SEQS_WHOLE = 0, SEQS_SPLIT = 1, SEQS_SPLIT_BY_LENGTH = 2 } SeqSplit;
+
 typedef struct {
     // the model of one chunk of this rank; its parameters, gradients and AdamW state are in
     // `zero`; seq_parallel: Megatron's sequence parallelism over the tensor-parallel group, for
@@ -36,9 +43,10 @@ typedef struct {
     void* (*create)(const GPT2Config* config, const ChunkPlace* place, Zero* zero, CommGroup* tp,
                     CommGroup* cp, int cp_a2a, int seq_parallel, int B, int T);
     void (*destroy)(void* model);
-    // activations of one pass over up to (B, T) positions; split_seqs: split the sequences as
-    // the model's seq_parallel and cp say (a pass of the sampler runs unsplit); split_backward:
-    // room for what a split backward keeps between its halves; *bytes: their size
+    // activations of one pass over up to (B, T) positions; split_seqs (SeqSplit): split the
+    // sequences as the model's seq_parallel and cp say (a pass of the sampler runs unsplit),
+    // or per pass by its length (--varlen); split_backward: room for what a split backward
+    // keeps between its halves; *bytes: their size
     void* (*acts_create)(void* model, int B, int T, int recompute, int split_seqs, int split_backward,
                          size_t* bytes);
     void (*acts_destroy)(void* model, void* acts);

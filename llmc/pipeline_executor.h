@@ -40,6 +40,7 @@
 #include "llmc/pipeline.h"
 #include "llmc/utils.h"
 #include "llmc/zero.h"
+#include "llmc/zigzag.h"
 
 typedef struct {
     int chunk;                 // the chunk whose activations these are
@@ -84,6 +85,8 @@ typedef struct {
     size_t msg_floats;         // a boundary activation of (B, T) positions of C channels, in
                                // 4-byte words (ModelOps.stage_elem_bytes each element)
     int C;                     // C (a --varlen microbatch's message is B x its length x C)
+    int sp_degree;             // the ranks that split each sequence (context x sequence parallelism)
+    SeqSplit split_mode;       // ... always, or per microbatch by its length (--varlen with CP)
     CommGroup* pp;
     const ModelOps* ops;
     const MemOps* mem;
@@ -132,8 +135,10 @@ static inline size_t pipeline_words(const ModelOps* ops, size_t n) {
 
 static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps* mem, void** models,
                                  const ChunkPlace* places, CommGroup* pp, PipelineScheduleKind kind, int nchunks,
-                                 int M, int B, int T, int C, int recompute, int sp_degree) {
+                                 int M, int B, int T, int C, int recompute, int sp_degree, SeqSplit split_mode) {
     memset(p, 0, sizeof(*p));
+    p->sp_degree = sp_degree;
+    p->split_mode = sp_degree > 1 ? split_mode : SEQS_WHOLE;
     p->pp = pp;
     p->ops = ops;
     p->mem = mem;
@@ -174,7 +179,7 @@ static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps*
     }
     free(mine);
     p->slots = (MicroSlot*)calloc_or_die((size_t)(p->nslots ? p->nslots : 1), sizeof(MicroSlot), "pipeline slots");
-    p->msg_floats = pipeline_words(ops, (size_t)B * T / sp_degree * C);
+    p->msg_floats = pipeline_words(ops, (size_t)B * T / (p->split_mode == SEQS_SPLIT ? sp_degree : 1) * C);
     p->C = C;
     for (int c = 0, k = 0; c < nchunks; c++) {
         for (int j = 0; j < count[c]; j++, k++) {
@@ -182,7 +187,7 @@ static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps*
             size_t bytes = 0;
             s->chunk = c;
             s->microbatch = -1;
-            s->acts = ops->acts_create(models[c], B, T, recompute, sp_degree > 1, p->split, &bytes);
+            s->acts = ops->acts_create(models[c], B, T, recompute, p->split_mode, p->split, &bytes);
             s->grad_out = mem_floats(mem, p->msg_floats, "pipeline gradient");
             p->slot_bytes += bytes + sizeof(float) * p->msg_floats;
         }
@@ -276,14 +281,24 @@ typedef struct {
 } PipelineStepContext;
 
 // The positions of microbatch i: T, or its --varlen sequence's length, which every stage reads
-// from the data's table, so the messages need no header (--varlen runs without sequence splits).
+// from the data's table, so the messages need no header (with CP, split or whole by it).
 static inline int pipeline_positions(const PipelineStepContext* x, int i) {
     return dataloader_length(x->loader, x->overfit ? 0 : zero_global_microbatch(x->z, x->first_microbatch, i));
+}
+
+// How many ways a pass over sequences of T positions is split, for acts split sp_degree ways:
+// with --varlen and CP (SEQS_SPLIT_BY_LENGTH) only a length that splits evenly is split, the
+// others run whole (context_parallel.h, VARIABLE LENGTHS).
+static inline int pipeline_length_split(const Pipeline* p, int sp_degree, int T) {
+    return p->split_mode == SEQS_SPLIT_BY_LENGTH && !zz_splits_length(sp_degree, T) ? 1 : sp_degree;
 }
 
 // The 4-byte words of microbatch i's boundary message (its activation or its gradient).
 static inline size_t pipeline_message_floats(const Pipeline* p, const PipelineStepContext* x, int i) {
     int Ti = pipeline_positions(x, i);
+    if (p->split_mode == SEQS_SPLIT_BY_LENGTH) {
+        return pipeline_words(p->ops, (size_t)x->B * Ti / pipeline_length_split(p, p->sp_degree, Ti) * p->C);
+    }
     return Ti == x->T ? p->msg_floats : pipeline_words(p->ops, (size_t)x->B * Ti * p->C);
 }
 
@@ -502,7 +517,7 @@ static inline void pipeline_forward_pass(Pipeline* p, void** acts, const int* in
                                          int B, int T, int C, int sp_degree, int row) {
     const ModelOps* ops = p->ops;
     int decode = row >= 0;
-    size_t n = pipeline_words(ops, decode ? (size_t)C : (size_t)B * T / sp_degree * C);   // the message
+    size_t n = pipeline_words(ops, decode ? (size_t)C : (size_t)B * T / pipeline_length_split(p, sp_degree, T) * C);   // the message
     size_t at = pipeline_words(ops, decode ? (size_t)row * C : 0);                          // where it starts
     int V = pipeline_num_virtual_stages(&p->cfg);
     for (int vs = 0; vs < V; vs++) {

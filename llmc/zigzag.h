@@ -21,6 +21,11 @@ static inline size_t zz_stretch_begin(int T, int D, int r, int half) {
     return (size_t)canon_zz_global((long)half * (T / (2 * D)), T, D, r);
 }
 
+// Whether D ranks split a sequence of n positions (--varlen, whose lengths vary): only when its
+// 2D stretches are equal (2D | n), which makes them whole R2Z pieces of n (context_parallel.h,
+// VARIABLE LENGTHS); else every rank computes the sequence whole.
+static inline int zz_splits_length(int D, int n) { return D > 1 && n % (2 * D) == 0; }
+
 // Copies rank r's slice (B, T/D, C) between B whole sequences (B, T, C) and its own buffer;
 // `to_slice` picks the direction. Both buffers live in `mem`.
 static inline void zz_copy_slice(const MemOps* mem, float* seqs, float* slice, int B, int T, int C, int D, int r,
