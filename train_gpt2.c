@@ -810,16 +810,16 @@ static void moe_grads_rows(const GPT2* model, ActivationGrads* g, size_t rows, i
 // split_seqs (model_ops.h SeqSplit): SEQS_SPLIT, the sequences are split as the model's layout
 // says (context parallelism over its cp group, and with seq_parallel the residual stream over
 // the tensor-parallel group: Megatron's sequence parallelism); SEQS_WHOLE: every position on
-// every rank (the sampler's passes); SEQS_SPLIT_BY_LENGTH (--varlen with CP): each pass is
+// every rank (the sampler's passes); SEQS_SPLIT_BY_LENGTH (--varlen with CP or SP): each pass is
 // split or whole by its length (pass_split), in memory for a whole pass.
 // split_backward: room for a split backward's kept gradients.
 void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int split_seqs,
                        int split_backward) {
     const GPT2Config* c = &model->config;
     int tp = model->tp_size, cp = split_seqs ? model->cp_size : 1, sp = split_seqs && model->seq_parallel;
-    int by_length = split_seqs == SEQS_SPLIT_BY_LENGTH && cp > 1, cap_split = by_length ? 1 : cp;
+    int by_length = split_seqs == SEQS_SPLIT_BY_LENGTH && (cp > 1 || sp), cap_split = by_length ? 1 : cp;
     size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T / cap_split;
-    size_t BTs = BT / (sp ? tp : 1);   // positions of the sequence-split tensors
+    size_t BTs = BT / (sp && !by_length ? tp : 1);   // positions of the sequence-split tensors
     size_t H = model->has_head ? 1 : 0, S = split_backward ? 1 : 0, emb = model->has_embedding ? 1 : 0;
     size_t dense = model->num_experts > 0 ? 0 : 1, a2a = cp > 1 && model->cp.a2a, Tq = T / cap_split;
     size_t gelus = dense * (recompute ? 1 : L);   // fch_gelu: one layer's, reused by all, with recompute
@@ -872,19 +872,27 @@ void activations_free(const GPT2* model, Activations* a) {
     memset(a, 0, sizeof(*a));
 }
 
-// Activations laid out by length (--varlen with CP): a pass over sequences of T positions is
-// split over the cp group when the length allows, else whole on every rank of it
+// Activations laid out by length (--varlen with CP or SP): a pass over sequences of T
+// positions is split as the model's layout says (over the cp group, and with SP over the
+// tensor-parallel group: D ranks in all) when 2D | T, else whole on every rank
 // (context_parallel.h, VARIABLE LENGTHS); g, the backward's gradients, follows the pass. Every
-// entry point of a pass calls it before reading cp_split.
+// entry point of a pass calls it before reading cp_split and seq_split.
 static void pass_split(const GPT2* model, Activations* a, ActivationGrads* g, int T) {
     if (!a->by_length) { return; }
-    a->cp_split = a->seq_split = zz_splits_length(model->cp_size, T) ? model->cp_size : 1;   // no SP with --varlen
-    if (g) { g->cp_split = g->seq_split = a->cp_split; }
+    int split = zz_splits_length(model->cp_size * (model->seq_parallel ? model->tp_size : 1), T);
+    a->cp_split = split ? model->cp_size : 1;
+    a->seq_split = split ? model->cp_size * (model->seq_parallel ? model->tp_size : 1) : 1;
+    if (g) {
+        g->cp_split = a->cp_split;
+        g->seq_split = a->seq_split;
+    }
 }
 
 // A pass that every rank of a context-parallel group computes whole (--varlen, a length the
 // group does not split): each rank hands ZeRO its part of every gradient (cp_keep_part).
-static int whole_in_group(const GPT2* model, const Activations* a) { return a->by_length && a->cp_split == 1; }
+static int whole_in_group(const GPT2* model, const Activations* a) {
+    return a->by_length && model->cp_size > 1 && a->cp_split == 1;
+}
 
 // The pass's tokens (B sequences of T), from host memory; targets NULL: the pass computes no
 // loss. With context parallelism the rank keeps its slice of each sequence (and all of the

@@ -46,7 +46,8 @@
  * all-gathered along T and summed as one rank sums them, over the global token count.
  *
  * VARIABLE LENGTHS (--varlen: one sequence of its own length n per microbatch). A sequence is
- * split over the group when 2N | n (zigzag.h zz_splits_length): its 2N stretches of n/2N are then whole
+ * split over the group when 2N | n (zigzag.h zz_splits_length; with SP, 2 N tp | n, the
+ * whole split): its 2N stretches of n/2N are then whole
  * R2Z pieces of its own length (floor(r*(8/N)*n/16) == r*n/2N, so each rank's slice is a
  * complete subtree of every reduction over its positions, as for a fixed T), and the passes
  * above run unchanged with T = n. Any other length, which includes every sequence shorter than
@@ -383,13 +384,14 @@ static inline uint64_t cp_bytes_per_step(int N, int a2a, int layers, int has_emb
 }
 
 // cp_bytes_per_step for a --varlen step: the sum over this rank's sequences (lengths[i], i <
-// count) of one microbatch of B = 1, T = lengths[i] each, for those the group splits; a
-// sequence every rank computes whole sends nothing.
-static inline uint64_t cp_bytes_per_varlen_step(int N, int a2a, int layers, int has_embedding, int has_head,
+// count) of one microbatch of B = 1, T = lengths[i] each, for those split over the D ranks
+// that split sequences (N, times the tensor-parallel degree with SP); a sequence every rank
+// computes whole sends nothing.
+static inline uint64_t cp_bytes_per_varlen_step(int N, int D, int a2a, int layers, int has_embedding, int has_head,
                                                 const int* lengths, int count, int C, int tp) {
     uint64_t bytes = 0;
     for (int i = 0; i < count; i++) {
-        if (zz_splits_length(N, lengths[i])) {
+        if (zz_splits_length(D, lengths[i])) {
             bytes += cp_bytes_per_step(N, a2a, layers, has_embedding, has_head, 1, lengths[i], C, tp, 1);
         }
     }

@@ -168,9 +168,6 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
         if (a->total_batch != -1) {
             fatal("-d: a --varlen step is G = %d sequences (their targets weigh the loss); leave out -d", a->varlen);
         }
-        if (a->sp) {
-            fatal("--varlen: not yet with --sp 1 (a sequence-parallel split of every length is not written); use --sp 0");
-        }
         if (a->varlen % N != 0) {
             fatal("--varlen %d: the G sequences of a step must split evenly over the %d data-parallel ranks", a->varlen, N);
         }
@@ -509,6 +506,28 @@ static inline void trainer_dump_copy(Trainer* t, int step) {
     free(host);
 }
 
+// --varlen: the lengths of this rank's sequences in the step just run (malloc'd, one per local
+// microbatch).
+static inline int* trainer_step_lengths(const Trainer* t) {
+    int n = t->zero.local_microbatches, *lengths = (int*)malloc_or_die(sizeof(int) * n, "lengths");
+    int64_t first_micro = t->progress.microbatches_done - t->M;
+    for (int i = 0; i < n; i++) {
+        int64_t g = t->args.overfit_single_batch ? 0 : zero_global_microbatch(&t->zero, first_micro, i);
+        lengths[i] = dataloader_length((DataLoader*)&t->train_loader, g);
+    }
+    return lengths;
+}
+
+// --varlen with CP or SP: how many of this rank's sequences of the step just run were split
+// (context_parallel.h, VARIABLE LENGTHS).
+static inline void trainer_print_varlen_split(const Trainer* t) {
+    int n = t->zero.local_microbatches, D = trainer_sequence_split(t), split = 0, *lengths = trainer_step_lengths(t);
+    for (int i = 0; i < n; i++) { split += zz_splits_length(D, lengths[i]); }
+    free(lengths);
+    printf("varlen split: %d of this rank's %d sequences split %d ways (length a multiple of 2 x %d), the others "
+           "computed whole by every rank\n", split, n, D, D);
+}
+
 // Context parallelism's bytes this rank sent in the step, against cp_bytes_per_step for this
 // rank's chunks.
 static inline void trainer_print_cp_accounting(const Trainer* t) {
@@ -521,24 +540,13 @@ static inline void trainer_print_cp_accounting(const Trainer* t) {
     }
     uint64_t want = cp_bytes_per_step(comm->cp, a2a, layers, first, last, t->B, t->T, t->config.channels, comm->tp,
                                       t->zero.local_microbatches);
-    int split_seqs = -1;   // --varlen: how many of this rank's sequences the group split
-    if (t->args.varlen) {  // the step just run: its sequences' lengths
-        int n = t->zero.local_microbatches, *lengths = (int*)malloc_or_die(sizeof(int) * n, "lengths");
-        int64_t first_micro = t->progress.microbatches_done - t->M;
-        split_seqs = 0;
-        for (int i = 0; i < n; i++) {
-            int64_t g = t->args.overfit_single_batch ? 0 : zero_global_microbatch(&t->zero, first_micro, i);
-            lengths[i] = dataloader_length((DataLoader*)&t->train_loader, g);
-            split_seqs += zz_splits_length(comm->cp, lengths[i]);
-        }
-        want = cp_bytes_per_varlen_step(comm->cp, a2a, layers, first, last, lengths, n, t->config.channels, comm->tp);
+    if (t->args.varlen) {
+        int n = t->zero.local_microbatches, *lengths = trainer_step_lengths(t);
+        want = cp_bytes_per_varlen_step(comm->cp, trainer_sequence_split(t), a2a, layers, first, last, lengths, n,
+                                        t->config.channels, comm->tp);
         free(lengths);
     }
     uint64_t got = comm->stats.bytes[COMM_KIND_CP];
-    if (split_seqs >= 0) {
-        printf("cp varlen: %d of this rank's %d sequences split over the group (length a multiple of 2 x %d), "
-               "the others computed whole by every rank of it\n", split_seqs, t->zero.local_microbatches, comm->cp);
-    }
     printf("cp accounting: %s N %d layers %d B %d T/N %d C/tp %d microbatches/rank %d | bytes/rank/step cp %llu, "
            "formula %llu (%s)\n", a2a ? "a2a" : "ring", comm->cp, layers, t->B, t->T / comm->cp,
            t->config.channels / comm->tp, t->zero.local_microbatches, (unsigned long long)got,
@@ -666,6 +674,7 @@ static inline void trainer_report_step(Trainer* t, const BuildInfo* build, const
                    z->stage, z->N, param_count(c), (size_t)c->padded_vocab_size * c->channels, c->num_layers,
                    z->local_microbatches, (unsigned long long)comm->stats.bytes[COMM_KIND_GRAD],
                    (unsigned long long)comm->stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
+            if (t->args.varlen && trainer_sequence_split(t) > 1) { trainer_print_varlen_split(t); }
             if (comm->cp > 1) { trainer_print_cp_accounting(t); }
         }
         fflush(stdout);

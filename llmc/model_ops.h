@@ -30,7 +30,7 @@
 // LM head, cross-entropy).
 // How a training pass lays out its sequences over the ranks that split them (context
 // parallelism, sequence parallelism): SEQS_WHOLE every position on every rank (the sampler);
-// SEQS_SPLIT every pass split; SEQS_SPLIT_BY_LENGTH (--varlen with --cp > 1) each pass split
+// SEQS_SPLIT every pass split; SEQS_SPLIT_BY_LENGTH (--varlen with CP or SP) each pass split
 // when its length allows, else whole on every rank of the group (context_parallel.h,
 // VARIABLE LENGTHS), in memory for a whole pass of (B, T).
 typedef enum { SEQS_WHOLE = 0, SEQS_SPLIT = 1, SEQS_SPLIT_BY_LENGTH = 2 } SeqSplit;

@@ -287,8 +287,8 @@ static inline int pipeline_positions(const PipelineStepContext* x, int i) {
 }
 
 // How many ways a pass over sequences of T positions is split, for acts split sp_degree ways:
-// with --varlen and CP (SEQS_SPLIT_BY_LENGTH) only a length that splits evenly is split, the
-// others run whole (context_parallel.h, VARIABLE LENGTHS).
+// with --varlen and CP or SP (SEQS_SPLIT_BY_LENGTH) only a length that splits evenly is split,
+// the others run whole (context_parallel.h, VARIABLE LENGTHS).
 static inline int pipeline_length_split(const Pipeline* p, int sp_degree, int T) {
     return p->split_mode == SEQS_SPLIT_BY_LENGTH && !zz_splits_length(sp_degree, T) ? 1 : sp_degree;
 }
