@@ -65,6 +65,7 @@
  *   comm_all_to_all(g, send, recv, n, kind)       send, recv: size*n floats
  *   comm_barrier(g)
  *   comm_setup_expert_groups(&comm, ep)  (expert parallelism: the ep and edp groups)
+ *   comm_setup_pool_groups(&comm)  (FlexSP: aligned power-of-two sub-groups of the dp x cp ranks)
  *   comm_all_to_all_v(g, send, send_counts, recv, recv_counts, kind)   floats, counts per rank
  *   comm_all_to_all_ints(g, send, send_counts, recv, recv_counts, kind) host ints, likewise
  *   non-blocking: req = comm_reduce_scatter_start / comm_all_gather_start /
@@ -133,6 +134,8 @@ typedef struct {
 #endif
 } CommGroup;
 
+#define COMM_POOL_LEVELS 7             // FlexSP's sub-groups of the pool: 1, 2, 4, ... 64 ranks
+
 // A Comm must stay where comm_init() put it: its groups point at its counters.
 typedef struct {
     int world_rank, world_size;
@@ -148,6 +151,10 @@ typedef struct {
     CommGroup cp_group;
     CommGroup dpcp_group;              // data x context parallel (ranked dp_rank * cp + cp_rank):
                                        // ZeRO's sharding group, Megatron's dp group "with cp"
+    // FlexSP's pool (comm_setup_pool_groups): the dp x cp ranks cut into aligned power-of-two
+    // sub-groups; pool_groups[k] is this rank's group of 2^k, k < pool_levels (0: none set up)
+    int pool_levels;
+    CommGroup pool_groups[COMM_POOL_LEVELS];
     CommStats stats;
     const MemOps* mem;                 // given to every group
 } Comm;
@@ -357,6 +364,7 @@ static inline void comm_init(Comm* c, int* argc, char*** argv) {
     c->ep = 1;
     comm_group_init_single(&c->cp_group, &c->stats, c->mem);
     comm_group_init_single(&c->dpcp_group, &c->stats, c->mem);
+    for (int k = 0; k < COMM_POOL_LEVELS; k++) { comm_group_init_single(&c->pool_groups[k], &c->stats, c->mem); }
 #ifdef USE_MPI
     comm_group_connect(&c->world, comm_mpi_init(argc, argv));
 #else
@@ -386,6 +394,11 @@ static inline int comm_grid_world_rank(const Comm* c, int dp_rank, int tp_rank, 
 }
 
 
+static inline void comm_free_pool_groups(Comm* c) {
+    for (int k = 0; k < c->pool_levels; k++) { comm_group_free(&c->pool_groups[k]); }
+    c->pool_levels = 0;
+}
+
 // Arranges the world as dp x cp x tp x pp (dp = world_size / (cp * tp * pp)) and builds this
 // rank's four groups. Collective over the world: every rank calls it with the same tp, cp and
 // pp. May be called again to change the layout.
@@ -412,6 +425,7 @@ static inline void comm_setup_grid_cp(Comm* c, int tp, int cp, int pp) {
     c->ep_rank = c->edp_rank = 0;
     comm_group_free(&c->cp_group);
     comm_group_free(&c->dpcp_group);
+    comm_free_pool_groups(c);
     c->tp = tp;
     c->cp = cp;
     c->pp = pp;
@@ -468,6 +482,28 @@ static inline void comm_setup_expert_groups(Comm* c, int ep) {
     c->ep_group.mem = c->edp_group.mem = c->mem;
 }
 
+// FlexSP's pool: the dp x cp ranks of this rank's (pp, tp) coordinates, ranked as in the dp x
+// cp group (r = dp_rank * cp + cp_rank), cut into aligned power-of-two sub-groups: for each
+// size g = 2^k that divides the pool, rank r's group is the ranks [r - r % g, r - r % g + g),
+// ranked by r % g. Real communicators, made once at startup, so that a plan can run each of
+// its groups over its own every step. Collective over the world (after comm_setup_grid_cp).
+static inline void comm_setup_pool_groups(Comm* c) {
+    comm_free_pool_groups(c);
+    int P = c->dpcp_group.size;
+    for (int k = 0, g = 1; g <= P && P % g == 0; k++, g *= 2) {
+        if (k == COMM_POOL_LEVELS) { fatal("a pool of %d ranks: sub-groups of at most %d", P, 1 << (COMM_POOL_LEVELS - 1)); }
+#ifdef USE_MPI
+        // the same pp and tp coordinates and the same block of g pool ranks: one group
+        int r = c->dpcp_group.rank;
+        comm_split(c, &c->pool_groups[k], (c->pp_rank * c->tp + c->tp_rank) * P + r / g, r % g, "pool");
+#else
+        comm_group_init_single(&c->pool_groups[k], &c->stats, c->mem);
+#endif
+        c->pool_groups[k].mem = c->mem;
+        c->pool_levels = k + 1;
+    }
+}
+
 // The grid without context parallelism: dp x tp x pp.
 static inline void comm_setup_grid(Comm* c, int tp, int pp) { comm_setup_grid_cp(c, tp, 1, pp); }
 
@@ -477,10 +513,11 @@ static inline void comm_set_memory(Comm* c, const MemOps* mem) {
     CommGroup* groups[] = { &c->world, &c->dp_group, &c->tp_group, &c->pp_group, &c->cp_group, &c->dpcp_group,
                             &c->ep_group, &c->edp_group };
     c->mem = mem;
-    for (size_t i = 0; i < sizeof(groups) / sizeof(groups[0]); i++) {
-        groups[i]->mem = mem;
+    for (size_t i = 0; i < sizeof(groups) / sizeof(groups[0]) + c->pool_levels; i++) {
+        CommGroup* g = i < sizeof(groups) / sizeof(groups[0]) ? groups[i] : &c->pool_groups[i - sizeof(groups) / sizeof(groups[0])];
+        g->mem = mem;
 #ifdef USE_MPI
-        groups[i]->staged.device = mem;
+        g->staged.device = mem;
 #endif
     }
 }
@@ -497,6 +534,12 @@ static inline void comm_enable_nccl(Comm* c) {
         if (g->size == 1 || g->nccl) { continue; }
         int same_as_dp = g == &c->dpcp_group && c->cp == 1 && c->dp_group.nccl;
         g->nccl = same_as_dp ? comm_nccl_share(c->dp_group.nccl) : comm_nccl_new(&g->staged);
+        g->device = (CommRoute){ &comm_nccl_transport, g->nccl };
+    }
+    for (int k = 0; k < c->pool_levels; k++) {   // FlexSP's sub-groups (comm_setup_pool_groups)
+        CommGroup* g = &c->pool_groups[k];
+        if (g->size == 1 || g->nccl) { continue; }
+        g->nccl = comm_nccl_new(&g->staged);
         g->device = (CommRoute){ &comm_nccl_transport, g->nccl };
     }
 }
@@ -520,6 +563,7 @@ static inline void comm_pp_neighbours(const Comm* c, int* prev, int* next) {
 }
 
 static inline void comm_finalize(Comm* c) {
+    comm_free_pool_groups(c);
     comm_group_free(&c->ep_group);
     comm_group_free(&c->edp_group);
     comm_group_free(&c->cp_group);

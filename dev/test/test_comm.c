@@ -473,6 +473,30 @@ static int pp_member(int j) { return comm_grid_world_rank(&comm, comm.dp_rank, c
 
 static int cp_member(int j) { return comm_grid_world_rank_cp(&comm, comm.dp_rank, j, comm.tp_rank, comm.pp_rank); }
 
+// FlexSP's pool: for each power-of-two size g dividing the dp x cp ranks, this rank's group is
+// the aligned block of g consecutive pool ranks (pool rank dp_rank * cp + cp_rank) holding it,
+// ranked within the block; the collectives over it sum exactly its members (every block runs
+// its own at once).
+static int pool_block_size;
+static int pool_member(int j) {
+    int r = comm.dp_rank * comm.cp + comm.cp_rank, q = r - r % pool_block_size + j;
+    return comm_grid_world_rank_cp(&comm, q / comm.cp, q % comm.cp, comm.tp_rank, comm.pp_rank);
+}
+static void test_pool_groups(void) {
+    comm_setup_pool_groups(&comm);
+    int P = comm.dp * comm.cp, r = comm.dp_rank * comm.cp + comm.cp_rank, levels = 0;
+    for (int g = 1; g <= P && P % g == 0; g *= 2) { levels++; }
+    CHECK(comm.pool_levels == levels, "pool of %d: %d levels of sub-groups, expected %d", P, comm.pool_levels, levels);
+    for (int k = 0; k < comm.pool_levels; k++) {
+        pool_block_size = 1 << k;
+        check_members(&comm.pool_groups[k], pool_block_size, r % pool_block_size, pool_member, "pool");
+        Group G;
+        G.g = &comm.pool_groups[k]; G.name = "pool";
+        for (int j = 0; j < pool_block_size; j++) { G.members[j] = pool_member(j); }
+        test_group(&G, 0, 0);
+    }
+}
+
 // The 4-D grid: world rank = ((pp * dp + dp_rank) * cp + cp_rank) * tp + tp_rank (Megatron's
 // order: tensor fastest, then context, data, pipeline), each group the ranks that differ from
 // this one in its coordinate only.
@@ -491,6 +515,7 @@ static void test_grid_cp(int tp, int cp, int pp) {
     G.g = &comm.cp_group; G.name = "cp";
     for (int j = 0; j < comm.cp; j++) { G.members[j] = cp_member(j); }
     test_group(&G, 0, 0);
+    test_pool_groups();
 }
 
 static void test_grid(int tp, int pp) {
@@ -531,6 +556,7 @@ static void test_grid(int tp, int pp) {
     G.g = &comm.pp_group; G.name = "pp";
     for (int j = 0; j < comm.pp; j++) { G.members[j] = pp_member(j); }
     test_group(&G, 0, 0);
+    test_pool_groups();
 }
 
 // ------------------------------------------------------------------------------------------
