@@ -272,7 +272,7 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     if (t->root && a->sample_every > 0) { tokenizer_init_for_model(&t->tokenizer, a->tokenizer_path, c->vocab_size); }
 
     int split = trainer_sequence_split(t);
-    // --varlen with CP: each sequence split or whole by its length (context_parallel.h)
+    // --varlen with CP or SP: each sequence split or whole by its length (context_parallel.h)
     SeqSplit layout = split == 1 ? SEQS_WHOLE : a->varlen ? SEQS_SPLIT_BY_LENGTH : SEQS_SPLIT;
     pipeline_init(&t->pipe, ops, mem, t->models, t->places, &comm->pp_group, t->pp_kind, v,
                   t->zero.local_microbatches, B, T, c->channels, a->recompute, split, layout);

@@ -86,7 +86,7 @@ typedef struct {
                                // 4-byte words (ModelOps.stage_elem_bytes each element)
     int C;                     // C (a --varlen microbatch's message is B x its length x C)
     int sp_degree;             // the ranks that split each sequence (context x sequence parallelism)
-    SeqSplit split_mode;       // ... always, or per microbatch by its length (--varlen with CP)
+    SeqSplit split_mode;       // ... always, or per microbatch by its length (--varlen with CP or SP)
     CommGroup* pp;
     const ModelOps* ops;
     const MemOps* mem;
