@@ -137,10 +137,6 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     if (a->pp > c->num_layers) {
         fatal("--pp %d: the model has only %d layers; every stage needs at least one", a->pp, c->num_layers);
     }
-    if (c->num_experts > 0 && pipeline_splits_backward(t->pp_kind)) {
-        fatal("--schedule %s: a mixture-of-experts model runs whole backwards (its expert exchanges are not split "
-              "into input and weight halves); use 1f1b, gpipe or interleaved", a->pp_schedule);
-    }
     // dualpipe's two chunks per rank are copies of the S stages' (pipeline.h)
     int virtual_stages = t->pp_kind == PP_DUALPIPE ? a->pp : a->pp * t->nchunks;
     if (virtual_stages > c->num_layers) {
