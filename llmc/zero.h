@@ -656,9 +656,11 @@ static inline void zero_grad_unit_done(Zero* z, int u) {
         zero_stack_add_range(z, top - 2, begin, end);
         top--;
     }
+    // dualpipe: the slices' tree and the reduction wait for the mirror's half (zero_finish_grads):
+    // each slice's two halves are the two subtrees of its tree over the local microbatches
+    if (z->mirror >= 0) { return; }
     if (slices > 1) { z->mem->tree_rows(z->grads + begin, size, slices, z->grads + begin); }
-    // dualpipe: the reduction waits for the mirror's half (zero_finish_grads)
-    if (z->mirror < 0) { zero_reduce_unit_start(z, u); }
+    zero_reduce_unit_start(z, u);
 }
 
 // Waits for every reduction in flight, in launch order, and puts the results in place.
@@ -747,7 +749,12 @@ static inline void zero_finish_grads(Zero* z) {
         z->mem->add(z->stack[0], z->stack[0], theirs, z->stack_len);
         z->mem->release(theirs);
         if (z->stage <= 1) {
-            for (int u = 0; u < z->lay.num_all; u++) { if (z->lay.grads_here[u]) { zero_reduce_unit_start(z, u); } }
+            for (int u = 0; u < z->lay.num_all; u++) {
+                if (!z->lay.grads_here[u]) { continue; }
+                size_t at = z->lay.glocal[u], size = z->lay.size[u];
+                if (z->lay.slices[u] > 1) { z->mem->tree_rows(z->grads + at, size, z->lay.slices[u], z->grads + at); }
+                zero_reduce_unit_start(z, u);
+            }
             zero_wait_reductions(z);
         }
     }
