@@ -92,6 +92,7 @@ check_a2a "$W/m4ep4.out" 4 4
 check_a2a "$W/m4ep2z3.out" 2 4
 check_a2a "$W/m4ep2tp2.out" 2 4
 check_a2a "$W/m8ep2tp2pp2z1.out" 2 4
+check_a2a "$W/s4pp2schedulezb1ep2z1.out" 2 4   # a split backward: the same four exchanges per row
 grep -q "rows out, 0 in" "$W/m2ep2.out" && fail "--ep 2: rank 0 received no rows, the accounting proves nothing"
 echo "     $(grep -m1 'all-to-all' "$W/m4ep4.out" | sed 's/^ *//')"
 pass "all-to-all bytes per step = what the routing counts say was sent"
