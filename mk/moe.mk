@@ -7,3 +7,8 @@ TESTS += dev/test/test_moe.sh
 .PHONY: bench-moe
 bench-moe: train_gpt2
 	dev/bench/bench_moe.sh
+
+# F, B, W and F&B under dualpipev with experts (a table, not a test)
+.PHONY: bench-moe-pipeline
+bench-moe-pipeline: train_gpt2 build/testdata
+	dev/bench/bench_moe_pipeline.sh
