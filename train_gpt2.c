@@ -691,6 +691,9 @@ typedef struct {
     int split_backward;
     KEPT_GRADIENTS(DECLARE, _)
     MoeLayerActs* moe;  // (L)        mixture of experts: each layer's routing and experts
+    float* moe_whole;   // (B,T*cp_split,2C+E) mixture of experts with CP: a layer's input and
+                        //           output (or their gradients) on whole sequences, and the
+                        //           router's output gradient of this rank's positions
     size_t bytes;
 } Activations;
 
@@ -712,7 +715,7 @@ typedef struct {
     X(owner, float, dln1, BTC)                 /* (B,T,C)  also d(lnf's output) in the head's backward */              \
     X(owner, float, dgate, moe * slots)        /* (B,T,k)  mixture of experts from here */                             \
     X(owner, float, dlogits, moe * B * T * num_experts) /* (B,T,E) */                                                  \
-    X(owner, float, drouter, moe * BTC)        /* (B,T,C)  the router's input gradient */                              \
+    X(owner, float, drouter, moe * BTC * cp)   /* (B,T,C)  the router's input gradient (CP: whole sequences) */        \
     X(owner, float, daux, moe * num_experts)   /* (E)      the load-balancing loss's gradient per position */          \
     X(owner, float, dslots, moe * slots * C)   /* (B,T*k,C) the slots' output, then input, gradients */
 #define MOE_GRAD_ROWS(X, owner)                                                                                        \
@@ -841,6 +844,11 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     KEPT_GRADIENTS(ALLOC, a)
     if (model->num_experts > 0) {   // the routing of every layer; the experts' rows start at the balanced load
         int num_experts = model->num_experts, ep_size = model->ep_size;
+        BT = (size_t)B * T;   // with CP every rank routes whole sequences (moe_forward)
+        if (cp > 1) {
+            a->moe_whole = mem_floats(model->mem, BT * (2 * C + num_experts), "expert activations (whole sequences)");
+            a->bytes += BT * (2 * C + num_experts) * sizeof(float);
+        }
         size_t slots = BT * model->top_k, rows = slots;
         size_t leaves = (size_t)model->El * ((size_t)ep_size * B * CANON_R + 1);
         a->moe = (MoeLayerActs*)calloc_or_die(L ? L : 1, sizeof(MoeLayerActs), "expert activations");
@@ -867,6 +875,7 @@ void activations_free(const GPT2* model, Activations* a) {
         moe_route_free(&moe_act->route);
     }
     free(a->moe);
+    if (a->moe_whole) { model->mem->release(a->moe_whole); }
     memset(a, 0, sizeof(*a));
 }
 
@@ -1101,7 +1110,10 @@ static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B,
 // from ln (B,T,C), complete on every tensor-parallel rank. The router and the combine run here
 // on this rank's positions; the slots go to their experts' ranks and back (expert_parallel.h;
 // one rank: the dispatch rows are already the experts' rows). `next`: the unit ZeRO-3
-// prefetches after the experts.
+// prefetches after the experts. With context parallelism (out, ln this rank's slice of each
+// sequence) every rank of the cp group runs the layer on whole sequences, the one-rank
+// routing and arithmetic, and keeps its slice of the output: the experts' gradients are then
+// the one-rank bits on every rank of the group (moe_weight_backward hands ZeRO a part each).
 static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* w, const float* ln, float* out,
                         int next, int B, int T) {
     const GPT2Config* c = &model->config;
@@ -1112,6 +1124,12 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
     int C = c->channels, C4 = a->C4, num_experts = model->num_experts, top_k = model->top_k;
     int ep_size = model->ep_size, BT = B * T;
     size_t slots = (size_t)BT * top_k;
+    float* out_slice = out;
+    if (a->cp_split > 1) {   // all-gather (cp group) of ln along T
+        cp_gather_sequences(&model->cp, ln, a->moe_whole, B, T, C);
+        ln = a->moe_whole;
+        out = a->moe_whole + (size_t)BT * C;
+    }
     // the router: probabilities, the top_k chosen experts and their gates per position
     matmul_forward(moe_act->probs, ln, w->routerw, NULL, BT, C, num_experts, CANON_R);
     moe_router_forward(moe_act->probs, moe_act->chosen, moe_act->gates, moe_act->probs, BT, num_experts, top_k);
@@ -1160,6 +1178,7 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
         moe_route_return(route, model->ep, model->xrecv, moe_act->ret, C);
     }
     moe_combine(out, moe_act->ret, moe_act->gates, moe_act->slot_row, BT, top_k, C);
+    if (a->cp_split > 1) { zz_copy_slice(mem, out, out_slice, B, T, C, a->cp_split, model->cp.rank, 1); }
     // the load-balancing loss of this layer and microbatch
     moe_expert_prob_sums(model->psum, moe_act->probs, B, T, num_experts);
     mem->to_host(model->psum_host, model->psum, (size_t)num_experts * sizeof(float));
@@ -1211,9 +1230,10 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
         residual_forward(act.residual2, act.residual, proj_g_bias(model, a, w.attprojb, B, Tn), rows_s * C);
         ln_forward_f(model, a, act.ln2, act.ln2_mean, act.ln2_rstd, act.residual2, w.ln2w, w.ln2b, B, Tn);
         if (moe) {   // complete on every tp rank: with SP this rank keeps its positions (no CP)
+            int sp = a->seq_split > a->cp_split;
             moe_forward(model, a, l, &w, act.ln2, a->proj, next, B, Tn);
-            if (a->seq_split > 1) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, Tn, C); }
-            residual_forward(act.residual3, act.residual2, a->seq_split > 1 ? a->proj_s : a->proj, rows_s * C);
+            if (sp) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, Tn, C); }
+            residual_forward(act.residual3, act.residual2, sp ? a->proj_s : a->proj, rows_s * C);
         } else {
             matmul_forward(act.fch, act.ln2, w.fcw, w.fcb, rows, C, a->C4, CANON_R);
             gelu_forward(act.fch_gelu, act.fch, (size_t)rows * a->C4);
@@ -1393,16 +1413,28 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
 // dw->routerw from dlogits (B,T,E) and ln (B,T,C); the experts' into their unit (a slice per
 // source microbatch, expert_parallel.h) from their output gradients dy (rows,C) and fc's output
 // gradients dh (rows,4C/tp), in the rows' expert-major order. Reads only what the input half
-// left: no exchange of its own.
+// left: no exchange of its own. With context parallelism (ln this rank's slice, dlogits whole
+// sequences) the router's gradient is this rank's per-sequence subtrees, as the dense weights'
+// (the layer finishes them over the cp group), and the experts', which every rank of the group
+// computed whole, go to ZeRO as this rank's part of each slice, -0.0f elsewhere (cp_keep_part:
+// ZeRO reduces the expert units over expert-data x context ranks).
 static void moe_weight_backward(GPT2* model, Activations* a, ActivationGrads* g, int l, const LayerTensors* dw,
                                 const float* ln, const float* dlogits, const float* dy, const float* dh, int B, int T) {
     Zero* z = model->zero;
     MoeLayerActs* moe_act = &a->moe[l - model->first_layer];
     const MoeRoute* route = &moe_act->route;
     int C = model->config.channels, C4 = a->C4, ep_size = model->ep_size, unit = zero_expert_unit(z, l);
+    int num_experts = model->num_experts, cp = a->cp_split;
     size_t slice = z->lay.size[unit], nleaf = (size_t)ep_size * B * CANON_R + 1;
-    matmul_backward(NULL, dw->routerw, NULL, dlogits, ln, NULL, B, T, C, model->num_experts, 1, CANON_R);
-    ExpertTensors dex = expert_unit(z, unit, zero_grad_unit(z, unit));
+    if (cp > 1) {   // this rank's positions of dlogits
+        float* mine = a->moe_whole + 2 * (size_t)B * T * C;
+        zz_copy_slice(model->mem, (float*)dlogits, mine, B, T, num_experts, cp, model->cp.rank, 1);
+        dlogits = mine;
+    }
+    matmul_weight_backward_cp(cp, dw->routerw, NULL, (long)z->lay.size[ZERO_LAYER(l)], dlogits, ln, B, T / cp, C,
+                              num_experts);
+    float* dunit = zero_grad_unit(z, unit);
+    ExpertTensors dex = expert_unit(z, unit, dunit);
     const float* gelu_out = a->recompute ? g->hgelu : moe_act->fch_gelu;
     for (int e = 0; e < model->El; e++) {
         int r0 = route->first[e], n = route->first[e + 1] - r0;
@@ -1413,6 +1445,7 @@ static void moe_weight_backward(GPT2* model, Activations* a, ActivationGrads* g,
         moe_expert_dweight(dex.fcw + e * dex.fcw_n, dex.fcb + e * dex.fcb_n, slice, dh, moe_act->xin, leaf, ep_size, B,
                            C, C4);
     }
+    for (int q = 0; cp > 1 && q < ep_size; q++) { cp_keep_part(&model->cp, dunit + q * slice, slice); }
     zero_grad_unit_done(z, unit);
 }
 
@@ -1421,7 +1454,8 @@ static void moe_weight_backward(GPT2* model, Activations* a, ActivationGrads* g,
 // the combine's, the router's and the experts' input gradients, with expert parallelism's two
 // all-to-alls of gradients (ep group). Weight half: moe_weight_backward, from the output
 // gradients the input half left (a split backward keeps them per layer in a->moe: dlogits, dy,
-// dh). `next`: the unit ZeRO-3 prefetches after the experts.
+// dh). `next`: the unit ZeRO-3 prefetches after the experts. With context parallelism (dout,
+// dln and ln this rank's slice) the input half runs on whole sequences, as the forward did.
 static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l, const LayerTensors* w,
                          const LayerTensors* dw, const float* ln, const float* dout, float* dln, int next, int B,
                          int T, int part) {
@@ -1442,6 +1476,12 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
     if (!(part & BACKWARD_INPUT)) {
         moe_weight_backward(model, a, g, l, dw, ln, dlogits, dy, dh, B, T);
         return;
+    }
+    float* dln_slice = dln;
+    if (a->cp_split > 1) {   // all-gather (cp group) of dout along T
+        cp_gather_sequences(&model->cp, dout, a->moe_whole, B, T, C);
+        dout = a->moe_whole;
+        dln = a->moe_whole + (size_t)BT * C;
     }
     moe_combine_backward(g->dgate, dslots, dout, moe_act->ret, moe_act->gates, moe_act->slot_row, BT, top_k, C);
     // the router, with the load-balancing loss of this microbatch (1/M of the step's loss each)
@@ -1480,6 +1520,7 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
         dret = g->dslots;
     }
     moe_dinput_combine(dln, g->drouter, dret, moe_act->slot_row, BT, top_k, C);
+    if (a->cp_split > 1) { zz_copy_slice(mem, dln, dln_slice, B, T, C, a->cp_split, model->cp.rank, 1); }
 }
 
 // this chunk's layers backward. Input half: g->dresidual = d(loss)/d(stage_output) in,

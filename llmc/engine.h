@@ -149,9 +149,9 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     }
     t->config.aux_loss_coef = a->aux_loss;
     t->moe = c->num_experts > 0;
-    if (t->moe && a->cp > 1) {
-        fatal("--cp %d: a mixture-of-experts model runs without context parallelism (its routing and expert "
-              "gradients are not split over a sequence's stretches); use --cp 1", a->cp);
+    if (t->moe && a->cp > 1 && a->sp) {
+        fatal("--cp %d with --sp 1: a mixture-of-experts model does not combine context and sequence parallelism "
+              "yet; use --sp 0 or --cp 1", a->cp);
     }
     if (a->ep > 1 && !t->moe) {
         fatal("--ep %d: expert parallelism needs a mixture-of-experts model (-e with eE, e.g. d4e8k2, or a version 7 file)", a->ep);
