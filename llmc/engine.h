@@ -516,6 +516,7 @@ static inline void trainer_print_cp_accounting(const Trainer* t) {
     }
     uint64_t want = cp_bytes_per_step(comm->cp, a2a, layers, first, last, t->B, t->T, t->config.channels, comm->tp,
                                       t->zero.local_microbatches);
+    if (t->moe) { want += cp_moe_bytes_per_step(comm->cp, layers, t->B, t->T, t->config.channels, t->zero.local_microbatches); }
     uint64_t got = comm->stats.bytes[COMM_KIND_CP];
     printf("cp accounting: %s N %d layers %d B %d T/N %d C/tp %d microbatches/rank %d | bytes/rank/step cp %llu, "
            "formula %llu (%s)\n", a2a ? "a2a" : "ring", comm->cp, layers, t->B, t->T / comm->cp,
