@@ -11,6 +11,7 @@
 #  - resume across layouts: one rank's checkpoint continues on CP 2 x DP 2 with --ep 2 at
 #    ZeRO-1, and a CP 2 x --ep 2 ZeRO-0 checkpoint (state pieces of the edp x cp group's ranks)
 #    on one rank, exactly;
+#  - the emulated CUDA build (when built) with --cp 2: one CPU rank's bits;
 #  - --cp with --sp 1 and experts: a clear error.
 set -u
 cd "$(dirname "$0")/../.."
@@ -63,6 +64,15 @@ cp "$W/c4cp2ep2/model_00000002.bin" "$W"/c4cp2ep2/state_00000002_* "$W/c4cp2ep2/
 run r2 1 "${COMMON[@]}" -x 4 -n 2 -o "$W/r2" -y 1
 cmp -s "$W/ref/model_00000004.bin" "$W/r2/model_00000004.bin" || fail "resumed --cp 2 --ep 2 -> 1 rank differs"
 pass "resume 1 rank -> CP 2 x DP 2 x --ep 2 (ZeRO-1), and CP 2 x --ep 2 (ZeRO-0) -> 1 rank: identical final checkpoint"
+
+# the emulated CUDA build (when built: the same model code on the device kernels), --cp 2 ring
+if [ -x ./train_gpt2cu_emu ]; then
+  $MPI 2 ./train_gpt2cu_emu --deterministic 1 "${COMMON[@]}" -x 2 -n 2 --cp 2 -o "$W/emu" >"$W/emu.out" 2>&1 \
+    || { tail -20 "$W/emu.out"; fail "emu: exit code $?"; }
+  cmp -s "$W/ref/model_00000002.bin" "$W/emu/model_00000002.bin" || fail "emu --cp 2: parameters differ from one CPU rank"
+  diff <(grep "trl" "$W/ref/main.log" | head -2) <(grep "trl" "$W/emu/main.log") >/dev/null || fail "emu --cp 2: losses differ"
+  pass "the emulated CUDA build, experts x --cp 2: identical to one CPU rank"
+fi
 
 # refusal: context with sequence parallelism in a model with experts
 if $MPI 4 $BIN "${COMMON[@]}" -x 1 --cp 2 --tp 2 --sp 1 -o "$W/bad" >"$W/bad.out" 2>&1; then fail "--cp 2 --sp 1 with experts ran"; fi
