@@ -659,13 +659,16 @@ void moe_expert_dweight_naive(float* dweight, float* dbias, size_t slice, const 
     X(owner, int, slot_row, slots)             /* (B,T,k)    the dispatch row of each slot */                          \
     X(owner, int, row_pos, slots)              /* (B*T*k)    the position of each dispatch row */                      \
     X(owner, int, leaf, leaves)                /* the R3 leaves of each local expert's rows */                         \
-    X(owner, float, ret, slots * C)            /* (B*T*k,C)  each slot's expert output, back at the source */
+    X(owner, float, ret, slots * C)            /* (B*T*k,C)  each slot's expert output, back at the source */          \
+    X(owner, float, dlogits, S * BT * num_experts) /* (B,T,E) split backward: the router's output gradient */
 #define MOE_LAYER_ROWS(X, owner)                                                                                       \
     X(owner, float, xin, C)                    /* (rows,C)   the rows the local experts received, by expert */         \
     X(owner, float, fch, C4)                   /* (rows,4C/tp) */                                                      \
     X(owner, float, fch_gelu, recompute ? 0 : C4) /* (rows,4C/tp) (recomputed in backward with -r 1) */                \
     X(owner, int, perm, 1)                     /* (rows)     work row <- received row (expert parallelism) */          \
-    X(owner, int, inv, 1)                      /* (rows)     received row <- work row */
+    X(owner, int, inv, 1)                      /* (rows)     received row <- work row */                               \
+    X(owner, float, dy, split ? C : 0)         /* (rows,C)   split backward: the experts' output gradients */          \
+    X(owner, float, dh, split ? C4 : 0)        /* (rows,4C/tp) ... and fc's output gradients (before GELU) */
 #define DECLARE(owner, type, name, count) type* name;
 
 typedef struct {
@@ -689,6 +692,9 @@ typedef struct {
     int split_backward;
     KEPT_GRADIENTS(DECLARE, _)
     MoeLayerActs* moe;  // (L)        mixture of experts: each layer's routing and experts
+    float* moe_whole;   // (B,T*cp_split,2C+E) mixture of experts with CP: a layer's input and
+                        //           output (or their gradients) on whole sequences, and the
+                        //           router's output gradient of this rank's positions
     size_t bytes;
 } Activations;
 
@@ -710,7 +716,7 @@ typedef struct {
     X(owner, float, dln1, BTC)                 /* (B,T,C)  also d(lnf's output) in the head's backward */              \
     X(owner, float, dgate, moe * slots)        /* (B,T,k)  mixture of experts from here */                             \
     X(owner, float, dlogits, moe * B * T * num_experts) /* (B,T,E) */                                                  \
-    X(owner, float, drouter, moe * BTC)        /* (B,T,C)  the router's input gradient */                              \
+    X(owner, float, drouter, moe * BTC * cp)   /* (B,T,C)  the router's input gradient (CP: whole sequences) */        \
     X(owner, float, daux, moe * num_experts)   /* (E)      the load-balancing loss's gradient per position */          \
     X(owner, float, dslots, moe * slots * C)   /* (B,T*k,C) the slots' output, then input, gradients */
 #define MOE_GRAD_ROWS(X, owner)                                                                                        \
@@ -786,7 +792,7 @@ static void grow_rows(const GPT2* model, void** buf, size_t rows, size_t row_byt
 static void moe_acts_rows(const GPT2* model, const Activations* a, MoeLayerActs* moe_act, size_t rows) {
     if (rows <= moe_act->rows_cap && moe_act->rows_cap > 0) { return; }
     size_t C = model->config.channels;
-    int C4 = a->C4, recompute = a->recompute;
+    int C4 = a->C4, recompute = a->recompute, split = a->split_backward;
     MOE_LAYER_ROWS(GROW, moe_act)
     moe_act->rows_cap = rows;
 }
@@ -843,6 +849,11 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     KEPT_GRADIENTS(ALLOC, a)
     if (model->num_experts > 0) {   // the routing of every layer; the experts' rows start at the balanced load
         int num_experts = model->num_experts, ep_size = model->ep_size;
+        BT = (size_t)B * T;   // with CP every rank routes whole sequences (moe_forward)
+        if (cp > 1) {
+            a->moe_whole = mem_floats(model->mem, BT * (2 * C + num_experts), "expert activations (whole sequences)");
+            a->bytes += BT * (2 * C + num_experts) * sizeof(float);
+        }
         size_t slots = BT * model->top_k, rows = slots;
         size_t leaves = (size_t)model->El * ((size_t)ep_size * B * CANON_R + 1);
         a->moe = (MoeLayerActs*)calloc_or_die(L ? L : 1, sizeof(MoeLayerActs), "expert activations");
@@ -851,7 +862,7 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
             moe_route_init(&moe_act->route, (int)BT, model->top_k, num_experts, ep_size, B);
             MOE_ROUTING(ALLOC, moe_act)
             moe_acts_rows(model, a, moe_act, rows);
-            a->bytes += rows * (C + (recompute ? 1 : 2) * C4) * sizeof(float) + 2 * rows * sizeof(int);
+            a->bytes += rows * ((1 + S) * C + (recompute ? 1 : 2) * C4 + S * C4) * sizeof(float) + 2 * rows * sizeof(int);
         }
     }
 }
@@ -869,6 +880,7 @@ void activations_free(const GPT2* model, Activations* a) {
         moe_route_free(&moe_act->route);
     }
     free(a->moe);
+    if (a->moe_whole) { model->mem->release(a->moe_whole); }
     memset(a, 0, sizeof(*a));
 }
 
@@ -1129,7 +1141,10 @@ static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B,
 // from ln (B,T,C), complete on every tensor-parallel rank. The router and the combine run here
 // on this rank's positions; the slots go to their experts' ranks and back (expert_parallel.h;
 // one rank: the dispatch rows are already the experts' rows). `next`: the unit ZeRO-3
-// prefetches after the experts.
+// prefetches after the experts. With context parallelism (out, ln this rank's slice of each
+// sequence) every rank of the cp group runs the layer on whole sequences, the one-rank
+// routing and arithmetic, and keeps its slice of the output: the experts' gradients are then
+// the one-rank bits on every rank of the group (moe_weight_backward hands ZeRO a part each).
 static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* w, const float* ln, float* out,
                         int next, int B, int T) {
     const GPT2Config* c = &model->config;
@@ -1140,6 +1155,12 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
     int C = c->channels, C4 = a->C4, num_experts = model->num_experts, top_k = model->top_k;
     int ep_size = model->ep_size, BT = B * T;
     size_t slots = (size_t)BT * top_k;
+    float* out_slice = out;
+    if (a->cp_split > 1) {   // all-gather (cp group) of ln along T
+        cp_gather_sequences(&model->cp, ln, a->moe_whole, B, T, C);
+        ln = a->moe_whole;
+        out = a->moe_whole + (size_t)BT * C;
+    }
     // the router: probabilities, the top_k chosen experts and their gates per position
     matmul_forward(moe_act->probs, ln, w->routerw, NULL, BT, C, num_experts, CANON_R);
     moe_router_forward(moe_act->probs, moe_act->chosen, moe_act->gates, moe_act->probs, BT, num_experts, top_k);
@@ -1188,6 +1209,7 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
         moe_route_return(route, model->ep, model->xrecv, moe_act->ret, C);
     }
     moe_combine(out, moe_act->ret, moe_act->gates, moe_act->slot_row, BT, top_k, C);
+    if (a->cp_split > 1) { zz_copy_slice(mem, out, out_slice, B, T, C, a->cp_split, model->cp.rank, 1); }
     // the load-balancing loss of this layer and microbatch
     moe_expert_prob_sums(model->psum, moe_act->probs, B, T, num_experts);
     mem->to_host(model->psum_host, model->psum, (size_t)num_experts * sizeof(float));
@@ -1240,9 +1262,10 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
         residual_forward(act.residual2, act.residual, proj_g_bias(model, a, w.attprojb, B, Tn), rows_s * C);
         ln_forward_f(model, a, act.ln2, act.ln2_mean, act.ln2_rstd, act.residual2, w.ln2w, w.ln2b, B, Tn);
         if (moe) {   // complete on every tp rank: with SP this rank keeps its positions (no CP)
+            int sp = a->seq_split > a->cp_split;
             moe_forward(model, a, l, &w, act.ln2, a->proj, next, B, Tn);
-            if (a->seq_split > 1) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, Tn, C); }
-            residual_forward(act.residual3, act.residual2, a->seq_split > 1 ? a->proj_s : a->proj, rows_s * C);
+            if (sp) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, Tn, C); }
+            residual_forward(act.residual3, act.residual2, sp ? a->proj_s : a->proj, rows_s * C);
         } else {
             matmul_forward(act.fch, act.ln2, w.fcw, w.fcb, rows, C, a->C4, CANON_R);
             gelu_forward(act.fch_gelu, act.fch, (size_t)rows * a->C4);
@@ -1421,74 +1444,118 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
     }
 }
 
-// The backward of layer l's mixture of experts (moe.h THE BACKWARD): dln (B,T,C), complete on
-// every tensor-parallel rank, from dout (B,T,C); the router's gradient into dw, the experts'
-// into their unit (a slice per source microbatch, expert_parallel.h). `next`: the unit ZeRO-3
-// prefetches after the experts.
+// The weight half of layer l's mixture-of-experts backward: the router's weight gradient into
+// dw->routerw from dlogits (B,T,E) and ln (B,T,C); the experts' into their unit (a slice per
+// source microbatch, expert_parallel.h) from their output gradients dy (rows,C) and fc's output
+// gradients dh (rows,4C/tp), in the rows' expert-major order. Reads only what the input half
+// left: no exchange of its own. With context parallelism (ln this rank's slice, dlogits whole
+// sequences) the router's gradient is this rank's per-sequence subtrees, as the dense weights'
+// (the layer finishes them over the cp group), and the experts', which every rank of the group
+// computed whole, go to ZeRO as this rank's part of each slice, -0.0f elsewhere (cp_keep_part:
+// ZeRO reduces the expert units over expert-data x context ranks).
+static void moe_weight_backward(GPT2* model, Activations* a, ActivationGrads* g, int l, const LayerTensors* dw,
+                                const float* ln, const float* dlogits, const float* dy, const float* dh, int B, int T) {
+    Zero* z = model->zero;
+    MoeLayerActs* moe_act = &a->moe[l - model->first_layer];
+    const MoeRoute* route = &moe_act->route;
+    int C = model->config.channels, C4 = a->C4, ep_size = model->ep_size, unit = zero_expert_unit(z, l);
+    int num_experts = model->num_experts, cp = a->cp_split;
+    size_t slice = z->lay.size[unit], nleaf = (size_t)ep_size * B * CANON_R + 1;
+    if (cp > 1) {   // this rank's positions of dlogits
+        float* mine = a->moe_whole + 2 * (size_t)B * T * C;
+        zz_copy_slice(model->mem, (float*)dlogits, mine, B, T, num_experts, cp, model->cp.rank, 1);
+        dlogits = mine;
+    }
+    matmul_weight_backward_cp(cp, dw->routerw, NULL, (long)z->lay.size[ZERO_LAYER(l)], dlogits, ln, B, T / cp, C,
+                              num_experts);
+    float* dunit = zero_grad_unit(z, unit);
+    ExpertTensors dex = expert_unit(z, unit, dunit);
+    const float* gelu_out = a->recompute ? g->hgelu : moe_act->fch_gelu;
+    for (int e = 0; e < model->El; e++) {
+        int r0 = route->first[e], n = route->first[e + 1] - r0;
+        const int* leaf = moe_act->leaf + e * nleaf;
+        if (a->recompute && n > 0) { gelu_forward(g->hgelu + (size_t)r0 * C4, moe_act->fch + (size_t)r0 * C4, (size_t)n * C4); }
+        moe_expert_dweight(dex.fcprojw + e * dex.fcprojw_n, dex.fcprojb + e * dex.fcprojb_n, slice, dy, gelu_out, leaf,
+                           ep_size, B, C4, C);
+        moe_expert_dweight(dex.fcw + e * dex.fcw_n, dex.fcb + e * dex.fcb_n, slice, dh, moe_act->xin, leaf, ep_size, B,
+                           C, C4);
+    }
+    for (int q = 0; cp > 1 && q < ep_size; q++) { cp_keep_part(&model->cp, dunit + q * slice, slice); }
+    zero_grad_unit_done(z, unit);
+}
+
+// The backward of layer l's mixture of experts (moe.h THE BACKWARD), in the dense layer's two
+// halves. Input half: dln (B,T,C), complete on every tensor-parallel rank, from dout (B,T,C):
+// the combine's, the router's and the experts' input gradients, with expert parallelism's two
+// all-to-alls of gradients (ep group). Weight half: moe_weight_backward, from the output
+// gradients the input half left (a split backward keeps them per layer in a->moe: dlogits, dy,
+// dh). `next`: the unit ZeRO-3 prefetches after the experts. With context parallelism (dout,
+// dln and ln this rank's slice) the input half runs on whole sequences, as the forward did.
 static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l, const LayerTensors* w,
                          const LayerTensors* dw, const float* ln, const float* dout, float* dln, int next, int B,
-                         int T) {
+                         int T, int part) {
     const GPT2Config* c = &model->config;
     const MemOps* mem = model->mem;
     Zero* z = model->zero;
     MoeLayerActs* moe_act = &a->moe[l - model->first_layer];
     MoeRoute* route = &moe_act->route;
     int C = c->channels, C4 = a->C4, num_experts = model->num_experts, top_k = model->top_k;
-    int ep_size = model->ep_size, BT = B * T;
+    int ep_size = model->ep_size, BT = B * T, split = a->split_backward, unit = zero_expert_unit(z, l);
     moe_grads_rows(model, g, (size_t)route->n_recv, C4);
-    moe_combine_backward(g->dgate, g->dslots, dout, moe_act->ret, moe_act->gates, moe_act->slot_row, BT, top_k, C);
+    // where the weight half finds the router's output gradient, the experts' output gradients
+    // (expert-major rows; one rank: the dispatch rows are the experts' rows) and fc's
+    float* dlogits = split ? moe_act->dlogits : g->dlogits;
+    float* dslots = split && ep_size == 1 ? moe_act->dy : g->dslots;
+    float* dy = ep_size == 1 ? dslots : split ? moe_act->dy : g->dwork;
+    float* dh = split ? moe_act->dh : g->dh;
+    if (!(part & BACKWARD_INPUT)) {
+        moe_weight_backward(model, a, g, l, dw, ln, dlogits, dy, dh, B, T);
+        return;
+    }
+    float* dln_slice = dln;
+    if (a->cp_split > 1) {   // all-gather (cp group) of dout along T
+        cp_gather_sequences(&model->cp, dout, a->moe_whole, B, T, C);
+        dout = a->moe_whole;
+        dln = a->moe_whole + (size_t)BT * C;
+    }
+    moe_combine_backward(g->dgate, dslots, dout, moe_act->ret, moe_act->gates, moe_act->slot_row, BT, top_k, C);
     // the router, with the load-balancing loss of this microbatch (1/M of the step's loss each)
     moe_aux_grad(model->daux_host, route->count, num_experts, top_k, BT, c->aux_loss_coef,
                  z->local_microbatches * z->streams);
     mem->from_host(g->daux, model->daux_host, (size_t)num_experts * sizeof(float));
-    moe_router_backward(g->dlogits, moe_act->probs, moe_act->chosen, moe_act->gates, g->dgate, g->daux, BT,
+    moe_router_backward(dlogits, moe_act->probs, moe_act->chosen, moe_act->gates, g->dgate, g->daux, BT,
                         num_experts, top_k);
-    matmul_backward(g->drouter, dw->routerw, NULL, g->dlogits, ln, w->routerw, B, T, C, num_experts, 1, CANON_R);
-    // the output gradients to the experts (expert-major rows)
-    const float* dy = g->dslots;
+    matmul_backward(g->drouter, NULL, NULL, dlogits, NULL, w->routerw, B, T, C, num_experts, 1, CANON_R);
     float* dx = g->dwork;
-    if (ep_size > 1) {
+    if (ep_size > 1) {   // all-to-all (ep group): the output gradients to the experts (expert-major rows)
         moe_route_dispatch(route, model->ep, g->dslots, g->dwork2, C);
-        moe_gather_rows(g->dwork, g->dwork2, moe_act->perm, route->n_recv, C);
-        dy = g->dwork;
+        moe_gather_rows(dy, g->dwork2, moe_act->perm, route->n_recv, C);
         dx = g->dwork2;
     }
-    int unit = zero_expert_unit(z, l);
     ExpertTensors ex = expert_unit(z, unit, zero_params_acquire(z, unit, next));
-    ExpertTensors dex = expert_unit(z, unit, zero_grad_unit(z, unit));
-    size_t slice = z->lay.size[unit], nleaf = (size_t)ep_size * B * CANON_R + 1;
-    const float* gelu_out = a->recompute ? g->hgelu : moe_act->fch_gelu;
     for (int e = 0; e < model->El; e++) {
         int r0 = route->first[e], n = route->first[e + 1] - r0;
-        const int* leaf = moe_act->leaf + e * nleaf;
-        float* fch = moe_act->fch + (size_t)r0 * C4;
-        if (a->recompute && n > 0) { gelu_forward(g->hgelu + (size_t)r0 * C4, fch, (size_t)n * C4); }
-        moe_expert_dweight(dex.fcprojw + e * dex.fcprojw_n, dex.fcprojb + e * dex.fcprojb_n, slice, dy, gelu_out, leaf,
-                           ep_size, B, C4, C);
-        if (n > 0) {
-            matmul_backward(g->dh + (size_t)r0 * C4, NULL, NULL, dy + (size_t)r0 * C, NULL, ex.fcprojw + e * ex.fcprojw_n,
-                            1, n, C4, C, 1, CANON_R);
-            gelu_backward(g->dh + (size_t)r0 * C4, fch, g->dh + (size_t)r0 * C4, (size_t)n * C4);
-        }
-        moe_expert_dweight(dex.fcw + e * dex.fcw_n, dex.fcb + e * dex.fcb_n, slice, g->dh, moe_act->xin, leaf, ep_size,
-                           B, C, C4);
-        if (n > 0) {
-            matmul_backward(dx + (size_t)r0 * C, NULL, NULL, g->dh + (size_t)r0 * C4, NULL, ex.fcw + e * ex.fcw_n, 1, n,
-                            C, C4, 1, CANON_R / model->tp_size);
-        }
+        if (n == 0) { continue; }
+        matmul_backward(dh + (size_t)r0 * C4, NULL, NULL, dy + (size_t)r0 * C, NULL, ex.fcprojw + e * ex.fcprojw_n, 1,
+                        n, C4, C, 1, CANON_R);
+        gelu_backward(dh + (size_t)r0 * C4, moe_act->fch + (size_t)r0 * C4, dh + (size_t)r0 * C4, (size_t)n * C4);
+        matmul_backward(dx + (size_t)r0 * C, NULL, NULL, dh + (size_t)r0 * C4, NULL, ex.fcw + e * ex.fcw_n, 1, n, C,
+                        C4, 1, CANON_R / model->tp_size);
     }
-    zero_grad_unit_done(z, unit);
     zero_params_release(z, unit);
+    // run whole, the weight half reads dy and dh now, before the return below reuses dwork
+    if (part & BACKWARD_WEIGHT) { moe_weight_backward(model, a, g, l, dw, ln, dlogits, dy, dh, B, T); }
     // f backward (tp group): each expert's column-parallel input gradients dx (rows, C),
     // all-reduced per row
     tp_f_backward(model->tp, dx, (size_t)route->n_recv * C);
     const float* dret = dx;
-    if (ep_size > 1) {   // the input gradients back to their sources, in dispatch-row order
+    if (ep_size > 1) {   // all-to-all (ep group): the input gradients back to their sources, in dispatch-row order
         moe_gather_rows(g->dwork, dx, moe_act->inv, route->n_recv, C);
         moe_route_return(route, model->ep, g->dwork, g->dslots, C);
         dret = g->dslots;
     }
     moe_dinput_combine(dln, g->drouter, dret, moe_act->slot_row, BT, top_k, C);
+    if (a->cp_split > 1) { zz_copy_slice(mem, dln, dln_slice, B, T, C, a->cp_split, model->cp.rank, 1); }
 }
 
 // this chunk's layers backward. Input half: g->dresidual = d(loss)/d(stage_output) in,
@@ -1505,7 +1572,6 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
     int C = c->channels, cp_split = a->cp_split, Tl = T / cp_split, BT = B * Tl, tp_size = model->tp_size;
     int sp = g->seq_split > cp_split;
     int in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT, moe = model->num_experts > 0;
-    if (moe && part != BACKWARD_BOTH) { fatal("internal: a mixture-of-experts layer runs whole backwards only"); }
     for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
         LayerActs act = layer_acts(a, c, l - model->first_layer, B, T, 0);
         LayerOutGrads d = layer_out_grads(a, g, c, l - model->first_layer, B, T);
@@ -1523,10 +1589,12 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         float* dln2_part = sp ? g->dbtc : d.dln2;   // this rank's share, before the tp sum
         float* dln1_part = sp ? g->dbtc : d.dln1;
         if (moe) {   // residual3 = residual2 + moe(ln2(residual2)); its dln2 is complete on every rank
-            dres_g_backward(model, g, d.dfcproj, B, T);
-            moe_backward(model, a, g, l, &w, &dw, act.ln2, d.dfcproj, dln2_part, next, B, T);
-            ln_backward_f_input(model, g, g->dresidual, dln2_part, d.dln2, act.residual2, w.ln2w, act.ln2_mean,
-                                act.ln2_rstd, B, T, 1);
+            if (in) { dres_g_backward(model, g, d.dfcproj, B, T); }
+            moe_backward(model, a, g, l, &w, &dw, act.ln2, d.dfcproj, dln2_part, next, B, T, part);
+            if (in) {
+                ln_backward_f_input(model, g, g->dresidual, dln2_part, d.dln2, act.residual2, w.ln2w, act.ln2_mean,
+                                    act.ln2_rstd, B, T, 1);
+            }
         } else {     // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
             if (wt && a->recompute) { gelu_forward(act.fch_gelu, act.fch, (size_t)BT * a->C4); }
             if (in) { dres_g_backward(model, g, d.dfcproj, B, T); }

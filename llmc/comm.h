@@ -144,7 +144,8 @@ typedef struct {
     CommGroup world, dp_group, tp_group, pp_group;
     // expert parallelism (comm_setup_expert_groups): the dp group is cut into ep groups of ep
     // consecutive dp ranks (which exchange tokens), and edp groups of the ranks at the same
-    // place in every ep group (which hold the same experts and reduce their gradients)
+    // place in every ep group, and their context ranks (which hold the same experts and reduce
+    // their gradients)
     int ep, ep_rank, edp_rank;
     CommGroup ep_group, edp_group;
     int cp, cp_rank;                   // the context-parallel dimension (context_parallel.h)
@@ -460,8 +461,9 @@ static inline void comm_setup_grid_cp(Comm* c, int tp, int cp, int pp) {
 
 // Expert parallelism over ep ranks, carved from the data-parallel group as Megatron and
 // DeepSpeed do: dp rank d is rank d % ep of the ep group of dp ranks [d - d % ep, ... + ep)
-// and rank d / ep of the edp group of dp ranks d % ep, d % ep + ep, ... Collective over the
-// world (after comm_setup_grid).
+// and rank d / ep of the edp group of dp ranks d % ep, d % ep + ep, ... (with context
+// parallelism each of them with its cp ranks: rank (d / ep) * cp + cp_rank). Collective over
+// the world (after comm_setup_grid).
 static inline void comm_setup_expert_groups(Comm* c, int ep) {
     if (ep < 1 || c->dp % ep != 0) {
         fatal("--ep %d: the expert-parallel degree must divide the %d data-parallel ranks", ep, c->dp);
@@ -474,7 +476,10 @@ static inline void comm_setup_expert_groups(Comm* c, int ep) {
 #ifdef USE_MPI
     int base = (c->pp_rank * c->cp + c->cp_rank) * c->tp + c->tp_rank;   // the dp group's colour (comm_setup_grid_cp)
     comm_split(c, &c->ep_group, base * c->dp + c->dp_rank / ep, c->ep_rank, "ep");
-    comm_split(c, &c->edp_group, base * c->dp + c->dp_rank % ep, c->edp_rank, "edp");
+    // the edp group takes in the context ranks, ranked edp_rank * cp + cp_rank as the dp x cp
+    // group is (each context rank hands in its part of an expert unit's gradient)
+    int base_cp = c->pp_rank * c->tp + c->tp_rank;
+    comm_split(c, &c->edp_group, base_cp * c->dp + c->dp_rank % ep, c->edp_rank * c->cp + c->cp_rank, "edp");
 #else
     comm_group_init_single(&c->ep_group, &c->stats, c->mem);
     comm_group_init_single(&c->edp_group, &c->stats, c->mem);

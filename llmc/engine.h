@@ -137,10 +137,6 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     if (a->pp > c->num_layers) {
         fatal("--pp %d: the model has only %d layers; every stage needs at least one", a->pp, c->num_layers);
     }
-    if (c->num_experts > 0 && pipeline_splits_backward(t->pp_kind)) {
-        fatal("--schedule %s: a mixture-of-experts model runs whole backwards (its expert exchanges are not split "
-              "into input and weight halves); use 1f1b, gpipe or interleaved", a->pp_schedule);
-    }
     // dualpipe's two chunks per rank are copies of the S stages' (pipeline.h)
     int virtual_stages = t->pp_kind == PP_DUALPIPE ? a->pp : a->pp * t->nchunks;
     if (virtual_stages > c->num_layers) {
@@ -153,9 +149,13 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     }
     t->config.aux_loss_coef = a->aux_loss;
     t->moe = c->num_experts > 0;
-    if (t->moe && a->cp > 1) {
-        fatal("--cp %d: a mixture-of-experts model runs without context parallelism (its routing and expert "
-              "gradients are not split over a sequence's stretches); use --cp 1", a->cp);
+    if (t->moe && a->cp > 1 && a->sp) {
+        fatal("--cp %d with --sp 1: a mixture-of-experts model does not combine context and sequence parallelism "
+              "yet; use --sp 0 or --cp 1", a->cp);
+    }
+    if (t->moe && a->cp > 1 && a->varlen) {
+        fatal("--cp %d with --varlen: a mixture-of-experts model does not combine context parallelism and variable "
+              "lengths yet; use --cp 1 (--varlen runs with experts under DP, TP, PP and EP)", a->cp);
     }
     if (a->ep > 1 && !t->moe) {
         fatal("--ep %d: expert parallelism needs a mixture-of-experts model (-e with eE, e.g. d4e8k2, or a version 7 file)", a->ep);
@@ -540,6 +540,7 @@ static inline void trainer_print_cp_accounting(const Trainer* t) {
     }
     uint64_t want = cp_bytes_per_step(comm->cp, a2a, layers, first, last, t->B, t->T, t->config.channels, comm->tp,
                                       t->zero.local_microbatches);
+    if (t->moe) { want += cp_moe_bytes_per_step(comm->cp, layers, t->B, t->T, t->config.channels, t->zero.local_microbatches); }
     if (t->args.varlen) {
         int n = t->zero.local_microbatches, *lengths = trainer_step_lengths(t);
         want = cp_bytes_per_varlen_step(comm->cp, trainer_sequence_split(t), a2a, layers, first, last, lengths, n,

@@ -62,7 +62,8 @@
  * (zero_expert_unit), after the lookup unit. With expert parallelism (--ep Q, llmc/expert_parallel.h) a rank
  * holds E/Q of the experts of each layer, so its expert units are its experts' tensors; they
  * are sharded and reduced over the expert-data-parallel (edp) group, N/Q ranks holding the same
- * experts, where the dense units use the dp group. An expert unit's gradient comes in Q slices,
+ * experts (with context parallelism: N the data x context ranks), where the dense units use
+ * the dp group. An expert unit's gradient comes in Q slices,
  * one per source microbatch of the ep group (expert_parallel.h THE GRADIENT ORDER): stages 2-3
  * combine them (the R1 tree over sources) before each reduce-scatter; stages 0-1 keep them
  * apart in the local microbatch tree and combine them at the step's end, before reducing
@@ -351,8 +352,9 @@ static inline void zero_unit_from_full(const ZeroLayout* z, int u, const float* 
 // each hand in the finished gradient of their part of every unit and -0.0f elsewhere
 // (context_parallel.h), so the R1 tree over a data-parallel rank's context ranks is exact and
 // the reduction over the group finishes the tree over the data-parallel ranks; ep, edp: the
-// data-parallel group's expert-parallel cut (comm.h comm_setup_expert_groups; both NULL: no
-// expert parallelism, the experts are data-parallel; not with context parallelism); pp: the
+// data-parallel group's expert-parallel cut, edp with the context ranks of its data-parallel
+// ranks (comm.h comm_setup_expert_groups; both NULL: no expert parallelism, the experts are
+// data-parallel); pp: the
 // pipeline group of which this rank is stage pp->rank, holding the model chunks
 // places[0 .. nchunks), stage head_stage holding the head; tp: the tensor-parallel group.
 static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
@@ -371,8 +373,8 @@ static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem,
         comm_group_init_single(&single, dp->stats, dp->mem);
         ep = &single;
         edp = shards;
-    } else if (shards->size != dp->size) {
-        fatal("internal: expert parallelism shards over the data-parallel group only (no context parallelism)");
+    } else if (edp->size * ep->size != shards->size) {
+        fatal("internal: the edp group must hold the context ranks of its data-parallel ranks");
     }
     z->ep = ep;
     z->edp = edp;
@@ -656,9 +658,11 @@ static inline void zero_grad_unit_done(Zero* z, int u) {
         zero_stack_add_range(z, top - 2, begin, end);
         top--;
     }
+    // dualpipe: the slices' tree and the reduction wait for the mirror's half (zero_finish_grads):
+    // each slice's two halves are the two subtrees of its tree over the local microbatches
+    if (z->mirror >= 0) { return; }
     if (slices > 1) { z->mem->tree_rows(z->grads + begin, size, slices, z->grads + begin); }
-    // dualpipe: the reduction waits for the mirror's half (zero_finish_grads)
-    if (z->mirror < 0) { zero_reduce_unit_start(z, u); }
+    zero_reduce_unit_start(z, u);
 }
 
 // Waits for every reduction in flight, in launch order, and puts the results in place.
@@ -747,7 +751,12 @@ static inline void zero_finish_grads(Zero* z) {
         z->mem->add(z->stack[0], z->stack[0], theirs, z->stack_len);
         z->mem->release(theirs);
         if (z->stage <= 1) {
-            for (int u = 0; u < z->lay.num_all; u++) { if (z->lay.grads_here[u]) { zero_reduce_unit_start(z, u); } }
+            for (int u = 0; u < z->lay.num_all; u++) {
+                if (!z->lay.grads_here[u]) { continue; }
+                size_t at = z->lay.glocal[u], size = z->lay.size[u];
+                if (z->lay.slices[u] > 1) { z->mem->tree_rows(z->grads + at, size, z->lay.slices[u], z->grads + at); }
+                zero_reduce_unit_start(z, u);
+            }
             zero_wait_reductions(z);
         }
     }

@@ -10,14 +10,17 @@
 #  - each rank's peak activations: DeepSeek's PP+1 = 2S+1 (microbatch, chunk) pairs;
 #  - with ./train_gpt2cu_emu built: the emulated CUDA build on --pp 2 and DP 2 x PP 2 ZeRO-1,
 #    identical to the CPU build;
-#  - too few microbatches (M < 2S) and a model with experts: one clear line each.
+#  - too few microbatches (M < 2S): one clear line.
 # dualpipe:
 #  - 2 stages, then resumed across layouts: -> one rank -> 4 stages; 2 data x 2 stages with
 #    ZeRO 1 and 3;
 #  - the two copies of every stage hold the same parameters and AdamW state after every step
 #    (LLMC_DUALPIPE_DUMP: each rank's buffers, compared byte for byte with its mirror's);
 #  - peak activations S+1 (DeepSeek's PP+1); the emulated CUDA build on 2 stages when built;
-#  - an odd number of stages, an odd number of microbatches fewer than 2S, experts: one line each.
+#  - an odd number of stages, an odd number of microbatches fewer than 2S: one line each.
+# with experts (4 per layer, top 2; the split backward of an expert layer): dualpipev and
+# dualpipe on 2 stages (-r 1), on 2 data x 2 stages with --ep 2 x ZeRO 1-3 (dualpipe's copies
+# compared after every step), and dualpipev --ep 2 in the emulated CUDA build when built.
 set -u
 cd "$(dirname "$0")/../.."
 command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun"; exit 0; }
@@ -93,9 +96,7 @@ refused() {
 }
 refused dualpipev-few 2 "--schedule dualpipev with -d 96 .*at least 2 x stages = 4 microbatches, got 3" \
   -d 96 --pp 2 "${DV[@]}"
-refused dualpipev-experts 2 "--schedule dualpipev: a mixture-of-experts model runs whole backwards" \
-  -e d4c32h2v64t32e4k2 -d 128 --pp 2 "${DV[@]}"
-pass "refusals: M < 2S, experts"
+pass "refusals: M < 2S"
 
 # ---- dualpipe: every stage on rank s and its mirror S-1-s ----
 DP=(--schedule dualpipe)
@@ -151,7 +152,29 @@ refused dualpipe-3-stages 3 "--schedule dualpipe with -d 192 .*needs an even num
   -d 192 --pp 3 "${DP[@]}"
 refused dualpipe-few 2 "--schedule dualpipe with -d 96 .*an even number of microbatches, at least 2 x stages = 4, got 3" \
   -d 96 --pp 2 "${DP[@]}"
-refused dualpipe-experts 2 "--schedule dualpipe: a mixture-of-experts model runs whole backwards" \
-  -e d4c32h2v64t32e4k2 -d 128 --pp 2 "${DP[@]}"
-pass "dualpipe refusals: odd stages, M odd and < 2S, experts"
+pass "dualpipe refusals: odd stages, M odd and < 2S"
+
+# ---- with experts: every expert layer's backward split (input half with EP's all-to-alls of
+# gradients, weight half later), in the F&B pairs too ----
+MOE=(-e d4c32h2v64t32e4k2 --aux-loss 0.05)
+run mref 1 "${COMMON[@]}" "${MOE[@]}" -d 128 -x 3 -n 3 -o "$W/mref"
+run mref8 1 "${COMMON[@]}" "${MOE[@]}" -d 256 -x 3 -n 3 -o "$W/mref8"
+for layout in "2 --pp 2 --schedule dualpipev:128:mref" "2 --pp 2 --schedule dualpipe -r 1:128:mref" \
+              "4 --pp 2 --ep 2 --schedule dualpipev -z 2:256:mref8" "4 --pp 2 --ep 2 --schedule dualpipe -z 1:256:mref8" \
+              "4 --pp 2 --ep 2 --schedule dualpipe -z 3:256:mref8"; do
+  IFS=: read -r flags batch reference <<<"$layout"
+  set -- $flags
+  np=$1; shift
+  name=moe$(echo "$flags" | tr -d ' -')
+  dumped "$name" "$np" "${COMMON[@]}" "${MOE[@]}" -d "$batch" -x 3 -n 3 "$@" -o "$W/$name"
+  same "$reference" "$name" 3
+  case "$flags" in *"schedule dualpipe "*|*"schedule dualpipe") copies "$name" 2 1 3 ;; esac
+done
+pass "dualpipev and dualpipe with experts (-r 1, --ep 2 x ZeRO 1-3): identical to one rank; dualpipe's copies identical after every step"
+if [ -x ./train_gpt2cu_emu ]; then
+  $MPI 4 ./train_gpt2cu_emu --deterministic 1 "${COMMON[@]}" "${MOE[@]}" -d 256 -x 3 -n 3 --pp 2 --ep 2 "${DV[@]}" \
+    -o "$W/emumoe" >"$W/emumoe.out" 2>&1 || { tail -5 "$W/emumoe.out"; fail "emumoe: train_gpt2cu_emu exited with an error"; }
+  same mref8 emumoe 3
+  pass "the emulated CUDA build: dualpipev with experts on 2 data x 2 stages --ep 2 identical to the CPU build's one rank"
+fi
 echo "all dualpipe tests passed"
