@@ -18,6 +18,8 @@
 #   2. --pp 4 (1f1b, one layer a stage);
 #   3. the 1f1b run against the fp32 CPU reference ./train_gpt2 within
 #      dev/gpu/fast_tolerance.awk's bf16 tolerances (the same formulas as test_fast_e2e.sh);
+#      the bytes stage 0 sends over the pp group against their formula, bf16 in fast mode and
+#      fp32 in ./train_gpt2 --pp 2;
 #   4. tensor, sequence and context parallelism in fast mode: refused in one line.
 # Exits non-zero on the first failure, saying which.
 set -u
@@ -82,6 +84,20 @@ s0=$(echo "$res" | sed -n 's/^S0 //p') dr=$(echo "$res" | sed -n 's/^DRIFT //p')
 [ "${s0%% *}" = ok ] || { cat "$W/drift.txt"; fail "--pp 2 1f1b: step 0 vs the CPU: ${s0#* }"; }
 [ "${dr%% *}" = ok ] || { cat "$W/drift.txt"; fail "--pp 2 1f1b: drift vs the CPU: ${dr#* }"; }
 pass "fast mode --pp 2 1f1b vs the CPU: step 0 ${s0#* }; ${dr#* }"
+
+# the bytes a step sends over the pp group from stage 0 (its table is rank 0's): each of the
+# M = 4 microbatches' activations, B*T*C elements, 2 bytes in fast mode and 4 in the CPU's fp32,
+# and the tied wte's gradient halves summed over the two stages (Vp*C fp32, half sent each way
+# of the 2-rank exchange, twice: reduce-scatter and all-gather)
+run cpu_pp2 2 ./train_gpt2 "${ARGS[@]}" --pp 2
+pp_bytes() { awk '$1 == "pp" { print $3; exit }' "$W/$1.out"; }
+M=4 BTC=$((1 * 32 * 32)) VpC=$((512 * 32))
+for v in "pp2_1f1b 2" "cpu_pp2 4"; do
+  set -- $v
+  want=$((M * BTC * $2 + 4 * VpC)) got=$(pp_bytes "$1")
+  [ "$got" = "$want" ] || fail "$1: stage 0 sent $got bytes over the pp group in step 1, want $want ($M x $BTC x $2 + 4 x $VpC)"
+done
+pass "stage 0's pp bytes per step: $((M * BTC * 2 + 4 * VpC)) in fast mode (bf16 boundaries), $((M * BTC * 4 + 4 * VpC)) in fp32"
 
 # 4. what fast mode does not run yet: one line naming the flags
 for flags in "--tp 2" "--tp 2 --sp 1" "--cp 2"; do
