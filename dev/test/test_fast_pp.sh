@@ -15,7 +15,7 @@
 #      gpipe (every forward before the first backward) and zbv (one rank holds the
 #      embeddings' chunk and the head's) at ZeRO-3, whose bf16 copies exist only for the
 #      units in flight;
-#   2. --pp 4 (1f1b, one layer a stage);
+#   2. --pp 4 (1f1b, one layer a stage); 2 data x 2 pipeline ranks (zbv, ZeRO-1);
 #   3. the 1f1b run against the fp32 CPU reference ./train_gpt2 within
 #      dev/gpu/fast_tolerance.awk's bf16 tolerances (the same formulas as test_fast_e2e.sh);
 #      the bytes stage 0 sends over the pp group against their formula, bf16 in fast mode and
@@ -70,10 +70,13 @@ grep -q "stage 0 .*layers \[0, 1) \[3, 4) + embeddings + head" "$W/pp2_zbv_z3.ou
 pass "fast mode --pp 2 with 1f1b, gpipe (ZeRO-3), interleaved, zb1, zbv (ZeRO-3), dualpipev, dualpipe: bit-identical \
 to one rank (main.log, checkpoint, samples; 1f1b's without the KV cache = the others' with it)"
 
-# 2. 4 stages, one layer each
+# 2. 4 stages, one layer each; 2 data x 2 pipeline ranks (zbv, ZeRO-1: the gradients reduced
+# over the dp group, the tied wte's halves over the pp group)
 run pp4 4 "${FAST[@]}" "${ARGS[@]}" --pp 4
 identical ref pp4
-pass "fast mode --pp 4 (1f1b): bit-identical to one rank"
+run dp2_pp2_zbv 4 "${FAST[@]}" "${ARGS[@]}" --pp 2 --schedule zbv -z 1
+identical ref dp2_pp2_zbv
+pass "fast mode --pp 4 (1f1b) and 2 data x 2 pipeline (zbv, ZeRO-1): bit-identical to one rank"
 
 # 3. against the fp32 reference: L = 4 layers, N = the step's 128 positions (step 0, then
 # step 1's drift)
