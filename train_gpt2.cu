@@ -147,13 +147,9 @@ int main(int argc, char** argv) {
         fatal("--varlen: fast mode trains fixed windows of -t tokens only (each sequence length would be a new "
               "attention plan); run --varlen with --deterministic 1");
     }
-    if (!det && (t.args.tp > 1 || t.args.pp > 1 || t.args.sp || t.args.cp > 1)) {
-        fatal("--tp/--pp/--sp/--cp: fast mode runs data parallelism and ZeRO on one pipeline stage; tensor, sequence, "
-              "context and pipeline parallelism run with --deterministic 1");
-    }
-    if (!det && strcmp(t.args.pp_schedule, "1f1b") != 0 && strcmp(t.args.pp_schedule, "gpipe") != 0) {
-        fatal("--schedule %s: fast mode runs one pipeline stage with whole backwards; the other schedules run "
-              "with --deterministic 1", t.args.pp_schedule);
+    if (!det && (t.args.tp > 1 || t.args.sp || t.args.cp > 1)) {
+        fatal("--tp/--sp/--cp: fast mode runs data and pipeline parallelism and ZeRO; tensor, sequence and context "
+              "parallelism run with --deterministic 1");
     }
     select_device(&t.comm);
     choose_transport(&t);

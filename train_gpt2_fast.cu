@@ -16,10 +16,13 @@
  * layernorm and embedding gradients use deterministic mode's exact R3 reductions on the bf16
  * activations (kernels_det.cuh), so a fast run is repeatable run to run.
  *
- * Fast mode runs dense models on one pipeline stage: data parallelism and ZeRO 0-3. In fast
- * mode train_gpt2.cu refuses --tp/--pp/--sp/--cp and mixture-of-experts models (-e with
- * experts), and says to use --deterministic 1; within this file, a split backward (the
- * pipeline's separate input and weight gradients) is an internal error.
+ * Fast mode runs dense models with data parallelism, ZeRO 0-3 and pipeline parallelism with
+ * every schedule: a model chunk is a range of layers (ChunkPlace), stage boundaries are the
+ * bf16 residual stream, and the split backward's halves (the zero-bubble and DualPipe
+ * schedules) are the input gradients, then the cuBLASLt weight-gradient matmuls and the exact
+ * reductions. The sampler decodes with a KV cache (one new row per token). In fast mode
+ * train_gpt2.cu refuses --tp/--sp/--cp and mixture-of-experts models (-e with experts), and
+ * says to use --deterministic 1.
  */
 #include "llmc/engine.h"
 #include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
@@ -62,34 +65,52 @@ static void fast_attention_backward(floatX* dqkv, const floatX* dout, const floa
 }
 
 // ZeRO-3: the units with a bf16 copy at once. The passes hold one unit and acquire the next
-// (the embeddings' wte then wpe; layer l then l + 1; the last layer then lnf); the head holds
-// wte alone from its forward to its backward.
+// (the embeddings' wte then wpe; layer l then l + 1; the last layer then lnf); on one stage
+// the head holds wte alone from its forward to its backward (with several stages other
+// microbatches' layers run in between, so the head releases it and acquires it again).
 #define FAST_UNITS_IN_FLIGHT 2
 static char fast_weights_said[160];   // what the bf16 copy takes (gpt2_fast_weights_line)
 
+// The bf16 copy of this rank's weights, one for all its model chunks (they share the rank's
+// Zero): ZeRO 0-2 every held unit rounded to bf16, at zero.h's unit offsets (lay.local);
+// ZeRO-3 FAST_UNITS_IN_FLIGHT buffers of the largest unit, buffer i holding unit
+// bf16_unit[i] (-1: free), as zero.h's gathered fp32 units are held only while in use.
 typedef struct {
-    GPT2Config config;
-    Zero* zero;
-    const MemOps* mem;
-    // ZeRO 0-2: every held unit rounded to bf16, at zero.h's unit offsets (lay.local).
-    // ZeRO-3: FAST_UNITS_IN_FLIGHT buffers of the largest unit, buffer i holding unit
-    // bf16_unit[i] (-1: free), as zero.h's gathered fp32 units are held only while in use.
+    const Zero* zero;      // the rank's (NULL: not built yet)
+    int users;             // its model chunks
     floatX* params_bf16;
     int bf16_unit[FAST_UNITS_IN_FLIGHT];
     size_t bf16_unit_len;  // ZeRO-3: elements of one buffer (the largest unit)
     size_t bf16_bytes;     // what params_bf16 takes on this rank
+} FastWeights;
+static FastWeights fast_weights;
+
+// One model chunk (ChunkPlace): layers [first_layer, last_layer), the embeddings and the head
+// when it has them.
+typedef struct {
+    GPT2Config config;
+    Zero* zero;
+    const MemOps* mem;
+    FastWeights* weights;
+    int first_layer, layers;   // layers: how many this chunk has (0: none)
+    int has_embedding, has_head;
+    int hold_head;         // wte stays held from the head's forward to its backward (one stage)
     float* att_D;          // flash attention backward's rowsum(dO * O) (B,NH,T)
 } FastModel;
 
-// Activations of one pass over up to (B, T) positions (layouts as train_gpt2.c's; att holds
-// flash attention's per-row softmax statistics (L,B,NH,T)).
+// Activations of one pass over up to (B, T) positions (layouts as train_gpt2.c's, l counting
+// the chunk's layers; att holds flash attention's per-row softmax statistics (layers,B,NH,T)).
+// encoded is the chunk's input: the embeddings' output, or the received activation.
 typedef struct {
-    int recompute;
+    int recompute, split_backward;
     int* inputs;
     int* targets;           // NULL: no loss
     int* targets_buf;
     floatX *encoded, *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3, *lnf, *logits, *proj;
     float *ln1_mean, *ln1_rstd, *att, *ln2_mean, *ln2_rstd, *lnf_mean, *lnf_rstd, *losses;
+    // a split backward's gradients kept from its input half for its weight half: per layer
+    // those at the outputs of its weights (FastOutGrads), the head's d lnf, the embeddings' d encoded
+    floatX *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1, *dlnf, *dencoded;
 } FastActs;
 
 typedef struct {
@@ -111,16 +132,17 @@ template <typename X> static LayerViews<X> layer_views(const Zero* z, int u, X* 
 
 // Where unit u's bf16 copy lives; ZeRO-3: the buffer holding it, else (take_free) a free one.
 static floatX* fast_bf16_of(FastModel* m, int u, int take_free) {
-    if (m->zero->stage != 3) { return m->params_bf16 + m->zero->lay.local[u]; }
+    FastWeights* w = m->weights;
+    if (m->zero->stage != 3) { return w->params_bf16 + m->zero->lay.local[u]; }
     int free_slot = -1;
     for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) {
-        if (m->bf16_unit[i] == u) { return m->params_bf16 + i * m->bf16_unit_len; }
-        if (m->bf16_unit[i] < 0 && free_slot < 0) { free_slot = i; }
+        if (w->bf16_unit[i] == u) { return w->params_bf16 + i * w->bf16_unit_len; }
+        if (w->bf16_unit[i] < 0 && free_slot < 0) { free_slot = i; }
     }
     if (!take_free) { fatal("internal: unit %d has no bf16 copy", u); }
     if (free_slot < 0) { fatal("internal: more than %d units in flight in fast mode", FAST_UNITS_IN_FLIGHT); }
-    m->bf16_unit[free_slot] = u;
-    return m->params_bf16 + free_slot * m->bf16_unit_len;
+    w->bf16_unit[free_slot] = u;
+    return w->params_bf16 + free_slot * w->bf16_unit_len;
 }
 
 // Unit u's parameters in bf16: acquired from zero.h (ZeRO-3 gathers it, prefetching `next`)
@@ -136,7 +158,7 @@ static floatX* fast_params(FastModel* m, int u, int next) {
 static void fast_release(FastModel* m, int u) {
     zero_params_release(m->zero, u);
     for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) {
-        if (m->bf16_unit[i] == u) { m->bf16_unit[i] = -1; }
+        if (m->weights->bf16_unit[i] == u) { m->weights->bf16_unit[i] = -1; }
     }
 }
 
@@ -151,53 +173,75 @@ static float* act_f(FastModel* m, size_t n, size_t* bytes) {
 
 // ---- ModelOps ----------------------------------------------------------------------------
 
+// The rank's bf16 weights, built by its first model chunk.
+static FastWeights* fast_weights_use(Zero* zero) {
+    FastWeights* w = &fast_weights;
+    if (w->users++ > 0) {
+        if (w->zero != zero) { fatal("internal: fast mode's model chunks of one rank share one Zero"); }
+        return w;
+    }
+    w->zero = zero;
+    size_t n = zero->lay.local_params;
+    w->bf16_unit_len = 0;
+    if (zero->stage == 3) {
+        for (int u = 0; u < zero->lay.num_units; u++) {
+            if (zero_param_unit(&zero->lay, u) && zero->lay.size[u] > w->bf16_unit_len) { w->bf16_unit_len = zero->lay.size[u]; }
+        }
+        for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) { w->bf16_unit[i] = -1; }
+        n = FAST_UNITS_IN_FLIGHT * w->bf16_unit_len;
+    }
+    w->bf16_bytes = n * sizeof(floatX);
+    w->params_bf16 = (floatX*)zero->mem->alloc(w->bf16_bytes, "bf16 parameters");
+    if (zero->stage == 3) {
+        snprintf(fast_weights_said, sizeof(fast_weights_said), "%zu bytes per rank (ZeRO-3: %d units in flight x "
+                 "%zu elements, the largest unit)", w->bf16_bytes, FAST_UNITS_IN_FLIGHT, w->bf16_unit_len);
+    } else {
+        snprintf(fast_weights_said, sizeof(fast_weights_said), "%zu bytes per rank (the whole model: %zu elements)",
+                 w->bf16_bytes, n);
+    }
+    return w;
+}
+
 static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zero, CommGroup* tp, CommGroup* cp,
                          int cp_a2a, int seq_parallel, int B, int T) {
-    if (tp->size != 1 || seq_parallel || !place->has_embedding || !place->has_head) {
-        fatal("internal: fast mode runs one pipeline stage without tensor parallelism");
+    if (tp->size != 1 || seq_parallel || cp->size != 1) {
+        fatal("internal: fast mode runs without tensor, sequence or context parallelism");
     }
     FastModel* m = (FastModel*)calloc_or_die(1, sizeof(FastModel), "model");
     m->config = *c;
     m->zero = zero;
     m->mem = zero->mem;
-    size_t n = zero->lay.local_params;
-    if (zero->stage == 3) {
-        for (int u = 0; u < zero->lay.num_units; u++) {
-            if (zero_param_unit(&zero->lay, u) && zero->lay.size[u] > m->bf16_unit_len) { m->bf16_unit_len = zero->lay.size[u]; }
-        }
-        for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) { m->bf16_unit[i] = -1; }
-        n = FAST_UNITS_IN_FLIGHT * m->bf16_unit_len;
-    }
-    m->bf16_bytes = n * sizeof(floatX);
-    m->params_bf16 = (floatX*)m->mem->alloc(m->bf16_bytes, "bf16 parameters");
-    if (zero->stage == 3) {
-        snprintf(fast_weights_said, sizeof(fast_weights_said), "%zu bytes per rank (ZeRO-3: %d units in flight x "
-                 "%zu elements, the largest unit)", m->bf16_bytes, FAST_UNITS_IN_FLIGHT, m->bf16_unit_len);
-    } else {
-        snprintf(fast_weights_said, sizeof(fast_weights_said), "%zu bytes per rank (the whole model: %zu elements)",
-                 m->bf16_bytes, n);
-    }
+    m->first_layer = place->first_layer;
+    m->layers = place->last_layer - place->first_layer;
+    m->has_embedding = place->has_embedding;
+    m->has_head = place->has_head;
+    m->hold_head = place->has_embedding && place->has_head;   // one stage: nothing runs in between
+    m->weights = fast_weights_use(zero);
     m->att_D = (float*)m->mem->alloc(sizeof(float) * (size_t)B * c->num_heads * T, "attention D");
     return m;
 }
 
 static void fast_destroy(void* vm) {
     FastModel* m = (FastModel*)vm;
-    m->mem->release(m->params_bf16);
+    if (--m->weights->users == 0) {
+        m->mem->release(m->weights->params_bf16);
+        memset(m->weights, 0, sizeof(*m->weights));
+    }
     m->mem->release(m->att_D);
     free(m);
 }
 
 static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_seqs, int split_backward,
                               size_t* bytes) {
-    if (split_backward) { fatal("internal: fast mode runs whole backwards"); }
     FastModel* m = (FastModel*)vm;
     const GPT2Config* c = &m->config;
-    size_t L = c->num_layers, C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size, BT = (size_t)B * T;
+    size_t L = m->layers, C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size, BT = (size_t)B * T;
+    size_t head = m->has_head;   // the head's tensors only on its chunk
     (void)split_seqs;
     FastActs* a = (FastActs*)calloc_or_die(1, sizeof(FastActs), "activations");
     *bytes = 2 * BT * sizeof(int);
     a->recompute = recompute;
+    a->split_backward = split_backward;
     a->inputs = (int*)m->mem->alloc(BT * sizeof(int), "tokens");
     a->targets_buf = (int*)m->mem->alloc(BT * sizeof(int), "tokens");
     a->encoded = act(m, BT * C, bytes);
@@ -212,14 +256,24 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
     a->ln2_mean = act_f(m, L * BT, bytes);
     a->ln2_rstd = act_f(m, L * BT, bytes);
     a->fch = act(m, L * BT * 4 * C, bytes);
-    a->fch_gelu = act(m, (recompute ? 1 : L) * BT * 4 * C, bytes);
+    a->fch_gelu = act(m, (recompute && L > 0 ? 1 : L) * BT * 4 * C, bytes);
     a->residual3 = act(m, L * BT * C, bytes);
-    a->lnf = act(m, BT * C, bytes);
-    a->lnf_mean = act_f(m, BT, bytes);
-    a->lnf_rstd = act_f(m, BT, bytes);
-    a->logits = act(m, BT * Vp, bytes);
-    a->losses = act_f(m, BT, bytes);
+    a->lnf = act(m, head * BT * C, bytes);
+    a->lnf_mean = act_f(m, head * BT, bytes);
+    a->lnf_rstd = act_f(m, head * BT, bytes);
+    a->logits = act(m, head * BT * Vp, bytes);
+    a->losses = act_f(m, head * BT, bytes);
     a->proj = act(m, BT * C, bytes);
+    if (split_backward) {
+        a->dfcproj = act(m, L * BT * C, bytes);
+        a->dfch = act(m, L * BT * 4 * C, bytes);
+        a->dln2 = act(m, L * BT * C, bytes);
+        a->dattproj = act(m, L * BT * C, bytes);
+        a->dqkv = act(m, L * BT * 3 * C, bytes);
+        a->dln1 = act(m, L * BT * C, bytes);
+        a->dlnf = act(m, head * BT * C, bytes);
+        a->dencoded = act(m, m->has_embedding * BT * C, bytes);
+    }
     return a;
 }
 
@@ -228,8 +282,11 @@ static void fast_acts_destroy(void* vm, void* va) {
     FastActs* a = (FastActs*)va;
     void* all[] = {a->inputs, a->targets_buf, a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty, a->att,
                    a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu, a->residual3, a->lnf,
-                   a->lnf_mean, a->lnf_rstd, a->logits, a->losses, a->proj};
-    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { m->mem->release(all[i]); }
+                   a->lnf_mean, a->lnf_rstd, a->logits, a->losses, a->proj, a->dfcproj, a->dfch, a->dln2,
+                   a->dattproj, a->dqkv, a->dln1, a->dlnf, a->dencoded};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
+        if (all[i]) { m->mem->release(all[i]); }
+    }
     free(a);
 }
 
@@ -242,102 +299,146 @@ static void fast_set_tokens(void* vm, void* va, const int* inputs, const int* ta
     a->targets = targets ? a->targets_buf : NULL;
 }
 
-// fast mode runs one stage: nothing is received or sent between stages; a stage's output
-// would be its last layer's residual stream
+// Stage boundaries are bf16 (stage_elem_bytes): a chunk's input and output are the residual
+// stream, which one rank keeps in bf16 too, so sending it loses nothing and halves the bytes.
 static float* fast_stage_input(void* vm, void* va) { (void)vm; return (float*)((FastActs*)va)->encoded; }
+static floatX* fast_chunk_output(const FastModel* m, const FastActs* a, int B, int T) {
+    return m->layers > 0 ? a->residual3 + (size_t)(m->layers - 1) * B * T * m->config.channels : a->encoded;
+}
 static float* fast_stage_output(void* vm, void* va, int B, int T) {
-    const GPT2Config* c = &((FastModel*)vm)->config;
-    return (float*)(((FastActs*)va)->residual3 + (size_t)(c->num_layers - 1) * B * T * c->channels);
+    return (float*)fast_chunk_output((FastModel*)vm, (FastActs*)va, B, T);
 }
 
-// Per-layer views of the activations of layer l for a pass over (B, T).
+// Per-layer views of the activations of the chunk's layer l, at row t0, for a pass over (B, T)
+// (att: the whole layer's, attention picks its rows).
 struct FastLayerActs {
     floatX *residual, *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3;
     float *ln1_mean, *ln1_rstd, *att, *ln2_mean, *ln2_rstd;
 };
-static FastLayerActs fast_layer_acts(const FastActs* a, const GPT2Config* c, int l, int B, int T) {
-    size_t C = c->channels, BT = (size_t)B * T, NH = c->num_heads;
+static FastLayerActs fast_layer_acts(const FastActs* a, const GPT2Config* c, int l, int B, int T, int t0) {
+    size_t C = c->channels, BT = (size_t)B * T, NH = c->num_heads, r0 = t0;
     FastLayerActs v;
-    v.residual = l == 0 ? a->encoded : a->residual3 + (l - 1) * BT * C;
-    v.ln1 = a->ln1 + l * BT * C;
-    v.ln1_mean = a->ln1_mean + l * BT;
-    v.ln1_rstd = a->ln1_rstd + l * BT;
-    v.qkv = a->qkv + l * BT * 3 * C;
-    v.atty = a->atty + l * BT * C;
+    v.residual = (l == 0 ? a->encoded : a->residual3 + (l - 1) * BT * C) + r0 * C;
+    v.ln1 = a->ln1 + (l * BT + r0) * C;
+    v.ln1_mean = a->ln1_mean + l * BT + r0;
+    v.ln1_rstd = a->ln1_rstd + l * BT + r0;
+    v.qkv = a->qkv + (l * BT + r0) * 3 * C;
+    v.atty = a->atty + (l * BT + r0) * C;
     v.att = a->att + l * gpu_attention_stats_stride(B, NH, T);
-    v.residual2 = a->residual2 + l * BT * C;
-    v.ln2 = a->ln2 + l * BT * C;
-    v.ln2_mean = a->ln2_mean + l * BT;
-    v.ln2_rstd = a->ln2_rstd + l * BT;
-    v.fch = a->fch + l * BT * 4 * C;
-    v.fch_gelu = a->fch_gelu + (a->recompute ? 0 : l * BT * 4 * C);
-    v.residual3 = a->residual3 + l * BT * C;
+    v.residual2 = a->residual2 + (l * BT + r0) * C;
+    v.ln2 = a->ln2 + (l * BT + r0) * C;
+    v.ln2_mean = a->ln2_mean + l * BT + r0;
+    v.ln2_rstd = a->ln2_rstd + l * BT + r0;
+    v.fch = a->fch + (l * BT + r0) * 4 * C;
+    v.fch_gelu = a->fch_gelu + ((a->recompute ? 0 : l * BT) + r0) * 4 * C;
+    v.residual3 = a->residual3 + (l * BT + r0) * C;
     return v;
 }
 
-static void fast_embed_forward(void* vm, void* va, int B, int T) {
-    FastModel* m = (FastModel*)vm;
-    FastActs* a = (FastActs*)va;
+// The embeddings of `rows` positions from row t0 of a pass over (B, T) (all of them, or one
+// row of the sampler's (1, T) with the KV cache).
+static void fast_embed_rows(FastModel* m, FastActs* a, int B, int T, int t0, int rows) {
+    int C = m->config.channels;
     floatX* wte = fast_params(m, ZERO_WTE, ZERO_WPE);
-    floatX* wpe = fast_params(m, ZERO_WPE, ZERO_LAYER(0));
-    encoder_forward_fast(a->encoded, a->inputs, wte, wpe, B, T, m->config.channels);
+    floatX* wpe = fast_params(m, ZERO_WPE, m->layers > 0 ? ZERO_LAYER(m->first_layer) : -1);
+    encoder_forward_fast(a->encoded + (size_t)t0 * C, a->inputs + t0, wte, wpe + (size_t)t0 * C,
+                         rows == 1 ? 1 : B, rows == 1 ? 1 : T, C);
     fast_release(m, ZERO_WTE);
     fast_release(m, ZERO_WPE);
 }
 
-// The layers, with each layer's residual add fused into the next layernorm (the next layer's
-// ln1, or after the last layer the final layernorm: lnf is computed here, the head reads it).
-static void fast_layers_forward(void* vm, void* va, int B, int T) {
-    FastModel* m = (FastModel*)vm;
-    FastActs* a = (FastActs*)va;
+static void fast_embed_forward(void* vm, void* va, int B, int T) { fast_embed_rows((FastModel*)vm, (FastActs*)va, B, T, 0, B * T); }
+
+// The chunk's layers on `rows` positions from row t0 (decode: rows == 1, the sampler's (1, T)
+// pass with the rows before t0 in the KV cache), each layer's residual add fused into the next
+// layernorm: the next layer's ln1 or, after the model's last layer, the final layernorm (lnf
+// is computed here, the head reads it). After a chunk's last layer that the next stage
+// continues, the residual add alone (the next chunk's first ln1 reads the bf16 sum it stores,
+// as the fused kernel does).
+static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, int rows) {
+    if (m->layers == 0) { return; }
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
-    int C = c->channels, NH = c->num_heads, L = c->num_layers, BT = B * T;
-    int LNF = z->lay.num_units - 1;
-    floatX* unit = fast_params(m, ZERO_LAYER(0), L > 1 ? ZERO_LAYER(1) : LNF);
-    LayerViews<floatX> w = layer_views(z, ZERO_LAYER(0), unit);
-    FastLayerActs x0 = fast_layer_acts(a, c, 0, B, T);
-    layernorm_forward_fast(x0.ln1, x0.ln1_mean, x0.ln1_rstd, x0.residual, w.ln1w, w.ln1b, BT, C);
-    for (int l = 0; l < L; l++) {
-        FastLayerActs x = fast_layer_acts(a, c, l, B, T);
-        matmul_forward_fast(x.qkv, x.ln1, w.qkvw, w.qkvb, BT, C, 3 * C, NULL);
-        fast_attention_forward(x.atty, x.att, x.qkv, B, T, C, NH);
-        matmul_forward_fast(a->proj, x.atty, w.attprojw, w.attprojb, BT, C, C, NULL);
-        fused_residual_layernorm(x.residual2, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual, a->proj, w.ln2w, w.ln2b, BT, C);
-        matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, BT, C, 4 * C, x.fch);   // + GELU, keeps fch
-        matmul_forward_fast(a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, BT, 4 * C, C, NULL);
-        if (l + 1 < L) {
-            floatX* next = fast_params(m, ZERO_LAYER(l + 1), l + 2 < L ? ZERO_LAYER(l + 2) : LNF);
+    int C = c->channels, NH = c->num_heads, first = m->first_layer, last = first + m->layers;
+    int LNF = z->lay.num_units - 1, decode = rows == 1 && B * T > 1;
+    int after_last = m->has_head ? LNF : -1;   // what ZeRO-3 prefetches after the chunk's last layer
+    floatX* unit = fast_params(m, ZERO_LAYER(first), first + 1 < last ? ZERO_LAYER(first + 1) : after_last);
+    LayerViews<floatX> w = layer_views(z, ZERO_LAYER(first), unit);
+    FastLayerActs x0 = fast_layer_acts(a, c, 0, B, T, t0);
+    layernorm_forward_fast(x0.ln1, x0.ln1_mean, x0.ln1_rstd, x0.residual, w.ln1w, w.ln1b, rows, C);
+    for (int l = first; l < last; l++) {
+        FastLayerActs x = fast_layer_acts(a, c, l - first, B, T, t0);
+        matmul_forward_fast(x.qkv, x.ln1, w.qkvw, w.qkvb, rows, C, 3 * C, NULL);
+        if (decode) {   // query row t0 against the cached keys and values of rows 0..t0
+            attention_forward_fast_row(x.atty - (size_t)t0 * C, x.att, x.qkv - (size_t)t0 * 3 * C, t0, C, NH);
+        } else {
+            fast_attention_forward(x.atty, x.att, x.qkv, B, T, C, NH);
+        }
+        matmul_forward_fast(a->proj, x.atty, w.attprojw, w.attprojb, rows, C, C, NULL);
+        fused_residual_layernorm(x.residual2, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual, a->proj, w.ln2w, w.ln2b, rows, C);
+        matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, rows, C, 4 * C, x.fch);   // + GELU, keeps fch
+        matmul_forward_fast(a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, rows, 4 * C, C, NULL);
+        if (l + 1 < last) {
+            floatX* next = fast_params(m, ZERO_LAYER(l + 1), l + 2 < last ? ZERO_LAYER(l + 2) : after_last);
             LayerViews<floatX> wn = layer_views(z, ZERO_LAYER(l + 1), next);
-            FastLayerActs xn = fast_layer_acts(a, c, l + 1, B, T);
+            FastLayerActs xn = fast_layer_acts(a, c, l + 1 - first, B, T, t0);
             fused_residual_layernorm(x.residual3, xn.ln1, xn.ln1_mean, xn.ln1_rstd, x.residual2, a->proj,
-                                     wn.ln1w, wn.ln1b, BT, C);
+                                     wn.ln1w, wn.ln1b, rows, C);
             fast_release(m, ZERO_LAYER(l));
             w = wn;
-        } else {
+        } else if (m->has_head) {
             floatX* lnf = fast_params(m, LNF, ZERO_WTE);
-            fused_residual_layernorm(x.residual3, a->lnf, a->lnf_mean, a->lnf_rstd, x.residual2, a->proj,
-                                     lnf, lnf + C, BT, C);
+            fused_residual_layernorm(x.residual3, a->lnf + (size_t)t0 * C, a->lnf_mean + t0, a->lnf_rstd + t0,
+                                     x.residual2, a->proj, lnf, lnf + C, rows, C);
             fast_release(m, LNF);
+            fast_release(m, ZERO_LAYER(l));
+        } else {
+            residual_forward_fast(x.residual3, x.residual2, a->proj, (size_t)rows * C);
             fast_release(m, ZERO_LAYER(l));
         }
     }
 }
 
-// logits (B,T,Vp) bf16 and, with targets, the losses. The classifier runs again in the
-// backward to turn the logits into their gradient (it needs the step's dloss).
+static void fast_layers_forward(void* vm, void* va, int B, int T) { fast_layers_rows((FastModel*)vm, (FastActs*)va, B, T, 0, B * T); }
+
+// logits of `rows` positions from row t0, bf16, and with targets the losses. A head chunk
+// without layers forms lnf itself from its input (the layers' fused kernel does otherwise).
+// With `training` on one stage, wte stays held for the backward. The classifier runs again in
+// the backward to turn the logits into their gradient (it needs the step's dloss).
+static void fast_head_rows(FastModel* m, FastActs* a, int t0, int rows, int training) {
+    const GPT2Config* c = &m->config;
+    int C = c->channels, Vp = c->padded_vocab_size;
+    if (m->layers == 0) {
+        floatX* lnf = fast_params(m, m->zero->lay.num_units - 1, ZERO_WTE);
+        layernorm_forward_fast(a->lnf + (size_t)t0 * C, a->lnf_mean + t0, a->lnf_rstd + t0, a->encoded + (size_t)t0 * C,
+                               lnf, lnf + C, rows, C);
+        fast_release(m, m->zero->lay.num_units - 1);
+    }
+    floatX* wte = fast_params(m, ZERO_WTE, -1);
+    matmul_forward_fast(a->logits + (size_t)t0 * Vp, a->lnf + (size_t)t0 * C, wte, NULL, rows, C, Vp, NULL);
+    if (a->targets) {
+        fused_classifier(a->logits, a->losses, a->targets, 0.0f, rows, c->vocab_size, Vp, 0);
+    }
+    if (!(training && m->hold_head)) { fast_release(m, ZERO_WTE); }
+}
+
 static void fast_head_forward(void* vm, void* va, int B, int T, int training) {
+    fast_head_rows((FastModel*)vm, (FastActs*)va, 0, B * T, training);
+}
+
+// ---- generation with the KV cache ---------------------------------------------------------
+// Row t of the sampler's pass over (1, T), the rows before it left by the earlier calls (the
+// cache: each layer's qkv rows). Row t equals the full forward's row t: every kernel is per
+// row except attention, whose query row t reads the key and value rows 0..t only (later key
+// rows are masked to a weight of exactly 0 in the full pass).
+static void fast_embed_decode(void* vm, void* va, int token, int t, int T) {
     FastModel* m = (FastModel*)vm;
     FastActs* a = (FastActs*)va;
-    const GPT2Config* c = &m->config;
-    int BT = B * T;
-    floatX* wte = fast_params(m, ZERO_WTE, -1);
-    matmul_forward_fast(a->logits, a->lnf, wte, NULL, BT, c->channels, c->padded_vocab_size, NULL);
-    if (a->targets) {
-        fused_classifier(a->logits, a->losses, a->targets, 0.0f, BT, c->vocab_size, c->padded_vocab_size, 0);
-    }
-    if (!training) { fast_release(m, ZERO_WTE); }
+    m->mem->from_host(a->inputs + t, &token, sizeof(int));
+    fast_embed_rows(m, a, 1, T, t, 1);
 }
+static void fast_layers_decode(void* vm, void* va, int t, int T) { fast_layers_rows((FastModel*)vm, (FastActs*)va, 1, T, t, 1); }
+static void fast_head_decode(void* vm, void* va, int t, int T) { (void)T; fast_head_rows((FastModel*)vm, (FastActs*)va, t, 1, 0); }
 
 static float fast_loss_sum(void* vm, void* va, int B, int T) {
     (void)vm;
@@ -383,86 +484,141 @@ static void fast_grads_destroy(void* vm, void* vg) {
 
 static float* fast_grad_residual(void* vm, void* vg) { (void)vm; return (float*)((FastGrads*)vg)->dresidual; }
 
-// fast mode runs whole backwards only (train_gpt2.cu refuses the split schedules)
-static void fast_whole_backward(int part) {
-    if (part != BACKWARD_BOTH) { fatal("internal: fast mode runs whole backwards"); }
-}
+// The backwards in two halves (BACKWARD_INPUT, BACKWARD_WEIGHT; whole: both, interleaved so
+// that each weight gradient runs right after the input gradient it reads). The input half
+// needs the bf16 weights and produces d(residual); the weight half needs no weights: the
+// cuBLASLt weight-gradient matmuls (fp32 out) and the exact bias / layernorm reductions read
+// the activations and the gradients the input half kept (FastOutGrads). Each half computes
+// exactly what the whole computes, so a split schedule changes no bits.
 
+// (the head's chunk) Input half: d(loss)/d(logits) in place, d lnf, and d(residual) =
+// d(loss)/d(chunk output). Weight half: the LM-head half of wte's gradient and lnf's.
 static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float dloss, int part) {
-    fast_whole_backward(part);
     FastModel* m = (FastModel*)vm;
     FastActs* a = (FastActs*)va;
     FastGrads* g = (FastGrads*)vg;
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
-    int C = c->channels, L = c->num_layers, BT = B * T;
+    int C = c->channels, BT = B * T, in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT;
     int LNF = z->lay.num_units - 1;
-    floatX* wte = fast_bf16_of(m, ZERO_WTE, 0);   // still held from the forward
-    fused_classifier(a->logits, a->losses, a->targets, dloss, BT, c->vocab_size, c->padded_vocab_size, 1);
-    matmul_backward_fast(g->dbtc, zero_grad_unit(z, ZERO_WTE), NULL, a->logits, a->lnf, wte, B, T, C,
-                         c->padded_vocab_size, NULL);
-    zero_grad_unit_done(z, ZERO_WTE);
-    fast_release(m, ZERO_WTE);
-    floatX* lnf = fast_params(m, LNF, ZERO_LAYER(L - 1));
-    float* dlnf = zero_grad_unit(z, LNF);
-    floatX* last = a->residual3 + (size_t)(L - 1) * BT * C;
-    cudaCheck(cudaMemsetAsync(g->dresidual, 0, sizeof(floatX) * (size_t)BT * C));
-    layernorm_backward_fast(g->dresidual, g->dbtc, last, lnf, a->lnf_mean, a->lnf_rstd, BT, C);
-    layernorm_param_grads_x(dlnf, dlnf + C, NULL, last, g->dbtc, 1, a->lnf_mean, a->lnf_rstd, B, T, C, CANON_R);
-    zero_grad_unit_done(z, LNF);
-    fast_release(m, LNF);
-}
-
-static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int part) {
-    fast_whole_backward(part);
-    FastModel* m = (FastModel*)vm;
-    FastActs* a = (FastActs*)va;
-    FastGrads* g = (FastGrads*)vg;
-    const GPT2Config* c = &m->config;
-    Zero* z = m->zero;
-    int C = c->channels, NH = c->num_heads, BT = B * T;
-    for (int l = c->num_layers - 1; l >= 0; l--) {
-        LayerViews<floatX> w = layer_views(z, ZERO_LAYER(l), fast_params(m, ZERO_LAYER(l), l > 0 ? ZERO_LAYER(l - 1) : -1));
-        LayerViews<float> dw = layer_views(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l)));
-        FastLayerActs x = fast_layer_acts(a, c, l, B, T);
-        if (a->recompute) { gelu_forward_fast(x.fch_gelu, x.fch, (size_t)BT * 4 * C); }
-        // MLP; the fcproj backward's epilogue applies gelu'(fch): dbt4c = d fch
-        matmul_backward_fast(g->dbt4c, dw.fcprojw, dw.fcprojb, g->dresidual, x.fch_gelu, w.fcprojw, B, T, 4 * C, C, x.fch);
-        matmul_backward_fast(g->dbtc, dw.fcw, dw.fcb, g->dbt4c, x.ln2, w.fcw, B, T, C, 4 * C, NULL);
-        layernorm_backward_fast(g->dresidual, g->dbtc, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, BT, C);
-        layernorm_param_grads_x(dw.ln2w, dw.ln2b, NULL, x.residual2, g->dbtc, 1, x.ln2_mean, x.ln2_rstd, B, T, C, CANON_R);
-        // attention
-        matmul_backward_fast(g->dbtc, dw.attprojw, dw.attprojb, g->dresidual, x.atty, w.attprojw, B, T, C, C, NULL);
-        fast_attention_backward(g->dqkv, g->dbtc, x.qkv, x.atty, x.att, m->att_D, B, T, C, NH);
-        matmul_backward_fast(g->dbtc, dw.qkvw, dw.qkvb, g->dqkv, x.ln1, w.qkvw, B, T, C, 3 * C, NULL);
-        layernorm_backward_fast(g->dresidual, g->dbtc, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, BT, C);
-        layernorm_param_grads_x(dw.ln1w, dw.ln1b, NULL, x.residual, g->dbtc, 1, x.ln1_mean, x.ln1_rstd, B, T, C, CANON_R);
-        zero_grad_unit_done(z, ZERO_LAYER(l));
-        fast_release(m, ZERO_LAYER(l));
+    floatX* dlnf = a->split_backward ? a->dlnf : g->dbtc;
+    floatX* out = fast_chunk_output(m, a, B, T);   // lnf's input
+    if (in) {
+        floatX* wte = m->hold_head ? fast_bf16_of(m, ZERO_WTE, 0) : fast_params(m, ZERO_WTE, -1);
+        fused_classifier(a->logits, a->losses, a->targets, dloss, BT, c->vocab_size, c->padded_vocab_size, 1);
+        matmul_backward_fast(dlnf, NULL, NULL, a->logits, NULL, wte, B, T, C, c->padded_vocab_size, NULL);
+    }
+    if (wt) {
+        matmul_backward_fast(NULL, zero_grad_unit(z, ZERO_WTE), NULL, a->logits, a->lnf, NULL, B, T, C,
+                             c->padded_vocab_size, NULL);
+        zero_grad_unit_done(z, ZERO_WTE);
+    }
+    if (in) {
+        fast_release(m, ZERO_WTE);
+        floatX* lnf = fast_params(m, LNF, m->layers > 0 ? ZERO_LAYER(m->first_layer + m->layers - 1) : -1);
+        cudaCheck(cudaMemsetAsync(g->dresidual, 0, sizeof(floatX) * (size_t)BT * C));
+        layernorm_backward_fast(g->dresidual, dlnf, out, lnf, a->lnf_mean, a->lnf_rstd, BT, C);
+        fast_release(m, LNF);
+    }
+    if (wt) {
+        float* dlnfw = zero_grad_unit(z, LNF);
+        layernorm_param_grads_x(dlnfw, dlnfw + C, NULL, out, dlnf, 1, a->lnf_mean, a->lnf_rstd, B, T, C, CANON_R);
+        zero_grad_unit_done(z, LNF);
     }
 }
 
-static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T, int part) {
-    fast_whole_backward(part);
+// Where the chunk's layer l keeps the gradients at the outputs of its weights between its
+// input and weight halves: per layer in acts under a split backward, else grads' one set
+// (d fcproj and d attproj are then d(residual) itself, read before the layernorm below
+// changes it).
+struct FastOutGrads { floatX *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1; };
+static FastOutGrads fast_out_grads(const FastActs* a, const FastGrads* g, const GPT2Config* c, int l, int B, int T) {
+    if (!a->split_backward) { return (FastOutGrads){g->dresidual, g->dbt4c, g->dbtc, g->dresidual, g->dqkv, g->dbtc}; }
+    size_t BTC = (size_t)B * T * c->channels;
+    return (FastOutGrads){a->dfcproj + l * BTC, a->dfch + l * 4 * BTC, a->dln2 + l * BTC, a->dattproj + l * BTC,
+                          a->dqkv + l * 3 * BTC, a->dln1 + l * BTC};
+}
+
+// The chunk's layers. Input half: g->dresidual = d(loss)/d(chunk output) in, d(loss)/d(chunk
+// input) out. Weight half: each layer's weight gradients, handed to zero.h when complete.
+static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int part) {
     FastModel* m = (FastModel*)vm;
     FastActs* a = (FastActs*)va;
     FastGrads* g = (FastGrads*)vg;
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
+    int C = c->channels, NH = c->num_heads, BT = B * T, in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT;
+    size_t BTC = (size_t)BT * C;
+    int first = m->first_layer;
+    for (int l = first + m->layers - 1; l >= first; l--) {
+        LayerViews<floatX> w;      // the bf16 parameters (input half)
+        LayerViews<float> dw;      // where their gradients go (weight half)
+        memset(&w, 0, sizeof(w));
+        memset(&dw, 0, sizeof(dw));
+        if (in) { w = layer_views(z, ZERO_LAYER(l), fast_params(m, ZERO_LAYER(l), l > first ? ZERO_LAYER(l - 1) : -1)); }
+        if (wt) { dw = layer_views(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l))); }
+        FastLayerActs x = fast_layer_acts(a, c, l - first, B, T, 0);
+        FastOutGrads d = fast_out_grads(a, g, c, l - first, B, T);
+        // MLP; the fcproj backward's epilogue applies gelu'(fch): d fch
+        if (in && a->split_backward) { cudaCheck(cudaMemcpyAsync(d.dfcproj, g->dresidual, BTC * sizeof(floatX), cudaMemcpyDeviceToDevice)); }
+        if (in) { matmul_backward_fast(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, 4 * C, C, x.fch); }
+        if (wt) {
+            if (a->recompute) { gelu_forward_fast(x.fch_gelu, x.fch, (size_t)BT * 4 * C); }
+            matmul_backward_fast(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, 4 * C, C, NULL);
+        }
+        if (in) { matmul_backward_fast(d.dln2, NULL, NULL, d.dfch, NULL, w.fcw, B, T, C, 4 * C, NULL); }
+        if (wt) { matmul_backward_fast(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, 4 * C, NULL); }
+        if (in) { layernorm_backward_fast(g->dresidual, d.dln2, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, BT, C); }
+        if (wt) { layernorm_param_grads_x(dw.ln2w, dw.ln2b, NULL, x.residual2, d.dln2, 1, x.ln2_mean, x.ln2_rstd, B, T, C, CANON_R); }
+        // attention; d atty in g->dbtc (the whole backward's d ln2 is used up by now)
+        if (in && a->split_backward) { cudaCheck(cudaMemcpyAsync(d.dattproj, g->dresidual, BTC * sizeof(floatX), cudaMemcpyDeviceToDevice)); }
+        if (in) { matmul_backward_fast(g->dbtc, NULL, NULL, d.dattproj, NULL, w.attprojw, B, T, C, C, NULL); }
+        if (wt) { matmul_backward_fast(NULL, dw.attprojw, dw.attprojb, d.dattproj, x.atty, NULL, B, T, C, C, NULL); }
+        if (in) {
+            fast_attention_backward(d.dqkv, g->dbtc, x.qkv, x.atty, x.att, m->att_D, B, T, C, NH);
+            matmul_backward_fast(d.dln1, NULL, NULL, d.dqkv, NULL, w.qkvw, B, T, C, 3 * C, NULL);
+        }
+        if (wt) { matmul_backward_fast(NULL, dw.qkvw, dw.qkvb, d.dqkv, x.ln1, NULL, B, T, C, 3 * C, NULL); }
+        if (in) {
+            layernorm_backward_fast(g->dresidual, d.dln1, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, BT, C);
+            fast_release(m, ZERO_LAYER(l));
+        }
+        if (wt) {
+            layernorm_param_grads_x(dw.ln1w, dw.ln1b, NULL, x.residual, d.dln1, 1, x.ln1_mean, x.ln1_rstd, B, T, C, CANON_R);
+            zero_grad_unit_done(z, ZERO_LAYER(l));
+        }
+    }
+}
+
+// (the embeddings' chunk) the lookup half of wte's gradient and wpe's, from d(loss)/d(encoded)
+// (the input half keeps it under a split backward).
+static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T, int part) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    FastGrads* g = (FastGrads*)vg;
+    const GPT2Config* c = &m->config;
+    Zero* z = m->zero;
+    floatX* dencoded = a->split_backward ? a->dencoded : g->dresidual;
+    if ((part & BACKWARD_INPUT) && a->split_backward) {
+        cudaCheck(cudaMemcpyAsync(dencoded, g->dresidual, sizeof(floatX) * (size_t)B * T * c->channels,
+                                  cudaMemcpyDeviceToDevice));
+    }
+    if (!(part & BACKWARD_WEIGHT)) { return; }
     int lookup_unit = zero_lookup_unit(z);
-    encoder_backward_x(zero_grad_unit(z, lookup_unit), zero_grad_unit(z, ZERO_WPE), g->dresidual, 1, a->inputs, B, T,
+    encoder_backward_x(zero_grad_unit(z, lookup_unit), zero_grad_unit(z, ZERO_WPE), dencoded, 1, a->inputs, B, T,
                        c->channels, 0, c->padded_vocab_size, c->max_seq_len);
     zero_grad_unit_done(z, ZERO_WPE);
     zero_grad_unit_done(z, lookup_unit);
 }
 
-static const ModelOps fast_model_ops = {
+// Not const: gpt2_fast_setup takes the KV cache away when only cuDNN can run the head size.
+static ModelOps fast_model_ops = {
     fast_create, fast_destroy, fast_acts_create, fast_acts_destroy, fast_set_tokens, fast_stage_input,
     fast_stage_output, fast_embed_forward, fast_layers_forward, fast_head_forward, fast_loss_sum, fast_probs_at,
     fast_grads_create, fast_grads_destroy, fast_grad_residual, fast_head_backward, fast_layers_backward,
     fast_embed_backward,
     NULL, NULL,         // no mixture of experts (train_gpt2.cu refuses one)
-    NULL, NULL, NULL,   // no KV cache: the sampler runs a full forward per token
+    fast_embed_decode, fast_layers_decode, fast_head_decode,
     sizeof(floatX)      // bf16 activations between stages
 };
 
@@ -482,6 +638,12 @@ const char* gpt2_fast_setup(const char* attention, const GPT2Config* c, int B, i
 #endif
     cublaslt_init();
     flash_attention_setup();
+    if (!gpu_flash_head_size(hs)) {   // the KV cache's one-row launch is flash attention's: without it
+                                      // the sampler runs a full forward per token
+        fast_model_ops.embed_decode = NULL;
+        fast_model_ops.layers_decode = NULL;
+        fast_model_ops.head_decode = NULL;
+    }
 #ifdef LLMC_CUDNN
     int cudnn_ok = 0;
     if (want_cudnn) {

@@ -206,12 +206,13 @@ __device__ __forceinline__ void fa_store_rows(floatX* g, long ld, int row0, int 
 
 template <int HS>
 __global__ void __launch_bounds__(FA_THREADS) flash_forward_kernel(floatX* out, float* stats, const floatX* qkv,
-                                                                   int T, int NH, float scale_log2) {
+                                                                   int T, int NH, float scale_log2, int q_tile) {
     DYNAMIC_SHARED(fa_smem);
     floatX* sQ = reinterpret_cast<floatX*>(fa_smem);
     floatX* sK = sQ + FaTile<HS>::ELEMS;         // 2 buffers
     floatX* sV = sK + 2 * FaTile<HS>::ELEMS;     // 2 buffers
-    const int qt = gridDim.x - 1 - blockIdx.x;   // the longest rows first
+    // the longest rows first; q_tile >= 0: that query tile alone (one launch of one tile)
+    const int qt = q_tile >= 0 ? q_tile : (int)(gridDim.x - 1 - blockIdx.x);
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
     const long C = (long)NH * HS, C3 = 3 * C;
     const floatX* q_g = qkv + (long)b * T * C3 + h * HS;
@@ -523,8 +524,21 @@ template <int HS>
 static void flash_forward_hs(floatX* out, float* stats, const floatX* qkv, int B, int T, int NH) {
     dim3 grid((T + FA_ROWS - 1) / FA_ROWS, B * NH);
     float scale_log2 = fa_scale_log2<HS>();
-    LAUNCH_SMEM(flash_forward_kernel<HS>, grid, FA_THREADS, fa_forward_smem<HS>(), out, stats, qkv, T, NH, scale_log2);
+    LAUNCH_SMEM(flash_forward_kernel<HS>, grid, FA_THREADS, fa_forward_smem<HS>(), out, stats, qkv, T, NH, scale_log2, -1);
     cudaLaunchCheck("flash_forward_kernel");
+}
+
+// The sampler's KV cache: query row t of one sequence (B = 1) against key and value rows 0..t.
+// One launch of the query tile holding row t over the prefix T = t + 1: each of its rows is
+// what the full forward computes for it (the keys after a row carry a weight of exactly 0
+// there, and are not loaded here); its rows before t are written again, unchanged.
+template <int HS>
+static void flash_forward_row_hs(floatX* out, float* stats, const floatX* qkv, int t, int NH) {
+    dim3 grid(1, NH);
+    float scale_log2 = fa_scale_log2<HS>();
+    LAUNCH_SMEM(flash_forward_kernel<HS>, grid, FA_THREADS, fa_forward_smem<HS>(), out, stats, qkv, t + 1, NH,
+                scale_log2, t / FA_ROWS);
+    cudaLaunchCheck("flash_forward_kernel (one row)");
 }
 
 template <int HS>
@@ -549,6 +563,16 @@ static void attention_forward_fast(floatX* out, float* stats, const floatX* qkv,
         case 16: flash_forward_hs<16>(out, stats, qkv, B, T, NH); break;
         case 32: flash_forward_hs<32>(out, stats, qkv, B, T, NH); break;
         case 64: flash_forward_hs<64>(out, stats, qkv, B, T, NH); break;
+        default: fatal("fast-mode attention supports head sizes 16, 32 and 64, not %d", C / NH);
+    }
+}
+
+// row t of out (1,T,C) from qkv (1,T,3C) rows 0..t; stats: (NH, t + 1) scratch
+static void attention_forward_fast_row(floatX* out, float* stats, const floatX* qkv, int t, int C, int NH) {
+    switch (C / NH) {
+        case 16: flash_forward_row_hs<16>(out, stats, qkv, t, NH); break;
+        case 32: flash_forward_row_hs<32>(out, stats, qkv, t, NH); break;
+        case 64: flash_forward_row_hs<64>(out, stats, qkv, t, NH); break;
         default: fatal("fast-mode attention supports head sizes 16, 32 and 64, not %d", C / NH);
     }
 }

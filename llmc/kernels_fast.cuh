@@ -116,6 +116,24 @@ static void fused_residual_layernorm(floatX* residual_out, floatX* out, float* m
     cudaLaunchCheck("fused_residual_layernorm_kernel");
 }
 
+// out (n) = a + b, rounded to bf16 (train_gpt2.c residual_forward): a chunk's last residual
+// add when the next layernorm runs on the next pipeline stage. The same sum, rounded the same
+// way, that fused_residual_layernorm stores, so a stage boundary changes no bits.
+__global__ void residual_forward_fast_kernel(floatX* out, const floatX* a, const floatX* b, size_t n8) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+        float x[8], y[8];
+        bf16x8_to_float(*reinterpret_cast<const bf16x8*>(a + i * 8), x);
+        bf16x8_to_float(*reinterpret_cast<const bf16x8*>(b + i * 8), y);
+        for (int k = 0; k < 8; k++) { x[k] = x[k] + y[k]; }
+        *reinterpret_cast<bf16x8*>(out + i * 8) = float_to_bf16x8(x);
+    }
+}
+
+static void residual_forward_fast(floatX* out, const floatX* a, const floatX* b, size_t n) {
+    LAUNCH(residual_forward_fast_kernel, elementwise_blocks(n / 8, 256), 256, out, a, b, n / 8);
+    cudaLaunchCheck("residual_forward_fast_kernel");
+}
+
 // dres (N,C) <- dres + d input of layernorm (the parameter gradients are kernels_det.cuh's
 // layernorm_param_grads)
 __global__ void layernorm_backward_fast_kernel(floatX* dres, const floatX* dout, const floatX* inp,

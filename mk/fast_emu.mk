@@ -16,3 +16,8 @@ TESTS     += build/test_fast_emu build/test_fast_emu_race
 # dev/gpu/fast_tolerance.awk's bf16 tolerances, bit-identical across LLMC_EMU_SEED, DP 2 x
 # ZeRO 0-3 = one rank
 TESTS += dev/test/test_fast_e2e.sh
+
+# fast mode with pipeline parallelism: every schedule on 2 stages, 4 stages, DP 2 x PP 2, bit-identical
+# to one rank of fast mode (samples with the KV cache = without), within the bf16 tolerances of
+# train_gpt2; --tp/--sp/--cp refused in one line
+TESTS += dev/test/test_fast_pp.sh

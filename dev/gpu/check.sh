@@ -67,7 +67,8 @@
 #     global batch -d 512 (2 microbatches): main.log, the final model file and the samples
 #     identical to train_gpt2 on one rank with the same -d. Without mpirun/mpicc: N/A (not a
 #     failure: this machine cannot run it; make test runs the same layouts on the emulated
-#     GPU, dev/test/test_cuda_emu.sh). With 2+ GPUs also --comm nccl, and fast-mode data
+#     GPU, dev/test/test_cuda_emu.sh). Fast mode on 2 pipeline stages (1f1b, zb1) identical to
+#     fast mode on one rank. With 2+ GPUs also --comm nccl, and fast-mode data
 #     parallelism's tok/s from 1 to N GPUs (INFO).
 #  5. benchmark: GPT-2 124M (-e d12), T=1024, the largest B of 32, 16, 8 that fits; fast
 #     mode with cuDNN and with flash attention (10 steps), deterministic mode (4 steps):
@@ -559,9 +560,19 @@ if want 2; then
 fi
 
 # ---- 4. several ranks: one GPU shared over the staged transport (and NCCL with 2+ GPUs) ---------
+# differ REF RUN: what of RUN's main.log, final model and samples differs from REF's (nothing:
+# identical)
+differ() {
+  local f where bad=()
+  for f in main.log "model_$(printf %08d $S4_END).bin"; do
+    where=$(same "$W/$1/$f" "$W/$2/$f") || bad+=("$f ($where)")
+  done
+  [ "$(samples "$LOGS/$1.out")" = "$(samples "$LOGS/$2.out")" ] || bad+=("samples")
+  echo "${bad[*]}"
+}
 # layouts NAME COMM: 2 ranks with -z 3, --tp 2, --pp 2, --cp 2 against the CPU on one rank
 layouts() {
-  local comm=$1 layout ln bad f
+  local comm=$1 layout ln bad
   for layout in "-z 3" "--tp 2" "--pp 2" "--cp 2"; do
     ln=$(echo "$layout" | tr -d ' -')
     name="4. 2 ranks $layout --comm $comm"
@@ -571,14 +582,32 @@ layouts() {
     keep "s4_${comm}_$ln" "$W/s4_${comm}_$ln"
     finite "s4_${comm}_$ln" "$W/s4_${comm}_$ln"
     if [ $RC != 0 ]; then said "s4_${comm}_$ln"; fail "$name" "$(why $RC); see s4_${comm}_$ln.out"; continue; fi
-    bad=()
-    for f in main.log "model_$(printf %08d $S4_END).bin"; do
-      where=$(same "$W/s4_cpu/$f" "$W/s4_${comm}_$ln/$f") || bad+=("$f ($where)")
-    done
-    [ "$(samples "$LOGS/s4_cpu.out")" = "$(samples "$LOGS/s4_${comm}_$ln.out")" ] || bad+=("samples")
-    grep -q "transport *$comm" "$LOGS/s4_${comm}_$ln.out" || bad+=("the banner does not say transport $comm")
-    if [ ${#bad[@]} = 0 ]; then pass "$name" "main.log, final model, samples identical to the CPU on 1 rank"
-    else fail "$name" "differ from the CPU on 1 rank: ${bad[*]}"; fi
+    bad=$(differ s4_cpu "s4_${comm}_$ln")
+    grep -q "transport *$comm" "$LOGS/s4_${comm}_$ln.out" || bad="$bad the banner does not say transport $comm"
+    if [ -z "$bad" ]; then pass "$name" "main.log, final model, samples identical to the CPU on 1 rank"
+    else fail "$name" "differ from the CPU on 1 rank: $bad"; fi
+  done
+}
+# fast_layouts COMM: fast mode on 2 pipeline stages (1f1b; zb1, the split backward) against
+# fast mode on one rank: identical, as on the emulated GPU (the same kernels on the same rows,
+# bf16 boundaries, the split halves computing what the whole backward does)
+fast_layouts() {
+  local comm=$1 sched bad
+  name="4. fast mode on 1 rank (-d 512)"
+  in_time "$name" 15 || return
+  run s4_fast $T4 $FAST_BIN "${S4[@]}" "${D1[@]}" -o "$W/s4_fast"; keep s4_fast "$W/s4_fast"; finite s4_fast "$W/s4_fast"
+  if [ $RC != 0 ]; then said s4_fast; fail "$name" "$(why $RC)"; return; fi
+  for sched in 1f1b zb1; do
+    name="4. fast 2 ranks --pp 2 --schedule $sched --comm $comm"
+    in_time "$name" 15 || continue
+    run "s4_fast_${comm}_$sched" $T4 dev/test/mpi.sh 2 $FAST_BIN --comm "$comm" "${S4[@]}" "${D1[@]}" --pp 2 \
+        --schedule $sched -o "$W/s4_fast_${comm}_$sched"
+    keep "s4_fast_${comm}_$sched" "$W/s4_fast_${comm}_$sched"
+    finite "s4_fast_${comm}_$sched" "$W/s4_fast_${comm}_$sched"
+    if [ $RC != 0 ]; then said "s4_fast_${comm}_$sched"; fail "$name" "$(why $RC); see s4_fast_${comm}_$sched.out"; continue; fi
+    bad=$(differ s4_fast "s4_fast_${comm}_$sched")
+    if [ -z "$bad" ]; then pass "$name" "main.log, final model, samples identical to fast mode on 1 rank"
+    else fail "$name" "differ from fast mode on 1 rank: $bad"; fi
   done
 }
 if want 4; then
@@ -591,8 +620,10 @@ if want 4; then
       said s4_cpu; fail "4. CPU reference on 1 rank" "$(why $RC)"
     else
       layouts mpi
+      fast_layouts mpi
       if [ "$NGPU" -gt 1 ]; then
         layouts nccl
+        fast_layouts nccl
         # fast-mode data parallelism: tok/s on 1 GPU and on all, the same B per GPU
         name="4. fast DP scaling 1 -> $NGPU GPUs"
         if in_time "$name" 60; then

@@ -7,7 +7,9 @@
  *     double precision from the same bf16 inputs, a tolerance per element of 2^-6 times the
  *     sum of |terms| of its contraction (dev/gpu/test_attention.cu states why), stats to
  *     2^-13 (1 + |lse|); every output starts as NaN. The backward is also run with another
- *     LLMC_EMU_SEED (another block and thread order) and must give the same bits.
+ *     LLMC_EMU_SEED (another block and thread order) and must give the same bits. The KV
+ *     cache's one-row launch: row t (at tile edges) is the full forward's bit for bit, the
+ *     rows after t NaN.
  *   cuBLASLt (dev/gpu/emu/cublasLt.h) through llmc/matmul_cublaslt.cuh unchanged: the forward
  *     with bias and with GELU_AUX_BIAS, the input gradient plain and with DGELU, the fp32
  *     weight gradient, each bit-identical to a triple loop that sums the bf16 products in k
@@ -94,6 +96,42 @@ static void flash_case(int B, int T, int NH, int HS) {
     reference_free(&r);
     device_free(d_qkv); device_free(d_dout); device_free(d_out); device_free(d_dqkv); device_free(d_stats);
     device_free(d_D);
+}
+
+// The sampler's KV cache: attention_forward_fast_row's row t of one sequence is the full
+// forward's row t bit for bit, with every row of qkv after t NaN (the rows the cache does not
+// have yet must not be read).
+static void flash_row_case(int T, int NH, int HS, const int* rows, int nrows) {
+    const int C = NH * HS;
+    const size_t n_qkv = (size_t)T * 3 * C, n_out = (size_t)T * C;
+    floatX* h_qkv = (floatX*)malloc_or_die(n_qkv * sizeof(floatX), "qkv");
+    floatX* h_dout = (floatX*)malloc_or_die(n_out * sizeof(floatX), "dout");
+    Ref r;
+    reference_case(&r, 1, T, NH, HS, h_qkv, h_dout);
+    floatX* d_qkv = device_copy(h_qkv, n_qkv);
+    floatX* d_full = (floatX*)device_nan(n_out * sizeof(floatX));
+    float* d_stats = (float*)device_nan((size_t)NH * T * sizeof(float));
+    attention_forward_fast(d_full, d_stats, d_qkv, 1, T, C, NH);
+    floatX* full = host_copy(d_full, n_out);
+    int bad = 0;
+    for (int i = 0; i < nrows; i++) {
+        int t = rows[i];
+        floatX* d_cache = device_copy(h_qkv, n_qkv);
+        cudaCheck(cudaMemset(d_cache + (size_t)(t + 1) * 3 * C, 0xFF, (n_qkv - (size_t)(t + 1) * 3 * C) * sizeof(floatX)));
+        floatX* d_row = (floatX*)device_nan(n_out * sizeof(floatX));
+        attention_forward_fast_row(d_row, d_stats, d_cache, t, C, NH);
+        floatX* row = host_copy(d_row, n_out);
+        int same = memcmp(row + (size_t)t * C, full + (size_t)t * C, C * sizeof(floatX)) == 0;
+        CHECK(same, "flash one-row launch T=%d NH=%d HS=%d: row %d differs from the full forward's", T, NH, HS, t);
+        bad += !same;
+        free(row);
+        device_free(d_cache); device_free(d_row);
+    }
+    printf("flash one row  T=%3d NH=%d HS=%2d  %-4s %d rows (tile edges included) = the full forward's, bit for bit\n",
+           T, NH, HS, bad ? "FAIL" : "ok", nrows);
+    free(h_qkv); free(h_dout); free(full);
+    reference_free(&r);
+    device_free(d_qkv); device_free(d_full); device_free(d_stats);
 }
 
 // ---- cuBLASLt --------------------------------------------------------------------------------
@@ -297,6 +335,13 @@ int main(void) {
     for (size_t i = 0; i < sizeof(flash_cases) / sizeof(flash_cases[0]); i++) {
         flash_case(flash_cases[i][0], flash_cases[i][1], flash_cases[i][2], flash_cases[i][3]);
     }
+    static const int rows[] = {0, 1, 63, 64, 65, 127, 129};
+#if LLMC_EMU_RACE_CHECK
+    flash_row_case(70, 1, 16, rows, 5);
+#else
+    flash_row_case(130, 2, 16, rows, 7);
+    flash_row_case(130, 1, 64, rows, 7);
+#endif
     for (size_t i = 0; i < sizeof(matmul_cases) / sizeof(matmul_cases[0]); i++) {
         matmul_case(matmul_cases[i][0], matmul_cases[i][1], matmul_cases[i][2], matmul_cases[i][3]);
     }
