@@ -13,8 +13,11 @@
  * cancels its job (its blocks go back to the free list). SIGTERM or SIGINT: stop accepting,
  * let what runs finish (--shutdown-timeout, then cancel it), exit 0.
  */
-#define TESTING   // train_gpt2.c's CPU kernel set, without its main
+#define TESTING   // train_gpt2.c's model without its main: on the CPU kernel set, or serve_gpt2.cu's device set
 #include "train_gpt2.c"
+#ifndef SERVE_MEMORY   // where the model's tensors live (serve_gpt2.cu: the GPU's)
+#define SERVE_MEMORY (&memory_host)
+#endif
 #include "llmc/bpe_encoder.h"
 #include "llmc/gpt2_init.h"
 #include "llmc/serve_engine.h"
@@ -588,6 +591,8 @@ static void usage(void) {
 }
 
 int main(int argc, char** argv) {
+    Comm comm;   // one rank
+    comm_init(&comm, &argc, &argv);
     const char *model = NULL, *host = "127.0.0.1", *encoder = "dev/data/gpt2/encoder.json", *merges = "dev/data/gpt2/vocab.bpe";
     long port = 8000, block_size = 16, kv_blocks = 0, max_batch = 256, max_conn = 64, max_running = 0, max_body = 1 << 20, shutdown_s = 30;
     ServeBatching batching = SERVE_INFLIGHT;
@@ -634,7 +639,7 @@ int main(int argc, char** argv) {
         long per_request = (config.max_seq_len + block_size - 1) / block_size;
         kv_blocks = 8 * per_request;
     }
-    serve_engine_init(&S.engine, &config, params, (int)kv_blocks, (int)block_size, (int)max_batch, (int)max_conn);
+    serve_engine_init(&S.engine, &comm, SERVE_MEMORY, &config, params, (int)kv_blocks, (int)block_size, (int)max_batch, (int)max_conn);
     S.engine.batching = batching;
     if (max_running > 0) { S.engine.max_running = (int)(max_running < max_conn ? max_running : max_conn); }
     S.engine.token_text = token_text;
@@ -694,6 +699,7 @@ int main(int argc, char** argv) {
     serve_engine_free(&S.engine);
     bpe_free(&S.bpe);
     free(params);
+    comm_finalize(&comm);
     printf("serve_gpt2: stopped\n");
     return 0;
 }
