@@ -262,8 +262,13 @@ static enum MHD_Result send_completion(struct MHD_Connection* c, const Job* j) {
     add_text(choice, j, text, 0);
     free(text);
     cJSON_AddStringToObject(choice, "finish_reason", finish_reason(j));
-    // beyond OpenAI's fields: the generated token ids (the tests compare them with the sampler's)
+    // beyond OpenAI's fields: the generated token ids (the tests compare them with the sampler's),
+    // and the FNV-1a of the bytes of every distribution they were drawn from (serve_gpt2cu's test
+    // compares those bits: a token can survive an ulp of difference, the hash cannot)
     cJSON_AddItemToObject(choice, "token_ids", cJSON_CreateIntArray(j->req.tokens + j->req.num_prompt, serve_generated(&j->req)));
+    char fingerprint[17];
+    snprintf(fingerprint, sizeof(fingerprint), "%016llx", (unsigned long long)j->req.fingerprint);
+    cJSON_AddStringToObject(choice, "probs_fnv1a", fingerprint);
     add_usage(root, j);
     return send_json(c, 200, root);
 }
@@ -664,9 +669,9 @@ int main(int argc, char** argv) {
         (unsigned)(max_conn + 64), MHD_OPTION_NOTIFY_COMPLETED, request_completed, NULL, MHD_OPTION_END);
     if (!d) { fatal("--host %s --port %ld: cannot listen there (%s)", host, port, strerror(errno)); }
     const union MHD_DaemonInfo* info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
-    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d E=%d k=%d), %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
+    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d E=%d k=%d) in %s memory, %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
            model, config.num_layers, config.channels, config.max_seq_len, config.vocab_size, config.num_experts,
-           config.top_k, kv_blocks, block_size,
+           config.top_k, SERVE_MEMORY->name, kv_blocks, block_size,
            max_batch, batching == SERVE_STATIC ? "static" : "in-flight", S.engine.max_running);
     printf("serving %s on http://%s:%u\n", S.model_name, host, info ? info->port : (unsigned)port);
     fflush(stdout);

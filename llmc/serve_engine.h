@@ -376,7 +376,7 @@ static inline int serve_append_text(ServeEngine* e, ServeRequest* r, int token) 
         size_t sl = strlen(r->stop[i]);
         if (sl == 0) { continue; }
         size_t from = old + 1 > sl ? old + 1 - sl : 0;   // a match must end in the new bytes
-        char* hit = memmem(r->text + from, r->text_len - from, r->stop[i], sl);
+        char* hit = (char*)memmem(r->text + from, r->text_len - from, r->stop[i], sl);
         if (hit) {
             r->text_len = (size_t)(hit - r->text);
             r->text[r->text_len] = '\0';

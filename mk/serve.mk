@@ -34,6 +34,25 @@ serve_gpt2_skipped:
 serve_gpt2: serve_gpt2.c train_gpt2.c $(LLMC_HEADERS)
 	$(CC) $(CFLAGS) -Wno-unused-function -o $@ $< $(LDLIBS) $(SERVE_LIBS)
 
+# serve_gpt2cu, the CUDA build's server (serve_gpt2.cu: serve_gpt2.c on the deterministic device
+# kernels, its tensors in device memory), and its emulated twin (mk/cuda.mk's emulator, no GPU);
+# dev/test/test_serve_cu.sh checks the emulated one's tokens against serve_gpt2's. (C++ warns
+# about C's {0} initializers, which serve_gpt2.c uses.)
+SERVE_CU_FLAGS := -Wno-missing-field-initializers
+SERVE_CU_DEPS := serve_gpt2.cu serve_gpt2.c train_gpt2.c $(LLMC_HEADERS) $(CUDA_HEADERS)
+serve_gpt2cu_emu: $(SERVE_CU_DEPS) build/cuda_emu.o $(EMU_FILES)
+	$(CXX) $(EMU_TEST_FLAGS) $(SERVE_CU_FLAGS) -x c++ serve_gpt2.cu -x none build/cuda_emu.o -o $@ -lm $(SERVE_LIBS)
+ifeq ($(HAVE_SERVE_LIBS),1)
+TEST_BINS += serve_gpt2cu_emu
+TESTS     += dev/test/test_serve_cu.sh
+ifeq ($(HAVE_CUDA),1)
+all: serve_gpt2cu
+TEST_BINS += serve_gpt2cu
+endif
+endif
+serve_gpt2cu: $(SERVE_CU_DEPS)
+	$(NVCC) $(NVCC_FLAGS) $(NVCC_DET_FLAGS) -Xcompiler -Wno-unused-function,$(SERVE_CU_FLAGS) -o $@ serve_gpt2.cu $(SERVE_LIBS)
+
 # the quick start's checkpoint: the latest a run of `make train` wrote, else the GPT-2 124M
 # weights it fine-tuned
 serve: serve_gpt2
@@ -72,4 +91,4 @@ bench-serve: serve_gpt2 build/serve_load
 .PHONY: clean-serve
 clean: clean-serve
 clean-serve:
-	rm -f serve_gpt2
+	rm -f serve_gpt2 serve_gpt2cu serve_gpt2cu_emu
