@@ -647,23 +647,30 @@ static __global__ void attention_row_softmax_kernel(float* att, int t, int T, in
     det_causal_softmax_row(att + ((size_t)h * T + t) * T, t, T, threadIdx.x % 32);
 }
 
-static __global__ void attention_row_values_kernel(float* out, const float* att, const float* qkv, int t, int T,
-                                                   int C, int NH) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) { return; }
-    const float* a = att + ((size_t)(c / (C / NH)) * T + t) * T;
-    const float* v = qkv + 2 * C + c;
+// R2Z over the keys j <= t of a[j] * value(j): one output channel of att@v (value(j): key j's
+// value in that channel, wherever the keys live)
+template <typename Value>
+__device__ __forceinline__ float det_weighted_values(const float* a, int t, int T, Value value) {
     float partial[CANON_R];
     for (int ch = 0; ch < CANON_R; ch++) {
         float acc = 0.0f;
         for (int half = 0; half < 2; half++) {
             long kb, ke;
             canon_zz_half(T, CANON_R, ch, half, &kb, &ke);
-            for (long j = kb; j < ke && j <= t; j++) { acc = fmaf(a[j], v[j * 3 * C], acc); }
+            for (long j = kb; j < ke && j <= t; j++) { acc = fmaf(a[j], value(j), acc); }
         }
         partial[ch] = acc;
     }
-    out[(size_t)t * C + c] = canon_tree8(partial);
+    return canon_tree8(partial);
+}
+
+static __global__ void attention_row_values_kernel(float* out, const float* att, const float* qkv, int t, int T,
+                                                   int C, int NH) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) { return; }
+    const float* a = att + ((size_t)(c / (C / NH)) * T + t) * T;
+    const float* v = qkv + 2 * C + c;
+    out[(size_t)t * C + c] = det_weighted_values(a, t, T, [=](long j) { return v[j * 3 * C]; });
 }
 
 static inline void attention_forward_row(float* out, float* att, const float* qkv, int t, int T, int C, int NH) {
@@ -713,19 +720,8 @@ static __global__ void attention_paged_values_kernel(float* out, const float* at
     int t = pos[r];
     const float* a = att + ((size_t)r * NH + c / (C / NH)) * T;
     const int* table = tables + (size_t)r * max_blocks;
-    float partial[CANON_R];
-    for (int ch = 0; ch < CANON_R; ch++) {
-        float acc = 0.0f;
-        for (int half = 0; half < 2; half++) {
-            long kb, ke;
-            canon_zz_half(T, CANON_R, ch, half, &kb, &ke);
-            for (long j = kb; j < ke && j <= t; j++) {
-                acc = fmaf(a[j], det_paged_key(kv, block_stride, table, (int)j, bs, C)[C + c], acc);
-            }
-        }
-        partial[ch] = acc;
-    }
-    out[(size_t)r * C + c] = canon_tree8(partial);
+    out[(size_t)r * C + c] =
+        det_weighted_values(a, t, T, [=](long j) { return det_paged_key(kv, block_stride, table, (int)j, bs, C)[C + c]; });
 }
 
 // (inline, not static: kernels.h declares it extern; defined in every translation unit of this set)

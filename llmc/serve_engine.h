@@ -117,9 +117,10 @@ typedef struct ServeEngine {
     ServeRequest** sched;                   // the step's requests, their first and last rows
     int *sched_first_row, *sched_last_row, num_sched, num_rows;
     // ... and in mem: positions, tables and head rows as the kernels read them; attention's
-    // scratch; the head's rows, layernorm, probabilities and cross-entropy sums
+    // scratch; the rows the head reads, gathered (its layernorm, probabilities and sums are the
+    // model's head activations: acts.lnf .. acts.ce)
     int *pos_dev, *tables_dev, *head_rows_dev;
-    float *att_scratch, *hx, *hln, *hmean, *hrstd, *logits, *ce;
+    float *att_scratch, *hx;
     float* probs;                           // (rows,Vp) on the host: what the requests draw from
     // counters
     long long steps, rows_computed, tokens_generated, preemptions;
@@ -207,12 +208,7 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
     e->head_rows_dev = e->pos_dev + rows;
     e->tables_dev = e->head_rows_dev + rows;
     e->att_scratch = mem_floats(mem, rows * NH * e->maxT + (size_t)e->maxT * 3 * C, "serve attention scratch");
-    e->hx = mem_floats(mem, rows * (2 * (size_t)C + 2 + e->Vp + 3), "serve head");
-    e->hln = e->hx + rows * C;
-    e->hmean = e->hln + rows * C;
-    e->hrstd = e->hmean + rows;
-    e->logits = e->hrstd + rows;
-    e->ce = e->logits + rows * e->Vp;
+    e->hx = mem_floats(mem, rows * C, "serve head rows");
     e->probs = (float*)malloc_or_die(sizeof(float) * rows * e->Vp, "serve probabilities");
 }
 
@@ -337,23 +333,24 @@ static inline void serve_forward(ServeEngine* e, int N) {
 // head_forward computes them (final layernorm, logits against wte, softmax).
 static inline void serve_head(ServeEngine* e, int M) {
     GPT2* model = &e->model;
+    Activations* a = &e->acts;
     Zero* z = &e->zero;
     int C = e->C, V = e->config.vocab_size, Vl = model->Vl, v0 = model->v0, LNF = z->lay.num_units - 1;
     e->mem->from_host(e->head_rows_dev, e->head_rows, sizeof(int) * (size_t)M);
-    moe_gather_rows(e->hx, stage_output(&e->acts, &e->config, e->num_rows, 1), e->head_rows_dev, M, C);
+    moe_gather_rows(e->hx, stage_output(a, &e->config, e->num_rows, 1), e->head_rows_dev, M, C);
     const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
-    layernorm_forward(e->hln, e->hmean, e->hrstd, e->hx, lnf, lnf + C, M, C);
+    layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, e->hx, lnf, lnf + C, M, C);
     const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
-    matmul_forward(e->logits, e->hln, wte, NULL, M, C, Vl, CANON_R);
-    float *maxes = e->ce, *zs = e->ce + M, *target_logits = e->ce + 2 * M;
-    crossentropy_max(maxes, e->logits, M, V, v0, Vl);
+    matmul_forward(a->probs, a->lnf, wte, NULL, M, C, Vl, CANON_R);
+    float *maxes = a->ce, *zs = a->ce + M, *target_logits = a->ce + 2 * M;
+    crossentropy_max(maxes, a->probs, M, V, v0, Vl);
     tp_vocab_ce_max(model->tp, maxes, (size_t)M);
-    crossentropy_exps(zs, target_logits, e->logits, maxes, NULL, M, V, v0, Vl, CANON_R / model->tp_size);
+    crossentropy_exps(zs, target_logits, a->probs, maxes, NULL, M, V, v0, Vl, CANON_R / model->tp_size);
     tp_vocab_ce_sums(model->tp, zs, (size_t)M);
-    crossentropy_normalize(e->logits, NULL, zs, target_logits, maxes, NULL, M, V, v0, Vl);
+    crossentropy_normalize(a->probs, NULL, zs, target_logits, maxes, NULL, M, V, v0, Vl);
     zero_params_release(z, ZERO_WTE);
     zero_params_release(z, LNF);
-    e->mem->to_host(e->probs, e->logits, sizeof(float) * (size_t)M * e->Vp);
+    e->mem->to_host(e->probs, a->probs, sizeof(float) * (size_t)M * e->Vp);
 }
 
 // The token's bytes appended to the request's text; a stop string found in it ends the text

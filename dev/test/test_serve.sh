@@ -44,25 +44,7 @@ fi
   -o "$W/ck" >"$W/train.out" 2>&1 || fail "could not train the test checkpoint: $(tail -3 "$W/train.out")"
 CK=$W/ck/model_00000010.bin
 
-start_server() {   # flags...: URL and SERVER_PID of a fresh server
-  ./serve_gpt2 -e "$CK" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "$@" >"$W/server.out" 2>&1 &
-  SERVER_PID=$!
-  local port=
-  for _ in $(seq 200); do
-    port=$(grep -o 'http://127.0.0.1:[0-9]*' "$W/server.out" | sed 's/.*://')
-    [ -n "$port" ] && break
-    sleep 0.05
-  done
-  [ -n "$port" ] || fail "the server did not start: $(cat "$W/server.out")"
-  URL=http://127.0.0.1:$port
-}
-stop_server() {
-  kill -TERM "$SERVER_PID"
-  wait "$SERVER_PID"
-  local rc=$?
-  SERVER_PID=
-  return $rc
-}
+. dev/test/serve_lib.sh   # start_server, stop_server
 post() {   # NAME PATH BODY: the answer in $W/NAME.json; prints the HTTP status
   curl -s -o "$W/$1.json" -w '%{http_code}' -H 'Content-Type: application/json' -H 'Authorization: Bearer sk-test' \
     "$URL$2" --data-binary "$3"

@@ -27,23 +27,7 @@ done
 
 build/testdata tokens "$W/train.bin" 4000 64 1 || fail "could not write test tokens"
 
-start_server() {   # BINARY flags...: URL and SERVER_PID of a fresh server
-  "$1" -e "$CK" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "${@:2}" >"$W/server.out" 2>&1 &
-  SERVER_PID=$!
-  local port=
-  for _ in $(seq 600); do
-    port=$(grep -o 'http://127.0.0.1:[0-9]*' "$W/server.out" | sed 's/.*://')
-    [ -n "$port" ] && break
-    sleep 0.1
-  done
-  [ -n "$port" ] || fail "$1 did not start: $(cat "$W/server.out")"
-  URL=http://127.0.0.1:$port
-}
-stop_server() {
-  kill -TERM "$SERVER_PID"
-  wait "$SERVER_PID" || fail "the server exited with status $? on SIGTERM"
-  SERVER_PID=
-}
+. dev/test/serve_lib.sh   # start_server, stop_server
 post() {   # NAME BODY: the completion in $W/NAME.json, its HTTP status in $W/NAME.code
   curl -s -o "$W/$1.json" -w '%{http_code}' "$URL/v1/completions" -H 'Content-Type: application/json' \
     --data-binary "$2" >"$W/$1.code"
@@ -64,16 +48,16 @@ compare() {   # MODEL: train a checkpoint of that descriptor, then the two serve
   ./train_gpt2 -e "$1" -i "$W/train.bin" -b 4 -t 32 -x 4 -v 0 -s 0 -l 1e-2 -n 4 -o "$W/ck_$1" >"$W/train.out" 2>&1 ||
     fail "could not train the $1 checkpoint: $(tail -3 "$W/train.out")"
   CK=$W/ck_$1/model_00000004.bin
-  start_server ./serve_gpt2
+  SERVE_BIN=./serve_gpt2 start_server
   for i in $(seq 0 $((N - 1))); do
     post cpu_$i "$(body $i)"
     [ "$(cat "$W/cpu_$i.code")" = 200 ] || fail "serve_gpt2, request $i: HTTP $(cat "$W/cpu_$i.code"): $(cat "$W/cpu_$i.json")"
   done
-  stop_server
+  stop_server || fail "the server exited with status $? on SIGTERM"
   [ "$(ids cpu_0)" != "$(ids cpu_1)" ] || fail "requests 0 and 1 gave the same tokens: the comparison cannot tell requests apart"
 
   # 8 blocks of 4 positions: room for one request of maxT = 32, so the six at once preempt
-  start_server ./serve_gpt2cu_emu --kv-blocks 8 --block-size 4 --max-batch-tokens 8
+  SERVE_BIN=./serve_gpt2cu_emu start_server --kv-blocks 8 --block-size 4 --max-batch-tokens 8
   grep -q "in device memory" "$W/server.out" || fail "serve_gpt2cu_emu does not say its tensors are in device memory"
   case $1 in *e4k2) grep -q 'E=4 k=2' "$W/server.out" || fail "the server did not load the experts: $(head -1 "$W/server.out")";; esac
   clients=()
@@ -83,7 +67,7 @@ compare() {   # MODEL: train a checkpoint of that descriptor, then the two serve
   done
   wait "${clients[@]}"
   preemptions=$(curl -s "$URL/metrics" | awk '$1 == "serve_preemptions_total" { print $2 }')
-  stop_server
+  stop_server || fail "the server exited with status $? on SIGTERM"
   for i in $(seq 0 $((N - 1))); do
     [ "$(cat "$W/emu_$i.code")" = 200 ] || fail "serve_gpt2cu_emu, request $i: HTTP $(cat "$W/emu_$i.code"): $(cat "$W/emu_$i.json")"
     [ "$(ids emu_$i)" = "$(ids cpu_$i)" ] ||
