@@ -22,6 +22,7 @@
 #include "llmc/bpe_encoder.h"
 #include "llmc/gpt2_init.h"
 #include "llmc/serve_engine.h"
+#include "serve_model.c"   // the engine's model side: train_gpt2.c's model on a step's rows
 #include "llmc/serve_request.h"
 
 #include <arpa/inet.h>

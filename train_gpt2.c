@@ -689,10 +689,10 @@ typedef struct {
     int split_backward;
     KEPT_GRADIENTS(DECLARE, _)
     MoeLayerActs* moe;  // (L)        mixture of experts: each layer's routing and experts
-    // The attention step of layers_forward, when set: attend(ctx, l, qkv, atty) for chunk layer l
-    // on the pass's rows, in place of the trainer's attention over (B,T) rows (the serving
-    // engine's, serve_engine.h: rows of different requests against a paged KV cache)
-    void (*attend)(void* ctx, int l, const float* qkv, float* atty);
+    // The attention step of layers_forward, when set: attend(ctx, l, qkv, atty, Ca, NHl) for
+    // chunk layer l on the pass's rows, in place of the trainer's attention over (B,T) rows (the
+    // serving engine's, serve_engine.h: rows of different requests against a paged KV cache)
+    void (*attend)(void* ctx, int l, const float* qkv, float* atty, int C, int NH);
     void* attend_ctx;
     size_t bytes;
 } Activations;
@@ -1185,7 +1185,7 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
 static void attention_forward_rows(GPT2* model, Activations* a, int l, int B, int T, int t0, int t1) {
     LayerActs act = layer_acts(a, &model->config, l, B, T, 0);
     if (a->attend) {
-        a->attend(a->attend_ctx, l, act.qkv, act.atty);
+        a->attend(a->attend_ctx, l, act.qkv, act.atty, a->Ca, a->NHl);
     } else if (t1 - t0 < T) {
         for (int t = t0; t < t1; t++) { attention_forward_row(act.atty, act.att, act.qkv, t, T, a->Ca, a->NHl); }
     } else if (a->cp_split == 1) {

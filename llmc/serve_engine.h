@@ -19,8 +19,8 @@
  * chunks of keys are fixed by the position alone. A request's rows are therefore the rows of
  * the trainer's sampler's forward over (1, maxT), bit for bit: alone or batched, in any
  * arrival order, any prefill chunking, after a preemption. The layers are the trainer's own
- * (train_gpt2.c layers_forward, which this header needs included before it), run on the step's
- * rows as sequences of one position with the engine's attention step; a mixture-of-experts
+ * (train_gpt2.c layers_forward, through serve_model.c), run on the step's rows as sequences of
+ * one position with the engine's attention step (serve_attend); a mixture-of-experts
  * layer keeps the promise too: the router and its top-k choice are per row and the trainer's
  * layer has no capacity limit (moe.h: every slot reaches its expert), so nothing couples a row
  * to the other rows of its batch: not the serving batch, nor the padding positions after the
@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "llmc/canonical.h"
+#include "llmc/comm.h"
 #include "llmc/kernels.h"
 #include "llmc/memory.h"
 #include "llmc/model.h"
@@ -82,18 +83,28 @@ typedef struct ServeRequest {
 // token id -> its bytes (a BPE table), for stop strings and text; NULL: no text
 typedef const uint8_t* (*ServeTokenText)(void* ctx, int token, size_t* len);
 
+// The model side of a step (serve_model.c: train_gpt2.c's model at one rank, which a program
+// includes with it): the model's parameters (without gradients or optimizer state),
+// activations for `rows` rows, each a sequence of one position (B = rows, T = 1: every kernel
+// but attention is per row), the layers' attention step `attend` (layer l's qkv (N,3C) -> atty
+// (N,C), C and NH this rank's); every tensor in mem.
+typedef struct ServeModel ServeModel;
+typedef void (*ServeAttend)(void* ctx, int l, const float* qkv, float* atty, int C, int NH);
+static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2Config* config, const float* params,
+                                      int rows, ServeAttend attend, void* ctx);
+static void serve_model_free(ServeModel* m);
+// N rows (host: their tokens and positions): the embeddings, then the layers
+static void serve_model_forward(ServeModel* m, const int* tokens, const int* pos, int N);
+// the head on M of the N rows (rows_dev, in mem): probabilities (M,Vp) into probs (host)
+static void serve_model_head(ServeModel* m, int N, const int* rows_dev, int M, float* probs);
+
 typedef struct ServeEngine {
     GPT2Config config;
     int maxT, C, Vp, max_batch_tokens;
-    // The trainer's model (train_gpt2.c) at one rank, run on the rows of a step as max_batch_tokens
-    // sequences of one position each (B = rows, T = 1: every kernel but attention is per row),
-    // its layers with the engine's attention step (serve_attend); its parameters (zero.h,
-    // without gradients or optimizer state), activations, the KV cache and the step's buffers
-    // below in the model's memory (mem: host, or the GPU's in serve_gpt2cu).
+    // the model (serve_model.c); the KV cache and the step's buffers below in its memory (mem:
+    // host, or the GPU's in serve_gpt2cu)
     const MemOps* mem;
-    Zero zero;
-    GPT2 model;
-    Activations acts;
+    ServeModel* model;
     PagedKV kv;
     ServeRequest** running;   // admission order
     int num_running;
@@ -114,13 +125,11 @@ typedef struct ServeEngine {
     int *row_tok, *row_pos, *row_tables, *head_rows, max_blocks;
     int *run_row, *run_len, num_runs;
     long* run_slot;
-    ServeRequest** sched;                   // the step's requests, their first and last rows
-    int *sched_first_row, *sched_last_row, num_sched, num_rows;
-    // ... and in mem: positions, tables and head rows as the kernels read them; attention's
-    // scratch; the rows the head reads, gathered (its layernorm, probabilities and sums are the
-    // model's head activations: acts.lnf .. acts.ce)
+    ServeRequest** sched;                   // the step's requests, their last rows
+    int *sched_last_row, num_sched, num_rows;
+    // ... and in mem: positions, tables and head rows as the kernels read them; attention's scratch
     int *pos_dev, *tables_dev, *head_rows_dev;
-    float *att_scratch, *hx;
+    float* att_scratch;
     float* probs;                           // (rows,Vp) on the host: what the requests draw from
     // counters
     long long steps, rows_computed, tokens_generated, preemptions;
@@ -159,7 +168,7 @@ static inline void serve_request_free(ServeRequest* r) {
 
 static inline int serve_generated(const ServeRequest* r) { return r->len - r->num_prompt; }
 
-static void serve_attend(void* ctx, int l, const float* qkv, float* atty);
+static void serve_attend(void* ctx, int l, const float* qkv, float* atty, int C, int NH);
 
 // The engine on the model of `config` with the given parameters (MEMORY order, model.h, on the
 // host), its tensors in mem; comm: the process's (one rank). kv_blocks must hold one request of
@@ -183,19 +192,13 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
         fatal("--kv-blocks %d of --block-size %d: %ld positions, less than one request of maxT = %d needs", kv_blocks,
               block_size, (long)kv_blocks * block_size, e->maxT);
     }
-    ChunkPlace place = {0, config->num_layers, 1, 1, 0};
-    zero_init(&e->zero, config, mem, 0, &comm->dp_group, &comm->pp_group, &comm->tp_group, &place, 1, 0, params, 0);
-    gpt2_init(&e->model, config, &place, &e->zero, &comm->tp_group, &comm->cp_group, 0, 0, N, 1);
-    activations_alloc(&e->acts, &e->model, N, 1, 1, 0, 0);   // recompute 1: one layer's GELU output
-    e->acts.attend = serve_attend;
-    e->acts.attend_ctx = e;
+    e->model = serve_model_create(comm, mem, config, params, N, serve_attend, e);
     paged_kv_init(&e->kv, mem, kv_blocks, block_size, config->num_layers, C);
     e->max_blocks = paged_kv_blocks_for(&e->kv, e->maxT);
     e->running = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "running requests");
     e->waiting = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "waiting requests");
     e->sched = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "serve step");
-    e->sched_first_row = (int*)malloc_or_die(sizeof(int) * 2 * (size_t)max_requests, "serve step");
-    e->sched_last_row = e->sched_first_row + max_requests;
+    e->sched_last_row = (int*)malloc_or_die(sizeof(int) * (size_t)max_requests, "serve step");
     size_t rows = (size_t)N;
     e->row_tok = (int*)calloc_or_die(rows * (5 + (size_t)e->max_blocks), sizeof(int), "serve rows");
     e->row_pos = e->row_tok + rows;
@@ -208,19 +211,15 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
     e->head_rows_dev = e->pos_dev + rows;
     e->tables_dev = e->head_rows_dev + rows;
     e->att_scratch = mem_floats(mem, rows * NH * e->maxT + (size_t)e->maxT * 3 * C, "serve attention scratch");
-    e->hx = mem_floats(mem, rows * C, "serve head rows");
     e->probs = (float*)malloc_or_die(sizeof(float) * rows * e->Vp, "serve probabilities");
 }
 
 static inline void serve_engine_free(ServeEngine* e) {
     paged_kv_free(&e->kv);
-    activations_free(&e->model, &e->acts);
-    gpt2_free(&e->model);
-    zero_free(&e->zero);
+    serve_model_free(e->model);
     e->mem->release(e->pos_dev);
     e->mem->release(e->att_scratch);
-    e->mem->release(e->hx);
-    void* bufs[] = {e->running, e->waiting, e->sched, e->sched_first_row, e->row_tok, e->run_slot, e->probs};
+    void* bufs[] = {e->running, e->waiting, e->sched, e->sched_last_row, e->row_tok, e->run_slot, e->probs};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) { free(bufs[i]); }
 }
 
@@ -277,9 +276,8 @@ static inline void serve_preempt_latest(ServeEngine* e) {
 // Layer l's attention step (Activations.attend) on the step's N rows, qkv (N,3C) -> atty
 // (N,C): the new keys and values into their cache slots (a run of a request's rows at a time),
 // then each row against its request's keys (attention_forward_paged).
-static void serve_attend(void* ctx, int l, const float* qkv, float* atty) {
+static void serve_attend(void* ctx, int l, const float* qkv, float* atty, int C, int NH) {
     ServeEngine* e = (ServeEngine*)ctx;
-    int C = e->acts.Ca, NH = e->acts.NHl;
     float* kv = paged_kv_layer(&e->kv, l);
     for (int i = 0; i < e->num_runs; i++) {
         copy_rows(kv + e->run_slot[i], 2 * C, qkv + (size_t)e->run_row[i] * 3 * C + C, 3 * C, e->run_len[i], 2 * C);
@@ -288,29 +286,13 @@ static void serve_attend(void* ctx, int l, const float* qkv, float* atty) {
                             e->max_blocks, e->pos_dev, e->num_rows, e->maxT, e->kv.block_size, C, NH);
 }
 
-// The forward over the step's N rows: the embeddings (each request's rows at its positions),
-// then the trainer's layers (train_gpt2.c layers_forward, with serve_attend as their attention)
-// on the N rows as N sequences of one position; the final residual is stage_output.
+// The forward over the step's N rows (the model's embeddings and layers, its attention
+// serve_attend), and the head on the last row of every request that caught up.
 static inline void serve_forward(ServeEngine* e, int N) {
-    GPT2* model = &e->model;
-    Activations* a = &e->acts;
-    Zero* z = &e->zero;
     const MemOps* mem = e->mem;
     int C = e->C, bs = e->kv.block_size;
-    mem->from_host(a->inputs, e->row_tok, sizeof(int) * (size_t)N);
     mem->from_host(e->pos_dev, e->row_pos, sizeof(int) * (size_t)N);
     mem->from_host(e->tables_dev, e->row_tables, sizeof(int) * (size_t)N * e->max_blocks);
-    const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
-    encoder_lookup(a->encoded, a->inputs, wte, model->v0, model->Vl, N, C);
-    zero_params_release(z, ZERO_WTE);
-    // the vocab-parallel lookup summed over the tp group (train_gpt2.c embed_forward)
-    tp_vocab_embedding_reduce(model->tp, a->encoded, (size_t)N * C);
-    const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(0));
-    for (int s = 0; s < e->num_sched; s++) {
-        int r0 = e->sched_first_row[s], n = e->sched_last_row[s] + 1 - r0;
-        encoder_add_positions(a->encoded + (size_t)r0 * C, wpe + (size_t)e->row_pos[r0] * C, 1, n, C);
-    }
-    zero_params_release(z, ZERO_WPE);
     // where each run of rows writes its keys and values: consecutive positions of one block
     e->num_runs = 0;
     long block_stride = paged_kv_block_stride(&e->kv);
@@ -326,31 +308,7 @@ static inline void serve_forward(ServeEngine* e, int N) {
             e->run_slot[i] = slot;
         }
     }
-    layers_forward(model, a, N, 1, 0, 1);
-}
-
-// The head on M of the rows (head_rows): probabilities (M,Vp) in e->probs, as the trainer's
-// head_forward computes them (final layernorm, logits against wte, softmax).
-static inline void serve_head(ServeEngine* e, int M) {
-    GPT2* model = &e->model;
-    Activations* a = &e->acts;
-    Zero* z = &e->zero;
-    int C = e->C, V = e->config.vocab_size, Vl = model->Vl, v0 = model->v0, LNF = z->lay.num_units - 1;
-    e->mem->from_host(e->head_rows_dev, e->head_rows, sizeof(int) * (size_t)M);
-    moe_gather_rows(e->hx, stage_output(a, &e->config, e->num_rows, 1), e->head_rows_dev, M, C);
-    const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
-    layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, e->hx, lnf, lnf + C, M, C);
-    const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
-    matmul_forward(a->probs, a->lnf, wte, NULL, M, C, Vl, CANON_R);
-    float *maxes = a->ce, *zs = a->ce + M, *target_logits = a->ce + 2 * M;
-    crossentropy_max(maxes, a->probs, M, V, v0, Vl);
-    tp_vocab_ce_max(model->tp, maxes, (size_t)M);
-    crossentropy_exps(zs, target_logits, a->probs, maxes, NULL, M, V, v0, Vl, CANON_R / model->tp_size);
-    tp_vocab_ce_sums(model->tp, zs, (size_t)M);
-    crossentropy_normalize(a->probs, NULL, zs, target_logits, maxes, NULL, M, V, v0, Vl);
-    zero_params_release(z, ZERO_WTE);
-    zero_params_release(z, LNF);
-    e->mem->to_host(e->probs, a->probs, sizeof(float) * (size_t)M * e->Vp);
+    serve_model_forward(e->model, e->row_tok, e->row_pos, N);
 }
 
 // The token's bytes appended to the request's text; a stop string found in it ends the text
@@ -409,7 +367,6 @@ static inline const char* serve_draw(ServeEngine* e, ServeRequest* r, const floa
 static inline void serve_schedule(ServeEngine* e, ServeRequest* r, int n, int* rows) {
     int s = e->num_sched++;
     e->sched[s] = r;
-    e->sched_first_row[s] = *rows;
     for (int p = r->computed; p < r->computed + n; p++) {
         e->row_tok[*rows] = r->tokens[p];
         e->row_pos[*rows] = p;
@@ -473,7 +430,10 @@ static inline void serve_engine_forward(ServeEngine* e) {
         ServeRequest* r = e->sched[s];
         if (e->row_pos[e->sched_last_row[s]] + 1 == r->len) { e->head_rows[M++] = e->sched_last_row[s]; }
     }
-    if (M > 0) { serve_head(e, M); }
+    if (M > 0) {
+        e->mem->from_host(e->head_rows_dev, e->head_rows, sizeof(int) * (size_t)M);
+        serve_model_head(e->model, e->num_rows, e->head_rows_dev, M, e->probs);
+    }
 }
 
 // 3. Each request that caught up draws its next token; the finished ones leave.

@@ -1,5 +1,6 @@
 # Serving (issue 26): serve_gpt2, an OpenAI-compatible server (serve_gpt2.c) on the serving
-# engine (llmc/serve_engine.h, llmc/paged_kv.h; the request parser llmc/serve_request.h).
+# engine (llmc/serve_engine.h, llmc/paged_kv.h, its model side serve_model.c; the request parser
+# llmc/serve_request.h).
 #
 #   make serve_gpt2     the server (needs libmicrohttpd and cJSON: Debian libmicrohttpd-dev,
 #                       libcjson-dev; without them `make` says so in one line and skips it)
@@ -11,7 +12,7 @@
 TEST_BINS += build/test_serve_engine
 TESTS     += build/test_serve_engine
 
-build/test_serve_engine: dev/test/test_serve_engine.c train_gpt2.c $(LLMC_HEADERS) | build
+build/test_serve_engine: dev/test/test_serve_engine.c train_gpt2.c serve_model.c $(LLMC_HEADERS) | build
 	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
 
 SERVE_LIBS := -lmicrohttpd -lcjson -lpthread
@@ -31,7 +32,7 @@ endif
 serve_gpt2_skipped:
 	@echo "note: libmicrohttpd or cJSON not found (Debian: libmicrohttpd-dev libcjson-dev): skipping serve_gpt2"
 
-serve_gpt2: serve_gpt2.c train_gpt2.c $(LLMC_HEADERS)
+serve_gpt2: serve_gpt2.c train_gpt2.c serve_model.c $(LLMC_HEADERS)
 	$(CC) $(CFLAGS) -Wno-unused-function -o $@ $< $(LDLIBS) $(SERVE_LIBS)
 
 # serve_gpt2cu, the CUDA build's server (serve_gpt2.cu: serve_gpt2.c on the deterministic device
@@ -39,7 +40,7 @@ serve_gpt2: serve_gpt2.c train_gpt2.c $(LLMC_HEADERS)
 # dev/test/test_serve_cu.sh checks the emulated one's tokens against serve_gpt2's. (C++ warns
 # about C's {0} initializers, which serve_gpt2.c uses.)
 SERVE_CU_FLAGS := -Wno-missing-field-initializers
-SERVE_CU_DEPS := serve_gpt2.cu serve_gpt2.c train_gpt2.c $(LLMC_HEADERS) $(CUDA_HEADERS)
+SERVE_CU_DEPS := serve_gpt2.cu serve_gpt2.c train_gpt2.c serve_model.c $(LLMC_HEADERS) $(CUDA_HEADERS)
 serve_gpt2cu_emu: $(SERVE_CU_DEPS) build/cuda_emu.o $(EMU_FILES)
 	$(CXX) $(EMU_TEST_FLAGS) $(SERVE_CU_FLAGS) -x c++ serve_gpt2.cu -x none build/cuda_emu.o -o $@ -lm $(SERVE_LIBS)
 ifeq ($(HAVE_SERVE_LIBS),1)

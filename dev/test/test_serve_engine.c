@@ -23,6 +23,7 @@
 #include "train_gpt2.c"
 #include "llmc/gpt2_init.h"
 #include "llmc/serve_engine.h"
+#include "serve_model.c"   // the engine's model side: train_gpt2.c's model on a step's rows
 
 static int failures = 0;
 #define CHECK(cond, ...) do { if (!(cond)) { failures++; printf("FAIL: " __VA_ARGS__); printf("\n"); } } while (0)
