@@ -19,18 +19,7 @@
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
-D=${LLMC_SHARED_DATA:-../shared/data}/gpt2   # override with LLMC_SHARED_DATA
-J=build/serve_json
-W=$(mktemp -d /tmp/llmc_serve_test.XXXXXX)
-SERVER_PID=
-cleanup() {
-  if [ -n "$SERVER_PID" ]; then kill -9 "$SERVER_PID" 2>/dev/null; fi
-  rm -rf "$W"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*"; [ -f "$W/server.out" ] && tail -5 "$W/server.out"; exit 1; }
-pass() { echo "ok   $* (${SECONDS}s)"; }
-export OMP_NUM_THREADS=1   # the engine's kernels on one core each: the same bits, less contention here
+. dev/test/serve_lib.sh   # D, J, W, fail, pass; start_server, stop_server
 
 if [ -x build/fuzz/fuzz_serve_request ]; then
   build/fuzz/fuzz_serve_request dev/fuzz/seeds_serve_request/* >"$W/fuzz.out" 2>&1 ||
@@ -44,7 +33,6 @@ fi
   -o "$W/ck" >"$W/train.out" 2>&1 || fail "could not train the test checkpoint: $(tail -3 "$W/train.out")"
 CK=$W/ck/model_00000010.bin
 
-. dev/test/serve_lib.sh   # start_server, stop_server
 post() {   # NAME PATH BODY: the answer in $W/NAME.json; prints the HTTP status
   curl -s -o "$W/$1.json" -w '%{http_code}' -H 'Content-Type: application/json' -H 'Authorization: Bearer sk-test' \
     "$URL$2" --data-binary "$3"

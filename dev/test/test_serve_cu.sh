@@ -9,25 +9,13 @@
 # Exits non-zero on the first difference, saying which.
 set -u
 cd "$(dirname "$0")/../.."
-D=${LLMC_SHARED_DATA:-../shared/data}/gpt2   # the tokenizer's files (override with LLMC_SHARED_DATA)
-J=build/serve_json
-W=$(mktemp -d /tmp/llmc_serve_cu.XXXXXX)
-SERVER_PID=
-cleanup() {
-  if [ -n "$SERVER_PID" ]; then kill -9 "$SERVER_PID" 2>/dev/null; fi
-  rm -rf "$W"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*"; [ -f "$W/server.out" ] && tail -5 "$W/server.out"; exit 1; }
-pass() { echo "ok   $* (${SECONDS}s)"; }
-export OMP_NUM_THREADS=1
+. dev/test/serve_lib.sh   # D, J, W, fail, pass; start_server, stop_server
 for bin in ./serve_gpt2 ./serve_gpt2cu_emu ./train_gpt2 build/testdata $J; do
   [ -x $bin ] || fail "$bin is not built (make serve_gpt2 serve_gpt2cu_emu train_gpt2 build/testdata build/serve_json)"
 done
 
 build/testdata tokens "$W/train.bin" 4000 64 1 || fail "could not write test tokens"
 
-. dev/test/serve_lib.sh   # start_server, stop_server
 post() {   # NAME BODY: the completion in $W/NAME.json, its HTTP status in $W/NAME.code
   curl -s -o "$W/$1.json" -w '%{http_code}' "$URL/v1/completions" -H 'Content-Type: application/json' \
     --data-binary "$2" >"$W/$1.code"
