@@ -48,11 +48,15 @@ TEST_BINS += serve_gpt2cu_emu
 TESTS     += dev/test/test_serve_cu.sh
 ifeq ($(HAVE_CUDA),1)
 all: serve_gpt2cu
-TEST_BINS += serve_gpt2cu
 endif
 endif
+ifeq ($(HAVE_CUDA),1)
 serve_gpt2cu: $(SERVE_CU_DEPS)
 	$(NVCC) $(NVCC_FLAGS) $(NVCC_DET_FLAGS) -Xcompiler -Wno-unused-function,$(SERVE_CU_FLAGS) -o $@ serve_gpt2.cu $(SERVE_LIBS)
+else
+serve_gpt2cu:
+	@echo "error: $@ needs CUDA: nvcc under CUDA_HOME=$(CUDA_HOME) (or pass NVCC=...)"; exit 1
+endif
 
 # the quick start's checkpoint: the latest a run of `make train` wrote, else the GPT-2 124M
 # weights it fine-tuned
