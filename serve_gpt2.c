@@ -13,11 +13,16 @@
  * cancels its job (its blocks go back to the free list). SIGTERM or SIGINT: stop accepting,
  * let what runs finish (--shutdown-timeout, then cancel it), exit 0.
  */
-#define TESTING   // train_gpt2.c's CPU kernel set, without its main
+#define TESTING   // train_gpt2.c's model without its main: on the CPU kernel set, or serve_gpt2.cu's device set
 #include "train_gpt2.c"
+#ifndef SERVE_MEMORY   // where the model's tensors live (serve_gpt2.cu: the GPU's, once it chose one)
+#define SERVE_MEMORY (&memory_host)
+#define SERVE_SELECT_DEVICE() ((void)0)
+#endif
 #include "llmc/bpe_encoder.h"
 #include "llmc/gpt2_init.h"
 #include "llmc/serve_engine.h"
+#include "serve_model.c"   // the engine's model side: train_gpt2.c's model on a step's rows
 #include "llmc/serve_request.h"
 
 #include <arpa/inet.h>
@@ -259,8 +264,13 @@ static enum MHD_Result send_completion(struct MHD_Connection* c, const Job* j) {
     add_text(choice, j, text, 0);
     free(text);
     cJSON_AddStringToObject(choice, "finish_reason", finish_reason(j));
-    // beyond OpenAI's fields: the generated token ids (the tests compare them with the sampler's)
+    // beyond OpenAI's fields: the generated token ids (the tests compare them with the sampler's),
+    // and the FNV-1a of the bytes of every distribution they were drawn from (serve_gpt2cu's test
+    // compares those bits: a token can survive an ulp of difference, the hash cannot)
     cJSON_AddItemToObject(choice, "token_ids", cJSON_CreateIntArray(j->req.tokens + j->req.num_prompt, serve_generated(&j->req)));
+    char fingerprint[17];
+    snprintf(fingerprint, sizeof(fingerprint), "%016llx", (unsigned long long)j->req.fingerprint);
+    cJSON_AddStringToObject(choice, "probs_fnv1a", fingerprint);
     add_usage(root, j);
     return send_json(c, 200, root);
 }
@@ -588,6 +598,8 @@ static void usage(void) {
 }
 
 int main(int argc, char** argv) {
+    Comm comm;   // one rank
+    comm_init(&comm, &argc, &argv);
     const char *model = NULL, *host = "127.0.0.1", *encoder = "dev/data/gpt2/encoder.json", *merges = "dev/data/gpt2/vocab.bpe";
     long port = 8000, block_size = 16, kv_blocks = 0, max_batch = 256, max_conn = 64, max_running = 0, max_body = 1 << 20, shutdown_s = 30;
     ServeBatching batching = SERVE_INFLIGHT;
@@ -627,6 +639,7 @@ int main(int argc, char** argv) {
     addr.sin_port = htons((uint16_t)port);
     if (inet_pton(AF_INET, host, &addr.sin_addr) != 1) { fatal("--host: expected an IPv4 address such as 127.0.0.1, got '%s'", host); }
 
+    SERVE_SELECT_DEVICE();
     GPT2Config config;
     float* params = gpt2_read_finite_model(model, &config, 0);
     bpe_init(&S.bpe, encoder, merges);
@@ -634,7 +647,7 @@ int main(int argc, char** argv) {
         long per_request = (config.max_seq_len + block_size - 1) / block_size;
         kv_blocks = 8 * per_request;
     }
-    serve_engine_init(&S.engine, &config, params, (int)kv_blocks, (int)block_size, (int)max_batch, (int)max_conn);
+    serve_engine_init(&S.engine, &comm, SERVE_MEMORY, &config, params, (int)kv_blocks, (int)block_size, (int)max_batch, (int)max_conn);
     S.engine.batching = batching;
     if (max_running > 0) { S.engine.max_running = (int)(max_running < max_conn ? max_running : max_conn); }
     S.engine.token_text = token_text;
@@ -659,9 +672,9 @@ int main(int argc, char** argv) {
         (unsigned)(max_conn + 64), MHD_OPTION_NOTIFY_COMPLETED, request_completed, NULL, MHD_OPTION_END);
     if (!d) { fatal("--host %s --port %ld: cannot listen there (%s)", host, port, strerror(errno)); }
     const union MHD_DaemonInfo* info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
-    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d E=%d k=%d), %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
+    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d E=%d k=%d) in %s memory, %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
            model, config.num_layers, config.channels, config.max_seq_len, config.vocab_size, config.num_experts,
-           config.top_k, kv_blocks, block_size,
+           config.top_k, SERVE_MEMORY->name, kv_blocks, block_size,
            max_batch, batching == SERVE_STATIC ? "static" : "in-flight", S.engine.max_running);
     printf("serving %s on http://%s:%u\n", S.model_name, host, info ? info->port : (unsigned)port);
     fflush(stdout);
@@ -694,6 +707,7 @@ int main(int argc, char** argv) {
     serve_engine_free(&S.engine);
     bpe_free(&S.bpe);
     free(params);
+    comm_finalize(&comm);
     printf("serve_gpt2: stopped\n");
     return 0;
 }

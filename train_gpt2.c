@@ -447,26 +447,27 @@ void attention_forward_row(float* out, float* att, const float* qkv, int t, int 
 // out over the same T positions (the model's maxT), so a row's reductions depend on its own
 // position only: never on the other rows, nor on the longest sequence.
 //   qkv (N,3C): each row's q (its own k, v are already in the cache)
-//   key p of row r's sequence: kv + tables[r][p / bs] * block_stride + (p % bs) * 2C, k (C) | v (C)
-//   pos (N): each row's position; out (N,C); scratch: T*3C + NH*T floats
+//   tables (N,max_blocks): each row's block table; pos (N): each row's position; out (N,C)
+//   key p of row r: kv + tables[r * max_blocks + p / bs] * block_stride + (p % bs) * 2C, k (C) | v (C)
+//   scratch: (N,NH,T) the probabilities, then T*3C floats (here: a row's keys and values, gathered)
 // Row r is row pos[r] of attention_forward over that one sequence (1,T), bit for bit: its keys
 // and values, gathered into scratch, are that pass's qkv rows, and attention_query_row runs on
 // them unchanged.
 void attention_forward_paged(float* out, float* scratch, const float* qkv, const float* kv, long block_stride,
-                             const int* const* tables, const int* pos, int N, int T, int bs, int C, int NH) {
+                             const int* tables, int max_blocks, const int* pos, int N, int T, int bs, int C, int NH) {
     int hs = C / NH;
     size_t C3 = 3 * (size_t)C;
-    float* seq = scratch;
+    float* seq = scratch + (size_t)N * NH * T;
     for (int r = 0; r < N; r++) {
         int t = pos[r];
         for (int p = 0; p <= t; p++) {
-            const float* kvp = kv + tables[r][p / bs] * block_stride + (size_t)(p % bs) * 2 * C;
+            const float* kvp = kv + tables[(size_t)r * max_blocks + p / bs] * block_stride + (size_t)(p % bs) * 2 * C;
             memcpy(seq + p * C3 + C, kvp, sizeof(float) * 2 * C);
         }
         memcpy(seq + t * C3, qkv + r * C3, sizeof(float) * C);
         #pragma omp parallel for
         for (int h = 0; h < NH; h++) {
-            attention_query_row(out + (size_t)r * C + h * hs, seq + T * C3 + (size_t)h * T, seq, t, T, C, NH, h);
+            attention_query_row(out + (size_t)r * C + h * hs, scratch + ((size_t)r * NH + h) * T, seq, t, T, C, NH, h);
         }
     }
 }
@@ -695,6 +696,11 @@ typedef struct {
     float* moe_whole;   // (B,T*cp_split,2C+E) mixture of experts with CP: a layer's input and
                         //           output (or their gradients) on whole sequences, and the
                         //           router's output gradient of this rank's positions
+    // The attention step of layers_forward, when set: attend(ctx, l, qkv, atty, Ca, NHl) for
+    // chunk layer l on the pass's rows, in place of the trainer's attention over (B,T) rows (the
+    // serving engine's, serve_engine.h: rows of different requests against a paged KV cache)
+    void (*attend)(void* ctx, int l, const float* qkv, float* atty, int C, int NH);
+    void* attend_ctx;
     size_t bytes;
 } Activations;
 
@@ -1227,10 +1233,13 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
 
 // Attention of this rank's heads (and with CP its queries) for the rows [t0, t1) of layer l
 // (chunk-relative): qkv -> atty, att. A whole pass runs the fast kernels; rows of a KV-cache
-// step, each against the keys and values of the rows before it, the per-row kernel.
+// step, each against the keys and values of the rows before it, the per-row kernel; a pass
+// with an attention step of its own (a->attend: serving), that step.
 static void attention_forward_rows(GPT2* model, Activations* a, int l, int B, int T, int t0, int t1) {
     LayerActs act = layer_acts(a, &model->config, l, B, T, 0);
-    if (t1 - t0 < T) {
+    if (a->attend) {
+        a->attend(a->attend_ctx, l, act.qkv, act.atty, a->Ca, a->NHl);
+    } else if (t1 - t0 < T) {
         for (int t = t0; t < t1; t++) { attention_forward_row(act.atty, act.att, act.qkv, t, T, a->Ca, a->NHl); }
     } else if (a->cp_split == 1) {
         attention_forward(act.atty, act.att, act.qkv, B, T, a->Ca, a->NHl);
@@ -1239,6 +1248,15 @@ static void attention_forward_rows(GPT2* model, Activations* a, int l, int B, in
     } else {
         cp_ring_forward(&model->cp, act.atty, act.att, act.qkv, B, T, a->Ca, a->NHl);
     }
+}
+
+// The layer body's four dense matmuls, the trainer's and the serving engine's: out (rows,OC) =
+// inp (rows,IC) @ weight^T + bias, weight one of the layer's tensors as zero.h holds it. One
+// place, so that a kernel for some passes only (a one-row decode on a weight layout of its own)
+// is chosen here, by the weight it multiplies.
+static void layer_matmul(float* out, const float* inp, const float* weight, const float* bias, int rows, int IC,
+                         int OC, int nchunks) {
+    matmul_forward(out, inp, weight, bias, rows, IC, OC, nchunks);
 }
 
 // this chunk's layers on the rows [t0, t1): a->encoded (B,T,C) -> stage_output. Megatron's
@@ -1256,9 +1274,9 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
         LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), moe ? zero_expert_unit(z, l) : next));
         LayerActs act = layer_acts(a, c, l - model->first_layer, B, T, t0);
         ln_forward_f(model, a, act.ln1, act.ln1_mean, act.ln1_rstd, act.residual, w.ln1w, w.ln1b, B, Tn);
-        matmul_forward(act.qkv, act.ln1, w.qkvw, w.qkvb, rows, C, a->C3, CANON_R);
+        layer_matmul(act.qkv, act.ln1, w.qkvw, w.qkvb, rows, C, a->C3, CANON_R);
         attention_forward_rows(model, a, l - model->first_layer, B, T, t0, t1);
-        matmul_forward(a->proj, act.atty, w.attprojw, NULL, rows, a->Ca, C, CANON_R / tp_size);
+        layer_matmul(a->proj, act.atty, w.attprojw, NULL, rows, a->Ca, C, CANON_R / tp_size);
         residual_forward(act.residual2, act.residual, proj_g_bias(model, a, w.attprojb, B, Tn), rows_s * C);
         ln_forward_f(model, a, act.ln2, act.ln2_mean, act.ln2_rstd, act.residual2, w.ln2w, w.ln2b, B, Tn);
         if (moe) {   // complete on every tp rank: with SP this rank keeps its positions (no CP)
@@ -1267,9 +1285,9 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
             if (sp) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, Tn, C); }
             residual_forward(act.residual3, act.residual2, sp ? a->proj_s : a->proj, rows_s * C);
         } else {
-            matmul_forward(act.fch, act.ln2, w.fcw, w.fcb, rows, C, a->C4, CANON_R);
+            layer_matmul(act.fch, act.ln2, w.fcw, w.fcb, rows, C, a->C4, CANON_R);
             gelu_forward(act.fch_gelu, act.fch, (size_t)rows * a->C4);
-            matmul_forward(a->proj, act.fch_gelu, w.fcprojw, NULL, rows, a->C4, C, CANON_R / tp_size);
+            layer_matmul(a->proj, act.fch_gelu, w.fcprojw, NULL, rows, a->C4, C, CANON_R / tp_size);
             residual_forward(act.residual3, act.residual2, proj_g_bias(model, a, w.fcprojb, B, Tn), rows_s * C);
         }
         zero_params_release(z, ZERO_LAYER(l));

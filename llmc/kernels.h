@@ -60,12 +60,13 @@ static void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, 
 static void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH);
 // the KV-cache step: query row t of one sequence, qkv (T,3C) -> out row t (C), att rows t (NH,T,T)
 static void attention_forward_row(float* out, float* att, const float* qkv, int t, int T, int C, int NH);
-// serving: N rows of different sequences, each against its keys in a paged KV cache. The CPU
-// set only so far (serve_gpt2cu, its device twin, is not written), so it is declared extern, not
-// static: a device translation unit, which never calls it, has nothing to define, and a call
-// without a body is still a link error.
+// serving: N rows of different sequences, each against its keys and values in a paged KV cache
+// (C floats of k then v per position); tables (N,max_blocks) each row's blocks, pos (N) its
+// position; out (N,C); scratch (N,NH,T) + T*3C floats. Only the servers call it, so it is
+// declared extern, not static: the trainers, which never do, leave it unused without a warning,
+// and a set without its body is still a link error for a server.
 void attention_forward_paged(float* out, float* scratch, const float* qkv, const float* kv, long block_stride,
-                             const int* const* tables, const int* pos, int N, int T, int bs, int C, int NH);
+                             const int* tables, int max_blocks, const int* pos, int N, int T, int bs, int C, int NH);
 // dqkv (B,T,3C) <- dout (B,T,C)
 static void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
                                int B, int T, int C, int NH);

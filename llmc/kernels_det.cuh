@@ -647,23 +647,30 @@ static __global__ void attention_row_softmax_kernel(float* att, int t, int T, in
     det_causal_softmax_row(att + ((size_t)h * T + t) * T, t, T, threadIdx.x % 32);
 }
 
-static __global__ void attention_row_values_kernel(float* out, const float* att, const float* qkv, int t, int T,
-                                                   int C, int NH) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) { return; }
-    const float* a = att + ((size_t)(c / (C / NH)) * T + t) * T;
-    const float* v = qkv + 2 * C + c;
+// R2Z over the keys j <= t of a[j] * value(j): one output channel of att@v (value(j): key j's
+// value in that channel, wherever the keys live)
+template <typename Value>
+__device__ __forceinline__ float det_weighted_values(const float* a, int t, int T, Value value) {
     float partial[CANON_R];
     for (int ch = 0; ch < CANON_R; ch++) {
         float acc = 0.0f;
         for (int half = 0; half < 2; half++) {
             long kb, ke;
             canon_zz_half(T, CANON_R, ch, half, &kb, &ke);
-            for (long j = kb; j < ke && j <= t; j++) { acc = fmaf(a[j], v[j * 3 * C], acc); }
+            for (long j = kb; j < ke && j <= t; j++) { acc = fmaf(a[j], value(j), acc); }
         }
         partial[ch] = acc;
     }
-    out[(size_t)t * C + c] = canon_tree8(partial);
+    return canon_tree8(partial);
+}
+
+static __global__ void attention_row_values_kernel(float* out, const float* att, const float* qkv, int t, int T,
+                                                   int C, int NH) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) { return; }
+    const float* a = att + ((size_t)(c / (C / NH)) * T + t) * T;
+    const float* v = qkv + 2 * C + c;
+    out[(size_t)t * C + c] = det_weighted_values(a, t, T, [=](long j) { return v[j * 3 * C]; });
 }
 
 static inline void attention_forward_row(float* out, float* att, const float* qkv, int t, int T, int C, int NH) {
@@ -674,6 +681,62 @@ static inline void attention_forward_row(float* out, float* att, const float* qk
     cudaLaunchCheck("attention_row_softmax_kernel");
     LAUNCH(attention_row_values_kernel, ceil_div_u((size_t)C, 256), 256, out, att, qkv, t, T, C, NH);
     cudaLaunchCheck("attention_row_values_kernel");
+}
+
+// Serving (train_gpt2.c attention_forward_paged): N query rows of different sequences over T
+// positions each, row r at position pos[r] against the keys and values of its sequence's
+// positions 0..pos[r] in a paged KV cache (block tables (N,max_blocks)); the three row kernels
+// above with the keys read through the block table: scores one thread per (row, head, key),
+// the softmax one warp per (row, head) into scratch's att (N,NH,T), att@v one thread per (row,
+// channel), R2Z over the keys. The same bits as the CPU's, which gathers the keys first.
+__device__ __forceinline__ const float* det_paged_key(const float* kv, long block_stride, const int* table, int p,
+                                                      int bs, int C) {
+    return kv + table[p / bs] * block_stride + (size_t)(p % bs) * 2 * C;
+}
+
+static __global__ void attention_paged_scores_kernel(float* att, const float* qkv, const float* kv, long block_stride,
+                                                     const int* tables, int max_blocks, const int* pos, int N, int T,
+                                                     int bs, int C, int NH, float scale) {
+    size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    int t2 = (int)(idx % T), h = (int)(idx / T % NH), r = (int)(idx / T / NH), hs = C / NH;
+    if (r >= N || t2 > pos[r]) { return; }
+    const float* q = qkv + (size_t)r * 3 * C + h * hs;
+    const float* k = det_paged_key(kv, block_stride, tables + (size_t)r * max_blocks, t2, bs, C) + h * hs;
+    att[((size_t)r * NH + h) * T + t2] = canon_dot(q, 1, k, 1, hs) * scale;
+}
+
+static __global__ void attention_paged_softmax_kernel(float* att, const int* pos, int N, int T, int NH) {
+    int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);   // (r, h)
+    if (row >= N * NH) { return; }   // whole warps
+    det_causal_softmax_row(att + (size_t)row * T, pos[row / NH], T, threadIdx.x % 32);
+}
+
+static __global__ void attention_paged_values_kernel(float* out, const float* att, const float* kv, long block_stride,
+                                                     const int* tables, int max_blocks, const int* pos, int N, int T,
+                                                     int bs, int C, int NH) {
+    size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    int c = (int)(idx % C), r = (int)(idx / C);
+    if (r >= N) { return; }
+    int t = pos[r];
+    const float* a = att + ((size_t)r * NH + c / (C / NH)) * T;
+    const int* table = tables + (size_t)r * max_blocks;
+    out[(size_t)r * C + c] =
+        det_weighted_values(a, t, T, [=](long j) { return det_paged_key(kv, block_stride, table, (int)j, bs, C)[C + c]; });
+}
+
+// (inline, not static: kernels.h declares it extern; defined in every translation unit of this set)
+inline void attention_forward_paged(float* out, float* scratch, const float* qkv, const float* kv, long block_stride,
+                                    const int* tables, int max_blocks, const int* pos, int N, int T, int bs, int C,
+                                    int NH) {
+    size_t scores = (size_t)N * NH * T;
+    LAUNCH(attention_paged_scores_kernel, ceil_div_u(scores, 256), 256, scratch, qkv, kv, block_stride, tables,
+           max_blocks, pos, N, T, bs, C, NH, canon_rsqrtf((float)(C / NH)));
+    cudaLaunchCheck("attention_paged_scores_kernel");
+    LAUNCH(attention_paged_softmax_kernel, ceil_div_u((size_t)N * NH * 32, 256), 256, scratch, pos, N, T, NH);
+    cudaLaunchCheck("attention_paged_softmax_kernel");
+    LAUNCH(attention_paged_values_kernel, ceil_div_u((size_t)N * C, 256), 256, out, (const float*)scratch, kv,
+           block_stride, tables, max_blocks, pos, N, T, bs, C, NH);
+    cudaLaunchCheck("attention_paged_values_kernel");
 }
 
 // dqkv (B,T,3C) <- dout (B,T,C)

@@ -13,10 +13,12 @@
 
 #include <stddef.h>
 #include <stdlib.h>
+#include "llmc/memory.h"
 #include "llmc/utils.h"
 
 typedef struct {
     int num_blocks, block_size, L, C;
+    const MemOps* mem;   // where data lives: the model's memory (host, or the GPU's)
     float* data;      // (num_blocks, L, block_size, 2C)
     int* free_stack;  // the free blocks; the top is handed out next
     int num_free;
@@ -27,19 +29,20 @@ typedef struct {
     int n, cap;
 } BlockTable;
 
-static inline void paged_kv_init(PagedKV* kv, int num_blocks, int block_size, int L, int C) {
+static inline void paged_kv_init(PagedKV* kv, const MemOps* mem, int num_blocks, int block_size, int L, int C) {
+    kv->mem = mem;
     kv->num_blocks = num_blocks;
     kv->block_size = block_size;
     kv->L = L;
     kv->C = C;
-    kv->data = (float*)malloc_or_die(sizeof(float) * (size_t)num_blocks * L * block_size * 2 * C, "KV cache");
+    kv->data = mem_floats(mem, (size_t)num_blocks * L * block_size * 2 * C, "KV cache");
     kv->free_stack = (int*)malloc_or_die(sizeof(int) * (size_t)num_blocks, "KV cache free list");
     for (int i = 0; i < num_blocks; i++) { kv->free_stack[i] = num_blocks - 1 - i; }   // block 0 on top
     kv->num_free = num_blocks;
 }
 
 static inline void paged_kv_free(PagedKV* kv) {
-    free(kv->data);
+    kv->mem->release(kv->data);
     free(kv->free_stack);
 }
 

@@ -18,11 +18,13 @@
  * (attention_forward_paged) lays every request out over the same maxT positions, so its R2Z
  * chunks of keys are fixed by the position alone. A request's rows are therefore the rows of
  * the trainer's sampler's forward over (1, maxT), bit for bit: alone or batched, in any
- * arrival order, any prefill chunking, after a preemption. A mixture-of-experts layer keeps
- * this (serve_moe_forward): the router and its top-k choice are per row and the trainer's layer
- * has no capacity limit (moe.h: every slot reaches its expert), so nothing couples a row to the
- * other rows of its batch: not the serving batch, nor the padding positions after the prompt
- * in the sampler's (1, maxT) pass. Its draws come from its own
+ * arrival order, any prefill chunking, after a preemption. The layers are the trainer's own
+ * (train_gpt2.c layers_forward, through serve_model.c), run on the step's rows as sequences of
+ * one position with the engine's attention step (serve_attend); a mixture-of-experts
+ * layer keeps the promise too: the router and its top-k choice are per row and the trainer's
+ * layer has no capacity limit (moe.h: every slot reaches its expert), so nothing couples a row
+ * to the other rows of its batch: not the serving batch, nor the padding positions after the
+ * prompt in the sampler's (1, maxT) pass. Its draws come from its own
  * Sampler and xorshift state (seed), one coin per token as the trainer's sampler (engine.h),
  * which with -g maxT, --prompt and seed 1337 gives the same tokens.
  *
@@ -36,9 +38,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include "llmc/canonical.h"
+#include "llmc/comm.h"
 #include "llmc/kernels.h"
+#include "llmc/memory.h"
 #include "llmc/model.h"
-#include "llmc/moe.h"
 #include "llmc/paged_kv.h"
 #include "llmc/rand.h"
 #include "llmc/sampler.h"
@@ -80,10 +83,28 @@ typedef struct ServeRequest {
 // token id -> its bytes (a BPE table), for stop strings and text; NULL: no text
 typedef const uint8_t* (*ServeTokenText)(void* ctx, int token, size_t* len);
 
+// The model side of a step (serve_model.c: train_gpt2.c's model at one rank, which a program
+// includes with it): the model's parameters (without gradients or optimizer state),
+// activations for `rows` rows, each a sequence of one position (B = rows, T = 1: every kernel
+// but attention is per row), the layers' attention step `attend` (layer l's qkv (N,3C) -> atty
+// (N,C), C and NH this rank's); every tensor in mem.
+typedef struct ServeModel ServeModel;
+typedef void (*ServeAttend)(void* ctx, int l, const float* qkv, float* atty, int C, int NH);
+static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2Config* config, const float* params,
+                                      int rows, ServeAttend attend, void* ctx);
+static void serve_model_free(ServeModel* m);
+// N rows (host: their tokens and positions): the embeddings, then the layers
+static void serve_model_forward(ServeModel* m, const int* tokens, const int* pos, int N);
+// the head on M of the N rows (rows_dev, in mem): probabilities (M,Vp) into probs (host)
+static void serve_model_head(ServeModel* m, int N, const int* rows_dev, int M, float* probs);
+
 typedef struct ServeEngine {
     GPT2Config config;
-    const float* params;    // MEMORY order (model.h)
     int maxT, C, Vp, max_batch_tokens;
+    // the model (serve_model.c); the KV cache and the step's buffers below in its memory (mem:
+    // host, or the GPU's in serve_gpt2cu)
+    const MemOps* mem;
+    ServeModel* model;
     PagedKV kv;
     ServeRequest** running;   // admission order
     int num_running;
@@ -97,17 +118,19 @@ typedef struct ServeEngine {
     // finishes (token -1); both from serve_engine_step or serve_engine_cancel
     void (*on_event)(void* ctx, ServeRequest* r, int token);
     void* event_ctx;
-    // the forward's activations over at most max_batch_tokens rows
-    float *x, *ln, *mean, *rstd, *qkv, *atty, *proj, *x2, *fch, *fch_gelu, *att_scratch;
-    float *hx, *logits, *ce;
-    // a mixture-of-experts layer's routing over the step's rows (config.num_experts > 0; fch and
-    // fch_gelu then hold the k dispatch rows of each row)
-    float *moe_probs, *moe_gates, *moe_xin, *moe_ret;
-    int *moe_chosen, *moe_count, *moe_row_pos, *moe_slot_row, *moe_cursor;
-    int *row_tok, *row_pos, *head_rows;    // per row: token, position; the rows the head reads
-    const int** row_table;                  // per row: its request's block table
+    // the step on the host: per row its token, position, block table (row_tables (rows,
+    // max_blocks)); the rows the head reads; the runs of rows whose keys and values go to
+    // consecutive slots of one block (run_row, its first row; run_slot, where it goes in a layer's
+    // view of the cache; run_len, its rows)
+    int *row_tok, *row_pos, *row_tables, *head_rows, max_blocks;
+    int *run_row, *run_len, num_runs;
+    long* run_slot;
     ServeRequest** sched;                   // the step's requests, their last rows
     int *sched_last_row, num_sched, num_rows;
+    // ... and in mem: positions, tables and head rows as the kernels read them; attention's scratch
+    int *pos_dev, *tables_dev, *head_rows_dev;
+    float* att_scratch;
+    float* probs;                           // (rows,Vp) on the host: what the requests draw from
     // counters
     long long steps, rows_computed, tokens_generated, preemptions;
 } ServeEngine;
@@ -145,12 +168,17 @@ static inline void serve_request_free(ServeRequest* r) {
 
 static inline int serve_generated(const ServeRequest* r) { return r->len - r->num_prompt; }
 
-// kv_blocks must hold one request of maxT positions (a lone request never preempts itself).
-static inline void serve_engine_init(ServeEngine* e, const GPT2Config* config, const float* params, int kv_blocks,
-                                     int block_size, int max_batch_tokens, int max_requests) {
+static void serve_attend(void* ctx, int l, const float* qkv, float* atty, int C, int NH);
+
+// The engine on the model of `config` with the given parameters (MEMORY order, model.h, on the
+// host), its tensors in mem; comm: the process's (one rank). kv_blocks must hold one request of
+// maxT positions (a lone request never preempts itself).
+static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* mem, const GPT2Config* config,
+                                     const float* params, int kv_blocks, int block_size, int max_batch_tokens,
+                                     int max_requests) {
     memset(e, 0, sizeof(*e));
     e->config = *config;
-    e->params = params;
+    e->mem = mem;
     e->maxT = config->max_seq_len;
     e->C = config->channels;
     e->Vp = config->padded_vocab_size;
@@ -158,56 +186,40 @@ static inline void serve_engine_init(ServeEngine* e, const GPT2Config* config, c
     e->max_requests = max_requests;
     e->max_running = max_requests;
     e->batching = SERVE_INFLIGHT;
-    int C = e->C, N = max_batch_tokens;
+    int C = e->C, N = max_batch_tokens, NH = config->num_heads;
     if (max_batch_tokens < 1) { fatal("--max-batch-tokens %d: at least 1 row per step", max_batch_tokens); }
     if ((long)kv_blocks * block_size < e->maxT) {
         fatal("--kv-blocks %d of --block-size %d: %ld positions, less than one request of maxT = %d needs", kv_blocks,
               block_size, (long)kv_blocks * block_size, e->maxT);
     }
-    paged_kv_init(&e->kv, kv_blocks, block_size, config->num_layers, C);
+    e->model = serve_model_create(comm, mem, config, params, N, serve_attend, e);
+    paged_kv_init(&e->kv, mem, kv_blocks, block_size, config->num_layers, C);
+    e->max_blocks = paged_kv_blocks_for(&e->kv, e->maxT);
     e->running = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "running requests");
     e->waiting = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "waiting requests");
-    size_t rows = (size_t)N, E = (size_t)config->num_experts, slots = rows * (E > 0 ? (size_t)config->top_k : 1);
-    e->x = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
-    e->ln = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
-    e->mean = (float*)malloc_or_die(sizeof(float) * rows, "serve activations");
-    e->rstd = (float*)malloc_or_die(sizeof(float) * rows, "serve activations");
-    e->qkv = (float*)malloc_or_die(sizeof(float) * rows * 3 * C, "serve activations");
-    e->atty = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
-    e->proj = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
-    e->x2 = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
-    e->fch = (float*)malloc_or_die(sizeof(float) * slots * 4 * C, "serve activations");
-    e->fch_gelu = (float*)malloc_or_die(sizeof(float) * slots * 4 * C, "serve activations");
-    if (E > 0) {
-        e->moe_probs = (float*)malloc_or_die(sizeof(float) * rows * E, "serve routing");
-        e->moe_gates = (float*)malloc_or_die(sizeof(float) * slots, "serve routing");
-        e->moe_xin = (float*)malloc_or_die(sizeof(float) * slots * C, "serve expert rows");
-        e->moe_ret = (float*)malloc_or_die(sizeof(float) * slots * C, "serve expert rows");
-        e->moe_chosen = (int*)malloc_or_die(sizeof(int) * slots, "serve routing");
-        e->moe_count = (int*)malloc_or_die(sizeof(int) * E, "serve routing");
-        e->moe_row_pos = (int*)malloc_or_die(sizeof(int) * slots, "serve routing");
-        e->moe_slot_row = (int*)malloc_or_die(sizeof(int) * slots, "serve routing");
-        e->moe_cursor = (int*)malloc_or_die(sizeof(int) * E, "serve routing");
-    }
-    e->att_scratch = (float*)malloc_or_die(sizeof(float) * ((size_t)e->maxT * 3 * C + (size_t)config->num_heads * e->maxT),
-                                           "serve attention scratch");
-    e->hx = (float*)malloc_or_die(sizeof(float) * rows * C, "serve activations");
-    e->logits = (float*)malloc_or_die(sizeof(float) * rows * e->Vp, "serve logits");
-    e->ce = (float*)malloc_or_die(sizeof(float) * rows * 3, "serve activations");
-    e->row_tok = (int*)malloc_or_die(sizeof(int) * rows, "serve rows");
-    e->row_pos = (int*)malloc_or_die(sizeof(int) * rows, "serve rows");
     e->sched = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "serve step");
     e->sched_last_row = (int*)malloc_or_die(sizeof(int) * (size_t)max_requests, "serve step");
-    e->head_rows = (int*)malloc_or_die(sizeof(int) * rows, "serve rows");
-    e->row_table = (const int**)malloc_or_die(sizeof(int*) * rows, "serve rows");
+    size_t rows = (size_t)N;
+    e->row_tok = (int*)calloc_or_die(rows * (5 + (size_t)e->max_blocks), sizeof(int), "serve rows");
+    e->row_pos = e->row_tok + rows;
+    e->head_rows = e->row_pos + rows;
+    e->run_row = e->head_rows + rows;
+    e->run_len = e->run_row + rows;
+    e->row_tables = e->run_len + rows;
+    e->run_slot = (long*)malloc_or_die(sizeof(long) * rows, "serve rows");
+    e->pos_dev = (int*)mem->alloc(sizeof(int) * rows * (2 + (size_t)e->max_blocks), "serve rows");
+    e->head_rows_dev = e->pos_dev + rows;
+    e->tables_dev = e->head_rows_dev + rows;
+    e->att_scratch = mem_floats(mem, rows * NH * e->maxT + (size_t)e->maxT * 3 * C, "serve attention scratch");
+    e->probs = (float*)malloc_or_die(sizeof(float) * rows * e->Vp, "serve probabilities");
 }
 
 static inline void serve_engine_free(ServeEngine* e) {
     paged_kv_free(&e->kv);
-    void* bufs[] = {e->running, e->waiting, e->x, e->ln, e->mean, e->rstd, e->qkv, e->atty, e->proj, e->x2, e->fch,
-                    e->fch_gelu, e->att_scratch, e->hx, e->logits, e->ce, e->row_tok, e->row_pos, e->head_rows,
-                    (void*)e->row_table, e->sched, e->sched_last_row, e->moe_probs, e->moe_gates, e->moe_xin,
-                    e->moe_ret, e->moe_chosen, e->moe_count, e->moe_row_pos, e->moe_slot_row, e->moe_cursor};
+    serve_model_free(e->model);
+    e->mem->release(e->pos_dev);
+    e->mem->release(e->att_scratch);
+    void* bufs[] = {e->running, e->waiting, e->sched, e->sched_last_row, e->row_tok, e->run_slot, e->probs};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) { free(bufs[i]); }
 }
 
@@ -261,89 +273,42 @@ static inline void serve_preempt_latest(ServeEngine* e) {
     e->num_waiting++;
 }
 
-// A mixture-of-experts layer l in place of the MLP (llmc/moe.h THE LAYER; train_gpt2.c
-// moe_forward at one rank, kernel for kernel) on the step's N rows: e->ln (N,C) -> e->proj
-// (N,C). Each row's router logits, choice and gates are its own (per-row kernels), and every
-// slot reaches its expert (no capacity limit), so the dispatch order (rows sorted by expert,
-// moe_plan_routes with each row a sequence of one position) only places the rows: each
-// expert's matmuls reduce per row, and the combine sums a row's k outputs in ascending expert
-// index. A row's output is therefore the same bits in any batch, as in the sampler's pass.
-static inline void serve_moe_forward(ServeEngine* e, int l, int N) {
-    const GPT2Config* c = &e->config;
-    int C = e->C, C4 = 4 * C, E = c->num_experts, k = c->top_k;
-    const float* p = e->params;
-    matmul_forward(e->moe_probs, e->ln, p + param_offset(c, P_ROUTERW, l), NULL, N, C, E, CANON_R);
-    moe_router_forward(e->moe_probs, e->moe_chosen, e->moe_gates, e->moe_probs, N, E, k);
-    moe_plan_routes(e->moe_chosen, N, 1, k, E, e->moe_count, e->moe_row_pos, e->moe_slot_row, e->moe_cursor);
-    moe_gather_rows(e->moe_xin, e->ln, e->moe_row_pos, N * k, C);
-    // expert x's tensors: block x of the stacked fcw (E,4C,C), fcb (E,4C), fcprojw (E,C,4C), fcprojb (E,C)
-    const float *fcw = p + param_offset(c, P_FCW, l), *fcb = p + param_offset(c, P_FCB, l);
-    const float *fcprojw = p + param_offset(c, P_FCPROJW, l), *fcprojb = p + param_offset(c, P_FCPROJB, l);
-    for (int x = 0, r0 = 0; x < E; r0 += e->moe_count[x], x++) {
-        int n = e->moe_count[x];
-        if (n == 0) { continue; }
-        float *fch = e->fch + (size_t)r0 * C4, *gelu = e->fch_gelu + (size_t)r0 * C4, *y = e->moe_ret + (size_t)r0 * C;
-        matmul_forward(fch, e->moe_xin + (size_t)r0 * C, fcw + (size_t)x * C4 * C, fcb + (size_t)x * C4, n, C, C4, CANON_R);
-        gelu_forward(gelu, fch, (size_t)n * C4);
-        matmul_forward(y, gelu, fcprojw + (size_t)x * C * C4, NULL, n, C4, C, CANON_R);
-        bias_forward(y, fcprojb + (size_t)x * C, n, C);
+// Layer l's attention step (Activations.attend) on the step's N rows, qkv (N,3C) -> atty
+// (N,C): the new keys and values into their cache slots (a run of a request's rows at a time),
+// then each row against its request's keys (attention_forward_paged).
+static void serve_attend(void* ctx, int l, const float* qkv, float* atty, int C, int NH) {
+    ServeEngine* e = (ServeEngine*)ctx;
+    float* kv = paged_kv_layer(&e->kv, l);
+    for (int i = 0; i < e->num_runs; i++) {
+        copy_rows(kv + e->run_slot[i], 2 * C, qkv + (size_t)e->run_row[i] * 3 * C + C, 3 * C, e->run_len[i], 2 * C);
     }
-    moe_combine(e->proj, e->moe_ret, e->moe_gates, e->moe_slot_row, N, k, C);
+    attention_forward_paged(atty, e->att_scratch, qkv, kv, paged_kv_block_stride(&e->kv), e->tables_dev,
+                            e->max_blocks, e->pos_dev, e->num_rows, e->maxT, e->kv.block_size, C, NH);
 }
 
-// The forward over the step's N rows: x (N,C) -> each layer -> the final residual in e->x.
-// The layer is the trainer's (train_gpt2.c layers_forward at one rank), kernel for kernel; the
-// new keys and values go into their cache slots before attention reads them.
+// The forward over the step's N rows (the model's embeddings and layers, its attention
+// serve_attend), and the head on the last row of every request that caught up.
 static inline void serve_forward(ServeEngine* e, int N) {
-    const GPT2Config* c = &e->config;
-    int C = e->C, L = c->num_layers, NH = c->num_heads, bs = e->kv.block_size;
-    const float* p = e->params;
-    encoder_lookup(e->x, e->row_tok, p + param_offset(c, P_WTE, 0), 0, e->Vp, N, C);
-    const float* wpe = p + param_offset(c, P_WPE, 0);
-    for (int r = 0; r < N; r++) { encoder_add_positions(e->x + (size_t)r * C, wpe + (size_t)e->row_pos[r] * C, 1, 1, C); }
+    const MemOps* mem = e->mem;
+    int C = e->C, bs = e->kv.block_size;
+    mem->from_host(e->pos_dev, e->row_pos, sizeof(int) * (size_t)N);
+    mem->from_host(e->tables_dev, e->row_tables, sizeof(int) * (size_t)N * e->max_blocks);
+    // where each run of rows writes its keys and values: consecutive positions of one block
+    e->num_runs = 0;
     long block_stride = paged_kv_block_stride(&e->kv);
-    for (int l = 0; l < L; l++) {
-#define W(t) (p + param_offset(c, t, l))
-        layernorm_forward(e->ln, e->mean, e->rstd, e->x, W(P_LN1W), W(P_LN1B), N, C);
-        matmul_forward(e->qkv, e->ln, W(P_QKVW), W(P_QKVB), N, C, 3 * C, CANON_R);
-        float* kv = paged_kv_layer(&e->kv, l);
-        for (int r = 0; r < N; r++) {
-            int pos = e->row_pos[r];
-            float* slot = kv + e->row_table[r][pos / bs] * block_stride + (size_t)(pos % bs) * 2 * C;
-            memcpy(slot, e->qkv + (size_t)r * 3 * C + C, sizeof(float) * 2 * C);
-        }
-        attention_forward_paged(e->atty, e->att_scratch, e->qkv, kv, block_stride, e->row_table, e->row_pos, N, e->maxT,
-                                bs, C, NH);
-        matmul_forward(e->proj, e->atty, W(P_ATTPROJW), NULL, N, C, C, CANON_R);
-        bias_forward(e->proj, W(P_ATTPROJB), N, C);
-        residual_forward(e->x2, e->x, e->proj, (size_t)N * C);
-        layernorm_forward(e->ln, e->mean, e->rstd, e->x2, W(P_LN2W), W(P_LN2B), N, C);
-        if (c->num_experts > 0) {
-            serve_moe_forward(e, l, N);
+    for (int r = 0, i = -1; r < N; r++) {   // (a block belongs to one request)
+        int p = e->row_pos[r];
+        long slot = e->row_tables[(size_t)r * e->max_blocks + p / bs] * block_stride + (long)(p % bs) * 2 * C;
+        if (i >= 0 && p % bs != 0 && slot == e->run_slot[i] + (long)e->run_len[i] * 2 * C) {
+            e->run_len[i]++;
         } else {
-            matmul_forward(e->fch, e->ln, W(P_FCW), W(P_FCB), N, C, 4 * C, CANON_R);
-            gelu_forward(e->fch_gelu, e->fch, (size_t)N * 4 * C);
-            matmul_forward(e->proj, e->fch_gelu, W(P_FCPROJW), NULL, N, 4 * C, C, CANON_R);
-            bias_forward(e->proj, W(P_FCPROJB), N, C);
+            i = e->num_runs++;
+            e->run_row[i] = r;
+            e->run_len[i] = 1;
+            e->run_slot[i] = slot;
         }
-        residual_forward(e->x, e->x2, e->proj, (size_t)N * C);
-#undef W
     }
-}
-
-// The head on M of the rows (head_rows): probabilities (M,Vp) in e->logits, as the trainer's
-// head_forward computes them (final layernorm, logits against wte, softmax).
-static inline void serve_head(ServeEngine* e, int M) {
-    const GPT2Config* c = &e->config;
-    int C = e->C, V = c->vocab_size, Vp = e->Vp;
-    for (int i = 0; i < M; i++) { memcpy(e->hx + (size_t)i * C, e->x + (size_t)e->head_rows[i] * C, sizeof(float) * C); }
-    const float* lnf = e->params + param_offset(c, P_LNFW, 0);
-    layernorm_forward(e->ln, e->mean, e->rstd, e->hx, lnf, e->params + param_offset(c, P_LNFB, 0), M, C);
-    matmul_forward(e->logits, e->ln, e->params + param_offset(c, P_WTE, 0), NULL, M, C, Vp, CANON_R);
-    float *maxes = e->ce, *zs = e->ce + M, *target_logits = e->ce + 2 * M;
-    crossentropy_max(maxes, e->logits, M, V, 0, Vp);
-    crossentropy_exps(zs, target_logits, e->logits, maxes, NULL, M, V, 0, Vp, CANON_R);
-    crossentropy_normalize(e->logits, NULL, zs, target_logits, maxes, NULL, M, V, 0, Vp);
+    serve_model_forward(e->model, e->row_tok, e->row_pos, N);
 }
 
 // The token's bytes appended to the request's text; a stop string found in it ends the text
@@ -366,7 +331,7 @@ static inline int serve_append_text(ServeEngine* e, ServeRequest* r, int token) 
         size_t sl = strlen(r->stop[i]);
         if (sl == 0) { continue; }
         size_t from = old + 1 > sl ? old + 1 - sl : 0;   // a match must end in the new bytes
-        char* hit = memmem(r->text + from, r->text_len - from, r->stop[i], sl);
+        char* hit = (char*)memmem(r->text + from, r->text_len - from, r->stop[i], sl);
         if (hit) {
             r->text_len = (size_t)(hit - r->text);
             r->text[r->text_len] = '\0';
@@ -405,7 +370,7 @@ static inline void serve_schedule(ServeEngine* e, ServeRequest* r, int n, int* r
     for (int p = r->computed; p < r->computed + n; p++) {
         e->row_tok[*rows] = r->tokens[p];
         e->row_pos[*rows] = p;
-        e->row_table[*rows] = r->table.blocks;
+        memcpy(e->row_tables + (size_t)*rows * e->max_blocks, r->table.blocks, sizeof(int) * (size_t)r->table.n);
         (*rows)++;
     }
     e->sched_last_row[s] = *rows - 1;
@@ -465,7 +430,10 @@ static inline void serve_engine_forward(ServeEngine* e) {
         ServeRequest* r = e->sched[s];
         if (e->row_pos[e->sched_last_row[s]] + 1 == r->len) { e->head_rows[M++] = e->sched_last_row[s]; }
     }
-    if (M > 0) { serve_head(e, M); }
+    if (M > 0) {
+        e->mem->from_host(e->head_rows_dev, e->head_rows, sizeof(int) * (size_t)M);
+        serve_model_head(e->model, e->num_rows, e->head_rows_dev, M, e->probs);
+    }
 }
 
 // 3. Each request that caught up draws its next token; the finished ones leave.
@@ -475,7 +443,7 @@ static inline void serve_engine_finish_step(ServeEngine* e) {
         ServeRequest* r = e->sched[s];
         r->computed = e->row_pos[e->sched_last_row[s]] + 1;
         if (r->computed != r->len) { continue; }
-        const char* reason = serve_draw(e, r, e->logits + (size_t)m++ * e->Vp);
+        const char* reason = serve_draw(e, r, e->probs + (size_t)m++ * e->Vp);
         if (reason) {
             for (int i = 0; i < e->num_running; i++) {
                 if (e->running[i] == r) { serve_remove_at(e->running, &e->num_running, i); }

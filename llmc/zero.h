@@ -416,6 +416,7 @@ static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem,
         }
     }
     free(unit);
+    if (M == 0) { return; }   // no microbatches: inference (serve_engine.h), parameters only
     z->opt_len = stage == 0 ? z->lay.local_params : z->lay.shard_params;
     z->m = zero_alloc(z, z->opt_len, "AdamW m");
     z->v = zero_alloc(z, z->opt_len, "AdamW v");

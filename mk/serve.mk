@@ -1,5 +1,6 @@
 # Serving (issue 26): serve_gpt2, an OpenAI-compatible server (serve_gpt2.c) on the serving
-# engine (llmc/serve_engine.h, llmc/paged_kv.h; the request parser llmc/serve_request.h).
+# engine (llmc/serve_engine.h, llmc/paged_kv.h, its model side serve_model.c; the request parser
+# llmc/serve_request.h).
 #
 #   make serve_gpt2     the server (needs libmicrohttpd and cJSON: Debian libmicrohttpd-dev,
 #                       libcjson-dev; without them `make` says so in one line and skips it)
@@ -11,7 +12,7 @@
 TEST_BINS += build/test_serve_engine
 TESTS     += build/test_serve_engine
 
-build/test_serve_engine: dev/test/test_serve_engine.c train_gpt2.c $(LLMC_HEADERS) | build
+build/test_serve_engine: dev/test/test_serve_engine.c train_gpt2.c serve_model.c $(LLMC_HEADERS) | build
 	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
 
 SERVE_LIBS := -lmicrohttpd -lcjson -lpthread
@@ -31,8 +32,31 @@ endif
 serve_gpt2_skipped:
 	@echo "note: libmicrohttpd or cJSON not found (Debian: libmicrohttpd-dev libcjson-dev): skipping serve_gpt2"
 
-serve_gpt2: serve_gpt2.c train_gpt2.c $(LLMC_HEADERS)
+serve_gpt2: serve_gpt2.c train_gpt2.c serve_model.c $(LLMC_HEADERS)
 	$(CC) $(CFLAGS) -Wno-unused-function -o $@ $< $(LDLIBS) $(SERVE_LIBS)
+
+# serve_gpt2cu, the CUDA build's server (serve_gpt2.cu: serve_gpt2.c on the deterministic device
+# kernels, its tensors in device memory), and its emulated twin (mk/cuda.mk's emulator, no GPU);
+# dev/test/test_serve_cu.sh checks the emulated one's tokens against serve_gpt2's. (C++ warns
+# about C's {0} initializers, which serve_gpt2.c uses.)
+SERVE_CU_FLAGS := -Wno-missing-field-initializers
+SERVE_CU_DEPS := serve_gpt2.cu serve_gpt2.c train_gpt2.c serve_model.c $(LLMC_HEADERS) $(CUDA_HEADERS)
+serve_gpt2cu_emu: $(SERVE_CU_DEPS) build/cuda_emu.o $(EMU_FILES)
+	$(CXX) $(EMU_TEST_FLAGS) $(SERVE_CU_FLAGS) -x c++ serve_gpt2.cu -x none build/cuda_emu.o -o $@ -lm $(SERVE_LIBS)
+ifeq ($(HAVE_SERVE_LIBS),1)
+TEST_BINS += serve_gpt2cu_emu
+TESTS     += dev/test/test_serve_cu.sh
+ifeq ($(HAVE_CUDA),1)
+all: serve_gpt2cu
+endif
+endif
+ifeq ($(HAVE_CUDA),1)
+serve_gpt2cu: $(SERVE_CU_DEPS)
+	$(NVCC) $(NVCC_FLAGS) $(NVCC_DET_FLAGS) -Xcompiler -Wno-unused-function,$(SERVE_CU_FLAGS) -o $@ serve_gpt2.cu $(SERVE_LIBS)
+else
+serve_gpt2cu:
+	@echo "error: $@ needs CUDA: nvcc under CUDA_HOME=$(CUDA_HOME) (or pass NVCC=...)"; exit 1
+endif
 
 # the quick start's checkpoint: the latest a run of `make train` wrote, else the GPT-2 124M
 # weights it fine-tuned
@@ -72,4 +96,4 @@ bench-serve: serve_gpt2 build/serve_load
 .PHONY: clean-serve
 clean: clean-serve
 clean-serve:
-	rm -f serve_gpt2
+	rm -f serve_gpt2 serve_gpt2cu serve_gpt2cu_emu

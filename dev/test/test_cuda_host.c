@@ -489,6 +489,75 @@ static void test_attention(void) {
     }
 }
 
+// Serving's paged attention (train_gpt2.c attention_forward_paged): a few sequences laid out
+// over T positions, their keys and values in blocks of bs positions dealt in a shuffled order,
+// and N query rows of them in a shuffled order, each at its own position. Reference: row p of
+// attention_forward over that one sequence (1,T), the trainer's whole pass.
+typedef struct {
+    int T, C, NH, bs, N, max_blocks;
+    float *qkv_rows, *kv, *want;   // (N,3C) queries; the cache (blocks,bs,2C); (N,C) the pass's rows
+    int *tables, *pos;             // (N,max_blocks), (N)
+    long block_stride;
+} PagedCase;
+
+static PagedCase paged_case(int S, int T, int C, int NH, int bs) {
+    PagedCase k = {T, C, NH, bs, 0, (T + bs - 1) / bs, NULL, NULL, NULL, NULL, NULL, (long)bs * 2 * C};
+    int nblocks = S * k.max_blocks, *order = (int*)malloc(sizeof(int) * nblocks);
+    for (int i = 0; i < nblocks; i++) { order[i] = i; }
+    for (int i = nblocks - 1; i > 0; i--) {
+        int j = (int)(random_u32(&rng_state) % (uint32_t)(i + 1)), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    k.kv = rand_buf((size_t)nblocks * k.block_stride);
+    k.N = S * T;
+    k.qkv_rows = zero_buf((size_t)k.N * 3 * C);
+    k.want = zero_buf((size_t)k.N * C);
+    k.tables = (int*)malloc(sizeof(int) * (size_t)k.N * k.max_blocks);
+    k.pos = (int*)malloc(sizeof(int) * (size_t)k.N);
+    float *out = zero_buf((size_t)T * C), *att = zero_buf((size_t)NH * T * T);
+    for (int q = 0; q < S; q++) {
+        float* qkv = rand_buf((size_t)T * 3 * C);   // sequence q's pass; its k, v into its blocks
+        const int* blocks = order + q * k.max_blocks;
+        for (int p = 0; p < T; p++) {
+            memcpy(k.kv + blocks[p / bs] * k.block_stride + (size_t)(p % bs) * 2 * C, qkv + (size_t)p * 3 * C + C,
+                   sizeof(float) * 2 * C);
+        }
+        attention_forward(out, att, qkv, 1, T, C, NH);
+        for (int p = 0; p < T; p++) {   // row (q, p) goes to a scattered place among the N
+            int r = (int)(((size_t)q * T + p) * 7919 % (size_t)k.N);
+            memcpy(k.qkv_rows + (size_t)r * 3 * C, qkv + (size_t)p * 3 * C, sizeof(float) * 3 * C);
+            memcpy(k.want + (size_t)r * C, out + (size_t)p * C, sizeof(float) * C);
+            memcpy(k.tables + (size_t)r * k.max_blocks, blocks, sizeof(int) * k.max_blocks);
+            k.pos[r] = p;
+        }
+        free(qkv);
+    }
+    free(out); free(att); free(order);
+    return k;
+}
+
+static void paged_case_free(PagedCase* k) {
+    free(k->qkv_rows); free(k->kv); free(k->want); free(k->tables); free(k->pos);
+}
+
+static const int paged_shapes[][5] = {{1, 1, 8, 2, 16}, {3, 9, 24, 3, 4}, {2, 40, 16, 2, 3}, {2, 131, 32, 2, 16}};   // S T C NH bs
+
+static void test_attention_paged(void) {
+    for (size_t s = 0; s < sizeof(paged_shapes) / sizeof(paged_shapes[0]); s++) {
+        const int* sh = paged_shapes[s];
+        PagedCase k = paged_case(sh[0], sh[1], sh[2], sh[3], sh[4]);
+        float *out = zero_buf((size_t)k.N * k.C), *scratch = zero_buf((size_t)k.N * k.NH * k.T + (size_t)k.T * 3 * k.C);
+        attention_forward_paged(out, scratch, k.qkv_rows, k.kv, k.block_stride, k.tables, k.max_blocks, k.pos, k.N,
+                                k.T, k.bs, k.C, k.NH);
+        char what[96];
+        snprintf(what, sizeof(what), "attention_forward_paged S=%d T=%d C=%d NH=%d bs=%d", sh[0], sh[1], sh[2], sh[3], sh[4]);
+        expect_same(what, out, k.want, (size_t)k.N * k.C);
+        free(out); free(scratch);
+        paged_case_free(&k);
+    }
+}
+
 // Context parallelism's attention blocks (train_gpt2.c attention_*_block): rank r's queries
 // against block s's keys and values. The products as det_gemm computes them (the ZZ causal
 // variants of gpu_plan.h), the softmax rows as the lanes of attention_softmax_blocks_kernel
@@ -1589,6 +1658,27 @@ static void test_device_moe(int B, int T, int E, int k, int C, int Q) {
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) { free(host[i]); }
 }
 
+// serving's paged attention on the device: the same rows as the whole pass's
+static void test_device_attention_paged(void) {
+    for (size_t s = 0; s < sizeof(paged_shapes) / sizeof(paged_shapes[0]); s++) {
+        const int* sh = paged_shapes[s];
+        PagedCase k = paged_case(sh[0], sh[1], sh[2], sh[3], sh[4]);
+        size_t nblocks = (size_t)sh[0] * k.max_blocks;
+        float *d_q = dev_floats(k.qkv_rows, (size_t)k.N * 3 * k.C), *d_kv = dev_floats(k.kv, nblocks * k.block_stride);
+        float *d_out = (float*)dev_alloc((size_t)k.N * k.C * 4);
+        float* d_scratch = (float*)dev_alloc(((size_t)k.N * k.NH * k.T + (size_t)k.T * 3 * k.C) * 4);
+        int *d_tables = dev_ints(k.tables, (size_t)k.N * k.max_blocks), *d_pos = dev_ints(k.pos, (size_t)k.N);
+        gpu::attention_forward_paged(d_out, d_scratch, d_q, d_kv, k.block_stride, d_tables, k.max_blocks, d_pos, k.N,
+                                     k.T, k.bs, k.C, k.NH);
+        char what[96];
+        snprintf(what, sizeof(what), "device attention_forward_paged S=%d T=%d C=%d NH=%d bs=%d", sh[0], sh[1], sh[2],
+                 sh[3], sh[4]);
+        expect_device(what, d_out, k.want, (size_t)k.N * k.C);
+        cudaFree(d_q); cudaFree(d_kv); cudaFree(d_out); cudaFree(d_scratch); cudaFree(d_tables); cudaFree(d_pos);
+        paged_case_free(&k);
+    }
+}
+
 static void test_device(void) {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
@@ -1601,6 +1691,7 @@ static void test_device(void) {
     printf("device checks on %s\n", prop.name);
     int before = failures;
     test_device_det();
+    test_device_attention_paged();
     test_device_moe(2, 5, 4, 2, 7, 2);
     test_device_moe(3, 16, 8, 1, 32, 4);
     test_device_moe(1, 9, 3, 3, 20, 1);
@@ -1617,6 +1708,7 @@ int main(void) {
     test_matmul();
     test_layernorm();
     test_attention();
+    test_attention_paged();
     test_attention_blocks();
     test_crossentropy();
     test_position_reductions();

@@ -19,18 +19,7 @@
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
-D=${LLMC_SHARED_DATA:-../shared/data}/gpt2   # override with LLMC_SHARED_DATA
-J=build/serve_json
-W=$(mktemp -d /tmp/llmc_serve_test.XXXXXX)
-SERVER_PID=
-cleanup() {
-  if [ -n "$SERVER_PID" ]; then kill -9 "$SERVER_PID" 2>/dev/null; fi
-  rm -rf "$W"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*"; [ -f "$W/server.out" ] && tail -5 "$W/server.out"; exit 1; }
-pass() { echo "ok   $* (${SECONDS}s)"; }
-export OMP_NUM_THREADS=1   # the engine's kernels on one core each: the same bits, less contention here
+. dev/test/serve_lib.sh   # D, J, W, fail, pass; start_server, stop_server
 
 if [ -x build/fuzz/fuzz_serve_request ]; then
   build/fuzz/fuzz_serve_request dev/fuzz/seeds_serve_request/* >"$W/fuzz.out" 2>&1 ||
@@ -44,25 +33,6 @@ fi
   -o "$W/ck" >"$W/train.out" 2>&1 || fail "could not train the test checkpoint: $(tail -3 "$W/train.out")"
 CK=$W/ck/model_00000010.bin
 
-start_server() {   # flags...: URL and SERVER_PID of a fresh server
-  ./serve_gpt2 -e "$CK" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "$@" >"$W/server.out" 2>&1 &
-  SERVER_PID=$!
-  local port=
-  for _ in $(seq 200); do
-    port=$(grep -o 'http://127.0.0.1:[0-9]*' "$W/server.out" | sed 's/.*://')
-    [ -n "$port" ] && break
-    sleep 0.05
-  done
-  [ -n "$port" ] || fail "the server did not start: $(cat "$W/server.out")"
-  URL=http://127.0.0.1:$port
-}
-stop_server() {
-  kill -TERM "$SERVER_PID"
-  wait "$SERVER_PID"
-  local rc=$?
-  SERVER_PID=
-  return $rc
-}
 post() {   # NAME PATH BODY: the answer in $W/NAME.json; prints the HTTP status
   curl -s -o "$W/$1.json" -w '%{http_code}' -H 'Content-Type: application/json' -H 'Authorization: Bearer sk-test' \
     "$URL$2" --data-binary "$3"

@@ -23,6 +23,7 @@
 #include "train_gpt2.c"
 #include "llmc/gpt2_init.h"
 #include "llmc/serve_engine.h"
+#include "serve_model.c"   // the engine's model side: train_gpt2.c's model on a step's rows
 
 static int failures = 0;
 #define CHECK(cond, ...) do { if (!(cond)) { failures++; printf("FAIL: " __VA_ARGS__); printf("\n"); } } while (0)
@@ -82,11 +83,11 @@ static int same_tokens(const ServeRequest* r, const Case* k) {
 
 // Runs the cases through one engine; case i arrives at step arrive[i] (in that order when
 // several share a step). Returns how many requests were preempted at least once.
-static int run_batched(const GPT2Config* c, const float* params, Case* cases, const int* order, const int* arrive,
+static int run_batched(Comm* comm, const GPT2Config* c, const float* params, Case* cases, const int* order, const int* arrive,
                        int kv_blocks, int block_size, int max_batch_tokens, ServeBatching batching, int max_running,
                        const char* name) {
     ServeEngine e;
-    serve_engine_init(&e, c, params, kv_blocks, block_size, max_batch_tokens, NCASES);
+    serve_engine_init(&e, comm, &memory_host, c, params, kv_blocks, block_size, max_batch_tokens, NCASES);
     e.batching = batching;
     if (max_running > 0) { e.max_running = max_running; }
     ServeRequest reqs[NCASES];
@@ -160,7 +161,7 @@ static void check_engine(Comm* comm, GPT2Config c, const char* model_name) {
     int alone_bad = 0;
     for (int i = 0; i < NCASES; i++) {
         ServeEngine e;
-        serve_engine_init(&e, &c, params, 16, 16, 8, 1);
+        serve_engine_init(&e, comm, &memory_host, &c, params, 16, 16, 8, 1);
         ServeRequest r;
         request_from_case(&r, &cases[i], c.vocab_size);
         serve_engine_submit(&e, &r);
@@ -184,19 +185,19 @@ static void check_engine(Comm* comm, GPT2Config c, const char* model_name) {
             if (arrive[order[j]] < arrive[order[i]]) { int t = order[i]; order[i] = order[j]; order[j] = t; }
         }
     }
-    int p1 = run_batched(&c, params, cases, order, arrive, 10, 16, 16, SERVE_INFLIGHT, 0, "batched, 10 blocks of 16, chunks of 16");
+    int p1 = run_batched(comm, &c, params, cases, order, arrive, 10, 16, 16, SERVE_INFLIGHT, 0, "batched, 10 blocks of 16, chunks of 16");
     CHECK(p1 > 0, "the small cache preempted nobody: the test does not reach preemption");
     int reversed[NCASES], same_step[NCASES];
     for (int i = 0; i < NCASES; i++) {
         reversed[i] = order[NCASES - 1 - i];
         same_step[i] = 0;
     }
-    run_batched(&c, params, cases, reversed, same_step, 40, 4, 5, SERVE_INFLIGHT, 0, "all at once reversed, 40 blocks of 4, chunks of 5");
-    run_batched(&c, params, cases, order, arrive, 256, 16, 256, SERVE_INFLIGHT, 0, "batched, room for all, one chunk");
+    run_batched(comm, &c, params, cases, reversed, same_step, 40, 4, 5, SERVE_INFLIGHT, 0, "all at once reversed, 40 blocks of 4, chunks of 5");
+    run_batched(comm, &c, params, cases, order, arrive, 256, 16, 256, SERVE_INFLIGHT, 0, "batched, room for all, one chunk");
     // the schedules make bench-serve compares in-flight batching with: the same bits
-    run_batched(&c, params, cases, order, arrive, 10, 16, 16, SERVE_STATIC, 0, "static batches, 10 blocks of 16");
-    run_batched(&c, params, cases, order, arrive, 256, 16, 256, SERVE_STATIC, 4, "static batches of 4");
-    run_batched(&c, params, cases, order, arrive, 256, 16, 7, SERVE_INFLIGHT, 1, "one at a time, chunks of 7");
+    run_batched(comm, &c, params, cases, order, arrive, 10, 16, 16, SERVE_STATIC, 0, "static batches, 10 blocks of 16");
+    run_batched(comm, &c, params, cases, order, arrive, 256, 16, 256, SERVE_STATIC, 4, "static batches of 4");
+    run_batched(comm, &c, params, cases, order, arrive, 256, 16, 7, SERVE_INFLIGHT, 1, "one at a time, chunks of 7");
 
     // 3. a stop string: the letters the sampler's tokens spell, cut before the first match
     {
@@ -209,7 +210,7 @@ static void check_engine(Comm* comm, GPT2Config c, const char* model_name) {
         want[n] = 0;
         *strstr(want, stop) = 0;
         ServeEngine e;
-        serve_engine_init(&e, &c, params, 16, 16, 16, 1);
+        serve_engine_init(&e, comm, &memory_host, &c, params, 16, 16, 16, 1);
         e.token_text = letter_text;
         ServeRequest r;
         request_from_case(&r, k, c.vocab_size);
@@ -228,7 +229,7 @@ static void check_engine(Comm* comm, GPT2Config c, const char* model_name) {
     // 4. a request cancelled midway: its blocks come back, the others keep their tokens
     {
         ServeEngine e;
-        serve_engine_init(&e, &c, params, 32, 8, 16, NCASES);
+        serve_engine_init(&e, comm, &memory_host, &c, params, 32, 8, 16, NCASES);
         ServeRequest reqs[4];
         for (int i = 0; i < 4; i++) {
             request_from_case(&reqs[i], &cases[i], c.vocab_size);

@@ -1,0 +1,34 @@
+/*
+ * serve_gpt2.cu: serve_gpt2cu, the OpenAI-compatible server on an NVIDIA GPU, the CUDA build of
+ * serve_gpt2.c as train_gpt2.cu is train_gpt2.c's: the same server and engine (llmc/serve_engine.h)
+ * on the deterministic device kernels of llmc/kernels_det.cuh and kernels_moe_det.cuh (the
+ * device set of the kernel contract, llmc/kernels.h, attention_forward_paged included), with the
+ * parameters, activations, KV cache and the step's buffers in device memory (memory_device). Every
+ * kernel computes its outputs with the CPU set's sequence of floating-point operations, so a
+ * request's tokens are serve_gpt2's, bit for bit (dev/test/test_serve_cu.sh checks it on the
+ * emulated GPU: `make serve_gpt2cu_emu`). Deterministic mode only: fast mode's bf16 kernels have
+ * no paged attention.
+ */
+#include "llmc/kernels_moe_det.cuh"   // the kernel contract's device set (with kernels_det.cuh)
+
+// The GPU (device 0), or one clear line saying why there is none (train_gpt2cu's select_device)
+static void serve_select_device(void) {
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess || count == 0) {
+        fatal("no CUDA GPU available (%s): serve_gpt2cu needs an NVIDIA GPU and its driver; serve_gpt2 serves on the "
+              "CPU", err != cudaSuccess ? cudaGetErrorString(err) : "no device");
+    }
+    cudaDeviceProp prop;
+    cudaCheck(cudaSetDevice(0));
+    cudaCheck(cudaGetDeviceProperties(&prop, 0));
+    if (prop.major < 8) {
+        fatal("GPU '%s' has compute capability %d.%d; serve_gpt2cu needs 8.0 or newer (Ampere, Hopper)", prop.name,
+              prop.major, prop.minor);
+    }
+}
+
+#define LLMC_DEVICE_KERNELS
+#define SERVE_MEMORY (&memory_device)
+#define SERVE_SELECT_DEVICE() serve_select_device()
+#include "serve_gpt2.c"

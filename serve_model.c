@@ -1,0 +1,83 @@
+/*
+ * serve_model.c: the serving engine's model side (llmc/serve_engine.h's serve_model_*): the
+ * trainer's model (train_gpt2.c, included before this file) at one rank, on the rows of a step.
+ * Included by serve_gpt2.c (and so serve_gpt2.cu) and test_serve_engine.c after train_gpt2.c;
+ * the engine header itself knows the model only by these four functions, so it needs none of
+ * train_gpt2.c's types.
+ *
+ * A step's N rows are N sequences of one position (B = N, T = 1): the embeddings add each
+ * row's own position, the layers are train_gpt2.c's layers_forward with the engine's attention
+ * step (Activations.attend) in place of the trainer's, and the head runs on the rows the engine
+ * asks for, as head_forward computes them (final layernorm, logits against wte, softmax). The
+ * tensor-parallel operators stand where the trainer has them (identities at one rank).
+ */
+struct ServeModel {
+    Zero zero;          // the parameters (zero.h at one rank, M = 0: no gradients or AdamW state)
+    GPT2 model;
+    Activations acts;   // for `rows` rows; the head's (lnf .. ce) serve the head's rows
+    float* head_in;     // (rows,C) the rows the head reads, gathered
+};
+
+static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2Config* config, const float* params,
+                                      int rows, ServeAttend attend, void* ctx) {
+    ServeModel* m = (ServeModel*)calloc_or_die(1, sizeof(ServeModel), "serving model");
+    ChunkPlace place = {0, config->num_layers, 1, 1, 0};
+    zero_init(&m->zero, config, mem, 0, &comm->dp_group, &comm->pp_group, &comm->tp_group, &place, 1, 0, params, 0);
+    gpt2_init(&m->model, config, &place, &m->zero, &comm->tp_group, &comm->cp_group, 0, 0, rows, 1);
+    activations_alloc(&m->acts, &m->model, rows, 1, 1, 0, 0);   // recompute 1: one layer's GELU output
+    m->acts.attend = attend;
+    m->acts.attend_ctx = ctx;
+    m->head_in = mem_floats(mem, (size_t)rows * config->channels, "serving head rows");
+    return m;
+}
+
+static void serve_model_free(ServeModel* m) {
+    m->model.mem->release(m->head_in);
+    activations_free(&m->model, &m->acts);
+    gpt2_free(&m->model);
+    zero_free(&m->zero);
+    free(m);
+}
+
+static void serve_model_forward(ServeModel* m, const int* tokens, const int* pos, int N) {
+    GPT2* model = &m->model;
+    Activations* a = &m->acts;
+    Zero* z = &m->zero;
+    int C = model->config.channels;
+    model->mem->from_host(a->inputs, tokens, sizeof(int) * (size_t)N);
+    const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
+    encoder_lookup(a->encoded, a->inputs, wte, model->v0, model->Vl, N, C);
+    zero_params_release(z, ZERO_WTE);
+    // the vocab-parallel lookup summed over the tp group (embed_forward)
+    tp_vocab_embedding_reduce(model->tp, a->encoded, (size_t)N * C);
+    const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(0));
+    for (int r0 = 0, r = 1; r <= N; r++) {   // wpe added to each run of rows at consecutive positions
+        if (r < N && pos[r] == pos[r - 1] + 1) { continue; }
+        encoder_add_positions(a->encoded + (size_t)r0 * C, wpe + (size_t)pos[r0] * C, 1, r - r0, C);
+        r0 = r;
+    }
+    zero_params_release(z, ZERO_WPE);
+    layers_forward(model, a, N, 1, 0, 1);
+}
+
+static void serve_model_head(ServeModel* m, int N, const int* rows_dev, int M, float* probs) {
+    GPT2* model = &m->model;
+    Activations* a = &m->acts;
+    Zero* z = &m->zero;
+    int C = model->config.channels, V = model->config.vocab_size, Vl = model->Vl, v0 = model->v0;
+    int LNF = z->lay.num_units - 1;
+    moe_gather_rows(m->head_in, stage_output(a, &model->config, N, 1), rows_dev, M, C);
+    const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
+    layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, m->head_in, lnf, lnf + C, M, C);
+    const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
+    matmul_forward(a->probs, a->lnf, wte, NULL, M, C, Vl, CANON_R);
+    float *maxes = a->ce, *zs = a->ce + M, *target_logits = a->ce + 2 * M;
+    crossentropy_max(maxes, a->probs, M, V, v0, Vl);
+    tp_vocab_ce_max(model->tp, maxes, (size_t)M);
+    crossentropy_exps(zs, target_logits, a->probs, maxes, NULL, M, V, v0, Vl, CANON_R / model->tp_size);
+    tp_vocab_ce_sums(model->tp, zs, (size_t)M);   // zs, then target_logits
+    crossentropy_normalize(a->probs, NULL, zs, target_logits, maxes, NULL, M, V, v0, Vl);
+    zero_params_release(z, ZERO_WTE);
+    zero_params_release(z, LNF);
+    model->mem->to_host(probs, a->probs, sizeof(float) * (size_t)M * model->config.padded_vocab_size);
+}
