@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "llmc/canonical.h"
+#include "llmc/decode_matmul.h"
 #include "llmc/kernels.h"
 #include "llmc/model.h"
 #include "llmc/moe.h"
@@ -83,6 +84,7 @@ typedef const uint8_t* (*ServeTokenText)(void* ctx, int token, size_t* len);
 typedef struct ServeEngine {
     GPT2Config config;
     const float* params;    // MEMORY order (model.h)
+    DecodeWeights decode;   // packed copies of its matrices, for steps of few rows (serve_matmul)
     int maxT, C, Vp, max_batch_tokens;
     PagedKV kv;
     ServeRequest** running;   // admission order
@@ -200,10 +202,12 @@ static inline void serve_engine_init(ServeEngine* e, const GPT2Config* config, c
     e->sched_last_row = (int*)malloc_or_die(sizeof(int) * (size_t)max_requests, "serve step");
     e->head_rows = (int*)malloc_or_die(sizeof(int) * rows, "serve rows");
     e->row_table = (const int**)malloc_or_die(sizeof(int*) * rows, "serve rows");
+    decode_weights_pack_model(&e->decode, config, params);
 }
 
 static inline void serve_engine_free(ServeEngine* e) {
     paged_kv_free(&e->kv);
+    decode_weights_free(&e->decode);
     void* bufs[] = {e->running, e->waiting, e->x, e->ln, e->mean, e->rstd, e->qkv, e->atty, e->proj, e->x2, e->fch,
                     e->fch_gelu, e->att_scratch, e->hx, e->logits, e->ce, e->row_tok, e->row_pos, e->head_rows,
                     (void*)e->row_table, e->sched, e->sched_last_row, e->moe_probs, e->moe_gates, e->moe_xin,
@@ -261,6 +265,13 @@ static inline void serve_preempt_latest(ServeEngine* e) {
     e->num_waiting++;
 }
 
+// Every matmul of the engine: matmul_forward's bits, from the packed copy of the weight when the
+// step has few rows (a decode step's one row per request is bound by reading the weights).
+static inline void serve_matmul(ServeEngine* e, float* out, const float* inp, const float* weight, const float* bias,
+                                int N, int IC, int OC) {
+    decode_matmul(&e->decode, out, inp, weight, bias, N, IC, OC, CANON_R);
+}
+
 // A mixture-of-experts layer l in place of the MLP (llmc/moe.h THE LAYER; train_gpt2.c
 // moe_forward at one rank, kernel for kernel) on the step's N rows: e->ln (N,C) -> e->proj
 // (N,C). Each row's router logits, choice and gates are its own (per-row kernels), and every
@@ -272,7 +283,7 @@ static inline void serve_moe_forward(ServeEngine* e, int l, int N) {
     const GPT2Config* c = &e->config;
     int C = e->C, C4 = 4 * C, E = c->num_experts, k = c->top_k;
     const float* p = e->params;
-    matmul_forward(e->moe_probs, e->ln, p + param_offset(c, P_ROUTERW, l), NULL, N, C, E, CANON_R);
+    serve_matmul(e, e->moe_probs, e->ln, p + param_offset(c, P_ROUTERW, l), NULL, N, C, E);
     moe_router_forward(e->moe_probs, e->moe_chosen, e->moe_gates, e->moe_probs, N, E, k);
     moe_plan_routes(e->moe_chosen, N, 1, k, E, e->moe_count, e->moe_row_pos, e->moe_slot_row, e->moe_cursor);
     moe_gather_rows(e->moe_xin, e->ln, e->moe_row_pos, N * k, C);
@@ -283,9 +294,9 @@ static inline void serve_moe_forward(ServeEngine* e, int l, int N) {
         int n = e->moe_count[x];
         if (n == 0) { continue; }
         float *fch = e->fch + (size_t)r0 * C4, *gelu = e->fch_gelu + (size_t)r0 * C4, *y = e->moe_ret + (size_t)r0 * C;
-        matmul_forward(fch, e->moe_xin + (size_t)r0 * C, fcw + (size_t)x * C4 * C, fcb + (size_t)x * C4, n, C, C4, CANON_R);
+        serve_matmul(e, fch, e->moe_xin + (size_t)r0 * C, fcw + (size_t)x * C4 * C, fcb + (size_t)x * C4, n, C, C4);
         gelu_forward(gelu, fch, (size_t)n * C4);
-        matmul_forward(y, gelu, fcprojw + (size_t)x * C * C4, NULL, n, C4, C, CANON_R);
+        serve_matmul(e, y, gelu, fcprojw + (size_t)x * C * C4, NULL, n, C4, C);
         bias_forward(y, fcprojb + (size_t)x * C, n, C);
     }
     moe_combine(e->proj, e->moe_ret, e->moe_gates, e->moe_slot_row, N, k, C);
@@ -305,7 +316,7 @@ static inline void serve_forward(ServeEngine* e, int N) {
     for (int l = 0; l < L; l++) {
 #define W(t) (p + param_offset(c, t, l))
         layernorm_forward(e->ln, e->mean, e->rstd, e->x, W(P_LN1W), W(P_LN1B), N, C);
-        matmul_forward(e->qkv, e->ln, W(P_QKVW), W(P_QKVB), N, C, 3 * C, CANON_R);
+        serve_matmul(e, e->qkv, e->ln, W(P_QKVW), W(P_QKVB), N, C, 3 * C);
         float* kv = paged_kv_layer(&e->kv, l);
         for (int r = 0; r < N; r++) {
             int pos = e->row_pos[r];
@@ -314,16 +325,16 @@ static inline void serve_forward(ServeEngine* e, int N) {
         }
         attention_forward_paged(e->atty, e->att_scratch, e->qkv, kv, block_stride, e->row_table, e->row_pos, N, e->maxT,
                                 bs, C, NH);
-        matmul_forward(e->proj, e->atty, W(P_ATTPROJW), NULL, N, C, C, CANON_R);
+        serve_matmul(e, e->proj, e->atty, W(P_ATTPROJW), NULL, N, C, C);
         bias_forward(e->proj, W(P_ATTPROJB), N, C);
         residual_forward(e->x2, e->x, e->proj, (size_t)N * C);
         layernorm_forward(e->ln, e->mean, e->rstd, e->x2, W(P_LN2W), W(P_LN2B), N, C);
         if (c->num_experts > 0) {
             serve_moe_forward(e, l, N);
         } else {
-            matmul_forward(e->fch, e->ln, W(P_FCW), W(P_FCB), N, C, 4 * C, CANON_R);
+            serve_matmul(e, e->fch, e->ln, W(P_FCW), W(P_FCB), N, C, 4 * C);
             gelu_forward(e->fch_gelu, e->fch, (size_t)N * 4 * C);
-            matmul_forward(e->proj, e->fch_gelu, W(P_FCPROJW), NULL, N, 4 * C, C, CANON_R);
+            serve_matmul(e, e->proj, e->fch_gelu, W(P_FCPROJW), NULL, N, 4 * C, C);
             bias_forward(e->proj, W(P_FCPROJB), N, C);
         }
         residual_forward(e->x, e->x2, e->proj, (size_t)N * C);
@@ -339,7 +350,7 @@ static inline void serve_head(ServeEngine* e, int M) {
     for (int i = 0; i < M; i++) { memcpy(e->hx + (size_t)i * C, e->x + (size_t)e->head_rows[i] * C, sizeof(float) * C); }
     const float* lnf = e->params + param_offset(c, P_LNFW, 0);
     layernorm_forward(e->ln, e->mean, e->rstd, e->hx, lnf, e->params + param_offset(c, P_LNFB, 0), M, C);
-    matmul_forward(e->logits, e->ln, e->params + param_offset(c, P_WTE, 0), NULL, M, C, Vp, CANON_R);
+    serve_matmul(e, e->logits, e->ln, e->params + param_offset(c, P_WTE, 0), NULL, M, C, Vp);
     float *maxes = e->ce, *zs = e->ce + M, *target_logits = e->ce + 2 * M;
     crossentropy_max(maxes, e->logits, M, V, 0, Vp);
     crossentropy_exps(zs, target_logits, e->logits, maxes, NULL, M, V, 0, Vp, CANON_R);
