@@ -18,7 +18,8 @@
  * equal to the trainer's sampler and batch-invariant (test_kernels compares the bits on odd
  * shapes, with SIMD and without).
  *
- * DecodeWeights holds the packed copies, each found by the address of the weight it copies;
+ * DecodeWeights holds the packed copies, each found by the address of the weight it copies
+ * (decode_weights_get makes one on first use);
  * decode_matmul takes the packed kernel for up to DECODE_MAX_ROWS rows of a packed weight and
  * matmul_forward otherwise. A packed copy is a snapshot: repack when the weight changes.
  */
@@ -43,7 +44,7 @@ typedef struct {
     int OC, IC;
 } DecodeMatrix;
 
-typedef struct {
+typedef struct DecodeWeights {
     DecodeMatrix* m;
     int n, cap;
 } DecodeWeights;
@@ -60,6 +61,15 @@ static inline void decode_pack(float* packed, const float* weight, int OC, int I
             for (int k = 0; k < IC; k++) { dst[(size_t)k * DECODE_PANEL + j] = o < OC ? row[k] : 0.0f; }
         }
     }
+}
+
+// the packed copy of weight (OC,IC), or NULL
+static inline const DecodeMatrix* decode_weights_find(const DecodeWeights* dw, const float* weight, int OC, int IC) {
+    for (int i = 0; i < dw->n; i++) {
+        const DecodeMatrix* m = &dw->m[i];
+        if (m->source == weight && m->OC == OC && m->IC == IC) { return m; }
+    }
+    return NULL;
 }
 
 // A packed copy of weight (OC,IC) joins dw (once per weight).
@@ -96,6 +106,14 @@ static inline void decode_weights_pack_model(DecodeWeights* dw, const GPT2Config
     decode_weights_add(dw, params + param_offset(c, P_WTE, 0), c->padded_vocab_size, C);
 }
 
+// the packed copy of weight (OC,IC), made now if dw has none
+static inline const DecodeMatrix* decode_weights_get(DecodeWeights* dw, const float* weight, int OC, int IC) {
+    const DecodeMatrix* m = decode_weights_find(dw, weight, OC, IC);
+    if (m) { return m; }
+    decode_weights_add(dw, weight, OC, IC);
+    return &dw->m[dw->n - 1];
+}
+
 static inline void decode_weights_free(DecodeWeights* dw) {
     for (int i = 0; i < dw->n; i++) { free(dw->m[i].packed); }
     free(dw->m);
@@ -103,14 +121,6 @@ static inline void decode_weights_free(DecodeWeights* dw) {
     dw->n = dw->cap = 0;
 }
 
-// the packed copy of weight (OC,IC), or NULL
-static inline const DecodeMatrix* decode_weights_find(const DecodeWeights* dw, const float* weight, int OC, int IC) {
-    for (int i = 0; i < dw->n; i++) {
-        const DecodeMatrix* m = &dw->m[i];
-        if (m->source == weight && m->OC == OC && m->IC == IC) { return m; }
-    }
-    return NULL;
-}
 
 // ------------------------------------------------------------------------------------------
 // out (N,OC) = inp (N,IC) @ weight^T + bias, from the packed copy. The specification, one
