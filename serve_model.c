@@ -27,6 +27,13 @@ static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2C
     activations_alloc(&m->acts, &m->model, rows, 1, 1, 0, 0);   // recompute 1: one layer's GELU output
     m->acts.attend = attend;
     m->acts.attend_ctx = ctx;
+#ifndef LLMC_DEVICE_KERNELS
+    // every step's matmuls of few rows read packed copies of the weights (train_gpt2.c
+    // forward_matmul, llmc/decode_matmul.h: matmul_forward's bits), made on first use; serving
+    // never changes the weights, so they live as long as the model (gpt2_free frees them)
+    m->model.decode_layers = (DecodeWeights*)calloc_or_die(1, sizeof(DecodeWeights), "decode weights");
+    m->model.decoding = m->model.decode_layers;
+#endif
     m->head_in = mem_floats(mem, (size_t)rows * config->channels, "serving head rows");
     return m;
 }
@@ -70,7 +77,7 @@ static void serve_model_head(ServeModel* m, int N, const int* rows_dev, int M, f
     const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
     layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, m->head_in, lnf, lnf + C, M, C);
     const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
-    matmul_forward(a->probs, a->lnf, wte, NULL, M, C, Vl, CANON_R);
+    forward_matmul(model, a->probs, a->lnf, wte, NULL, M, C, Vl, CANON_R);
     float *maxes = a->ce, *zs = a->ce + M, *target_logits = a->ce + 2 * M;
     crossentropy_max(maxes, a->probs, M, V, v0, Vl);
     tp_vocab_ce_max(model->tp, maxes, (size_t)M);

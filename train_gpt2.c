@@ -46,6 +46,7 @@
 
 #ifndef LLMC_DEVICE_KERNELS
 #include "llmc/cpu_fast.h"
+#include "llmc/decode_matmul.h"
 #include "llmc/fma_peak.h"
 
 // ==========================================================================================
@@ -771,7 +772,50 @@ typedef struct {
     float* daux_host;           // (E)       the aux loss's gradient per position, on the host
     size_t rows_cap, xsend_cap;
     MoeCounters counters;       // routing since the engine's last reset
+    // the sampler's packed weight copies (CPU build, forward_matmul): of the layers, of wte;
+    // `decoding` is the one a decode step in progress reads (NULL: none)
+    struct DecodeWeights *decode_layers, *decode_head, *decoding;
 } GPT2;
+
+// Every matmul of the forward. A decode step of the sampler multiplies one row by every
+// weight, bound by reading them: on the CPU it reads packed copies (llmc/decode_matmul.h),
+// made on first use in a generation and found by the weight's address, with matmul_forward's
+// bits. Under ZeRO-3 the gathered units share buffers, so the row-major weights stay.
+static void forward_matmul(GPT2* model, float* out, const float* inp, const float* weight, const float* bias, int rows,
+                           int IC, int OC, int nchunks) {
+#ifndef LLMC_DEVICE_KERNELS
+    if (model->decoding && rows <= DECODE_MAX_ROWS) {
+        decode_matmul_forward(out, inp, decode_weights_get(model->decoding, weight, OC, IC), bias, rows, nchunks);
+        return;
+    }
+#endif
+    matmul_forward(out, inp, weight, bias, rows, IC, OC, nchunks);
+}
+
+// A decode step at position t reads the copies in *copies; the weights change between
+// generations, so position 0 (every generation's first) makes them anew.
+static void decode_copies_begin(GPT2* model, struct DecodeWeights** copies, int t) {
+#ifndef LLMC_DEVICE_KERNELS
+    if (model->zero->stage == 3) { return; }
+    if (!*copies) { *copies = (DecodeWeights*)calloc_or_die(1, sizeof(DecodeWeights), "decode weights"); }
+    if (t == 0) { decode_weights_free(*copies); }
+    model->decoding = *copies;
+#else
+    (void)model, (void)copies, (void)t;
+#endif
+}
+
+static void decode_copies_free(GPT2* model) {
+#ifndef LLMC_DEVICE_KERNELS
+    struct DecodeWeights* all[] = {model->decode_layers, model->decode_head};
+    for (int i = 0; i < 2; i++) {
+        if (all[i]) { decode_weights_free(all[i]); }
+        free(all[i]);
+    }
+#else
+    (void)model;
+#endif
+}
 
 // The tied token embedding gets two gradients: from the LM head (wte as the output matmul)
 // and from the embedding lookup. They are kept apart (the lookup half is zero.h's unit
@@ -1168,7 +1212,7 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
         out = a->moe_whole + (size_t)BT * C;
     }
     // the router: probabilities, the top_k chosen experts and their gates per position
-    matmul_forward(moe_act->probs, ln, w->routerw, NULL, BT, C, num_experts, CANON_R);
+    forward_matmul(model, moe_act->probs, ln, w->routerw, NULL, BT, C, num_experts, CANON_R);
     moe_router_forward(moe_act->probs, moe_act->chosen, moe_act->gates, moe_act->probs, BT, num_experts, top_k);
     mem->to_host(route->chosen, moe_act->chosen, slots * sizeof(int));
     moe_route_plan(route, model->ep, B, T);   // the counts and positions each expert receives
@@ -1196,10 +1240,10 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
     for (int e = 0; e < model->El; e++) {
         int r0 = route->first[e], n = route->first[e + 1] - r0;
         if (n == 0) { continue; }
-        matmul_forward(moe_act->fch + (size_t)r0 * C4, moe_act->xin + (size_t)r0 * C, ex.fcw + e * ex.fcw_n,
+        forward_matmul(model, moe_act->fch + (size_t)r0 * C4, moe_act->xin + (size_t)r0 * C, ex.fcw + e * ex.fcw_n,
                        ex.fcb + e * ex.fcb_n, n, C, C4, CANON_R);
         gelu_forward(gelu_out + (size_t)r0 * C4, moe_act->fch + (size_t)r0 * C4, (size_t)n * C4);
-        matmul_forward(y + (size_t)r0 * C, gelu_out + (size_t)r0 * C4, ex.fcprojw + e * ex.fcprojw_n, NULL, n, C4, C,
+        forward_matmul(model, y + (size_t)r0 * C, gelu_out + (size_t)r0 * C4, ex.fcprojw + e * ex.fcprojw_n, NULL, n, C4, C,
                        CANON_R / model->tp_size);
     }
     // g (tp group): each expert's row-parallel partial outputs y (rows, C), all-reduced per
@@ -1250,15 +1294,6 @@ static void attention_forward_rows(GPT2* model, Activations* a, int l, int B, in
     }
 }
 
-// The layer body's four dense matmuls, the trainer's and the serving engine's: out (rows,OC) =
-// inp (rows,IC) @ weight^T + bias, weight one of the layer's tensors as zero.h holds it. One
-// place, so that a kernel for some passes only (a one-row decode on a weight layout of its own)
-// is chosen here, by the weight it multiplies.
-static void layer_matmul(float* out, const float* inp, const float* weight, const float* bias, int rows, int IC,
-                         int OC, int nchunks) {
-    matmul_forward(out, inp, weight, bias, rows, IC, OC, nchunks);
-}
-
 // this chunk's layers on the rows [t0, t1): a->encoded (B,T,C) -> stage_output. Megatron's
 // partitioning: qkv and fc are column-parallel (f before them), attproj and fcproj
 // row-parallel (g after them, then the bias); attention runs on this rank's heads.
@@ -1274,9 +1309,9 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
         LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), moe ? zero_expert_unit(z, l) : next));
         LayerActs act = layer_acts(a, c, l - model->first_layer, B, T, t0);
         ln_forward_f(model, a, act.ln1, act.ln1_mean, act.ln1_rstd, act.residual, w.ln1w, w.ln1b, B, Tn);
-        layer_matmul(act.qkv, act.ln1, w.qkvw, w.qkvb, rows, C, a->C3, CANON_R);
+        forward_matmul(model, act.qkv, act.ln1, w.qkvw, w.qkvb, rows, C, a->C3, CANON_R);
         attention_forward_rows(model, a, l - model->first_layer, B, T, t0, t1);
-        layer_matmul(a->proj, act.atty, w.attprojw, NULL, rows, a->Ca, C, CANON_R / tp_size);
+        forward_matmul(model, a->proj, act.atty, w.attprojw, NULL, rows, a->Ca, C, CANON_R / tp_size);
         residual_forward(act.residual2, act.residual, proj_g_bias(model, a, w.attprojb, B, Tn), rows_s * C);
         ln_forward_f(model, a, act.ln2, act.ln2_mean, act.ln2_rstd, act.residual2, w.ln2w, w.ln2b, B, Tn);
         if (moe) {   // complete on every tp rank: with SP this rank keeps its positions (no CP)
@@ -1285,9 +1320,9 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
             if (sp) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, Tn, C); }
             residual_forward(act.residual3, act.residual2, sp ? a->proj_s : a->proj, rows_s * C);
         } else {
-            layer_matmul(act.fch, act.ln2, w.fcw, w.fcb, rows, C, a->C4, CANON_R);
+            forward_matmul(model, act.fch, act.ln2, w.fcw, w.fcb, rows, C, a->C4, CANON_R);
             gelu_forward(act.fch_gelu, act.fch, (size_t)rows * a->C4);
-            layer_matmul(a->proj, act.fch_gelu, w.fcprojw, NULL, rows, a->C4, C, CANON_R / tp_size);
+            forward_matmul(model, a->proj, act.fch_gelu, w.fcprojw, NULL, rows, a->C4, C, CANON_R / tp_size);
             residual_forward(act.residual3, act.residual2, proj_g_bias(model, a, w.fcprojb, B, Tn), rows_s * C);
         }
         zero_params_release(z, ZERO_LAYER(l));
@@ -1311,7 +1346,7 @@ void head_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1, int
                  lnf, lnf + C, B, t1 - t0);
     const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
     float* logits = a->probs + r0 * Vl;
-    matmul_forward(logits, a->lnf + r0 * C, wte, NULL, rows, C, Vl, CANON_R);
+    forward_matmul(model, logits, a->lnf + r0 * C, wte, NULL, rows, C, Vl, CANON_R);
     float *maxes = a->ce, *zs = a->ce + rows, *target_logits = a->ce + 2 * rows;
     const int* targets = a->targets ? a->targets + r0 : NULL;
     crossentropy_max(maxes, logits, rows, V, v0, Vl);
@@ -1338,8 +1373,16 @@ void embed_decode(GPT2* model, Activations* a, int token, int t, int T) {
     model->mem->from_host(a->inputs + t, &token, sizeof(int));
     embed_forward(model, a, 1, T, t, t + 1);
 }
-void layers_decode(GPT2* model, Activations* a, int t, int T) { layers_forward(model, a, 1, T, t, t + 1); }
-void head_decode(GPT2* model, Activations* a, int t, int T) { head_forward(model, a, 1, T, t, t + 1, 0); }
+void layers_decode(GPT2* model, Activations* a, int t, int T) {
+    decode_copies_begin(model, &model->decode_layers, t);
+    layers_forward(model, a, 1, T, t, t + 1);
+    model->decoding = NULL;
+}
+void head_decode(GPT2* model, Activations* a, int t, int T) {
+    decode_copies_begin(model, &model->decode_head, t);
+    head_forward(model, a, 1, T, t, t + 1, 0);
+    model->decoding = NULL;
+}
 
 
 // Backward of a layernorm that feeds a column-parallel layer, in two halves. Input half: the
@@ -1776,6 +1819,7 @@ void gpt2_free(GPT2* model) {
     void* all[] = {model->sp_scratch, model->probs_all, model->xsend, model->psum, model->seq_grads};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
     MOE_MODEL_ROWS(RELEASE, model)
+    decode_copies_free(model);
     cp_free(&model->cp);
     free(model->psum_host);
     free(model->counters.tokens);

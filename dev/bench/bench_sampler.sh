@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# The sampler's benchmark (a table, not a test): seconds to generate -g tokens with the KV
-# cache (one position per token) and with a full forward over the -g positions per token
-# (--kv-cache 0; the same tokens), for GPT-2 124M's shape (-e d12, random weights), B=1, on
-# this machine's cores. Each time is a one-step run that samples once (after its step) minus
-# the same run without sampling. A KV-cache step reads every weight once (fp32: 4 bytes x 124M parameters),
-# so its floor is that over the machine's memory bandwidth, measured here by streaming a
-# buffer of the weights' size.
-# Usage: dev/bench/bench_sampler.sh [tokens] (default 64, the quick start's -g)
+# The decode benchmark (a table, not a test): one request's decode step against the bandwidth a
+# streaming read really achieves on this machine, for GPT-2 124M's shape (-e d12, random
+# weights), B=1, on this machine's cores:
+#  - stream read: build/bench_decode's read of a buffer the size of d12's matrices (494 MB),
+#    every thread, many accumulators;
+#  - serving: build/bench_decode's median decode step of the serving engine, one request, with
+#    the packed weight copies (llmc/decode_matmul.h) and with the row-major weights;
+#  - the trainer's sampler: seconds to generate -g tokens with the KV cache (one position per
+#    token) and with a full forward over the -g positions per token (--kv-cache 0), each a
+#    one-step run that samples once (after its step) minus the same run without sampling.
+# A decode step reads every matrix once (4 bytes x 123.5M: 12 layers' 12 C^2 and wte), so
+# GB/s = 494 MB / (s/token). The rounds alternate the variants and every figure is the median
+# over them; the load average is printed beside, as other work on the machine slows them all.
+# Usage: dev/bench/bench_sampler.sh [tokens] [rounds] (default 64, the quick start's -g, and 3)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 G=${1:-64}
-make -s train_gpt2 build/testdata >/dev/null
+R=${2:-3}
+make -s train_gpt2 build/testdata build/bench_decode >/dev/null
 W=$(mktemp -d /tmp/llmc_bench_sampler.XXXXXX)
 trap 'rm -rf "$W"' EXIT
 build/testdata tokens "$W/train.bin" 20000 50257 1 >/dev/null
@@ -19,37 +26,32 @@ secs() {   # the run's wall time in seconds
   t0=$(date +%s.%N)
   ./train_gpt2 -e d12 -i "$W/train.bin" -b 1 -t 64 -x 1 -v 0 "$@" >"$W/out" 2>&1 || { tail -3 "$W/out"; exit 1; }
   t1=$(date +%s.%N)
-  awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }'
+  awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }'
 }
-base=$(secs -s 0)
-kv=$(secs -s 1 -g "$G" --kv-cache 1)
-full=$(secs -s 1 -g "$G" --kv-cache 0)
-# the floor: stream 498 MB (d12's fp32 parameters) a few times, best of them
-cat > "$W/bw.c" <<'C'
-#include <stdio.h>
-#include <stdlib.h>
-#include <omp.h>
-int main(void) {
-    size_t n = 124475904; float* a = malloc(n * 4); double best = 0, s = 0;
-    for (size_t i = 0; i < n; i++) { a[i] = (float)(i & 7); }
-    for (int rep = 0; rep < 5; rep++) {
-        double t = omp_get_wtime();
-        #pragma omp parallel for reduction(+ : s)
-        for (size_t i = 0; i < n; i++) { s += a[i]; }
-        t = omp_get_wtime() - t;
-        if (n * 4 / t > best) { best = n * 4 / t; }
-    }
-    printf("%.2f %.0f\n", best / 1e9, s > 0 ? 1.0 : 0.0);
-    return 0;
-}
-C
-gcc -O3 -march=native -fopenmp "$W/bw.c" -o "$W/bw"
-bw=$("$W/bw" | awk '{ print $1 }')
-printf "%-28s %10s %12s\n" "d12, -g $G, $(nproc) cores" "seconds" "ms/token"
-awk -v b="$base" -v kv="$kv" -v full="$full" -v g="$G" -v bw="$bw" 'BEGIN {
-    n = g - 1
-    printf "%-28s %10.2f %12.1f\n", "KV cache", kv - b, 1000 * (kv - b) / n
-    printf "%-28s %10.2f %12.1f\n", "full forward per token", full - b, 1000 * (full - b) / n
-    printf "%-28s %10.2f %12.1f   (498 MB of weights per token at %.1f GB/s)\n", "floor: memory bandwidth",
-           n * 0.498 / bw, 1000 * 0.498 / bw, bw
-}'
+median() { sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+echo "load before: $(uptime)"
+: > "$W/rounds"
+for r in $(seq "$R"); do
+  base=$(secs -s 0)
+  kv=$(secs -s 1 -g "$G" --kv-cache 1)
+  full=$(secs -s 1 -g "$G" --kv-cache 0)
+  build/bench_decode d12 "$G" 1 > "$W/decode"
+  awk -v b="$base" -v kv="$kv" -v full="$full" -v g="$G" '
+    /^stream read/ { stream = $(NF - 1) }
+    /^serving, one request: packed/ { packed = $6 }
+    /^serving, one request: row-major/ { rowmajor = $6 }
+    END { printf "%s %s %s %.3f %.3f\n", stream, packed, rowmajor, 1000 * (kv - b) / (g - 1), 1000 * (full - b) / (g - 1) }' \
+    "$W/decode" >> "$W/rounds"
+done
+echo "load after:  $(uptime)"
+echo "the last round's matmuls at one row (bench_decode):"
+sed -n '/^one row/,/^  logits/p' "$W/decode"
+col() { awk -v c="$1" '{ print $c }' "$W/rounds" | median; }
+stream=$(col 1)
+printf "%-44s %10s %9s %9s\n" "d12, -g $G, $(nproc) cores, median of $R" "ms/token" "GB/s" "of stream"
+row() { awk -v n="$1" -v ms="$2" -v s="$stream" 'BEGIN { gb = 494 / ms; printf "%-44s %10.1f %9.1f %8.0f%%\n", n, ms, gb, 100 * gb / s }'; }
+printf "%-44s %10.1f %9.1f\n" "stream read (494 MB, all threads)" "$(awk -v s="$stream" 'BEGIN { print 494 / s }')" "$stream"
+row "serving, one request, packed weights" "$(col 2)"
+row "serving, one request, row-major weights" "$(col 3)"
+row "trainer's sampler, KV cache" "$(col 4)"
+row "trainer's sampler, full forward per token" "$(col 5)"

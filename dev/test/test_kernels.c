@@ -12,6 +12,7 @@
  */
 #define TESTING
 #include "train_gpt2.c"
+#include "llmc/decode_matmul.h"
 
 static int failures = 0, checks = 0;
 
@@ -177,6 +178,43 @@ static void test_matmul(int B, int T, int K, int OC, int groups) {
     expect_same("matmul_backward_naive dbias", db_spec, want, OC);
     free(inp); free(w); free(bias); free(dout); free(got); free(want); free(dw); free(db);
     free(spec); free(dw_spec); free(db_spec);
+}
+
+// The decode matmul on its packed copy (llmc/decode_matmul.h): the fast kernel and its
+// specification against the rules above, and decode_matmul (packed for few rows, matmul_forward
+// for more) against matmul_forward, for N = 1 .. DECODE_MAX_ROWS + 2 rows; OC not a multiple
+// of the panel, K whose chunks are uneven or empty, tensor-parallel chunk counts.
+static void test_decode_matmul(int K, int OC) {
+    int maxN = DECODE_MAX_ROWS + 2;
+    char what[128];
+    float* inp = rand_buf((size_t)maxN * K);
+    float* w = rand_buf((size_t)OC * K);
+    float* bias = rand_buf(OC);
+    float* got = malloc(sizeof(float) * (size_t)maxN * OC);
+    float* want = malloc(sizeof(float) * (size_t)maxN * OC);
+    DecodeWeights dw = {0};
+    decode_weights_add(&dw, w, OC, K);
+    const DecodeMatrix* m = decode_weights_find(&dw, w, OC, K);
+    for (int N = 1; N <= maxN; N++) {
+        for (int nch = CANON_R; nch >= 1; nch /= 2) {
+            const float* b = nch == CANON_R || N % 2 ? bias : NULL;
+            ref_matmul_forward(want, inp, w, b, N, K, OC, nch);
+            if (N <= DECODE_MAX_ROWS) {
+                decode_matmul_forward(got, inp, m, b, N, nch);
+                snprintf(what, sizeof(what), "decode_matmul_forward N=%d K=%d OC=%d chunks=%d", N, K, OC, nch);
+                expect_same(what, got, want, (size_t)N * OC);
+                decode_matmul_forward_naive(got, inp, m, b, N, nch);
+                snprintf(what, sizeof(what), "decode_matmul_forward_naive N=%d K=%d OC=%d chunks=%d", N, K, OC, nch);
+                expect_same(what, got, want, (size_t)N * OC);
+            }
+            decode_matmul(&dw, got, inp, w, b, N, K, OC, nch);
+            matmul_forward(want, inp, w, b, N, K, OC, nch);
+            snprintf(what, sizeof(what), "decode_matmul = matmul_forward N=%d K=%d OC=%d chunks=%d", N, K, OC, nch);
+            expect_same(what, got, want, (size_t)N * OC);
+        }
+    }
+    decode_weights_free(&dw);
+    free(inp); free(w); free(bias); free(got); free(want);
 }
 
 // Context parallelism's weight gradients: D ranks hold zig-zag slices of every sequence; each
@@ -942,6 +980,10 @@ int main(void) {
     };
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
         test_matmul(shapes[i][0], shapes[i][1], shapes[i][2], shapes[i][3], shapes[i][4]);
+    }
+    int decode_shapes[][2] = {{1, 1}, {5, 7}, {7, 16}, {33, 17}, {40, 50}, {77, 150}, {96, 31}, {200, 48}};   // K, OC
+    for (size_t i = 0; i < sizeof(decode_shapes) / sizeof(decode_shapes[0]); i++) {
+        test_decode_matmul(decode_shapes[i][0], decode_shapes[i][1]);
     }
     test_matmul_seqs(3, 16, 40, 13);
     test_matmul_seqs(2, 48, 16, 7);

@@ -1,0 +1,218 @@
+/*
+ * decode_matmul.h: the matmul of decoding (a few rows against every weight) on a copy of each
+ * weight laid out so that a step streams it.
+ *
+ * A decode step computes one row per request, so it reads every weight once and does two flops
+ * per float read: it is bound by the memory's bandwidth. matmul_forward's few-row kernel reads
+ * weight (OC,IC) row-major, lanes gathering VLEN rows at each k; here the weight is packed
+ * k-major in panels of DECODE_PANEL outputs, so the outputs a vector computes are contiguous at
+ * each k and a panel is one sequential stream:
+ *
+ *   packed[(p * IC + k) * DECODE_PANEL + j] = weight[(p * DECODE_PANEL + j) * IC + k]
+ *   (0 for outputs p * DECODE_PANEL + j >= OC)
+ *
+ * The arithmetic is canonical.h's R2, unchanged: each output's IC inputs in `nchunks` chunks
+ * [c*IC/nchunks, (c+1)*IC/nchunks), each accumulated from 0.0f in increasing k with fmaf, the
+ * chunk partials combined by the R1 tree, the bias added after it. So every row is the bits
+ * of matmul_forward (= matmul_forward_naive) whatever the rows beside it, and serving stays
+ * equal to the trainer's sampler and batch-invariant (test_kernels compares the bits on odd
+ * shapes, with SIMD and without).
+ *
+ * DecodeWeights holds the packed copies, each found by the address of the weight it copies
+ * (decode_weights_get makes one on first use);
+ * decode_matmul takes the packed kernel for up to DECODE_MAX_ROWS rows of a packed weight and
+ * matmul_forward otherwise. A packed copy is a snapshot: repack when the weight changes.
+ */
+#ifndef LLMC_DECODE_MATMUL_H
+#define LLMC_DECODE_MATMUL_H
+
+#include <stdlib.h>
+#include "llmc/canonical.h"
+#include "llmc/simd.h"
+#include "llmc/utils.h"
+#include "llmc/kernels.h"
+#include "llmc/model.h"
+
+#define DECODE_PANEL 16                          // outputs contiguous at each k (64 bytes)
+#define DECODE_PANEL_VECS (DECODE_PANEL / VLEN)  // vectors per panel: 1 (AVX-512), 2 (AVX2, scalar)
+#define DECODE_ROW_TILE 4                        // rows sharing a panel's loads in registers
+#define DECODE_MAX_ROWS 16                       // more rows: matmul_forward's row tiles (faster from about 32)
+
+typedef struct {
+    const float* source;   // the weight (OC,IC) it copies
+    float* packed;         // (ceil(OC/DECODE_PANEL), IC, DECODE_PANEL)
+    int OC, IC;
+} DecodeMatrix;
+
+typedef struct DecodeWeights {
+    DecodeMatrix* m;
+    int n, cap;
+} DecodeWeights;
+
+// packed <- weight (OC,IC), in the layout above
+static inline void decode_pack(float* packed, const float* weight, int OC, int IC) {
+    int panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        float* dst = packed + (size_t)p * IC * DECODE_PANEL;
+        for (int j = 0; j < DECODE_PANEL; j++) {
+            int o = p * DECODE_PANEL + j;
+            const float* row = weight + (size_t)o * IC;
+            for (int k = 0; k < IC; k++) { dst[(size_t)k * DECODE_PANEL + j] = o < OC ? row[k] : 0.0f; }
+        }
+    }
+}
+
+// the packed copy of weight (OC,IC), or NULL
+static inline const DecodeMatrix* decode_weights_find(const DecodeWeights* dw, const float* weight, int OC, int IC) {
+    for (int i = 0; i < dw->n; i++) {
+        const DecodeMatrix* m = &dw->m[i];
+        if (m->source == weight && m->OC == OC && m->IC == IC) { return m; }
+    }
+    return NULL;
+}
+
+// A packed copy of weight (OC,IC) joins dw (once per weight).
+static inline void decode_weights_add(DecodeWeights* dw, const float* weight, int OC, int IC) {
+    if (dw->n == dw->cap) {
+        dw->cap = dw->cap ? 2 * dw->cap : 64;
+        DecodeMatrix* grown = (DecodeMatrix*)realloc(dw->m, sizeof(DecodeMatrix) * (size_t)dw->cap);
+        if (!grown) { fatal("out of memory for the decode weights' table"); }
+        dw->m = grown;
+    }
+    size_t panels = (size_t)(OC + DECODE_PANEL - 1) / DECODE_PANEL;
+    DecodeMatrix* m = &dw->m[dw->n++];
+    m->source = weight;
+    m->OC = OC;
+    m->IC = IC;
+    m->packed = (float*)aligned_calloc_or_die(sizeof(float) * panels * IC * DECODE_PANEL, "decode weights");
+    decode_pack(m->packed, weight, OC, IC);
+}
+
+// Packed copies of every matrix a GPT-2 forward multiplies by (params in MEMORY order,
+// model.h): each layer's qkv, attention projection and MLP weights (a mixture-of-experts
+// layer's router and each expert's two matrices), and wte for the head's logits.
+static inline void decode_weights_pack_model(DecodeWeights* dw, const GPT2Config* c, const float* params) {
+    int C = c->channels, C4 = 4 * C, E = c->num_experts;
+    for (int l = 0; l < c->num_layers; l++) {
+        decode_weights_add(dw, params + param_offset(c, P_QKVW, l), 3 * C, C);
+        decode_weights_add(dw, params + param_offset(c, P_ATTPROJW, l), C, C);
+        if (E > 0) { decode_weights_add(dw, params + param_offset(c, P_ROUTERW, l), E, C); }
+        for (int x = 0; x < (E > 0 ? E : 1); x++) {   // expert x: block x of the stacked (E,4C,C), (E,C,4C)
+            decode_weights_add(dw, params + param_offset(c, P_FCW, l) + (size_t)x * C4 * C, C4, C);
+            decode_weights_add(dw, params + param_offset(c, P_FCPROJW, l) + (size_t)x * C * C4, C, C4);
+        }
+    }
+    decode_weights_add(dw, params + param_offset(c, P_WTE, 0), c->padded_vocab_size, C);
+}
+
+// the packed copy of weight (OC,IC), made now if dw has none
+static inline const DecodeMatrix* decode_weights_get(DecodeWeights* dw, const float* weight, int OC, int IC) {
+    const DecodeMatrix* m = decode_weights_find(dw, weight, OC, IC);
+    if (m) { return m; }
+    decode_weights_add(dw, weight, OC, IC);
+    return &dw->m[dw->n - 1];
+}
+
+static inline void decode_weights_free(DecodeWeights* dw) {
+    for (int i = 0; i < dw->n; i++) { free(dw->m[i].packed); }
+    free(dw->m);
+    dw->m = NULL;
+    dw->n = dw->cap = 0;
+}
+
+
+// ------------------------------------------------------------------------------------------
+// out (N,OC) = inp (N,IC) @ weight^T + bias, from the packed copy. The specification, one
+// output at a time: matmul_forward_naive (train_gpt2.c) with weight[o][k] read from the panels.
+static inline void decode_matmul_forward_naive(float* out, const float* inp, const DecodeMatrix* m,
+                                               const float* bias, int N, int nchunks) {
+    int IC = m->IC, OC = m->OC;
+    for (int r = 0; r < N; r++) {
+        for (int o = 0; o < OC; o++) {
+            const float* w = m->packed + (size_t)(o / DECODE_PANEL) * IC * DECODE_PANEL + o % DECODE_PANEL;
+            float partial[CANON_R];
+            for (int ch = 0; ch < nchunks; ch++) {
+                float acc = 0.0f;
+                for (long k = ((long)IC * ch) / nchunks; k < ((long)IC * (ch + 1)) / nchunks; k++) {
+                    acc = fmaf(inp[(size_t)r * IC + k], w[k * DECODE_PANEL], acc);
+                }
+                partial[ch] = acc;
+            }
+            float sum = canon_tree_sum(partial, nchunks, 1);
+            out[(size_t)r * OC + o] = bias ? sum + bias[o] : sum;
+        }
+    }
+}
+
+// One panel (outputs o0 .. o0 + no) for rows r0 .. r0 + NR: at each k, the panel's vectors are
+// loaded once and each row's input broadcast into them; each chunk's accumulators join the
+// stack as one leaf.
+static inline __attribute__((always_inline)) void decode_panel_tile(float* out, const float* inp, const float* panel,
+                                                                    const float* bias, int IC, int OC, int o0, int no,
+                                                                    int r0, const int NR, int nchunks) {
+    enum { PV = DECODE_PANEL_VECS, ENTRY = DECODE_ROW_TILE * DECODE_PANEL };
+    float partials[(CANON_LOG2_R + 2) * ENTRY];
+    CanonStack stack = canon_stack(partials, ENTRY, 1, NR * DECODE_PANEL, ENTRY);
+    const float* x = inp + (size_t)r0 * IC;
+    for (int ch = 0; ch < nchunks; ch++) {
+        int kb = (int)(((long)IC * ch) / nchunks), ke = (int)(((long)IC * (ch + 1)) / nchunks);
+        vf acc[DECODE_ROW_TILE][PV];
+        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) {
+            _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { acc[r][v] = vf_zero(); }
+        }
+        for (int k = kb; k < ke; k++) {
+            vf w[PV];
+            _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { w[v] = vf_load(panel + (size_t)k * DECODE_PANEL + v * VLEN); }
+            _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) {
+                vf a = vf_set1(x[(size_t)r * IC + k]);
+                _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { acc[r][v] = vf_fma(a, w[v], acc[r][v]); }
+            }
+        }
+        float* leaf = canon_stack_next(&stack);
+        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) {
+            _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { vf_store(leaf + r * DECODE_PANEL + v * VLEN, acc[r][v]); }
+        }
+        canon_stack_push(&stack, canon_tree_merges_after(ch, nchunks));
+    }
+    for (int r = 0; r < NR; r++) {
+        float* o = out + (size_t)(r0 + r) * OC + o0;
+        for (int j = 0; j < no; j++) { o[j] = bias ? partials[r * DECODE_PANEL + j] + bias[o0 + j] : partials[r * DECODE_PANEL + j]; }
+    }
+}
+
+// = decode_matmul_forward_naive = matmul_forward, bit for bit. The threads take contiguous
+// runs of panels, so each streams its part of the copy once per DECODE_ROW_TILE rows.
+static inline void decode_matmul_forward(float* out, const float* inp, const DecodeMatrix* m, const float* bias, int N,
+                                         int nchunks) {
+    int IC = m->IC, OC = m->OC, panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        const float* panel = m->packed + (size_t)p * IC * DECODE_PANEL;
+        int o0 = p * DECODE_PANEL, no = OC - o0 < DECODE_PANEL ? OC - o0 : DECODE_PANEL;
+        for (int r0 = 0; r0 < N; r0 += DECODE_ROW_TILE) {
+#define DECODE_TILE(NR) decode_panel_tile(out, inp, panel, bias, IC, OC, o0, no, r0, NR, nchunks)
+            switch (N - r0) {
+                case 1: DECODE_TILE(1); break;
+                case 2: DECODE_TILE(2); break;
+                case 3: DECODE_TILE(3); break;
+                default: DECODE_TILE(4); break;
+            }
+#undef DECODE_TILE
+        }
+    }
+}
+
+// matmul_forward's contract (kernels.h), on the packed copy of weight when dw has one and the
+// rows are few enough; the bits are the same either way.
+static inline void decode_matmul(const DecodeWeights* dw, float* out, const float* inp, const float* weight,
+                                 const float* bias, int N, int IC, int OC, int nchunks) {
+    const DecodeMatrix* m = N <= DECODE_MAX_ROWS ? decode_weights_find(dw, weight, OC, IC) : NULL;
+    if (m) {
+        decode_matmul_forward(out, inp, m, bias, N, nchunks);
+    } else {
+        matmul_forward(out, inp, weight, bias, N, IC, OC, nchunks);
+    }
+}
+
+#endif // LLMC_DECODE_MATMUL_H
