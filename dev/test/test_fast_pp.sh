@@ -20,7 +20,7 @@
 #      dev/gpu/fast_tolerance.awk's bf16 tolerances (the same formulas as test_fast_e2e.sh);
 #      the bytes stage 0 sends over the pp group against their formula, bf16 in fast mode and
 #      fp32 in ./train_gpt2 --pp 2;
-#   4. tensor, sequence and context parallelism in fast mode: refused in one line.
+#   (tensor parallelism, and what fast mode refuses: dev/test/test_fast_tp.sh)
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -102,10 +102,3 @@ for v in "pp2_1f1b 2" "cpu_pp2 4"; do
 done
 pass "stage 0's pp bytes per step: $((M * BTC * 2 + 4 * VpC)) in fast mode (bf16 boundaries), $((M * BTC * 4 + 4 * VpC)) in fp32"
 
-# 4. what fast mode does not run yet: one line naming the flags
-for flags in "--tp 2" "--tp 2 --sp 1" "--cp 2"; do
-  out=$($MPI 2 "${FAST[@]}" "${ARGS[@]}" $flags -o "$W/refused" 2>&1) && fail "fast mode $flags: not refused"
-  echo "$out" | grep -q "^error: \[rank [01]\] --tp/--sp/--cp: fast mode runs data and pipeline parallelism and ZeRO; .*--deterministic 1$" \
-    || fail "fast mode $flags: no one-line refusal ($(echo "$out" | grep -m1 -i error))"
-done
-pass "fast mode --tp 2, --tp 2 --sp 1, --cp 2: refused in one line"
