@@ -20,8 +20,10 @@
  * every schedule: a model chunk is a range of layers (ChunkPlace), stage boundaries are the
  * bf16 residual stream, and the split backward's halves (the zero-bubble and DualPipe
  * schedules) are the input gradients, then the cuBLASLt weight-gradient matmuls and the exact
- * reductions. The sampler decodes with a KV cache (one new row per token). In fast mode
- * train_gpt2.cu refuses --tp/--sp/--cp and mixture-of-experts models (-e with experts), and
+ * reductions. The sampler decodes with a KV cache (one new row per token). Tensor parallelism
+ * (one pipeline stage) splits the bf16 weights as tensor_parallel.h's pieces, with fp32 sums
+ * crossing the tp group (kernels_fast_tp.cuh). In fast mode train_gpt2.cu refuses --sp/--cp,
+ * --tp with --pp and mixture-of-experts models (-e with experts), and
  * says to use --deterministic 1.
  */
 #include "llmc/engine.h"
