@@ -28,22 +28,8 @@ command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun, fast-mode pipeline
 W=$(mktemp -d /tmp/llmc_fast_pp.XXXXXX)
 trap 'rm -rf "$W"' EXIT
 . dev/test/lib.sh   # fail, pass, MPI
-export OMP_NUM_THREADS=1   # 2 shared cores: OpenMP threads would only wait on each other
-for f in ./train_gpt2 ./train_gpt2cu_emu build/testdata; do [ -x "$f" ] || fail "$f is not built (make test builds it)"; done
-
-build/testdata tokens "$W/train.bin" 20000 512 1 || fail "could not write test tokens"
-build/testdata tokens "$W/val.bin" 3000 512 2 || fail "could not write test tokens"
-# 4 layers (interleaved and zbv: one a virtual stage), 4 microbatches of B*T = 32 a step
-# (dualpipe(v) need 2 x stages), validation and a sample at the end
-ARGS=(-e d4c32h2v512t32 -i "$W/train.bin" -j "$W/val.bin" -b 1 -t 32 -d 128 -l 1e-3 --shuffle 0
-      -x 2 -n 2 -v 2 -m 1 -s 2 -g 4)
-FAST=(./train_gpt2cu_emu --deterministic 0)
-
-# run NAME NP BIN... : output in $W/NAME (+ NAME.out); fails on an error exit
-run() {
-  local name=$1 np=$2; shift 2
-  $MPI "$np" "$@" -o "$W/$name" >"$W/$name.out" 2>&1 || { tail -5 "$W/$name.out"; fail "$name: $1 exited with an error"; }
-}
+. dev/test/fast_emu_lib.sh   # ARGS (4 layers: interleaved and zbv one a virtual stage; 4
+                             # microbatches, as dualpipe(v) need 2 x stages), FAST, run
 
 # identical REF NAME: main.log, the final checkpoint and the samples byte for byte
 identical() {

@@ -29,21 +29,8 @@ command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun, fast-mode tensor p
 W=$(mktemp -d /tmp/llmc_fast_tp.XXXXXX)
 trap 'rm -rf "$W"' EXIT
 . dev/test/lib.sh   # fail, pass, MPI
-export OMP_NUM_THREADS=1   # 2 shared cores: OpenMP threads would only wait on each other
-for f in ./train_gpt2 ./train_gpt2cu_emu build/testdata; do [ -x "$f" ] || fail "$f is not built (make test builds it)"; done
-
-build/testdata tokens "$W/train.bin" 20000 512 1 || fail "could not write test tokens"
-build/testdata tokens "$W/val.bin" 3000 512 2 || fail "could not write test tokens"
-# L = 4, C = 32, NH = 2 (one head a rank), V = Vp = 512; 4 microbatches of B*T = 32 a step
-L=4 C=32 B=1 T=32 M=4
-ARGS=(-e d4c32h2v512t32 -i "$W/train.bin" -j "$W/val.bin" -b $B -t $T -d 128 -l 1e-3 --shuffle 0
-      -x 2 -n 2 -v 2 -m 1 -s 2 -g 4)
-FAST=(./train_gpt2cu_emu --deterministic 0)
-
-run() {
-  local name=$1 np=$2; shift 2
-  $MPI "$np" "$@" -o "$W/$name" >"$W/$name.out" 2>&1 || { tail -5 "$W/$name.out"; fail "$name: $1 exited with an error"; }
-}
+. dev/test/fast_emu_lib.sh   # ARGS, FAST, run
+L=4 C=32 B=1 T=32 M=4        # ARGS' model and step: one head a rank, V = Vp = 512
 samples() { grep -A2 generating "$W/$1.out"; }
 
 # 1. --tp 2 against one rank
