@@ -16,3 +16,16 @@ run() {
   local name=$1 np=$2; shift 2
   $MPI "$np" "$@" -o "$W/$name" >"$W/$name.out" 2>&1 || { tail -5 "$W/$name.out"; fail "$name: $1 exited with an error"; }
 }
+
+# vs_cpu NAME LABEL: $W/NAME's main.log against ./train_gpt2's ($W/cpu, run first) within
+# dev/gpu/fast_tolerance.awk's bf16 tolerances (L = 4 layers, N = the step's 128 positions:
+# step 0, then the later steps' drift); passes saying by how much, or fails with the table
+vs_cpu() {
+  local res s0 dr
+  res=$(awk -v L=4 -v N=128 -v drift="$W/drift.txt" -f dev/gpu/fast_tolerance.awk \
+        "$W/cpu/main.log" "$W/cpu/main.log" "$W/$1/main.log")
+  s0=$(echo "$res" | sed -n 's/^S0 //p') dr=$(echo "$res" | sed -n 's/^DRIFT //p')
+  [ "${s0%% *}" = ok ] || { cat "$W/drift.txt"; fail "$2: step 0 vs the CPU: ${s0#* }"; }
+  [ "${dr%% *}" = ok ] || { cat "$W/drift.txt"; fail "$2: drift vs the CPU: ${dr#* }"; }
+  pass "fast mode $2 vs the CPU: step 0 ${s0#* }; ${dr#* }"
+}

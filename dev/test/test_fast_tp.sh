@@ -71,12 +71,7 @@ pass "fast mode --tp 2 vs one rank: ${res#* }; the same samples (KV cache = full
 
 # 2. against the fp32 reference
 run cpu 1 ./train_gpt2 "${ARGS[@]}"
-tol=$(awk -v L=$L -v N=$((M * B * T)) -v drift="$W/drift.txt" -f dev/gpu/fast_tolerance.awk \
-      "$W/cpu/main.log" "$W/cpu/main.log" "$W/tp2/main.log")
-s0=$(echo "$tol" | sed -n 's/^S0 //p') dr=$(echo "$tol" | sed -n 's/^DRIFT //p')
-[ "${s0%% *}" = ok ] || { cat "$W/drift.txt"; fail "--tp 2: step 0 vs the CPU: ${s0#* }"; }
-[ "${dr%% *}" = ok ] || { cat "$W/drift.txt"; fail "--tp 2: drift vs the CPU: ${dr#* }"; }
-pass "fast mode --tp 2 vs the CPU: step 0 ${s0#* }; ${dr#* }"
+vs_cpu tp2 "--tp 2"
 
 # 3. the tp bytes of a step (rank 0's table): per microbatch 4 all-reduces of B*T*C per layer
 # (forward: the attproj and fcproj partial outputs; backward: the qkv and fc input gradients),
