@@ -20,13 +20,17 @@
  * every schedule: a model chunk is a range of layers (ChunkPlace), stage boundaries are the
  * bf16 residual stream, and the split backward's halves (the zero-bubble and DualPipe
  * schedules) are the input gradients, then the cuBLASLt weight-gradient matmuls and the exact
- * reductions. The sampler decodes with a KV cache (one new row per token). In fast mode
- * train_gpt2.cu refuses --tp/--sp/--cp and mixture-of-experts models (-e with experts), and
+ * reductions. The sampler decodes with a KV cache (one new row per token). Tensor parallelism
+ * (one pipeline stage) splits the bf16 weights as tensor_parallel.h's pieces, with fp32 sums
+ * crossing the tp group (kernels_fast_tp.cuh). In fast mode train_gpt2.cu refuses --sp/--cp,
+ * --tp with --pp and mixture-of-experts models (-e with experts), and
  * says to use --deterministic 1.
  */
 #include "llmc/engine.h"
 #include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
 #include "llmc/kernels_fast.cuh"
+#include "llmc/kernels_fast_tp.cuh"
+#include "llmc/tensor_parallel.h"
 #include "llmc/matmul_cublaslt.cuh"
 #include "llmc/attention_flash.cuh"
 #ifdef LLMC_CUDNN
@@ -95,7 +99,13 @@ typedef struct {
     int first_layer, layers;   // layers: how many this chunk has (0: none)
     int has_embedding, has_head;
     int hold_head;         // wte stays held from the head's forward to its backward (one stage)
-    float* att_D;          // flash attention backward's rowsum(dO * O) (B,NH,T)
+    float* att_D;          // flash attention backward's rowsum(dO * O) (B,NH/K,T)
+    // tensor parallelism (tensor_parallel.h's split; K = 1: none): this rank's heads NHl, its
+    // attention width Cl = C/K, its vocabulary rows [v0, v0 + Vl) of wte
+    CommGroup* tp;
+    int K, NHl, Cl, v0, Vl;
+    float* tp_sum;         // (B*T,C) fp32: what crosses the tp group (kernels_fast_tp.cuh)
+    float *probs_slice, *probs_all;   // (Vl), (Vp) fp32: the sampler's gathered logits
 } FastModel;
 
 // Activations of one pass over up to (B, T) positions (layouts as train_gpt2.c's, l counting
@@ -108,6 +118,7 @@ typedef struct {
     int* targets_buf;
     floatX *encoded, *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3, *lnf, *logits, *proj;
     float *ln1_mean, *ln1_rstd, *att, *ln2_mean, *ln2_rstd, *lnf_mean, *lnf_rstd, *losses;
+    float* ce_stats;        // --tp: the vocab-parallel classifier's (3,B,T) max, Z and target logit
     // a split backward's gradients kept from its input half for its weight half: per layer
     // those at the outputs of its weights (FastOutGrads), the head's d lnf, the embeddings' d encoded
     floatX *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1, *dlnf, *dencoded;
@@ -117,8 +128,8 @@ typedef struct {
     floatX *dresidual, *dbtc, *dqkv, *dbt4c;
 } FastGrads;
 
-// Typed views of one layer's tensors in a unit buffer (zero.h's unit layout: one rank holds
-// the whole layer in fast mode, so the pieces are the 12 tensors in order).
+// Typed views of one layer's tensors in a unit buffer (zero.h's unit layout: the 12 tensors in
+// order, each this rank's tensor-parallel piece).
 template <typename X> struct LayerViews {
     X *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
 };
@@ -204,9 +215,7 @@ static FastWeights* fast_weights_use(Zero* zero) {
 
 static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zero, CommGroup* tp, CommGroup* cp,
                          int cp_a2a, int seq_parallel, int B, int T) {
-    if (tp->size != 1 || seq_parallel || cp->size != 1) {
-        fatal("internal: fast mode runs without tensor, sequence or context parallelism");
-    }
+    if (seq_parallel || cp->size != 1) { fatal("internal: fast mode runs without sequence or context parallelism"); }
     FastModel* m = (FastModel*)calloc_or_die(1, sizeof(FastModel), "model");
     m->config = *c;
     m->zero = zero;
@@ -217,7 +226,18 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
     m->has_head = place->has_head;
     m->hold_head = place->has_embedding && place->has_head;   // one stage: nothing runs in between
     m->weights = fast_weights_use(zero);
-    m->att_D = (float*)m->mem->alloc(sizeof(float) * (size_t)B * c->num_heads * T, "attention D");
+    m->tp = tp;
+    m->K = tp->size;
+    m->NHl = c->num_heads / m->K;
+    m->Cl = c->channels / m->K;
+    m->Vl = c->padded_vocab_size / m->K;
+    m->v0 = tp->rank * m->Vl;
+    m->att_D = (float*)m->mem->alloc(sizeof(float) * (size_t)B * m->NHl * T, "attention D");
+    if (m->K > 1) {
+        m->tp_sum = (float*)m->mem->alloc(sizeof(float) * (size_t)B * T * c->channels, "tensor-parallel sums");
+        m->probs_slice = (float*)m->mem->alloc(sizeof(float) * m->Vl, "sample logits");
+        m->probs_all = (float*)m->mem->alloc(sizeof(float) * c->padded_vocab_size, "sample logits");
+    }
     return m;
 }
 
@@ -228,6 +248,11 @@ static void fast_destroy(void* vm) {
         memset(m->weights, 0, sizeof(*m->weights));
     }
     m->mem->release(m->att_D);
+    if (m->K > 1) {
+        m->mem->release(m->tp_sum);
+        m->mem->release(m->probs_slice);
+        m->mem->release(m->probs_all);
+    }
     free(m);
 }
 
@@ -235,7 +260,7 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
                               size_t* bytes) {
     FastModel* m = (FastModel*)vm;
     const GPT2Config* c = &m->config;
-    size_t L = m->layers, C = c->channels, NH = c->num_heads, Vp = c->padded_vocab_size, BT = (size_t)B * T;
+    size_t L = m->layers, C = c->channels, Cl = m->Cl, NHl = m->NHl, Vl = m->Vl, BT = (size_t)B * T;
     size_t head = m->has_head;   // the head's tensors only on its chunk
     (void)split_seqs;
     FastActs* a = (FastActs*)calloc_or_die(1, sizeof(FastActs), "activations");
@@ -248,28 +273,29 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
     a->ln1 = act(m, L * BT * C, bytes);
     a->ln1_mean = act_f(m, L * BT, bytes);
     a->ln1_rstd = act_f(m, L * BT, bytes);
-    a->qkv = act(m, L * BT * 3 * C, bytes);
-    a->atty = act(m, L * BT * C, bytes);
-    a->att = act_f(m, L * gpu_attention_stats_stride(B, NH, T), bytes);
+    a->qkv = act(m, L * BT * 3 * Cl, bytes);
+    a->atty = act(m, L * BT * Cl, bytes);
+    a->att = act_f(m, L * gpu_attention_stats_stride(B, NHl, T), bytes);
     a->residual2 = act(m, L * BT * C, bytes);
     a->ln2 = act(m, L * BT * C, bytes);
     a->ln2_mean = act_f(m, L * BT, bytes);
     a->ln2_rstd = act_f(m, L * BT, bytes);
-    a->fch = act(m, L * BT * 4 * C, bytes);
-    a->fch_gelu = act(m, (recompute && L > 0 ? 1 : L) * BT * 4 * C, bytes);
+    a->fch = act(m, L * BT * 4 * Cl, bytes);
+    a->fch_gelu = act(m, (recompute && L > 0 ? 1 : L) * BT * 4 * Cl, bytes);
     a->residual3 = act(m, L * BT * C, bytes);
     a->lnf = act(m, head * BT * C, bytes);
     a->lnf_mean = act_f(m, head * BT, bytes);
     a->lnf_rstd = act_f(m, head * BT, bytes);
-    a->logits = act(m, head * BT * Vp, bytes);
+    a->logits = act(m, head * BT * Vl, bytes);
     a->losses = act_f(m, head * BT, bytes);
+    a->ce_stats = act_f(m, (m->K > 1) * head * 3 * BT, bytes);
     a->proj = act(m, BT * C, bytes);
     if (split_backward) {
         a->dfcproj = act(m, L * BT * C, bytes);
-        a->dfch = act(m, L * BT * 4 * C, bytes);
+        a->dfch = act(m, L * BT * 4 * Cl, bytes);
         a->dln2 = act(m, L * BT * C, bytes);
         a->dattproj = act(m, L * BT * C, bytes);
-        a->dqkv = act(m, L * BT * 3 * C, bytes);
+        a->dqkv = act(m, L * BT * 3 * Cl, bytes);
         a->dln1 = act(m, L * BT * C, bytes);
         a->dlnf = act(m, head * BT * C, bytes);
         a->dencoded = act(m, m->has_embedding * BT * C, bytes);
@@ -282,7 +308,7 @@ static void fast_acts_destroy(void* vm, void* va) {
     FastActs* a = (FastActs*)va;
     void* all[] = {a->inputs, a->targets_buf, a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty, a->att,
                    a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu, a->residual3, a->lnf,
-                   a->lnf_mean, a->lnf_rstd, a->logits, a->losses, a->proj, a->dfcproj, a->dfch, a->dln2,
+                   a->lnf_mean, a->lnf_rstd, a->logits, a->losses, a->ce_stats, a->proj, a->dfcproj, a->dfch, a->dln2,
                    a->dattproj, a->dqkv, a->dln1, a->dlnf, a->dencoded};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
         if (all[i]) { m->mem->release(all[i]); }
@@ -315,24 +341,76 @@ struct FastLayerActs {
     floatX *residual, *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3;
     float *ln1_mean, *ln1_rstd, *att, *ln2_mean, *ln2_rstd;
 };
-static FastLayerActs fast_layer_acts(const FastActs* a, const GPT2Config* c, int l, int B, int T, int t0) {
-    size_t C = c->channels, BT = (size_t)B * T, NH = c->num_heads, r0 = t0;
+static FastLayerActs fast_layer_acts(const FastModel* m, const FastActs* a, int l, int B, int T, int t0) {
+    size_t C = m->config.channels, Cl = m->Cl, BT = (size_t)B * T, r0 = t0;
     FastLayerActs v;
     v.residual = (l == 0 ? a->encoded : a->residual3 + (l - 1) * BT * C) + r0 * C;
     v.ln1 = a->ln1 + (l * BT + r0) * C;
     v.ln1_mean = a->ln1_mean + l * BT + r0;
     v.ln1_rstd = a->ln1_rstd + l * BT + r0;
-    v.qkv = a->qkv + (l * BT + r0) * 3 * C;
-    v.atty = a->atty + (l * BT + r0) * C;
-    v.att = a->att + l * gpu_attention_stats_stride(B, NH, T);
+    v.qkv = a->qkv + (l * BT + r0) * 3 * Cl;
+    v.atty = a->atty + (l * BT + r0) * Cl;
+    v.att = a->att + l * gpu_attention_stats_stride(B, m->NHl, T);
     v.residual2 = a->residual2 + (l * BT + r0) * C;
     v.ln2 = a->ln2 + (l * BT + r0) * C;
     v.ln2_mean = a->ln2_mean + l * BT + r0;
     v.ln2_rstd = a->ln2_rstd + l * BT + r0;
-    v.fch = a->fch + (l * BT + r0) * 4 * C;
-    v.fch_gelu = a->fch_gelu + ((a->recompute ? 0 : l * BT) + r0) * 4 * C;
+    v.fch = a->fch + (l * BT + r0) * 4 * Cl;
+    v.fch_gelu = a->fch_gelu + ((a->recompute ? 0 : l * BT) + r0) * 4 * Cl;
     v.residual3 = a->residual3 + (l * BT + r0) * C;
     return v;
+}
+
+// ---- tensor parallelism: the layers around tensor_parallel.h's collectives ------------------
+// With K = 1 each is the one-rank call itself. With K > 1 what crosses the tp group is fp32
+// (kernels_fast_tp.cuh says why), in m->tp_sum.
+
+// out (rows,C) = inp (rows,ICl) @ weight^T + bias of a row-parallel layer (attproj, fcproj):
+// this rank's partial sum over its ICl inputs; g forward: all-reduce (tp group) of the
+// partial outputs (rows,C); the replicated bias added once, after it, rounded to bf16.
+static void fast_row_parallel_forward(FastModel* m, floatX* out, const floatX* inp, const floatX* weight,
+                                      const floatX* bias, int rows, int ICl) {
+    int C = m->config.channels;
+    if (m->K == 1) { matmul_forward_fast(out, inp, weight, bias, rows, ICl, C, NULL); return; }
+    matmul_forward_partial_fast(m->tp_sum, inp, weight, rows, ICl, C);
+    tp_g_forward(m->tp, m->tp_sum, (size_t)rows * C);
+    bias_add_round(out, m->tp_sum, bias, (size_t)rows, C);
+}
+
+// dinp (rows,C) = dout (rows,OCl) @ weight of a column-parallel layer (qkv, fc, the LM head):
+// this rank's share from its OCl outputs; f backward: all-reduce (tp group) of the input
+// gradients (rows,C), rounded to bf16. (Its forward, f, is the identity: every rank holds the
+// whole layernorm output.)
+static void fast_column_parallel_dinp(FastModel* m, floatX* dinp, const floatX* dout, const floatX* weight, int rows,
+                                      int OCl) {
+    int C = m->config.channels;
+    if (m->K == 1) { matmul_backward_fast(dinp, NULL, NULL, dout, NULL, weight, 1, rows, C, OCl, NULL); return; }
+    matmul_backward_dinp_partial_fast(m->tp_sum, dout, weight, rows, C, OCl);
+    tp_f_backward(m->tp, m->tp_sum, (size_t)rows * C);
+    bias_add_round(dinp, m->tp_sum, NULL, (size_t)rows, C);
+}
+
+// logits (rows,Vl) -> losses (rows); with write_grad the logits become dlogits (dloss each).
+// Vocab-parallel: the forward (!write_grad) takes this rank's maxima, all-reduce MAX (tp
+// group), its sums of exponentials and the target logit where it holds it, all-reduce sum (tp
+// group), into a->ce_stats; the backward reuses them (no exchange) for the gradients.
+static void fast_classifier(FastModel* m, FastActs* a, float dloss, int rows, int write_grad) {
+    int V = m->config.vocab_size;
+    floatX* logits = a->logits;
+    const int* targets = a->targets;
+    if (m->K == 1) { fused_classifier(logits, a->losses, targets, dloss, rows, V, m->Vl, write_grad); return; }
+    float* stats = a->ce_stats;
+    if (!write_grad) {
+        LAUNCH(classifier_max_tp_kernel, rows, CLASSIFIER_THREADS, stats, logits, m->v0, m->Vl, V);
+        cudaLaunchCheck("classifier_max_tp_kernel");
+        tp_vocab_ce_max(m->tp, stats, (size_t)rows);
+        LAUNCH(classifier_sums_tp_kernel, rows, CLASSIFIER_THREADS, stats, logits, targets, m->v0, m->Vl, V, rows);
+        cudaLaunchCheck("classifier_sums_tp_kernel");
+        tp_vocab_ce_sums(m->tp, stats + rows, (size_t)rows);   // Z, then the target logits
+    }
+    LAUNCH(classifier_finish_tp_kernel, rows, CLASSIFIER_THREADS, logits, a->losses, stats, targets, dloss, m->v0,
+           m->Vl, V, rows, write_grad);
+    cudaLaunchCheck("classifier_finish_tp_kernel");
 }
 
 // The embeddings of `rows` positions from row t0 of a pass over (B, T) (all of them, or one
@@ -341,8 +419,15 @@ static void fast_embed_rows(FastModel* m, FastActs* a, int B, int T, int t0, int
     int C = m->config.channels;
     floatX* wte = fast_params(m, ZERO_WTE, ZERO_WPE);
     floatX* wpe = fast_params(m, ZERO_WPE, m->layers > 0 ? ZERO_LAYER(m->first_layer) : -1);
-    encoder_forward_fast(a->encoded + (size_t)t0 * C, a->inputs + t0, wte, wpe + (size_t)t0 * C,
-                         rows == 1 ? 1 : B, rows == 1 ? 1 : T, C);
+    int Bp = rows == 1 ? 1 : B, Tp = rows == 1 ? 1 : T;
+    if (m->K == 1) {
+        encoder_forward_fast(a->encoded + (size_t)t0 * C, a->inputs + t0, wte, wpe + (size_t)t0 * C, Bp, Tp, C);
+    } else {   // vocab-parallel: each row looked up by the rank holding its token (-0 elsewhere),
+               // all-reduce (tp group), then the positions added
+        encoder_lookup_tp(m->tp_sum, a->inputs + t0, wte, m->v0, m->Vl, (size_t)rows, C);
+        tp_vocab_embedding_reduce(m->tp, m->tp_sum, (size_t)rows * C);
+        encoder_add_positions_tp(a->encoded + (size_t)t0 * C, m->tp_sum, wpe + (size_t)t0 * C, Bp, Tp, C);
+    }
     fast_release(m, ZERO_WTE);
     fast_release(m, ZERO_WPE);
 }
@@ -359,29 +444,32 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
     if (m->layers == 0) { return; }
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
-    int C = c->channels, NH = c->num_heads, first = m->first_layer, last = first + m->layers;
+    int C = c->channels, Cl = m->Cl, NHl = m->NHl, first = m->first_layer, last = first + m->layers;
     int LNF = z->lay.num_units - 1, decode = rows == 1 && B * T > 1;
     int after_last = m->has_head ? LNF : -1;   // what ZeRO-3 prefetches after the chunk's last layer
     floatX* unit = fast_params(m, ZERO_LAYER(first), first + 1 < last ? ZERO_LAYER(first + 1) : after_last);
     LayerViews<floatX> w = layer_views(z, ZERO_LAYER(first), unit);
-    FastLayerActs x0 = fast_layer_acts(a, c, 0, B, T, t0);
+    FastLayerActs x0 = fast_layer_acts(m, a, 0, B, T, t0);
     layernorm_forward_fast(x0.ln1, x0.ln1_mean, x0.ln1_rstd, x0.residual, w.ln1w, w.ln1b, rows, C);
     for (int l = first; l < last; l++) {
-        FastLayerActs x = fast_layer_acts(a, c, l - first, B, T, t0);
-        matmul_forward_fast(x.qkv, x.ln1, w.qkvw, w.qkvb, rows, C, 3 * C, NULL);
+        FastLayerActs x = fast_layer_acts(m, a, l - first, B, T, t0);
+        // column-parallel qkv of this rank's NHl heads (f: identity), its heads' attention,
+        // row-parallel attproj (g: all-reduce, then the bias)
+        matmul_forward_fast(x.qkv, x.ln1, w.qkvw, w.qkvb, rows, C, 3 * Cl, NULL);
         if (decode) {   // query row t0 against the cached keys and values of rows 0..t0
-            attention_forward_fast_row(x.atty - (size_t)t0 * C, x.att, x.qkv - (size_t)t0 * 3 * C, t0, C, NH);
+            attention_forward_fast_row(x.atty - (size_t)t0 * Cl, x.att, x.qkv - (size_t)t0 * 3 * Cl, t0, Cl, NHl);
         } else {
-            fast_attention_forward(x.atty, x.att, x.qkv, B, T, C, NH);
+            fast_attention_forward(x.atty, x.att, x.qkv, B, T, Cl, NHl);
         }
-        matmul_forward_fast(a->proj, x.atty, w.attprojw, w.attprojb, rows, C, C, NULL);
+        fast_row_parallel_forward(m, a->proj, x.atty, w.attprojw, w.attprojb, rows, Cl);
         fused_residual_layernorm(x.residual2, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual, a->proj, w.ln2w, w.ln2b, rows, C);
-        matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, rows, C, 4 * C, x.fch);   // + GELU, keeps fch
-        matmul_forward_fast(a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, rows, 4 * C, C, NULL);
+        // column-parallel fc (+ GELU, keeps fch), row-parallel fcproj
+        matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, rows, C, 4 * Cl, x.fch);
+        fast_row_parallel_forward(m, a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, rows, 4 * Cl);
         if (l + 1 < last) {
             floatX* next = fast_params(m, ZERO_LAYER(l + 1), l + 2 < last ? ZERO_LAYER(l + 2) : after_last);
             LayerViews<floatX> wn = layer_views(z, ZERO_LAYER(l + 1), next);
-            FastLayerActs xn = fast_layer_acts(a, c, l + 1 - first, B, T, t0);
+            FastLayerActs xn = fast_layer_acts(m, a, l + 1 - first, B, T, t0);
             fused_residual_layernorm(x.residual3, xn.ln1, xn.ln1_mean, xn.ln1_rstd, x.residual2, a->proj,
                                      wn.ln1w, wn.ln1b, rows, C);
             fast_release(m, ZERO_LAYER(l));
@@ -407,7 +495,7 @@ static void fast_layers_forward(void* vm, void* va, int B, int T) { fast_layers_
 // the backward to turn the logits into their gradient (it needs the step's dloss).
 static void fast_head_rows(FastModel* m, FastActs* a, int t0, int rows, int training) {
     const GPT2Config* c = &m->config;
-    int C = c->channels, Vp = c->padded_vocab_size;
+    int C = c->channels, Vl = m->Vl;
     if (m->layers == 0) {
         floatX* lnf = fast_params(m, m->zero->lay.num_units - 1, ZERO_WTE);
         layernorm_forward_fast(a->lnf + (size_t)t0 * C, a->lnf_mean + t0, a->lnf_rstd + t0, a->encoded + (size_t)t0 * C,
@@ -415,10 +503,9 @@ static void fast_head_rows(FastModel* m, FastActs* a, int t0, int rows, int trai
         fast_release(m, m->zero->lay.num_units - 1);
     }
     floatX* wte = fast_params(m, ZERO_WTE, -1);
-    matmul_forward_fast(a->logits + (size_t)t0 * Vp, a->lnf + (size_t)t0 * C, wte, NULL, rows, C, Vp, NULL);
-    if (a->targets) {
-        fused_classifier(a->logits, a->losses, a->targets, 0.0f, rows, c->vocab_size, Vp, 0);
-    }
+    // the vocab-parallel LM head: this rank's Vl logits of each position (f: identity)
+    matmul_forward_fast(a->logits + (size_t)t0 * Vl, a->lnf + (size_t)t0 * C, wte, NULL, rows, C, Vl, NULL);
+    if (a->targets) { fast_classifier(m, a, 0.0f, rows, 0); }
     if (!(training && m->hold_head)) { fast_release(m, ZERO_WTE); }
 }
 
@@ -449,11 +536,17 @@ static float fast_loss_sum(void* vm, void* va, int B, int T) {
 static void fast_probs_at(void* vm, void* va, int position, float* probs) {
     FastModel* m = (FastModel*)vm;
     FastActs* a = (FastActs*)va;
-    int V = m->config.vocab_size, Vp = m->config.padded_vocab_size;
-    floatX* logits = (floatX*)malloc_or_die(sizeof(floatX) * Vp, "sample logits");
-    m->mem->to_host(logits, a->logits + (size_t)position * Vp, sizeof(floatX) * Vp);
+    int V = m->config.vocab_size, Vp = m->config.padded_vocab_size, Vl = m->Vl;
+    floatX* logits = (floatX*)malloc_or_die(sizeof(floatX) * Vl, "sample logits");
+    m->mem->to_host(logits, a->logits + (size_t)position * Vl, sizeof(floatX) * Vl);
+    for (int v = 0; v < Vl; v++) { probs[v] = __bfloat162float(logits[v]); }
+    if (m->K > 1) {   // every rank's Vl logits (exactly, in fp32): all-gather (tp group)
+        m->mem->from_host(m->probs_slice, probs, sizeof(float) * Vl);
+        tp_gather_vocab(m->tp, m->probs_slice, m->probs_all, (size_t)Vl);
+        m->mem->to_host(probs, m->probs_all, sizeof(float) * Vp);
+    }
     float maxv = -canon_inf(), sum = 0.0f;
-    for (int v = 0; v < V; v++) { probs[v] = __bfloat162float(logits[v]); if (probs[v] > maxv) { maxv = probs[v]; } }
+    for (int v = 0; v < V; v++) { if (probs[v] > maxv) { maxv = probs[v]; } }
     for (int v = 0; v < V; v++) { probs[v] = canon_expf(probs[v] - maxv); sum += probs[v]; }
     for (int v = 0; v < Vp; v++) { probs[v] = v < V ? probs[v] / sum : 0.0f; }
     free(logits);
@@ -461,14 +554,14 @@ static void fast_probs_at(void* vm, void* va, int position, float* probs) {
 
 static void* fast_grads_create(void* vm, int B, int T, int split_seqs, size_t* bytes) {
     FastModel* m = (FastModel*)vm;
-    size_t BTC = (size_t)B * T * m->config.channels;
+    size_t BTC = (size_t)B * T * m->config.channels, BTCl = (size_t)B * T * m->Cl;
     (void)split_seqs;
     FastGrads* g = (FastGrads*)calloc_or_die(1, sizeof(FastGrads), "activation gradients");
     *bytes = 0;
     g->dresidual = act(m, BTC, bytes);
     g->dbtc = act(m, BTC, bytes);
-    g->dqkv = act(m, 3 * BTC, bytes);
-    g->dbt4c = act(m, 4 * BTC, bytes);
+    g->dqkv = act(m, 3 * BTCl, bytes);
+    g->dbt4c = act(m, 4 * BTCl, bytes);
     return g;
 }
 
@@ -505,12 +598,11 @@ static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float
     floatX* out = fast_chunk_output(m, a, B, T);   // lnf's input
     if (in) {
         floatX* wte = m->hold_head ? fast_bf16_of(m, ZERO_WTE, 0) : fast_params(m, ZERO_WTE, -1);
-        fused_classifier(a->logits, a->losses, a->targets, dloss, BT, c->vocab_size, c->padded_vocab_size, 1);
-        matmul_backward_fast(dlnf, NULL, NULL, a->logits, NULL, wte, B, T, C, c->padded_vocab_size, NULL);
+        fast_classifier(m, a, dloss, BT, 1);
+        fast_column_parallel_dinp(m, dlnf, a->logits, wte, BT, m->Vl);
     }
     if (wt) {
-        matmul_backward_fast(NULL, zero_grad_unit(z, ZERO_WTE), NULL, a->logits, a->lnf, NULL, B, T, C,
-                             c->padded_vocab_size, NULL);
+        matmul_backward_fast(NULL, zero_grad_unit(z, ZERO_WTE), NULL, a->logits, a->lnf, NULL, B, T, C, m->Vl, NULL);
         zero_grad_unit_done(z, ZERO_WTE);
     }
     if (in) {
@@ -532,11 +624,11 @@ static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float
 // (d fcproj and d attproj are then d(residual) itself, read before the layernorm below
 // changes it).
 struct FastOutGrads { floatX *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1; };
-static FastOutGrads fast_out_grads(const FastActs* a, const FastGrads* g, const GPT2Config* c, int l, int B, int T) {
+static FastOutGrads fast_out_grads(const FastModel* m, const FastActs* a, const FastGrads* g, int l, int B, int T) {
     if (!a->split_backward) { return (FastOutGrads){g->dresidual, g->dbt4c, g->dbtc, g->dresidual, g->dqkv, g->dbtc}; }
-    size_t BTC = (size_t)B * T * c->channels;
-    return (FastOutGrads){a->dfcproj + l * BTC, a->dfch + l * 4 * BTC, a->dln2 + l * BTC, a->dattproj + l * BTC,
-                          a->dqkv + l * 3 * BTC, a->dln1 + l * BTC};
+    size_t BT = (size_t)B * T, BTC = BT * m->config.channels, BTCl = BT * m->Cl;
+    return (FastOutGrads){a->dfcproj + l * BTC, a->dfch + l * 4 * BTCl, a->dln2 + l * BTC, a->dattproj + l * BTC,
+                          a->dqkv + l * 3 * BTCl, a->dln1 + l * BTC};
 }
 
 // The chunk's layers. Input half: g->dresidual = d(loss)/d(chunk output) in, d(loss)/d(chunk
@@ -547,7 +639,7 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
     FastGrads* g = (FastGrads*)vg;
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
-    int C = c->channels, NH = c->num_heads, BT = B * T, in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT;
+    int C = c->channels, Cl = m->Cl, BT = B * T, in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT;
     size_t BTC = (size_t)BT * C;
     int first = m->first_layer;
     for (int l = first + m->layers - 1; l >= first; l--) {
@@ -557,28 +649,30 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
         memset(&dw, 0, sizeof(dw));
         if (in) { w = layer_views(z, ZERO_LAYER(l), fast_params(m, ZERO_LAYER(l), l > first ? ZERO_LAYER(l - 1) : -1)); }
         if (wt) { dw = layer_views(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l))); }
-        FastLayerActs x = fast_layer_acts(a, c, l - first, B, T, 0);
-        FastOutGrads d = fast_out_grads(a, g, c, l - first, B, T);
+        FastLayerActs x = fast_layer_acts(m, a, l - first, B, T, 0);
+        FastOutGrads d = fast_out_grads(m, a, g, l - first, B, T);
         // MLP; the fcproj backward's epilogue applies gelu'(fch): d fch
         if (in && a->split_backward) { cudaCheck(cudaMemcpyAsync(d.dfcproj, g->dresidual, BTC * sizeof(floatX), cudaMemcpyDeviceToDevice)); }
-        if (in) { matmul_backward_fast(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, 4 * C, C, x.fch); }
+        // (row-parallel fcproj: g backward is the identity, d fch is this rank's 4C/K columns;
+        // its replicated bias's gradient is the same on every rank)
+        if (in) { matmul_backward_fast(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, 4 * Cl, C, x.fch); }
         if (wt) {
-            if (a->recompute) { gelu_forward_fast(x.fch_gelu, x.fch, (size_t)BT * 4 * C); }
-            matmul_backward_fast(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, 4 * C, C, NULL);
+            if (a->recompute) { gelu_forward_fast(x.fch_gelu, x.fch, (size_t)BT * 4 * Cl); }
+            matmul_backward_fast(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, 4 * Cl, C, NULL);
         }
-        if (in) { matmul_backward_fast(d.dln2, NULL, NULL, d.dfch, NULL, w.fcw, B, T, C, 4 * C, NULL); }
-        if (wt) { matmul_backward_fast(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, 4 * C, NULL); }
+        if (in) { fast_column_parallel_dinp(m, d.dln2, d.dfch, w.fcw, BT, 4 * Cl); }
+        if (wt) { matmul_backward_fast(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, 4 * Cl, NULL); }
         if (in) { layernorm_backward_fast(g->dresidual, d.dln2, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, BT, C); }
         if (wt) { layernorm_param_grads_x(dw.ln2w, dw.ln2b, NULL, x.residual2, d.dln2, 1, x.ln2_mean, x.ln2_rstd, B, T, C, CANON_R); }
         // attention; d atty in g->dbtc (the whole backward's d ln2 is used up by now)
         if (in && a->split_backward) { cudaCheck(cudaMemcpyAsync(d.dattproj, g->dresidual, BTC * sizeof(floatX), cudaMemcpyDeviceToDevice)); }
-        if (in) { matmul_backward_fast(g->dbtc, NULL, NULL, d.dattproj, NULL, w.attprojw, B, T, C, C, NULL); }
-        if (wt) { matmul_backward_fast(NULL, dw.attprojw, dw.attprojb, d.dattproj, x.atty, NULL, B, T, C, C, NULL); }
+        if (in) { matmul_backward_fast(g->dbtc, NULL, NULL, d.dattproj, NULL, w.attprojw, B, T, Cl, C, NULL); }
+        if (wt) { matmul_backward_fast(NULL, dw.attprojw, dw.attprojb, d.dattproj, x.atty, NULL, B, T, Cl, C, NULL); }
         if (in) {
-            fast_attention_backward(d.dqkv, g->dbtc, x.qkv, x.atty, x.att, m->att_D, B, T, C, NH);
-            matmul_backward_fast(d.dln1, NULL, NULL, d.dqkv, NULL, w.qkvw, B, T, C, 3 * C, NULL);
+            fast_attention_backward(d.dqkv, g->dbtc, x.qkv, x.atty, x.att, m->att_D, B, T, Cl, m->NHl);
+            fast_column_parallel_dinp(m, d.dln1, d.dqkv, w.qkvw, BT, 3 * Cl);
         }
-        if (wt) { matmul_backward_fast(NULL, dw.qkvw, dw.qkvb, d.dqkv, x.ln1, NULL, B, T, C, 3 * C, NULL); }
+        if (wt) { matmul_backward_fast(NULL, dw.qkvw, dw.qkvb, d.dqkv, x.ln1, NULL, B, T, C, 3 * Cl, NULL); }
         if (in) {
             layernorm_backward_fast(g->dresidual, d.dln1, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, BT, C);
             fast_release(m, ZERO_LAYER(l));
@@ -606,7 +700,7 @@ static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T, int 
     if (!(part & BACKWARD_WEIGHT)) { return; }
     int lookup_unit = zero_lookup_unit(z);
     encoder_backward_x(zero_grad_unit(z, lookup_unit), zero_grad_unit(z, ZERO_WPE), dencoded, 1, a->inputs, B, T,
-                       c->channels, 0, c->padded_vocab_size, c->max_seq_len);
+                       c->channels, m->v0, m->Vl, c->max_seq_len);
     zero_grad_unit_done(z, ZERO_WPE);
     zero_grad_unit_done(z, lookup_unit);
 }

@@ -19,5 +19,10 @@ TESTS += dev/test/test_fast_e2e.sh
 
 # fast mode with pipeline parallelism: every schedule on 2 stages, 4 stages, DP 2 x PP 2, bit-identical
 # to one rank of fast mode (samples with the KV cache = without), within the bf16 tolerances of
-# train_gpt2; --tp/--sp/--cp refused in one line
+# train_gpt2
 TESTS += dev/test/test_fast_pp.sh
+
+# fast mode with tensor parallelism: --tp 2 within a derived tolerance of one rank (DP 2 x TP 2
+# at ZeRO-3 = TP 2 byte for byte), within the bf16 tolerances of train_gpt2, tp bytes = Megatron's
+# count; --sp/--cp and --tp with --pp refused in one line
+TESTS += dev/test/test_fast_tp.sh

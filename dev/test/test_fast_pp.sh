@@ -20,7 +20,7 @@
 #      dev/gpu/fast_tolerance.awk's bf16 tolerances (the same formulas as test_fast_e2e.sh);
 #      the bytes stage 0 sends over the pp group against their formula, bf16 in fast mode and
 #      fp32 in ./train_gpt2 --pp 2;
-#   4. tensor, sequence and context parallelism in fast mode: refused in one line.
+#   (tensor parallelism, and what fast mode refuses: dev/test/test_fast_tp.sh)
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -28,22 +28,8 @@ command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun, fast-mode pipeline
 W=$(mktemp -d /tmp/llmc_fast_pp.XXXXXX)
 trap 'rm -rf "$W"' EXIT
 . dev/test/lib.sh   # fail, pass, MPI
-export OMP_NUM_THREADS=1   # 2 shared cores: OpenMP threads would only wait on each other
-for f in ./train_gpt2 ./train_gpt2cu_emu build/testdata; do [ -x "$f" ] || fail "$f is not built (make test builds it)"; done
-
-build/testdata tokens "$W/train.bin" 20000 512 1 || fail "could not write test tokens"
-build/testdata tokens "$W/val.bin" 3000 512 2 || fail "could not write test tokens"
-# 4 layers (interleaved and zbv: one a virtual stage), 4 microbatches of B*T = 32 a step
-# (dualpipe(v) need 2 x stages), validation and a sample at the end
-ARGS=(-e d4c32h2v512t32 -i "$W/train.bin" -j "$W/val.bin" -b 1 -t 32 -d 128 -l 1e-3 --shuffle 0
-      -x 2 -n 2 -v 2 -m 1 -s 2 -g 4)
-FAST=(./train_gpt2cu_emu --deterministic 0)
-
-# run NAME NP BIN... : output in $W/NAME (+ NAME.out); fails on an error exit
-run() {
-  local name=$1 np=$2; shift 2
-  $MPI "$np" "$@" -o "$W/$name" >"$W/$name.out" 2>&1 || { tail -5 "$W/$name.out"; fail "$name: $1 exited with an error"; }
-}
+. dev/test/fast_emu_lib.sh   # ARGS (4 layers: interleaved and zbv one a virtual stage; 4
+                             # microbatches, as dualpipe(v) need 2 x stages), FAST, run
 
 # identical REF NAME: main.log, the final checkpoint and the samples byte for byte
 identical() {
@@ -78,15 +64,9 @@ run dp2_pp2_zbv 4 "${FAST[@]}" "${ARGS[@]}" --pp 2 --schedule zbv -z 1
 identical ref dp2_pp2_zbv
 pass "fast mode --pp 4 (1f1b) and 2 data x 2 pipeline (zbv, ZeRO-1): bit-identical to one rank"
 
-# 3. against the fp32 reference: L = 4 layers, N = the step's 128 positions (step 0, then
-# step 1's drift)
+# 3. against the fp32 reference
 run cpu 1 ./train_gpt2 "${ARGS[@]}"
-res=$(awk -v L=4 -v N=128 -v drift="$W/drift.txt" -f dev/gpu/fast_tolerance.awk \
-      "$W/cpu/main.log" "$W/cpu/main.log" "$W/pp2_1f1b/main.log")
-s0=$(echo "$res" | sed -n 's/^S0 //p') dr=$(echo "$res" | sed -n 's/^DRIFT //p')
-[ "${s0%% *}" = ok ] || { cat "$W/drift.txt"; fail "--pp 2 1f1b: step 0 vs the CPU: ${s0#* }"; }
-[ "${dr%% *}" = ok ] || { cat "$W/drift.txt"; fail "--pp 2 1f1b: drift vs the CPU: ${dr#* }"; }
-pass "fast mode --pp 2 1f1b vs the CPU: step 0 ${s0#* }; ${dr#* }"
+vs_cpu pp2_1f1b "--pp 2 1f1b"
 
 # the bytes a step sends over the pp group from stage 0 (its table is rank 0's): each of the
 # M = 4 microbatches' activations, B*T*C elements, 2 bytes in fast mode and 4 in the CPU's fp32,
@@ -102,10 +82,3 @@ for v in "pp2_1f1b 2" "cpu_pp2 4"; do
 done
 pass "stage 0's pp bytes per step: $((M * BTC * 2 + 4 * VpC)) in fast mode (bf16 boundaries), $((M * BTC * 4 + 4 * VpC)) in fp32"
 
-# 4. what fast mode does not run yet: one line naming the flags
-for flags in "--tp 2" "--tp 2 --sp 1" "--cp 2"; do
-  out=$($MPI 2 "${FAST[@]}" "${ARGS[@]}" $flags -o "$W/refused" 2>&1) && fail "fast mode $flags: not refused"
-  echo "$out" | grep -q "^error: \[rank [01]\] --tp/--sp/--cp: fast mode runs data and pipeline parallelism and ZeRO; .*--deterministic 1$" \
-    || fail "fast mode $flags: no one-line refusal ($(echo "$out" | grep -m1 -i error))"
-done
-pass "fast mode --tp 2, --tp 2 --sp 1, --cp 2: refused in one line"

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Fast mode (bf16) with tensor parallelism on the emulated GPU (./train_gpt2cu_emu
+# --deterministic 0 --tp 2, real mpirun), against the same fast run on one rank.
+#
+# Not bit-identical: cuBLASLt's fp32 accumulator sums a row-parallel layer's inputs (attproj,
+# fcproj) and a column-parallel layer's input gradient (qkv, fc, the LM head) in another order
+# when each rank sums its half and the all-reduce adds the halves, and the classifier's sum of
+# exponentials likewise. Everything else is the one-rank arithmetic: the embedding lookup is
+# exact (-0 from the ranks without the token), the bias is added once after the all-reduce,
+# and every sum crossing the tp group is fp32, rounded to bf16 once as one rank rounds it.
+# THE TOLERANCE (in fast_tolerance.awk's terms: u = 2^-8, S = 6, N = B*T positions): a
+# reordered fp32 sum of n <= 4C terms moves by at most n 2^-24 relative, so a bf16 rounding
+# of it comes out one bf16 ulp (u relative) apart with probability p <= n 2^-24 / u; of a
+# path's roundings K_tp = 4L + 1 can (2L row-parallel outputs, 2L + 1 input gradients). So
+#   |d loss| <= tol = S u sqrt(p K_tp / N)          (step 0, and the validation losses)
+#   rel |d norm| <= tol sqrt(2) (forward and backward)
+# plus fast_tolerance.awk's growth over later steps (tol_norm0 sqrt(s) (l_0 - l_s)).
+#   1. --tp 2 against one rank within that tolerance (the samples, from the gathered logits,
+#      equal; --kv-cache 0 samples = the KV cache's); 2 data x 2 tensor ranks at ZeRO-3 =
+#      --tp 2 alone byte for byte (the replicated tensors' gradients reduced over dp only);
+#   2. --tp 2 against the fp32 CPU reference ./train_gpt2 within dev/gpu/fast_tolerance.awk;
+#   3. the bytes a step sends over the tp group against Megatron's count (fp32, as
+#      ./train_gpt2 --tp 2 sends);
+#   4. what fast mode does not run yet (--sp, --cp, --tp with --pp): refused in one line.
+# Exits non-zero on the first failure, saying which.
+set -u
+cd "$(dirname "$0")/../.."
+command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun, fast-mode tensor parallelism is not tested"; exit 0; }
+W=$(mktemp -d /tmp/llmc_fast_tp.XXXXXX)
+trap 'rm -rf "$W"' EXIT
+. dev/test/lib.sh   # fail, pass, MPI
+. dev/test/fast_emu_lib.sh   # ARGS, FAST, run
+L=4 C=32 B=1 T=32 M=4        # ARGS' model and step: one head a rank, V = Vp = 512
+samples() { grep -A2 generating "$W/$1.out"; }
+
+# 1. --tp 2 against one rank
+run ref 1 "${FAST[@]}" "${ARGS[@]}"
+run tp2 2 "${FAST[@]}" "${ARGS[@]}" --tp 2
+res=$(awk -v S=6 -v u=0.00390625 -v n=$((4 * C)) -v Ktp=$((4 * L + 1)) -v N=$((M * B * T)) '
+  function abs(x) { return x < 0 ? -x : x }
+  function val(k,   i) { for (i = 2; i <= NF; i++) if (index($i, k ":") == 1) return substr($i, length(k) + 2); return "" }
+  FNR == 1 { f++ }
+  { s = substr($1, 3) + 0; tr = val("trl"); te = val("tel") }
+  tr != "" { l[f, s] = tr; nm[f, s] = val("norm"); if (f == 1) last = s }
+  te != "" { v[f, s] = te; if (f == 1) vs[s] = 1 }
+  END {
+    p = n * 2 ^ -24 / u; tol = S * u * sqrt(p * Ktp / N); tn = tol * sqrt(2); worst = 0; bad = ""
+    for (s = 0; s <= last; s++) {
+      if (!((2, s) in l)) { bad = bad " step " s " missing"; continue }
+      grow = tn * sqrt(s) * (l[1, 0] - l[1, s] > 0 ? l[1, 0] - l[1, s] : 0)
+      dl = abs(l[2, s] - l[1, s]) / (tol + grow); dn = abs(nm[2, s] - nm[1, s]) / abs(nm[1, s]) / (tn + grow)
+      if (dl > 1) bad = bad sprintf(" step %d loss %s vs %s", s, l[2, s], l[1, s])
+      if (dn > 1) bad = bad sprintf(" step %d norm %s vs %s", s, nm[2, s], nm[1, s])
+      if (dl > worst) worst = dl; if (dn > worst) worst = dn
+    }
+    for (s in vs) {
+      dv = abs(v[2, s] - v[1, s]) / tol
+      if (!((2, s) in v) || dv > 1) bad = bad sprintf(" val loss at step %d %s vs %s", s, v[2, s], v[1, s])
+      if (dv > worst) worst = dv
+    }
+    printf "%s tol %.2e nats (p %.1e, K_tp %d), worst difference %.2g of it\n", bad == "" ? "ok" : "bad" bad ":", tol, p, Ktp, worst
+  }' "$W/ref/main.log" "$W/tp2/main.log")
+[ "${res%% *}" = ok ] || fail "--tp 2 vs one rank: ${res#* }"
+diff <(samples ref) <(samples tp2) >/dev/null || fail "--tp 2: the samples differ from one rank's"
+run tp2_nokv 2 "${FAST[@]}" "${ARGS[@]}" --tp 2 --kv-cache 0
+diff <(samples tp2) <(samples tp2_nokv) >/dev/null || fail "--tp 2: the KV cache's samples differ from a full forward's"
+run dp2_tp2_z3 4 "${FAST[@]}" "${ARGS[@]}" --tp 2 -z 3
+cmp -s "$W/tp2/main.log" "$W/dp2_tp2_z3/main.log" || fail "2 data x 2 tensor ranks (ZeRO-3): main.log differs from --tp 2's"
+cmp -s "$W/tp2/model_00000002.bin" "$W/dp2_tp2_z3/model_00000002.bin" || fail "2 data x 2 tensor ranks (ZeRO-3): the checkpoint differs from --tp 2's"
+pass "fast mode --tp 2 vs one rank: ${res#* }; the same samples (KV cache = full forward); DP 2 x TP 2 (ZeRO-3) = TP 2 byte for byte"
+
+# 2. against the fp32 reference
+run cpu 1 ./train_gpt2 "${ARGS[@]}"
+vs_cpu tp2 "--tp 2"
+
+# 3. the tp bytes of a step (rank 0's table): per microbatch 4 all-reduces of B*T*C per layer
+# (forward: the attproj and fcproj partial outputs; backward: the qkv and fc input gradients),
+# the embedding lookup and the LM head's input gradient (B*T*C each), the classifier's maxima
+# (B*T) and (Z, target logit) (2*B*T) once (the backward reuses them). fp32: an all-reduce of
+# n floats over K ranks sends 2 (K-1) ceil(n/K) x 4 bytes.
+run cpu_tp2 2 ./train_gpt2 "${ARGS[@]}" --tp 2
+K=2
+ar() { echo $(( 2 * (K - 1) * (($1 + K - 1) / K) * 4 )); }
+btc=$((B * T * C)) bt=$((B * T))
+want=$(( M * ((4 * L + 2) * $(ar $btc) + $(ar $bt) + $(ar $((2 * bt)))) ))
+tp_bytes() { awk '$1 == "tp" { print $3; exit }' "$W/$1.out"; }
+for name in tp2 cpu_tp2; do
+  got=$(tp_bytes $name)
+  [ "$got" = "$want" ] || fail "$name: $got bytes over the tp group in step 1, Megatron's count is $want"
+done
+pass "tp bytes per step: $want (= Megatron's count in fp32, as ./train_gpt2 --tp 2 sends)"
+
+# 4. what fast mode does not run yet: one line naming the flags
+for flags in "--tp 2 --sp 1" "--cp 2"; do
+  out=$($MPI 2 "${FAST[@]}" "${ARGS[@]}" $flags -o "$W/refused" 2>&1) && fail "fast mode $flags: not refused"
+  echo "$out" | grep -q "^error: \[rank [01]\] --sp/--cp: fast mode runs data, tensor and pipeline parallelism and ZeRO; .*--deterministic 1$" \
+    || fail "fast mode $flags: no one-line refusal ($(echo "$out" | grep -m1 -i error))"
+done
+out=$($MPI 4 "${FAST[@]}" "${ARGS[@]}" --tp 2 --pp 2 -o "$W/refused" 2>&1) && fail "fast mode --tp 2 --pp 2: not refused"
+echo "$out" | grep -q "^error: \[rank [0-3]\] --tp with --pp: fast mode runs tensor parallelism on one pipeline stage only.*--deterministic 1$" \
+  || fail "fast mode --tp 2 --pp 2: no one-line refusal ($(echo "$out" | grep -m1 -i error))"
+pass "fast mode --tp 2 --sp 1, --cp 2, --tp 2 --pp 2: refused in one line"
