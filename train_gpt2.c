@@ -784,8 +784,8 @@ typedef struct {
 static void forward_matmul(GPT2* model, float* out, const float* inp, const float* weight, const float* bias, int rows,
                            int IC, int OC, int nchunks) {
 #ifndef LLMC_DEVICE_KERNELS
-    if (model->decoding && rows <= DECODE_MAX_ROWS) {
-        decode_matmul_forward(out, inp, decode_weights_get(model->decoding, weight, OC, IC), bias, rows, nchunks);
+    if (model->decoding) {
+        decode_matmul(model->decoding, out, inp, weight, bias, rows, IC, OC, nchunks);
         return;
     }
 #endif

@@ -20,8 +20,8 @@
  *
  * DecodeWeights holds the packed copies, each found by the address of the weight it copies
  * (decode_weights_get makes one on first use);
- * decode_matmul takes the packed kernel for up to DECODE_MAX_ROWS rows of a packed weight and
- * matmul_forward otherwise. A packed copy is a snapshot: repack when the weight changes.
+ * decode_matmul takes the packed kernel for up to DECODE_MAX_ROWS rows (packing the weight on
+ * its first such use) and matmul_forward otherwise. A packed copy is a snapshot: repack when the weight changes.
  */
 #ifndef LLMC_DECODE_MATMUL_H
 #define LLMC_DECODE_MATMUL_H
@@ -87,23 +87,6 @@ static inline void decode_weights_add(DecodeWeights* dw, const float* weight, in
     m->IC = IC;
     m->packed = (float*)aligned_calloc_or_die(sizeof(float) * panels * IC * DECODE_PANEL, "decode weights");
     decode_pack(m->packed, weight, OC, IC);
-}
-
-// Packed copies of every matrix a GPT-2 forward multiplies by (params in MEMORY order,
-// model.h): each layer's qkv, attention projection and MLP weights (a mixture-of-experts
-// layer's router and each expert's two matrices), and wte for the head's logits.
-static inline void decode_weights_pack_model(DecodeWeights* dw, const GPT2Config* c, const float* params) {
-    int C = c->channels, C4 = 4 * C, E = c->num_experts;
-    for (int l = 0; l < c->num_layers; l++) {
-        decode_weights_add(dw, params + param_offset(c, P_QKVW, l), 3 * C, C);
-        decode_weights_add(dw, params + param_offset(c, P_ATTPROJW, l), C, C);
-        if (E > 0) { decode_weights_add(dw, params + param_offset(c, P_ROUTERW, l), E, C); }
-        for (int x = 0; x < (E > 0 ? E : 1); x++) {   // expert x: block x of the stacked (E,4C,C), (E,C,4C)
-            decode_weights_add(dw, params + param_offset(c, P_FCW, l) + (size_t)x * C4 * C, C4, C);
-            decode_weights_add(dw, params + param_offset(c, P_FCPROJW, l) + (size_t)x * C * C4, C, C4);
-        }
-    }
-    decode_weights_add(dw, params + param_offset(c, P_WTE, 0), c->padded_vocab_size, C);
 }
 
 // the packed copy of weight (OC,IC), made now if dw has none
@@ -203,13 +186,12 @@ static inline void decode_matmul_forward(float* out, const float* inp, const Dec
     }
 }
 
-// matmul_forward's contract (kernels.h), on the packed copy of weight when dw has one and the
-// rows are few enough; the bits are the same either way.
-static inline void decode_matmul(const DecodeWeights* dw, float* out, const float* inp, const float* weight,
+// matmul_forward's contract (kernels.h), on the packed copy of weight (made on first use) when
+// the rows are few enough; the bits are the same either way.
+static inline void decode_matmul(DecodeWeights* dw, float* out, const float* inp, const float* weight,
                                  const float* bias, int N, int IC, int OC, int nchunks) {
-    const DecodeMatrix* m = N <= DECODE_MAX_ROWS ? decode_weights_find(dw, weight, OC, IC) : NULL;
-    if (m) {
-        decode_matmul_forward(out, inp, m, bias, N, nchunks);
+    if (N <= DECODE_MAX_ROWS) {
+        decode_matmul_forward(out, inp, decode_weights_get(dw, weight, OC, IC), bias, N, nchunks);
     } else {
         matmul_forward(out, inp, weight, bias, N, IC, OC, nchunks);
     }
