@@ -19,16 +19,20 @@
 set -u
 cd "$(dirname "$0")/../.."
 W=$(mktemp -d /tmp/llmc_emu_mutants.XXXXXX)
-trap 'rm -rf "$W"' EXIT
+trap 'kill $(jobs -p) 2>/dev/null; wait; rm -rf "$W"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 pass() { echo "ok   $*"; }
 
-# a copy of what the emulated kernel tests are built from
+# a copy of what the emulated kernel tests are built from; the emulator's own objects are
+# copied too (no mutation touches the emulator), so a mutant compiles only its test programs
 copy_tree() {
-  mkdir -p "$1/dev/test" "$1/dev/gpu"
+  mkdir -p "$1/dev/test" "$1/dev/gpu" "$1/build"
   cp -r Makefile mk llmc train_gpt2.c train_gpt2.cu "$1/"
   cp dev/test/test_cuda_host.c dev/test/test_emu.cpp dev/test/test_fast_emu.cpp "$1/dev/test/"
   cp -r dev/gpu/emu dev/gpu/attention_reference.h "$1/dev/gpu/"
+  for o in build/cuda_emu.o build/cuda_emu_race.o; do
+    [ -f "$o" ] && cp "$o" "$1/$o" && touch "$1/$o"
+  done
 }
 
 # mutant NAME FILE SED-SCRIPT WHAT: a copy of the tree with the sed script applied to FILE
@@ -37,52 +41,67 @@ mutant() {
   sed -i "$3" "$W/$1/$2"
   cmp -s "$2" "$W/$1/$2" && fail "mutation $1 did not apply: $4 not found"
 }
+# build NAME TARGET...: make the targets in mutant NAME in the background (all mutants build at
+# once, so the machine's cores are busy; built waits for one)
+build() {
+  local name=$1; shift
+  ( make -s -C "$W/$name" "$@" >"$W/$name.build.log" 2>&1; echo $? >"$W/$name.built" ) &
+}
+built() {
+  while [ ! -f "$W/$1.built" ]; do sleep 0.5; done
+  [ "$(cat "$W/$1.built")" = 0 ] || { tail -5 "$W/$1.build.log"; fail "mutant $1 did not build: $2"; }
+}
 # expect_caught NAME TEST PATTERN WHAT: TEST built in mutant NAME fails, saying PATTERN
 expect_caught() {
-  make -s -C "$W/$1" "$2" >"$W/$1.build.log" 2>&1 || { tail -5 "$W/$1.build.log"; fail "mutant $1 did not build $2"; }
-  "$W/$1/$2" >"$W/$1.log" 2>&1 && fail "$2 passed $4"
-  grep -q "$3" "$W/$1.log" || { tail -3 "$W/$1.log"; fail "$2 failed on $4, but not saying '$3'"; }
-  pass "$4: $(grep -m1 "$3" "$W/$1.log" | cut -c1-110)"
+  built "$1" "$2"
+  "$W/$1/$2" >"$W/$1.$(basename "$2").log" 2>&1 && fail "$2 passed $4"
+  local log="$W/$1.$(basename "$2").log"
+  grep -q "$3" "$log" || { tail -3 "$log"; fail "$2 failed on $4, but not saying '$3'"; }
+  pass "$4: $(grep -m1 "$3" "$log" | cut -c1-110)"
 }
 
+# The six mutants, made and set building first, checked in order after.
 # 1. the barrier
+mutant no_barrier llmc/kernels_det.cuh '/if (have) { store_tile(buf ^ 1); }/{n;/__syncthreads();/d}' \
+  "det_gemm_kernel's barrier"
+build no_barrier build/test_cuda_kernels_emu_race build/test_cuda_kernels_emu
+# 2. the tree order
+mutant sequential_tree llmc/gpu_plan.h \
+  's|        case 3: \*s1 = \*s1 + p; \*s0 = \*s0 + \*s1; break;|        case 3: *s0 = (*s0 + *s1) + p; break;|' \
+  "det_tree8_push's case 3"
+build sequential_tree build/test_cuda_kernels_emu
+# 3. a wrong fragment index
+mutant fragment llmc/attention_flash.cuh 's|ldmatrix_x4(a, s + (r0 + r + (i \& 1) \* 8)|ldmatrix_x4(a, s + (r0 + r + (i >> 1) * 8)|' \
+  "fa_frag_a's ldmatrix row address"
+build fragment build/test_emu build/test_fast_emu
+# 4. a missing cp.async wait
+mutant no_wait llmc/attention_flash.cuh '0,/cp_async_wait<1>();/{/cp_async_wait<1>();/d}' "the forward's cp_async_wait<1>"
+build no_wait build/test_fast_emu
+# 5. the causal mask one key late
+mutant mask llmc/attention_flash.cuh 's|if (kt == qt \&\& key > q) { v = -INFINITY; }|if (kt == qt \&\& key > q + 1) { v = -INFINITY; }|' \
+  "the forward's causal mask"
+build mask build/test_fast_emu
+# 6. a misaligned pointer passed to cuBLASLt
+mutant align llmc/matmul_cublaslt.cuh '/CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES/d' "the preference's A alignment"
+build align build/test_fast_emu
+
+# 1: the race check names the kernel, and the shuffled emulator alone gets wrong bits
 M1="$W/no_barrier"
-copy_tree "$M1"
-sed -i '/if (have) { store_tile(buf ^ 1); }/{n;/__syncthreads();/d}' "$M1/llmc/kernels_det.cuh"
-cmp -s llmc/kernels_det.cuh "$M1/llmc/kernels_det.cuh" && fail "mutation 1 did not apply: det_gemm_kernel's barrier not found"
-make -s -C "$M1" build/test_cuda_kernels_emu_race build/test_cuda_kernels_emu >"$W/build1.log" 2>&1 \
-  || { tail -5 "$W/build1.log"; fail "the mutant without the barrier did not build"; }
+built no_barrier "the race check and the shuffled kernels"
 "$M1/build/test_cuda_kernels_emu_race" >"$W/race.log" 2>&1 && fail "the race check passed a kernel without its barrier"
 grep -q "data race in kernel det_gemm_instance" "$W/race.log" || { tail -3 "$W/race.log"; fail "the race check did not name the racing kernel"; }
 pass "a removed barrier: $(grep -o 'data race in kernel det_gemm_instance: block [0-9]*: thread [0-9]* reads' "$W/race.log" | head -1)"
 "$M1/build/test_cuda_kernels_emu" >"$W/shuffle.log" 2>&1 && fail "the shuffled emulator gave right bits without the barrier"
 pass "... and the shuffled emulator: $(grep -c '^FAIL' "$W/shuffle.log") kernel comparisons fail"
 
-# 2. the tree order
-M2="$W/sequential_tree"
-copy_tree "$M2"
-sed -i 's|        case 3: \*s1 = \*s1 + p; \*s0 = \*s0 + \*s1; break;|        case 3: *s0 = (*s0 + *s1) + p; break;|' "$M2/llmc/gpu_plan.h"
-cmp -s llmc/gpu_plan.h "$M2/llmc/gpu_plan.h" && fail "mutation 2 did not apply: det_tree8_push's case 3 not found"
-make -s -C "$M2" build/test_cuda_kernels_emu >"$W/build2.log" 2>&1 || { tail -5 "$W/build2.log"; fail "the tree mutant did not build"; }
-"$M2/build/test_cuda_kernels_emu" >"$W/tree.log" 2>&1 && fail "the kernels matched train_gpt2.c with a left-to-right chunk sum"
+# 2: the device matmul check catches a left-to-right chunk sum
+built sequential_tree build/test_cuda_kernels_emu
+"$W/sequential_tree/build/test_cuda_kernels_emu" >"$W/tree.log" 2>&1 && fail "the kernels matched train_gpt2.c with a left-to-right chunk sum"
 grep -q "^FAIL device matmul_forward" "$W/tree.log" || { tail -3 "$W/tree.log"; fail "the tree mutant was not caught by the device matmul check"; }
 pass "a sequential tree instead of R1: $(grep -c '^FAIL device' "$W/tree.log") device kernel comparisons fail"
 
-# 3. a wrong fragment index
-mutant fragment llmc/attention_flash.cuh 's|ldmatrix_x4(a, s + (r0 + r + (i \& 1) \* 8)|ldmatrix_x4(a, s + (r0 + r + (i >> 1) * 8)|' \
-  "fa_frag_a's ldmatrix row address"
 expect_caught fragment build/test_emu "FAIL: ldmatrix + mma.sync" "a wrong ldmatrix row address (the mma tile)"
 expect_caught fragment build/test_fast_emu "FAIL: flash forward" "... and flash attention"
-
-# 4. a missing cp.async wait
-mutant no_wait llmc/attention_flash.cuh '0,/cp_async_wait<1>();/{/cp_async_wait<1>();/d}' "the forward's cp_async_wait<1>"
 expect_caught no_wait build/test_fast_emu "FAIL: flash forward" "a missing cp.async wait"
-
-# 5. the causal mask one key late
-mutant mask llmc/attention_flash.cuh 's|if (kt == qt \&\& key > q) { v = -INFINITY; }|if (kt == qt \&\& key > q + 1) { v = -INFINITY; }|' \
-  "the forward's causal mask"
 expect_caught mask build/test_fast_emu "FAIL: flash forward" "an off-by-one in the causal mask"
-
-# 6. a misaligned pointer passed to cuBLASLt
-mutant align llmc/matmul_cublaslt.cuh '/CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES/d' "the preference's A alignment"
 expect_caught align build/test_fast_emu "cuBLASLt error 7" "a cuBLASLt call with a misaligned pointer"
