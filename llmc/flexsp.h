@@ -34,6 +34,42 @@
 #include "llmc/comm.h"
 #include "llmc/memory.h"
 #include "llmc/utils.h"
+#include "llmc/varlen_flexsp.h"
+
+// ---- from a plan to the pool's blocks ---------------------------------------------------
+
+// sorted[0 .. n): the step's sequence indices by length descending, ties by index (the order
+// the planner takes its lengths in: varlen_flexsp.h).
+static inline void flexsp_sort_by_length(const double* len, int n, int* sorted) {
+    for (int i = 0; i < n; i++) { sorted[i] = i; }
+    for (int a = 1; a < n; a++) {   // stable insertion sort, descending length
+        int k = sorted[a], b = a;
+        while (b > 0 && len[sorted[b - 1]] < len[k]) { sorted[b] = sorted[b - 1]; b--; }
+        sorted[b] = k;
+    }
+}
+
+// Where each of the step's sequences runs: a plan's groups (aligned: largest first, as
+// flexsp_align_groups leaves them) laid over the pool in order, group k on the ranks after
+// groups 0 .. k-1, so each starts at a multiple of its size: exactly one of the pool's
+// sub-groups (comm.h comm_setup_pool_groups). group_of[i] is the group of the i-th longest
+// sequence, sorted[i] its index in the step; first[j], size[j]: sequence j's block of ranks.
+static inline void flexsp_plan_blocks(const FlexPlan* p, const int* group_of, const int* sorted, int n, int N,
+                                      int* first, int* size) {
+    int start[FLEXSP_MAX_POOL], at = 0;
+    for (int k = 0; k < p->ngroups; k++) {
+        if (at % p->size[k] != 0) { fatal("internal: FlexSP's group %d of %d ranks starts at rank %d", k, p->size[k], at); }
+        start[k] = at;
+        at += p->size[k];
+    }
+    if (at != N) { fatal("internal: FlexSP's plan covers %d of the pool's %d ranks", at, N); }
+    for (int i = 0; i < n; i++) {
+        first[sorted[i]] = start[group_of[i]];
+        size[sorted[i]] = p->size[group_of[i]];
+    }
+}
+
+// ---- the gradient exchange ---------------------------------------------------------------
 
 #define FLEXSP_TREE_DEPTH 40   // the R1 tree over G sequences is ceil(log2 G) + 1 entries deep
 

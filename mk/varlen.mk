@@ -17,7 +17,7 @@ TESTS += build/test_flexsp
 
 # FlexSP's per-sequence gradient exchange (llmc/flexsp.h), built like train_gpt2, on 1-4 ranks
 build/test_flexsp_exchange: dev/test/test_flexsp_exchange.c $(LLMC_HEADERS) | build
-	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
+	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) $(FLEXSP_GLPK) -o $@ $< $(FLEXSP_LIBS) $(LDLIBS)
 TEST_BINS += build/test_flexsp_exchange
 TESTS += dev/test/test_flexsp_exchange.sh
 

@@ -84,6 +84,41 @@ int main(int argc, char** argv) {
     // the whole pool as one group for every sequence (static's plan at the largest size)
     for (int j = 0; j < G; j++) { first[j] = 0; size[j] = P; }
     bad += check_plan("one group of the pool", first, size, G, 8);
+    // the planner's own plans (varlen_flexsp.h, FlexSP's GPT-7B cost model) of a long-tail step
+    // in scrambled index order, made on rank 0 and broadcast, laid over the pool's blocks
+    static const double base[G] = { 300, 40000, 80, 1000, 9000, 347, 20000, 40, 500, 3000, 120, 800, 200 };
+    double len[G];
+    for (int j = 0; j < G; j++) { len[j] = base[j] * P / 8; }   // the step fits the pool
+    FlexCost cost = flexsp_cost_gpt7b();
+    cost.params = 1e9;   // 7B's 16 bytes per parameter leave nothing to a pool of 1 or 2 devices
+    const char* policies[] = { "static", "adaptive", "milp" };
+    for (int policy = 0; policy < 3; policy++) {
+        int blocks[2 * G];
+        if (comm.world.rank == 0) {
+            int sorted[G], group_of[G];
+            double sorted_len[G];
+            flexsp_sort_by_length(len, G, sorted);
+            for (int i = 0; i < G; i++) { sorted_len[i] = len[sorted[i]]; }
+            FlexPlan plan;
+            double ms;
+            if (policy == 0) {
+                ms = flexsp_uniform_plan(&cost, sorted_len, G, P, flexsp_min_group(&cost, sorted_len[0], P), &plan, group_of);
+            } else if (policy == 1) {
+                ms = flexsp_adaptive_plan(&cost, sorted_len, G, P, &plan, group_of);
+            } else {
+                flexsp_milp_plan(&cost, sorted_len, G, P, 200, 1, &plan, group_of, NULL, NULL);
+                ms = plan.ms;
+            }
+            if (!(ms < INFINITY)) { fatal("%s: no plan fits the pool of %d", policies[policy], P); }
+            flexsp_plan_blocks(&plan, group_of, sorted, G, P, blocks, blocks + G);
+            printf("%s plan on %d ranks (%.0f ms simulated):", policies[policy], P, ms);
+            for (int j = 0; j < G; j++) { printf(" %.0f@[%d,%d)", len[j], blocks[j], blocks[j] + blocks[G + j]); }
+            printf("\n");
+        }
+        // broadcast (the whole pool; the plan): every sequence's block of ranks, from rank 0
+        comm_broadcast(&comm.world, blocks, sizeof(blocks), 0, COMM_KIND_OTHER);
+        bad += check_plan(policies[policy], blocks, blocks + G, G, 37);
+    }
     float any = (float)bad;
     comm_all_reduce_max(&comm.world, &any, 1, COMM_KIND_OTHER);
     if (comm.world.rank == 0) { printf("%s: flexsp exchange on %d ranks\n", any == 0.0f ? "OK" : "FAIL", P); }
