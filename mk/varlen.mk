@@ -21,6 +21,10 @@ build/test_flexsp_exchange: dev/test/test_flexsp_exchange.c $(LLMC_HEADERS) | bu
 TEST_BINS += build/test_flexsp_exchange
 TESTS += dev/test/test_flexsp_exchange.sh
 
+.PHONY: bench-flexsp
+bench-flexsp: train_gpt2
+	dev/bench/bench_flexsp.sh
+
 .PHONY: clean-varlen
 clean: clean-varlen
 clean-varlen:
