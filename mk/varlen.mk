@@ -15,6 +15,16 @@ build/test_flexsp: dev/test/test_flexsp.c $(LLMC_HEADERS) | build
 TEST_BINS += build/test_flexsp dev/tools/flexsp_plan
 TESTS += build/test_flexsp
 
+# FlexSP's per-sequence gradient exchange (llmc/flexsp.h), built like train_gpt2, on 1-4 ranks
+build/test_flexsp_exchange: dev/test/test_flexsp_exchange.c $(LLMC_HEADERS) | build
+	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) $(FLEXSP_GLPK) -o $@ $< $(FLEXSP_LIBS) $(LDLIBS)
+TEST_BINS += build/test_flexsp_exchange
+TESTS += dev/test/test_flexsp_exchange.sh
+
+.PHONY: bench-flexsp
+bench-flexsp: train_gpt2
+	dev/bench/bench_flexsp.sh
+
 .PHONY: clean-varlen
 clean: clean-varlen
 clean-varlen:
