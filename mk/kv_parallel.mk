@@ -1,0 +1,10 @@
+# KV parallelism for decode attention (llmc/kv_parallel.h, Helix's KVP), its test, its layout
+# model and its benchmark.
+#
+# build/test_kv_parallel is built like train_gpt2 (mpicc -DUSE_MPI when mpicc exists) and run on
+# 1, 2, 4 and 8 ranks (and 4 and 8 as KVP x TP 2) by dev/test/test_kv_parallel.sh.
+TEST_BINS += build/test_kv_parallel
+TESTS     += dev/test/test_kv_parallel.sh
+
+build/test_kv_parallel: dev/test/test_kv_parallel.c train_gpt2.c $(LLMC_HEADERS) | build
+	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
