@@ -8,3 +8,11 @@ TESTS     += dev/test/test_kv_parallel.sh
 
 build/test_kv_parallel: dev/test/test_kv_parallel.c train_gpt2.c $(LLMC_HEADERS) | build
 	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
+
+# The layout model (a table for the README, not a test): DeepSeek-R1-sized MoE on 16 H100s, TP,
+# EP and Helix's KVP x TP at 128K and 1M tokens of context.
+.PHONY: serve-layout-model
+build/serve_layout_model: dev/tools/serve_layout_model.c | build
+	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+serve-layout-model: build/serve_layout_model
+	build/serve_layout_model
