@@ -16,3 +16,10 @@ build/serve_layout_model: dev/tools/serve_layout_model.c | build
 	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
 serve-layout-model: build/serve_layout_model
 	build/serve_layout_model
+
+# The benchmark (dev/bench, not make test): one layer's decode attention per KVP size.
+.PHONY: bench-kvp
+build/bench_kv_parallel: dev/bench/bench_kv_parallel.c $(LLMC_HEADERS) | build
+	$(TRAIN_CC) $(CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
+bench-kvp: build/bench_kv_parallel
+	dev/bench/bench_kv_parallel.sh
