@@ -12,8 +12,8 @@
  * rank that holds whole chunks [r*8/P, (r+1)*8/P) holds a complete subtree of that tree, so its
  * partial sums combined over the group by the R1 tree in rank order (comm.h's all-reduce and
  * reduce-scatter are that tree) are the one-rank sums, bit for bit: no log-sum-exp rescaling.
- * Those chunks are the 2P-way stretches r and 2P-1-r of T (canonical.h R2Z, as context
- * parallelism cuts a sequence). Dealing KV blocks round-robin, as Helix does, would give every
+ * Those chunks are the 2P-way stretches r and 2P-1-r of T (canonical.h R2Z: zigzag.h's slicing,
+ * the one sequence and context parallelism cut a sequence with, applied to the cache). Dealing KV blocks round-robin, as Helix does, would give every
  * rank a piece of every chunk, whose in-order sum cannot be split, so it cannot be exact.
  * The price: a request shorter than T fills the low stretches first, so for short requests the
  * ranks' shares are uneven (a request of under T/(2P) positions lives on rank 0 alone); at a
