@@ -46,7 +46,10 @@
  *                                   rank r gets heads [r*NHl/P, (r+1)*NHl/P) of its group's
  *                                   heads, the Megatron row-parallel layout of the output
  *                                   projection over all P*tp ranks (Helix's layout for the
- *                                   projection and the FFN after attention)
+ *                                   projection and the FFN after attention): rank (kvp r, tp t)
+ *                                   holds channel slice t*P + r, so the projection's g is an
+ *                                   all-reduce over the KVP group, then over the TP group (a TP
+ *                                   rank's P slices are a subtree of the R1 tree)
  * Traffic (COMM_KIND_CP), bytes this rank sends per decode step of N rows (comm.h's formulas):
  *   max       2(P-1) * ceil(N*NHl/P) * 4
  *   Z         2(P-1) * ceil(N*NHl/P) * 4

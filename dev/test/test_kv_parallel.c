@@ -10,8 +10,8 @@
  * (all heads), and checks, bit for bit, what KVP computes for its heads from its share of the
  * cache, for both combines (all-reduce, and the reduce-scatter by heads). It also checks the
  * bytes each step sent against comm.h's formulas, and that a full-context request's blocks on a
- * rank are 1/P of one rank's. With KVP alone (tp 1) the reduce-scatter's heads then go through
- * the row-parallel output projection on the same ranks, against the one-rank projection. Prints the bytes per generated token of each collective.
+ * rank are 1/P of one rank's. The reduce-scatter's heads then go through the row-parallel
+ * output projection on the same P x tp ranks, against the one-rank projection. Prints the bytes per generated token of each collective.
  *
  *   build/test_kv_parallel --check --kvp P --tp tp --context T --block-size bs --heads NH
  * (no MPI) prints kvp_problem's refusal line and exits 1, or exits 0 when the layout is fine.
@@ -125,18 +125,21 @@ static void check_case(Comm* comm, int tp, int T, int bs, int C, int NH, const i
                  mode == 0 ? "all-reduce" : "reduce-scatter");
         int first = tp_rank * Cl + (combine == KVP_COMBINE_ALL_REDUCE ? 0 : kvp_rank * out_cols);
         expect_same_bits(what, out, out_cols, want + first, C, N, out_cols, rank);
-        if (combine == KVP_COMBINE_REDUCE_SCATTER && tp == 1) {
+        if (combine == KVP_COMBINE_REDUCE_SCATTER && CANON_R % (P * tp) == 0) {
             // the same ranks then run the attention output projection row-parallel on their heads'
-            // channels (8/P chunks of its inputs each), the g all-reduce finishing the tree: the
-            // one-rank projection of the one-rank attention, bit for bit
+            // channels: channel slice tp_rank * P + kvp_rank of P*tp, 8/(P*tp) chunks of the
+            // inputs each. The slices of one TP rank are a subtree of the R1 tree, so the g
+            // all-reduce runs over the KVP group (in kvp rank order), then over the TP group (in
+            // tp rank order): the one-rank projection of the one-rank attention, bit for bit
             float* w = random_values((size_t)C * C, &seed);
             float* w_slice = (float*)malloc_or_die(sizeof(float) * (size_t)C * out_cols, "test projection slice");
             for (int o = 0; o < C; o++) { memcpy(w_slice + (size_t)o * out_cols, w + (size_t)o * C + first, sizeof(float) * out_cols); }
             float* proj = (float*)malloc_or_die(sizeof(float) * (size_t)N * C, "test projection");
             float* proj_one = (float*)malloc_or_die(sizeof(float) * (size_t)N * C, "test projection");
             matmul_forward(proj_one, want, w, NULL, N, C, C, CANON_R);
-            matmul_forward(proj, out, w_slice, NULL, N, out_cols, C, CANON_R / P);
-            tp_g_forward(g, proj, (size_t)N * C);   // its bytes count as tp, not cp
+            matmul_forward(proj, out, w_slice, NULL, N, out_cols, C, CANON_R / (P * tp));
+            tp_g_forward(g, proj, (size_t)N * C);                  // the KVP group: each TP rank's subtree
+            tp_g_forward(&comm->tp_group, proj, (size_t)N * C);    // the TP group: the root (bytes count as tp)
             char pwhat[256];
             snprintf(pwhat, sizeof(pwhat), "%s, then the row-parallel output projection", what);
             expect_same_bits(pwhat, proj, C, proj_one, C, N, C, rank);
