@@ -1,0 +1,291 @@
+/*
+ * kv_parallel.h: KV parallelism (KVP, Helix's name) for decode attention: each request's KV
+ * cache is cut along its positions over the P ranks of a KVP group; every rank attends with
+ * all of its query heads over the keys it holds, and the partial results are combined into
+ * exactly the bits one rank's paged attention (train_gpt2.c's attention_forward_paged, the
+ * server's) computes. The KV cache per rank is 1/P of a full-context request's.
+ *
+ * WHICH POSITIONS A RANK HOLDS (zig-zag stretches, not Helix's round-robin blocks)
+ * The serving attention reduces over a request's keys by canonical.h's rule R2Z over the
+ * model's context T (its maxT, whatever the request's length): 8 zig-zag chunks (chunk c =
+ * pieces c and 15-c of 16), each summed in order, the 8 partials combined by the R1 tree. A
+ * rank that holds whole chunks [r*8/P, (r+1)*8/P) holds a complete subtree of that tree, so its
+ * partial sums combined over the group by the R1 tree in rank order (comm.h's all-reduce and
+ * reduce-scatter are that tree) are the one-rank sums, bit for bit: no log-sum-exp rescaling.
+ * Those chunks are the 2P-way stretches r and 2P-1-r of T (canonical.h R2Z: zigzag.h's slicing,
+ * the one sequence and context parallelism cut a sequence with, applied to the cache). Dealing KV blocks round-robin, as Helix does, would give every
+ * rank a piece of every chunk, whose in-order sum cannot be split, so it cannot be exact.
+ * The price: a request shorter than T fills the low stretches first, so for short requests the
+ * ranks' shares are uneven (a request of under T/(2P) positions lives on rank 0 alone); at a
+ * full context every rank holds T/P positions. A stretch must be whole KV blocks: 2*P*block_size
+ * must divide T (kvp_problem).
+ *   rank r's local position l (its positions in increasing order, low stretch then high):
+ *   global position canon_zz_global(l, T, P, r); it lives in slot l % bs of block
+ *   table[l / bs] of the rank's own PagedKV (llmc/paged_kv.h), whose blocks hold rows of 2*Cl
+ *   floats (k | v of the rank's heads).
+ *
+ * HEADS (KVP x TP)
+ * A KVP group can be one of tp such groups, each holding NH/tp of the heads (Cl = C/tp
+ * channels, the rank's tensor-parallel slice of q, k and v from the column-parallel qkv
+ * matmul). Heads are independent in attention, so the KVP group's combine is over its own
+ * heads only.
+ *
+ * THE DECODE STEP, per query row (one generated token of one request) and head, over the
+ * rank's keys at positions <= t:
+ *   s = dot(q, k) / sqrt(hs)                    (R2 over hs, as one rank)
+ *   m = max over the KVP group of the local max    comm_all_reduce_max on the (N, NHl) maxes:
+ *                                                  exact in any order (R5)
+ *   Z = R1 over ranks of each rank's R1 subtree of its chunks' in-order sums of exp(s - m)
+ *                                                  comm_all_reduce_sum on the (N, NHl) subtree
+ *                                                  sums: comm.h's R1 tree over ranks in order
+ *   o = R1 over ranks of each rank's subtree of its chunks' in-order fmaf sums of (e/Z) * v
+ *       KVP_COMBINE_ALL_REDUCE:     comm_all_reduce_sum on the (N, Cl) partials: every rank
+ *                                   has o for all of its heads (then a row-parallel output
+ *                                   projection over the tp group, as without KVP)
+ *       KVP_COMBINE_REDUCE_SCATTER: comm_reduce_scatter of the partials laid out (P, N, Cl/P):
+ *                                   rank r gets heads [r*NHl/P, (r+1)*NHl/P) of its group's
+ *                                   heads, the Megatron row-parallel layout of the output
+ *                                   projection over all P*tp ranks (Helix's layout for the
+ *                                   projection and the FFN after attention): rank (kvp r, tp t)
+ *                                   holds channel slice t*P + r, so the projection's g is an
+ *                                   all-reduce over the KVP group, then over the TP group (a TP
+ *                                   rank's P slices are a subtree of the R1 tree)
+ * Traffic (COMM_KIND_CP), bytes this rank sends per decode step of N rows (comm.h's formulas):
+ *   max       2(P-1) * ceil(N*NHl/P) * 4
+ *   Z         2(P-1) * ceil(N*NHl/P) * 4
+ *   output    all-reduce 2(P-1) * ceil(N*Cl/P) * 4   or   reduce-scatter (P-1) * N*Cl/P * 4
+ * (kvp_step_bytes).
+ */
+#ifndef LLMC_KV_PARALLEL_H
+#define LLMC_KV_PARALLEL_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "llmc/canonical.h"
+#include "llmc/comm.h"
+#include "llmc/paged_kv.h"
+#include "llmc/utils.h"
+
+#define KVP_MAX_HS 256   // the head sizes the output partial's stack has room for
+
+typedef enum { KVP_COMBINE_ALL_REDUCE, KVP_COMBINE_REDUCE_SCATTER } KVPCombine;
+
+typedef struct {
+    int P, rank;        // the KVP group's size and this rank's place in it
+    int T, bs;          // the model's context (the R2Z length) and the KV block size
+    int NHl, hs;        // this rank's heads (NH/tp) and the head size
+    int Cl;             // NHl * hs: the channels of q, k and v this rank holds
+    KVPCombine combine;
+    float* scores;      // workspace: (N, NHl, T/P) scores, then their exps, by local position
+    float* partials;    // (N, Cl) the output partials, then (P, N, Cl/P) for a reduce-scatter
+    float* stats;       // (2, N, NHl) maxes, then Z subtree sums
+    int cap_rows;       // rows the partials and stats have room for
+} KVPLayout;
+
+// Why (P, tp, T, bs, NH, combine) cannot be laid out, as one line naming the flag, or NULL when
+// it can. line: room for the message.
+static inline const char* kvp_problem(char* line, size_t len, int P, int tp, int T, int bs, int NH,
+                                      KVPCombine combine) {
+    if (P < 1 || P > CANON_R || CANON_R % P != 0) {
+        snprintf(line, len, "--kvp %d: expected 1, 2, 4 or 8 (a KVP rank holds whole chunks of the %d canonical "
+                 "chunks of a request's keys)", P, CANON_R);
+    } else if (tp < 1 || NH % tp != 0) {
+        snprintf(line, len, "--tp %d: expected a divisor of the model's %d heads", tp, NH);
+    } else if (bs < 1 || T % (2 * P * bs) != 0) {
+        snprintf(line, len, "--kvp %d with --block-size %d: expected 2 x kvp x block size (%d) to divide the "
+                 "context length %d (each KVP rank holds two stretches of T/%d positions in whole blocks)",
+                 P, bs, 2 * P * bs, T, 2 * P);
+    } else if (combine == KVP_COMBINE_REDUCE_SCATTER && (NH / tp) % P != 0) {
+        snprintf(line, len, "--kvp %d: expected a divisor of the %d heads per tensor-parallel rank to scatter "
+                 "the attention output by heads", P, NH / tp);
+    } else {
+        return NULL;
+    }
+    return line;
+}
+
+static inline void kvp_init(KVPLayout* lay, int P, int rank, int tp, int T, int bs, int C, int NH, KVPCombine combine) {
+    char line[256];
+    const char* problem = kvp_problem(line, sizeof(line), P, tp, T, bs, NH, combine);
+    if (problem) { fatal("%s", problem); }
+    memset(lay, 0, sizeof(*lay));
+    lay->P = P;
+    lay->rank = rank;
+    lay->T = T;
+    lay->bs = bs;
+    lay->NHl = NH / tp;
+    lay->hs = C / NH;
+    lay->Cl = lay->NHl * lay->hs;
+    lay->combine = combine;
+}
+
+static inline void kvp_free(KVPLayout* lay) {
+    free(lay->scores);
+    free(lay->partials);
+    free(lay->stats);
+}
+
+// Positions of each of this rank's two stretches.
+static inline int kvp_stretch(const KVPLayout* lay) { return lay->T / (2 * lay->P); }
+
+// The rank of the KVP group that holds global position p.
+static inline int kvp_owner(const KVPLayout* lay, int p) {
+    int h = kvp_stretch(lay), s = p / h;   // stretch s of 2P
+    return s < lay->P ? s : 2 * lay->P - 1 - s;
+}
+
+// This rank's local position of global position p (which it must own).
+static inline int kvp_local(const KVPLayout* lay, int p) {
+    int h = kvp_stretch(lay);
+    return p < lay->T / 2 ? p - lay->rank * h : h + p - (lay->T - (lay->rank + 1) * h);
+}
+
+// Grows this rank's block table to hold its share of a request's positions [0, positions):
+// 1 when done, 0 (unchanged) when the rank's free list is short. Its share is a prefix of its
+// local positions, so the table grows like a one-rank table does.
+static inline int kvp_reserve(PagedKV* kv, BlockTable* bt, const KVPLayout* lay, int positions) {
+    int local = positions > 0 ? canon_zz_count_le(positions - 1, lay->T, lay->P, lay->rank) : 0;
+    return block_table_reserve(kv, bt, local);
+}
+
+// Stores the k and v (Cl each, this rank's heads) of global position p of layer l, if this rank
+// holds p; returns whether it did. The table must have been reserved past p.
+static inline int kvp_store(PagedKV* kv, const BlockTable* bt, const KVPLayout* lay, int l, int p,
+                            const float* k, const float* v) {
+    if (kvp_owner(lay, p) != lay->rank) { return 0; }
+    int local = kvp_local(lay, p);
+    float* row = paged_kv_layer(kv, l) + bt->blocks[local / lay->bs] * paged_kv_block_stride(kv) +
+                 (long)(local % lay->bs) * 2 * lay->Cl;
+    memcpy(row, k, sizeof(float) * lay->Cl);
+    memcpy(row + lay->Cl, v, sizeof(float) * lay->Cl);
+    return 1;
+}
+
+// The bytes this rank sends in one kvp_attention_decode of N rows (the formulas above).
+static inline uint64_t kvp_step_bytes(const KVPLayout* lay, int N) {
+    uint64_t stats = 2 * comm_all_reduce_bytes(lay->P, (size_t)N * lay->NHl, sizeof(float));
+    uint64_t out = lay->combine == KVP_COMBINE_ALL_REDUCE
+                       ? comm_all_reduce_bytes(lay->P, (size_t)N * lay->Cl, sizeof(float))
+                       : (uint64_t)(lay->P - 1) * N * (lay->Cl / lay->P) * sizeof(float);
+    return stats + out;
+}
+
+// Decode attention of N query rows of different requests over the KVP group g (lay->P ranks,
+// in lay->rank order), each row against its request's keys at positions <= pos[r].
+//   q: row r's q of this rank's heads at q + r * q_stride (Cl floats)
+//   kv: one layer's view of this rank's cache (paged_kv_layer), block_stride apart
+//   tables (N, max_blocks): each row's block table on this rank (kvp_reserve)
+//   out: KVP_COMBINE_ALL_REDUCE (N, Cl); KVP_COMBINE_REDUCE_SCATTER (N, Cl/P), this rank's heads
+// Every rank of the group calls it with the same N and pos.
+static inline void kvp_attention_decode(KVPLayout* lay, CommGroup* g, float* out, const float* q, long q_stride,
+                                        const float* kv, long block_stride, const int* tables, int max_blocks,
+                                        const int* pos, int N) {
+    int P = lay->P, NHl = lay->NHl, hs = lay->hs, Cl = lay->Cl, bs = lay->bs, T = lay->T;
+    int per_rank = CANON_R / P, chunk0 = lay->rank * per_rank, local_len = T / P;
+    if (g->size != P || g->rank != lay->rank) { fatal("KVP: group of %d ranks (rank %d) for a layout of %d (rank %d)", g->size, g->rank, P, lay->rank); }
+    if (N > lay->cap_rows) {
+        free(lay->partials);
+        free(lay->stats);
+        free(lay->scores);
+        lay->partials = (float*)malloc_or_die(sizeof(float) * 2 * (size_t)N * Cl, "KVP partials");
+        lay->stats = (float*)malloc_or_die(sizeof(float) * 2 * (size_t)N * NHl, "KVP max and Z");
+        lay->scores = (float*)malloc_or_die(sizeof(float) * (size_t)N * NHl * local_len, "KVP scores");
+        lay->cap_rows = N;
+    }
+    float* maxes = lay->stats;                      // (N, NHl)
+    float* zsum = lay->stats + (size_t)N * NHl;     // (N, NHl)
+    float* partial = lay->partials;                 // (N, Cl)
+    float scale = canon_rsqrtf((float)hs);
+    if (hs > KVP_MAX_HS) { fatal("KVP: head size %d is above %d", hs, KVP_MAX_HS); }
+#define KVP_ROW(r, l) (kv + tables[(size_t)(r) * max_blocks + (l) / bs] * block_stride + (long)((l) % bs) * 2 * Cl)
+
+    // 1. scores of the rank's keys at positions <= t (its first n local positions, kvp_reserve)
+    //    and their max per (row, head)
+    for (int r = 0; r < N; r++) {
+        int n = canon_zz_count_le(pos[r], T, P, lay->rank);
+        for (int h = 0; h < NHl; h++) {
+            float* s = lay->scores + ((size_t)r * NHl + h) * local_len;
+            float m = -canon_inf();
+            for (int l = 0; l < n; l++) {
+                s[l] = canon_dot(q + r * q_stride + h * hs, 1, KVP_ROW(r, l) + h * hs, 1, hs) * scale;
+                if (s[l] > m) { m = s[l]; }
+            }
+            maxes[(size_t)r * NHl + h] = m;
+        }
+    }
+    // max over the KVP group, on the (N, NHl) maxes: exact in any order
+    comm_all_reduce_max(g, maxes, (size_t)N * NHl, COMM_KIND_CP);
+
+    // 2. exps (in place of the scores) and this rank's subtree of the chunk sums of Z
+    for (int r = 0; r < N; r++) {
+        int t = pos[r];
+        for (int h = 0; h < NHl; h++) {
+            float* s = lay->scores + ((size_t)r * NHl + h) * local_len;
+            float m = maxes[(size_t)r * NHl + h];
+            int n = canon_zz_count_le(t, T, P, lay->rank);
+            for (int l = 0; l < n; l++) { s[l] = canon_expf(s[l] - m); }
+            float chunk_sum[CANON_R];
+            for (int c = 0; c < per_rank; c++) {
+                float acc = 0.0f;
+                for (int half = 0; half < 2; half++) {
+                    long b, e;
+                    canon_zz_half(T, CANON_R, chunk0 + c, half, &b, &e);
+                    for (long p = b; p < e && p <= t; p++) { acc = acc + s[kvp_local(lay, (int)p)]; }
+                }
+                chunk_sum[c] = acc;
+            }
+            zsum[(size_t)r * NHl + h] = canon_tree_sum(chunk_sum, per_rank, 1);
+        }
+    }
+    // Z = R1 over the group's ranks in rank order of their subtrees: one rank's tree of 8
+    comm_all_reduce_sum(g, zsum, (size_t)N * NHl, COMM_KIND_CP);
+
+    // 3. this rank's subtree of the chunk sums of (e/Z) v, per (row, head): (N, Cl)
+    for (int r = 0; r < N; r++) {
+        int t = pos[r];
+        for (int h = 0; h < NHl; h++) {
+            const float* e_row = lay->scores + ((size_t)r * NHl + h) * local_len;
+            float z = zsum[(size_t)r * NHl + h];
+            float stack_rows[CANON_LOG2_R + 1][KVP_MAX_HS];
+            CanonStack stack = canon_stack(stack_rows[0], KVP_MAX_HS, 1, hs, KVP_MAX_HS);
+            for (int c = 0; c < per_rank; c++) {
+                float* acc = canon_stack_next(&stack);
+                for (int d = 0; d < hs; d++) { acc[d] = 0.0f; }
+                for (int half = 0; half < 2; half++) {
+                    long b, e;
+                    canon_zz_half(T, CANON_R, chunk0 + c, half, &b, &e);
+                    for (long p = b; p < e && p <= t; p++) {
+                        int l = kvp_local(lay, (int)p);
+                        float w = e_row[l] / z;
+                        const float* v = KVP_ROW(r, l) + Cl + h * hs;
+                        for (int d = 0; d < hs; d++) { acc[d] = fmaf(w, v[d], acc[d]); }
+                    }
+                }
+                canon_stack_push(&stack, canon_tree_merges_after(c, per_rank));
+            }
+            memcpy(partial + (size_t)r * Cl + h * hs, stack_rows[0], sizeof(float) * hs);
+        }
+    }
+#undef KVP_ROW
+
+    // 4. the output: R1 over the group's ranks of the subtrees
+    if (lay->combine == KVP_COMBINE_ALL_REDUCE) {
+        // every rank gets o for all of its heads: all-reduce on (N, Cl)
+        comm_all_reduce_sum(g, partial, (size_t)N * Cl, COMM_KIND_CP);
+        memcpy(out, partial, sizeof(float) * (size_t)N * Cl);
+    } else {
+        // rank s gets heads [s*NHl/P, (s+1)*NHl/P): the partials laid out (P, N, Cl/P), then a
+        // reduce-scatter over the group
+        int Cs = Cl / P;
+        float* blocks = lay->partials + (size_t)N * Cl;
+        for (int s = 0; s < P; s++) {
+            for (int r = 0; r < N; r++) {
+                memcpy(blocks + ((size_t)s * N + r) * Cs, partial + (size_t)r * Cl + s * Cs, sizeof(float) * Cs);
+            }
+        }
+        comm_reduce_scatter(g, blocks, out, (size_t)N * Cs, COMM_KIND_CP);
+    }
+}
+
+#endif // LLMC_KV_PARALLEL_H
