@@ -147,9 +147,9 @@ int main(int argc, char** argv) {
         fatal("--varlen: fast mode trains fixed windows of -t tokens only (each sequence length would be a new "
               "attention plan); run --varlen with --deterministic 1");
     }
-    if (!det && (t.args.sp || t.args.cp > 1)) {
-        fatal("--sp/--cp: fast mode runs data, tensor and pipeline parallelism and ZeRO; sequence and context "
-              "parallelism run with --deterministic 1");
+    if (!det && t.args.cp > 1) {
+        fatal("--cp: fast mode runs data, tensor (with --sp) and pipeline parallelism and ZeRO; context "
+              "parallelism runs with --deterministic 1");
     }
     if (!det && t.args.tp > 1 && t.args.pp > 1) {
         fatal("--tp with --pp: fast mode runs tensor parallelism on one pipeline stage only (not yet tested with "

@@ -22,9 +22,11 @@
  * schedules) are the input gradients, then the cuBLASLt weight-gradient matmuls and the exact
  * reductions. The sampler decodes with a KV cache (one new row per token). Tensor parallelism
  * (one pipeline stage) splits the bf16 weights as tensor_parallel.h's pieces, with fp32 sums
- * crossing the tp group (kernels_fast_tp.cuh). In fast mode train_gpt2.cu refuses --sp/--cp,
- * --tp with --pp and mixture-of-experts models (-e with experts), and
- * says to use --deterministic 1.
+ * crossing the tp group (kernels_fast_tp.cuh); with sequence parallelism (--sp 1) the residual
+ * stream and the layernorms hold this rank's zig-zag slice of T (zigzag.h), the fp32 sums are
+ * reduce-scattered along T and the bf16 layernorm outputs and residual gradients all-gathered
+ * (the same bits as --tp K alone). In fast mode train_gpt2.cu refuses --cp, --tp with --pp and
+ * mixture-of-experts models (-e with experts), and says to use --deterministic 1.
  */
 #include "llmc/engine.h"
 #include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
@@ -105,6 +107,13 @@ typedef struct {
     CommGroup* tp;
     int K, NHl, Cl, v0, Vl;
     float* tp_sum;         // (B*T,C) fp32: what crosses the tp group (kernels_fast_tp.cuh)
+    // sequence parallelism (--sp 1, tensor_parallel.h): the residual stream and the layernorms
+    // on this rank's zig-zag slice (B,T/K,C) of the training passes
+    int sp;
+    float* sp_slice;       // (B*T/K,C) fp32: a reduce-scatter's slice, before the bias and the rounding
+    float* sp_scratch;     // (B*T,C) fp32: tp_sp_*'s rank-major reorder
+    floatX* sp_ln;         // (B*T/K,C) bf16: a layernorm's slice, before f's all-gather
+    float* ln_partials;    // (2,B,C): a layernorm's weight and bias gradients per sequence
     float *probs_slice, *probs_all;   // (Vl), (Vp) fp32: the sampler's gathered logits
 } FastModel;
 
@@ -113,6 +122,7 @@ typedef struct {
 // encoded is the chunk's input: the embeddings' output, or the received activation.
 typedef struct {
     int recompute, split_backward;
+    int sp;                 // the pass is sequence-parallel (training and validation, not the sampler)
     int* inputs;
     int* targets;           // NULL: no loss
     int* targets_buf;
@@ -126,6 +136,7 @@ typedef struct {
 
 typedef struct {
     floatX *dresidual, *dbtc, *dqkv, *dbt4c;
+    floatX* dfull;   // --sp: d(residual) all-gathered along T, what a row-parallel layer's backward reads
 } FastGrads;
 
 // Typed views of one layer's tensors in a unit buffer (zero.h's unit layout: the 12 tensors in
@@ -215,7 +226,7 @@ static FastWeights* fast_weights_use(Zero* zero) {
 
 static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zero, CommGroup* tp, CommGroup* cp,
                          int cp_a2a, int seq_parallel, int B, int T) {
-    if (seq_parallel || cp->size != 1) { fatal("internal: fast mode runs without sequence or context parallelism"); }
+    if (cp->size != 1) { fatal("internal: fast mode runs without context parallelism"); }
     FastModel* m = (FastModel*)calloc_or_die(1, sizeof(FastModel), "model");
     m->config = *c;
     m->zero = zero;
@@ -238,6 +249,14 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
         m->probs_slice = (float*)m->mem->alloc(sizeof(float) * m->Vl, "sample logits");
         m->probs_all = (float*)m->mem->alloc(sizeof(float) * c->padded_vocab_size, "sample logits");
     }
+    m->sp = seq_parallel && m->K > 1;
+    if (m->sp) {
+        size_t BTC = (size_t)B * T * c->channels;
+        m->sp_slice = (float*)m->mem->alloc(sizeof(float) * BTC / m->K, "sequence parallelism");
+        m->sp_scratch = (float*)m->mem->alloc(sizeof(float) * BTC, "sequence parallelism");
+        m->sp_ln = (floatX*)m->mem->alloc(sizeof(floatX) * BTC / m->K, "sequence parallelism");
+        m->ln_partials = (float*)m->mem->alloc(sizeof(float) * 2 * (size_t)B * c->channels, "sequence parallelism");
+    }
     return m;
 }
 
@@ -253,6 +272,12 @@ static void fast_destroy(void* vm) {
         m->mem->release(m->probs_slice);
         m->mem->release(m->probs_all);
     }
+    if (m->sp) {
+        m->mem->release(m->sp_slice);
+        m->mem->release(m->sp_scratch);
+        m->mem->release(m->sp_ln);
+        m->mem->release(m->ln_partials);
+    }
     free(m);
 }
 
@@ -262,30 +287,31 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
     const GPT2Config* c = &m->config;
     size_t L = m->layers, C = c->channels, Cl = m->Cl, NHl = m->NHl, Vl = m->Vl, BT = (size_t)B * T;
     size_t head = m->has_head;   // the head's tensors only on its chunk
-    (void)split_seqs;
     FastActs* a = (FastActs*)calloc_or_die(1, sizeof(FastActs), "activations");
     *bytes = 2 * BT * sizeof(int);
+    a->sp = m->sp && split_seqs == SEQS_SPLIT;
+    size_t BTs = a->sp ? BT / m->K : BT;   // the residual stream's rows and the layernorms' (SP: the slice)
     a->recompute = recompute;
     a->split_backward = split_backward;
     a->inputs = (int*)m->mem->alloc(BT * sizeof(int), "tokens");
     a->targets_buf = (int*)m->mem->alloc(BT * sizeof(int), "tokens");
-    a->encoded = act(m, BT * C, bytes);
+    a->encoded = act(m, BTs * C, bytes);
     a->ln1 = act(m, L * BT * C, bytes);
-    a->ln1_mean = act_f(m, L * BT, bytes);
-    a->ln1_rstd = act_f(m, L * BT, bytes);
+    a->ln1_mean = act_f(m, L * BTs, bytes);
+    a->ln1_rstd = act_f(m, L * BTs, bytes);
     a->qkv = act(m, L * BT * 3 * Cl, bytes);
     a->atty = act(m, L * BT * Cl, bytes);
     a->att = act_f(m, L * gpu_attention_stats_stride(B, NHl, T), bytes);
-    a->residual2 = act(m, L * BT * C, bytes);
+    a->residual2 = act(m, L * BTs * C, bytes);
     a->ln2 = act(m, L * BT * C, bytes);
-    a->ln2_mean = act_f(m, L * BT, bytes);
-    a->ln2_rstd = act_f(m, L * BT, bytes);
+    a->ln2_mean = act_f(m, L * BTs, bytes);
+    a->ln2_rstd = act_f(m, L * BTs, bytes);
     a->fch = act(m, L * BT * 4 * Cl, bytes);
     a->fch_gelu = act(m, (recompute && L > 0 ? 1 : L) * BT * 4 * Cl, bytes);
-    a->residual3 = act(m, L * BT * C, bytes);
+    a->residual3 = act(m, L * BTs * C, bytes);
     a->lnf = act(m, head * BT * C, bytes);
-    a->lnf_mean = act_f(m, head * BT, bytes);
-    a->lnf_rstd = act_f(m, head * BT, bytes);
+    a->lnf_mean = act_f(m, head * BTs, bytes);
+    a->lnf_rstd = act_f(m, head * BTs, bytes);
     a->logits = act(m, head * BT * Vl, bytes);
     a->losses = act_f(m, head * BT, bytes);
     a->ce_stats = act_f(m, (m->K > 1) * head * 3 * BT, bytes);
@@ -329,7 +355,8 @@ static void fast_set_tokens(void* vm, void* va, const int* inputs, const int* ta
 // stream, which one rank keeps in bf16 too, so sending it loses nothing and halves the bytes.
 static float* fast_stage_input(void* vm, void* va) { (void)vm; return (float*)((FastActs*)va)->encoded; }
 static floatX* fast_chunk_output(const FastModel* m, const FastActs* a, int B, int T) {
-    return m->layers > 0 ? a->residual3 + (size_t)(m->layers - 1) * B * T * m->config.channels : a->encoded;
+    size_t BTs = (size_t)B * T / (a->sp ? m->K : 1);
+    return m->layers > 0 ? a->residual3 + (m->layers - 1) * BTs * m->config.channels : a->encoded;
 }
 static float* fast_stage_output(void* vm, void* va, int B, int T) {
     return (float*)fast_chunk_output((FastModel*)vm, (FastActs*)va, B, T);
@@ -343,21 +370,22 @@ struct FastLayerActs {
 };
 static FastLayerActs fast_layer_acts(const FastModel* m, const FastActs* a, int l, int B, int T, int t0) {
     size_t C = m->config.channels, Cl = m->Cl, BT = (size_t)B * T, r0 = t0;
+    size_t BTs = a->sp ? BT / m->K : BT;   // the residual stream's rows (SP: the slice; never a decode)
     FastLayerActs v;
-    v.residual = (l == 0 ? a->encoded : a->residual3 + (l - 1) * BT * C) + r0 * C;
+    v.residual = (l == 0 ? a->encoded : a->residual3 + (l - 1) * BTs * C) + r0 * C;
     v.ln1 = a->ln1 + (l * BT + r0) * C;
-    v.ln1_mean = a->ln1_mean + l * BT + r0;
-    v.ln1_rstd = a->ln1_rstd + l * BT + r0;
+    v.ln1_mean = a->ln1_mean + l * BTs + r0;
+    v.ln1_rstd = a->ln1_rstd + l * BTs + r0;
     v.qkv = a->qkv + (l * BT + r0) * 3 * Cl;
     v.atty = a->atty + (l * BT + r0) * Cl;
     v.att = a->att + l * gpu_attention_stats_stride(B, m->NHl, T);
-    v.residual2 = a->residual2 + (l * BT + r0) * C;
+    v.residual2 = a->residual2 + (l * BTs + r0) * C;
     v.ln2 = a->ln2 + (l * BT + r0) * C;
-    v.ln2_mean = a->ln2_mean + l * BT + r0;
-    v.ln2_rstd = a->ln2_rstd + l * BT + r0;
+    v.ln2_mean = a->ln2_mean + l * BTs + r0;
+    v.ln2_rstd = a->ln2_rstd + l * BTs + r0;
     v.fch = a->fch + (l * BT + r0) * 4 * Cl;
     v.fch_gelu = a->fch_gelu + ((a->recompute ? 0 : l * BT) + r0) * 4 * Cl;
-    v.residual3 = a->residual3 + (l * BT + r0) * C;
+    v.residual3 = a->residual3 + (l * BTs + r0) * C;
     return v;
 }
 
@@ -368,11 +396,19 @@ static FastLayerActs fast_layer_acts(const FastModel* m, const FastActs* a, int 
 // out (rows,C) = inp (rows,ICl) @ weight^T + bias of a row-parallel layer (attproj, fcproj):
 // this rank's partial sum over its ICl inputs; g forward: all-reduce (tp group) of the
 // partial outputs (rows,C); the replicated bias added once, after it, rounded to bf16.
-static void fast_row_parallel_forward(FastModel* m, floatX* out, const floatX* inp, const floatX* weight,
-                                      const floatX* bias, int rows, int ICl) {
+// With SP (sp: the pass's a->sp, rows = B*T) g forward is a reduce-scatter along T (tp group)
+// of the partial outputs instead, out this rank's slice (B,T/K,C): the same R1 sums, rounded
+// as the all-reduce's are, so the slice holds the same bits as those rows without SP.
+static void fast_row_parallel_forward(FastModel* m, int sp, floatX* out, const floatX* inp, const floatX* weight,
+                                      const floatX* bias, int B, int T, int rows, int ICl) {
     int C = m->config.channels;
     if (m->K == 1) { matmul_forward_fast(out, inp, weight, bias, rows, ICl, C, NULL); return; }
     matmul_forward_partial_fast(m->tp_sum, inp, weight, rows, ICl, C);
+    if (sp) {
+        tp_sp_reduce_scatter(m->tp, m->tp_sum, m->sp_slice, B, T, C, m->sp_scratch);
+        bias_add_round(out, m->sp_slice, bias, (size_t)rows / m->K, C);
+        return;
+    }
     tp_g_forward(m->tp, m->tp_sum, (size_t)rows * C);
     bias_add_round(out, m->tp_sum, bias, (size_t)rows, C);
 }
@@ -380,14 +416,54 @@ static void fast_row_parallel_forward(FastModel* m, floatX* out, const floatX* i
 // dinp (rows,C) = dout (rows,OCl) @ weight of a column-parallel layer (qkv, fc, the LM head):
 // this rank's share from its OCl outputs; f backward: all-reduce (tp group) of the input
 // gradients (rows,C), rounded to bf16. (Its forward, f, is the identity: every rank holds the
-// whole layernorm output.)
-static void fast_column_parallel_dinp(FastModel* m, floatX* dinp, const floatX* dout, const floatX* weight, int rows,
-                                      int OCl) {
+// whole layernorm output.) With SP f backward is a reduce-scatter along T (tp group): dinp
+// this rank's slice (B,T/K,C), which its layernorm's backward reads.
+static void fast_column_parallel_dinp(FastModel* m, int sp, floatX* dinp, const floatX* dout, const floatX* weight,
+                                      int B, int T, int rows, int OCl) {
     int C = m->config.channels;
     if (m->K == 1) { matmul_backward_fast(dinp, NULL, NULL, dout, NULL, weight, 1, rows, C, OCl, NULL); return; }
     matmul_backward_dinp_partial_fast(m->tp_sum, dout, weight, rows, C, OCl);
+    if (sp) {
+        tp_sp_reduce_scatter(m->tp, m->tp_sum, m->sp_slice, B, T, C, m->sp_scratch);
+        bias_add_round(dinp, m->sp_slice, NULL, (size_t)rows / m->K, C);
+        return;
+    }
     tp_f_backward(m->tp, m->tp_sum, (size_t)rows * C);
     bias_add_round(dinp, m->tp_sum, NULL, (size_t)rows, C);
+}
+
+// ---- sequence parallelism (--sp 1): the bf16 tensors along T ----------------------------
+// comm.h's collectives move floats: a bf16 row of C channels (C even) travels as C/2 of them.
+
+// full (B,T,C) bf16 <- every rank's slice (B,T/K,C): all-gather along T (tp group). f forward
+// before a column-parallel layer (the layernorm's output), g backward before a row-parallel
+// layer's (d residual), and the embedding's gradient (its lookup reads every position).
+static void fast_sp_all_gather(FastModel* m, floatX* full, const floatX* slice, int B, int T) {
+    tp_sp_all_gather(m->tp, (const float*)slice, (float*)full, B, T, m->config.channels / 2, m->sp_scratch);
+}
+
+// Where a layernorm before a column-parallel layer writes: with SP its slice (m->sp_ln), which
+// fast_sp_f_forward then all-gathers into ln; else ln itself.
+static floatX* fast_ln_out(FastModel* m, const FastActs* a, floatX* ln) { return a->sp ? m->sp_ln : ln; }
+static void fast_sp_f_forward(FastModel* m, const FastActs* a, floatX* ln, int B, int T) {
+    if (a->sp) { fast_sp_all_gather(m, ln, m->sp_ln, B, T); }
+}
+
+// A layernorm's weight and bias gradients (rows of x, dy: this pass's, the slice with SP).
+// With SP the positions of each sequence are on K ranks: each rank's per-sequence subtrees
+// over its chunks (zigzag.h: whole chunks of the R3 tree), all-reduce (tp group) finishing
+// them by the R1 tree over ranks, then the R1 tree over sequences: one rank's R3 sums.
+static void fast_ln_param_grads(FastModel* m, const FastActs* a, float* dweight, float* dbias, const floatX* x,
+                                const floatX* dy, const float* mean, const float* rstd, int B, int T) {
+    int C = m->config.channels;
+    if (!a->sp) {
+        layernorm_param_grads_x(dweight, dbias, NULL, x, dy, 1, mean, rstd, B, T, C, CANON_R);
+        return;
+    }
+    layernorm_param_grads_x(NULL, NULL, m->ln_partials, x, dy, 1, mean, rstd, B, T / m->K, C, CANON_R / m->K);
+    sp_layernorm_grads_reduce(m->tp, m->ln_partials, B, C);
+    sequence_tree(dweight, m->ln_partials, B, C);
+    sequence_tree(dbias, m->ln_partials + (size_t)B * C, B, C);
 }
 
 // logits (rows,Vl) -> losses (rows); with write_grad the logits become dlogits (dloss each).
@@ -422,6 +498,18 @@ static void fast_embed_rows(FastModel* m, FastActs* a, int B, int T, int t0, int
     int Bp = rows == 1 ? 1 : B, Tp = rows == 1 ? 1 : T;
     if (m->K == 1) {
         encoder_forward_fast(a->encoded + (size_t)t0 * C, a->inputs + t0, wte, wpe + (size_t)t0 * C, Bp, Tp, C);
+    } else if (a->sp) {   // SP: reduce-scatter along T (tp group) of the lookups, then the
+                          // positions of this rank's slice (zigzag.h: two stretches a sequence)
+        encoder_lookup_tp(m->tp_sum, a->inputs, wte, m->v0, m->Vl, (size_t)rows, C);
+        tp_sp_reduce_scatter(m->tp, m->tp_sum, m->sp_slice, B, T, C, m->sp_scratch);
+        int K = m->K, stretch = T / (2 * K);
+        for (int b = 0; b < B; b++) {
+            for (int half = 0; half < 2; half++) {
+                size_t row = (size_t)b * (T / K) + half * stretch;
+                encoder_add_positions_tp(a->encoded + row * C, m->sp_slice + row * C,
+                                         wpe + zz_stretch_begin(T, K, m->tp->rank, half) * C, 1, stretch, C);
+            }
+        }
     } else {   // vocab-parallel: each row looked up by the rank holding its token (-0 elsewhere),
                // all-reduce (tp group), then the positions added
         encoder_lookup_tp(m->tp_sum, a->inputs + t0, wte, m->v0, m->Vl, (size_t)rows, C);
@@ -450,7 +538,9 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
     floatX* unit = fast_params(m, ZERO_LAYER(first), first + 1 < last ? ZERO_LAYER(first + 1) : after_last);
     LayerViews<floatX> w = layer_views(z, ZERO_LAYER(first), unit);
     FastLayerActs x0 = fast_layer_acts(m, a, 0, B, T, t0);
-    layernorm_forward_fast(x0.ln1, x0.ln1_mean, x0.ln1_rstd, x0.residual, w.ln1w, w.ln1b, rows, C);
+    int sp = a->sp, rs = sp ? rows / m->K : rows;   // rs: the rows of the residual stream (SP: the slice)
+    layernorm_forward_fast(fast_ln_out(m, a, x0.ln1), x0.ln1_mean, x0.ln1_rstd, x0.residual, w.ln1w, w.ln1b, rs, C);
+    fast_sp_f_forward(m, a, x0.ln1, B, T);
     for (int l = first; l < last; l++) {
         FastLayerActs x = fast_layer_acts(m, a, l - first, B, T, t0);
         // column-parallel qkv of this rank's NHl heads (f: identity), its heads' attention,
@@ -461,27 +551,31 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
         } else {
             fast_attention_forward(x.atty, x.att, x.qkv, B, T, Cl, NHl);
         }
-        fast_row_parallel_forward(m, a->proj, x.atty, w.attprojw, w.attprojb, rows, Cl);
-        fused_residual_layernorm(x.residual2, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual, a->proj, w.ln2w, w.ln2b, rows, C);
+        fast_row_parallel_forward(m, sp, a->proj, x.atty, w.attprojw, w.attprojb, B, T, rows, Cl);
+        fused_residual_layernorm(x.residual2, fast_ln_out(m, a, x.ln2), x.ln2_mean, x.ln2_rstd, x.residual, a->proj,
+                                 w.ln2w, w.ln2b, rs, C);
+        fast_sp_f_forward(m, a, x.ln2, B, T);
         // column-parallel fc (+ GELU, keeps fch), row-parallel fcproj
         matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, rows, C, 4 * Cl, x.fch);
-        fast_row_parallel_forward(m, a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, rows, 4 * Cl);
+        fast_row_parallel_forward(m, sp, a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, B, T, rows, 4 * Cl);
         if (l + 1 < last) {
             floatX* next = fast_params(m, ZERO_LAYER(l + 1), l + 2 < last ? ZERO_LAYER(l + 2) : after_last);
             LayerViews<floatX> wn = layer_views(z, ZERO_LAYER(l + 1), next);
             FastLayerActs xn = fast_layer_acts(m, a, l + 1 - first, B, T, t0);
-            fused_residual_layernorm(x.residual3, xn.ln1, xn.ln1_mean, xn.ln1_rstd, x.residual2, a->proj,
-                                     wn.ln1w, wn.ln1b, rows, C);
+            fused_residual_layernorm(x.residual3, fast_ln_out(m, a, xn.ln1), xn.ln1_mean, xn.ln1_rstd, x.residual2,
+                                     a->proj, wn.ln1w, wn.ln1b, rs, C);
+            fast_sp_f_forward(m, a, xn.ln1, B, T);
             fast_release(m, ZERO_LAYER(l));
             w = wn;
         } else if (m->has_head) {
             floatX* lnf = fast_params(m, LNF, ZERO_WTE);
-            fused_residual_layernorm(x.residual3, a->lnf + (size_t)t0 * C, a->lnf_mean + t0, a->lnf_rstd + t0,
-                                     x.residual2, a->proj, lnf, lnf + C, rows, C);
+            fused_residual_layernorm(x.residual3, fast_ln_out(m, a, a->lnf + (size_t)t0 * C), a->lnf_mean + t0,
+                                     a->lnf_rstd + t0, x.residual2, a->proj, lnf, lnf + C, rs, C);
+            fast_sp_f_forward(m, a, a->lnf, B, T);   // the LM head is column-parallel
             fast_release(m, LNF);
             fast_release(m, ZERO_LAYER(l));
         } else {
-            residual_forward_fast(x.residual3, x.residual2, a->proj, (size_t)rows * C);
+            residual_forward_fast(x.residual3, x.residual2, a->proj, (size_t)rs * C);
             fast_release(m, ZERO_LAYER(l));
         }
     }
@@ -555,13 +649,14 @@ static void fast_probs_at(void* vm, void* va, int position, float* probs) {
 static void* fast_grads_create(void* vm, int B, int T, int split_seqs, size_t* bytes) {
     FastModel* m = (FastModel*)vm;
     size_t BTC = (size_t)B * T * m->config.channels, BTCl = (size_t)B * T * m->Cl;
-    (void)split_seqs;
     FastGrads* g = (FastGrads*)calloc_or_die(1, sizeof(FastGrads), "activation gradients");
     *bytes = 0;
-    g->dresidual = act(m, BTC, bytes);
+    int sp = m->sp && split_seqs == SEQS_SPLIT;
+    g->dresidual = act(m, sp ? BTC / m->K : BTC, bytes);   // SP: the slice
     g->dbtc = act(m, BTC, bytes);
     g->dqkv = act(m, 3 * BTCl, bytes);
     g->dbt4c = act(m, 4 * BTCl, bytes);
+    g->dfull = act(m, sp * BTC, bytes);
     return g;
 }
 
@@ -572,6 +667,7 @@ static void fast_grads_destroy(void* vm, void* vg) {
     m->mem->release(g->dbtc);
     m->mem->release(g->dqkv);
     m->mem->release(g->dbt4c);
+    if (g->dfull) { m->mem->release(g->dfull); }
     free(g);
 }
 
@@ -593,13 +689,13 @@ static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
     int C = c->channels, BT = B * T, in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT;
-    int LNF = z->lay.num_units - 1;
+    int LNF = z->lay.num_units - 1, BTs = a->sp ? BT / m->K : BT;   // BTs: the residual stream's rows
     floatX* dlnf = a->split_backward ? a->dlnf : g->dbtc;
     floatX* out = fast_chunk_output(m, a, B, T);   // lnf's input
     if (in) {
         floatX* wte = m->hold_head ? fast_bf16_of(m, ZERO_WTE, 0) : fast_params(m, ZERO_WTE, -1);
         fast_classifier(m, a, dloss, BT, 1);
-        fast_column_parallel_dinp(m, dlnf, a->logits, wte, BT, m->Vl);
+        fast_column_parallel_dinp(m, a->sp, dlnf, a->logits, wte, B, T, BT, m->Vl);
     }
     if (wt) {
         matmul_backward_fast(NULL, zero_grad_unit(z, ZERO_WTE), NULL, a->logits, a->lnf, NULL, B, T, C, m->Vl, NULL);
@@ -608,13 +704,13 @@ static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float
     if (in) {
         fast_release(m, ZERO_WTE);
         floatX* lnf = fast_params(m, LNF, m->layers > 0 ? ZERO_LAYER(m->first_layer + m->layers - 1) : -1);
-        cudaCheck(cudaMemsetAsync(g->dresidual, 0, sizeof(floatX) * (size_t)BT * C));
-        layernorm_backward_fast(g->dresidual, dlnf, out, lnf, a->lnf_mean, a->lnf_rstd, BT, C);
+        cudaCheck(cudaMemsetAsync(g->dresidual, 0, sizeof(floatX) * (size_t)BTs * C));
+        layernorm_backward_fast(g->dresidual, dlnf, out, lnf, a->lnf_mean, a->lnf_rstd, BTs, C);
         fast_release(m, LNF);
     }
     if (wt) {
         float* dlnfw = zero_grad_unit(z, LNF);
-        layernorm_param_grads_x(dlnfw, dlnfw + C, NULL, out, dlnf, 1, a->lnf_mean, a->lnf_rstd, B, T, C, CANON_R);
+        fast_ln_param_grads(m, a, dlnfw, dlnfw + C, out, dlnf, a->lnf_mean, a->lnf_rstd, B, T);
         zero_grad_unit_done(z, LNF);
     }
 }
@@ -625,10 +721,25 @@ static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float
 // changes it).
 struct FastOutGrads { floatX *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1; };
 static FastOutGrads fast_out_grads(const FastModel* m, const FastActs* a, const FastGrads* g, int l, int B, int T) {
-    if (!a->split_backward) { return (FastOutGrads){g->dresidual, g->dbt4c, g->dbtc, g->dresidual, g->dqkv, g->dbtc}; }
+    if (!a->split_backward) {
+        floatX* dres = a->sp ? g->dfull : g->dresidual;   // SP: d(residual) all-gathered along T
+        return (FastOutGrads){dres, g->dbt4c, g->dbtc, dres, g->dqkv, g->dbtc};
+    }
     size_t BT = (size_t)B * T, BTC = BT * m->config.channels, BTCl = BT * m->Cl;
     return (FastOutGrads){a->dfcproj + l * BTC, a->dfch + l * 4 * BTCl, a->dln2 + l * BTC, a->dattproj + l * BTC,
                           a->dqkv + l * 3 * BTCl, a->dln1 + l * BTC};
+}
+
+// A row-parallel layer's d(output) (rows B*T) from d(residual) for the input half: with SP g
+// backward, the all-gather along T (tp group) of the slice; under a split backward a copy kept
+// for the weight half; else d(residual) itself (fast_out_grads).
+static void fast_row_parallel_dout(FastModel* m, const FastActs* a, const FastGrads* g, floatX* dout, int B, int T) {
+    if (a->sp) {
+        fast_sp_all_gather(m, dout, g->dresidual, B, T);
+    } else if (a->split_backward) {
+        cudaCheck(cudaMemcpyAsync(dout, g->dresidual, sizeof(floatX) * (size_t)B * T * m->config.channels,
+                                  cudaMemcpyDeviceToDevice));
+    }
 }
 
 // The chunk's layers. Input half: g->dresidual = d(loss)/d(chunk output) in, d(loss)/d(chunk
@@ -640,7 +751,7 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
     int C = c->channels, Cl = m->Cl, BT = B * T, in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT;
-    size_t BTC = (size_t)BT * C;
+    int sp = a->sp, BTs = sp ? BT / m->K : BT;   // BTs: the residual stream's rows (SP: the slice)
     int first = m->first_layer;
     for (int l = first + m->layers - 1; l >= first; l--) {
         LayerViews<floatX> w;      // the bf16 parameters (input half)
@@ -652,7 +763,7 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
         FastLayerActs x = fast_layer_acts(m, a, l - first, B, T, 0);
         FastOutGrads d = fast_out_grads(m, a, g, l - first, B, T);
         // MLP; the fcproj backward's epilogue applies gelu'(fch): d fch
-        if (in && a->split_backward) { cudaCheck(cudaMemcpyAsync(d.dfcproj, g->dresidual, BTC * sizeof(floatX), cudaMemcpyDeviceToDevice)); }
+        if (in) { fast_row_parallel_dout(m, a, g, d.dfcproj, B, T); }
         // (row-parallel fcproj: g backward is the identity, d fch is this rank's 4C/K columns;
         // its replicated bias's gradient is the same on every rank)
         if (in) { matmul_backward_fast(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, 4 * Cl, C, x.fch); }
@@ -660,25 +771,25 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
             if (a->recompute) { gelu_forward_fast(x.fch_gelu, x.fch, (size_t)BT * 4 * Cl); }
             matmul_backward_fast(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, 4 * Cl, C, NULL);
         }
-        if (in) { fast_column_parallel_dinp(m, d.dln2, d.dfch, w.fcw, BT, 4 * Cl); }
+        if (in) { fast_column_parallel_dinp(m, sp, d.dln2, d.dfch, w.fcw, B, T, BT, 4 * Cl); }
         if (wt) { matmul_backward_fast(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, 4 * Cl, NULL); }
-        if (in) { layernorm_backward_fast(g->dresidual, d.dln2, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, BT, C); }
-        if (wt) { layernorm_param_grads_x(dw.ln2w, dw.ln2b, NULL, x.residual2, d.dln2, 1, x.ln2_mean, x.ln2_rstd, B, T, C, CANON_R); }
+        if (in) { layernorm_backward_fast(g->dresidual, d.dln2, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, BTs, C); }
+        if (wt) { fast_ln_param_grads(m, a, dw.ln2w, dw.ln2b, x.residual2, d.dln2, x.ln2_mean, x.ln2_rstd, B, T); }
         // attention; d atty in g->dbtc (the whole backward's d ln2 is used up by now)
-        if (in && a->split_backward) { cudaCheck(cudaMemcpyAsync(d.dattproj, g->dresidual, BTC * sizeof(floatX), cudaMemcpyDeviceToDevice)); }
+        if (in) { fast_row_parallel_dout(m, a, g, d.dattproj, B, T); }
         if (in) { matmul_backward_fast(g->dbtc, NULL, NULL, d.dattproj, NULL, w.attprojw, B, T, Cl, C, NULL); }
         if (wt) { matmul_backward_fast(NULL, dw.attprojw, dw.attprojb, d.dattproj, x.atty, NULL, B, T, Cl, C, NULL); }
         if (in) {
             fast_attention_backward(d.dqkv, g->dbtc, x.qkv, x.atty, x.att, m->att_D, B, T, Cl, m->NHl);
-            fast_column_parallel_dinp(m, d.dln1, d.dqkv, w.qkvw, BT, 3 * Cl);
+            fast_column_parallel_dinp(m, sp, d.dln1, d.dqkv, w.qkvw, B, T, BT, 3 * Cl);
         }
         if (wt) { matmul_backward_fast(NULL, dw.qkvw, dw.qkvb, d.dqkv, x.ln1, NULL, B, T, C, 3 * Cl, NULL); }
         if (in) {
-            layernorm_backward_fast(g->dresidual, d.dln1, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, BT, C);
+            layernorm_backward_fast(g->dresidual, d.dln1, x.residual, w.ln1w, x.ln1_mean, x.ln1_rstd, BTs, C);
             fast_release(m, ZERO_LAYER(l));
         }
         if (wt) {
-            layernorm_param_grads_x(dw.ln1w, dw.ln1b, NULL, x.residual, d.dln1, 1, x.ln1_mean, x.ln1_rstd, B, T, C, CANON_R);
+            fast_ln_param_grads(m, a, dw.ln1w, dw.ln1b, x.residual, d.dln1, x.ln1_mean, x.ln1_rstd, B, T);
             zero_grad_unit_done(z, ZERO_LAYER(l));
         }
     }
@@ -692,11 +803,9 @@ static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T, int 
     FastGrads* g = (FastGrads*)vg;
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
-    floatX* dencoded = a->split_backward ? a->dencoded : g->dresidual;
-    if ((part & BACKWARD_INPUT) && a->split_backward) {
-        cudaCheck(cudaMemcpyAsync(dencoded, g->dresidual, sizeof(floatX) * (size_t)B * T * c->channels,
-                                  cudaMemcpyDeviceToDevice));
-    }
+    // with SP the lookup's gradient reads every position: d(encoded) all-gathered along T (tp group)
+    floatX* dencoded = a->split_backward ? a->dencoded : a->sp ? g->dfull : g->dresidual;
+    if (part & BACKWARD_INPUT) { fast_row_parallel_dout(m, a, g, dencoded, B, T); }
     if (!(part & BACKWARD_WEIGHT)) { return; }
     int lookup_unit = zero_lookup_unit(z);
     encoder_backward_x(zero_grad_unit(z, lookup_unit), zero_grad_unit(z, ZERO_WPE), dencoded, 1, a->inputs, B, T,

@@ -24,5 +24,6 @@ TESTS += dev/test/test_fast_pp.sh
 
 # fast mode with tensor parallelism: --tp 2 within a derived tolerance of one rank (DP 2 x TP 2
 # at ZeRO-3 = TP 2 byte for byte), within the bf16 tolerances of train_gpt2, tp bytes = Megatron's
-# count; --sp/--cp and --tp with --pp refused in one line
+# count; --tp 2 --sp 1 = --tp 2 byte for byte, its tp bytes = the formula; --cp and --tp with
+# --pp refused in one line
 TESTS += dev/test/test_fast_tp.sh

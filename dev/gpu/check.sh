@@ -68,7 +68,8 @@
 #     identical to train_gpt2 on one rank with the same -d. Without mpirun/mpicc: N/A (not a
 #     failure: this machine cannot run it; make test runs the same layouts on the emulated
 #     GPU, dev/test/test_cuda_emu.sh). Fast mode on 2 pipeline stages (1f1b, zb1) identical to
-#     fast mode on one rank. With 2+ GPUs also --comm nccl, and fast-mode data
+#     fast mode on one rank; fast --tp 2 run and finite (its tolerance: test_fast_tp.sh), fast
+#     --tp 2 --sp 1 identical to fast --tp 2. With 2+ GPUs also --comm nccl, and fast-mode data
 #     parallelism's tok/s from 1 to N GPUs (INFO).
 #  5. benchmark: GPT-2 124M (-e d12), T=1024, the largest B of 32, 16, 8 that fits; fast
 #     mode with cuDNN and with flash attention (10 steps), deterministic mode (4 steps):
@@ -592,7 +593,7 @@ layouts() {
 # fast mode on one rank: identical, as on the emulated GPU (the same kernels on the same rows,
 # bf16 boundaries, the split halves computing what the whole backward does)
 fast_layouts() {
-  local comm=$1 sched bad
+  local comm=$1 sched bad ln
   name="4. fast mode on 1 rank (-d 512)"
   in_time "$name" 15 || return
   run s4_fast $T4 $FAST_BIN "${S4[@]}" "${D1[@]}" -o "$W/s4_fast"; keep s4_fast "$W/s4_fast"; finite s4_fast "$W/s4_fast"
@@ -608,6 +609,23 @@ fast_layouts() {
     bad=$(differ s4_fast "s4_fast_${comm}_$sched")
     if [ -z "$bad" ]; then pass "$name" "main.log, final model, samples identical to fast mode on 1 rank"
     else fail "$name" "differ from fast mode on 1 rank: $bad"; fi
+  done
+  # tensor parallelism (within a tolerance of one rank: test_fast_tp.sh derives it, so here it
+  # must run and stay finite), and sequence parallelism: the same bits as --tp 2 alone
+  local tp
+  for tp in "--tp 2" "--tp 2 --sp 1"; do
+    ln=$(echo "$tp" | tr -d ' -')
+    name="4. fast 2 ranks $tp --comm $comm"
+    in_time "$name" 15 || continue
+    run "s4_fast_${comm}_$ln" $T4 dev/test/mpi.sh 2 $FAST_BIN --comm "$comm" "${S4[@]}" "${D1[@]}" $tp \
+        -o "$W/s4_fast_${comm}_$ln"
+    keep "s4_fast_${comm}_$ln" "$W/s4_fast_${comm}_$ln"
+    finite "s4_fast_${comm}_$ln" "$W/s4_fast_${comm}_$ln"
+    if [ $RC != 0 ]; then said "s4_fast_${comm}_$ln"; fail "$name" "$(why $RC); see s4_fast_${comm}_$ln.out"; continue; fi
+    if [ "$ln" = tp2 ]; then pass "$name" "ran, finite (its tolerance against one rank: dev/test/test_fast_tp.sh)"; continue; fi
+    bad=$(differ "s4_fast_${comm}_tp2" "s4_fast_${comm}_$ln")
+    if [ -z "$bad" ]; then pass "$name" "main.log, final model, samples identical to fast --tp 2"
+    else fail "$name" "differ from fast --tp 2: $bad"; fi
   done
 }
 if want 4; then

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fast mode (bf16) with tensor parallelism on the emulated GPU (./train_gpt2cu_emu
-# --deterministic 0 --tp 2, real mpirun), against the same fast run on one rank.
+# --deterministic 0 --tp 2, and with sequence parallelism --sp 1; real mpirun), against the
+# same fast run on one rank.
 #
 # Not bit-identical: cuBLASLt's fp32 accumulator sums a row-parallel layer's inputs (attproj,
 # fcproj) and a column-parallel layer's input gradient (qkv, fc, the LM head) in another order
@@ -21,7 +22,13 @@
 #   2. --tp 2 against the fp32 CPU reference ./train_gpt2 within dev/gpu/fast_tolerance.awk;
 #   3. the bytes a step sends over the tp group against Megatron's count (fp32, as
 #      ./train_gpt2 --tp 2 sends);
-#   4. what fast mode does not run yet (--sp, --cp, --tp with --pp): refused in one line.
+#   4. --tp 2 --sp 1 = --tp 2 byte for byte (main.log, checkpoint, samples): a reduce-scatter
+#      along T is the all-reduce's sum on this rank's rows, every kernel between the collectives
+#      is per row, and the layernorm weight gradients' per-sequence subtrees finish over the
+#      group in the R3 tree's order; so within the tolerance of 1 and 2; its tp bytes against
+#      the formula (fp32 reduce-scatters, bf16 all-gathers, the layernorms' subtrees);
+#   5. what fast mode does not run yet (--cp in either mode, with or without --sp; --tp with
+#      --pp): refused in one line.
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -90,13 +97,33 @@ for name in tp2 cpu_tp2; do
 done
 pass "tp bytes per step: $want (= Megatron's count in fp32, as ./train_gpt2 --tp 2 sends)"
 
-# 4. what fast mode does not run yet: one line naming the flags
-for flags in "--tp 2 --sp 1" "--cp 2"; do
-  out=$($MPI 2 "${FAST[@]}" "${ARGS[@]}" $flags -o "$W/refused" 2>&1) && fail "fast mode $flags: not refused"
-  echo "$out" | grep -q "^error: \[rank [01]\] --sp/--cp: fast mode runs data, tensor and pipeline parallelism and ZeRO; .*--deterministic 1$" \
+# 4. sequence parallelism: the same bits as --tp 2. Its tp bytes per microbatch: the
+# reduce-scatters along T of the fp32 sums that --tp 2 all-reduces (4L + 2 of B*T*C: 4 a
+# layer, the embedding lookup, the LM head's input gradient; (K-1) B*T/K*C x 4 bytes each),
+# the bf16 all-gathers along T (2L + 1 forward: the layernorms before ln1's, ln2's and the
+# head's column-parallel matmuls; 2L + 1 backward: d(residual) before each row-parallel
+# matmul's and the embedding's gradient; (K-1) B*T/K*C x 2 bytes each), the all-reduce of each
+# layernorm's per-sequence weight and bias subtrees (2L + 1 of 2*B*C floats) and the
+# classifier's as in 3.
+run sp2 2 "${FAST[@]}" "${ARGS[@]}" --tp 2 --sp 1
+cmp -s "$W/tp2/main.log" "$W/sp2/main.log" || fail "--tp 2 --sp 1: main.log differs from --tp 2's"
+cmp -s "$W/tp2/model_00000002.bin" "$W/sp2/model_00000002.bin" || fail "--tp 2 --sp 1: the checkpoint differs from --tp 2's"
+diff <(samples tp2) <(samples sp2) >/dev/null || fail "--tp 2 --sp 1: the samples differ from --tp 2's"
+sl=$(( (K - 1) * btc / K ))
+want_sp=$(( M * ((4 * L + 2) * sl * 4 + (4 * L + 2) * sl * 2 + (2 * L + 1) * $(ar $((2 * B * C))) + $(ar $bt) + $(ar $((2 * bt)))) ))
+got=$(tp_bytes sp2)
+[ "$got" = "$want_sp" ] || fail "--tp 2 --sp 1: $got bytes over the tp group in step 1, the formula says $want_sp"
+pass "fast mode --tp 2 --sp 1 = --tp 2 byte for byte (main.log, checkpoint, samples); tp bytes per step $want_sp = the formula"
+vs_cpu sp2 "--tp 2 --sp 1"
+
+# 5. what fast mode does not run yet: one line naming the flags
+for np_flags in "2 --cp 2" "2 --cp 2 --cp-mode a2a" "4 --tp 2 --sp 1 --cp 2"; do
+  flags=${np_flags#* }
+  out=$($MPI "${np_flags%% *}" "${FAST[@]}" "${ARGS[@]}" $flags -o "$W/refused" 2>&1) && fail "fast mode $flags: not refused"
+  echo "$out" | grep -q "^error: \[rank [0-3]\] --cp: fast mode runs data, tensor (with --sp) and pipeline parallelism and ZeRO; .*--deterministic 1$" \
     || fail "fast mode $flags: no one-line refusal ($(echo "$out" | grep -m1 -i error))"
 done
 out=$($MPI 4 "${FAST[@]}" "${ARGS[@]}" --tp 2 --pp 2 -o "$W/refused" 2>&1) && fail "fast mode --tp 2 --pp 2: not refused"
 echo "$out" | grep -q "^error: \[rank [0-3]\] --tp with --pp: fast mode runs tensor parallelism on one pipeline stage only.*--deterministic 1$" \
   || fail "fast mode --tp 2 --pp 2: no one-line refusal ($(echo "$out" | grep -m1 -i error))"
-pass "fast mode --tp 2 --sp 1, --cp 2, --tp 2 --pp 2: refused in one line"
+pass "fast mode --cp 2 (ring and a2a), --tp 2 --sp 1 --cp 2, --tp 2 --pp 2: refused in one line"
