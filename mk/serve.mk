@@ -32,8 +32,10 @@ endif
 serve_gpt2_skipped:
 	@echo "note: libmicrohttpd or cJSON not found (Debian: libmicrohttpd-dev libcjson-dev): skipping serve_gpt2"
 
+# built with mpicc where the trainer is (mpirun -np K*Q serve_gpt2 --tp K --ep Q); it runs as
+# one process without mpirun too
 serve_gpt2: serve_gpt2.c train_gpt2.c serve_model.c $(LLMC_HEADERS)
-	$(CC) $(CFLAGS) -Wno-unused-function -o $@ $< $(LDLIBS) $(SERVE_LIBS)
+	$(TRAIN_CC) $(CFLAGS) $(TRAIN_CFLAGS) -Wno-unused-function -o $@ $< $(LDLIBS) $(SERVE_LIBS)
 
 # serve_gpt2cu, the CUDA build's server (serve_gpt2.cu: serve_gpt2.c on the deterministic device
 # kernels, its tensors in device memory), and its emulated twin (mk/cuda.mk's emulator, no GPU);
