@@ -80,6 +80,7 @@ static struct {
     Histogram ttft, itl;
     uint64_t comm_bytes[COMM_KIND_COUNT];   // what world rank 0 sent, by kind, after the last step
     const char* dead;       // a rank died (rank_watch_thread): every request in flight gets this error
+    int ranks_ending;       // rank 0 is ending the followers: their exits are no deaths
 } S;
 
 static void job_unref(Job* j) {   // under S.mu
@@ -650,6 +651,10 @@ static void* rank_watch_thread(void* arg) {
     int world_size = *(int*)arg;
     static char message[128];
     for (;;) {
+        pthread_mutex_lock(&S.mu);
+        int ending = S.ranks_ending;
+        pthread_mutex_unlock(&S.mu);
+        if (ending) { return NULL; }
         for (int r = 1; r < world_size; r++) {
             if (rank_pid_alive(rank_pids[r])) { continue; }
             snprintf(message, sizeof(message), "rank %d (pid %d) died: the server ends", r, rank_pids[r]);
@@ -787,6 +792,7 @@ int main(int argc, char** argv) {
         return 0;
     }
     comm_reset_stats(&comm);   // the startup's broadcasts are not serving's traffic
+    pthread_t watcher;         // world_size > 1: rank_watch_thread
     S.engine.batching = batching;
     if (max_running > 0) { S.engine.max_running = (int)(max_running < max_conn ? max_running : max_conn); }
     S.engine.token_text = token_text;
@@ -819,9 +825,7 @@ int main(int argc, char** argv) {
         printf("\n");
         static int world_size;
         world_size = comm.world_size;
-        pthread_t watcher;
         pthread_create(&watcher, NULL, rank_watch_thread, &world_size);
-        pthread_detach(watcher);
     }
     printf("serving %s on http://%s:%u\n", S.model_name, host, info ? info->port : (unsigned)port);
     fflush(stdout);
@@ -832,7 +836,13 @@ int main(int argc, char** argv) {
     // the engine loop on the main thread: MPI was started FUNNELED (comm_mpi.h), only this
     // thread calls it (the step broadcasts and the model's collectives)
     engine_thread(NULL);
-    serve_engine_stop_followers(&S.engine);
+    if (comm.world_size > 1) {
+        pthread_mutex_lock(&S.mu);
+        S.ranks_ending = 1;
+        pthread_mutex_unlock(&S.mu);
+        pthread_join(watcher, NULL);
+        serve_engine_stop_followers(&S.engine);
+    }
     pthread_join(stopper, NULL);
     MHD_stop_daemon(d);
     serve_engine_free(&S.engine);

@@ -18,10 +18,13 @@
  * Vl = Vp/K), as this rank sends it (comm.h's accounting; all-reduce of n floats 2(K-1)ceil(n/K)*4):
  *   tp:    (2L + 1) all-reduces of N*C floats (the embedding lookup, then per layer the
  *          attention and MLP row-parallel outputs: Megatron's g), the head's max (M floats)
- *          and its Z and target-logit sums (2M floats)
- *   other: the step broadcast 2 + N*(2 + max_blocks) + M ints from rank 0, and the gather of
- *          the probabilities (K-1)*M*Vl*4 (tp_gather_vocab)
- *   ep:    per MoE layer the routed rows out and back (depends on the routing)
+ *          and its Z and target-logit sums (2M floats); in an expert layer the MLP's
+ *          all-reduce is over the rows the rank's experts received instead (routing-dependent)
+ *   other: the step broadcast 2 + N*(2 + max_blocks) + M ints from rank 0, the gather of
+ *          the probabilities (K-1)*M*Vl*4 (tp_gather_vocab), and with EP per MoE layer the
+ *          row count to each other ep rank, (Q-1)*4
+ *   ep:    per MoE layer the routed rows out and back and their counts and positions (they
+ *          depend on the routing: the test bounds them by 2k rows of C floats plus the counts)
  * A decode step of one request is N = M = 1: those bytes per generated token.
  */
 #ifndef LLMC_SERVE_PARALLEL_H
