@@ -8,10 +8,17 @@
  * HTTP is GNU libmicrohttpd (a thread per connection), JSON is cJSON; the request parser is
  * llmc/serve_request.h. Routes: POST /v1/completions, POST /v1/chat/completions, GET
  * /v1/models, GET /health, GET /metrics (Prometheus text). Streaming answers are server-sent
- * events ending with `data: [DONE]`. One engine thread runs the steps; a connection's thread
- * hands it a job and waits for (or streams) its tokens. A client that goes away mid-stream
- * cancels its job (its blocks go back to the free list). SIGTERM or SIGINT: stop accepting,
- * let what runs finish (--shutdown-timeout, then cancel it), exit 0.
+ * events ending with `data: [DONE]`. The main thread runs the engine's steps (MPI's FUNNELED
+ * level: only it calls MPI); a connection's thread hands it a job and waits for (or streams)
+ * its tokens. A client that goes away mid-stream cancels its job (its blocks go back to the
+ * free list). SIGTERM or SIGINT: stop accepting, let what runs finish (--shutdown-timeout, then
+ * cancel it), exit 0.
+ *
+ *   mpirun -np K*Q ./serve_gpt2 --tp K --ep Q -e model.bin ...
+ *
+ * serves across ranks (llmc/serve_parallel.h): world rank 0 runs HTTP and the scheduler and
+ * broadcasts each step; the others follow on their slice of the model. Rank 0 watches the
+ * others: one that dies ends the server with one line, every request in flight answered 503.
  */
 #define TESTING   // train_gpt2.c's model without its main: on the CPU kernel set, or serve_gpt2.cu's device set
 #include "train_gpt2.c"
@@ -115,6 +122,7 @@ static void on_event(void* ctx, ServeRequest* r, int token) {
     job_unref(j);
 }
 
+// the engine loop (on the main thread), until SIGTERM's stopper says the work is done
 static void* engine_thread(void* arg) {
     (void)arg;
     pthread_mutex_lock(&S.mu);
