@@ -16,8 +16,8 @@ cd "$(dirname "$0")/../.."
 . dev/test/serve_lib.sh   # D, J, W, fail, pass; start_server, stop_server
 export MPI_TIMEOUT=120    # dev/test/mpi.sh: a hung layout fails instead of blocking
 
-train() {   # MODEL DIR: a 10-step checkpoint of MODEL
-  ./train_gpt2 -e "$1" -i $D/tiny_shakespeare_train.bin -b 4 -t 64 -x 10 -v 0 -s 0 -l 3e-3 -n 10 -o "$W/$2" \
+train() {   # MODEL DIR: a 3-step checkpoint of MODEL (what is served matters, not how well)
+  ./train_gpt2 -e "$1" -i $D/tiny_shakespeare_train.bin -b 4 -t 64 -x 3 -v 0 -s 0 -l 3e-3 -n 3 -o "$W/$2" \
     >"$W/train_$2.out" 2>&1 || fail "could not train $1: $(tail -3 "$W/train_$2.out")"
 }
 train d2c32h4t64 dense
@@ -126,8 +126,8 @@ layouts() {   # CK NAME NP:FLAGS...: each layout's workload = the one process's
   done
 }
 
-layouts "$W/dense/model_00000010.bin" dense "2:--tp 2" "4:--tp 4"
-layouts "$W/moe/model_00000010.bin" moe "2:--ep 2" "4:--tp 2 --ep 2"
+layouts "$W/dense/model_00000003.bin" dense "2:--tp 2" "4:--tp 4"
+layouts "$W/moe/model_00000003.bin" moe "2:--ep 2" "4:--tp 2 --ep 2"
 
 # --- 4. refused layouts ------------------------------------------------------------------
 refuse() {   # CK EXPECTED FLAGS...
@@ -138,7 +138,7 @@ refuse() {   # CK EXPECTED FLAGS...
   [ "$(wc -l <"$W/refused.out")" = 1 ] && grep -q -- "$want" "$W/refused.out" ||
     fail "$*: expected one line saying '$want', got: $(cat "$W/refused.out")"
 }
-DENSE=$W/dense/model_00000010.bin MOE=$W/moe/model_00000010.bin
+DENSE=$W/dense/model_00000003.bin MOE=$W/moe/model_00000003.bin
 refuse "$DENSE" "^error: --tp 3: the tensor-parallel degree must be" --tp 3
 refuse "$DENSE" "^error: --tp 8: the number of heads NH must be a multiple" --tp 8
 refuse "$DENSE" "^error: --ep 2: the model has no experts" --ep 2
