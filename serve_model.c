@@ -1,6 +1,6 @@
 /*
  * serve_model.c: the serving engine's model side (llmc/serve_engine.h's serve_model_*): the
- * trainer's model (train_gpt2.c, included before this file) at one rank, on the rows of a step.
+ * trainer's model (train_gpt2.c, included before this file), on the rows of a step.
  * Included by serve_gpt2.c (and so serve_gpt2.cu) and test_serve_engine.c after train_gpt2.c;
  * the engine header itself knows the model only by these four functions, so it needs none of
  * train_gpt2.c's types.

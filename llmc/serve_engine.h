@@ -88,7 +88,7 @@ typedef struct ServeRequest {
 // token id -> its bytes (a BPE table), for stop strings and text; NULL: no text
 typedef const uint8_t* (*ServeTokenText)(void* ctx, int token, size_t* len);
 
-// The model side of a step (serve_model.c: train_gpt2.c's model at one rank, which a program
+// The model side of a step (serve_model.c: train_gpt2.c's model, this rank's slice, which a program
 // includes with it): the model's parameters (without gradients or optimizer state),
 // activations for `rows` rows, each a sequence of one position (B = rows, T = 1: every kernel
 // but attention is per row), the layers' attention step `attend` (layer l's qkv (N,3C) -> atty
@@ -177,7 +177,9 @@ static inline int serve_generated(const ServeRequest* r) { return r->len - r->nu
 static void serve_attend(void* ctx, int l, const float* qkv, float* atty, int C, int NH);
 
 // The engine on the model of `config` with the given parameters (MEMORY order, model.h, on the
-// host), its tensors in mem; comm: the process's (one rank). kv_blocks must hold one request of
+// host), its tensors in mem; comm: the ranks, their groups set up for the layout
+// (llmc/serve_parallel.h; one rank without mpirun), this rank's slice of the model and its heads
+// of the cache from its tp and ep groups. kv_blocks must hold one request of
 // maxT positions (a lone request never preempts itself).
 static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* mem, const GPT2Config* config,
                                      const float* params, int kv_blocks, int block_size, int max_batch_tokens,
