@@ -8,10 +8,17 @@
  * HTTP is GNU libmicrohttpd (a thread per connection), JSON is cJSON; the request parser is
  * llmc/serve_request.h. Routes: POST /v1/completions, POST /v1/chat/completions, GET
  * /v1/models, GET /health, GET /metrics (Prometheus text). Streaming answers are server-sent
- * events ending with `data: [DONE]`. One engine thread runs the steps; a connection's thread
- * hands it a job and waits for (or streams) its tokens. A client that goes away mid-stream
- * cancels its job (its blocks go back to the free list). SIGTERM or SIGINT: stop accepting,
- * let what runs finish (--shutdown-timeout, then cancel it), exit 0.
+ * events ending with `data: [DONE]`. The main thread runs the engine's steps (MPI's FUNNELED
+ * level: only it calls MPI); a connection's thread hands it a job and waits for (or streams)
+ * its tokens. A client that goes away mid-stream cancels its job (its blocks go back to the
+ * free list). SIGTERM or SIGINT: stop accepting, let what runs finish (--shutdown-timeout, then
+ * cancel it), exit 0.
+ *
+ *   mpirun -np K*Q ./serve_gpt2 --tp K --ep Q -e model.bin ...
+ *
+ * serves across ranks (llmc/serve_parallel.h): world rank 0 runs HTTP and the scheduler and
+ * broadcasts each step; the others follow on their slice of the model. Rank 0 watches the
+ * others: one that dies ends the server with one line, every request in flight answered 503.
  */
 #define TESTING   // train_gpt2.c's model without its main: on the CPU kernel set, or serve_gpt2.cu's device set
 #include "train_gpt2.c"
@@ -22,6 +29,7 @@
 #include "llmc/bpe_encoder.h"
 #include "llmc/gpt2_init.h"
 #include "llmc/serve_engine.h"
+#include "llmc/serve_parallel.h"
 #include "serve_model.c"   // the engine's model side: train_gpt2.c's model on a step's rows
 #include "llmc/serve_request.h"
 
@@ -77,6 +85,9 @@ static struct {
     const char* model_name;
     long long next_id, prompt_tokens, generation_tokens, requests_ok, requests_cancelled, requests_rejected;
     Histogram ttft, itl;
+    uint64_t comm_bytes[COMM_KIND_COUNT];   // what world rank 0 sent, by kind, after the last step
+    const char* dead;       // a rank died (rank_watch_thread): every request in flight gets this error
+    int ranks_ending;       // rank 0 is ending the followers: their exits are no deaths
 } S;
 
 static void job_unref(Job* j) {   // under S.mu
@@ -111,6 +122,7 @@ static void on_event(void* ctx, ServeRequest* r, int token) {
     job_unref(j);
 }
 
+// the engine loop (on the main thread), until SIGTERM's stopper says the work is done
 static void* engine_thread(void* arg) {
     (void)arg;
     pthread_mutex_lock(&S.mu);
@@ -140,6 +152,7 @@ static void* engine_thread(void* arg) {
         serve_engine_forward(&S.engine);
         pthread_mutex_lock(&S.mu);
         serve_engine_finish_step(&S.engine);
+        memcpy(S.comm_bytes, S.engine.comm->stats.bytes, sizeof(S.comm_bytes));
         pthread_cond_broadcast(&S.progress);
         if (S.step_delay_us) {
             pthread_mutex_unlock(&S.mu);
@@ -339,6 +352,13 @@ static ssize_t stream_reader(void* cls, uint64_t pos, char* buf, size_t max) {
             return MHD_CONTENT_READER_END_OF_STREAM;
         }
         if (stream_more(j)) { break; }
+        if (S.dead && !j->done) {   // no more tokens will come: an error event, then the end
+            char ev[320];
+            int n = snprintf(ev, sizeof(ev), "data: {\"error\":{\"message\":\"%s\",\"type\":\"server_error\",\"param\":null,\"code\":503}}\n\ndata: [DONE]\n\n", S.dead);
+            out_append(j, ev, (size_t)n);
+            j->sent_final = 1;
+            break;
+        }
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
         until.tv_sec += 1;
@@ -422,9 +442,10 @@ static enum MHD_Result handle_completion(struct MHD_Connection* c, const ConnCtx
         MHD_destroy_response(r);
         return ok;
     }
-    while (!j->done) { pthread_cond_wait(&S.progress, &S.mu); }
+    while (!j->done && !S.dead) { pthread_cond_wait(&S.progress, &S.mu); }
+    const char* dead = j->done ? NULL : S.dead;
     pthread_mutex_unlock(&S.mu);
-    enum MHD_Result ok = send_completion(c, j);
+    enum MHD_Result ok = dead ? fail(c, 503, "server_error", dead) : send_completion(c, j);
     pthread_mutex_lock(&S.mu);
     job_unref(j);
     pthread_mutex_unlock(&S.mu);
@@ -487,6 +508,21 @@ static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
                       "serve_requests_total{outcome=\"rejected\"} %lld\n", S.requests_ok, S.requests_cancelled, S.requests_rejected);
     metric(&p, &left, "# HELP serve_preemptions_total Requests preempted (recomputed later).\n# TYPE serve_preemptions_total counter\n"
                       "serve_preemptions_total %lld\n", e->preemptions);
+    // the collectives of serving across ranks (llmc/serve_parallel.h states their formulas): what
+    // world rank 0 sent, by kind, in total and per generated token
+    metric(&p, &left, "# HELP serve_collective_bytes_total Bytes rank 0 sent in collectives, by kind.\n"
+                      "# TYPE serve_collective_bytes_total counter\n");
+    for (int k = 0; k < COMM_KIND_COUNT; k++) {
+        metric(&p, &left, "serve_collective_bytes_total{kind=\"%s\"} %llu\n", comm_kind_name[k], (unsigned long long)S.comm_bytes[k]);
+    }
+    metric(&p, &left, "# HELP serve_collective_bytes_per_token Collective bytes rank 0 sent per generated token, by kind.\n"
+                      "# TYPE serve_collective_bytes_per_token gauge\n");
+    for (int k = 0; k < COMM_KIND_COUNT; k++) {
+        double per = e->tokens_generated ? (double)S.comm_bytes[k] / (double)e->tokens_generated : 0.0;
+        metric(&p, &left, "serve_collective_bytes_per_token{kind=\"%s\"} %.1f\n", comm_kind_name[k], per);
+    }
+    metric(&p, &left, "# HELP serve_ranks The layout: tensor- and expert-parallel ranks.\n# TYPE serve_ranks gauge\n"
+                      "serve_ranks{dim=\"tp\"} %d\nserve_ranks{dim=\"ep\"} %d\n", e->comm->tp, e->comm->ep);
     metric_hist(&p, &left, "serve_time_to_first_token_seconds", "Arrival to the first generated token.", &S.ttft);
     metric_hist(&p, &left, "serve_inter_token_latency_seconds", "Between consecutive tokens of a request.", &S.itl);
     enum MHD_Result ok = send_text(c, 200, "text/plain; version=0.0.4", buf);
@@ -594,12 +630,99 @@ static void usage(void) {
            "  --max-connections N     requests at a time; more get 429 (default 64)\n"
            "  --max-body-bytes N      request bodies over this get 413 (default 1048576)\n"
            "  --shutdown-timeout S    on SIGTERM, seconds to finish what runs before cancelling it (default 30)\n"
-           "  --step-delay-ms N       sleep after every engine step (tests: slow streams; default 0)\n");
+           "  --step-delay-ms N       sleep after every engine step (tests: slow streams; default 0)\n"
+           "  --tp K, --ep Q          across mpirun -np K*Q ranks: tensor-parallel over K, the experts over Q\n"
+           "                          (llmc/serve_parallel.h); world rank 0 serves HTTP (default 1, 1)\n"
+           "  --pp S, --kvp P         pipeline / KV parallelism: not built yet (1 only)\n");
+}
+
+// ---- a rank that dies -------------------------------------------------------------------
+// World rank 0 watches the other ranks' processes (same machine: /proc/PID/stat; a zombie or a
+// missing entry is a dead rank). The engine may then wait forever in a collective, so the
+// watcher answers every request in flight with a 503 JSON error, prints one line naming the
+// rank and ends the process (mpirun then ends the rest). Ranks on other machines are not
+// watched this way: there the MPI runtime's own abort ends the job.
+static int* rank_pids;   // (world_size) every rank's pid, rank 0's included
+static int rank_pid_alive(int pid) {
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    FILE* f = fopen(path, "r");
+    if (!f) { return 0; }
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char* close_paren = strrchr(buf, ')');   // "pid (comm) STATE ..."
+    return !(close_paren && (close_paren[2] == 'Z' || close_paren[2] == 'X'));
+}
+
+static void* rank_watch_thread(void* arg) {
+    int world_size = *(int*)arg;
+    static char message[128];
+    for (;;) {
+        pthread_mutex_lock(&S.mu);
+        int ending = S.ranks_ending;
+        pthread_mutex_unlock(&S.mu);
+        if (ending) { return NULL; }
+        for (int r = 1; r < world_size; r++) {
+            if (rank_pid_alive(rank_pids[r])) { continue; }
+            snprintf(message, sizeof(message), "rank %d (pid %d) died: the server ends", r, rank_pids[r]);
+            pthread_mutex_lock(&S.mu);
+            S.dead = message;
+            S.shutting_down = 1;
+            pthread_cond_broadcast(&S.progress);
+            pthread_mutex_unlock(&S.mu);
+            for (int i = 0; i < 100; i++) {   // the answers go out (a second at most)
+                pthread_mutex_lock(&S.mu);
+                int open = S.connections;
+                pthread_mutex_unlock(&S.mu);
+                if (open == 0) { break; }
+                usleep(10000);
+            }
+            fprintf(stderr, "serve_gpt2: %s\n", message);
+            fflush(stderr);
+            _exit(1);
+        }
+        usleep(20000);
+    }
+    return NULL;
+}
+
+// SIGTERM or SIGINT: stop accepting, let what runs finish (--shutdown-timeout, then cancel it),
+// then end the engine loop (main's)
+static long shutdown_seconds;
+static void* stopper_thread(void* arg) {
+    struct MHD_Daemon* d = (struct MHD_Daemon*)arg;
+    long shutdown_s = shutdown_seconds;
+    unsigned char sig = 0;
+    while (read(stop_pipe[0], &sig, 1) != 1 && errno == EINTR) {}
+    printf("serve_gpt2: signal %d: no new requests; finishing the %d running\n", sig, S.connections);
+    fflush(stdout);
+    pthread_mutex_lock(&S.mu);
+    S.shutting_down = 1;
+    pthread_mutex_unlock(&S.mu);
+    MHD_socket listen = MHD_quiesce_daemon(d);
+    if (listen != MHD_INVALID_SOCKET) { close(listen); }
+    double deadline = now_seconds() + (double)shutdown_s;
+    pthread_mutex_lock(&S.mu);
+    while (S.connections > 0) {
+        if (now_seconds() > deadline) {   // cancel what is left; its answers end with finish_reason "abort"
+            for (Job* j = S.jobs; j; j = j->next) { j->cancel = 1; }
+            pthread_cond_signal(&S.work);
+        }
+        pthread_mutex_unlock(&S.mu);
+        usleep(20000);
+        pthread_mutex_lock(&S.mu);
+    }
+    S.stop_engine = 1;
+    pthread_cond_signal(&S.work);
+    pthread_mutex_unlock(&S.mu);
+    return NULL;
 }
 
 int main(int argc, char** argv) {
-    Comm comm;   // one rank
+    static Comm comm;   // the ranks of the layout (llmc/serve_parallel.h); one without mpirun
     comm_init(&comm, &argc, &argv);
+    ServeLayout layout = {1, 1, 1, 1};
     const char *model = NULL, *host = "127.0.0.1", *encoder = "dev/data/gpt2/encoder.json", *merges = "dev/data/gpt2/vocab.bpe";
     long port = 8000, block_size = 16, kv_blocks = 0, max_batch = 256, max_conn = 64, max_running = 0, max_body = 1 << 20, shutdown_s = 30;
     ServeBatching batching = SERVE_INFLIGHT;
@@ -631,6 +754,10 @@ int main(int argc, char** argv) {
         else if (strcmp(f, "--max-body-bytes") == 0) { max_body = flag_int(f, v, 64, 1L << 30); }
         else if (strcmp(f, "--shutdown-timeout") == 0) { shutdown_s = flag_int(f, v, 0, 86400); }
         else if (strcmp(f, "--step-delay-ms") == 0) { S.step_delay_us = (int)flag_int(f, v, 0, 10000) * 1000; }
+        else if (strcmp(f, "--tp") == 0) { layout.tp = (int)flag_int(f, v, 1, 64); }
+        else if (strcmp(f, "--ep") == 0) { layout.ep = (int)flag_int(f, v, 1, 1024); }
+        else if (strcmp(f, "--pp") == 0) { layout.pp = (int)flag_int(f, v, 1, 1024); }
+        else if (strcmp(f, "--kvp") == 0) { layout.kvp = (int)flag_int(f, v, 1, 1024); }
         else { fatal("unknown flag %s (serve_gpt2 --help)", f); }
     }
     if (!model) { fatal("-e: the model checkpoint to serve is required (serve_gpt2 --help)"); }
@@ -642,12 +769,38 @@ int main(int argc, char** argv) {
     SERVE_SELECT_DEVICE();
     GPT2Config config;
     float* params = gpt2_read_finite_model(model, &config, 0);
+    char why[256];
+    if (serve_layout_problem(&layout, &config, comm.world_size, why, sizeof(why))) {
+        if (comm.world_rank == 0) { fatal("%s", why); }   // one line: rank 0's abort ends the others
+        comm_barrier(&comm.world);
+    }
+    serve_layout_setup(&comm, &layout);
     bpe_init(&S.bpe, encoder, merges);
     if (kv_blocks == 0) {
         long per_request = (config.max_seq_len + block_size - 1) / block_size;
         kv_blocks = 8 * per_request;
     }
     serve_engine_init(&S.engine, &comm, SERVE_MEMORY, &config, params, (int)kv_blocks, (int)block_size, (int)max_batch, (int)max_conn);
+    // every rank's pid to rank 0's watcher: a broadcast from each rank (world group)
+    rank_pids = (int*)malloc_or_die(sizeof(int) * (size_t)comm.world_size, "rank pids");
+    for (int r = 0; r < comm.world_size; r++) {
+        rank_pids[r] = (int)getpid();
+        comm_broadcast(&comm.world, &rank_pids[r], sizeof(int), r, COMM_KIND_OTHER);
+    }
+    if (comm.world_rank != 0) {   // a follower: rank 0's steps on this rank's slice, until it ends
+        // SIGTERM (mpirun forwards rank 0's) is rank 0's to handle: it finishes, then ends us
+        signal(SIGTERM, SIG_IGN);
+        signal(SIGINT, SIG_IGN);
+        serve_engine_follow(&S.engine);
+        serve_engine_free(&S.engine);
+        bpe_free(&S.bpe);
+        free(params);
+        comm_finalize(&comm);
+        free(rank_pids);
+        return 0;
+    }
+    comm_reset_stats(&comm);   // the startup's broadcasts are not serving's traffic
+    pthread_t watcher;         // world_size > 1: rank_watch_thread
     S.engine.batching = batching;
     if (max_running > 0) { S.engine.max_running = (int)(max_running < max_conn ? max_running : max_conn); }
     S.engine.token_text = token_text;
@@ -663,8 +816,6 @@ int main(int argc, char** argv) {
     sigaction(SIGTERM, &stop_action, NULL);
     sigaction(SIGINT, &stop_action, NULL);
     signal(SIGPIPE, SIG_IGN);
-    pthread_t engine;
-    pthread_create(&engine, NULL, engine_thread, NULL);
     // MHD's own limit sits above ours so that the requests past ours get a 429, not a closed socket
     struct MHD_Daemon* d = MHD_start_daemon(
         MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG, (uint16_t)port,
@@ -676,38 +827,37 @@ int main(int argc, char** argv) {
            model, config.num_layers, config.channels, config.max_seq_len, config.vocab_size, config.num_experts,
            config.top_k, SERVE_MEMORY->name, kv_blocks, block_size,
            max_batch, batching == SERVE_STATIC ? "static" : "in-flight", S.engine.max_running);
+    if (comm.world_size > 1) {
+        printf("serve_gpt2: %d ranks (tp %d x ep %d), rank pids", comm.world_size, comm.tp, comm.ep);
+        for (int r = 0; r < comm.world_size; r++) { printf(" %d", rank_pids[r]); }
+        printf("\n");
+        static int world_size;
+        world_size = comm.world_size;
+        pthread_create(&watcher, NULL, rank_watch_thread, &world_size);
+    }
     printf("serving %s on http://%s:%u\n", S.model_name, host, info ? info->port : (unsigned)port);
     fflush(stdout);
 
-    unsigned char sig = 0;
-    while (read(stop_pipe[0], &sig, 1) != 1 && errno == EINTR) {}
-    printf("serve_gpt2: signal %d: no new requests; finishing the %d running\n", sig, S.connections);
-    fflush(stdout);
-    pthread_mutex_lock(&S.mu);
-    S.shutting_down = 1;
-    pthread_mutex_unlock(&S.mu);
-    MHD_socket listen = MHD_quiesce_daemon(d);
-    if (listen != MHD_INVALID_SOCKET) { close(listen); }
-    double deadline = now_seconds() + (double)shutdown_s;
-    pthread_mutex_lock(&S.mu);
-    while (S.connections > 0) {
-        if (now_seconds() > deadline) {   // cancel what is left; its answers end with finish_reason "abort"
-            for (Job* j = S.jobs; j; j = j->next) { j->cancel = 1; }
-            pthread_cond_signal(&S.work);
-        }
-        pthread_mutex_unlock(&S.mu);
-        usleep(20000);
+    pthread_t stopper;
+    shutdown_seconds = shutdown_s;
+    pthread_create(&stopper, NULL, stopper_thread, d);
+    // the engine loop on the main thread: MPI was started FUNNELED (comm_mpi.h), only this
+    // thread calls it (the step broadcasts and the model's collectives)
+    engine_thread(NULL);
+    if (comm.world_size > 1) {
         pthread_mutex_lock(&S.mu);
+        S.ranks_ending = 1;
+        pthread_mutex_unlock(&S.mu);
+        pthread_join(watcher, NULL);
+        serve_engine_stop_followers(&S.engine);
     }
-    S.stop_engine = 1;
-    pthread_cond_signal(&S.work);
-    pthread_mutex_unlock(&S.mu);
-    pthread_join(engine, NULL);
+    pthread_join(stopper, NULL);
     MHD_stop_daemon(d);
     serve_engine_free(&S.engine);
     bpe_free(&S.bpe);
     free(params);
     comm_finalize(&comm);
+    free(rank_pids);
     printf("serve_gpt2: stopped\n");
     return 0;
 }

@@ -1,6 +1,6 @@
 /*
  * serve_model.c: the serving engine's model side (llmc/serve_engine.h's serve_model_*): the
- * trainer's model (train_gpt2.c, included before this file) at one rank, on the rows of a step.
+ * trainer's model (train_gpt2.c, included before this file), on the rows of a step.
  * Included by serve_gpt2.c (and so serve_gpt2.cu) and test_serve_engine.c after train_gpt2.c;
  * the engine header itself knows the model only by these four functions, so it needs none of
  * train_gpt2.c's types.
@@ -10,19 +10,29 @@
  * step (Activations.attend) in place of the trainer's, and the head runs on the rows the engine
  * asks for, as head_forward computes them (final layernorm, logits against wte, softmax). The
  * tensor-parallel operators stand where the trainer has them (identities at one rank).
+ *
+ * Across ranks (llmc/serve_parallel.h) the model is this rank's slice, cut by zero.h and
+ * gpt2_init from the comm's tp and ep groups as the trainer cuts it: its heads, its columns and
+ * rows of the MLP, its rows of wte, its experts. The head's probabilities over the whole
+ * vocabulary are the tp group's slices all-gathered (tp_gather_vocab, as the trainer's sampler
+ * gathers one position's).
  */
 struct ServeModel {
     Zero zero;          // the parameters (zero.h at one rank, M = 0: no gradients or AdamW state)
     GPT2 model;
     Activations acts;   // for `rows` rows; the head's (lnf .. ce) serve the head's rows
     float* head_in;     // (rows,C) the rows the head reads, gathered
+    float* probs_ranks; // tp > 1: (K,rows,Vl) every rank's slice of the head's probabilities, in mem ...
+    float* probs_host;  // ... and on the host, before they are laid out as (rows,Vp)
 };
 
 static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2Config* config, const float* params,
                                       int rows, ServeAttend attend, void* ctx) {
     ServeModel* m = (ServeModel*)calloc_or_die(1, sizeof(ServeModel), "serving model");
     ChunkPlace place = {0, config->num_layers, 1, 1, 0};
-    zero_init(&m->zero, config, mem, 0, &comm->dp_group, &comm->pp_group, &comm->tp_group, &place, 1, 0, params, 0);
+    int ep = comm->ep > 1;   // the experts dealt over the ep group (expert_parallel.h), as the trainer deals them
+    zero_init_ep(&m->zero, config, mem, 0, &comm->dp_group, &comm->dp_group, ep ? &comm->ep_group : NULL,
+                 ep ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, &place, 1, 0, params, 0);
     gpt2_init(&m->model, config, &place, &m->zero, &comm->tp_group, &comm->cp_group, 0, 0, rows, 1);
     activations_alloc(&m->acts, &m->model, rows, 1, 1, 0, 0);   // recompute 1: one layer's GELU output
     m->acts.attend = attend;
@@ -35,11 +45,17 @@ static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2C
     m->model.decoding = m->model.decode_layers;
 #endif
     m->head_in = mem_floats(mem, (size_t)rows * config->channels, "serving head rows");
+    if (comm->tp_group.size > 1) {
+        m->probs_ranks = mem_floats(mem, (size_t)rows * config->padded_vocab_size, "serving gathered probabilities");
+        m->probs_host = (float*)malloc_or_die(sizeof(float) * (size_t)rows * config->padded_vocab_size, "serving probabilities");
+    }
     return m;
 }
 
 static void serve_model_free(ServeModel* m) {
     m->model.mem->release(m->head_in);
+    if (m->probs_ranks) { m->model.mem->release(m->probs_ranks); }
+    free(m->probs_host);
     activations_free(&m->model, &m->acts);
     gpt2_free(&m->model);
     zero_free(&m->zero);
@@ -86,5 +102,17 @@ static void serve_model_head(ServeModel* m, int N, const int* rows_dev, int M, f
     crossentropy_normalize(a->probs, NULL, zs, target_logits, maxes, NULL, M, V, v0, Vl);
     zero_params_release(z, ZERO_WTE);
     zero_params_release(z, LNF);
-    model->mem->to_host(probs, a->probs, sizeof(float) * (size_t)M * model->config.padded_vocab_size);
+    int Vp = model->config.padded_vocab_size, K = model->tp_size;
+    if (K == 1) {
+        model->mem->to_host(probs, a->probs, sizeof(float) * (size_t)M * Vp);
+        return;
+    }
+    // (K,M,Vl) <- every rank's (M,Vl): all-gather (tp group); then row m is the K slices in rank order
+    tp_gather_vocab(model->tp, a->probs, m->probs_ranks, (size_t)M * Vl);
+    model->mem->to_host(m->probs_host, m->probs_ranks, sizeof(float) * (size_t)M * Vp);
+    for (int k = 0; k < K; k++) {
+        for (int r = 0; r < M; r++) {
+            memcpy(probs + (size_t)r * Vp + (size_t)k * Vl, m->probs_host + ((size_t)k * M + r) * Vl, sizeof(float) * (size_t)Vl);
+        }
+    }
 }

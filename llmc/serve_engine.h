@@ -28,6 +28,11 @@
  * Sampler and xorshift state (seed), one coin per token as the trainer's sampler (engine.h),
  * which with -g maxT, --prompt and seed 1337 gives the same tokens.
  *
+ * Across ranks (llmc/serve_parallel.h) world rank 0 schedules and broadcasts each step's
+ * rows (serve_step_broadcast); every other rank runs serve_engine_follow, the same forward and
+ * head on its slice of the model, until rank 0 sends the end (serve_engine_stop_followers).
+ * Each rank's KV cache holds its own heads: C/K channels of keys and values per position.
+ *
  * The engine is single-threaded: serve_engine_submit, serve_engine_cancel and
  * serve_engine_step are called from one thread (the server's engine thread).
  */
@@ -83,7 +88,7 @@ typedef struct ServeRequest {
 // token id -> its bytes (a BPE table), for stop strings and text; NULL: no text
 typedef const uint8_t* (*ServeTokenText)(void* ctx, int token, size_t* len);
 
-// The model side of a step (serve_model.c: train_gpt2.c's model at one rank, which a program
+// The model side of a step (serve_model.c: train_gpt2.c's model, this rank's slice, which a program
 // includes with it): the model's parameters (without gradients or optimizer state),
 // activations for `rows` rows, each a sequence of one position (B = rows, T = 1: every kernel
 // but attention is per row), the layers' attention step `attend` (layer l's qkv (N,3C) -> atty
@@ -101,6 +106,7 @@ static void serve_model_head(ServeModel* m, int N, const int* rows_dev, int M, f
 typedef struct ServeEngine {
     GPT2Config config;
     int maxT, C, Vp, max_batch_tokens;
+    Comm* comm;               // the ranks (llmc/serve_parallel.h's layout): world rank 0 schedules
     // the model (serve_model.c); the KV cache and the step's buffers below in its memory (mem:
     // host, or the GPU's in serve_gpt2cu)
     const MemOps* mem;
@@ -171,7 +177,9 @@ static inline int serve_generated(const ServeRequest* r) { return r->len - r->nu
 static void serve_attend(void* ctx, int l, const float* qkv, float* atty, int C, int NH);
 
 // The engine on the model of `config` with the given parameters (MEMORY order, model.h, on the
-// host), its tensors in mem; comm: the process's (one rank). kv_blocks must hold one request of
+// host), its tensors in mem; comm: the ranks, their groups set up for the layout
+// (llmc/serve_parallel.h; one rank without mpirun), this rank's slice of the model and its heads
+// of the cache from its tp and ep groups. kv_blocks must hold one request of
 // maxT positions (a lone request never preempts itself).
 static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* mem, const GPT2Config* config,
                                      const float* params, int kv_blocks, int block_size, int max_batch_tokens,
@@ -186,7 +194,9 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
     e->max_requests = max_requests;
     e->max_running = max_requests;
     e->batching = SERVE_INFLIGHT;
-    int C = e->C, N = max_batch_tokens, NH = config->num_heads;
+    e->comm = comm;
+    int K = comm->tp_group.size;
+    int C = e->C / K, N = max_batch_tokens, NH = config->num_heads / K;   // this rank's heads
     if (max_batch_tokens < 1) { fatal("--max-batch-tokens %d: at least 1 row per step", max_batch_tokens); }
     if ((long)kv_blocks * block_size < e->maxT) {
         fatal("--kv-blocks %d of --block-size %d: %ld positions, less than one request of maxT = %d needs", kv_blocks,
@@ -290,7 +300,7 @@ static void serve_attend(void* ctx, int l, const float* qkv, float* atty, int C,
 // serve_attend), and the head on the last row of every request that caught up.
 static inline void serve_forward(ServeEngine* e, int N) {
     const MemOps* mem = e->mem;
-    int C = e->C, bs = e->kv.block_size;
+    int C = e->kv.C, bs = e->kv.block_size;   // this rank's channels of keys and values
     mem->from_host(e->pos_dev, e->row_pos, sizeof(int) * (size_t)N);
     mem->from_host(e->tables_dev, e->row_tables, sizeof(int) * (size_t)N * e->max_blocks);
     // where each run of rows writes its keys and values: consecutive positions of one block
@@ -420,20 +430,65 @@ static inline int serve_engine_schedule(ServeEngine* e) {
     return rows;
 }
 
+// The step's rows from world rank 0 to every rank (its scheduler's choice; the others follow):
+// broadcast (world group) of the row and head-row counts (2 ints; -1 rows: the end), then each
+// row's token and position, its block table (max_blocks ints), and the head's rows.
+static inline void serve_step_broadcast(ServeEngine* e, int* M) {
+    CommGroup* world = &e->comm->world;
+    if (world->size == 1) { return; }
+    int counts[2] = {e->num_rows, *M};
+    comm_broadcast(world, counts, sizeof(counts), 0, COMM_KIND_OTHER);
+    e->num_rows = counts[0];
+    *M = counts[1];
+    if (e->num_rows <= 0) { return; }
+    size_t N = (size_t)e->num_rows;
+    comm_broadcast(world, e->row_tok, sizeof(int) * N, 0, COMM_KIND_OTHER);
+    comm_broadcast(world, e->row_pos, sizeof(int) * N, 0, COMM_KIND_OTHER);
+    comm_broadcast(world, e->row_tables, sizeof(int) * N * e->max_blocks, 0, COMM_KIND_OTHER);
+    if (*M > 0) { comm_broadcast(world, e->head_rows, sizeof(int) * (size_t)*M, 0, COMM_KIND_OTHER); }
+}
+
+// The forward over the step's rows and the head on M of them (every rank).
+static inline void serve_forward_and_head(ServeEngine* e, int M) {
+    serve_forward(e, e->num_rows);
+    if (M > 0) {
+        e->mem->from_host(e->head_rows_dev, e->head_rows, sizeof(int) * (size_t)M);
+        serve_model_head(e->model, e->num_rows, e->head_rows_dev, M, e->probs);
+    }
+}
+
 // 2. The forward over the scheduled rows, and the head on the last row of every request that
-// caught up (all its known tokens computed).
+// caught up (all its known tokens computed); across ranks, first the step to every rank.
 static inline void serve_engine_forward(ServeEngine* e) {
     if (e->num_rows == 0) { return; }
-    serve_forward(e, e->num_rows);
     int M = 0;
     for (int s = 0; s < e->num_sched; s++) {
         ServeRequest* r = e->sched[s];
         if (e->row_pos[e->sched_last_row[s]] + 1 == r->len) { e->head_rows[M++] = e->sched_last_row[s]; }
     }
-    if (M > 0) {
-        e->mem->from_host(e->head_rows_dev, e->head_rows, sizeof(int) * (size_t)M);
-        serve_model_head(e->model, e->num_rows, e->head_rows_dev, M, e->probs);
+    serve_step_broadcast(e, &M);
+    serve_forward_and_head(e, M);
+}
+
+// A rank other than world rank 0: each step rank 0 broadcasts, on this rank's slice of the
+// model and its heads of the KV cache (the block tables are rank 0's: every rank's cache has
+// the same blocks), until the end.
+static inline void serve_engine_follow(ServeEngine* e) {
+    for (;;) {
+        int M = 0;
+        e->num_rows = 0;
+        serve_step_broadcast(e, &M);
+        if (e->num_rows < 0) { return; }
+        serve_forward_and_head(e, M);
     }
+}
+
+// World rank 0, at the end: the followers return from serve_engine_follow.
+static inline void serve_engine_stop_followers(ServeEngine* e) {
+    int M = 0;
+    e->num_rows = -1;
+    serve_step_broadcast(e, &M);
+    e->num_rows = 0;
 }
 
 // 3. Each request that caught up draws its next token; the finished ones leave.

@@ -8,7 +8,7 @@
 #   make bench-serve    in-flight vs static batching vs one at a time on d12 (a table, not a test)
 #
 # Tests: build/test_serve_engine drives the engine without HTTP; dev/test/test_serve.sh runs the
-# server under curl.
+# server under curl; dev/test/test_serve_parallel.sh across ranks under mpirun (llmc/serve_parallel.h).
 TEST_BINS += build/test_serve_engine
 TESTS     += build/test_serve_engine
 
@@ -24,6 +24,10 @@ ifeq ($(HAVE_SERVE_LIBS),1)
 all: serve_gpt2
 TEST_BINS += serve_gpt2
 TESTS     += dev/test/test_serve.sh
+# serving across ranks under mpirun (--tp, --ep): needs serve_gpt2 built with mpicc
+ifeq ($(HAVE_MPI),1)
+TESTS     += dev/test/test_serve_parallel.sh
+endif
 else
 all: serve_gpt2_skipped
 endif
@@ -32,8 +36,10 @@ endif
 serve_gpt2_skipped:
 	@echo "note: libmicrohttpd or cJSON not found (Debian: libmicrohttpd-dev libcjson-dev): skipping serve_gpt2"
 
+# built with mpicc where the trainer is (mpirun -np K*Q serve_gpt2 --tp K --ep Q); it runs as
+# one process without mpirun too
 serve_gpt2: serve_gpt2.c train_gpt2.c serve_model.c $(LLMC_HEADERS)
-	$(CC) $(CFLAGS) -Wno-unused-function -o $@ $< $(LDLIBS) $(SERVE_LIBS)
+	$(TRAIN_CC) $(CFLAGS) $(TRAIN_CFLAGS) -Wno-unused-function -o $@ $< $(LDLIBS) $(SERVE_LIBS)
 
 # serve_gpt2cu, the CUDA build's server (serve_gpt2.cu: serve_gpt2.c on the deterministic device
 # kernels, its tensors in device memory), and its emulated twin (mk/cuda.mk's emulator, no GPU);

@@ -15,8 +15,9 @@ fail() { echo "FAIL: $*"; [ -f "$W/server.out" ] && tail -5 "$W/server.out"; exi
 pass() { echo "ok   $* (${SECONDS}s)"; }
 export OMP_NUM_THREADS=1   # the engine's kernels on one core each: the same bits, less contention here
 
-start_server() {   # flags...: URL and SERVER_PID of a fresh $SERVE_BIN (default ./serve_gpt2)
-  "${SERVE_BIN:-./serve_gpt2}" -e "$CK" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "$@" >"$W/server.out" 2>&1 &
+start_server() {   # flags...: URL and SERVER_PID of a fresh $SERVE_BIN (default ./serve_gpt2),
+                   # under $SERVE_LAUNCH when set (words, e.g. "dev/test/mpi.sh 2")
+  ${SERVE_LAUNCH:-} "${SERVE_BIN:-./serve_gpt2}" -e "$CK" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "$@" >"$W/server.out" 2>&1 &
   SERVER_PID=$!
   local port=
   for _ in $(seq 1200); do   # a minute at most (the emulated GPU starts slowly)

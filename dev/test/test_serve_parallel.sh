@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# serve_gpt2 across ranks (llmc/serve_parallel.h) under real mpirun (dev/test/mpi.sh) and curl,
+# every layout against the one-process server on the same requests, byte for byte:
+#   1. a dense d2 checkpoint with 4 heads: --tp 2 (2 ranks), --tp 4 (4 ranks);
+#   2. an expert checkpoint (4 experts, top 2, 2 heads): --ep 2 (2 ranks), --tp 2 --ep 2 (4 ranks);
+#   each workload: greedy, seeded top-k, 6 concurrent requests of mixed lengths and sampling
+#   (the batch-invariance test across ranks), a stream; compared are the token ids, the text,
+#   and the FNV-1a of every distribution drawn from (probs_fnv1a: the probabilities' bits);
+#   3. the collective bytes per generated token of a lone one-token request (every step one row)
+#      against llmc/serve_parallel.h's formulas, computed here from the model's shape;
+#   4. every refused layout: one line naming the flag, non-zero exit;
+#   5. a follower rank killed mid-request: a 503 JSON error for the request in flight, an error
+#      event ending the stream, one line naming the rank, the server gone (no hang).
+set -u
+cd "$(dirname "$0")/../.."
+. dev/test/serve_lib.sh   # D, J, W, fail, pass; start_server, stop_server
+export MPI_TIMEOUT=120    # dev/test/mpi.sh: a hung layout fails instead of blocking
+
+train() {   # MODEL DIR: a 3-step checkpoint of MODEL (what is served matters, not how well)
+  ./train_gpt2 -e "$1" -i $D/tiny_shakespeare_train.bin -b 4 -t 64 -x 3 -v 0 -s 0 -l 3e-3 -n 3 -o "$W/$2" \
+    >"$W/train_$2.out" 2>&1 || fail "could not train $1: $(tail -3 "$W/train_$2.out")"
+}
+train d2c32h4t64 dense
+train d2c32h2t64e4k2 moe
+
+post() {   # NAME BODY: the answer in $W/NAME.json; prints the HTTP status
+  curl -s -o "$W/$1.json" -w '%{http_code}' -H 'Content-Type: application/json' "$URL/v1/completions" --data-binary "$2"
+}
+metric() { curl -s "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
+read -r -a toks <"$D/tinyshakespeare_first1000.tokens.txt"
+PROMPT=5962,22307,25,198
+
+# The workload on the server at $URL; what its answers say into $W/TAG.out (no ids or times)
+workload() {   # TAG
+  local tag=$1 i
+  post "${tag}_greedy" "{\"prompt\":[$PROMPT],\"max_tokens\":40,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+  post "${tag}_topk" "{\"prompt\":\"First Citizen:\",\"max_tokens\":40,\"temperature\":1,\"top_k\":40,\"seed\":1337,\"ignore_eos\":true}" >/dev/null
+  local clients=() temps=(0 1 0.7 1.3)
+  for i in 0 1 2 3 4 5; do
+    local n=$((1 + (i * 7) % 23)) off=$((i * 13)) ids
+    ids=$(IFS=,; echo "${toks[*]:$off:$n}")
+    (sleep "0.$((i * 3 % 5))"; post "${tag}_mixed_$i" "{\"prompt\":[$ids],\"max_tokens\":$((3 + (i * 11) % 25)),\"temperature\":${temps[$((i % 4))]},\"top_k\":$(((i % 3) * 5)),\"top_p\":0.9,\"seed\":$((100 + i)),\"ignore_eos\":true}" >"$W/${tag}_mixed_$i.code") &
+    clients+=($!)
+  done
+  curl -sN "$URL/v1/completions" -d "{\"prompt\":[$PROMPT],\"max_tokens\":30,\"temperature\":0.8,\"seed\":5,\"ignore_eos\":true,\"stream\":true}" >"$W/${tag}_stream.sse"
+  wait "${clients[@]}"
+  {
+    for r in greedy topk mixed_0 mixed_1 mixed_2 mixed_3 mixed_4 mixed_5; do
+      $J "$W/${tag}_$r.json" choices.0.token_ids choices.0.text choices.0.probs_fnv1a choices.0.finish_reason ||
+        echo "no answer for $r: $(cat "$W/${tag}_$r.json")"
+    done
+    $J --sse "$W/${tag}_stream.sse" || echo "the stream is not complete SSE of JSON events"
+  } >"$W/$tag.out"
+}
+
+# Per generated token of a lone request with a one-token prompt (every step one row: N = M = 1),
+# what rank 0 sent by kind: "TP OTHER EP"
+bytes_per_token() {
+  local before after k
+  before=$(for k in tp other ep; do metric "serve_collective_bytes_total{kind=\"$k\"}"; done | tr '\n' ' ')
+  post lone "{\"prompt\":[198],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+  after=$(for k in tp other ep; do metric "serve_collective_bytes_total{kind=\"$k\"}"; done | tr '\n' ' ')
+  awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8 }'
+}
+
+# llmc/serve_parallel.h's formulas for one row (N = M = 1), from the model's shape: tp: (2L+1)
+# all-reduces of C floats, the head's max (1) and sums (2); other: the step broadcast of
+# 2 + (2 + maxT/bs) + 1 ints, the gather of (K-1) * Vp/K floats, with EP (Q-1) ints per MoE layer
+tp_formula() {   # K L C
+  awk -v K=$1 -v L=$2 -v C=$3 'function ar(n) { return 2 * (K - 1) * int((n + K - 1) / K) * 4 }
+                               BEGIN { print (2 * L + 1) * ar(C) + ar(1) + ar(2) }'
+}
+other_formula() {   # K Q: the broadcast (maxT 64, block size 16), the vocabulary gather (Vp 50304),
+                    # and per MoE layer (L = 2) each ep rank's row count to the others (expert_parallel.h)
+  echo $(( (2 + (2 + 64 / 16) + 1) * 4 + ($1 - 1) * 50304 / $1 * 4 + 2 * ($2 - 1) * 4 ))
+}
+
+layouts() {   # CK NAME NP:FLAGS...: each layout's workload = the one process's
+  CK=$1
+  local name=$2
+  shift 2
+  start_server
+  workload "${name}_1"
+  stop_server || fail "$name: the one-process server's exit status after SIGTERM was not 0"
+  local l np flags
+  for l in "$@"; do
+    np=${l%%:*}
+    flags=${l#*:}
+    SERVE_LAUNCH="dev/test/mpi.sh $np" start_server $flags
+    grep -q "serve_gpt2: $np ranks" "$W/server.out" || fail "$name $flags: not $np ranks: $(head -3 "$W/server.out")"
+    workload "${name}_$np"
+    cmp -s "$W/${name}_1.out" "$W/${name}_$np.out" ||
+      fail "$name $flags on $np ranks: answers differ from one process's: $(diff "$W/${name}_1.out" "$W/${name}_$np.out" | head -4)"
+    read -r tp other ep <<<"$(bytes_per_token)"
+    local K=1 Q=1
+    [[ $flags =~ --tp\ ([0-9]+) ]] && K=${BASH_REMATCH[1]}
+    [[ $flags =~ --ep\ ([0-9]+) ]] && Q=${BASH_REMATCH[1]}
+    local want_tp want_other
+    want_tp=$(tp_formula $K 2 32)
+    [ "$K" = 1 ] && want_tp=0
+    want_other=$(other_formula $K $Q)
+    if [ "$name" = moe ] && [ "$K" -gt 1 ]; then
+      # an expert layer's MLP is the experts' tensor-parallel slices: its all-reduce is over the
+      # rows the rank's experts received (routing-dependent, at most k*Q of C floats) instead of
+      # the dense MLP's one row: the attention's L + 1 all-reduces of C and the head's exactly,
+      # the experts' within those bounds
+      awk -v t="$tp" -v K=$K -v Q=$Q -v C=32 -v L=2 'function ar(n) { return 2 * (K - 1) * int((n + K - 1) / K) * 4 }
+          BEGIN { lo = (L + 1) * ar(C) + ar(1) + ar(2); exit !(t > lo && t <= lo + L * ar(2 * Q * C)) }' ||
+        fail "$name $flags: tp bytes per token $tp outside the attention + head + expert rows' bounds"
+    else
+      [ "$tp" = "$want_tp" ] || fail "$name $flags: tp bytes per token $tp, the formula says $want_tp"
+    fi
+    [ "$other" = "$want_other" ] || fail "$name $flags: other bytes per token $other, the formula says $want_other"
+    if [ "$Q" -gt 1 ]; then   # the routed rows out and back: at most top-k=2 rows of C per layer each way, plus counts
+      awk -v e="$ep" -v C=32 -v L=2 'BEGIN { exit !(e > 0 && e <= L * (2 * 2 * C * 4 + 256)) }' ||
+        fail "$name $flags: ep bytes per token $ep, not in (0, L*(2*k*C*4 + 256)]"
+    else
+      [ "$ep" = 0 ] || fail "$name $flags: ep bytes $ep without expert parallelism"
+    fi
+    # SIGTERM to rank 0 (the HTTP server): it finishes, ends the followers, and mpirun exits 0
+    kill -TERM "$(awk '/rank pids/ { print $(NF - '$((np - 1))'); exit }' "$W/server.out")"
+    wait "$SERVER_PID" || fail "$name $flags: exit status $? after SIGTERM to rank 0: $(tail -3 "$W/server.out")"
+    SERVER_PID=
+    grep -q '^serve_gpt2: stopped' "$W/server.out" || fail "$name $flags: rank 0 did not stop cleanly: $(tail -3 "$W/server.out")"
+    pass "$name: $flags on $np ranks = one process (greedy, top-k, 6 concurrent mixed, stream; probabilities' bits); per token tp $tp B, other $other B, ep $ep B"
+  done
+}
+
+layouts "$W/dense/model_00000003.bin" dense "2:--tp 2" "4:--tp 4"
+layouts "$W/moe/model_00000003.bin" moe "2:--ep 2" "4:--tp 2 --ep 2"
+
+# --- 4. refused layouts ------------------------------------------------------------------
+refuse() {   # CK EXPECTED FLAGS...
+  local ck=$1 want=$2
+  shift 2
+  ./serve_gpt2 -e "$ck" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "$@" >"$W/refused.out" 2>&1 &&
+    fail "$*: accepted"
+  [ "$(wc -l <"$W/refused.out")" = 1 ] && grep -q -- "$want" "$W/refused.out" ||
+    fail "$*: expected one line saying '$want', got: $(cat "$W/refused.out")"
+}
+DENSE=$W/dense/model_00000003.bin MOE=$W/moe/model_00000003.bin
+refuse "$DENSE" "^error: --tp 3: the tensor-parallel degree must be" --tp 3
+refuse "$DENSE" "^error: --tp 8: the number of heads NH must be a multiple" --tp 8
+refuse "$DENSE" "^error: --ep 2: the model has no experts" --ep 2
+refuse "$MOE" "^error: --ep 3: must divide the model's 4 experts" --ep 3
+refuse "$DENSE" "^error: --pp 2: pipeline-parallel serving is not built yet" --pp 2
+refuse "$DENSE" "^error: --kvp 2: KV parallelism is not wired into serving yet" --kvp 2
+refuse "$DENSE" "^error: --tp 2 x --ep 1 needs 2 ranks (mpirun -np 2), got 1" --tp 2
+pass "refused in one line: --tp 3, --tp 8 (4 heads), --ep on a dense model, --ep 3 (4 experts), --pp, --kvp, too few ranks"
+
+# --- 5. a rank that dies -----------------------------------------------------------------
+CK=$DENSE
+SERVE_LAUNCH="dev/test/mpi.sh 2" start_server --tp 2 --step-delay-ms 50
+follower=$(awk '/rank pids/ { print $NF; exit }' "$W/server.out")
+[ -n "$follower" ] || fail "no rank pids printed: $(head -3 "$W/server.out")"
+(post inflight "{\"prompt\":[$PROMPT],\"max_tokens\":58,\"temperature\":0,\"ignore_eos\":true}" >"$W/inflight.code") &
+client=$!
+curl -sN "$URL/v1/completions" -d "{\"prompt\":[$PROMPT],\"max_tokens\":58,\"ignore_eos\":true,\"stream\":true}" >"$W/dying.sse" &
+streamer=$!
+sleep 1
+kill -9 "$follower"
+wait "$client" "$streamer"
+t0=$SECONDS
+wait "$SERVER_PID"
+rc=$?
+SERVER_PID=
+[ "$rc" != 0 ] || fail "the server exited 0 after a rank died"
+[ "$(cat "$W/inflight.code")" = 503 ] || fail "the request in flight got HTTP $(cat "$W/inflight.code"), not 503: $(cat "$W/inflight.json")"
+$J "$W/inflight.json" error.message >/dev/null || fail "the 503 is not an OpenAI-style JSON error: $(cat "$W/inflight.json")"
+grep -q '"error"' "$W/dying.sse" && tail -1 "$W/dying.sse" | grep -q '^$' && grep -q 'data: \[DONE\]' "$W/dying.sse" ||
+  fail "the stream in flight did not end with an error event: $(tail -3 "$W/dying.sse")"
+[ "$(grep -c "^serve_gpt2: rank 1 (pid $follower) died" "$W/server.out")" = 1 ] ||
+  fail "not one line naming the dead rank: $(cat "$W/server.out")"
+pass "a killed rank: 503 JSON error and an error event in flight, one line naming rank 1, the server gone $((SECONDS - t0))s later"

@@ -1,0 +1,70 @@
+/*
+ * serve_parallel.h: serving across ranks (issue 27): the layout of `mpirun -np N serve_gpt2
+ * --tp K --ep Q`, its refusals, and the communicator's groups for it. The model's slices are
+ * the trainer's (serve_model.c passes these groups to zero.h and gpt2_init, which cut the
+ * column/row-parallel weights, the vocabulary-parallel wte and the experts exactly as in
+ * training: tensor_parallel.h, expert_parallel.h); the per-step traffic is serve_engine.h's.
+ *
+ * THE LAYOUT: N = K x Q ranks, the trainer's grid (comm.h: tensor parallel fastest) with the
+ * Q "data-parallel" ranks of each tensor-parallel coordinate as the expert-parallel group
+ * (comm_setup_expert_groups). Every rank computes every row of a step: the TP ranks each on
+ * their heads and their slice of the MLP and of the vocabulary, the EP ranks each on the same
+ * rows (attention and the dense parts replicated) with the experts dealt out, the rows routed
+ * to an expert sent to its rank by all-to-all and its outputs sent back (expert_parallel.h).
+ * World rank 0 runs the HTTP server and the scheduler and broadcasts each step
+ * (serve_step_broadcast); the others follow (serve_engine_follow).
+ *
+ * THE TRAFFIC per step of N rows, M of them read by the head (K = tp, L layers, C channels,
+ * Vl = Vp/K), as this rank sends it (comm.h's accounting; all-reduce of n floats 2(K-1)ceil(n/K)*4):
+ *   tp:    (2L + 1) all-reduces of N*C floats (the embedding lookup, then per layer the
+ *          attention and MLP row-parallel outputs: Megatron's g), the head's max (M floats)
+ *          and its Z and target-logit sums (2M floats); in an expert layer the MLP's
+ *          all-reduce is over the rows the rank's experts received instead (routing-dependent)
+ *   other: the step broadcast 2 + N*(2 + max_blocks) + M ints from rank 0, the gather of
+ *          the probabilities (K-1)*M*Vl*4 (tp_gather_vocab), and with EP per MoE layer the
+ *          row count to each other ep rank, (Q-1)*4
+ *   ep:    per MoE layer the routed rows out and back and their counts and positions (they
+ *          depend on the routing: the test bounds them by 2k rows of C floats plus the counts)
+ * A decode step of one request is N = M = 1: those bytes per generated token.
+ */
+#ifndef LLMC_SERVE_PARALLEL_H
+#define LLMC_SERVE_PARALLEL_H
+
+#include <stdio.h>
+#include "llmc/comm.h"
+#include "llmc/model.h"
+#include "llmc/tensor_parallel.h"
+
+typedef struct { int tp, ep, pp, kvp; } ServeLayout;
+
+// What the model or the world cannot take in this layout, in one line (NULL: none).
+static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2Config* c, int world_size, char* why,
+                                               size_t n) {
+    if (l->pp > 1) { snprintf(why, n, "--pp %d: pipeline-parallel serving is not built yet (expected --pp 1)", l->pp); return why; }
+    if (l->kvp > 1) { snprintf(why, n, "--kvp %d: KV parallelism is not wired into serving yet (expected --kvp 1)", l->kvp); return why; }
+    const char* tp = tp_problem(c, l->tp);
+    if (tp) { snprintf(why, n, "--tp %d: %s (model: NH=%d, Vp=%d)", l->tp, tp, c->num_heads, c->padded_vocab_size); return why; }
+    if (l->ep > 1 && c->num_experts == 0) {
+        snprintf(why, n, "--ep %d: the model has no experts (expected --ep 1 for a dense checkpoint)", l->ep);
+        return why;
+    }
+    if (l->ep > 1 && c->num_experts % l->ep != 0) {
+        snprintf(why, n, "--ep %d: must divide the model's %d experts", l->ep, c->num_experts);
+        return why;
+    }
+    if (world_size != l->tp * l->ep) {
+        snprintf(why, n, "--tp %d x --ep %d needs %d ranks (mpirun -np %d), got %d", l->tp, l->ep, l->tp * l->ep,
+                 l->tp * l->ep, world_size);
+        return why;
+    }
+    return NULL;
+}
+
+// The groups of the layout: tp groups of K consecutive ranks, ep groups over the rest.
+// Collective over the world.
+static inline void serve_layout_setup(Comm* comm, const ServeLayout* l) {
+    comm_setup_grid(comm, l->tp, 1);
+    if (l->ep > 1) { comm_setup_expert_groups(comm, l->ep); }
+}
+
+#endif // LLMC_SERVE_PARALLEL_H
