@@ -594,7 +594,10 @@ static void usage(void) {
            "  --max-connections N     requests at a time; more get 429 (default 64)\n"
            "  --max-body-bytes N      request bodies over this get 413 (default 1048576)\n"
            "  --shutdown-timeout S    on SIGTERM, seconds to finish what runs before cancelling it (default 30)\n"
-           "  --step-delay-ms N       sleep after every engine step (tests: slow streams; default 0)\n");
+           "  --step-delay-ms N       sleep after every engine step (tests: slow streams; default 0)\n"
+           "  --weights fp32|bf16     bf16: the weights rounded to bf16, the decode copies held in bf16 (half the\n"
+           "                          bytes a step reads; fp32 arithmetic; the sampler's bits on the rounded\n"
+           "                          checkpoint, not on this one; default fp32)\n");
 }
 
 int main(int argc, char** argv) {
@@ -603,6 +606,7 @@ int main(int argc, char** argv) {
     const char *model = NULL, *host = "127.0.0.1", *encoder = "dev/data/gpt2/encoder.json", *merges = "dev/data/gpt2/vocab.bpe";
     long port = 8000, block_size = 16, kv_blocks = 0, max_batch = 256, max_conn = 64, max_running = 0, max_body = 1 << 20, shutdown_s = 30;
     ServeBatching batching = SERVE_INFLIGHT;
+    int weights_bf16 = 0;
     S.model_name = "gpt2";
     pthread_mutex_init(&S.mu, NULL);
     pthread_cond_init(&S.work, NULL);
@@ -631,6 +635,11 @@ int main(int argc, char** argv) {
         else if (strcmp(f, "--max-body-bytes") == 0) { max_body = flag_int(f, v, 64, 1L << 30); }
         else if (strcmp(f, "--shutdown-timeout") == 0) { shutdown_s = flag_int(f, v, 0, 86400); }
         else if (strcmp(f, "--step-delay-ms") == 0) { S.step_delay_us = (int)flag_int(f, v, 0, 10000) * 1000; }
+        else if (strcmp(f, "--weights") == 0) {
+            if (strcmp(v, "fp32") == 0) { weights_bf16 = 0; }
+            else if (strcmp(v, "bf16") == 0) { weights_bf16 = 1; }
+            else { fatal("--weights: expected fp32 or bf16, got '%s'", v); }
+        }
         else { fatal("unknown flag %s (serve_gpt2 --help)", f); }
     }
     if (!model) { fatal("-e: the model checkpoint to serve is required (serve_gpt2 --help)"); }
@@ -642,6 +651,13 @@ int main(int argc, char** argv) {
     SERVE_SELECT_DEVICE();
     GPT2Config config;
     float* params = gpt2_read_finite_model(model, &config, 0);
+#ifdef LLMC_DEVICE_KERNELS
+    if (weights_bf16) { fatal("--weights bf16: serve_gpt2 (the CPU server) only; serve_gpt2cu serves fp32 weights"); }
+#else
+    // every parameter rounded, so that the rows matmul_forward takes (prefill) and the
+    // embeddings agree with the bf16 decode copies (llmc/decode_matmul.h)
+    if (weights_bf16) { decode_round_bf16(params, param_count(&config)); }
+#endif
     bpe_init(&S.bpe, encoder, merges);
     if (kv_blocks == 0) {
         long per_request = (config.max_seq_len + block_size - 1) / block_size;
@@ -649,6 +665,9 @@ int main(int argc, char** argv) {
     }
     serve_engine_init(&S.engine, &comm, SERVE_MEMORY, &config, params, (int)kv_blocks, (int)block_size, (int)max_batch, (int)max_conn);
     S.engine.batching = batching;
+#ifndef LLMC_DEVICE_KERNELS
+    S.engine.model->model.decode_layers->bf16 = weights_bf16;
+#endif
     if (max_running > 0) { S.engine.max_running = (int)(max_running < max_conn ? max_running : max_conn); }
     S.engine.token_text = token_text;
     S.engine.token_text_ctx = &S.bpe;
@@ -672,9 +691,9 @@ int main(int argc, char** argv) {
         (unsigned)(max_conn + 64), MHD_OPTION_NOTIFY_COMPLETED, request_completed, NULL, MHD_OPTION_END);
     if (!d) { fatal("--host %s --port %ld: cannot listen there (%s)", host, port, strerror(errno)); }
     const union MHD_DaemonInfo* info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
-    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d E=%d k=%d) in %s memory, %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
+    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d E=%d k=%d) in %s memory, %s weights, %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
            model, config.num_layers, config.channels, config.max_seq_len, config.vocab_size, config.num_experts,
-           config.top_k, SERVE_MEMORY->name, kv_blocks, block_size,
+           config.top_k, SERVE_MEMORY->name, weights_bf16 ? "bf16" : "fp32", kv_blocks, block_size,
            max_batch, batching == SERVE_STATIC ? "static" : "in-flight", S.engine.max_running);
     printf("serving %s on http://%s:%u\n", S.model_name, host, info ? info->port : (unsigned)port);
     fflush(stdout);
