@@ -643,6 +643,9 @@ int main(int argc, char** argv) {
         else { fatal("unknown flag %s (serve_gpt2 --help)", f); }
     }
     if (!model) { fatal("-e: the model checkpoint to serve is required (serve_gpt2 --help)"); }
+#ifdef LLMC_DEVICE_KERNELS
+    if (weights_bf16) { fatal("--weights bf16: serve_gpt2 (the CPU server) only; serve_gpt2cu serves fp32 weights"); }
+#endif
     struct sockaddr_in addr = {0};
     addr.sin_family = AF_INET;
     addr.sin_port = htons((uint16_t)port);
@@ -651,9 +654,7 @@ int main(int argc, char** argv) {
     SERVE_SELECT_DEVICE();
     GPT2Config config;
     float* params = gpt2_read_finite_model(model, &config, 0);
-#ifdef LLMC_DEVICE_KERNELS
-    if (weights_bf16) { fatal("--weights bf16: serve_gpt2 (the CPU server) only; serve_gpt2cu serves fp32 weights"); }
-#else
+#ifndef LLMC_DEVICE_KERNELS
     // every parameter rounded, so that the rows matmul_forward takes (prefill) and the
     // embeddings agree with the bf16 decode copies (llmc/decode_matmul.h)
     if (weights_bf16) { decode_round_bf16(params, param_count(&config)); }

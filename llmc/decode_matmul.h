@@ -78,7 +78,7 @@ static inline void decode_round_bf16(float* x, size_t n) {
     }
 }
 
-// the same, in bf16
+// packed <- weight (OC,IC) rounded to bf16, in decode_pack's layout (below)
 static inline void decode_pack_bf16(uint16_t* packed, const float* weight, int OC, int IC) {
     int panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
     #pragma omp parallel for schedule(static)
