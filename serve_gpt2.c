@@ -633,7 +633,10 @@ static void usage(void) {
            "  --step-delay-ms N       sleep after every engine step (tests: slow streams; default 0)\n"
            "  --tp K, --ep Q          across mpirun -np K*Q ranks: tensor-parallel over K, the experts over Q\n"
            "                          (llmc/serve_parallel.h); world rank 0 serves HTTP (default 1, 1)\n"
-           "  --pp S, --kvp P         pipeline / KV parallelism: not built yet (1 only)\n");
+           "  --pp S, --kvp P         pipeline / KV parallelism: not built yet (1 only)\n"
+           "  --weights fp32|bf16     bf16: the weights rounded to bf16, the decode copies held in bf16 (half the\n"
+           "                          bytes a step reads; fp32 arithmetic; the sampler's bits on the rounded\n"
+           "                          checkpoint, not on this one; default fp32)\n");
 }
 
 // ---- a rank that dies -------------------------------------------------------------------
@@ -726,6 +729,7 @@ int main(int argc, char** argv) {
     const char *model = NULL, *host = "127.0.0.1", *encoder = "dev/data/gpt2/encoder.json", *merges = "dev/data/gpt2/vocab.bpe";
     long port = 8000, block_size = 16, kv_blocks = 0, max_batch = 256, max_conn = 64, max_running = 0, max_body = 1 << 20, shutdown_s = 30;
     ServeBatching batching = SERVE_INFLIGHT;
+    int weights_bf16 = 0;
     S.model_name = "gpt2";
     pthread_mutex_init(&S.mu, NULL);
     pthread_cond_init(&S.work, NULL);
@@ -758,9 +762,17 @@ int main(int argc, char** argv) {
         else if (strcmp(f, "--ep") == 0) { layout.ep = (int)flag_int(f, v, 1, 1024); }
         else if (strcmp(f, "--pp") == 0) { layout.pp = (int)flag_int(f, v, 1, 1024); }
         else if (strcmp(f, "--kvp") == 0) { layout.kvp = (int)flag_int(f, v, 1, 1024); }
+        else if (strcmp(f, "--weights") == 0) {
+            if (strcmp(v, "fp32") == 0) { weights_bf16 = 0; }
+            else if (strcmp(v, "bf16") == 0) { weights_bf16 = 1; }
+            else { fatal("--weights: expected fp32 or bf16, got '%s'", v); }
+        }
         else { fatal("unknown flag %s (serve_gpt2 --help)", f); }
     }
     if (!model) { fatal("-e: the model checkpoint to serve is required (serve_gpt2 --help)"); }
+#ifdef LLMC_DEVICE_KERNELS
+    if (weights_bf16) { fatal("--weights bf16: serve_gpt2 (the CPU server) only; serve_gpt2cu serves fp32 weights"); }
+#endif
     struct sockaddr_in addr = {0};
     addr.sin_family = AF_INET;
     addr.sin_port = htons((uint16_t)port);
@@ -775,12 +787,21 @@ int main(int argc, char** argv) {
         comm_barrier(&comm.world);
     }
     serve_layout_setup(&comm, &layout);
+#ifndef LLMC_DEVICE_KERNELS
+    // every parameter rounded, so that the rows matmul_forward takes (prefill) and the
+    // embeddings agree with the bf16 decode copies (llmc/decode_matmul.h)
+    if (weights_bf16) { decode_round_bf16(params, param_count(&config)); }
+#endif
     bpe_init(&S.bpe, encoder, merges);
     if (kv_blocks == 0) {
         long per_request = (config.max_seq_len + block_size - 1) / block_size;
         kv_blocks = 8 * per_request;
     }
     serve_engine_init(&S.engine, &comm, SERVE_MEMORY, &config, params, (int)kv_blocks, (int)block_size, (int)max_batch, (int)max_conn);
+    // every rank's decode copies in the same type (the followers branch off below)
+#ifndef LLMC_DEVICE_KERNELS
+    S.engine.model->model.decode_layers->bf16 = weights_bf16;
+#endif
     // every rank's pid to rank 0's watcher: a broadcast from each rank (world group)
     rank_pids = (int*)malloc_or_die(sizeof(int) * (size_t)comm.world_size, "rank pids");
     for (int r = 0; r < comm.world_size; r++) {
@@ -823,9 +844,9 @@ int main(int argc, char** argv) {
         (unsigned)(max_conn + 64), MHD_OPTION_NOTIFY_COMPLETED, request_completed, NULL, MHD_OPTION_END);
     if (!d) { fatal("--host %s --port %ld: cannot listen there (%s)", host, port, strerror(errno)); }
     const union MHD_DaemonInfo* info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
-    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d E=%d k=%d) in %s memory, %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
+    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d E=%d k=%d) in %s memory, %s weights, %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
            model, config.num_layers, config.channels, config.max_seq_len, config.vocab_size, config.num_experts,
-           config.top_k, SERVE_MEMORY->name, kv_blocks, block_size,
+           config.top_k, SERVE_MEMORY->name, weights_bf16 ? "bf16" : "fp32", kv_blocks, block_size,
            max_batch, batching == SERVE_STATIC ? "static" : "in-flight", S.engine.max_running);
     if (comm.world_size > 1) {
         printf("serve_gpt2: %d ranks (tp %d x ep %d), rank pids", comm.world_size, comm.tp, comm.ep);

@@ -18,6 +18,12 @@
  * equal to the trainer's sampler and batch-invariant (test_kernels compares the bits on odd
  * shapes, with SIMD and without).
  *
+ * With `bf16` set (serving's --weights bf16), the copies hold each weight rounded to bf16
+ * (round to nearest even), half the bytes to stream; the kernel widens them to fp32 as it loads
+ * (exact) and computes as above, so a row's bits are matmul_forward's on the rounded weights,
+ * still whatever the rows beside it. The caller rounds its fp32 weights the same way
+ * (decode_round_bf16), so that the rows matmul_forward takes agree with the packed ones.
+ *
  * DecodeWeights holds the packed copies, each found by the address of the weight it copies
  * (decode_weights_get makes one on first use);
  * decode_matmul takes the packed kernel for up to DECODE_MAX_ROWS rows (packing the weight on
@@ -26,7 +32,9 @@
 #ifndef LLMC_DECODE_MATMUL_H
 #define LLMC_DECODE_MATMUL_H
 
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "llmc/canonical.h"
 #include "llmc/simd.h"
 #include "llmc/utils.h"
@@ -35,19 +43,54 @@
 
 #define DECODE_PANEL 16                          // outputs contiguous at each k (64 bytes)
 #define DECODE_PANEL_VECS (DECODE_PANEL / VLEN)  // vectors per panel: 1 (AVX-512), 2 (AVX2, scalar)
-#define DECODE_ROW_TILE 4                        // rows sharing a panel's loads in registers
+#if VLEN == 16
+#define DECODE_ROW_TILE 8                        // rows sharing a panel's loads: 8 accumulators + 1 (of 32 registers)
+#else
+#define DECODE_ROW_TILE 4                        // 8 accumulators + 2 (of 16 registers)
+#endif
 #define DECODE_MAX_ROWS 16                       // more rows: matmul_forward's row tiles (faster from about 32)
 
 typedef struct {
     const float* source;   // the weight (OC,IC) it copies
-    float* packed;         // (ceil(OC/DECODE_PANEL), IC, DECODE_PANEL)
+    float* packed;         // (ceil(OC/DECODE_PANEL), IC, DECODE_PANEL), or NULL and ...
+    uint16_t* packed_bf16; // ... the same in bf16
     int OC, IC;
 } DecodeMatrix;
 
 typedef struct DecodeWeights {
     DecodeMatrix* m;
     int n, cap;
+    int bf16;              // copies made from now on: bf16 (1) or fp32 (0)
 } DecodeWeights;
+
+// x rounded to the nearest bf16, ties to even (x finite)
+static inline uint16_t decode_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// x[0..n) <- their values rounded to bf16 (still fp32): what a bf16 copy holds
+static inline void decode_round_bf16(float* x, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)decode_bf16(x[i]) << 16;
+        memcpy(&x[i], &u, 4);
+    }
+}
+
+// packed <- weight (OC,IC) rounded to bf16, in decode_pack's layout (below)
+static inline void decode_pack_bf16(uint16_t* packed, const float* weight, int OC, int IC) {
+    int panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
+    #pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        uint16_t* dst = packed + (size_t)p * IC * DECODE_PANEL;
+        for (int j = 0; j < DECODE_PANEL; j++) {
+            int o = p * DECODE_PANEL + j;
+            const float* row = weight + (size_t)o * IC;
+            for (int k = 0; k < IC; k++) { dst[(size_t)k * DECODE_PANEL + j] = o < OC ? decode_bf16(row[k]) : 0; }
+        }
+    }
+}
 
 // packed <- weight (OC,IC), in the layout above
 static inline void decode_pack(float* packed, const float* weight, int OC, int IC) {
@@ -85,8 +128,15 @@ static inline void decode_weights_add(DecodeWeights* dw, const float* weight, in
     m->source = weight;
     m->OC = OC;
     m->IC = IC;
-    m->packed = (float*)aligned_calloc_or_die(sizeof(float) * panels * IC * DECODE_PANEL, "decode weights");
-    decode_pack(m->packed, weight, OC, IC);
+    m->packed = NULL;
+    m->packed_bf16 = NULL;
+    if (dw->bf16) {
+        m->packed_bf16 = (uint16_t*)aligned_calloc_or_die(sizeof(uint16_t) * panels * IC * DECODE_PANEL, "decode weights");
+        decode_pack_bf16(m->packed_bf16, weight, OC, IC);
+    } else {
+        m->packed = (float*)aligned_calloc_or_die(sizeof(float) * panels * IC * DECODE_PANEL, "decode weights");
+        decode_pack(m->packed, weight, OC, IC);
+    }
 }
 
 // the packed copy of weight (OC,IC), made now if dw has none
@@ -98,7 +148,10 @@ static inline const DecodeMatrix* decode_weights_get(DecodeWeights* dw, const fl
 }
 
 static inline void decode_weights_free(DecodeWeights* dw) {
-    for (int i = 0; i < dw->n; i++) { free(dw->m[i].packed); }
+    for (int i = 0; i < dw->n; i++) {
+        free(dw->m[i].packed);
+        free(dw->m[i].packed_bf16);
+    }
     free(dw->m);
     dw->m = NULL;
     dw->n = dw->cap = 0;
@@ -113,12 +166,16 @@ static inline void decode_matmul_forward_naive(float* out, const float* inp, con
     int IC = m->IC, OC = m->OC;
     for (int r = 0; r < N; r++) {
         for (int o = 0; o < OC; o++) {
-            const float* w = m->packed + (size_t)(o / DECODE_PANEL) * IC * DECODE_PANEL + o % DECODE_PANEL;
+            size_t at = (size_t)(o / DECODE_PANEL) * IC * DECODE_PANEL + o % DECODE_PANEL;
             float partial[CANON_R];
             for (int ch = 0; ch < nchunks; ch++) {
                 float acc = 0.0f;
                 for (long k = ((long)IC * ch) / nchunks; k < ((long)IC * (ch + 1)) / nchunks; k++) {
-                    acc = fmaf(inp[(size_t)r * IC + k], w[k * DECODE_PANEL], acc);
+                    size_t i = at + (size_t)k * DECODE_PANEL;
+                    float w;
+                    if (m->packed) { w = m->packed[i]; }
+                    else { uint32_t u = (uint32_t)m->packed_bf16[i] << 16; memcpy(&w, &u, 4); }
+                    acc = fmaf(inp[(size_t)r * IC + k], w, acc);
                 }
                 partial[ch] = acc;
             }
@@ -129,11 +186,12 @@ static inline void decode_matmul_forward_naive(float* out, const float* inp, con
 }
 
 // One panel (outputs o0 .. o0 + no) for rows r0 .. r0 + NR: at each k, the panel's vectors are
-// loaded once and each row's input broadcast into them; each chunk's accumulators join the
-// stack as one leaf.
+// loaded once (from fp32, or widened from bf16: panel_bf16) and each row's input broadcast
+// into them; each chunk's accumulators join the stack as one leaf.
 static inline __attribute__((always_inline)) void decode_panel_tile(float* out, const float* inp, const float* panel,
-                                                                    const float* bias, int IC, int OC, int o0, int no,
-                                                                    int r0, const int NR, int nchunks) {
+                                                                    const uint16_t* panel_bf16, const float* bias, int IC,
+                                                                    int OC, int o0, int no, int r0, const int NR,
+                                                                    int nchunks) {
     enum { PV = DECODE_PANEL_VECS, ENTRY = DECODE_ROW_TILE * DECODE_PANEL };
     float partials[(CANON_LOG2_R + 2) * ENTRY];
     CanonStack stack = canon_stack(partials, ENTRY, 1, NR * DECODE_PANEL, ENTRY);
@@ -141,19 +199,22 @@ static inline __attribute__((always_inline)) void decode_panel_tile(float* out, 
     for (int ch = 0; ch < nchunks; ch++) {
         int kb = (int)(((long)IC * ch) / nchunks), ke = (int)(((long)IC * (ch + 1)) / nchunks);
         vf acc[DECODE_ROW_TILE][PV];
-        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
             _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { acc[r][v] = vf_zero(); }
         }
         for (int k = kb; k < ke; k++) {
             vf w[PV];
-            _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { w[v] = vf_load(panel + (size_t)k * DECODE_PANEL + v * VLEN); }
-            _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) {
+            _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) {
+                size_t i = (size_t)k * DECODE_PANEL + v * VLEN;
+                w[v] = panel_bf16 ? vf_load_bf16(panel_bf16 + i) : vf_load(panel + i);
+            }
+            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
                 vf a = vf_set1(x[(size_t)r * IC + k]);
                 _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { acc[r][v] = vf_fma(a, w[v], acc[r][v]); }
             }
         }
         float* leaf = canon_stack_next(&stack);
-        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
             _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { vf_store(leaf + r * DECODE_PANEL + v * VLEN, acc[r][v]); }
         }
         canon_stack_push(&stack, canon_tree_merges_after(ch, nchunks));
@@ -171,15 +232,27 @@ static inline void decode_matmul_forward(float* out, const float* inp, const Dec
     int IC = m->IC, OC = m->OC, panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++) {
-        const float* panel = m->packed + (size_t)p * IC * DECODE_PANEL;
+        size_t at = (size_t)p * IC * DECODE_PANEL;
         int o0 = p * DECODE_PANEL, no = OC - o0 < DECODE_PANEL ? OC - o0 : DECODE_PANEL;
         for (int r0 = 0; r0 < N; r0 += DECODE_ROW_TILE) {
-#define DECODE_TILE(NR) decode_panel_tile(out, inp, panel, bias, IC, OC, o0, no, r0, NR, nchunks)
-            switch (N - r0) {
+            // one specialisation per row count and weight type (the branch on the type is
+            // taken out of the k loop)
+#define DECODE_TILE(NR)                                                                                         \
+    if (m->packed_bf16) { decode_panel_tile(out, inp, NULL, m->packed_bf16 + at, bias, IC, OC, o0, no, r0, NR, nchunks); } \
+    else { decode_panel_tile(out, inp, m->packed + at, NULL, bias, IC, OC, o0, no, r0, NR, nchunks); }
+            switch (N - r0 < DECODE_ROW_TILE ? N - r0 : DECODE_ROW_TILE) {
                 case 1: DECODE_TILE(1); break;
                 case 2: DECODE_TILE(2); break;
                 case 3: DECODE_TILE(3); break;
+#if DECODE_ROW_TILE == 8
+                case 4: DECODE_TILE(4); break;
+                case 5: DECODE_TILE(5); break;
+                case 6: DECODE_TILE(6); break;
+                case 7: DECODE_TILE(7); break;
+                default: DECODE_TILE(8); break;
+#else
                 default: DECODE_TILE(4); break;
+#endif
             }
 #undef DECODE_TILE
         }
@@ -187,7 +260,8 @@ static inline void decode_matmul_forward(float* out, const float* inp, const Dec
 }
 
 // matmul_forward's contract (kernels.h), on the packed copy of weight (made on first use) when
-// the rows are few enough; the bits are the same either way.
+// the rows are few enough; the bits are the same either way (bf16 copies: when weight holds
+// bf16 values, decode_round_bf16).
 static inline void decode_matmul(DecodeWeights* dw, float* out, const float* inp, const float* weight,
                                  const float* bias, int N, int IC, int OC, int nchunks) {
     if (N <= DECODE_MAX_ROWS) {

@@ -8,13 +8,17 @@
  * running maximum, so a maximum taken in any order is exact); vf_if_negative(x, a, b) is
  * `x < 0 ? a : b` per lane; vf_expf is canonical.h's
  * canon_expf in every lane, the same operations in the same order (test_kernels compares it
- * with canon_expf over a sweep of all float exponents and the special values). Build with NO_SIMD=1 (-DLLMC_NO_SIMD) to use the plain-C version; the tests
+ * with canon_expf over a sweep of all float exponents and the special values). vf_load_bf16
+ * reads VLEN bf16 values (the top halves of floats) and widens them to fp32, which is exact, so
+ * arithmetic on them is the arithmetic on the floats they stand for. Build with NO_SIMD=1 (-DLLMC_NO_SIMD) to use the plain-C version; the tests
  * compare both.
  */
 #ifndef LLMC_SIMD_H
 #define LLMC_SIMD_H
 
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 #include "llmc/canonical.h"
 
 #if defined(__AVX512F__) && !defined(LLMC_NO_SIMD)
@@ -24,6 +28,9 @@ typedef __m512 vf;
 static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
 static inline vf vf_load(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vf_store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vf_load_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 // lanes j < n read p[j * stride], the others p[0] (vf_gather)
 typedef __m512i vidx;
 static inline vidx vidx_strided(int stride, int n) {
@@ -84,6 +91,9 @@ typedef __m256 vf;
 static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
 static inline vf vf_load(const float* p) { return _mm256_loadu_ps(p); }
 static inline void vf_store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vf_load_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 typedef __m256i vidx;
 static inline vidx vidx_strided(int stride, int n) {
     int i[8];
@@ -138,6 +148,11 @@ typedef struct { float x[VLEN]; } vf;
 static inline vf vf_zero(void) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = 0.0f; } return r; }
 static inline vf vf_load(const float* p) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] = p[i]; } return r; }
 static inline void vf_store(float* p, vf v) { for (int i = 0; i < VLEN; i++) { p[i] = v.x[i]; } }
+static inline vf vf_load_bf16(const uint16_t* p) {
+    vf r;
+    for (int i = 0; i < VLEN; i++) { uint32_t u = (uint32_t)p[i] << 16; memcpy(&r.x[i], &u, 4); }
+    return r;
+}
 typedef struct { int i[VLEN]; } vidx;
 static inline vidx vidx_strided(int stride, int n) {
     vidx r;

@@ -9,7 +9,9 @@
  * 2. each matmul shape of a decode step at one row: matmul_forward (row-major weights, the
  *    few-row kernel) against decode_matmul_forward (the packed copy, llmc/decode_matmul.h);
  * 3. the serving engine (llmc/serve_engine.h), one request: the median time of its decode
- *    steps, with the packed copies and without them (matmul_forward for every matmul).
+ *    steps, with the packed copies, with bf16 packed copies (serve_gpt2 --weights bf16: half
+ *    the bytes, on the weights rounded to bf16) and without copies (matmul_forward for every
+ *    matmul).
  * Each line gives ms and the GB/s of weights read. Rounds alternate between the variants and
  * each figure is the median over the rounds, so a machine shared with other work shifts them
  * alike.
@@ -50,13 +52,17 @@ static double stream_read_seconds(const float* a, size_t n, float* sink) {
     return now_s() - t;
 }
 
+typedef enum { ROW_MAJOR, PACKED, PACKED_BF16 } DecodeLayout;
+
 // the median seconds of one decode step of a request alone (prompt of 16 tokens, then tokens
-// steps), with the engine's packed copies or without them
-static double serve_decode_step_seconds(Comm* comm, const GPT2Config* c, const float* params, int tokens, int packed) {
+// steps), with the engine's packed copies (fp32 or bf16: params already rounded) or without them
+static double serve_decode_step_seconds(Comm* comm, const GPT2Config* c, const float* params, int tokens,
+                                        DecodeLayout layout) {
     ServeEngine e;
     int block_size = 16, blocks = (c->max_seq_len + block_size - 1) / block_size;
     serve_engine_init(&e, comm, &memory_host, c, params, blocks, block_size, 64, 1);
-    if (!packed) { e.model->model.decoding = NULL; }   // every matmul on the row-major weights
+    if (layout == ROW_MAJOR) { e.model->model.decoding = NULL; }   // every matmul on the row-major weights
+    e.model->model.decode_layers->bf16 = layout == PACKED_BF16;
     int prompt[16];
     for (int i = 0; i < 16; i++) { prompt[i] = (i * 977) % c->vocab_size; }
     ServeRequest r;
@@ -147,19 +153,28 @@ int main(int argc, char** argv) {
 
     // 3. the serving engine, one request
     double* packed = (double*)malloc(sizeof(double) * (size_t)rounds);
+    double* packed_bf16 = (double*)malloc(sizeof(double) * (size_t)rounds);
     double* rowmajor = (double*)malloc(sizeof(double) * (size_t)rounds);
+    float* rounded = (float*)malloc(sizeof(float) * param_count(&c));
+    memcpy(rounded, params, sizeof(float) * param_count(&c));
+    decode_round_bf16(rounded, param_count(&c));
     for (int r = 0; r < rounds; r++) {
-        packed[r] = serve_decode_step_seconds(&comm, &c, params, tokens, 1);
-        rowmajor[r] = serve_decode_step_seconds(&comm, &c, params, tokens, 0);
+        packed[r] = serve_decode_step_seconds(&comm, &c, params, tokens, PACKED);
+        packed_bf16[r] = serve_decode_step_seconds(&comm, &c, rounded, tokens, PACKED_BF16);
+        rowmajor[r] = serve_decode_step_seconds(&comm, &c, params, tokens, ROW_MAJOR);
     }
-    double tp = median(packed, rounds), tr = median(rowmajor, rounds);
+    double tp = median(packed, rounds), tb16 = median(packed_bf16, rounds), tr = median(rowmajor, rounds);
     printf("%-44s %9.2f ms  %6.1f GB/s  (%.0f%% of the stream read)\n", "serving, one request: packed weights",
            1e3 * tp, weight_bytes / tp / 1e9, 100.0 * weight_bytes / tp / 1e9 / stream_bw);
+    printf("%-44s %9.2f ms  %6.1f GB/s  (%.0f%% of the stream read)\n", "serving, one request: bf16 packed weights",
+           1e3 * tb16, 0.5 * weight_bytes / tb16 / 1e9, 100.0 * 0.5 * weight_bytes / tb16 / 1e9 / stream_bw);
     printf("%-44s %9.2f ms  %6.1f GB/s  (%.0f%% of the stream read)\n", "serving, one request: row-major weights",
            1e3 * tr, weight_bytes / tr / 1e9, 100.0 * weight_bytes / tr / 1e9 / stream_bw);
     printf("(stream checksum %g)\n", (double)sink);
     free(packed);
+    free(packed_bf16);
     free(rowmajor);
+    free(rounded);
     free(st);
     free(params);
     comm_finalize(&comm);

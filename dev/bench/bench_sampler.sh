@@ -5,7 +5,8 @@
 #  - stream read: build/bench_decode's read of a buffer the size of d12's matrices (494 MB),
 #    every thread, many accumulators;
 #  - serving: build/bench_decode's median decode step of the serving engine, one request, with
-#    the packed weight copies (llmc/decode_matmul.h) and with the row-major weights;
+#    the packed weight copies (llmc/decode_matmul.h), with bf16 ones (--weights bf16: 247 MB a
+#    step, its GB/s of those bytes) and with the row-major weights;
 #  - the trainer's sampler: seconds to generate -g tokens with the KV cache (one position per
 #    token) and with a full forward over the -g positions per token (--kv-cache 0), each a
 #    one-step run that samples once (after its step) minus the same run without sampling.
@@ -40,7 +41,8 @@ for r in $(seq "$R"); do
     /^stream read/ { stream = $(NF - 1) }
     /^serving, one request: packed/ { packed = $6 }
     /^serving, one request: row-major/ { rowmajor = $6 }
-    END { printf "%s %s %s %.3f %.3f\n", stream, packed, rowmajor, 1000 * (kv - b) / (g - 1), 1000 * (full - b) / (g - 1) }' \
+    /^serving, one request: bf16/ { bf16 = $7 }
+    END { printf "%s %s %s %.3f %.3f %s\n", stream, packed, rowmajor, 1000 * (kv - b) / (g - 1), 1000 * (full - b) / (g - 1), bf16 }' \
     "$W/decode" >> "$W/rounds"
 done
 echo "load after:  $(uptime)"
@@ -49,9 +51,10 @@ sed -n '/^one row/,/^  logits/p' "$W/decode"
 col() { awk -v c="$1" '{ print $c }' "$W/rounds" | median; }
 stream=$(col 1)
 printf "%-44s %10s %9s %9s\n" "d12, -g $G, $(nproc) cores, median of $R" "ms/token" "GB/s" "of stream"
-row() { awk -v n="$1" -v ms="$2" -v s="$stream" 'BEGIN { gb = 494 / ms; printf "%-44s %10.1f %9.1f %8.0f%%\n", n, ms, gb, 100 * gb / s }'; }
+row() { awk -v n="$1" -v ms="$2" -v s="$stream" -v mb="${3:-494}" 'BEGIN { gb = mb / ms; printf "%-44s %10.1f %9.1f %8.0f%%\n", n, ms, gb, 100 * gb / s }'; }
 printf "%-44s %10.1f %9.1f\n" "stream read (494 MB, all threads)" "$(awk -v s="$stream" 'BEGIN { print 494 / s }')" "$stream"
 row "serving, one request, packed weights" "$(col 2)"
+row "serving, one request, bf16 packed weights" "$(col 6)" 247
 row "serving, one request, row-major weights" "$(col 3)"
 row "trainer's sampler, KV cache" "$(col 4)"
 row "trainer's sampler, full forward per token" "$(col 5)"

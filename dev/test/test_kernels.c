@@ -180,6 +180,21 @@ static void test_matmul(int B, int T, int K, int OC, int groups) {
     free(spec); free(dw_spec); free(db_spec);
 }
 
+// x rounded to the nearest bf16, ties to the even one: of the two bf16 values around x (its
+// bits truncated, and the next one away from zero), the closer
+static float ref_round_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    uint32_t lo_bits = u & 0xffff0000u, hi_bits = lo_bits + 0x10000u;
+    float lo, hi;
+    memcpy(&lo, &lo_bits, 4);
+    memcpy(&hi, &hi_bits, 4);
+    double dlo = fabs((double)x - lo), dhi = fabs((double)hi - x);
+    if (dlo < dhi) { return lo; }
+    if (dhi < dlo) { return hi; }
+    return (lo_bits >> 16) % 2 == 0 ? lo : hi;
+}
+
 // The decode matmul on its packed copy (llmc/decode_matmul.h): the fast kernel and its
 // specification against the rules above, and decode_matmul (packed for few rows, matmul_forward
 // for more) against matmul_forward, for N = 1 .. DECODE_MAX_ROWS + 2 rows; OC not a multiple
@@ -214,6 +229,30 @@ static void test_decode_matmul(int K, int OC) {
         }
     }
     decode_weights_free(&dw);
+    // bf16 copies (serving's --weights bf16): the bits of the rules above on the weights rounded
+    // to bf16, which decode_round_bf16 gives too
+    float* rounded = malloc(sizeof(float) * (size_t)OC * K);
+    for (size_t i = 0; i < (size_t)OC * K; i++) { rounded[i] = ref_round_bf16(w[i]); }
+    DecodeWeights dwb = {0};
+    dwb.bf16 = 1;
+    decode_weights_add(&dwb, w, OC, K);
+    const DecodeMatrix* mb = decode_weights_find(&dwb, w, OC, K);
+    for (int N = 1; N <= maxN; N++) {
+        for (int nch = CANON_R; nch >= 1; nch /= 2) {
+            const float* b = nch == CANON_R || N % 2 ? bias : NULL;
+            ref_matmul_forward(want, inp, rounded, b, N, K, OC, nch);
+            decode_matmul_forward(got, inp, mb, b, N, nch);
+            snprintf(what, sizeof(what), "decode_matmul_forward bf16 N=%d K=%d OC=%d chunks=%d", N, K, OC, nch);
+            expect_same(what, got, want, (size_t)N * OC);
+            decode_matmul_forward_naive(got, inp, mb, b, N, nch);
+            snprintf(what, sizeof(what), "decode_matmul_forward_naive bf16 N=%d K=%d OC=%d chunks=%d", N, K, OC, nch);
+            expect_same(what, got, want, (size_t)N * OC);
+        }
+    }
+    decode_weights_free(&dwb);
+    decode_round_bf16(w, (size_t)OC * K);
+    expect_same("decode_round_bf16", w, rounded, (size_t)OC * K);
+    free(rounded);
     free(inp); free(w); free(bias); free(got); free(want);
 }
 

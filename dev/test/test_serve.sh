@@ -15,6 +15,9 @@
 #   8. SIGTERM: the running stream finishes, new connections are refused, exit status 0;
 #   9. a mixture-of-experts checkpoint (4 experts, top 2): greedy = the trainer's sampler's, and
 #      4 requests at once = each alone;
+#  10. --weights bf16 on the dense checkpoint: the distributions' bits (greedy and mixed requests)
+#      = the fp32 server's on the checkpoint rounded to bf16 beforehand (build/testdata bf16), not
+#      the fp32 ones; 4 requests at once = each alone; a bad --weights value: one line, exit 1;
 # and first the request parser's fuzz target replays its seeds (when clang's libFuzzer is there).
 # Exits non-zero on the first failure, saying which.
 set -u
@@ -32,6 +35,7 @@ fi
 ./train_gpt2 -e d2c32h2t64 -i $D/tiny_shakespeare_train.bin -b 4 -t 64 -x 10 -v 0 -s 0 -l 3e-3 -n 10 \
   -o "$W/ck" >"$W/train.out" 2>&1 || fail "could not train the test checkpoint: $(tail -3 "$W/train.out")"
 CK=$W/ck/model_00000010.bin
+CK_DENSE=$CK
 
 post() {   # NAME PATH BODY: the answer in $W/NAME.json; prints the HTTP status
   curl -s -o "$W/$1.json" -w '%{http_code}' -H 'Content-Type: application/json' -H 'Authorization: Bearer sk-test' \
@@ -258,4 +262,39 @@ for i in 0 1 2 3; do
 done
 stop_server || fail "exit status of the expert model's server"
 pass "a 4-expert top-2 checkpoint: greedy = the trainer's sampler's, 4 requests at once = each alone"
+# --- 10. --weights bf16 ---------------------------------------------------------------------
+build/testdata bf16 "$CK_DENSE" "$W/ck_bf16.bin" "$W/ck_rounded.bin" >"$W/testdata.out" 2>&1 ||
+  fail "testdata bf16: $(tail -2 "$W/testdata.out")"
+CK=$W/ck_rounded.bin   # fp32 file, every value rounded to bf16: the reference
+start_server --kv-blocks 8 --max-batch-tokens 16
+post rounded_greedy /v1/completions "{\"prompt\":[$PROMPT],\"max_tokens\":60,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+for i in 0 1 2 3 4 5; do post rounded_$i /v1/completions "$(body $i)" >/dev/null; done
+stop_server || fail "exit status of the rounded checkpoint's server"
+CK=$CK_DENSE
+start_server --kv-blocks 8 --max-batch-tokens 16 --weights bf16
+grep -q 'bf16 weights' "$W/server.out" || fail "--weights bf16: the server does not say so: $(head -1 "$W/server.out")"
+post bf16_greedy /v1/completions "{\"prompt\":[$PROMPT],\"max_tokens\":60,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+[ "$(field bf16_greedy choices.0.probs_fnv1a)" = "$(field rounded_greedy choices.0.probs_fnv1a)" ] ||
+  fail "--weights bf16: greedy distributions differ from the fp32 server's on the rounded checkpoint"
+[ "$(field bf16_greedy choices.0.token_ids)" = "$(field rounded_greedy choices.0.token_ids)" ] || fail "--weights bf16: greedy tokens differ"
+[ "$(field bf16_greedy choices.0.probs_fnv1a)" != "$(field greedy choices.0.probs_fnv1a)" ] ||
+  fail "--weights bf16 gives the fp32 weights' distributions: the weights were not rounded"
+for i in 0 1 2 3 4 5; do post bf16_alone_$i /v1/completions "$(body $i)" >/dev/null; done
+clients=()
+for i in 0 1 2 3; do post bf16_batched_$i /v1/completions "$(body $i)" >/dev/null & clients+=($!); done
+wait "${clients[@]}"
+for i in 0 1 2 3 4 5; do
+  [ -n "$(field bf16_alone_$i choices.0.probs_fnv1a)" ] || fail "--weights bf16: request $i has no answer"
+  [ "$(field bf16_alone_$i choices.0.probs_fnv1a)" = "$(field rounded_$i choices.0.probs_fnv1a)" ] ||
+    fail "--weights bf16: request $i's distributions differ from the rounded checkpoint's"
+done
+for i in 0 1 2 3; do
+  [ "$(field bf16_batched_$i choices.0.probs_fnv1a)" = "$(field bf16_alone_$i choices.0.probs_fnv1a)" ] ||
+    fail "--weights bf16: request $i batched differs from the same request alone"
+done
+stop_server || fail "exit status of the bf16 server"
+./serve_gpt2 -e "$CK" --weights fp16 >"$W/bad_weights.out" 2>&1 && fail "--weights fp16 was accepted"
+[ "$(wc -l <"$W/bad_weights.out")" = 1 ] && grep -q -- '--weights' "$W/bad_weights.out" ||
+  fail "--weights fp16: not one line naming the flag: $(cat "$W/bad_weights.out")"
+pass "--weights bf16: greedy and 6 mixed requests = the fp32 server on the checkpoint rounded to bf16 (distribution bits), 4 at once = each alone; --weights fp16 refused in one line"
 echo "all serve tests passed"

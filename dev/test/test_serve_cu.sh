@@ -69,4 +69,8 @@ compare() {   # MODEL: train a checkpoint of that descriptor, then the two serve
 
 compare d2c32h2v64t32
 compare d2c32h2v64t32e4k2
+./serve_gpt2cu_emu -e "$CK" --weights bf16 >"$W/bf16.out" 2>&1 && fail "serve_gpt2cu_emu accepted --weights bf16"
+[ "$(wc -l <"$W/bf16.out")" = 1 ] && grep -q -- '--weights bf16' "$W/bf16.out" ||
+  fail "serve_gpt2cu_emu --weights bf16: not one line naming the flag: $(cat "$W/bf16.out")"
+pass "serve_gpt2cu_emu refuses --weights bf16 in one line"
 echo "all serve_gpt2cu tests passed"
