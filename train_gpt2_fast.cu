@@ -30,6 +30,8 @@
 #include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
 #include "llmc/kernels_fast.cuh"
 #include "llmc/kernels_fast_tp.cuh"
+#include "llmc/kernels_fast_moe.cuh"
+#include "llmc/expert_parallel.h"
 #include "llmc/tensor_parallel.h"
 #include "llmc/matmul_cublaslt.cuh"
 #include "llmc/attention_flash.cuh"
@@ -106,7 +108,30 @@ typedef struct {
     int K, NHl, Cl, v0, Vl;
     float* tp_sum;         // (B*T,C) fp32: what crosses the tp group (kernels_fast_tp.cuh)
     float *probs_slice, *probs_all;   // (Vl), (Vp) fp32: the sampler's gathered logits
+    // mixture of experts (E > 0, llmc/moe.h): this rank holds El = E/Q of each layer's E
+    // experts, Q the size of its expert-parallel group ep (expert_parallel.h)
+    int E, top_k, El, Q;
+    CommGroup* ep;
+    MoeCounters counters;
+    float *psum, *daux;                // (E) device: the router's probability sums, d aux / d p
+    float *psum_host, *daux_host;      // (E) their host copies
 } FastModel;
+
+// One mixture-of-experts layer's routing and expert activations, kept from its forward to its
+// backward. Rows: dispatch rows are the microbatch's slots (BT*k) sorted by expert; work rows
+// the rows this rank's experts received (expert-major; up to Q*BT*k with expert parallelism).
+typedef struct {
+    MoeRoute route;          // the routing plan (host)
+    float* probs;            // (BT,E) fp32 the router's logits, then its probabilities
+    int* chosen;             // (BT,k) the chosen experts, ascending
+    float* gates;            // (BT,k)
+    int *slot_row, *row_pos; // (BT*k) the dispatch row of each slot, the position of each dispatch row
+    int *perm, *inv;         // (work rows) work row <- received row, received row <- work row
+    int* leaf;               // the R3 leaves of each local expert's rows (moe.h), by source
+    floatX* ret;             // (BT*k,C) each slot's expert output, back at the source
+    floatX *xin, *fch, *fch_gelu;   // (work rows, C / 4C / 4C) the experts' inputs, fc out, GELU out
+    float aux;               // the load-balancing loss of the last pass
+} FastMoeLayer;
 
 // Activations of one pass over up to (B, T) positions (layouts as train_gpt2.c's, l counting
 // the chunk's layers; att holds flash attention's per-row softmax statistics (layers,B,NH,T)).
@@ -122,22 +147,47 @@ typedef struct {
     // a split backward's gradients kept from its input half for its weight half: per layer
     // those at the outputs of its weights (FastOutGrads), the head's d lnf, the embeddings' d encoded
     floatX *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1, *dlnf, *dencoded;
+    FastMoeLayer* moe;      // (layers) mixture of experts: each layer's routing and experts
+    int moe_rows;           // work rows the layers' buffers hold: Q*BT*k, every slot of the ep group
+    floatX *moe_send, *moe_recv, *moe_y;   // (moe_rows,C) expert parallelism's exchange buffers
 } FastActs;
 
 typedef struct {
     floatX *dresidual, *dbtc, *dqkv, *dbt4c;
+    // mixture of experts (one set, reused by every layer)
+    float *dgate, *dlogits, *drouter, *daux;   // (BT,k) (BT,E) (BT,C) (E) fp32
+    floatX *dlogits_bf16, *dslots;             // (BT,E), (BT*k,C) dispatch rows
+    floatX *dy, *dh, *dx, *dwork;              // (work rows, C / 4C / C / C)
 } FastGrads;
 
 // Typed views of one layer's tensors in a unit buffer (zero.h's unit layout: the 12 tensors in
 // order, each this rank's tensor-parallel piece).
+// A mixture-of-experts layer's unit holds ln1w .. ln2b and routerw (fcw .. fcprojb NULL: the
+// experts are a unit of their own, expert_views).
 template <typename X> struct LayerViews {
-    X *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
+    X *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb, *routerw;
 };
 template <typename X> static LayerViews<X> layer_views(const Zero* z, int u, X* base) {
     const TPPiece* p = z->lay.pieces[u];
+    if (z->lay.npieces[u] == 9) {
+        LayerViews<X> v = {base + p[0].local, base + p[1].local, base + p[2].local, base + p[3].local,
+                           base + p[4].local, base + p[5].local, base + p[6].local, base + p[7].local,
+                           NULL, NULL, NULL, NULL, base + p[8].local};
+        return v;
+    }
     LayerViews<X> v = {base + p[0].local, base + p[1].local, base + p[2].local, base + p[3].local,
                        base + p[4].local, base + p[5].local, base + p[6].local, base + p[7].local,
-                       base + p[8].local, base + p[9].local, base + p[10].local, base + p[11].local};
+                       base + p[8].local, base + p[9].local, base + p[10].local, base + p[11].local, NULL};
+    return v;
+}
+
+// Local expert e's tensors in expert unit u's buffer (zero.h: El fcw pieces, then El fcb, El
+// fcprojw, El fcprojb).
+template <typename X> struct ExpertViews { X *fcw, *fcb, *fcprojw, *fcprojb; };
+template <typename X> static ExpertViews<X> expert_views(const Zero* z, int u, X* base, int e) {
+    const TPPiece* p = z->lay.pieces[u];
+    int El = z->lay.npieces[u] / 4;
+    ExpertViews<X> v = {base + p[e].local, base + p[El + e].local, base + p[2 * El + e].local, base + p[3 * El + e].local};
     return v;
 }
 
@@ -195,7 +245,7 @@ static FastWeights* fast_weights_use(Zero* zero) {
     size_t n = zero->lay.local_params;
     w->bf16_unit_len = 0;
     if (zero->stage == 3) {
-        for (int u = 0; u < zero->lay.num_units; u++) {
+        for (int u = 0; u < zero->lay.num_all; u++) {
             if (zero_param_unit(&zero->lay, u) && zero->lay.size[u] > w->bf16_unit_len) { w->bf16_unit_len = zero->lay.size[u]; }
         }
         for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) { w->bf16_unit[i] = -1; }
@@ -238,6 +288,21 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
         m->probs_slice = (float*)m->mem->alloc(sizeof(float) * m->Vl, "sample logits");
         m->probs_all = (float*)m->mem->alloc(sizeof(float) * c->padded_vocab_size, "sample logits");
     }
+    if (c->num_experts > 0) {
+        m->E = c->num_experts;
+        m->top_k = c->top_k;
+        m->ep = zero->ep;
+        m->Q = zero->ep->size;
+        m->El = m->E / m->Q;
+        m->counters.layers = m->layers;
+        m->counters.experts = m->E;
+        m->counters.first_layer = m->first_layer;
+        m->counters.tokens = (double*)calloc_or_die((size_t)m->layers * m->E + 1, sizeof(double), "routing counters");
+        m->psum = (float*)m->mem->alloc(sizeof(float) * m->E, "router sums");
+        m->daux = (float*)m->mem->alloc(sizeof(float) * m->E, "router sums");
+        m->psum_host = (float*)malloc_or_die(sizeof(float) * m->E, "router sums");
+        m->daux_host = (float*)malloc_or_die(sizeof(float) * m->E, "router sums");
+    }
     return m;
 }
 
@@ -252,6 +317,13 @@ static void fast_destroy(void* vm) {
         m->mem->release(m->tp_sum);
         m->mem->release(m->probs_slice);
         m->mem->release(m->probs_all);
+    }
+    if (m->E > 0) {
+        free(m->counters.tokens);
+        m->mem->release(m->psum);
+        m->mem->release(m->daux);
+        free(m->psum_host);
+        free(m->daux_host);
     }
     free(m);
 }
@@ -300,6 +372,38 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
         a->dlnf = act(m, head * BT * C, bytes);
         a->dencoded = act(m, m->has_embedding * BT * C, bytes);
     }
+    if (m->E > 0) {
+        if (split_backward) {
+            fatal("--schedule: fast mode runs experts with the schedules without a split backward (1f1b, gpipe, "
+                  "interleaved); zb1, zbv and dualpipev with experts run with --deterministic 1");
+        }
+        size_t E = m->E, k = m->top_k, slots = BT * k, rows = (size_t)m->Q * slots;
+        size_t nleaf = (size_t)m->El * ((size_t)m->Q * B * CANON_R + 1);
+        a->moe_rows = (int)rows;
+        a->moe = (FastMoeLayer*)calloc_or_die(L + 1, sizeof(FastMoeLayer), "expert activations");
+        for (size_t l = 0; l < L; l++) {
+            FastMoeLayer* x = &a->moe[l];
+            moe_route_init(&x->route, (int)BT, (int)k, (int)E, m->Q, B);
+            x->probs = act_f(m, BT * E, bytes);
+            x->gates = act_f(m, slots, bytes);
+            *bytes += (2 * slots + 2 * rows + nleaf + BT * k) * sizeof(int);
+            x->chosen = (int*)m->mem->alloc(slots * sizeof(int), "expert activations");
+            x->slot_row = (int*)m->mem->alloc(slots * sizeof(int), "expert activations");
+            x->row_pos = (int*)m->mem->alloc(slots * sizeof(int), "expert activations");
+            x->perm = (int*)m->mem->alloc(rows * sizeof(int), "expert activations");
+            x->inv = (int*)m->mem->alloc(rows * sizeof(int), "expert activations");
+            x->leaf = (int*)m->mem->alloc(nleaf * sizeof(int), "expert activations");
+            x->ret = act(m, slots * C, bytes);
+            x->xin = act(m, rows * C, bytes);
+            x->fch = act(m, rows * 4 * C, bytes);
+            x->fch_gelu = act(m, rows * 4 * C, bytes);
+        }
+        if (m->Q > 1) {
+            a->moe_send = act(m, rows * C, bytes);
+            a->moe_recv = act(m, rows * C, bytes);
+            a->moe_y = act(m, rows * C, bytes);
+        }
+    }
     return a;
 }
 
@@ -313,6 +417,19 @@ static void fast_acts_destroy(void* vm, void* va) {
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
         if (all[i]) { m->mem->release(all[i]); }
     }
+    for (int l = 0; a->moe && l < m->layers; l++) {
+        FastMoeLayer* x = &a->moe[l];
+        void* moe_all[] = {x->probs, x->gates, x->chosen, x->slot_row, x->row_pos, x->perm, x->inv, x->leaf, x->ret,
+                           x->xin, x->fch, x->fch_gelu};
+        for (size_t i = 0; i < sizeof(moe_all) / sizeof(moe_all[0]); i++) { m->mem->release(moe_all[i]); }
+        moe_route_free(&x->route);
+    }
+    if (a->moe_send) {
+        m->mem->release(a->moe_send);
+        m->mem->release(a->moe_recv);
+        m->mem->release(a->moe_y);
+    }
+    free(a->moe);
     free(a);
 }
 
@@ -413,6 +530,154 @@ static void fast_classifier(FastModel* m, FastActs* a, float dloss, int rows, in
     cudaLaunchCheck("classifier_finish_tp_kernel");
 }
 
+// ---- mixture of experts: llmc/moe.h's layer in bf16 around expert_parallel.h's exchanges ------
+// The router is fp32 (its logits from a cuBLASLt matmul with fp32 output, then moe.h's softmax,
+// top-k and gates: kernels_moe_det.cuh); the rows that move are bf16. With expert parallelism
+// (Q > 1) the dispatch rows and the experts' outputs, and in the backward their gradients,
+// cross the ep group as bf16, counted as C/2 floats per row (the same bytes).
+
+// all-to-all (ep group) of bf16 rows of C: the dispatch rows to the experts' ranks (forward's
+// tokens, backward's output gradients) or the experts' rows back to their sources (forward's
+// outputs, backward's input gradients)
+static void fast_moe_dispatch(const FastModel* m, const MoeRoute* r, const floatX* send, floatX* recv) {
+    moe_route_dispatch(r, m->ep, (const float*)send, (float*)recv, m->config.channels / 2);
+}
+static void fast_moe_return(const FastModel* m, const MoeRoute* r, const floatX* send, floatX* recv) {
+    moe_route_return(r, m->ep, (const float*)send, (float*)recv, m->config.channels / 2);
+}
+
+// Layer l (chunk-relative) of a pass over (B, T): out (BT,C) from ln (BT,C), its routing kept in
+// a->moe[l] for the backward. `next`: the unit ZeRO-3 prefetches after the experts.
+static void fast_moe_forward(FastModel* m, FastActs* a, int l, const floatX* routerw, const floatX* ln, floatX* out,
+                             int next, int B, int T) {
+    const GPT2Config* c = &m->config;
+    const MemOps* mem = m->mem;
+    Zero* z = m->zero;
+    FastMoeLayer* x = &a->moe[l];
+    MoeRoute* route = &x->route;
+    int C = c->channels, C4 = 4 * C, E = m->E, k = m->top_k, Q = m->Q, BT = B * T;
+    size_t slots = (size_t)BT * k;
+    // the router: fp32 logits, probabilities, the k chosen experts and their gates per position
+    matmul_forward_partial_fast(x->probs, ln, routerw, BT, C, E);
+    moe_router_forward(x->probs, x->chosen, x->gates, x->probs, BT, E, k);
+    mem->to_host(route->chosen, x->chosen, slots * sizeof(int));
+    moe_route_plan(route, m->ep, B, T);   // the counts and positions each expert receives
+    if (route->n_recv > a->moe_rows) { fatal("internal: %d expert rows, room for %d", route->n_recv, a->moe_rows); }
+    mem->from_host(x->slot_row, route->slot_row, slots * sizeof(int));
+    mem->from_host(x->row_pos, route->row_pos, slots * sizeof(int));
+    mem->from_host(x->perm, route->perm, (size_t)route->n_recv * sizeof(int));
+    mem->from_host(x->inv, route->inv, (size_t)route->n_recv * sizeof(int));
+    size_t nleaf = (size_t)Q * B * CANON_R + 1;
+    mem->from_host(x->leaf, route->leaf, (size_t)m->El * nleaf * sizeof(int));
+    // the tokens to their experts (expert-major work rows; one rank: the dispatch rows)
+    if (Q == 1) {
+        moe_gather_rows_fast(x->xin, ln, x->row_pos, (int)slots, C);
+    } else {
+        moe_gather_rows_fast(a->moe_send, ln, x->row_pos, (int)slots, C);
+        fast_moe_dispatch(m, route, a->moe_send, a->moe_recv);
+        moe_gather_rows_fast(x->xin, a->moe_recv, x->perm, route->n_recv, C);
+    }
+    // each local expert's MLP over the rows it received: fc with GELU fused, fcproj with its bias
+    int unit = zero_expert_unit(z, m->first_layer + l);
+    floatX* params = fast_params(m, unit, next);
+    floatX* y = Q == 1 ? x->ret : a->moe_y;
+    for (int e = 0; e < m->El; e++) {
+        int r0 = route->first[e], n = route->first[e + 1] - r0;
+        if (n == 0) { continue; }
+        ExpertViews<floatX> w = expert_views(z, unit, params, e);
+        matmul_forward_fast(x->fch_gelu + (size_t)r0 * C4, x->xin + (size_t)r0 * C, w.fcw, w.fcb, n, C, C4,
+                            x->fch + (size_t)r0 * C4);
+        matmul_forward_fast(y + (size_t)r0 * C, x->fch_gelu + (size_t)r0 * C4, w.fcprojw, w.fcprojb, n, C4, C, NULL);
+    }
+    fast_release(m, unit);
+    if (Q > 1) {   // the outputs back to their sources, in dispatch-row order
+        moe_gather_rows_fast(a->moe_send, a->moe_y, x->inv, route->n_recv, C);
+        fast_moe_return(m, route, a->moe_send, x->ret);
+    }
+    moe_combine_fast(out, x->ret, x->gates, x->slot_row, BT, k, C);
+    // the load-balancing loss of this layer and microbatch
+    moe_expert_prob_sums(m->psum, x->probs, B, T, E);
+    mem->to_host(m->psum_host, m->psum, (size_t)E * sizeof(float));
+    x->aux = moe_aux_loss(route->count, m->psum_host, E, k, BT, c->aux_loss_coef);
+    for (int e = 0; e < E; e++) { m->counters.tokens[(size_t)l * E + e] += route->count[e]; }
+    long long out_rows, in_rows;
+    moe_route_remote_rows(route, m->ep->rank, &out_rows, &in_rows);
+    m->counters.passes++;
+    m->counters.rows_out += out_rows;
+    m->counters.rows_in += in_rows;
+}
+
+// The backward of layer l's experts (whole: a split backward is refused with experts): dln
+// (BT,C) from dout (BT,C); the router's weight gradient into drouterw, the experts' into their
+// unit, one slice per source microbatch of the ep group (expert_parallel.h THE GRADIENT ORDER:
+// zero.h combines the slices). `next`: the unit ZeRO-3 prefetches after the experts.
+static void fast_moe_backward(FastModel* m, FastActs* a, FastGrads* g, int l, const floatX* routerw, float* drouterw,
+                              const floatX* ln, const floatX* dout, floatX* dln, int next, int B, int T) {
+    const GPT2Config* c = &m->config;
+    Zero* z = m->zero;
+    FastMoeLayer* x = &a->moe[l];
+    const MoeRoute* route = &x->route;
+    int C = c->channels, C4 = 4 * C, E = m->E, k = m->top_k, Q = m->Q, BT = B * T;
+    // the combine: each slot's gate gradient and its expert output's gradient (dispatch rows)
+    moe_combine_backward_fast(g->dgate, g->dslots, dout, x->ret, x->gates, x->slot_row, BT, k, C);
+    // the router, with the load-balancing loss of this microbatch (1/M of the step's loss each)
+    moe_aux_grad(m->daux_host, route->count, E, k, BT, c->aux_loss_coef, z->local_microbatches * z->streams);
+    m->mem->from_host(g->daux, m->daux_host, (size_t)E * sizeof(float));
+    moe_router_backward(g->dlogits, x->probs, x->chosen, x->gates, g->dgate, g->daux, BT, E, k);
+    float_to_bf16(g->dlogits_bf16, g->dlogits, (size_t)BT * E);
+    matmul_backward_dinp_partial_fast(g->drouter, g->dlogits_bf16, routerw, BT, C, E);
+    matmul_backward_fast(NULL, drouterw, NULL, g->dlogits_bf16, ln, NULL, B, T, C, E, NULL);
+    // the output gradients to the experts (expert-major work rows)
+    floatX* dy = g->dslots;
+    if (Q > 1) {
+        fast_moe_dispatch(m, route, g->dslots, g->dwork);
+        moe_gather_rows_fast(g->dy, g->dwork, x->perm, route->n_recv, C);
+        dy = g->dy;
+    }
+    int unit = zero_expert_unit(z, m->first_layer + l);
+    floatX* params = fast_params(m, unit, next);
+    float* dunit = zero_grad_unit(z, unit);
+    size_t slice = z->lay.size[unit], nleaf = (size_t)Q * B * CANON_R + 1;
+    for (int e = 0; e < m->El; e++) {
+        int r0 = route->first[e], n = route->first[e + 1] - r0;
+        ExpertViews<floatX> w = expert_views(z, unit, params, e);
+        if (n > 0) {   // fcproj's input gradient with gelu'(fch) applied, then fc's
+            matmul_backward_fast(g->dh + (size_t)r0 * C4, NULL, NULL, dy + (size_t)r0 * C, NULL, w.fcprojw, 1, n, C4, C,
+                                 x->fch + (size_t)r0 * C4);
+            matmul_backward_fast(g->dx + (size_t)r0 * C, NULL, NULL, g->dh + (size_t)r0 * C4, NULL, w.fcw, 1, n, C, C4,
+                                 NULL);
+        }
+        // the weight gradients of the rows from each source q into slice q
+        const int* leaf = route->leaf + (size_t)e * nleaf;
+        for (int q = 0; q < Q; q++) {
+            int q0 = leaf[(size_t)q * B * CANON_R], q1 = q + 1 < Q ? leaf[(size_t)(q + 1) * B * CANON_R] : leaf[nleaf - 1];
+            int nq = q1 - q0;
+            ExpertViews<float> dw = expert_views(z, unit, dunit + (size_t)q * slice, e);
+            if (nq > 0) {
+                matmul_backward_fast(NULL, dw.fcprojw, NULL, dy + (size_t)q0 * C, x->fch_gelu + (size_t)q0 * C4, NULL, 1,
+                                     nq, C4, C, NULL);
+                matmul_backward_fast(NULL, dw.fcw, NULL, g->dh + (size_t)q0 * C4, x->xin + (size_t)q0 * C, NULL, 1, nq,
+                                     C, C4, NULL);
+            } else {
+                cudaCheck(cudaMemsetAsync(dw.fcprojw, 0, sizeof(float) * (size_t)C * C4));
+                cudaCheck(cudaMemsetAsync(dw.fcw, 0, sizeof(float) * (size_t)C4 * C));
+            }
+            moe_bias_grad_fast(dw.fcprojb, dy + (size_t)q0 * C, nq, C);
+            moe_bias_grad_fast(dw.fcb, g->dh + (size_t)q0 * C4, nq, C4);
+        }
+    }
+    fast_release(m, unit);
+    zero_grad_unit_done(z, unit);
+    // the input gradients back to their sources (dispatch rows), then each position's sum
+    const floatX* dret = g->dx;
+    if (Q > 1) {
+        moe_gather_rows_fast(g->dwork, g->dx, x->inv, route->n_recv, C);
+        fast_moe_return(m, route, g->dwork, g->dslots);
+        dret = g->dslots;
+    }
+    moe_dinput_combine_fast(dln, g->drouter, dret, x->slot_row, BT, k, C);
+}
+
 // The embeddings of `rows` positions from row t0 of a pass over (B, T) (all of them, or one
 // row of the sampler's (1, T) with the KV cache).
 static void fast_embed_rows(FastModel* m, FastActs* a, int B, int T, int t0, int rows) {
@@ -447,7 +712,11 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
     int C = c->channels, Cl = m->Cl, NHl = m->NHl, first = m->first_layer, last = first + m->layers;
     int LNF = z->lay.num_units - 1, decode = rows == 1 && B * T > 1;
     int after_last = m->has_head ? LNF : -1;   // what ZeRO-3 prefetches after the chunk's last layer
-    floatX* unit = fast_params(m, ZERO_LAYER(first), first + 1 < last ? ZERO_LAYER(first + 1) : after_last);
+    // what ZeRO-3 prefetches after layer l's experts (their unit comes after the layer's with
+    // experts), and after layer l's unit
+    auto after_experts = [&](int l) { return l + 1 < last ? ZERO_LAYER(l + 1) : after_last; };
+    auto after_layer = [&](int l) { return m->E > 0 ? zero_expert_unit(z, l) : after_experts(l); };
+    floatX* unit = fast_params(m, ZERO_LAYER(first), after_layer(first));
     LayerViews<floatX> w = layer_views(z, ZERO_LAYER(first), unit);
     FastLayerActs x0 = fast_layer_acts(m, a, 0, B, T, t0);
     layernorm_forward_fast(x0.ln1, x0.ln1_mean, x0.ln1_rstd, x0.residual, w.ln1w, w.ln1b, rows, C);
@@ -463,11 +732,14 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
         }
         fast_row_parallel_forward(m, a->proj, x.atty, w.attprojw, w.attprojb, rows, Cl);
         fused_residual_layernorm(x.residual2, x.ln2, x.ln2_mean, x.ln2_rstd, x.residual, a->proj, w.ln2w, w.ln2b, rows, C);
-        // column-parallel fc (+ GELU, keeps fch), row-parallel fcproj
-        matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, rows, C, 4 * Cl, x.fch);
-        fast_row_parallel_forward(m, a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, rows, 4 * Cl);
+        if (m->E > 0) {   // the mixture of experts in place of the MLP
+            fast_moe_forward(m, a, l - first, w.routerw, x.ln2, a->proj, after_experts(l), B, T);
+        } else {          // column-parallel fc (+ GELU, keeps fch), row-parallel fcproj
+            matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, rows, C, 4 * Cl, x.fch);
+            fast_row_parallel_forward(m, a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, rows, 4 * Cl);
+        }
         if (l + 1 < last) {
-            floatX* next = fast_params(m, ZERO_LAYER(l + 1), l + 2 < last ? ZERO_LAYER(l + 2) : after_last);
+            floatX* next = fast_params(m, ZERO_LAYER(l + 1), after_layer(l + 1));
             LayerViews<floatX> wn = layer_views(z, ZERO_LAYER(l + 1), next);
             FastLayerActs xn = fast_layer_acts(m, a, l + 1 - first, B, T, t0);
             fused_residual_layernorm(x.residual3, xn.ln1, xn.ln1_mean, xn.ln1_rstd, x.residual2, a->proj,
@@ -562,6 +834,19 @@ static void* fast_grads_create(void* vm, int B, int T, int split_seqs, size_t* b
     g->dbtc = act(m, BTC, bytes);
     g->dqkv = act(m, 3 * BTCl, bytes);
     g->dbt4c = act(m, 4 * BTCl, bytes);
+    if (m->E > 0) {
+        size_t BT = (size_t)B * T, C = m->config.channels, E = m->E, slots = BT * m->top_k, rows = m->Q * slots;
+        g->dgate = act_f(m, slots, bytes);
+        g->dlogits = act_f(m, BT * E, bytes);
+        g->drouter = act_f(m, BT * C, bytes);
+        g->daux = act_f(m, E, bytes);
+        g->dlogits_bf16 = act(m, BT * E, bytes);
+        g->dslots = act(m, rows * C, bytes);
+        g->dy = act(m, rows * C, bytes);
+        g->dh = act(m, rows * 4 * C, bytes);
+        g->dx = act(m, rows * C, bytes);
+        g->dwork = act(m, rows * C, bytes);
+    }
     return g;
 }
 
@@ -572,6 +857,11 @@ static void fast_grads_destroy(void* vm, void* vg) {
     m->mem->release(g->dbtc);
     m->mem->release(g->dqkv);
     m->mem->release(g->dbt4c);
+    void* moe_all[] = {g->dgate, g->dlogits, g->drouter, g->daux, g->dlogits_bf16, g->dslots, g->dy, g->dh, g->dx,
+                       g->dwork};
+    for (size_t i = 0; i < sizeof(moe_all) / sizeof(moe_all[0]); i++) {
+        if (moe_all[i]) { m->mem->release(moe_all[i]); }
+    }
     free(g);
 }
 
@@ -647,21 +937,27 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
         LayerViews<float> dw;      // where their gradients go (weight half)
         memset(&w, 0, sizeof(w));
         memset(&dw, 0, sizeof(dw));
-        if (in) { w = layer_views(z, ZERO_LAYER(l), fast_params(m, ZERO_LAYER(l), l > first ? ZERO_LAYER(l - 1) : -1)); }
+        int below = l > first ? ZERO_LAYER(l - 1) : -1;   // what ZeRO-3 prefetches after the layer
+        if (in) { w = layer_views(z, ZERO_LAYER(l), fast_params(m, ZERO_LAYER(l), m->E > 0 ? zero_expert_unit(z, l) : below)); }
         if (wt) { dw = layer_views(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l))); }
         FastLayerActs x = fast_layer_acts(m, a, l - first, B, T, 0);
         FastOutGrads d = fast_out_grads(m, a, g, l - first, B, T);
-        // MLP; the fcproj backward's epilogue applies gelu'(fch): d fch
-        if (in && a->split_backward) { cudaCheck(cudaMemcpyAsync(d.dfcproj, g->dresidual, BTC * sizeof(floatX), cudaMemcpyDeviceToDevice)); }
-        // (row-parallel fcproj: g backward is the identity, d fch is this rank's 4C/K columns;
-        // its replicated bias's gradient is the same on every rank)
-        if (in) { matmul_backward_fast(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, 4 * Cl, C, x.fch); }
-        if (wt) {
-            if (a->recompute) { gelu_forward_fast(x.fch_gelu, x.fch, (size_t)BT * 4 * Cl); }
-            matmul_backward_fast(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, 4 * Cl, C, NULL);
+        if (m->E > 0) {   // the experts, whole (fast_acts_create refuses a split backward with them)
+            if (!(in && wt)) { fatal("internal: fast mode's experts run a whole backward only"); }
+            fast_moe_backward(m, a, g, l - first, w.routerw, dw.routerw, x.ln2, d.dfcproj, d.dln2, below, B, T);
+        } else {
+            // MLP; the fcproj backward's epilogue applies gelu'(fch): d fch
+            if (in && a->split_backward) { cudaCheck(cudaMemcpyAsync(d.dfcproj, g->dresidual, BTC * sizeof(floatX), cudaMemcpyDeviceToDevice)); }
+            // (row-parallel fcproj: g backward is the identity, d fch is this rank's 4C/K columns;
+            // its replicated bias's gradient is the same on every rank)
+            if (in) { matmul_backward_fast(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, 4 * Cl, C, x.fch); }
+            if (wt) {
+                if (a->recompute) { gelu_forward_fast(x.fch_gelu, x.fch, (size_t)BT * 4 * Cl); }
+                matmul_backward_fast(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, 4 * Cl, C, NULL);
+            }
+            if (in) { fast_column_parallel_dinp(m, d.dln2, d.dfch, w.fcw, BT, 4 * Cl); }
+            if (wt) { matmul_backward_fast(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, 4 * Cl, NULL); }
         }
-        if (in) { fast_column_parallel_dinp(m, d.dln2, d.dfch, w.fcw, BT, 4 * Cl); }
-        if (wt) { matmul_backward_fast(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, 4 * Cl, NULL); }
         if (in) { layernorm_backward_fast(g->dresidual, d.dln2, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, BT, C); }
         if (wt) { layernorm_param_grads_x(dw.ln2w, dw.ln2b, NULL, x.residual2, d.dln2, 1, x.ln2_mean, x.ln2_rstd, B, T, C, CANON_R); }
         // attention; d atty in g->dbtc (the whole backward's d ln2 is used up by now)
@@ -705,13 +1001,21 @@ static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T, int 
     zero_grad_unit_done(z, lookup_unit);
 }
 
-// Not const: gpt2_fast_setup takes the KV cache away when only cuDNN can run the head size.
+// (experts) each layer's load-balancing loss of the last forward, and the routing counters
+static void fast_moe_aux(void* vm, void* va, float* host_aux) {
+    const FastActs* a = (const FastActs*)va;
+    for (int l = 0; l < ((FastModel*)vm)->layers; l++) { host_aux[l] = a->moe ? a->moe[l].aux : 0.0f; }
+}
+static MoeCounters* fast_moe_counters(void* vm) { return ((FastModel*)vm)->E > 0 ? &((FastModel*)vm)->counters : NULL; }
+
+// Not const: gpt2_fast_setup takes the KV cache away when only cuDNN can run the head size,
+// and from models with experts (their routing plans a whole pass).
 static ModelOps fast_model_ops = {
     fast_create, fast_destroy, fast_acts_create, fast_acts_destroy, fast_set_tokens, fast_stage_input,
     fast_stage_output, fast_embed_forward, fast_layers_forward, fast_head_forward, fast_loss_sum, fast_probs_at,
     fast_grads_create, fast_grads_destroy, fast_grad_residual, fast_head_backward, fast_layers_backward,
     fast_embed_backward,
-    NULL, NULL,         // no mixture of experts (train_gpt2.cu refuses one)
+    fast_moe_aux, fast_moe_counters,
     fast_embed_decode, fast_layers_decode, fast_head_decode,
     sizeof(floatX)      // bf16 activations between stages
 };
@@ -732,8 +1036,8 @@ const char* gpt2_fast_setup(const char* attention, const GPT2Config* c, int B, i
 #endif
     cublaslt_init();
     flash_attention_setup();
-    if (!gpu_flash_head_size(hs)) {   // the KV cache's one-row launch is flash attention's: without it
-                                      // the sampler runs a full forward per token
+    if (!gpu_flash_head_size(hs) || c->num_experts > 0) {   // the KV cache's one-row launch is flash
+                                      // attention's: without it the sampler runs a full forward per token
         fast_model_ops.embed_decode = NULL;
         fast_model_ops.layers_decode = NULL;
         fast_model_ops.head_decode = NULL;
