@@ -375,7 +375,7 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
     if (m->E > 0) {
         if (split_backward) {
             fatal("--schedule: fast mode runs experts with the schedules without a split backward (1f1b, gpipe, "
-                  "interleaved); zb1, zbv and dualpipev with experts run with --deterministic 1");
+                  "interleaved); zb1, zbv, dualpipe and dualpipev with experts run with --deterministic 1");
         }
         size_t E = m->E, k = m->top_k, slots = BT * k, rows = (size_t)m->Q * slots;
         size_t nleaf = (size_t)m->El * ((size_t)m->Q * B * CANON_R + 1);

@@ -26,3 +26,8 @@ TESTS += dev/test/test_fast_pp.sh
 # at ZeRO-3 = TP 2 byte for byte), within the bf16 tolerances of train_gpt2, tp bytes = Megatron's
 # count; --sp/--cp and --tp with --pp refused in one line
 TESTS += dev/test/test_fast_tp.sh
+
+# fast mode with experts: one rank within the bf16 tolerances of train_gpt2, --ep 2 (ZeRO-0, 3)
+# and --pp 2 = one rank byte for byte, rank 0's all-to-all bytes (bf16 rows) against its routing
+# counts; --tp and a split backward with experts refused in one line
+TESTS += dev/test/test_fast_moe.sh
