@@ -181,13 +181,12 @@ template <typename X> static LayerViews<X> layer_views(const Zero* z, int u, X* 
     return v;
 }
 
-// Local expert e's tensors in expert unit u's buffer (zero.h: El fcw pieces, then El fcb, El
-// fcprojw, El fcprojb).
-template <typename X> struct ExpertViews { X *fcw, *fcb, *fcprojw, *fcprojb; };
-template <typename X> static ExpertViews<X> expert_views(const Zero* z, int u, X* base, int e) {
+// The local experts' tensors in expert unit u's buffer (zero.h: El fcw pieces one after the
+// other, then El fcb, El fcprojw, El fcprojb; kernels_fast_moe.cuh's MoeExperts).
+template <typename X> static MoeExperts<X> expert_views(const Zero* z, int u, X* base) {
     const TPPiece* p = z->lay.pieces[u];
     int El = z->lay.npieces[u] / 4;
-    ExpertViews<X> v = {base + p[e].local, base + p[El + e].local, base + p[2 * El + e].local, base + p[3 * El + e].local};
+    MoeExperts<X> v = {base + p[0].local, base + p[El].local, base + p[2 * El].local, base + p[3 * El].local};
     return v;
 }
 
@@ -555,11 +554,10 @@ static void fast_moe_forward(FastModel* m, FastActs* a, int l, const floatX* rou
     Zero* z = m->zero;
     FastMoeLayer* x = &a->moe[l];
     MoeRoute* route = &x->route;
-    int C = c->channels, C4 = 4 * C, E = m->E, k = m->top_k, Q = m->Q, BT = B * T;
+    int C = c->channels, E = m->E, k = m->top_k, Q = m->Q, BT = B * T;
     size_t slots = (size_t)BT * k;
     // the router: fp32 logits, probabilities, the k chosen experts and their gates per position
-    matmul_forward_partial_fast(x->probs, ln, routerw, BT, C, E);
-    moe_router_forward(x->probs, x->chosen, x->gates, x->probs, BT, E, k);
+    moe_router_forward_fast(x->probs, x->chosen, x->gates, ln, routerw, BT, C, E, k);
     mem->to_host(route->chosen, x->chosen, slots * sizeof(int));
     moe_route_plan(route, m->ep, B, T);   // the counts and positions each expert receives
     if (route->n_recv > a->moe_rows) { fatal("internal: %d expert rows, room for %d", route->n_recv, a->moe_rows); }
@@ -579,16 +577,9 @@ static void fast_moe_forward(FastModel* m, FastActs* a, int l, const floatX* rou
     }
     // each local expert's MLP over the rows it received: fc with GELU fused, fcproj with its bias
     int unit = zero_expert_unit(z, m->first_layer + l);
-    floatX* params = fast_params(m, unit, next);
     floatX* y = Q == 1 ? x->ret : a->moe_y;
-    for (int e = 0; e < m->El; e++) {
-        int r0 = route->first[e], n = route->first[e + 1] - r0;
-        if (n == 0) { continue; }
-        ExpertViews<floatX> w = expert_views(z, unit, params, e);
-        matmul_forward_fast(x->fch_gelu + (size_t)r0 * C4, x->xin + (size_t)r0 * C, w.fcw, w.fcb, n, C, C4,
-                            x->fch + (size_t)r0 * C4);
-        matmul_forward_fast(y + (size_t)r0 * C, x->fch_gelu + (size_t)r0 * C4, w.fcprojw, w.fcprojb, n, C4, C, NULL);
-    }
+    moe_experts_forward_fast(y, x->fch, x->fch_gelu, x->xin, expert_views<const floatX>(z, unit, fast_params(m, unit, next)),
+                             route->first, m->El, C);
     fast_release(m, unit);
     if (Q > 1) {   // the outputs back to their sources, in dispatch-row order
         moe_gather_rows_fast(a->moe_send, a->moe_y, x->inv, route->n_recv, C);
@@ -617,16 +608,14 @@ static void fast_moe_backward(FastModel* m, FastActs* a, FastGrads* g, int l, co
     Zero* z = m->zero;
     FastMoeLayer* x = &a->moe[l];
     const MoeRoute* route = &x->route;
-    int C = c->channels, C4 = 4 * C, E = m->E, k = m->top_k, Q = m->Q, BT = B * T;
+    int C = c->channels, E = m->E, k = m->top_k, Q = m->Q, BT = B * T;
     // the combine: each slot's gate gradient and its expert output's gradient (dispatch rows)
     moe_combine_backward_fast(g->dgate, g->dslots, dout, x->ret, x->gates, x->slot_row, BT, k, C);
     // the router, with the load-balancing loss of this microbatch (1/M of the step's loss each)
     moe_aux_grad(m->daux_host, route->count, E, k, BT, c->aux_loss_coef, z->local_microbatches * z->streams);
     m->mem->from_host(g->daux, m->daux_host, (size_t)E * sizeof(float));
-    moe_router_backward(g->dlogits, x->probs, x->chosen, x->gates, g->dgate, g->daux, BT, E, k);
-    float_to_bf16(g->dlogits_bf16, g->dlogits, (size_t)BT * E);
-    matmul_backward_dinp_partial_fast(g->drouter, g->dlogits_bf16, routerw, BT, C, E);
-    matmul_backward_fast(NULL, drouterw, NULL, g->dlogits_bf16, ln, NULL, B, T, C, E, NULL);
+    moe_router_backward_fast(g->drouter, drouterw, g->dlogits, g->dlogits_bf16, x->probs, x->chosen, x->gates, g->dgate,
+                             g->daux, ln, routerw, BT, C, E, k);
     // the output gradients to the experts (expert-major work rows)
     floatX* dy = g->dslots;
     if (Q > 1) {
@@ -634,38 +623,19 @@ static void fast_moe_backward(FastModel* m, FastActs* a, FastGrads* g, int l, co
         moe_gather_rows_fast(g->dy, g->dwork, x->perm, route->n_recv, C);
         dy = g->dy;
     }
+    // the experts, each source's rows into its gradient slice (moe.h's leaves of source q of
+    // expert e begin at leaf[e*nleaf + q*B*8])
     int unit = zero_expert_unit(z, m->first_layer + l);
-    floatX* params = fast_params(m, unit, next);
-    float* dunit = zero_grad_unit(z, unit);
-    size_t slice = z->lay.size[unit], nleaf = (size_t)Q * B * CANON_R + 1;
+    size_t nleaf = (size_t)Q * B * CANON_R + 1;
+    int* src_first = (int*)malloc_or_die(sizeof(int) * (size_t)m->El * (Q + 1), "routing");
     for (int e = 0; e < m->El; e++) {
-        int r0 = route->first[e], n = route->first[e + 1] - r0;
-        ExpertViews<floatX> w = expert_views(z, unit, params, e);
-        if (n > 0) {   // fcproj's input gradient with gelu'(fch) applied, then fc's
-            matmul_backward_fast(g->dh + (size_t)r0 * C4, NULL, NULL, dy + (size_t)r0 * C, NULL, w.fcprojw, 1, n, C4, C,
-                                 x->fch + (size_t)r0 * C4);
-            matmul_backward_fast(g->dx + (size_t)r0 * C, NULL, NULL, g->dh + (size_t)r0 * C4, NULL, w.fcw, 1, n, C, C4,
-                                 NULL);
-        }
-        // the weight gradients of the rows from each source q into slice q
-        const int* leaf = route->leaf + (size_t)e * nleaf;
-        for (int q = 0; q < Q; q++) {
-            int q0 = leaf[(size_t)q * B * CANON_R], q1 = q + 1 < Q ? leaf[(size_t)(q + 1) * B * CANON_R] : leaf[nleaf - 1];
-            int nq = q1 - q0;
-            ExpertViews<float> dw = expert_views(z, unit, dunit + (size_t)q * slice, e);
-            if (nq > 0) {
-                matmul_backward_fast(NULL, dw.fcprojw, NULL, dy + (size_t)q0 * C, x->fch_gelu + (size_t)q0 * C4, NULL, 1,
-                                     nq, C4, C, NULL);
-                matmul_backward_fast(NULL, dw.fcw, NULL, g->dh + (size_t)q0 * C4, x->xin + (size_t)q0 * C, NULL, 1, nq,
-                                     C, C4, NULL);
-            } else {
-                cudaCheck(cudaMemsetAsync(dw.fcprojw, 0, sizeof(float) * (size_t)C * C4));
-                cudaCheck(cudaMemsetAsync(dw.fcw, 0, sizeof(float) * (size_t)C4 * C));
-            }
-            moe_bias_grad_fast(dw.fcprojb, dy + (size_t)q0 * C, nq, C);
-            moe_bias_grad_fast(dw.fcb, g->dh + (size_t)q0 * C4, nq, C4);
-        }
+        for (int q = 0; q < Q; q++) { src_first[e * (Q + 1) + q] = route->leaf[e * nleaf + (size_t)q * B * CANON_R]; }
+        src_first[e * (Q + 1) + Q] = route->leaf[e * nleaf + nleaf - 1];
     }
+    moe_experts_backward_fast(g->dx, g->dh, expert_views<float>(z, unit, zero_grad_unit(z, unit)), z->lay.size[unit], dy,
+                              x->fch, x->fch_gelu, x->xin, expert_views<const floatX>(z, unit, fast_params(m, unit, next)),
+                              src_first, Q, m->El, C);
+    free(src_first);
     fast_release(m, unit);
     zero_grad_unit_done(z, unit);
     // the input gradients back to their sources (dispatch rows), then each position's sum
