@@ -22,9 +22,12 @@
  * schedules) are the input gradients, then the cuBLASLt weight-gradient matmuls and the exact
  * reductions. The sampler decodes with a KV cache (one new row per token). Tensor parallelism
  * (one pipeline stage) splits the bf16 weights as tensor_parallel.h's pieces, with fp32 sums
- * crossing the tp group (kernels_fast_tp.cuh). In fast mode train_gpt2.cu refuses --sp/--cp,
- * --tp with --pp and mixture-of-experts models (-e with experts), and
- * says to use --deterministic 1.
+ * crossing the tp group (kernels_fast_tp.cuh). Mixture-of-experts models (moe.h) run with data,
+ * expert (--ep, bf16 all-to-alls) and pipeline parallelism and ZeRO: an fp32 router, bf16
+ * expert rows, one cuBLASLt matmul per expert (kernels_fast_moe.cuh), the routing plan and
+ * exchanges of expert_parallel.h. In fast mode train_gpt2.cu refuses --sp/--cp, --tp with
+ * --pp and experts with --tp (fast_acts_create experts with a split backward), and says to use
+ * --deterministic 1.
  */
 #include "llmc/engine.h"
 #include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
