@@ -25,8 +25,8 @@
  * crossing the tp group (kernels_fast_tp.cuh). Mixture-of-experts models (moe.h) run with data,
  * expert (--ep, bf16 all-to-alls) and pipeline parallelism and ZeRO: an fp32 router, bf16
  * expert rows, one cuBLASLt matmul per expert (kernels_fast_moe.cuh), the routing plan and
- * exchanges of expert_parallel.h. In fast mode train_gpt2.cu refuses --sp/--cp, --tp with
- * --pp and experts with --tp (fast_acts_create experts with a split backward), and says to use
+ * exchanges of expert_parallel.h; every schedule, the split backward's too. In fast mode
+ * train_gpt2.cu refuses --sp/--cp, --tp with --pp and experts with --tp, and says to use
  * --deterministic 1.
  */
 #include "llmc/engine.h"
@@ -133,6 +133,9 @@ typedef struct {
     int* leaf;               // the R3 leaves of each local expert's rows (moe.h), by source
     floatX* ret;             // (BT*k,C) each slot's expert output, back at the source
     floatX *xin, *fch, *fch_gelu;   // (work rows, C / 4C / 4C) the experts' inputs, fc out, GELU out
+    // a split backward's gradients kept from its input half for its weight half: the router's
+    // output (BT,E), the experts' outputs (work rows, C) and fc's (work rows, 4C)
+    floatX *dlogits_bf16, *dy, *dh;
     float aux;               // the load-balancing loss of the last pass
 } FastMoeLayer;
 
@@ -375,10 +378,6 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
         a->dencoded = act(m, m->has_embedding * BT * C, bytes);
     }
     if (m->E > 0) {
-        if (split_backward) {
-            fatal("--schedule: fast mode runs experts with the schedules without a split backward (1f1b, gpipe, "
-                  "interleaved); zb1, zbv, dualpipe and dualpipev with experts run with --deterministic 1");
-        }
         size_t E = m->E, k = m->top_k, slots = BT * k, rows = (size_t)m->Q * slots;
         size_t nleaf = (size_t)m->El * ((size_t)m->Q * B * CANON_R + 1);
         a->moe_rows = (int)rows;
@@ -399,6 +398,11 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
             x->xin = act(m, rows * C, bytes);
             x->fch = act(m, rows * 4 * C, bytes);
             x->fch_gelu = act(m, rows * 4 * C, bytes);
+            if (split_backward) {   // what the input half leaves the weight half
+                x->dlogits_bf16 = act(m, BT * E, bytes);
+                x->dy = act(m, rows * C, bytes);
+                x->dh = act(m, rows * 4 * C, bytes);
+            }
         }
         if (m->Q > 1) {
             a->moe_send = act(m, rows * C, bytes);
@@ -422,8 +426,10 @@ static void fast_acts_destroy(void* vm, void* va) {
     for (int l = 0; a->moe && l < m->layers; l++) {
         FastMoeLayer* x = &a->moe[l];
         void* moe_all[] = {x->probs, x->gates, x->chosen, x->slot_row, x->row_pos, x->perm, x->inv, x->leaf, x->ret,
-                           x->xin, x->fch, x->fch_gelu};
-        for (size_t i = 0; i < sizeof(moe_all) / sizeof(moe_all[0]); i++) { m->mem->release(moe_all[i]); }
+                           x->xin, x->fch, x->fch_gelu, x->dlogits_bf16, x->dy, x->dh};
+        for (size_t i = 0; i < sizeof(moe_all) / sizeof(moe_all[0]); i++) {
+            if (moe_all[i]) { m->mem->release(moe_all[i]); }
+        }
         moe_route_free(&x->route);
     }
     if (a->moe_send) {
@@ -601,54 +607,65 @@ static void fast_moe_forward(FastModel* m, FastActs* a, int l, const floatX* rou
     m->counters.rows_in += in_rows;
 }
 
-// The backward of layer l's experts (whole: a split backward is refused with experts): dln
-// (BT,C) from dout (BT,C); the router's weight gradient into drouterw, the experts' into their
-// unit, one slice per source microbatch of the ep group (expert_parallel.h THE GRADIENT ORDER:
-// zero.h combines the slices). `next`: the unit ZeRO-3 prefetches after the experts.
+// The backward of layer l's experts, in the dense layer's two halves (part). Input half: dln
+// (BT,C) from dout (BT,C), through the combine, the router and the experts' input gradients,
+// with expert parallelism's two all-to-alls of gradients. Weight half: the router's weight
+// gradient into drouterw and the experts' into their unit, one slice per source microbatch of
+// the ep group (expert_parallel.h THE GRADIENT ORDER: zero.h combines the slices), from the
+// gradients the input half left (a split backward keeps them per layer in a->moe[l]).
+// `next`: the unit ZeRO-3 prefetches after the experts.
 static void fast_moe_backward(FastModel* m, FastActs* a, FastGrads* g, int l, const floatX* routerw, float* drouterw,
-                              const floatX* ln, const floatX* dout, floatX* dln, int next, int B, int T) {
+                              const floatX* ln, const floatX* dout, floatX* dln, int next, int B, int T, int part) {
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
     FastMoeLayer* x = &a->moe[l];
     const MoeRoute* route = &x->route;
-    int C = c->channels, E = m->E, k = m->top_k, Q = m->Q, BT = B * T;
-    // the combine: each slot's gate gradient and its expert output's gradient (dispatch rows)
-    moe_combine_backward_fast(g->dgate, g->dslots, dout, x->ret, x->gates, x->slot_row, BT, k, C);
-    // the router, with the load-balancing loss of this microbatch (1/M of the step's loss each)
-    moe_aux_grad(m->daux_host, route->count, E, k, BT, c->aux_loss_coef, z->local_microbatches * z->streams);
-    m->mem->from_host(g->daux, m->daux_host, (size_t)E * sizeof(float));
-    moe_router_backward_fast(g->drouter, drouterw, g->dlogits, g->dlogits_bf16, x->probs, x->chosen, x->gates, g->dgate,
-                             g->daux, ln, routerw, BT, C, E, k);
-    // the output gradients to the experts (expert-major work rows)
-    floatX* dy = g->dslots;
-    if (Q > 1) {
-        fast_moe_dispatch(m, route, g->dslots, g->dwork);
-        moe_gather_rows_fast(g->dy, g->dwork, x->perm, route->n_recv, C);
-        dy = g->dy;
-    }
-    // the experts, each source's rows into its gradient slice (moe.h's leaves of source q of
-    // expert e begin at leaf[e*nleaf + q*B*8])
+    int C = c->channels, E = m->E, k = m->top_k, Q = m->Q, BT = B * T, split = a->split_backward;
     int unit = zero_expert_unit(z, m->first_layer + l);
+    // where the weight half finds the router's output gradient, the experts' output gradients
+    // (expert-major work rows; one rank: the dispatch rows are the work rows) and fc's
+    floatX* dlogits_bf16 = split ? x->dlogits_bf16 : g->dlogits_bf16;
+    floatX* dslots = split && Q == 1 ? x->dy : g->dslots;
+    floatX* dy = Q == 1 ? dslots : split ? x->dy : g->dy;
+    floatX* dh = split ? x->dh : g->dh;
+    // expert e's rows from source q begin at moe.h's leaf[e*nleaf + q*B*8]
     size_t nleaf = (size_t)Q * B * CANON_R + 1;
     int* src_first = (int*)malloc_or_die(sizeof(int) * (size_t)m->El * (Q + 1), "routing");
     for (int e = 0; e < m->El; e++) {
         for (int q = 0; q < Q; q++) { src_first[e * (Q + 1) + q] = route->leaf[e * nleaf + (size_t)q * B * CANON_R]; }
         src_first[e * (Q + 1) + Q] = route->leaf[e * nleaf + nleaf - 1];
     }
-    moe_experts_backward_fast(g->dx, g->dh, expert_views<float>(z, unit, zero_grad_unit(z, unit)), z->lay.size[unit], dy,
-                              x->fch, x->fch_gelu, x->xin, expert_views<const floatX>(z, unit, fast_params(m, unit, next)),
-                              src_first, Q, m->El, C);
-    free(src_first);
-    fast_release(m, unit);
-    zero_grad_unit_done(z, unit);
-    // the input gradients back to their sources (dispatch rows), then each position's sum
-    const floatX* dret = g->dx;
-    if (Q > 1) {
-        moe_gather_rows_fast(g->dwork, g->dx, x->inv, route->n_recv, C);
-        fast_moe_return(m, route, g->dwork, g->dslots);
-        dret = g->dslots;
+    if (part & BACKWARD_INPUT) {
+        // the combine: each slot's gate gradient and its expert output's gradient (dispatch rows)
+        moe_combine_backward_fast(g->dgate, dslots, dout, x->ret, x->gates, x->slot_row, BT, k, C);
+        // the router, with the load-balancing loss of this microbatch (1/M of the step's loss each)
+        moe_aux_grad(m->daux_host, route->count, E, k, BT, c->aux_loss_coef, z->local_microbatches * z->streams);
+        m->mem->from_host(g->daux, m->daux_host, (size_t)E * sizeof(float));
+        moe_router_backward_fast(g->drouter, g->dlogits, dlogits_bf16, x->probs, x->chosen, x->gates, g->dgate, g->daux,
+                                 routerw, BT, C, E, k);
+        if (Q > 1) {   // the output gradients to the experts (expert-major work rows)
+            fast_moe_dispatch(m, route, dslots, g->dwork);
+            moe_gather_rows_fast(dy, g->dwork, x->perm, route->n_recv, C);
+        }
+        moe_experts_backward_input_fast(g->dx, dh, dy, x->fch, expert_views<const floatX>(z, unit, fast_params(m, unit, next)),
+                                        src_first, Q, m->El, C);
+        fast_release(m, unit);
+        // the input gradients back to their sources (dispatch rows), then each position's sum
+        const floatX* dret = g->dx;
+        if (Q > 1) {
+            moe_gather_rows_fast(g->dwork, g->dx, x->inv, route->n_recv, C);
+            fast_moe_return(m, route, g->dwork, g->dslots);
+            dret = g->dslots;
+        }
+        moe_dinput_combine_fast(dln, g->drouter, dret, x->slot_row, BT, k, C);
     }
-    moe_dinput_combine_fast(dln, g->drouter, dret, x->slot_row, BT, k, C);
+    if (part & BACKWARD_WEIGHT) {
+        moe_router_weight_grad_fast(drouterw, dlogits_bf16, ln, BT, C, E);
+        moe_experts_backward_weight_fast(expert_views<float>(z, unit, zero_grad_unit(z, unit)), z->lay.size[unit], dy, dh,
+                                         x->fch_gelu, x->xin, src_first, Q, m->El, C);
+        zero_grad_unit_done(z, unit);
+    }
+    free(src_first);
 }
 
 // The embeddings of `rows` positions from row t0 of a pass over (B, T) (all of them, or one
@@ -915,9 +932,8 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
         if (wt) { dw = layer_views(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l))); }
         FastLayerActs x = fast_layer_acts(m, a, l - first, B, T, 0);
         FastOutGrads d = fast_out_grads(m, a, g, l - first, B, T);
-        if (m->E > 0) {   // the experts, whole (fast_acts_create refuses a split backward with them)
-            if (!(in && wt)) { fatal("internal: fast mode's experts run a whole backward only"); }
-            fast_moe_backward(m, a, g, l - first, w.routerw, dw.routerw, x.ln2, d.dfcproj, d.dln2, below, B, T);
+        if (m->E > 0) {   // the experts (d(residual) is their output's gradient, read before ln2's backward adds to it)
+            fast_moe_backward(m, a, g, l - first, w.routerw, dw.routerw, x.ln2, g->dresidual, d.dln2, below, B, T, part);
         } else {
             // MLP; the fcproj backward's epilogue applies gelu'(fch): d fch
             if (in && a->split_backward) { cudaCheck(cudaMemcpyAsync(d.dfcproj, g->dresidual, BTC * sizeof(floatX), cudaMemcpyDeviceToDevice)); }

@@ -140,23 +140,31 @@ static void moe_experts_forward_fast(floatX* y, floatX* fch, floatX* fch_gelu, c
     }
 }
 
-// Their backward from the output gradients dy (work rows, C): dh = d fch (gelu' applied), dx =
-// d xin, and the weight and bias gradients, the rows of each source q (expert e's rows from
-// source q are [src_first[e*(Q+1)+q], src_first[e*(Q+1)+q+1]), host array) into slice q of
-// the gradients (dw + q * slice). An expert without rows from a source gets zero gradients.
-static void moe_experts_backward_fast(floatX* dx, floatX* dh, MoeExperts<float> dw, size_t slice, const floatX* dy,
-                                      const floatX* fch, const floatX* fch_gelu, const floatX* xin,
-                                      MoeExperts<const floatX> w, const int* src_first, int Q, int El, int C) {
+// Their backward from the output gradients dy (work rows, C), in the split backward's two
+// halves. Expert e's rows from source q are [src_first[e*(Q+1)+q], src_first[e*(Q+1)+q+1])
+// (host array). Input half: dh = d fch (gelu' applied), dx = d xin.
+static void moe_experts_backward_input_fast(floatX* dx, floatX* dh, const floatX* dy, const floatX* fch,
+                                            MoeExperts<const floatX> w, const int* src_first, int Q, int El, int C) {
     size_t C4 = 4 * (size_t)C;
     for (int e = 0; e < El; e++) {
         const int* sf = src_first + (size_t)e * (Q + 1);
         int r0 = sf[0], n = sf[Q] - r0;
-        if (n > 0) {   // fcproj's input gradient with gelu'(fch) applied, then fc's
-            matmul_backward_fast(dh + r0 * C4, NULL, NULL, dy + (size_t)r0 * C, NULL, w.fcprojw + e * C4 * C, 1, n,
-                                 (int)C4, C, fch + r0 * C4);
-            matmul_backward_fast(dx + (size_t)r0 * C, NULL, NULL, dh + r0 * C4, NULL, w.fcw + e * C4 * C, 1, n, C,
-                                 (int)C4, NULL);
-        }
+        if (n == 0) { continue; }   // fcproj's input gradient with gelu'(fch) applied, then fc's
+        matmul_backward_fast(dh + r0 * C4, NULL, NULL, dy + (size_t)r0 * C, NULL, w.fcprojw + e * C4 * C, 1, n,
+                             (int)C4, C, fch + r0 * C4);
+        matmul_backward_fast(dx + (size_t)r0 * C, NULL, NULL, dh + r0 * C4, NULL, w.fcw + e * C4 * C, 1, n, C,
+                             (int)C4, NULL);
+    }
+}
+// Weight half (from dy and the input half's dh): the weight and bias gradients, the rows of
+// each source q into slice q of the gradients (dw + q * slice). An expert without rows from a
+// source gets zero gradients there.
+static void moe_experts_backward_weight_fast(MoeExperts<float> dw, size_t slice, const floatX* dy, const floatX* dh,
+                                             const floatX* fch_gelu, const floatX* xin, const int* src_first, int Q,
+                                             int El, int C) {
+    size_t C4 = 4 * (size_t)C;
+    for (int e = 0; e < El; e++) {
+        const int* sf = src_first + (size_t)e * (Q + 1);
         for (int q = 0; q < Q; q++) {
             int q0 = sf[q], nq = sf[q + 1] - q0;
             float* dfcw = dw.fcw + q * slice + e * C4 * C;
@@ -176,16 +184,19 @@ static void moe_experts_backward_fast(floatX* dx, floatX* dh, MoeExperts<float> 
     }
 }
 
-// The router's backward: dlogits (BT,E) fp32 from the gate gradients dgate (BT,k) and the
-// load-balancing loss's daux (E), then in bf16 (dlogits_bf16) through the router's matmul:
-// drouter (BT,C) fp32 = d ln, drouterw (E,C) fp32.
-static void moe_router_backward_fast(float* drouter, float* drouterw, float* dlogits, floatX* dlogits_bf16,
-                                     const float* probs, const int* chosen, const float* gates, const float* dgate,
-                                     const float* daux, const floatX* ln, const floatX* routerw, int BT, int C, int E,
-                                     int k) {
+// The router's backward. Input half: dlogits (BT,E) fp32 from the gate gradients dgate (BT,k)
+// and the load-balancing loss's daux (E), then in bf16 (dlogits_bf16, kept for the weight
+// half) through the router's matmul: drouter (BT,C) fp32 = d ln. Weight half: drouterw (E,C)
+// fp32.
+static void moe_router_backward_fast(float* drouter, float* dlogits, floatX* dlogits_bf16, const float* probs,
+                                     const int* chosen, const float* gates, const float* dgate, const float* daux,
+                                     const floatX* routerw, int BT, int C, int E, int k) {
     moe_router_backward(dlogits, probs, chosen, gates, dgate, daux, BT, E, k);
     float_to_bf16(dlogits_bf16, dlogits, (size_t)BT * E);
     matmul_backward_dinp_partial_fast(drouter, dlogits_bf16, routerw, BT, C, E);
+}
+static void moe_router_weight_grad_fast(float* drouterw, const floatX* dlogits_bf16, const floatX* ln, int BT, int C,
+                                        int E) {
     matmul_backward_fast(NULL, drouterw, NULL, dlogits_bf16, ln, NULL, 1, BT, C, E, NULL);
 }
 

@@ -418,9 +418,10 @@ static void moe_layer_case(int B, int T, int C, int E, int k) {
                             (float*)device_nan(sizeof(float) * E * C * C4), (float*)device_nan(sizeof(float) * E * C)};
     floatX* dln = (floatX*)device_nan(sizeof(floatX) * BT * C);
     moe_combine_backward_fast(dgate, dslots, d_dout, ret, gates, d_slot_row, BT, k, C);
-    moe_router_backward_fast(drouter, drouterw, dlogits, dlogits_bf16, probs, chosen, gates, dgate, d_daux, ln, routerw,
-                             BT, C, E, k);
-    moe_experts_backward_fast(dx, dh, dw, 0, dslots, fch, fch_gelu, xin, w, src_first, 1, E, C);
+    moe_router_backward_fast(drouter, dlogits, dlogits_bf16, probs, chosen, gates, dgate, d_daux, routerw, BT, C, E, k);
+    moe_router_weight_grad_fast(drouterw, dlogits_bf16, ln, BT, C, E);
+    moe_experts_backward_input_fast(dx, dh, dslots, fch, w, src_first, 1, E, C);
+    moe_experts_backward_weight_fast(dw, 0, dslots, dh, fch_gelu, xin, src_first, 1, E, C);
     moe_dinput_combine_fast(dln, drouter, dx, d_slot_row, BT, k, C);
     // the naive layer in double
     double* r_out = (double*)calloc_or_die((size_t)BT * C, sizeof(double), "ref");
