@@ -387,7 +387,7 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
             moe_route_init(&x->route, (int)BT, (int)k, (int)E, m->Q, B);
             x->probs = act_f(m, BT * E, bytes);
             x->gates = act_f(m, slots, bytes);
-            *bytes += (2 * slots + 2 * rows + nleaf + BT * k) * sizeof(int);
+            *bytes += (3 * slots + 2 * rows + nleaf) * sizeof(int);   // chosen, slot_row, row_pos; perm, inv; leaf
             x->chosen = (int*)m->mem->alloc(slots * sizeof(int), "expert activations");
             x->slot_row = (int*)m->mem->alloc(slots * sizeof(int), "expert activations");
             x->row_pos = (int*)m->mem->alloc(slots * sizeof(int), "expert activations");
