@@ -25,13 +25,18 @@
  * crossing the tp group (kernels_fast_tp.cuh); with sequence parallelism (--sp 1) the residual
  * stream and the layernorms hold this rank's zig-zag slice of T (zigzag.h), the fp32 sums are
  * reduce-scattered along T and the bf16 layernorm outputs and residual gradients all-gathered
- * (the same bits as --tp K alone). In fast mode train_gpt2.cu refuses --cp, --tp with --pp and
- * mixture-of-experts models (-e with experts), and says to use --deterministic 1.
+ * (the same bits as --tp K alone). Mixture-of-experts models (moe.h) run with data, expert
+ * (--ep, bf16 all-to-alls) and pipeline parallelism and ZeRO: an fp32 router, bf16 expert rows,
+ * one cuBLASLt matmul per expert (kernels_fast_moe.cuh), the routing plan and exchanges of
+ * expert_parallel.h; every schedule, the split backward's too. In fast mode train_gpt2.cu
+ * refuses --cp, --tp with --pp and experts with --tp, and says to use --deterministic 1.
  */
 #include "llmc/engine.h"
 #include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
 #include "llmc/kernels_fast.cuh"
 #include "llmc/kernels_fast_tp.cuh"
+#include "llmc/kernels_fast_moe.cuh"
+#include "llmc/expert_parallel.h"
 #include "llmc/tensor_parallel.h"
 #include "llmc/matmul_cublaslt.cuh"
 #include "llmc/attention_flash.cuh"
@@ -115,7 +120,33 @@ typedef struct {
     floatX* sp_ln;         // (B*T/K,C) bf16: a layernorm's slice, before f's all-gather
     float* ln_partials;    // (2,B,C): a layernorm's weight and bias gradients per sequence
     float *probs_slice, *probs_all;   // (Vl), (Vp) fp32: the sampler's gathered logits
+    // mixture of experts (E > 0, llmc/moe.h): this rank holds El = E/Q of each layer's E
+    // experts, Q the size of its expert-parallel group ep (expert_parallel.h)
+    int E, top_k, El, Q;
+    CommGroup* ep;
+    MoeCounters counters;
+    float *psum, *daux;                // (E) device: the router's probability sums, d aux / d p
+    float *psum_host, *daux_host;      // (E) their host copies
 } FastModel;
+
+// One mixture-of-experts layer's routing and expert activations, kept from its forward to its
+// backward. Rows: dispatch rows are the microbatch's slots (BT*k) sorted by expert; work rows
+// the rows this rank's experts received (expert-major; up to Q*BT*k with expert parallelism).
+typedef struct {
+    MoeRoute route;          // the routing plan (host)
+    float* probs;            // (BT,E) fp32 the router's logits, then its probabilities
+    int* chosen;             // (BT,k) the chosen experts, ascending
+    float* gates;            // (BT,k)
+    int *slot_row, *row_pos; // (BT*k) the dispatch row of each slot, the position of each dispatch row
+    int *perm, *inv;         // (work rows) work row <- received row, received row <- work row
+    int* leaf;               // the R3 leaves of each local expert's rows (moe.h), by source
+    floatX* ret;             // (BT*k,C) each slot's expert output, back at the source
+    floatX *xin, *fch, *fch_gelu;   // (work rows, C / 4C / 4C) the experts' inputs, fc out, GELU out
+    // a split backward's gradients kept from its input half for its weight half: the router's
+    // output (BT,E), the experts' outputs (work rows, C) and fc's (work rows, 4C)
+    floatX *dlogits_bf16, *dy, *dh;
+    float aux;               // the load-balancing loss of the last pass
+} FastMoeLayer;
 
 // Activations of one pass over up to (B, T) positions (layouts as train_gpt2.c's, l counting
 // the chunk's layers; att holds flash attention's per-row softmax statistics (layers,B,NH,T)).
@@ -132,23 +163,47 @@ typedef struct {
     // a split backward's gradients kept from its input half for its weight half: per layer
     // those at the outputs of its weights (FastOutGrads), the head's d lnf, the embeddings' d encoded
     floatX *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1, *dlnf, *dencoded;
+    FastMoeLayer* moe;      // (layers) mixture of experts: each layer's routing and experts
+    int moe_rows;           // work rows the layers' buffers hold: Q*BT*k, every slot of the ep group
+    floatX *moe_send, *moe_recv, *moe_y;   // (moe_rows,C) expert parallelism's exchange buffers
 } FastActs;
 
 typedef struct {
     floatX *dresidual, *dbtc, *dqkv, *dbt4c;
     floatX* dfull;   // --sp: d(residual) all-gathered along T, what a row-parallel layer's backward reads
+    // mixture of experts (one set, reused by every layer)
+    float *dgate, *dlogits, *drouter, *daux;   // (BT,k) (BT,E) (BT,C) (E) fp32
+    floatX *dlogits_bf16, *dslots;             // (BT,E), (BT*k,C) dispatch rows
+    floatX *dy, *dh, *dx, *dwork;              // (work rows, C / 4C / C / C)
 } FastGrads;
 
 // Typed views of one layer's tensors in a unit buffer (zero.h's unit layout: the 12 tensors in
 // order, each this rank's tensor-parallel piece).
+// A mixture-of-experts layer's unit holds ln1w .. ln2b and routerw (fcw .. fcprojb NULL: the
+// experts are a unit of their own, expert_views).
 template <typename X> struct LayerViews {
-    X *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
+    X *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb, *routerw;
 };
 template <typename X> static LayerViews<X> layer_views(const Zero* z, int u, X* base) {
     const TPPiece* p = z->lay.pieces[u];
+    if (z->lay.npieces[u] == 9) {
+        LayerViews<X> v = {base + p[0].local, base + p[1].local, base + p[2].local, base + p[3].local,
+                           base + p[4].local, base + p[5].local, base + p[6].local, base + p[7].local,
+                           NULL, NULL, NULL, NULL, base + p[8].local};
+        return v;
+    }
     LayerViews<X> v = {base + p[0].local, base + p[1].local, base + p[2].local, base + p[3].local,
                        base + p[4].local, base + p[5].local, base + p[6].local, base + p[7].local,
-                       base + p[8].local, base + p[9].local, base + p[10].local, base + p[11].local};
+                       base + p[8].local, base + p[9].local, base + p[10].local, base + p[11].local, NULL};
+    return v;
+}
+
+// The local experts' tensors in expert unit u's buffer (zero.h: El fcw pieces one after the
+// other, then El fcb, El fcprojw, El fcprojb; kernels_fast_moe.cuh's MoeExperts).
+template <typename X> static MoeExperts<X> expert_views(const Zero* z, int u, X* base) {
+    const TPPiece* p = z->lay.pieces[u];
+    int El = z->lay.npieces[u] / 4;
+    MoeExperts<X> v = {base + p[0].local, base + p[El].local, base + p[2 * El].local, base + p[3 * El].local};
     return v;
 }
 
@@ -206,7 +261,7 @@ static FastWeights* fast_weights_use(Zero* zero) {
     size_t n = zero->lay.local_params;
     w->bf16_unit_len = 0;
     if (zero->stage == 3) {
-        for (int u = 0; u < zero->lay.num_units; u++) {
+        for (int u = 0; u < zero->lay.num_all; u++) {
             if (zero_param_unit(&zero->lay, u) && zero->lay.size[u] > w->bf16_unit_len) { w->bf16_unit_len = zero->lay.size[u]; }
         }
         for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) { w->bf16_unit[i] = -1; }
@@ -257,6 +312,21 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
         m->sp_ln = (floatX*)m->mem->alloc(sizeof(floatX) * BTC / m->K, "sequence parallelism");
         m->ln_partials = (float*)m->mem->alloc(sizeof(float) * 2 * (size_t)B * c->channels, "sequence parallelism");
     }
+    if (c->num_experts > 0) {
+        m->E = c->num_experts;
+        m->top_k = c->top_k;
+        m->ep = zero->ep;
+        m->Q = zero->ep->size;
+        m->El = m->E / m->Q;
+        m->counters.layers = m->layers;
+        m->counters.experts = m->E;
+        m->counters.first_layer = m->first_layer;
+        m->counters.tokens = (double*)calloc_or_die((size_t)m->layers * m->E + 1, sizeof(double), "routing counters");
+        m->psum = (float*)m->mem->alloc(sizeof(float) * m->E, "router sums");
+        m->daux = (float*)m->mem->alloc(sizeof(float) * m->E, "router sums");
+        m->psum_host = (float*)malloc_or_die(sizeof(float) * m->E, "router sums");
+        m->daux_host = (float*)malloc_or_die(sizeof(float) * m->E, "router sums");
+    }
     return m;
 }
 
@@ -277,6 +347,13 @@ static void fast_destroy(void* vm) {
         m->mem->release(m->sp_scratch);
         m->mem->release(m->sp_ln);
         m->mem->release(m->ln_partials);
+    }
+    if (m->E > 0) {
+        free(m->counters.tokens);
+        m->mem->release(m->psum);
+        m->mem->release(m->daux);
+        free(m->psum_host);
+        free(m->daux_host);
     }
     free(m);
 }
@@ -326,6 +403,39 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
         a->dlnf = act(m, head * BT * C, bytes);
         a->dencoded = act(m, m->has_embedding * BT * C, bytes);
     }
+    if (m->E > 0) {
+        size_t E = m->E, k = m->top_k, slots = BT * k, rows = (size_t)m->Q * slots;
+        size_t nleaf = (size_t)m->El * ((size_t)m->Q * B * CANON_R + 1);
+        a->moe_rows = (int)rows;
+        a->moe = (FastMoeLayer*)calloc_or_die(L + 1, sizeof(FastMoeLayer), "expert activations");
+        for (size_t l = 0; l < L; l++) {
+            FastMoeLayer* x = &a->moe[l];
+            moe_route_init(&x->route, (int)BT, (int)k, (int)E, m->Q, B);
+            x->probs = act_f(m, BT * E, bytes);
+            x->gates = act_f(m, slots, bytes);
+            *bytes += (3 * slots + 2 * rows + nleaf) * sizeof(int);   // chosen, slot_row, row_pos; perm, inv; leaf
+            x->chosen = (int*)m->mem->alloc(slots * sizeof(int), "expert activations");
+            x->slot_row = (int*)m->mem->alloc(slots * sizeof(int), "expert activations");
+            x->row_pos = (int*)m->mem->alloc(slots * sizeof(int), "expert activations");
+            x->perm = (int*)m->mem->alloc(rows * sizeof(int), "expert activations");
+            x->inv = (int*)m->mem->alloc(rows * sizeof(int), "expert activations");
+            x->leaf = (int*)m->mem->alloc(nleaf * sizeof(int), "expert activations");
+            x->ret = act(m, slots * C, bytes);
+            x->xin = act(m, rows * C, bytes);
+            x->fch = act(m, rows * 4 * C, bytes);
+            x->fch_gelu = act(m, rows * 4 * C, bytes);
+            if (split_backward) {   // what the input half leaves the weight half
+                x->dlogits_bf16 = act(m, BT * E, bytes);
+                x->dy = act(m, rows * C, bytes);
+                x->dh = act(m, rows * 4 * C, bytes);
+            }
+        }
+        if (m->Q > 1) {
+            a->moe_send = act(m, rows * C, bytes);
+            a->moe_recv = act(m, rows * C, bytes);
+            a->moe_y = act(m, rows * C, bytes);
+        }
+    }
     return a;
 }
 
@@ -339,6 +449,21 @@ static void fast_acts_destroy(void* vm, void* va) {
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
         if (all[i]) { m->mem->release(all[i]); }
     }
+    for (int l = 0; a->moe && l < m->layers; l++) {
+        FastMoeLayer* x = &a->moe[l];
+        void* moe_all[] = {x->probs, x->gates, x->chosen, x->slot_row, x->row_pos, x->perm, x->inv, x->leaf, x->ret,
+                           x->xin, x->fch, x->fch_gelu, x->dlogits_bf16, x->dy, x->dh};
+        for (size_t i = 0; i < sizeof(moe_all) / sizeof(moe_all[0]); i++) {
+            if (moe_all[i]) { m->mem->release(moe_all[i]); }
+        }
+        moe_route_free(&x->route);
+    }
+    if (a->moe_send) {
+        m->mem->release(a->moe_send);
+        m->mem->release(a->moe_recv);
+        m->mem->release(a->moe_y);
+    }
+    free(a->moe);
     free(a);
 }
 
@@ -489,6 +614,136 @@ static void fast_classifier(FastModel* m, FastActs* a, float dloss, int rows, in
     cudaLaunchCheck("classifier_finish_tp_kernel");
 }
 
+// ---- mixture of experts: llmc/moe.h's layer in bf16 around expert_parallel.h's exchanges ------
+// The router is fp32 (its logits from a cuBLASLt matmul with fp32 output, then moe.h's softmax,
+// top-k and gates: kernels_moe_det.cuh); the rows that move are bf16. With expert parallelism
+// (Q > 1) the dispatch rows and the experts' outputs, and in the backward their gradients,
+// cross the ep group as bf16, counted as C/2 floats per row (the same bytes).
+
+// all-to-all (ep group) of bf16 rows of C: the dispatch rows to the experts' ranks (forward's
+// tokens, backward's output gradients) or the experts' rows back to their sources (forward's
+// outputs, backward's input gradients)
+static void fast_moe_dispatch(const FastModel* m, const MoeRoute* r, const floatX* send, floatX* recv) {
+    moe_route_dispatch(r, m->ep, (const float*)send, (float*)recv, m->config.channels / 2);
+}
+static void fast_moe_return(const FastModel* m, const MoeRoute* r, const floatX* send, floatX* recv) {
+    moe_route_return(r, m->ep, (const float*)send, (float*)recv, m->config.channels / 2);
+}
+
+// Layer l (chunk-relative) of a pass over (B, T): out (BT,C) from ln (BT,C), its routing kept in
+// a->moe[l] for the backward. `next`: the unit ZeRO-3 prefetches after the experts.
+static void fast_moe_forward(FastModel* m, FastActs* a, int l, const floatX* routerw, const floatX* ln, floatX* out,
+                             int next, int B, int T) {
+    const GPT2Config* c = &m->config;
+    const MemOps* mem = m->mem;
+    Zero* z = m->zero;
+    FastMoeLayer* x = &a->moe[l];
+    MoeRoute* route = &x->route;
+    int C = c->channels, E = m->E, k = m->top_k, Q = m->Q, BT = B * T;
+    size_t slots = (size_t)BT * k;
+    // the router: fp32 logits, probabilities, the k chosen experts and their gates per position
+    moe_router_forward_fast(x->probs, x->chosen, x->gates, ln, routerw, BT, C, E, k);
+    mem->to_host(route->chosen, x->chosen, slots * sizeof(int));
+    moe_route_plan(route, m->ep, B, T);   // the counts and positions each expert receives
+    if (route->n_recv > a->moe_rows) { fatal("internal: %d expert rows, room for %d", route->n_recv, a->moe_rows); }
+    mem->from_host(x->slot_row, route->slot_row, slots * sizeof(int));
+    mem->from_host(x->row_pos, route->row_pos, slots * sizeof(int));
+    mem->from_host(x->perm, route->perm, (size_t)route->n_recv * sizeof(int));
+    mem->from_host(x->inv, route->inv, (size_t)route->n_recv * sizeof(int));
+    size_t nleaf = (size_t)Q * B * CANON_R + 1;
+    mem->from_host(x->leaf, route->leaf, (size_t)m->El * nleaf * sizeof(int));
+    // the tokens to their experts (expert-major work rows; one rank: the dispatch rows)
+    if (Q == 1) {
+        moe_gather_rows_fast(x->xin, ln, x->row_pos, (int)slots, C);
+    } else {
+        moe_gather_rows_fast(a->moe_send, ln, x->row_pos, (int)slots, C);
+        fast_moe_dispatch(m, route, a->moe_send, a->moe_recv);
+        moe_gather_rows_fast(x->xin, a->moe_recv, x->perm, route->n_recv, C);
+    }
+    // each local expert's MLP over the rows it received: fc with GELU fused, fcproj with its bias
+    int unit = zero_expert_unit(z, m->first_layer + l);
+    floatX* y = Q == 1 ? x->ret : a->moe_y;
+    moe_experts_forward_fast(y, x->fch, x->fch_gelu, x->xin, expert_views<const floatX>(z, unit, fast_params(m, unit, next)),
+                             route->first, m->El, C);
+    fast_release(m, unit);
+    if (Q > 1) {   // the outputs back to their sources, in dispatch-row order
+        moe_gather_rows_fast(a->moe_send, a->moe_y, x->inv, route->n_recv, C);
+        fast_moe_return(m, route, a->moe_send, x->ret);
+    }
+    moe_combine_fast(out, x->ret, x->gates, x->slot_row, BT, k, C);
+    // the load-balancing loss of this layer and microbatch
+    moe_expert_prob_sums(m->psum, x->probs, B, T, E);
+    mem->to_host(m->psum_host, m->psum, (size_t)E * sizeof(float));
+    x->aux = moe_aux_loss(route->count, m->psum_host, E, k, BT, c->aux_loss_coef);
+    for (int e = 0; e < E; e++) { m->counters.tokens[(size_t)l * E + e] += route->count[e]; }
+    long long out_rows, in_rows;
+    moe_route_remote_rows(route, m->ep->rank, &out_rows, &in_rows);
+    m->counters.passes++;
+    m->counters.rows_out += out_rows;
+    m->counters.rows_in += in_rows;
+}
+
+// The backward of layer l's experts, in the dense layer's two halves (part). Input half: dln
+// (BT,C) from dout (BT,C), through the combine, the router and the experts' input gradients,
+// with expert parallelism's two all-to-alls of gradients. Weight half: the router's weight
+// gradient into drouterw and the experts' into their unit, one slice per source microbatch of
+// the ep group (expert_parallel.h THE GRADIENT ORDER: zero.h combines the slices), from the
+// gradients the input half left (a split backward keeps them per layer in a->moe[l]).
+// `next`: the unit ZeRO-3 prefetches after the experts.
+static void fast_moe_backward(FastModel* m, FastActs* a, FastGrads* g, int l, const floatX* routerw, float* drouterw,
+                              const floatX* ln, const floatX* dout, floatX* dln, int next, int B, int T, int part) {
+    const GPT2Config* c = &m->config;
+    Zero* z = m->zero;
+    FastMoeLayer* x = &a->moe[l];
+    const MoeRoute* route = &x->route;
+    int C = c->channels, E = m->E, k = m->top_k, Q = m->Q, BT = B * T, split = a->split_backward;
+    int unit = zero_expert_unit(z, m->first_layer + l);
+    // where the weight half finds the router's output gradient, the experts' output gradients
+    // (expert-major work rows; one rank: the dispatch rows are the work rows) and fc's
+    floatX* dlogits_bf16 = split ? x->dlogits_bf16 : g->dlogits_bf16;
+    floatX* dslots = split && Q == 1 ? x->dy : g->dslots;
+    floatX* dy = Q == 1 ? dslots : split ? x->dy : g->dy;
+    floatX* dh = split ? x->dh : g->dh;
+    // expert e's rows from source q begin at moe.h's leaf[e*nleaf + q*B*8]
+    size_t nleaf = (size_t)Q * B * CANON_R + 1;
+    int* src_first = (int*)malloc_or_die(sizeof(int) * (size_t)m->El * (Q + 1), "routing");
+    for (int e = 0; e < m->El; e++) {
+        for (int q = 0; q < Q; q++) { src_first[e * (Q + 1) + q] = route->leaf[e * nleaf + (size_t)q * B * CANON_R]; }
+        src_first[e * (Q + 1) + Q] = route->leaf[e * nleaf + nleaf - 1];
+    }
+    if (part & BACKWARD_INPUT) {
+        // the combine: each slot's gate gradient and its expert output's gradient (dispatch rows)
+        moe_combine_backward_fast(g->dgate, dslots, dout, x->ret, x->gates, x->slot_row, BT, k, C);
+        // the router, with the load-balancing loss of this microbatch (1/M of the step's loss each)
+        moe_aux_grad(m->daux_host, route->count, E, k, BT, c->aux_loss_coef, z->local_microbatches * z->streams);
+        m->mem->from_host(g->daux, m->daux_host, (size_t)E * sizeof(float));
+        moe_router_backward_fast(g->drouter, g->dlogits, dlogits_bf16, x->probs, x->chosen, x->gates, g->dgate, g->daux,
+                                 routerw, BT, C, E, k);
+        if (Q > 1) {   // the output gradients to the experts (expert-major work rows)
+            fast_moe_dispatch(m, route, dslots, g->dwork);
+            moe_gather_rows_fast(dy, g->dwork, x->perm, route->n_recv, C);
+        }
+        moe_experts_backward_input_fast(g->dx, dh, dy, x->fch, expert_views<const floatX>(z, unit, fast_params(m, unit, next)),
+                                        src_first, Q, m->El, C);
+        fast_release(m, unit);
+        // the input gradients back to their sources (dispatch rows), then each position's sum
+        const floatX* dret = g->dx;
+        if (Q > 1) {
+            moe_gather_rows_fast(g->dwork, g->dx, x->inv, route->n_recv, C);
+            fast_moe_return(m, route, g->dwork, g->dslots);
+            dret = g->dslots;
+        }
+        moe_dinput_combine_fast(dln, g->drouter, dret, x->slot_row, BT, k, C);
+    }
+    if (part & BACKWARD_WEIGHT) {
+        moe_router_weight_grad_fast(drouterw, dlogits_bf16, ln, BT, C, E);
+        moe_experts_backward_weight_fast(expert_views<float>(z, unit, zero_grad_unit(z, unit)), z->lay.size[unit], dy, dh,
+                                         x->fch_gelu, x->xin, src_first, Q, m->El, C);
+        zero_grad_unit_done(z, unit);
+    }
+    free(src_first);
+}
+
 // The embeddings of `rows` positions from row t0 of a pass over (B, T) (all of them, or one
 // row of the sampler's (1, T) with the KV cache).
 static void fast_embed_rows(FastModel* m, FastActs* a, int B, int T, int t0, int rows) {
@@ -535,7 +790,11 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
     int C = c->channels, Cl = m->Cl, NHl = m->NHl, first = m->first_layer, last = first + m->layers;
     int LNF = z->lay.num_units - 1, decode = rows == 1 && B * T > 1;
     int after_last = m->has_head ? LNF : -1;   // what ZeRO-3 prefetches after the chunk's last layer
-    floatX* unit = fast_params(m, ZERO_LAYER(first), first + 1 < last ? ZERO_LAYER(first + 1) : after_last);
+    // what ZeRO-3 prefetches after layer l's experts (their unit comes after the layer's with
+    // experts), and after layer l's unit
+    auto after_experts = [&](int l) { return l + 1 < last ? ZERO_LAYER(l + 1) : after_last; };
+    auto after_layer = [&](int l) { return m->E > 0 ? zero_expert_unit(z, l) : after_experts(l); };
+    floatX* unit = fast_params(m, ZERO_LAYER(first), after_layer(first));
     LayerViews<floatX> w = layer_views(z, ZERO_LAYER(first), unit);
     FastLayerActs x0 = fast_layer_acts(m, a, 0, B, T, t0);
     int sp = a->sp, rs = sp ? rows / m->K : rows;   // rs: the rows of the residual stream (SP: the slice)
@@ -555,11 +814,14 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
         fused_residual_layernorm(x.residual2, fast_ln_out(m, a, x.ln2), x.ln2_mean, x.ln2_rstd, x.residual, a->proj,
                                  w.ln2w, w.ln2b, rs, C);
         fast_sp_f_forward(m, a, x.ln2, B, T);
-        // column-parallel fc (+ GELU, keeps fch), row-parallel fcproj
-        matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, rows, C, 4 * Cl, x.fch);
-        fast_row_parallel_forward(m, sp, a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, B, T, rows, 4 * Cl);
+        if (m->E > 0) {   // the mixture of experts in place of the MLP (no tp, so no SP slice here)
+            fast_moe_forward(m, a, l - first, w.routerw, x.ln2, a->proj, after_experts(l), B, T);
+        } else {          // column-parallel fc (+ GELU, keeps fch), row-parallel fcproj
+            matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, rows, C, 4 * Cl, x.fch);
+            fast_row_parallel_forward(m, sp, a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, B, T, rows, 4 * Cl);
+        }
         if (l + 1 < last) {
-            floatX* next = fast_params(m, ZERO_LAYER(l + 1), l + 2 < last ? ZERO_LAYER(l + 2) : after_last);
+            floatX* next = fast_params(m, ZERO_LAYER(l + 1), after_layer(l + 1));
             LayerViews<floatX> wn = layer_views(z, ZERO_LAYER(l + 1), next);
             FastLayerActs xn = fast_layer_acts(m, a, l + 1 - first, B, T, t0);
             fused_residual_layernorm(x.residual3, fast_ln_out(m, a, xn.ln1), xn.ln1_mean, xn.ln1_rstd, x.residual2,
@@ -657,6 +919,19 @@ static void* fast_grads_create(void* vm, int B, int T, int split_seqs, size_t* b
     g->dqkv = act(m, 3 * BTCl, bytes);
     g->dbt4c = act(m, 4 * BTCl, bytes);
     g->dfull = act(m, sp * BTC, bytes);
+    if (m->E > 0) {
+        size_t BT = (size_t)B * T, C = m->config.channels, E = m->E, slots = BT * m->top_k, rows = m->Q * slots;
+        g->dgate = act_f(m, slots, bytes);
+        g->dlogits = act_f(m, BT * E, bytes);
+        g->drouter = act_f(m, BT * C, bytes);
+        g->daux = act_f(m, E, bytes);
+        g->dlogits_bf16 = act(m, BT * E, bytes);
+        g->dslots = act(m, rows * C, bytes);
+        g->dy = act(m, rows * C, bytes);
+        g->dh = act(m, rows * 4 * C, bytes);
+        g->dx = act(m, rows * C, bytes);
+        g->dwork = act(m, rows * C, bytes);
+    }
     return g;
 }
 
@@ -668,6 +943,11 @@ static void fast_grads_destroy(void* vm, void* vg) {
     m->mem->release(g->dqkv);
     m->mem->release(g->dbt4c);
     if (g->dfull) { m->mem->release(g->dfull); }
+    void* moe_all[] = {g->dgate, g->dlogits, g->drouter, g->daux, g->dlogits_bf16, g->dslots, g->dy, g->dh, g->dx,
+                       g->dwork};
+    for (size_t i = 0; i < sizeof(moe_all) / sizeof(moe_all[0]); i++) {
+        if (moe_all[i]) { m->mem->release(moe_all[i]); }
+    }
     free(g);
 }
 
@@ -758,21 +1038,26 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
         LayerViews<float> dw;      // where their gradients go (weight half)
         memset(&w, 0, sizeof(w));
         memset(&dw, 0, sizeof(dw));
-        if (in) { w = layer_views(z, ZERO_LAYER(l), fast_params(m, ZERO_LAYER(l), l > first ? ZERO_LAYER(l - 1) : -1)); }
+        int below = l > first ? ZERO_LAYER(l - 1) : -1;   // what ZeRO-3 prefetches after the layer
+        if (in) { w = layer_views(z, ZERO_LAYER(l), fast_params(m, ZERO_LAYER(l), m->E > 0 ? zero_expert_unit(z, l) : below)); }
         if (wt) { dw = layer_views(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l))); }
         FastLayerActs x = fast_layer_acts(m, a, l - first, B, T, 0);
         FastOutGrads d = fast_out_grads(m, a, g, l - first, B, T);
-        // MLP; the fcproj backward's epilogue applies gelu'(fch): d fch
-        if (in) { fast_row_parallel_dout(m, a, g, d.dfcproj, B, T); }
-        // (row-parallel fcproj: g backward is the identity, d fch is this rank's 4C/K columns;
-        // its replicated bias's gradient is the same on every rank)
-        if (in) { matmul_backward_fast(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, 4 * Cl, C, x.fch); }
-        if (wt) {
-            if (a->recompute) { gelu_forward_fast(x.fch_gelu, x.fch, (size_t)BT * 4 * Cl); }
-            matmul_backward_fast(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, 4 * Cl, C, NULL);
+        if (m->E > 0) {   // the experts (d(residual) is their output's gradient, read before ln2's backward adds to it)
+            fast_moe_backward(m, a, g, l - first, w.routerw, dw.routerw, x.ln2, g->dresidual, d.dln2, below, B, T, part);
+        } else {
+            // MLP; the fcproj backward's epilogue applies gelu'(fch): d fch
+            if (in) { fast_row_parallel_dout(m, a, g, d.dfcproj, B, T); }
+            // (row-parallel fcproj: g backward is the identity, d fch is this rank's 4C/K columns;
+            // its replicated bias's gradient is the same on every rank)
+            if (in) { matmul_backward_fast(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, T, 4 * Cl, C, x.fch); }
+            if (wt) {
+                if (a->recompute) { gelu_forward_fast(x.fch_gelu, x.fch, (size_t)BT * 4 * Cl); }
+                matmul_backward_fast(NULL, dw.fcprojw, dw.fcprojb, d.dfcproj, x.fch_gelu, NULL, B, T, 4 * Cl, C, NULL);
+            }
+            if (in) { fast_column_parallel_dinp(m, sp, d.dln2, d.dfch, w.fcw, B, T, BT, 4 * Cl); }
+            if (wt) { matmul_backward_fast(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, 4 * Cl, NULL); }
         }
-        if (in) { fast_column_parallel_dinp(m, sp, d.dln2, d.dfch, w.fcw, B, T, BT, 4 * Cl); }
-        if (wt) { matmul_backward_fast(NULL, dw.fcw, dw.fcb, d.dfch, x.ln2, NULL, B, T, C, 4 * Cl, NULL); }
         if (in) { layernorm_backward_fast(g->dresidual, d.dln2, x.residual2, w.ln2w, x.ln2_mean, x.ln2_rstd, BTs, C); }
         if (wt) { fast_ln_param_grads(m, a, dw.ln2w, dw.ln2b, x.residual2, d.dln2, x.ln2_mean, x.ln2_rstd, B, T); }
         // attention; d atty in g->dbtc (the whole backward's d ln2 is used up by now)
@@ -814,13 +1099,21 @@ static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T, int 
     zero_grad_unit_done(z, lookup_unit);
 }
 
-// Not const: gpt2_fast_setup takes the KV cache away when only cuDNN can run the head size.
+// (experts) each layer's load-balancing loss of the last forward, and the routing counters
+static void fast_moe_aux(void* vm, void* va, float* host_aux) {
+    const FastActs* a = (const FastActs*)va;
+    for (int l = 0; l < ((FastModel*)vm)->layers; l++) { host_aux[l] = a->moe ? a->moe[l].aux : 0.0f; }
+}
+static MoeCounters* fast_moe_counters(void* vm) { return ((FastModel*)vm)->E > 0 ? &((FastModel*)vm)->counters : NULL; }
+
+// Not const: gpt2_fast_setup takes the KV cache away when only cuDNN can run the head size,
+// and from models with experts (their routing plans a whole pass).
 static ModelOps fast_model_ops = {
     fast_create, fast_destroy, fast_acts_create, fast_acts_destroy, fast_set_tokens, fast_stage_input,
     fast_stage_output, fast_embed_forward, fast_layers_forward, fast_head_forward, fast_loss_sum, fast_probs_at,
     fast_grads_create, fast_grads_destroy, fast_grad_residual, fast_head_backward, fast_layers_backward,
     fast_embed_backward,
-    NULL, NULL,         // no mixture of experts (train_gpt2.cu refuses one)
+    fast_moe_aux, fast_moe_counters,
     fast_embed_decode, fast_layers_decode, fast_head_decode,
     sizeof(floatX)      // bf16 activations between stages
 };
@@ -841,8 +1134,8 @@ const char* gpt2_fast_setup(const char* attention, const GPT2Config* c, int B, i
 #endif
     cublaslt_init();
     flash_attention_setup();
-    if (!gpu_flash_head_size(hs)) {   // the KV cache's one-row launch is flash attention's: without it
-                                      // the sampler runs a full forward per token
+    if (!gpu_flash_head_size(hs) || c->num_experts > 0) {   // the KV cache's one-row launch is flash
+                                      // attention's: without it the sampler runs a full forward per token
         fast_model_ops.embed_decode = NULL;
         fast_model_ops.layers_decode = NULL;
         fast_model_ops.head_decode = NULL;

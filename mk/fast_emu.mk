@@ -27,3 +27,8 @@ TESTS += dev/test/test_fast_pp.sh
 # count; --tp 2 --sp 1 = --tp 2 byte for byte, its tp bytes = the formula; --cp and --tp with
 # --pp refused in one line
 TESTS += dev/test/test_fast_tp.sh
+
+# fast mode with experts: one rank within the bf16 tolerances of train_gpt2, --ep 2 (ZeRO-0, 3)
+# and --pp 2 (1f1b, zb1) = one rank byte for byte, rank 0's all-to-all bytes (bf16 rows) against
+# its routing counts; --tp with experts refused in one line
+TESTS += dev/test/test_fast_moe.sh

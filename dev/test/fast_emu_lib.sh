@@ -17,12 +17,13 @@ run() {
   $MPI "$np" "$@" -o "$W/$name" >"$W/$name.out" 2>&1 || { tail -5 "$W/$name.out"; fail "$name: $1 exited with an error"; }
 }
 
-# vs_cpu NAME LABEL: $W/NAME's main.log against ./train_gpt2's ($W/cpu, run first) within
-# dev/gpu/fast_tolerance.awk's bf16 tolerances (L = 4 layers, N = the step's 128 positions:
-# step 0, then the later steps' drift); passes saying by how much, or fails with the table
+# vs_cpu NAME LABEL [LAYERS]: $W/NAME's main.log against ./train_gpt2's ($W/cpu, run first)
+# within dev/gpu/fast_tolerance.awk's bf16 tolerances (L = LAYERS, ARGS' 4 unless given; N = the
+# step's 128 positions: step 0, then the later steps' drift); passes saying by how much, or
+# fails with the table
 vs_cpu() {
   local res s0 dr
-  res=$(awk -v L=4 -v N=128 -v drift="$W/drift.txt" -f dev/gpu/fast_tolerance.awk \
+  res=$(awk -v L="${3:-4}" -v N=128 -v drift="$W/drift.txt" -f dev/gpu/fast_tolerance.awk \
         "$W/cpu/main.log" "$W/cpu/main.log" "$W/$1/main.log")
   s0=$(echo "$res" | sed -n 's/^S0 //p') dr=$(echo "$res" | sed -n 's/^DRIFT //p')
   [ "${s0%% *}" = ok ] || { cat "$W/drift.txt"; fail "$2: step 0 vs the CPU: ${s0#* }"; }

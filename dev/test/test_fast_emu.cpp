@@ -16,6 +16,14 @@
  *     order in fp32 and rounds where cuBLASLt rounds; an input at a 2-byte offset (its
  *     alignment passed in the preference) computes right too. The stand-in's refusals: the
  *     status code for each thing cuBLASLt refuses.
+ *   the mixture-of-experts layer (llmc/kernels_fast_moe.cuh, the calls train_gpt2_fast.cu's
+ *     layer makes on one rank, with moe.h's routing plan), forward and backward, against a
+ *     double-precision naive layer from the same bf16 inputs and the same load-balancing
+ *     gradient: the router chooses the experts the double softmax ranks first; the output,
+ *     d input, the router's and every expert's weight and bias gradients each within 2^-5 of
+ *     the tensor's largest |reference| (a path rounds to bf16 at most about six times, by up
+ *     to 2^-9 each: fch, GELU, y, the combine; backward d slot, d h, d x, d logits); every
+ *     output starts as NaN.
  * Built twice by mk/fast_emu.mk: build/test_fast_emu and build/test_fast_emu_race (the race
  * check on, smaller cases).
  */
@@ -28,6 +36,7 @@
 #include "llmc/cuda_common.cuh"
 #include "llmc/attention_flash.cuh"
 #include "llmc/matmul_cublaslt.cuh"
+#include "llmc/kernels_fast_moe.cuh"
 #include "dev/gpu/attention_reference.h"
 
 static int failures = 0;
@@ -321,6 +330,208 @@ static void cublaslt_refusals(void) {
     device_free(buf);
 }
 
+// ---- the mixture-of-experts layer ------------------------------------------------------------
+
+static double gelu_ref(double x) { return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))); }
+static double gelu_grad_ref(double x) {
+    double s = sqrt(2.0 / M_PI), u = s * (x + 0.044715 * x * x * x), t = tanh(u);
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * s * (1.0 + 3.0 * 0.044715 * x * x);
+}
+static floatX* random_bf16(size_t n, float scale, uint64_t* state, float* as_float) {
+    floatX* h = (floatX*)malloc_or_die(n * sizeof(floatX), "test input");
+    for (size_t i = 0; i < n; i++) {
+        *state = *state * 6364136223846793005ull + 1442695040888963407ull;
+        float v = scale * ((float)(*state >> 40) / (float)(1ull << 24) * 2.0f - 1.0f);
+        h[i] = __float2bfloat16_rn(v);
+        as_float[i] = __bfloat162float(h[i]);
+    }
+    return h;
+}
+// every element of got (n, bf16 or fp32 on the device) within tol of want's largest |value|
+static double as_double(float v) { return v; }
+static double as_double(floatX v) { return __bfloat162float(v); }
+template <typename X> static double moe_compare(const char* what, const X* d_got, const double* want, size_t n) {
+    X* got = host_copy(d_got, n);
+    double peak = 0.0, worst = 0.0;
+    for (size_t i = 0; i < n; i++) { if (fabs(want[i]) > peak) { peak = fabs(want[i]); } }
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        double g = as_double(got[i]), d = fabs(g - want[i]);
+        if (!(d <= ldexp(peak, -5))) { bad++; }
+        if (d > worst || d != d) { worst = d; }
+    }
+    CHECK(bad == 0 && peak > 0.0, "moe layer %s: %zu of %zu elements off by more than 2^-5 of max|ref| %.3g (worst %.3g)", what,
+          bad, n, peak, worst);
+    free(got);
+    return peak > 0.0 ? worst / peak : worst;
+}
+
+static void moe_layer_case(int B, int T, int C, int E, int k) {
+    const int BT = B * T, C4 = 4 * C, slots = BT * k;
+    uint64_t state = 12345;
+    float *x = (float*)malloc_or_die(sizeof(float) * BT * C, "x"), *rw = (float*)malloc_or_die(sizeof(float) * E * C, "rw");
+    float *fcw = (float*)malloc_or_die(sizeof(float) * E * C4 * C, "w"), *fcb = (float*)malloc_or_die(sizeof(float) * E * C4, "w");
+    float *pw = (float*)malloc_or_die(sizeof(float) * E * C * C4, "w"), *pb = (float*)malloc_or_die(sizeof(float) * E * C, "w");
+    float* dout = (float*)malloc_or_die(sizeof(float) * BT * C, "dout");
+    floatX* h_x = random_bf16((size_t)BT * C, 1.0f, &state, x);
+    floatX* h_rw = random_bf16((size_t)E * C, 0.5f, &state, rw);
+    floatX* h_fcw = random_bf16((size_t)E * C4 * C, 0.3f, &state, fcw);
+    floatX* h_fcb = random_bf16((size_t)E * C4, 0.1f, &state, fcb);
+    floatX* h_pw = random_bf16((size_t)E * C * C4, 0.15f, &state, pw);
+    floatX* h_pb = random_bf16((size_t)E * C, 0.1f, &state, pb);
+    floatX* h_dout = random_bf16((size_t)BT * C, 1.0f, &state, dout);
+    float* daux = (float*)malloc_or_die(sizeof(float) * E, "daux");
+    for (int e = 0; e < E; e++) { daux[e] = 0.05f * (float)(e + 1) / (float)BT; }
+    // the device layer, one rank: the calls of train_gpt2_fast.cu's fast_moe_forward / _backward
+    floatX *ln = device_copy(h_x, (size_t)BT * C), *routerw = device_copy(h_rw, (size_t)E * C);
+    MoeExperts<const floatX> w = {device_copy(h_fcw, (size_t)E * C4 * C), device_copy(h_fcb, (size_t)E * C4),
+                                  device_copy(h_pw, (size_t)E * C * C4), device_copy(h_pb, (size_t)E * C)};
+    floatX* d_dout = device_copy(h_dout, (size_t)BT * C);
+    float* d_daux = device_copy(daux, (size_t)E);
+    float* probs = (float*)device_nan(sizeof(float) * BT * E);
+    int* chosen = (int*)device_nan(sizeof(int) * slots);
+    float* gates = (float*)device_nan(sizeof(float) * slots);
+    moe_router_forward_fast(probs, chosen, gates, ln, routerw, BT, C, E, k);
+    int *h_chosen = host_copy(chosen, slots), *count = (int*)malloc_or_die(sizeof(int) * E, "plan");
+    int *row_pos = (int*)malloc_or_die(sizeof(int) * slots, "plan"), *slot_row = (int*)malloc_or_die(sizeof(int) * slots, "plan");
+    int *cursor = (int*)malloc_or_die(sizeof(int) * E, "plan"), *first = (int*)malloc_or_die(sizeof(int) * (E + 1), "plan");
+    int* src_first = (int*)malloc_or_die(sizeof(int) * 2 * E, "plan");
+    moe_plan_routes(h_chosen, B, T, k, E, count, row_pos, slot_row, cursor);
+    first[0] = 0;
+    for (int e = 0; e < E; e++) { first[e + 1] = first[e] + count[e]; src_first[2 * e] = first[e]; src_first[2 * e + 1] = first[e + 1]; }
+    int *d_row_pos = device_copy(row_pos, slots), *d_slot_row = device_copy(slot_row, slots);
+    floatX* xin = (floatX*)device_nan(sizeof(floatX) * slots * C);
+    floatX* fch = (floatX*)device_nan(sizeof(floatX) * slots * C4);
+    floatX* fch_gelu = (floatX*)device_nan(sizeof(floatX) * slots * C4);
+    floatX* ret = (floatX*)device_nan(sizeof(floatX) * slots * C);
+    floatX* out = (floatX*)device_nan(sizeof(floatX) * BT * C);
+    moe_gather_rows_fast(xin, ln, d_row_pos, slots, C);
+    moe_experts_forward_fast(ret, fch, fch_gelu, xin, w, first, E, C);
+    moe_combine_fast(out, ret, gates, d_slot_row, BT, k, C);
+    float* dgate = (float*)device_nan(sizeof(float) * slots);
+    floatX* dslots = (floatX*)device_nan(sizeof(floatX) * slots * C);
+    float *dlogits = (float*)device_nan(sizeof(float) * BT * E), *drouter = (float*)device_nan(sizeof(float) * BT * C);
+    floatX* dlogits_bf16 = (floatX*)device_nan(sizeof(floatX) * BT * E);
+    float* drouterw = (float*)device_nan(sizeof(float) * E * C);
+    floatX *dh = (floatX*)device_nan(sizeof(floatX) * slots * C4), *dx = (floatX*)device_nan(sizeof(floatX) * slots * C);
+    MoeExperts<float> dw = {(float*)device_nan(sizeof(float) * E * C4 * C), (float*)device_nan(sizeof(float) * E * C4),
+                            (float*)device_nan(sizeof(float) * E * C * C4), (float*)device_nan(sizeof(float) * E * C)};
+    floatX* dln = (floatX*)device_nan(sizeof(floatX) * BT * C);
+    moe_combine_backward_fast(dgate, dslots, d_dout, ret, gates, d_slot_row, BT, k, C);
+    moe_router_backward_fast(drouter, dlogits, dlogits_bf16, probs, chosen, gates, dgate, d_daux, routerw, BT, C, E, k);
+    moe_router_weight_grad_fast(drouterw, dlogits_bf16, ln, BT, C, E);
+    moe_experts_backward_input_fast(dx, dh, dslots, fch, w, src_first, 1, E, C);
+    moe_experts_backward_weight_fast(dw, 0, dslots, dh, fch_gelu, xin, src_first, 1, E, C);
+    moe_dinput_combine_fast(dln, drouter, dx, d_slot_row, BT, k, C);
+    // the naive layer in double
+    double* r_out = (double*)calloc_or_die((size_t)BT * C, sizeof(double), "ref");
+    double* r_dln = (double*)calloc_or_die((size_t)BT * C, sizeof(double), "ref");
+    double* r_drw = (double*)calloc_or_die((size_t)E * C, sizeof(double), "ref");
+    double* r_dfcw = (double*)calloc_or_die((size_t)E * C4 * C, sizeof(double), "ref");
+    double* r_dfcb = (double*)calloc_or_die((size_t)E * C4, sizeof(double), "ref");
+    double* r_dpw = (double*)calloc_or_die((size_t)E * C * C4, sizeof(double), "ref");
+    double* r_dpb = (double*)calloc_or_die((size_t)E * C, sizeof(double), "ref");
+    double *p = (double*)malloc_or_die(sizeof(double) * E, "ref"), *dp = (double*)malloc_or_die(sizeof(double) * E, "ref");
+    double *h = (double*)malloc_or_die(sizeof(double) * C4, "ref"), *y = (double*)malloc_or_die(sizeof(double) * C, "ref");
+    double* dhv = (double*)malloc_or_die(sizeof(double) * C4, "ref");
+    int choice_differs = 0;
+    for (int i = 0; i < BT; i++) {
+        const float* xi = x + (size_t)i * C;
+        const float* di = dout + (size_t)i * C;
+        double mx = -1e300, z = 0.0;
+        for (int e = 0; e < E; e++) {
+            double l = 0.0;
+            for (int c = 0; c < C; c++) { l += (double)xi[c] * rw[e * C + c]; }
+            p[e] = l;
+            if (l > mx) { mx = l; }
+        }
+        for (int e = 0; e < E; e++) { p[e] = exp(p[e] - mx); z += p[e]; }
+        for (int e = 0; e < E; e++) { p[e] /= z; }
+        int pick[16];
+        for (int j = 0; j < k; j++) {   // the j-th largest p
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int jj = 0; jj < j; jj++) { taken |= pick[jj] == e; }
+                if (!taken && (best < 0 || p[e] > p[best])) { best = e; }
+            }
+            pick[j] = best;
+        }
+        for (int j = 0; j < k; j++) {   // ascending, as moe.h lists them
+            for (int jj = j + 1; jj < k; jj++) { if (pick[jj] < pick[j]) { int t = pick[j]; pick[j] = pick[jj]; pick[jj] = t; } }
+            choice_differs |= pick[j] != h_chosen[i * k + j];
+        }
+        double S = 0.0, G = 0.0, H = 0.0;
+        for (int j = 0; j < k; j++) { S += p[pick[j]]; }
+        double dgate_r[16];
+        for (int e = 0; e < E; e++) { dp[e] = daux[e]; }
+        for (int j = 0; j < k; j++) {
+            int e = pick[j];
+            double gate = p[e] / S;
+            for (int o = 0; o < C4; o++) {
+                double a = fcb[e * C4 + o];
+                for (int c = 0; c < C; c++) { a += (double)xi[c] * fcw[((size_t)e * C4 + o) * C + c]; }
+                h[o] = a;
+            }
+            for (int c = 0; c < C; c++) {
+                double a = pb[e * C + c];
+                for (int o = 0; o < C4; o++) { a += gelu_ref(h[o]) * pw[((size_t)e * C + c) * C4 + o]; }
+                y[c] = a;
+                r_out[(size_t)i * C + c] += gate * a;
+            }
+            double dg = 0.0;
+            for (int c = 0; c < C; c++) { dg += (double)di[c] * y[c]; }
+            dgate_r[j] = dg;
+            G += dg * gate;
+            // the expert's backward from dy = gate * dout
+            for (int o = 0; o < C4; o++) {
+                double a = 0.0;
+                for (int c = 0; c < C; c++) { a += gate * di[c] * pw[((size_t)e * C + c) * C4 + o]; }
+                dhv[o] = a * gelu_grad_ref(h[o]);
+            }
+            for (int c = 0; c < C; c++) {
+                r_dpb[e * C + c] += gate * di[c];
+                for (int o = 0; o < C4; o++) { r_dpw[((size_t)e * C + c) * C4 + o] += gate * di[c] * gelu_ref(h[o]); }
+            }
+            for (int o = 0; o < C4; o++) {
+                r_dfcb[e * C4 + o] += dhv[o];
+                for (int c = 0; c < C; c++) {
+                    r_dfcw[((size_t)e * C4 + o) * C + c] += dhv[o] * xi[c];
+                    r_dln[(size_t)i * C + c] += dhv[o] * fcw[((size_t)e * C4 + o) * C + c];
+                }
+            }
+        }
+        for (int j = 0; j < k; j++) { dp[pick[j]] += (dgate_r[j] - G) / S; }
+        for (int e = 0; e < E; e++) { H += p[e] * dp[e]; }
+        for (int e = 0; e < E; e++) {
+            double dl = p[e] * (dp[e] - H);
+            for (int c = 0; c < C; c++) {
+                r_drw[e * C + c] += dl * xi[c];
+                r_dln[(size_t)i * C + c] += dl * rw[e * C + c];
+            }
+        }
+    }
+    CHECK(!choice_differs, "moe layer: the router's choice differs from the double softmax's top %d", k);
+    int before = failures;
+    double e_out = moe_compare("out", out, r_out, (size_t)BT * C);
+    double e_dln = moe_compare("d input", dln, r_dln, (size_t)BT * C);
+    double e_drw = moe_compare("d routerw", drouterw, r_drw, (size_t)E * C);
+    double e_w = fmax(moe_compare("d fcw", dw.fcw, r_dfcw, (size_t)E * C4 * C),
+                      moe_compare("d fcprojw", dw.fcprojw, r_dpw, (size_t)E * C * C4));
+    double e_b = fmax(moe_compare("d fcb", dw.fcb, r_dfcb, (size_t)E * C4), moe_compare("d fcprojb", dw.fcprojb, r_dpb, (size_t)E * C));
+    printf("moe layer B=%d T=%d C=%d E=%d k=%d  %s worst |err|/max|ref| (tol 2^-5 = 0.031): out %.4f d input %.4f d routerw %.4f "
+           "d expert weights %.4f d expert biases %.4f\n", B, T, C, E, k, failures == before ? "ok  " : "FAIL", e_out, e_dln,
+           e_drw, e_w, e_b);
+    void* dev[] = {ln, routerw, (void*)w.fcw, (void*)w.fcb, (void*)w.fcprojw, (void*)w.fcprojb, d_dout, d_daux, probs,
+                   chosen, gates, d_row_pos, d_slot_row, xin, fch, fch_gelu, ret, out, dgate, dslots, dlogits, drouter,
+                   dlogits_bf16, drouterw, dh, dx, dw.fcw, dw.fcb, dw.fcprojw, dw.fcprojb, dln};
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) { device_free(dev[i]); }
+    void* host[] = {x, rw, fcw, fcb, pw, pb, dout, h_x, h_rw, h_fcw, h_fcb, h_pw, h_pb, h_dout, daux, h_chosen, count,
+                    row_pos, slot_row, cursor, first, src_first, r_out, r_dln, r_drw, r_dfcw, r_dfcb, r_dpw, r_dpb, p, dp,
+                    h, y, dhv};
+    for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) { free(host[i]); }
+}
+
 int main(void) {
     flash_attention_setup();
     cublaslt_init();
@@ -346,8 +557,13 @@ int main(void) {
         matmul_case(matmul_cases[i][0], matmul_cases[i][1], matmul_cases[i][2], matmul_cases[i][3]);
     }
     cublaslt_refusals();
+#if LLMC_EMU_RACE_CHECK
+    moe_layer_case(1, 8, 16, 4, 2);
+#else
+    moe_layer_case(2, 16, 32, 4, 2);
+#endif
     cublaslt_free();
-    printf(failures ? "%d FAILED\n" : "fast mode's attention and matmuls on the emulated GPU: all checks passed\n",
+    printf(failures ? "%d FAILED\n" : "fast mode's attention, matmuls and expert layer on the emulated GPU: all checks passed\n",
            failures);
     return failures ? 1 : 0;
 }
