@@ -78,30 +78,22 @@ static inline void decode_round_bf16(float* x, size_t n) {
     }
 }
 
-// packed <- weight (OC,IC) rounded to bf16, in decode_pack's layout (below)
-static inline void decode_pack_bf16(uint16_t* packed, const float* weight, int OC, int IC) {
-    int panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
+// m's copy <- weight (m->OC, m->IC) in the layout above: fp32 into m->packed, or rounded to
+// bf16 into m->packed_bf16 (whichever m holds); a panel's outputs past OC are zeros
+static inline void decode_pack(DecodeMatrix* m, const float* weight) {
+    int OC = m->OC, IC = m->IC, panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++) {
-        uint16_t* dst = packed + (size_t)p * IC * DECODE_PANEL;
+        size_t base = (size_t)p * IC * DECODE_PANEL;
         for (int j = 0; j < DECODE_PANEL; j++) {
             int o = p * DECODE_PANEL + j;
             const float* row = weight + (size_t)o * IC;
-            for (int k = 0; k < IC; k++) { dst[(size_t)k * DECODE_PANEL + j] = o < OC ? decode_bf16(row[k]) : 0; }
-        }
-    }
-}
-
-// packed <- weight (OC,IC), in the layout above
-static inline void decode_pack(float* packed, const float* weight, int OC, int IC) {
-    int panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
-    #pragma omp parallel for schedule(static)
-    for (int p = 0; p < panels; p++) {
-        float* dst = packed + (size_t)p * IC * DECODE_PANEL;
-        for (int j = 0; j < DECODE_PANEL; j++) {
-            int o = p * DECODE_PANEL + j;
-            const float* row = weight + (size_t)o * IC;
-            for (int k = 0; k < IC; k++) { dst[(size_t)k * DECODE_PANEL + j] = o < OC ? row[k] : 0.0f; }
+            for (int k = 0; k < IC; k++) {
+                size_t i = base + (size_t)k * DECODE_PANEL + j;
+                float x = o < OC ? row[k] : 0.0f;
+                if (m->packed) { m->packed[i] = x; }
+                else { m->packed_bf16[i] = decode_bf16(x); }
+            }
         }
     }
 }
@@ -128,15 +120,10 @@ static inline void decode_weights_add(DecodeWeights* dw, const float* weight, in
     m->source = weight;
     m->OC = OC;
     m->IC = IC;
-    m->packed = NULL;
-    m->packed_bf16 = NULL;
-    if (dw->bf16) {
-        m->packed_bf16 = (uint16_t*)aligned_calloc_or_die(sizeof(uint16_t) * panels * IC * DECODE_PANEL, "decode weights");
-        decode_pack_bf16(m->packed_bf16, weight, OC, IC);
-    } else {
-        m->packed = (float*)aligned_calloc_or_die(sizeof(float) * panels * IC * DECODE_PANEL, "decode weights");
-        decode_pack(m->packed, weight, OC, IC);
-    }
+    size_t elements = panels * IC * DECODE_PANEL;
+    m->packed = dw->bf16 ? NULL : (float*)aligned_calloc_or_die(sizeof(float) * elements, "decode weights");
+    m->packed_bf16 = dw->bf16 ? (uint16_t*)aligned_calloc_or_die(sizeof(uint16_t) * elements, "decode weights") : NULL;
+    decode_pack(m, weight);
 }
 
 // the packed copy of weight (OC,IC), made now if dw has none
