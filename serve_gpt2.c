@@ -15,6 +15,7 @@
  * cancel it), exit 0.
  *
  *   mpirun -np K*Q ./serve_gpt2 --tp K --ep Q -e model.bin ...
+ *   mpirun -np P*K ./serve_gpt2 --kvp P --tp K -e model.bin ...   (Helix's KVP: llmc/serve_kvp.h)
  *
  * serves across ranks (llmc/serve_parallel.h): world rank 0 runs HTTP and the scheduler and
  * broadcasts each step; the others follow on their slice of the model. Rank 0 watches the
@@ -483,6 +484,11 @@ static void metric_hist(char** p, size_t* left, const char* name, const char* he
     metric(p, left, "%s_bucket{le=\"+Inf\"} %lld\n%s_sum %.6f\n%s_count %lld\n", name, h->total, name, h->sum, name, h->total);
 }
 
+// This rank's KV cache: its blocks of its heads (serve_engine.h; every rank's the same size)
+static size_t serve_kv_cache_bytes(const ServeEngine* e) {
+    return (size_t)e->kv.num_blocks * (size_t)paged_kv_block_stride(&e->kv) * sizeof(float);
+}
+
 static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
     static char buf[16384];   // under S.mu
     char* p = buf;
@@ -495,10 +501,15 @@ static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
                       "serve_requests_running %d\n", e->num_running);
     metric(&p, &left, "# HELP serve_requests_waiting Requests waiting for KV blocks.\n# TYPE serve_requests_waiting gauge\n"
                       "serve_requests_waiting %d\n", waiting);
+    // under KVP the blocks of all of a KVP group's ranks (each rank's 1/P of them: llmc/serve_kvp.h)
+    int kv_blocks = e->kvp.P * e->kv.num_blocks;
+    int kv_used = e->kvp.P > 1 ? serve_kvp_blocks_used(&e->kvp) : e->kv.num_blocks - e->kv.num_free;
     metric(&p, &left, "# HELP serve_kv_blocks_used KV cache blocks held by requests.\n# TYPE serve_kv_blocks_used gauge\n"
-                      "serve_kv_blocks_used %d\n", e->kv.num_blocks - e->kv.num_free);
+                      "serve_kv_blocks_used %d\n", kv_used);
     metric(&p, &left, "# HELP serve_kv_blocks_free KV cache blocks on the free list.\n# TYPE serve_kv_blocks_free gauge\n"
-                      "serve_kv_blocks_free %d\n", e->kv.num_free);
+                      "serve_kv_blocks_free %d\n", kv_blocks - kv_used);
+    metric(&p, &left, "# HELP serve_kv_cache_bytes_per_rank Bytes of the KV cache on each rank.\n"
+                      "# TYPE serve_kv_cache_bytes_per_rank gauge\nserve_kv_cache_bytes_per_rank %zu\n", serve_kv_cache_bytes(e));
     metric(&p, &left, "# HELP serve_prompt_tokens_total Prompt tokens received.\n# TYPE serve_prompt_tokens_total counter\n"
                       "serve_prompt_tokens_total %lld\n", S.prompt_tokens);
     metric(&p, &left, "# HELP serve_generation_tokens_total Tokens generated.\n# TYPE serve_generation_tokens_total counter\n"
@@ -521,8 +532,9 @@ static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
         double per = e->tokens_generated ? (double)S.comm_bytes[k] / (double)e->tokens_generated : 0.0;
         metric(&p, &left, "serve_collective_bytes_per_token{kind=\"%s\"} %.1f\n", comm_kind_name[k], per);
     }
-    metric(&p, &left, "# HELP serve_ranks The layout: tensor- and expert-parallel ranks.\n# TYPE serve_ranks gauge\n"
-                      "serve_ranks{dim=\"tp\"} %d\nserve_ranks{dim=\"ep\"} %d\n", e->comm->tp, e->comm->ep);
+    metric(&p, &left, "# HELP serve_ranks The layout: tensor-, expert- and KV-parallel ranks.\n# TYPE serve_ranks gauge\n"
+                      "serve_ranks{dim=\"tp\"} %d\nserve_ranks{dim=\"ep\"} %d\nserve_ranks{dim=\"kvp\"} %d\n",
+           e->comm->tp, e->comm->ep, e->comm->cp);
     metric_hist(&p, &left, "serve_time_to_first_token_seconds", "Arrival to the first generated token.", &S.ttft);
     metric_hist(&p, &left, "serve_inter_token_latency_seconds", "Between consecutive tokens of a request.", &S.itl);
     enum MHD_Result ok = send_text(c, 200, "text/plain; version=0.0.4", buf);
@@ -633,7 +645,10 @@ static void usage(void) {
            "  --step-delay-ms N       sleep after every engine step (tests: slow streams; default 0)\n"
            "  --tp K, --ep Q          across mpirun -np K*Q ranks: tensor-parallel over K, the experts over Q\n"
            "                          (llmc/serve_parallel.h); world rank 0 serves HTTP (default 1, 1)\n"
-           "  --pp S, --kvp P         pipeline / KV parallelism: not built yet (1 only)\n"
+           "  --kvp P                 across mpirun -np P*K ranks with --tp K: each request's KV cache cut along\n"
+           "                          its positions over P ranks (1, 2, 4, 8; 2 x P x --block-size must divide\n"
+           "                          maxT; --kv-blocks counts all P ranks' blocks; llmc/serve_kvp.h; default 1)\n"
+           "  --pp S                  pipeline parallelism: not built yet (1 only)\n"
            "  --weights fp32|bf16     bf16: the weights rounded to bf16, the decode copies held in bf16 (half the\n"
            "                          bytes a step reads; fp32 arithmetic; the sampler's bits on the rounded\n"
            "                          checkpoint, not on this one; default fp32)\n");
@@ -782,7 +797,12 @@ int main(int argc, char** argv) {
     GPT2Config config;
     float* params = gpt2_read_finite_model(model, &config, 0);
     char why[256];
-    if (serve_layout_problem(&layout, &config, comm.world_size, why, sizeof(why))) {
+    if (kv_blocks == 0) {
+        long per_request = (config.max_seq_len + block_size - 1) / block_size;
+        kv_blocks = 8 * per_request;
+    }
+    if (serve_kvp_problem(why, sizeof(why), layout.kvp, layout.ep, (int)block_size, kv_blocks, &config) ||
+        serve_layout_problem(&layout, &config, comm.world_size, why, sizeof(why))) {
         if (comm.world_rank == 0) { fatal("%s", why); }   // one line: rank 0's abort ends the others
         comm_barrier(&comm.world);
     }
@@ -793,10 +813,6 @@ int main(int argc, char** argv) {
     if (weights_bf16) { decode_round_bf16(params, param_count(&config)); }
 #endif
     bpe_init(&S.bpe, encoder, merges);
-    if (kv_blocks == 0) {
-        long per_request = (config.max_seq_len + block_size - 1) / block_size;
-        kv_blocks = 8 * per_request;
-    }
     serve_engine_init(&S.engine, &comm, SERVE_MEMORY, &config, params, (int)kv_blocks, (int)block_size, (int)max_batch, (int)max_conn);
     // every rank's decode copies in the same type (the followers branch off below)
 #ifndef LLMC_DEVICE_KERNELS
@@ -849,9 +865,16 @@ int main(int argc, char** argv) {
            config.top_k, SERVE_MEMORY->name, weights_bf16 ? "bf16" : "fp32", kv_blocks, block_size,
            max_batch, batching == SERVE_STATIC ? "static" : "in-flight", S.engine.max_running);
     if (comm.world_size > 1) {
-        printf("serve_gpt2: %d ranks (tp %d x ep %d), rank pids", comm.world_size, comm.tp, comm.ep);
+        printf("serve_gpt2: %d ranks (tp %d x ep %d x kvp %d), rank pids", comm.world_size, comm.tp, comm.ep, comm.cp);
         for (int r = 0; r < comm.world_size; r++) { printf(" %d", rank_pids[r]); }
         printf("\n");
+        if (comm.cp > 1) {   // KV parallelism (llmc/serve_kvp.h): the cache per rank, the traffic per token
+            const KVPLayout* lay = &S.engine.kvp.lay;
+            printf("serve_gpt2: kvp %d: KV cache per rank %d blocks of %d heads, %zu bytes; KVP collectives %llu bytes "
+                   "per generated token (one row a step, per layer all-reduces of %d + %d + %d floats over %d ranks)\n",
+                   comm.cp, S.engine.kv.num_blocks, lay->NHl, serve_kv_cache_bytes(&S.engine),
+                   (unsigned long long)(config.num_layers * kvp_step_bytes(lay, 1)), lay->NHl, lay->NHl, lay->Cl, comm.cp);
+        }
         static int world_size;
         world_size = comm.world_size;
         pthread_create(&watcher, NULL, rank_watch_thread, &world_size);

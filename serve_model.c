@@ -33,7 +33,11 @@ static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2C
     int ep = comm->ep > 1;   // the experts dealt over the ep group (expert_parallel.h), as the trainer deals them
     zero_init_ep(&m->zero, config, mem, 0, &comm->dp_group, &comm->dp_group, ep ? &comm->ep_group : NULL,
                  ep ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, &place, 1, 0, params, 0);
-    gpt2_init(&m->model, config, &place, &m->zero, &comm->tp_group, &comm->cp_group, 0, 0, rows, 1);
+    // the comm's cp groups are the KVP groups of the engine's attention (llmc/serve_kvp.h); the
+    // model's own context parallelism (the trainer's, over a sequence's rows) is one rank
+    static CommGroup one_rank;
+    comm_group_init_single(&one_rank, &comm->stats, comm->mem);
+    gpt2_init(&m->model, config, &place, &m->zero, &comm->tp_group, &one_rank, 0, 0, rows, 1);
     activations_alloc(&m->acts, &m->model, rows, 1, 1, 0, 0);   // recompute 1: one layer's GELU output
     m->acts.attend = attend;
     m->acts.attend_ctx = ctx;

@@ -31,7 +31,8 @@
  * Across ranks (llmc/serve_parallel.h) world rank 0 schedules and broadcasts each step's
  * rows (serve_step_broadcast); every other rank runs serve_engine_follow, the same forward and
  * head on its slice of the model, until rank 0 sends the end (serve_engine_stop_followers).
- * Each rank's KV cache holds its own heads: C/K channels of keys and values per position.
+ * Each rank's KV cache holds its own heads: C/K channels of keys and values per position;
+ * with --kvp P (llmc/serve_kvp.h) only its KVP group's share of the positions, 1/P of the blocks.
  *
  * The engine is single-threaded: serve_engine_submit, serve_engine_cancel and
  * serve_engine_step are called from one thread (the server's engine thread).
@@ -50,6 +51,7 @@
 #include "llmc/paged_kv.h"
 #include "llmc/rand.h"
 #include "llmc/sampler.h"
+#include "llmc/serve_kvp.h"
 #include "llmc/utils.h"
 
 #define SERVE_EOT 50256   // GPT-2's <|endoftext|>
@@ -111,7 +113,8 @@ typedef struct ServeEngine {
     // host, or the GPU's in serve_gpt2cu)
     const MemOps* mem;
     ServeModel* model;
-    PagedKV kv;
+    PagedKV kv;               // this rank's cache (its heads; under KVP its blocks)
+    ServeKVP kvp;             // KV parallelism (llmc/serve_kvp.h); kvp.P == 1: none
     ServeRequest** running;   // admission order
     int num_running;
     ServeRequest** waiting;   // FCFS; preempted requests at the front
@@ -197,13 +200,15 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
     e->comm = comm;
     int K = comm->tp_group.size;
     int C = e->C / K, N = max_batch_tokens, NH = config->num_heads / K;   // this rank's heads
+    int P = comm->cp;   // KVP ranks (llmc/serve_kvp.h), each holding kv_blocks / P of the blocks
     if (max_batch_tokens < 1) { fatal("--max-batch-tokens %d: at least 1 row per step", max_batch_tokens); }
     if ((long)kv_blocks * block_size < e->maxT) {
         fatal("--kv-blocks %d of --block-size %d: %ld positions, less than one request of maxT = %d needs", kv_blocks,
               block_size, (long)kv_blocks * block_size, e->maxT);
     }
     e->model = serve_model_create(comm, mem, config, params, N, serve_attend, e);
-    paged_kv_init(&e->kv, mem, kv_blocks, block_size, config->num_layers, C);
+    paged_kv_init(&e->kv, mem, kv_blocks / P, block_size, config->num_layers, C);
+    serve_kvp_init(&e->kvp, comm, config, kv_blocks, block_size);
     e->max_blocks = paged_kv_blocks_for(&e->kv, e->maxT);
     e->running = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "running requests");
     e->waiting = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "waiting requests");
@@ -226,6 +231,7 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
 
 static inline void serve_engine_free(ServeEngine* e) {
     paged_kv_free(&e->kv);
+    serve_kvp_free(&e->kvp);
     serve_model_free(e->model);
     e->mem->release(e->pos_dev);
     e->mem->release(e->att_scratch);
@@ -249,8 +255,17 @@ static inline void serve_remove_at(ServeRequest** list, int* n, int i) {
     (*n)--;
 }
 
+// A request's blocks: of this rank's cache, or under KVP every KVP rank's share of them (the
+// scheduler's, world rank 0's: llmc/serve_kvp.h).
+static inline int serve_kv_reserve(ServeEngine* e, ServeRequest* r, int positions) {
+    return e->kvp.P > 1 ? serve_kvp_reserve(&e->kvp, &r->table, positions) : block_table_reserve(&e->kv, &r->table, positions);
+}
+static inline void serve_kv_release(ServeEngine* e, ServeRequest* r) {
+    if (e->kvp.P > 1) { serve_kvp_release(&e->kvp, &r->table); } else { block_table_release(&e->kv, &r->table); }
+}
+
 static inline void serve_finish(ServeEngine* e, ServeRequest* r, const char* reason) {
-    block_table_release(&e->kv, &r->table);
+    serve_kv_release(e, r);
     r->state = SERVE_FINISHED;
     r->finish_reason = reason;
     r->text_ready = r->text_len;
@@ -273,7 +288,7 @@ static inline void serve_engine_cancel(ServeEngine* e, ServeRequest* r) {
 // head of the queue with its tokens; its rows come back the same bits when it is recomputed.
 static inline void serve_preempt_latest(ServeEngine* e) {
     ServeRequest* r = e->running[--e->num_running];
-    block_table_release(&e->kv, &r->table);
+    serve_kv_release(e, r);
     r->computed = 0;
     r->state = SERVE_WAITING;
     r->preemptions++;
@@ -288,6 +303,10 @@ static inline void serve_preempt_latest(ServeEngine* e) {
 // then each row against its request's keys (attention_forward_paged).
 static void serve_attend(void* ctx, int l, const float* qkv, float* atty, int C, int NH) {
     ServeEngine* e = (ServeEngine*)ctx;
+    if (e->kvp.P > 1) {   // each rank its share of the keys, the partials combined (llmc/serve_kvp.h)
+        serve_kvp_attend(&e->kvp, &e->kv, l, qkv, atty, e->row_pos, e->row_tables, e->max_blocks, e->num_rows);
+        return;
+    }
     float* kv = paged_kv_layer(&e->kv, l);
     for (int i = 0; i < e->num_runs; i++) {
         copy_rows(kv + e->run_slot[i], 2 * C, qkv + (size_t)e->run_row[i] * 3 * C + C, 3 * C, e->run_len[i], 2 * C);
@@ -306,7 +325,7 @@ static inline void serve_forward(ServeEngine* e, int N) {
     // where each run of rows writes its keys and values: consecutive positions of one block
     e->num_runs = 0;
     long block_stride = paged_kv_block_stride(&e->kv);
-    for (int r = 0, i = -1; r < N; r++) {   // (a block belongs to one request)
+    for (int r = 0, i = -1; r < N && e->kvp.P == 1; r++) {   // (a block belongs to one request; KVP: serve_kvp_attend)
         int p = e->row_pos[r];
         long slot = e->row_tables[(size_t)r * e->max_blocks + p / bs] * block_stride + (long)(p % bs) * 2 * C;
         if (i >= 0 && p % bs != 0 && slot == e->run_slot[i] + (long)e->run_len[i] * 2 * C) {
@@ -407,7 +426,7 @@ static inline int serve_engine_schedule(ServeEngine* e) {
         ServeRequest* r = e->running[i];
         int n = r->len - r->computed < budget ? r->len - r->computed : budget;
         int room;
-        while (!(room = block_table_reserve(&e->kv, &r->table, r->computed + n))) {
+        while (!(room = serve_kv_reserve(e, r, r->computed + n))) {
             int itself = i == e->num_running - 1;
             serve_preempt_latest(e);
             preempted = 1;
@@ -421,7 +440,7 @@ static inline int serve_engine_schedule(ServeEngine* e) {
            e->num_running < e->max_running) {
         ServeRequest* r = e->waiting[0];
         int n = r->len - r->computed < budget ? r->len - r->computed : budget;
-        if (!block_table_reserve(&e->kv, &r->table, r->computed + n)) { break; }
+        if (!serve_kv_reserve(e, r, r->computed + n)) { break; }
         serve_admit(e);
         serve_schedule(e, r, n, &rows);
         budget -= n;

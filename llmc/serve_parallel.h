@@ -5,6 +5,8 @@
  * column/row-parallel weights, the vocabulary-parallel wte and the experts exactly as in
  * training: tensor_parallel.h, expert_parallel.h); the per-step traffic is serve_engine.h's.
  *
+ * With --kvp P (Helix's KV parallelism) the layout is N = P x K instead: llmc/serve_kvp.h.
+ *
  * THE LAYOUT: N = K x Q ranks, the trainer's grid (comm.h: tensor parallel fastest) with the
  * Q "data-parallel" ranks of each tensor-parallel coordinate as the expert-parallel group
  * (comm_setup_expert_groups). Every rank computes every row of a step: the TP ranks each on
@@ -41,7 +43,6 @@ typedef struct { int tp, ep, pp, kvp; } ServeLayout;
 static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2Config* c, int world_size, char* why,
                                                size_t n) {
     if (l->pp > 1) { snprintf(why, n, "--pp %d: pipeline-parallel serving is not built yet (expected --pp 1)", l->pp); return why; }
-    if (l->kvp > 1) { snprintf(why, n, "--kvp %d: KV parallelism is not wired into serving yet (expected --kvp 1)", l->kvp); return why; }
     const char* tp = tp_problem(c, l->tp);
     if (tp) { snprintf(why, n, "--tp %d: %s (model: NH=%d, Vp=%d)", l->tp, tp, c->num_heads, c->padded_vocab_size); return why; }
     if (l->ep > 1 && c->num_experts == 0) {
@@ -52,7 +53,12 @@ static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2C
         snprintf(why, n, "--ep %d: must divide the model's %d experts", l->ep, c->num_experts);
         return why;
     }
-    if (world_size != l->tp * l->ep) {
+    if (l->kvp > 1 && world_size != l->kvp * l->tp) {   // (llmc/serve_kvp.h: --kvp with --ep is refused)
+        snprintf(why, n, "--kvp %d x --tp %d needs %d ranks (mpirun -np %d), got %d", l->kvp, l->tp, l->kvp * l->tp,
+                 l->kvp * l->tp, world_size);
+        return why;
+    }
+    if (l->kvp == 1 && world_size != l->tp * l->ep) {
         snprintf(why, n, "--tp %d x --ep %d needs %d ranks (mpirun -np %d), got %d", l->tp, l->ep, l->tp * l->ep,
                  l->tp * l->ep, world_size);
         return why;
@@ -60,10 +66,11 @@ static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2C
     return NULL;
 }
 
-// The groups of the layout: tp groups of K consecutive ranks, ep groups over the rest.
+// The groups of the layout: tp groups of K consecutive ranks, then KVP (cp) groups or ep groups
+// over the rest.
 // Collective over the world.
 static inline void serve_layout_setup(Comm* comm, const ServeLayout* l) {
-    comm_setup_grid(comm, l->tp, 1);
+    comm_setup_grid_cp(comm, l->tp, l->kvp, 1);   // the cp groups: the KVP groups (llmc/serve_kvp.h)
     if (l->ep > 1) { comm_setup_expert_groups(comm, l->ep); }
 }
 

@@ -14,44 +14,10 @@
 set -u
 cd "$(dirname "$0")/../.."
 . dev/test/serve_lib.sh   # D, J, W, fail, pass; start_server, stop_server
+. dev/test/serve_parallel_lib.sh   # train, post, metric, toks, PROMPT, workload
 export MPI_TIMEOUT=120    # dev/test/mpi.sh: a hung layout fails instead of blocking
-
-train() {   # MODEL DIR: a 3-step checkpoint of MODEL (what is served matters, not how well)
-  ./train_gpt2 -e "$1" -i $D/tiny_shakespeare_train.bin -b 4 -t 64 -x 3 -v 0 -s 0 -l 3e-3 -n 3 -o "$W/$2" \
-    >"$W/train_$2.out" 2>&1 || fail "could not train $1: $(tail -3 "$W/train_$2.out")"
-}
 train d2c32h4t64 dense
 train d2c32h2t64e4k2 moe
-
-post() {   # NAME BODY: the answer in $W/NAME.json; prints the HTTP status
-  curl -s -o "$W/$1.json" -w '%{http_code}' -H 'Content-Type: application/json' "$URL/v1/completions" --data-binary "$2"
-}
-metric() { curl -s "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
-read -r -a toks <"$D/tinyshakespeare_first1000.tokens.txt"
-PROMPT=5962,22307,25,198
-
-# The workload on the server at $URL; what its answers say into $W/TAG.out (no ids or times)
-workload() {   # TAG
-  local tag=$1 i
-  post "${tag}_greedy" "{\"prompt\":[$PROMPT],\"max_tokens\":40,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
-  post "${tag}_topk" "{\"prompt\":\"First Citizen:\",\"max_tokens\":40,\"temperature\":1,\"top_k\":40,\"seed\":1337,\"ignore_eos\":true}" >/dev/null
-  local clients=() temps=(0 1 0.7 1.3)
-  for i in 0 1 2 3 4 5; do
-    local n=$((1 + (i * 7) % 23)) off=$((i * 13)) ids
-    ids=$(IFS=,; echo "${toks[*]:$off:$n}")
-    (sleep "0.$((i * 3 % 5))"; post "${tag}_mixed_$i" "{\"prompt\":[$ids],\"max_tokens\":$((3 + (i * 11) % 25)),\"temperature\":${temps[$((i % 4))]},\"top_k\":$(((i % 3) * 5)),\"top_p\":0.9,\"seed\":$((100 + i)),\"ignore_eos\":true}" >"$W/${tag}_mixed_$i.code") &
-    clients+=($!)
-  done
-  curl -sN "$URL/v1/completions" -d "{\"prompt\":[$PROMPT],\"max_tokens\":30,\"temperature\":0.8,\"seed\":5,\"ignore_eos\":true,\"stream\":true}" >"$W/${tag}_stream.sse"
-  wait "${clients[@]}"
-  {
-    for r in greedy topk mixed_0 mixed_1 mixed_2 mixed_3 mixed_4 mixed_5; do
-      $J "$W/${tag}_$r.json" choices.0.token_ids choices.0.text choices.0.probs_fnv1a choices.0.finish_reason ||
-        echo "no answer for $r: $(cat "$W/${tag}_$r.json")"
-    done
-    $J --sse "$W/${tag}_stream.sse" || echo "the stream is not complete SSE of JSON events"
-  } >"$W/$tag.out"
-}
 
 # Per generated token of a lone request with a one-token prompt (every step one row: N = M = 1),
 # what rank 0 sent by kind: "TP OTHER EP"
@@ -144,9 +110,8 @@ refuse "$DENSE" "^error: --tp 8: the number of heads NH must be a multiple" --tp
 refuse "$DENSE" "^error: --ep 2: the model has no experts" --ep 2
 refuse "$MOE" "^error: --ep 3: must divide the model's 4 experts" --ep 3
 refuse "$DENSE" "^error: --pp 2: pipeline-parallel serving is not built yet" --pp 2
-refuse "$DENSE" "^error: --kvp 2: KV parallelism is not wired into serving yet" --kvp 2
 refuse "$DENSE" "^error: --tp 2 x --ep 1 needs 2 ranks (mpirun -np 2), got 1" --tp 2
-pass "refused in one line: --tp 3, --tp 8 (4 heads), --ep on a dense model, --ep 3 (4 experts), --pp, --kvp, too few ranks"
+pass "refused in one line: --tp 3, --tp 8 (4 heads), --ep on a dense model, --ep 3 (4 experts), --pp, too few ranks (--kvp: test_serve_kvp.sh)"
 
 # --- 5. a rank that dies -----------------------------------------------------------------
 CK=$DENSE

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# serve_gpt2 with Helix's KV parallelism (llmc/serve_kvp.h) under real mpirun (dev/test/mpi.sh)
+# and curl, on a dense d2 checkpoint with 4 heads, maxT 64:
+#   1. --kvp 2 (2 ranks), --kvp 4 --block-size 8 (4 ranks), --kvp 2 --tp 2 (4 ranks): greedy,
+#      seeded top-k, 6 concurrent mixed requests (prompts of 1 to 22 tokens: some shorter than a
+#      block) with a 50-token prompt among them (longer than P blocks: every rank holds some of
+#      it), a stream: tokens, text and the FNV-1a of every distribution drawn from = the
+#      one-process server's, byte for byte;
+#   2. the KVP, tp and other bytes per generated token of a lone one-token request against
+#      kv_parallel.h's and serve_parallel.h's formulas, computed here from the model's shape,
+#      and the startup line's KV cache per rank (1/P of the one-process server's per tp slice)
+#      and KVP bytes per token against the same formulas;
+#   3. the capacity per rank: --kvp 2 runs with --kv-blocks 4, 2 blocks of 16 positions per rank
+#      (one request of maxT: the workload queues and preempts), and two concurrent 60-position
+#      requests there = the one-process answers;
+#   4. the refused layouts, one line each.
+set -u
+cd "$(dirname "$0")/../.."
+. dev/test/serve_lib.sh            # D, J, W, fail, pass; start_server, stop_server
+. dev/test/serve_parallel_lib.sh   # train, post, metric, toks, PROMPT, workload
+export MPI_TIMEOUT=120             # dev/test/mpi.sh: a hung layout fails instead of blocking
+train d2c32h4t64 dense
+CK=$W/dense/model_00000003.bin
+L=2 C=32 NH=4 T=64 VP=50304        # the checkpoint's shape
+LONG_PROMPT="50 12"                # workload: 50 prompt tokens, 12 drawn: positions 0 .. 61
+
+# Per generated token of a lone request with a one-token prompt (every step one row), what
+# rank 0 sent by kind: "TP OTHER CP" (cp: the KVP group's collectives)
+bytes_per_token() {
+  local before after k
+  before=$(for k in tp other cp; do metric "serve_collective_bytes_total{kind=\"$k\"}"; done | tr '\n' ' ')
+  post lone "{\"prompt\":[198],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+  after=$(for k in tp other cp; do metric "serve_collective_bytes_total{kind=\"$k\"}"; done | tr '\n' ' ')
+  awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8 }'
+}
+# The formulas for one row: an all-reduce of n floats over G ranks sends 2(G-1)ceil(n/G)*4 bytes.
+#   kvp:   per layer the max and Z of NH/K floats and the output of C/K floats, over P ranks
+#   tp:    (2L+1) all-reduces of C floats, the head's max (1) and sums (2), over K ranks
+#   other: the step broadcast of 2 + (2 + maxT/bs) + 1 ints, the gather of (K-1) * Vp/K floats
+formulas() {   # P K BS: "KVP TP OTHER"
+  awk -v P=$1 -v K=$2 -v bs=$3 -v L=$L -v C=$C -v NH=$NH -v T=$T -v Vp=$VP '
+    function ar(G, n) { return 2 * (G - 1) * int((n + G - 1) / G) * 4 }
+    BEGIN { print L * (2 * ar(P, NH / K) + ar(P, C / K)), (2 * L + 1) * ar(K, C) + ar(K, 1) + ar(K, 2),
+                  (2 + (2 + T / bs) + 1) * 4 + (K - 1) * Vp / K * 4 }'
+}
+
+# Two concurrent requests of 40 prompt tokens and 20 drawn (60 positions: nearly a full
+# context each); what they say into $W/TAG.out
+capacity() {   # TAG
+  local tag=$1 i ids clients=()
+  for i in 0 1; do
+    ids=$(IFS=,; echo "${toks[*]:$((120 + 110 * i)):40}")
+    post "${tag}_$i" "{\"prompt\":[$ids],\"max_tokens\":20,\"temperature\":1,\"seed\":$((9 + i)),\"ignore_eos\":true}" >/dev/null &
+    clients+=($!)
+  done
+  wait "${clients[@]}"
+  for i in 0 1; do
+    $J "$W/${tag}_$i.json" choices.0.token_ids choices.0.probs_fnv1a || echo "no answer for $i: $(cat "$W/${tag}_$i.json")"
+  done >"$W/$tag.out"
+}
+
+stop_ranks() {   # NP WHAT: SIGTERM to rank 0 (the HTTP server); it ends the followers, mpirun exits 0
+  kill -TERM "$(awk '/rank pids/ { print $(NF - '$(($1 - 1))'); exit }' "$W/server.out")"
+  wait "$SERVER_PID" || fail "$2: exit status $? after SIGTERM to rank 0: $(tail -3 "$W/server.out")"
+  SERVER_PID=
+  grep -q '^serve_gpt2: stopped' "$W/server.out" || fail "$2: rank 0 did not stop cleanly: $(tail -3 "$W/server.out")"
+}
+
+# --- the one-process server: the answers every layout must give ----------------------------
+start_server
+workload one
+capacity one_cap
+grep -q "no answer" "$W/one.out" "$W/one_cap.out" && fail "one process: requests unanswered: $(grep -h "no answer" "$W/one.out" "$W/one_cap.out" | head -2)"
+cache_one=$(metric serve_kv_cache_bytes_per_rank)
+[ "$cache_one" = $((8 * T / 16 * L * 16 * 2 * C * 4)) ] || fail "one process: KV cache of $cache_one bytes, not 8 requests of maxT"
+stop_server || fail "the one-process server's exit status after SIGTERM was not 0"
+pass "the one-process server's answers (KV cache $cache_one bytes)"
+
+# --- 1, 2. each layout = the one process; its bytes and cache against the formulas ----------
+for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8" "4:--kvp 2 --tp 2"; do
+  np=${l%%:*} flags=${l#*:} K=1 bs=16 kv_blocks=
+  P=$(sed 's/.*--kvp \([0-9]*\).*/\1/' <<<"$flags")
+  [[ $flags =~ --tp\ ([0-9]+) ]] && K=${BASH_REMATCH[1]}
+  [[ $flags =~ --block-size\ ([0-9]+) ]] && bs=${BASH_REMATCH[1]}
+  [[ $flags =~ --kv-blocks\ ([0-9]+) ]] && kv_blocks=${BASH_REMATCH[1]}
+  : "${kv_blocks:=$((8 * T / bs))}"   # the default: 8 requests of maxT
+  SERVE_LAUNCH="dev/test/mpi.sh $np" start_server $flags
+  grep -q "serve_gpt2: $np ranks (tp $K x ep 1 x kvp $P)" "$W/server.out" || fail "$flags: not $np ranks: $(head -3 "$W/server.out")"
+  tag=kvp${P}_tp$K
+  workload "$tag"
+  cmp -s "$W/one.out" "$W/$tag.out" ||
+    fail "$flags on $np ranks: answers differ from one process's: $(diff "$W/one.out" "$W/$tag.out" | head -4)"
+  read -r want_cp want_tp want_other <<<"$(formulas "$P" "$K" "$bs")"
+  [ "$K" = 1 ] && want_tp=0
+  read -r tp other cp <<<"$(bytes_per_token)"
+  [ "$cp" = "$want_cp" ] || fail "$flags: KVP bytes per token $cp, the formula says $want_cp"
+  [ "$tp" = "$want_tp" ] || fail "$flags: tp bytes per token $tp, the formula says $want_tp"
+  [ "$other" = "$want_other" ] || fail "$flags: other bytes per token $other, the formula says $want_other"
+  # the cache: --kv-blocks over P ranks, each of C/K channels: 1/(P K) of one process's of as
+  # many blocks
+  blocks=$((kv_blocks / P)) bytes=$((kv_blocks / P * L * bs * 2 * C / K * 4))
+  [ $((bytes * P * K)) = $((cache_one * kv_blocks * bs / (8 * T))) ] || fail "$flags: the test's own arithmetic"
+  grep -q "^serve_gpt2: kvp $P: KV cache per rank $blocks blocks of $((NH / K)) heads, $bytes bytes; KVP collectives $want_cp bytes per generated token" "$W/server.out" ||
+    fail "$flags: the startup line does not say $blocks blocks, $bytes bytes per rank, $want_cp B per token: $(grep kvp "$W/server.out")"
+  [ "$(metric serve_kv_cache_bytes_per_rank)" = "$bytes" ] || fail "$flags: /metrics' KV cache per rank is not $bytes bytes"
+  [ "$(metric serve_kv_blocks_free)" = $((blocks * P)) ] || fail "$flags: not every block free after the answers"
+  [ "$(metric 'serve_ranks{dim="kvp"}')" = "$P" ] || fail "$flags: /metrics' kvp ranks are not $P"
+  capacity_note=
+  if [ "$kv_blocks" = 4 ]; then   # 2 blocks per rank: two near-full requests at once queue or preempt
+    capacity "${tag}_cap"
+    cmp -s "$W/one_cap.out" "$W/${tag}_cap.out" ||
+      fail "$flags: two 60-position requests differ from one process's: $(diff "$W/one_cap.out" "$W/${tag}_cap.out" | head -4)"
+    [ "$(metric serve_kv_blocks_free)" = 4 ] || fail "$flags: not every block free after the answers"
+    capacity_note="; $blocks blocks of $bs per rank (one request of maxT): two 60-position requests = one process's"
+  fi
+  stop_ranks "$np" "$flags"
+  pass "$flags on $np ranks = one process (greedy, top-k, 7 concurrent mixed, stream; probabilities' bits); per token kvp $cp B, tp $tp B, other $other B = the formulas; KV cache per rank $bytes B = 1/$((P * K)) of one process's$capacity_note"
+done
+
+# --- 3. refused layouts -------------------------------------------------------------------
+refuse() {   # EXPECTED FLAGS...
+  local want=$1
+  shift
+  ./serve_gpt2 -e "$CK" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "$@" >"$W/refused.out" 2>&1 &&
+    fail "$*: accepted"
+  [ "$(wc -l <"$W/refused.out")" = 1 ] && grep -q -- "$want" "$W/refused.out" ||
+    fail "$*: expected one line saying '$want', got: $(cat "$W/refused.out")"
+}
+refuse "^error: --kvp 3: expected 1, 2, 4 or 8" --kvp 3
+refuse "^error: --kvp 4 with --block-size 16: expected 2 x kvp x block size (128) to divide the context length 64" --kvp 4
+refuse "^error: --kvp 2 with --ep 2: KV parallelism does not compose with expert parallelism" --kvp 2 --ep 2
+refuse "^error: --kv-blocks 5 with --kvp 2: expected a multiple of 2" --kvp 2 --kv-blocks 5
+refuse "^error: --kvp 2 x --tp 1 needs 2 ranks (mpirun -np 2), got 1" --kvp 2
+pass "refused in one line: --kvp 3, --kvp 4 with blocks of 16 at maxT 64, --kvp with --ep, --kv-blocks not a multiple, too few ranks"
