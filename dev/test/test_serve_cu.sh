@@ -73,4 +73,8 @@ compare d2c32h2v64t32e4k2
 [ "$(wc -l <"$W/bf16.out")" = 1 ] && grep -q -- '--weights bf16' "$W/bf16.out" ||
   fail "serve_gpt2cu_emu --weights bf16: not one line naming the flag: $(cat "$W/bf16.out")"
 pass "serve_gpt2cu_emu refuses --weights bf16 in one line"
+./serve_gpt2cu_emu -e "$CK" --kvp 2 >"$W/kvp.out" 2>&1 && fail "serve_gpt2cu_emu accepted --kvp 2"
+[ "$(wc -l <"$W/kvp.out")" = 1 ] && grep -q -- '^error: --kvp 2: KV parallelism serves from serve_gpt2' "$W/kvp.out" ||
+  fail "serve_gpt2cu_emu --kvp 2: not one line naming the flag: $(cat "$W/kvp.out")"
+pass "serve_gpt2cu_emu refuses --kvp in one line (the KVP attention is host code)"
 echo "all serve_gpt2cu tests passed"
