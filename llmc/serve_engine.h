@@ -113,7 +113,7 @@ typedef struct ServeEngine {
     // host, or the GPU's in serve_gpt2cu)
     const MemOps* mem;
     ServeModel* model;
-    PagedKV kv;               // this rank's cache (its heads; under KVP its blocks)
+    PagedKV kv;               // this rank's cache (its heads; under KVP its blocks, handed out from kvp.pools)
     ServeKVP kvp;             // KV parallelism (llmc/serve_kvp.h); kvp.P == 1: none
     ServeRequest** running;   // admission order
     int num_running;

@@ -111,7 +111,7 @@ for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8" "4:--kvp 2 --tp 2"
     cmp -s "$W/one_cap.out" "$W/${tag}_cap.out" ||
       fail "$flags: two 60-position requests differ from one process's: $(diff "$W/one_cap.out" "$W/${tag}_cap.out" | head -4)"
     [ "$(metric serve_kv_blocks_free)" = 4 ] || fail "$flags: not every block free after the answers"
-    capacity_note="; $blocks blocks of $bs per rank (one request of maxT): two 60-position requests = one process's"
+    capacity_note="; $blocks blocks of $bs per rank (one request of maxT): two 60-position requests = one process's ($(metric serve_preemptions_total) preemptions)"
   fi
   stop_ranks "$np" "$flags"
   pass "$flags on $np ranks = one process (greedy, top-k, 7 concurrent mixed, stream; probabilities' bits); per token kvp $cp B, tp $tp B, other $other B = the formulas; KV cache per rank $bytes B = 1/$((P * K)) of one process's$capacity_note"
