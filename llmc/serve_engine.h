@@ -183,7 +183,8 @@ static void serve_attend(void* ctx, int l, const float* qkv, float* atty, int C,
 // host), its tensors in mem; comm: the ranks, their groups set up for the layout
 // (llmc/serve_parallel.h; one rank without mpirun), this rank's slice of the model and its heads
 // of the cache from its tp and ep groups. kv_blocks must hold one request of
-// maxT positions (a lone request never preempts itself).
+// maxT positions (a lone request never preempts itself); under KVP (comm->cp = P ranks) they are
+// the P ranks' blocks together, each rank holding kv_blocks / P (llmc/serve_kvp.h).
 static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* mem, const GPT2Config* config,
                                      const float* params, int kv_blocks, int block_size, int max_batch_tokens,
                                      int max_requests) {

@@ -69,6 +69,7 @@ static inline const char* serve_kvp_problem(char* why, size_t n, int P, int ep, 
     snprintf(why, n, "--kvp %d: KV parallelism serves from serve_gpt2 (the CPU server) only (expected --kvp 1)", P);
     return why;
 #else
+    // (tp 1 here: --tp's own refusals are serve_layout_problem's; KVP works on any tp's heads)
     if (kvp_problem(why, n, P, 1, c->max_seq_len, block_size, c->num_heads, KVP_COMBINE_ALL_REDUCE)) { return why; }
     if (ep > 1) {
         snprintf(why, n, "--kvp %d with --ep %d: KV parallelism does not compose with expert parallelism yet "
