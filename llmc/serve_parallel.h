@@ -40,7 +40,11 @@ typedef struct { int tp, ep, pp, kvp; } ServeLayout;
 // What the model or the world cannot take in this layout, in one line (NULL: none).
 static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2Config* c, int world_size, char* why,
                                                size_t n) {
-    if (l->pp > 1) { snprintf(why, n, "--pp %d: pipeline-parallel serving is not built yet (expected --pp 1)", l->pp); return why; }
+    if (l->pp > 1 && l->ep > 1) { snprintf(why, n, "--pp %d with --ep %d: not built (expected --ep 1 with --pp)", l->pp, l->ep); return why; }
+    if (l->pp > 1 && c->num_layers % l->pp != 0) {   // llmc/serve_pipeline.h: L/S layers a stage
+        snprintf(why, n, "--pp %d: must divide the model's %d layers", l->pp, c->num_layers);
+        return why;
+    }
     if (l->kvp > 1) { snprintf(why, n, "--kvp %d: KV parallelism is not wired into serving yet (expected --kvp 1)", l->kvp); return why; }
     const char* tp = tp_problem(c, l->tp);
     if (tp) { snprintf(why, n, "--tp %d: %s (model: NH=%d, Vp=%d)", l->tp, tp, c->num_heads, c->padded_vocab_size); return why; }
@@ -52,7 +56,12 @@ static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2C
         snprintf(why, n, "--ep %d: must divide the model's %d experts", l->ep, c->num_experts);
         return why;
     }
-    if (world_size != l->tp * l->ep) {
+    if (l->pp > 1 && world_size != l->pp * l->tp) {
+        snprintf(why, n, "--pp %d x --tp %d needs %d ranks (mpirun -np %d), got %d", l->pp, l->tp, l->pp * l->tp,
+                 l->pp * l->tp, world_size);
+        return why;
+    }
+    if (l->pp == 1 && world_size != l->tp * l->ep) {
         snprintf(why, n, "--tp %d x --ep %d needs %d ranks (mpirun -np %d), got %d", l->tp, l->ep, l->tp * l->ep,
                  l->tp * l->ep, world_size);
         return why;
@@ -63,7 +72,7 @@ static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2C
 // The groups of the layout: tp groups of K consecutive ranks, ep groups over the rest.
 // Collective over the world.
 static inline void serve_layout_setup(Comm* comm, const ServeLayout* l) {
-    comm_setup_grid(comm, l->tp, 1);
+    comm_setup_grid(comm, l->tp, l->pp);   // --pp: stage s is world ranks s*K .. s*K + K-1
     if (l->ep > 1) { comm_setup_expert_groups(comm, l->ep); }
 }
 
