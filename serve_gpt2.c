@@ -19,6 +19,12 @@
  * serves across ranks (llmc/serve_parallel.h): world rank 0 runs HTTP and the scheduler and
  * broadcasts each step; the others follow on their slice of the model. Rank 0 watches the
  * others: one that dies ends the server with one line, every request in flight answered 503.
+ *
+ *   mpirun -np S*K ./serve_gpt2 --pp S [--tp K] -e model.bin ...
+ *
+ * cuts the layers into S pipeline stages (llmc/serve_pipeline.h): rank 0 schedules and runs
+ * stage 0, each iteration's rows go stage to stage, the probabilities come back to rank 0, up
+ * to S iterations in flight.
  */
 #define TESTING   // train_gpt2.c's model without its main: on the CPU kernel set, or serve_gpt2.cu's device set
 #include "train_gpt2.c"

@@ -26,6 +26,10 @@
  *   ep:    per MoE layer the routed rows out and back and their counts and positions (they
  *          depend on the routing: the test bounds them by 2k rows of C floats plus the counts)
  * A decode step of one request is N = M = 1: those bytes per generated token.
+ *
+ * --pp S (llmc/serve_pipeline.h): N = S x K ranks, stage s the tp group of world ranks s*K ..
+ * s*K + K-1 (comm_setup_grid's pipeline coordinate, slowest), each stage its L/S layers; the
+ * step goes down the stages with the rows, not by world broadcast. Not with --ep.
  */
 #ifndef LLMC_SERVE_PARALLEL_H
 #define LLMC_SERVE_PARALLEL_H

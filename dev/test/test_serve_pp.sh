@@ -71,17 +71,22 @@ for l in "2:--pp 2" "4:--pp 4" "4:--pp 2 --tp 2"; do
 
   # per generated token of a lone one-token request (N = M = 1 every step), what rank 0 sent
   # (pp: its C rows to stage 1; other: the step down, 2 + (2 + max_blocks) + 1 floats, and with
-  # K > 1 the same ints broadcast over stage 0's tp group) and what came back (Vp floats)
-  names=("serve_collective_bytes_total{kind=\"pp\"}" "serve_collective_bytes_total{kind=\"other\"}" serve_pipeline_returned_bytes_total)
+  # K > 1 the same ints broadcast over stage 0's tp group; tp: stage 0's all-reduces of C floats,
+  # the embedding's and 2 per layer of its L/S, 2(K-1)ceil(C/K)*4 bytes each) and what came
+  # back (Vp floats)
+  names=("serve_collective_bytes_total{kind=\"pp\"}" "serve_collective_bytes_total{kind=\"other\"}"
+         serve_pipeline_returned_bytes_total "serve_collective_bytes_total{kind=\"tp\"}")
   before=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
   post lone "{\"prompt\":[198],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
   after=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
-  read -r pp other back <<<"$(awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8 }')"
+  read -r pp other back tp <<<"$(awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8, (y[4]-x[4])/8 }')"
   step=$(( (2 + (2 + MAX_BLOCKS) + 1) * 4 ))
   want_other=$(( step * (K > 1 ? 2 : 1) ))
   [ "$pp" = $((C * 4)) ] || fail "$flags: rank 0's pp bytes per token $pp, the formula says C*4 = $((C * 4))"
   [ "$other" = "$want_other" ] || fail "$flags: rank 0's other bytes per token $other, the formula says $want_other"
   [ "$back" = $((VP * 4)) ] || fail "$flags: bytes back per token $back, the formula says Vp*4 = $((VP * 4))"
+  want_tp=$(( (2 * L / S + 1) * 2 * (K - 1) * ((C + K - 1) / K) * 4 ))
+  [ "$tp" = "$want_tp" ] || fail "$flags: rank 0's tp bytes per token $tp, the formula says $want_tp"
   tokens=$(metric serve_generation_tokens_total)
 
   # SIGTERM to rank 0: it finishes, ends the stages, each prints its totals, and mpirun exits 0
@@ -103,7 +108,7 @@ for l in "2:--pp 2" "4:--pp 4" "4:--pp 2 --tp 2"; do
       [ "$ppb" = 0 ] || fail "$flags: rank $r (last stage, tp rank $tpr) sent $ppb pp bytes, not 0"
     fi
   done
-  pass "$flags on $np ranks = one process (greedy, top-k, 8 concurrent mixed, stream; probabilities' bits), up to $in_flight iterations in flight; per token rank 0 sent pp $pp B, other $other B, got $back B back; every stage's totals = the formulas"
+  pass "$flags on $np ranks = one process (greedy, top-k, 8 concurrent mixed, stream; probabilities' bits), up to $in_flight iterations in flight; per token rank 0 sent pp $pp B, other $other B, tp $tp B, got $back B back; every stage's totals = the formulas"
 done
 
 # --- 3. refused layouts ------------------------------------------------------------------
