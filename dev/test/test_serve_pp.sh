@@ -2,7 +2,7 @@
 # serve_gpt2 --pp S (llmc/serve_pipeline.h) under real mpirun (dev/test/mpi.sh) and curl, every
 # layout against the one-process server on the same requests, byte for byte:
 #   1. a dense d4 checkpoint (4 layers, 4 heads): --pp 2 (2 ranks), --pp 4 (4 ranks), --pp 2
-#      --tp 2 (4 ranks): greedy, seeded top-k, 8 concurrent requests of mixed lengths and
+#      --tp 2 (4 ranks), --pp 4 --tp 2 (8 ranks): greedy, seeded top-k, 8 concurrent requests of mixed lengths and
 #      sampling (the batch-invariance test across stages, several iterations in flight: the
 #      test asserts the pipeline held more than one), a stream; compared are the token ids, the
 #      text and the FNV-1a of every distribution drawn from (probs_fnv1a);
@@ -55,7 +55,7 @@ workload one
 stop_server || fail "the one-process server's exit status after SIGTERM was not 0"
 ! grep -q "no answer\|not complete" "$W/one.out" || fail "the one-process server's answers are incomplete: $(head -3 "$W/one.out")"
 
-for l in "2:--pp 2" "4:--pp 4" "4:--pp 2 --tp 2"; do
+for l in "2:--pp 2" "4:--pp 4" "4:--pp 2 --tp 2" "8:--pp 4 --tp 2"; do
   np=${l%%:*}
   flags=${l#*:}
   SERVE_LAUNCH="dev/test/mpi.sh $np" start_server $flags
