@@ -20,6 +20,12 @@
  * serves across ranks (llmc/serve_parallel.h): world rank 0 runs HTTP and the scheduler and
  * broadcasts each step; the others follow on their slice of the model. Rank 0 watches the
  * others: one that dies ends the server with one line, every request in flight answered 503.
+ *
+ *   mpirun -np S*K ./serve_gpt2 --pp S [--tp K] -e model.bin ...
+ *
+ * cuts the layers into S pipeline stages (llmc/serve_pipeline.h): rank 0 schedules and runs
+ * stage 0, each iteration's rows go stage to stage, the probabilities come back to rank 0, up
+ * to S iterations in flight.
  */
 #define TESTING   // train_gpt2.c's model without its main: on the CPU kernel set, or serve_gpt2.cu's device set
 #include "train_gpt2.c"
@@ -31,6 +37,7 @@
 #include "llmc/gpt2_init.h"
 #include "llmc/serve_engine.h"
 #include "llmc/serve_parallel.h"
+#include "llmc/serve_pipeline.h"
 #include "serve_model.c"   // the engine's model side: train_gpt2.c's model on a step's rows
 #include "llmc/serve_request.h"
 
@@ -76,6 +83,7 @@ static struct {
     pthread_mutex_t mu;
     pthread_cond_t work, progress;
     ServeEngine engine;
+    ServePipeline pipe;     // --pp > 1: the iterations in flight (llmc/serve_pipeline.h)
     Job* inbox;
     Job* jobs;              // submitted and not finished
     int connections, max_connections, shutting_down, stop_engine;
@@ -148,11 +156,21 @@ static void* engine_thread(void* arg) {
             next = j->next;
             if (j->cancel) { serve_engine_cancel(&S.engine, &j->req); }
         }
-        serve_engine_schedule(&S.engine);
-        pthread_mutex_unlock(&S.mu);   // the forward changes no request: connections read theirs meanwhile
-        serve_engine_forward(&S.engine);
-        pthread_mutex_lock(&S.mu);
-        serve_engine_finish_step(&S.engine);
+        if (S.engine.comm->pp > 1) {   // up to S iterations in flight (llmc/serve_pipeline.h)
+            int rows = serve_pp_schedule(&S.pipe, &S.engine);
+            pthread_mutex_unlock(&S.mu);
+            serve_pp_launch(&S.pipe, &S.engine);
+            int wait = serve_pp_should_wait(&S.pipe, rows);
+            if (wait) { serve_pp_wait_oldest(&S.pipe); }
+            pthread_mutex_lock(&S.mu);
+            if (wait) { serve_pp_finish_oldest(&S.pipe, &S.engine); }
+        } else {
+            serve_engine_schedule(&S.engine);
+            pthread_mutex_unlock(&S.mu);   // the forward changes no request: connections read theirs meanwhile
+            serve_engine_forward(&S.engine);
+            pthread_mutex_lock(&S.mu);
+            serve_engine_finish_step(&S.engine);
+        }
         memcpy(S.comm_bytes, S.engine.comm->stats.bytes, sizeof(S.comm_bytes));
         pthread_cond_broadcast(&S.progress);
         if (S.step_delay_us) {
@@ -532,9 +550,15 @@ static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
         double per = e->tokens_generated ? (double)S.comm_bytes[k] / (double)e->tokens_generated : 0.0;
         metric(&p, &left, "serve_collective_bytes_per_token{kind=\"%s\"} %.1f\n", comm_kind_name[k], per);
     }
-    metric(&p, &left, "# HELP serve_ranks The layout: tensor-, expert- and KV-parallel ranks.\n# TYPE serve_ranks gauge\n"
-                      "serve_ranks{dim=\"tp\"} %d\nserve_ranks{dim=\"ep\"} %d\nserve_ranks{dim=\"kvp\"} %d\n",
-           e->comm->tp, e->comm->ep, e->comm->cp);
+    metric(&p, &left, "# HELP serve_ranks The layout: tensor-, expert-, KV- and pipeline-parallel ranks.\n# TYPE serve_ranks gauge\n"
+                      "serve_ranks{dim=\"tp\"} %d\nserve_ranks{dim=\"ep\"} %d\nserve_ranks{dim=\"kvp\"} %d\n"
+                      "serve_ranks{dim=\"pp\"} %d\n", e->comm->tp, e->comm->ep, e->comm->cp, e->comm->pp);
+    // --pp (llmc/serve_pipeline.h): the probabilities back from the last stage, and the overlap
+    metric(&p, &left, "# HELP serve_pipeline_returned_bytes_total Bytes rank 0 received from the last pipeline stage.\n"
+                      "# TYPE serve_pipeline_returned_bytes_total counter\nserve_pipeline_returned_bytes_total %llu\n",
+           S.pipe.returned_bytes);
+    metric(&p, &left, "# HELP serve_pipeline_in_flight_max Most iterations in the pipeline at once.\n"
+                      "# TYPE serve_pipeline_in_flight_max gauge\nserve_pipeline_in_flight_max %d\n", S.pipe.max_in_flight);
     metric_hist(&p, &left, "serve_time_to_first_token_seconds", "Arrival to the first generated token.", &S.ttft);
     metric_hist(&p, &left, "serve_inter_token_latency_seconds", "Between consecutive tokens of a request.", &S.itl);
     enum MHD_Result ok = send_text(c, 200, "text/plain; version=0.0.4", buf);
@@ -648,7 +672,8 @@ static void usage(void) {
            "  --kvp P                 across mpirun -np P*K ranks with --tp K: each request's KV cache cut along\n"
            "                          its positions over P ranks (1, 2, 4, 8; 2 x P x --block-size must divide\n"
            "                          maxT; --kv-blocks counts all P ranks' blocks; llmc/serve_kvp.h; default 1)\n"
-           "  --pp S                  pipeline parallelism: not built yet (1 only)\n"
+           "  --pp S                  across mpirun -np S*K ranks (with --tp K; not with --kvp, --ep): the layers cut into S pipeline\n"
+           "                          stages (S must divide them), up to S iterations in flight (llmc/serve_pipeline.h)\n"
            "  --weights fp32|bf16     bf16: the weights rounded to bf16, the decode copies held in bf16 (half the\n"
            "                          bytes a step reads; fp32 arithmetic; the sampler's bits on the rounded\n"
            "                          checkpoint, not on this one; default fp32)\n");
@@ -824,11 +849,24 @@ int main(int argc, char** argv) {
         rank_pids[r] = (int)getpid();
         comm_broadcast(&comm.world, &rank_pids[r], sizeof(int), r, COMM_KIND_OTHER);
     }
+    comm_reset_stats(&comm);   // the startup's broadcasts are not serving's traffic
+    if (comm.pp > 1) { serve_pp_init(&S.pipe, &S.engine); }
     if (comm.world_rank != 0) {   // a follower: rank 0's steps on this rank's slice, until it ends
         // SIGTERM (mpirun forwards rank 0's) is rank 0's to handle: it finishes, then ends us
         signal(SIGTERM, SIG_IGN);
         signal(SIGINT, SIG_IGN);
-        serve_engine_follow(&S.engine);
+        if (comm.pp > 1) {
+            serve_pp_follow(&S.pipe, &S.engine);
+            // what this rank sent, against llmc/serve_pipeline.h's formulas (the tests read it)
+            printf("serve_gpt2: rank %d (pp stage %d, tp rank %d): %lld iterations, %lld rows, %lld head rows; sent pp %llu other %llu tp %llu bytes\n",
+                   comm.world_rank, comm.pp_rank, comm.tp_rank, S.pipe.iterations, S.pipe.rows, S.pipe.head_rows,
+                   (unsigned long long)comm.stats.bytes[COMM_KIND_PP], (unsigned long long)comm.stats.bytes[COMM_KIND_OTHER],
+                   (unsigned long long)comm.stats.bytes[COMM_KIND_TP]);
+            fflush(stdout);
+            serve_pp_free(&S.pipe);
+        } else {
+            serve_engine_follow(&S.engine);
+        }
         serve_engine_free(&S.engine);
         bpe_free(&S.bpe);
         free(params);
@@ -836,7 +874,6 @@ int main(int argc, char** argv) {
         free(rank_pids);
         return 0;
     }
-    comm_reset_stats(&comm);   // the startup's broadcasts are not serving's traffic
     pthread_t watcher;         // world_size > 1: rank_watch_thread
     S.engine.batching = batching;
     if (max_running > 0) { S.engine.max_running = (int)(max_running < max_conn ? max_running : max_conn); }
@@ -865,7 +902,8 @@ int main(int argc, char** argv) {
            config.top_k, SERVE_MEMORY->name, weights_bf16 ? "bf16" : "fp32", kv_blocks, block_size,
            max_batch, batching == SERVE_STATIC ? "static" : "in-flight", S.engine.max_running);
     if (comm.world_size > 1) {
-        printf("serve_gpt2: %d ranks (tp %d x ep %d x kvp %d), rank pids", comm.world_size, comm.tp, comm.ep, comm.cp);
+        printf("serve_gpt2: %d ranks (tp %d x ep %d x kvp %d x pp %d), rank pids", comm.world_size, comm.tp, comm.ep,
+               comm.cp, comm.pp);
         for (int r = 0; r < comm.world_size; r++) { printf(" %d", rank_pids[r]); }
         printf("\n");
         if (comm.cp > 1) {   // KV parallelism (llmc/serve_kvp.h): the cache per rank, the traffic per token
@@ -893,7 +931,12 @@ int main(int argc, char** argv) {
         S.ranks_ending = 1;
         pthread_mutex_unlock(&S.mu);
         pthread_join(watcher, NULL);
-        serve_engine_stop_followers(&S.engine);
+        if (comm.pp > 1) {
+            serve_pp_stop(&S.pipe, &S.engine);
+            serve_pp_free(&S.pipe);
+        } else {
+            serve_engine_stop_followers(&S.engine);
+        }
     }
     pthread_join(stopper, NULL);
     MHD_stop_daemon(d);

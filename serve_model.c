@@ -15,7 +15,9 @@
  * gpt2_init from the comm's tp and ep groups as the trainer cuts it: its heads, its columns and
  * rows of the MLP, its rows of wte, its experts. The head's probabilities over the whole
  * vocabulary are the tp group's slices all-gathered (tp_gather_vocab, as the trainer's sampler
- * gathers one position's).
+ * gathers one position's). With --pp (llmc/serve_pipeline.h) the model is one pipeline stage's,
+ * placed as the trainer places a stage (pipeline.h's ChunkPlace): layers [s*L/S, (s+1)*L/S),
+ * the first stage the embeddings, the last the final layernorm and the head (wte on both).
  */
 struct ServeModel {
     Zero zero;          // the parameters (zero.h at one rank, M = 0: no gradients or AdamW state)
@@ -29,10 +31,11 @@ struct ServeModel {
 static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2Config* config, const float* params,
                                       int rows, ServeAttend attend, void* ctx) {
     ServeModel* m = (ServeModel*)calloc_or_die(1, sizeof(ServeModel), "serving model");
-    ChunkPlace place = {0, config->num_layers, 1, 1, 0};
+    int S = comm->pp, s = comm->pp_rank, L = config->num_layers;   // L % S == 0 (serve_layout_problem)
+    ChunkPlace place = {s * L / S, (s + 1) * L / S, s == 0, s == S - 1, s};
     int ep = comm->ep > 1;   // the experts dealt over the ep group (expert_parallel.h), as the trainer deals them
     zero_init_ep(&m->zero, config, mem, 0, &comm->dp_group, &comm->dp_group, ep ? &comm->ep_group : NULL,
-                 ep ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, &place, 1, 0, params, 0);
+                 ep ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, &place, 1, S - 1, params, 0);
     // the comm's cp groups are the KVP groups of the engine's attention (llmc/serve_kvp.h); the
     // model's own context parallelism (the trainer's, over a sequence's rows) is one rank
     static CommGroup one_rank;
@@ -71,6 +74,10 @@ static void serve_model_forward(ServeModel* m, const int* tokens, const int* pos
     Activations* a = &m->acts;
     Zero* z = &m->zero;
     int C = model->config.channels;
+    if (!model->has_embedding) {   // a later pipeline stage: its input came from the stage before
+        layers_forward(model, a, N, 1, 0, 1);
+        return;
+    }
     model->mem->from_host(a->inputs, tokens, sizeof(int) * (size_t)N);
     const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
     encoder_lookup(a->encoded, a->inputs, wte, model->v0, model->Vl, N, C);
@@ -120,3 +127,8 @@ static void serve_model_head(ServeModel* m, int N, const int* rows_dev, int M, f
         }
     }
 }
+
+// A pipeline stage's ends (llmc/serve_pipeline.h): where the stage before's (N,C) rows arrive,
+// and this stage's (N,C) output, in mem.
+static float* serve_model_stage_input(ServeModel* m) { return m->acts.encoded; }
+static float* serve_model_stage_output(ServeModel* m, int N) { return stage_output(&m->acts, &m->model.config, N, 1); }

@@ -79,6 +79,7 @@ typedef struct ServeRequest {
     int computed;           // positions whose keys and values are in the cache
     BlockTable table;
     int preemptions;
+    int in_flight;          // --pp: its rows are in an iteration the pipeline has not finished (serve_pipeline.h)
     uint64_t fingerprint;   // FNV-1a over the bytes of every distribution drawn from: the bits tests compare
     const char* finish_reason;   // "length", "stop", "cancelled" once finished
     char* text;             // the generated tokens' bytes (with a token text table)
@@ -121,6 +122,8 @@ typedef struct ServeEngine {
     int num_waiting, max_requests;
     int max_running;          // requests in the batch at most (1: one at a time); default max_requests
     ServeBatching batching;   // default SERVE_INFLIGHT
+    int max_sched;            // requests per step at most (serve_pipeline.h's micro-batches); 0: no limit
+    int num_in_flight;        // requests in iterations in flight (serve_pipeline.h): never preempted
     ServeTokenText token_text;
     void* token_text_ctx;
     // called for each drawn token (after the request's fields are updated) and once when it
@@ -208,7 +211,7 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
               block_size, (long)kv_blocks * block_size, e->maxT);
     }
     e->model = serve_model_create(comm, mem, config, params, N, serve_attend, e);
-    paged_kv_init(&e->kv, mem, kv_blocks / P, block_size, config->num_layers, C);
+    paged_kv_init(&e->kv, mem, kv_blocks / P, block_size, config->num_layers / comm->pp, C);   // this stage's layers
     serve_kvp_init(&e->kvp, comm, config, kv_blocks, block_size);
     e->max_blocks = paged_kv_blocks_for(&e->kv, e->maxT);
     e->running = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "running requests");
@@ -273,9 +276,11 @@ static inline void serve_finish(ServeEngine* e, ServeRequest* r, const char* rea
     if (e->on_event) { e->on_event(e->event_ctx, r, -1); }
 }
 
-// Removes a request wherever it is (a client gone); its blocks go back to the free list.
+// Removes a request wherever it is (a client gone); its blocks go back to the free list. One in
+// an iteration in flight (--pp) stays until that iteration ends (its blocks are being written):
+// the caller asks again.
 static inline void serve_engine_cancel(ServeEngine* e, ServeRequest* r) {
-    if (r->state == SERVE_FINISHED) { return; }
+    if (r->state == SERVE_FINISHED || r->in_flight) { return; }
     for (int i = 0; i < e->num_running; i++) {
         if (e->running[i] == r) { serve_remove_at(e->running, &e->num_running, i); }
     }
@@ -423,11 +428,13 @@ static inline int serve_engine_schedule(ServeEngine* e) {
     if (e->batching == SERVE_STATIC && e->num_running == 0) {   // the whole batch at once; its prefill chunked below
         while (e->num_waiting > 0 && e->num_running < e->max_running) { serve_admit(e); }
     }
-    for (int i = 0; i < e->num_running && budget > 0; i++) {
+    for (int i = 0; i < e->num_running && budget > 0 && !(e->max_sched && e->num_sched >= e->max_sched); i++) {
         ServeRequest* r = e->running[i];
+        if (r->in_flight) { continue; }
         int n = r->len - r->computed < budget ? r->len - r->computed : budget;
         int room;
         while (!(room = serve_kv_reserve(e, r, r->computed + n))) {
+            if (e->num_in_flight > 0) { preempted = 1; break; }   // none admitted: the iterations in flight free blocks as they end
             int itself = i == e->num_running - 1;
             serve_preempt_latest(e);
             preempted = 1;
@@ -438,7 +445,7 @@ static inline int serve_engine_schedule(ServeEngine* e) {
         budget -= n;
     }
     while (e->batching == SERVE_INFLIGHT && !preempted && e->num_waiting > 0 && budget > 0 &&
-           e->num_running < e->max_running) {
+           e->num_running < e->max_running && !(e->max_sched && e->num_sched >= e->max_sched)) {
         ServeRequest* r = e->waiting[0];
         int n = r->len - r->computed < budget ? r->len - r->computed : budget;
         if (!serve_kv_reserve(e, r, r->computed + n)) { break; }
@@ -451,10 +458,11 @@ static inline int serve_engine_schedule(ServeEngine* e) {
 }
 
 // The step's rows from world rank 0 to every rank (its scheduler's choice; the others follow):
-// broadcast (world group) of the row and head-row counts (2 ints; -1 rows: the end), then each
-// row's token and position, its block table (max_blocks ints), and the head's rows.
+// broadcast (world group; with --pp stage 0's tp group, serve_pipeline.h sends it down the
+// stages) of the row and head-row counts (2 ints; -1 rows: the end), then each row's token and
+// position, its block table (max_blocks ints), and the head's rows.
 static inline void serve_step_broadcast(ServeEngine* e, int* M) {
-    CommGroup* world = &e->comm->world;
+    CommGroup* world = e->comm->pp > 1 ? &e->comm->tp_group : &e->comm->world;
     if (world->size == 1) { return; }
     int counts[2] = {e->num_rows, *M};
     comm_broadcast(world, counts, sizeof(counts), 0, COMM_KIND_OTHER);
@@ -477,15 +485,22 @@ static inline void serve_forward_and_head(ServeEngine* e, int M) {
     }
 }
 
-// 2. The forward over the scheduled rows, and the head on the last row of every request that
-// caught up (all its known tokens computed); across ranks, first the step to every rank.
-static inline void serve_engine_forward(ServeEngine* e) {
-    if (e->num_rows == 0) { return; }
+// The rows the head reads: the last row of every request that caught up (all its known tokens
+// computed), into head_rows; returns their number.
+static inline int serve_head_rows(ServeEngine* e) {
     int M = 0;
     for (int s = 0; s < e->num_sched; s++) {
         ServeRequest* r = e->sched[s];
         if (e->row_pos[e->sched_last_row[s]] + 1 == r->len) { e->head_rows[M++] = e->sched_last_row[s]; }
     }
+    return M;
+}
+
+// 2. The forward over the scheduled rows, and the head on the last row of every request that
+// caught up; across ranks, first the step to every rank.
+static inline void serve_engine_forward(ServeEngine* e) {
+    if (e->num_rows == 0) { return; }
+    int M = serve_head_rows(e);
     serve_step_broadcast(e, &M);
     serve_forward_and_head(e, M);
 }

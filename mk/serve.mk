@@ -8,8 +8,9 @@
 #   make bench-serve    in-flight vs static batching vs one at a time on d12 (a table, not a test)
 #
 # Tests: build/test_serve_engine drives the engine without HTTP; dev/test/test_serve.sh runs the
-# server under curl; dev/test/test_serve_parallel.sh across ranks under mpirun (llmc/serve_parallel.h);
-# dev/test/test_serve_kvp.sh with Helix's KV parallelism (llmc/serve_kvp.h).
+# server under curl; dev/test/test_serve_parallel.sh across ranks under mpirun (llmc/serve_parallel.h),
+# dev/test/test_serve_kvp.sh with Helix's KV parallelism (llmc/serve_kvp.h), dev/test/test_serve_pp.sh
+# the pipeline stages (--pp, llmc/serve_pipeline.h).
 TEST_BINS += build/test_serve_engine
 TESTS     += build/test_serve_engine
 
@@ -25,10 +26,11 @@ ifeq ($(HAVE_SERVE_LIBS),1)
 all: serve_gpt2
 TEST_BINS += serve_gpt2
 TESTS     += dev/test/test_serve.sh
-# serving across ranks under mpirun (--tp, --ep, --kvp): needs serve_gpt2 built with mpicc
+# serving across ranks under mpirun (--tp, --ep, --kvp, --pp): needs serve_gpt2 built with mpicc
 ifeq ($(HAVE_MPI),1)
 TESTS     += dev/test/test_serve_parallel.sh
 TESTS     += dev/test/test_serve_kvp.sh
+TESTS     += dev/test/test_serve_pp.sh
 endif
 else
 all: serve_gpt2_skipped

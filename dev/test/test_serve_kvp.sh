@@ -85,7 +85,7 @@ for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8" "4:--kvp 2 --tp 2"
   [[ $flags =~ --kv-blocks\ ([0-9]+) ]] && kv_blocks=${BASH_REMATCH[1]}
   : "${kv_blocks:=$((8 * T / bs))}"   # the default: 8 requests of maxT
   SERVE_LAUNCH="dev/test/mpi.sh $np" start_server $flags
-  grep -q "serve_gpt2: $np ranks (tp $K x ep 1 x kvp $P)" "$W/server.out" || fail "$flags: not $np ranks: $(head -3 "$W/server.out")"
+  grep -q "serve_gpt2: $np ranks (tp $K x ep 1 x kvp $P x pp 1)" "$W/server.out" || fail "$flags: not $np ranks: $(head -3 "$W/server.out")"
   tag=kvp${P}_tp$K
   workload "$tag"
   cmp -s "$W/one.out" "$W/$tag.out" ||

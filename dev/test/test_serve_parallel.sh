@@ -109,9 +109,8 @@ refuse "$DENSE" "^error: --tp 3: the tensor-parallel degree must be" --tp 3
 refuse "$DENSE" "^error: --tp 8: the number of heads NH must be a multiple" --tp 8
 refuse "$DENSE" "^error: --ep 2: the model has no experts" --ep 2
 refuse "$MOE" "^error: --ep 3: must divide the model's 4 experts" --ep 3
-refuse "$DENSE" "^error: --pp 2: pipeline-parallel serving is not built yet" --pp 2
 refuse "$DENSE" "^error: --tp 2 x --ep 1 needs 2 ranks (mpirun -np 2), got 1" --tp 2
-pass "refused in one line: --tp 3, --tp 8 (4 heads), --ep on a dense model, --ep 3 (4 experts), --pp, too few ranks (--kvp: test_serve_kvp.sh)"
+pass "refused in one line: --tp 3, --tp 8 (4 heads), --ep on a dense model, --ep 3 (4 experts), too few ranks (--kvp: test_serve_kvp.sh, --pp: test_serve_pp.sh)"
 
 # --- 5. a rank that dies -----------------------------------------------------------------
 CK=$DENSE

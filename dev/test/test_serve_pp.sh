@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# serve_gpt2 --pp S (llmc/serve_pipeline.h) under real mpirun (dev/test/mpi.sh) and curl, every
+# layout against the one-process server on the same requests, byte for byte:
+#   1. a dense d4 checkpoint (4 layers, 4 heads): --pp 2 (2 ranks), --pp 4 (4 ranks), --pp 2
+#      --tp 2 (4 ranks), --pp 4 --tp 2 (8 ranks): greedy, seeded top-k, 8 concurrent requests of mixed lengths and
+#      sampling (the batch-invariance test across stages, several iterations in flight: the
+#      test asserts the pipeline held more than one), a stream; compared are the token ids, the
+#      text and the FNV-1a of every distribution drawn from (probs_fnv1a);
+#   2. the bytes per generated token of a lone one-token request (every step one row) that rank
+#      0 sends and gets back (/metrics), and every other rank's totals at exit, against
+#      llmc/serve_pipeline.h's formulas computed here from the model's shape;
+#   3. refused layouts: one line naming the flag, non-zero exit;
+#   4. a stage rank killed mid-request: a 503 JSON error for the request in flight, an error
+#      event ending the stream, one line naming the rank, the server gone (no hang).
+set -u
+cd "$(dirname "$0")/../.."
+. dev/test/serve_lib.sh   # D, J, W, fail, pass; start_server, stop_server
+export MPI_TIMEOUT=120    # dev/test/mpi.sh: a hung layout fails instead of blocking
+
+./train_gpt2 -e d4c32h4t64 -i $D/tiny_shakespeare_train.bin -b 4 -t 64 -x 3 -v 0 -s 0 -l 3e-3 -n 3 -o "$W/dense" \
+  >"$W/train.out" 2>&1 || fail "could not train d4c32h4t64: $(tail -3 "$W/train.out")"
+CK=$W/dense/model_00000003.bin
+L=4 C=32 VP=50304 MAX_BLOCKS=4   # the model's shape: maxT 64 in blocks of 16
+
+post() {   # NAME BODY: the answer in $W/NAME.json; prints the HTTP status
+  curl -s -o "$W/$1.json" -w '%{http_code}' -H 'Content-Type: application/json' "$URL/v1/completions" --data-binary "$2"
+}
+metric() { curl -s "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
+read -r -a toks <"$D/tinyshakespeare_first1000.tokens.txt"
+PROMPT=5962,22307,25,198
+
+workload() {   # TAG: what the answers say into $W/TAG.out (no ids or times)
+  local tag=$1 i clients=() temps=(0 1 0.7 1.3)
+  post "${tag}_greedy" "{\"prompt\":[$PROMPT],\"max_tokens\":40,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+  post "${tag}_topk" "{\"prompt\":\"First Citizen:\",\"max_tokens\":40,\"temperature\":1,\"top_k\":40,\"seed\":1337,\"ignore_eos\":true}" >/dev/null
+  for i in 0 1 2 3 4 5 6 7; do
+    local n=$((1 + (i * 7) % 23)) off=$((i * 13)) ids
+    ids=$(IFS=,; echo "${toks[*]:$off:$n}")
+    (sleep "0.$((i * 3 % 5))"; post "${tag}_mixed_$i" "{\"prompt\":[$ids],\"max_tokens\":$((6 + (i * 11) % 25)),\"temperature\":${temps[$((i % 4))]},\"top_k\":$(((i % 3) * 5)),\"top_p\":0.9,\"seed\":$((100 + i)),\"ignore_eos\":true}" >"$W/${tag}_mixed_$i.code") &
+    clients+=($!)
+  done
+  curl -sN "$URL/v1/completions" -d "{\"prompt\":[$PROMPT],\"max_tokens\":30,\"temperature\":0.8,\"seed\":5,\"ignore_eos\":true,\"stream\":true}" >"$W/${tag}_stream.sse"
+  wait "${clients[@]}"
+  {
+    for r in greedy topk mixed_0 mixed_1 mixed_2 mixed_3 mixed_4 mixed_5 mixed_6 mixed_7; do
+      $J "$W/${tag}_$r.json" choices.0.token_ids choices.0.text choices.0.probs_fnv1a choices.0.finish_reason ||
+        echo "no answer for $r: $(cat "$W/${tag}_$r.json")"
+    done
+    $J --sse "$W/${tag}_stream.sse" || echo "the stream is not complete SSE of JSON events"
+  } >"$W/$tag.out"
+}
+
+start_server
+workload one
+stop_server || fail "the one-process server's exit status after SIGTERM was not 0"
+! grep -q "no answer\|not complete" "$W/one.out" || fail "the one-process server's answers are incomplete: $(head -3 "$W/one.out")"
+
+for l in "2:--pp 2" "4:--pp 4" "4:--pp 2 --tp 2" "8:--pp 4 --tp 2"; do
+  np=${l%%:*}
+  flags=${l#*:}
+  SERVE_LAUNCH="dev/test/mpi.sh $np" start_server $flags
+  grep -q "serve_gpt2: $np ranks" "$W/server.out" || fail "$flags: not $np ranks: $(head -3 "$W/server.out")"
+  workload "pp$np"
+  cmp -s "$W/one.out" "$W/pp$np.out" ||
+    fail "$flags on $np ranks: answers differ from one process's: $(diff "$W/one.out" "$W/pp$np.out" | head -4)"
+  in_flight=$(metric serve_pipeline_in_flight_max)
+  [ "${in_flight:-0}" -ge 2 ] || fail "$flags: never more than ${in_flight:-0} iteration in flight"
+  S=2 K=1
+  [[ $flags =~ --pp\ ([0-9]+) ]] && S=${BASH_REMATCH[1]}
+  [[ $flags =~ --tp\ ([0-9]+) ]] && K=${BASH_REMATCH[1]}
+
+  # per generated token of a lone one-token request (N = M = 1 every step), what rank 0 sent
+  # (pp: its C rows to stage 1; other: the step down, 2 + (2 + max_blocks) + 1 floats, and with
+  # K > 1 the same ints broadcast over stage 0's tp group; tp: stage 0's all-reduces of C floats,
+  # the embedding's and 2 per layer of its L/S, 2(K-1)ceil(C/K)*4 bytes each) and what came
+  # back (Vp floats)
+  names=("serve_collective_bytes_total{kind=\"pp\"}" "serve_collective_bytes_total{kind=\"other\"}"
+         serve_pipeline_returned_bytes_total "serve_collective_bytes_total{kind=\"tp\"}")
+  before=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
+  post lone "{\"prompt\":[198],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+  after=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
+  read -r pp other back tp <<<"$(awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8, (y[4]-x[4])/8 }')"
+  step=$(( (2 + (2 + MAX_BLOCKS) + 1) * 4 ))
+  want_other=$(( step * (K > 1 ? 2 : 1) ))
+  [ "$pp" = $((C * 4)) ] || fail "$flags: rank 0's pp bytes per token $pp, the formula says C*4 = $((C * 4))"
+  [ "$other" = "$want_other" ] || fail "$flags: rank 0's other bytes per token $other, the formula says $want_other"
+  [ "$back" = $((VP * 4)) ] || fail "$flags: bytes back per token $back, the formula says Vp*4 = $((VP * 4))"
+  want_tp=$(( (2 * L / S + 1) * 2 * (K - 1) * ((C + K - 1) / K) * 4 ))
+  [ "$tp" = "$want_tp" ] || fail "$flags: rank 0's tp bytes per token $tp, the formula says $want_tp"
+  tokens=$(metric serve_generation_tokens_total)
+
+  # SIGTERM to rank 0: it finishes, ends the stages, each prints its totals, and mpirun exits 0
+  kill -TERM "$(awk '/rank pids/ { print $(NF - '$((np - 1))'); exit }' "$W/server.out")"
+  wait "$SERVER_PID" || fail "$flags: exit status $? after SIGTERM to rank 0: $(tail -3 "$W/server.out")"
+  SERVER_PID=
+  grep -q '^serve_gpt2: stopped' "$W/server.out" || fail "$flags: rank 0 did not stop cleanly: $(tail -3 "$W/server.out")"
+  # every other rank's totals: a stage before the last sent C*4 pp bytes per row, the last
+  # stage's tp rank 0 Vp*4 per head row (one per generated token), its other tp ranks nothing
+  for r in $(seq 1 $((np - 1))); do
+    line=$(grep "^serve_gpt2: rank $r (pp stage" "$W/server.out") || fail "$flags: rank $r printed no totals"
+    read -r stage tpr rows heads ppb otherb <<<"$(sed -E 's/.*pp stage ([0-9]+), tp rank ([0-9]+)\): [0-9]+ iterations, ([0-9]+) rows, ([0-9]+) head rows; sent pp ([0-9]+) other ([0-9]+).*/\1 \2 \3 \4 \5 \6/' <<<"$line")"
+    if [ "$stage" -lt $((S - 1)) ]; then
+      [ "$ppb" = $((rows * C * 4)) ] || fail "$flags: rank $r (stage $stage) sent $ppb pp bytes for $rows rows, not rows*C*4"
+    elif [ "$tpr" = 0 ]; then
+      [ "$heads" = "$tokens" ] || fail "$flags: rank $r ran the head on $heads rows for $tokens generated tokens"
+      [ "$ppb" = $((heads * VP * 4)) ] || fail "$flags: rank $r (last stage) sent $ppb pp bytes for $heads head rows, not M*Vp*4"
+    else
+      [ "$ppb" = 0 ] || fail "$flags: rank $r (last stage, tp rank $tpr) sent $ppb pp bytes, not 0"
+    fi
+  done
+  pass "$flags on $np ranks = one process (greedy, top-k, 8 concurrent mixed, stream; probabilities' bits), up to $in_flight iterations in flight; per token rank 0 sent pp $pp B, other $other B, tp $tp B, got $back B back; every stage's totals = the formulas"
+done
+
+# --- 3. refused layouts ------------------------------------------------------------------
+refuse() {   # EXPECTED FLAGS...
+  local want=$1
+  shift
+  ./serve_gpt2 -e "$CK" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "$@" >"$W/refused.out" 2>&1 &&
+    fail "$*: accepted"
+  [ "$(wc -l <"$W/refused.out")" = 1 ] && grep -q -- "$want" "$W/refused.out" ||
+    fail "$*: expected one line saying '$want', got: $(cat "$W/refused.out")"
+}
+refuse "^error: --pp 3: must divide the model's 4 layers" --pp 3
+refuse "^error: --pp 2 with --ep 2: not built" --pp 2 --ep 2
+refuse "^error: --pp 2 x --tp 2 needs 4 ranks (mpirun -np 4), got 1" --pp 2 --tp 2
+pass "refused in one line: --pp 3 (4 layers), --pp with --ep, too few ranks"
+
+# --- 4. a stage rank that dies -------------------------------------------------------------
+SERVE_LAUNCH="dev/test/mpi.sh 2" start_server --pp 2 --step-delay-ms 50
+stage1=$(awk '/rank pids/ { print $NF; exit }' "$W/server.out")
+[ -n "$stage1" ] || fail "no rank pids printed: $(head -3 "$W/server.out")"
+(post inflight "{\"prompt\":[$PROMPT],\"max_tokens\":58,\"temperature\":0,\"ignore_eos\":true}" >"$W/inflight.code") &
+client=$!
+curl -sN "$URL/v1/completions" -d "{\"prompt\":[$PROMPT],\"max_tokens\":58,\"ignore_eos\":true,\"stream\":true}" >"$W/dying.sse" &
+streamer=$!
+sleep 1
+kill -9 "$stage1"
+wait "$client" "$streamer"
+t0=$SECONDS
+wait "$SERVER_PID"
+rc=$?
+SERVER_PID=
+[ "$rc" != 0 ] || fail "the server exited 0 after a stage died"
+[ "$(cat "$W/inflight.code")" = 503 ] || fail "the request in flight got HTTP $(cat "$W/inflight.code"), not 503: $(cat "$W/inflight.json")"
+$J "$W/inflight.json" error.message >/dev/null || fail "the 503 is not an OpenAI-style JSON error: $(cat "$W/inflight.json")"
+grep -q '"error"' "$W/dying.sse" && grep -q 'data: \[DONE\]' "$W/dying.sse" ||
+  fail "the stream in flight did not end with an error event: $(tail -3 "$W/dying.sse")"
+[ "$(grep -c "^serve_gpt2: rank 1 (pid $stage1) died" "$W/server.out")" = 1 ] ||
+  fail "not one line naming the dead stage: $(cat "$W/server.out")"
+pass "a killed stage: 503 JSON error and an error event in flight, one line naming rank 1, the server gone $((SECONDS - t0))s later"
