@@ -86,7 +86,7 @@ bench() {
   c=$(sed -n 's/^| model *L=[0-9]* C=\([0-9]*\) .*/\1/p' "$out")
   g=$(( np < NGPU ? np : NGPU ))
   note=""
-  [ "$np" -gt "$NGPU" ] && note="$np ranks share $NGPU GPU(s)"
+  [ "$EMULATED" = 0 ] && [ "$np" -gt "$NGPU" ] && note="$np ranks share $NGPU GPU(s)"
   printf "%-14s %-18s %6s %6s %12s %8s  %s\n" "$layout" "$label" "$t" "$np" "$toks" "$(mfu "$toks" "$n" "$l" "$c" "$t" "$g")" "$note"
 }
 DP=$NGPU
