@@ -5,9 +5,9 @@
  * moe.h's per-output functions): the choice of experts is then the deterministic build's for
  * the same logits. The expert MLPs are cuBLASLt matmuls (matmul_cublaslt.cuh), each one
  * strided-batched call for all local experts over their rows padded to a common count ("the
- * grouped expert matmul" below says why not a grouped GEMM). What is here moves bf16 rows between the positions and the
- * experts' rows, forms the gated combine and its backward, and reduces the experts' bias
- * gradients. Each output is computed by one thread in a fixed order, so a run is repeatable.
+ * grouped expert matmul" below says why not a grouped GEMM). What is here moves bf16 rows
+ * between the positions and the experts' rows, forms the gated combine and its backward, and
+ * reduces the experts' bias gradients. Each output is computed by one thread in a fixed order, so a run is repeatable.
  * The layer's pieces that need no routing plan or exchange are here as functions of their own
  * (the router, the local experts' MLPs, forward and backward), called by train_gpt2_fast.cu's
  * layer and by dev/test/test_fast_emu.cpp's layer test.
