@@ -27,7 +27,7 @@
  * reduce-scattered along T and the bf16 layernorm outputs and residual gradients all-gathered
  * (the same bits as --tp K alone). Mixture-of-experts models (moe.h) run with data, expert
  * (--ep, bf16 all-to-alls) and pipeline parallelism and ZeRO: an fp32 router, bf16 expert rows,
- * one cuBLASLt matmul per expert (kernels_fast_moe.cuh), the routing plan and exchanges of
+ * all experts in each batched cuBLASLt call (kernels_fast_moe.cuh), the routing plan and exchanges of
  * expert_parallel.h; every schedule, the split backward's too. In fast mode train_gpt2.cu
  * refuses --cp, --tp with --pp and experts with --tp, and says to use --deterministic 1.
  */

@@ -47,7 +47,8 @@
 // keep them apart). Grown on demand, never shrunk.
 // ==========================================================================================
 
-enum { DSCRATCH_LEAVES, DSCRATCH_SEQ, DSCRATCH_ATT, DSCRATCH_ENC, DSCRATCH_SUMSQ, DSCRATCH_SUM, NUM_DSCRATCH };
+enum { DSCRATCH_LEAVES, DSCRATCH_SEQ, DSCRATCH_ATT, DSCRATCH_ENC, DSCRATCH_SUMSQ, DSCRATCH_SUM, DSCRATCH_EXPERT_ROWS,
+       NUM_DSCRATCH };
 static void* dscratch_ptr[NUM_DSCRATCH];
 static size_t dscratch_bytes[NUM_DSCRATCH];
 static void* device_scratch(int slot, size_t bytes) {

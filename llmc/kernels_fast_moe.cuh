@@ -3,10 +3,11 @@
  * BACKWARD on bf16 rows, fp32 arithmetic inside each kernel). The router runs in fp32 on
  * kernels_moe_det.cuh's kernels (its softmax, top-k and gates, and its backward row, are
  * moe.h's per-output functions): the choice of experts is then the deterministic build's for
- * the same logits. The expert MLPs are cuBLASLt matmuls (matmul_cublaslt.cuh), one per expert
- * over the rows it received. What is here moves bf16 rows between the positions and the
- * experts' rows, forms the gated combine and its backward, and reduces the experts' bias
- * gradients. Each output is computed by one thread in a fixed order, so a run is repeatable.
+ * the same logits. The expert MLPs are cuBLASLt matmuls (matmul_cublaslt.cuh), each one
+ * strided-batched call for all local experts over their rows padded to a common count ("the
+ * grouped expert matmul" below says why not a grouped GEMM). What is here moves bf16 rows
+ * between the positions and the experts' rows, forms the gated combine and its backward, and
+ * reduces the experts' bias gradients. Each output is computed by one thread in a fixed order, so a run is repeatable.
  * The layer's pieces that need no routing plan or exchange are here as functions of their own
  * (the router, the local experts' MLPs, forward and backward), called by train_gpt2_fast.cu's
  * layer and by dev/test/test_fast_emu.cpp's layer test.
@@ -123,63 +124,147 @@ static void moe_router_forward_fast(float* probs, int* chosen, float* gates, con
     moe_router_forward(probs, chosen, gates, probs, BT, E, k);
 }
 
+// ---- the grouped expert matmul ------------------------------------------------------------
+// Each matmul of the local experts is one cuBLASLt call for all of them: a strided batch
+// (matmul_*_batched_fast) over the experts' rows padded to the layer's capacity `cap` (the
+// most rows one expert has, rounded up to 8 so that every expert's block stays 16-byte
+// aligned), in a scratch copy (DSCRATCH_EXPERT_ROWS) whose padding rows are zeros. Not
+// cublasGemmGroupedBatchedEx (cuBLAS 12.5+, each group its own row count): it has no
+// epilogues and with bf16 inputs writes bf16 only, so the fp32 weight gradients, fc's GELU
+// fused on the fp32 pre-activation and fcproj's DGELU would each need a pass of their own and
+// round differently from the single matmul. The strided batch keeps them, and per element it
+// is the single matmul's arithmetic: the forward and the input gradients are row by row (a
+// padding row is computed and dropped), and in a weight gradient, a sum over rows, a padding
+// row adds an exact zero (0 x 0), so it equals the sum over the expert's own rows. The
+// price: the copies in and out, and the padding's share of the arithmetic (cap x El over the
+// rows held; an expert without rows costs a zero block). The work rows themselves stay
+// contiguous and unpadded (moe.h's routing plan and the exchanges are the deterministic
+// build's).
+
+// Group g of a layer's rows: rows [start[g], start[g] + count[g]) of a work-row tensor; cap:
+// the padded rows per group. By value into the kernels (no copy to the device per call).
+#define MOE_MAX_LOCAL_EXPERTS 256
+struct MoeRowGroups { int n, cap, start[MOE_MAX_LOCAL_EXPERTS], count[MOE_MAX_LOCAL_EXPERTS]; };
+// expert e's rows [bounds[e*stride+lo], bounds[e*stride+hi]) (host array): first (stride 1,
+// lo 0, hi 1) or src_first's sources [q0, q1) (stride Q+1, lo q0, hi q1)
+static MoeRowGroups moe_row_groups(const int* bounds, int stride, int lo, int hi, int El) {
+    if (El > MOE_MAX_LOCAL_EXPERTS) {
+        fatal("fast mode runs at most %d experts per rank (this rank holds %d): use more --ep ranks",
+              MOE_MAX_LOCAL_EXPERTS, El);
+    }
+    MoeRowGroups g;
+    g.n = El;
+    int most = 0;
+    for (int e = 0; e < El; e++) {
+        g.start[e] = bounds[(size_t)e * stride + lo];
+        g.count[e] = bounds[(size_t)e * stride + hi] - g.start[e];
+        most = g.count[e] > most ? g.count[e] : most;
+    }
+    g.cap = (most + 7) / 8 * 8;
+    return g;
+}
+
+// padded (n*cap, W) row e*cap + i = in row start[e] + i for i < count[e], else zeros
+__global__ void moe_pad_rows_kernel(floatX* padded, const floatX* in, MoeRowGroups g, int W) {
+    size_t total = (size_t)g.n * g.cap * W;
+    for (size_t x = blockIdx.x * (size_t)blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
+        size_t r = x / W, c = x % W;
+        int e = (int)(r / g.cap), i = (int)(r % g.cap);
+        padded[x] = i < g.count[e] ? in[((size_t)g.start[e] + i) * W + c] : __float2bfloat16(0.0f);
+    }
+}
+// out row start[e] + i = padded row e*cap + i, i < count[e] (the padding rows dropped)
+__global__ void moe_unpad_rows_kernel(floatX* out, const floatX* padded, MoeRowGroups g, int W) {
+    size_t total = (size_t)g.n * g.cap * W;
+    for (size_t x = blockIdx.x * (size_t)blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
+        size_t r = x / W, c = x % W;
+        int e = (int)(r / g.cap), i = (int)(r % g.cap);
+        if (i < g.count[e]) { out[((size_t)g.start[e] + i) * W + c] = padded[x]; }
+    }
+}
+static void moe_pad_rows(floatX* padded, const floatX* in, const MoeRowGroups& g, int W) {
+    LAUNCH(moe_pad_rows_kernel, elementwise_blocks((size_t)g.n * g.cap * W, 256), 256, padded, in, g, W);
+    cudaLaunchCheck("moe_pad_rows_kernel");
+}
+static void moe_unpad_rows(floatX* out, const floatX* padded, const MoeRowGroups& g, int W) {
+    LAUNCH(moe_unpad_rows_kernel, elementwise_blocks((size_t)g.n * g.cap * W, 256), 256, out, padded, g, W);
+    cudaLaunchCheck("moe_unpad_rows_kernel");
+}
+// four padded tensors of a layer's rows, of C, 4C, 4C and C columns (one scratch buffer)
+static void moe_padded_scratch(const MoeRowGroups& g, int C, floatX** c_a, floatX** c4_a, floatX** c4_b,
+                               floatX** c_b) {
+    size_t rows = (size_t)g.n * g.cap;
+    floatX* base = (floatX*)device_scratch(DSCRATCH_EXPERT_ROWS, sizeof(floatX) * rows * 10 * C);
+    *c_a = base;
+    *c4_a = base + rows * C;
+    *c4_b = base + rows * 5 * C;
+    *c_b = base + rows * 9 * C;
+}
+
 // The local experts' MLPs over their work rows (expert e: rows [first[e], first[e+1]), host
 // array): fch_gelu = gelu(fch), fch = xin . fcw_e^T + fcb_e (one matmul, GELU fused), y =
-// fch_gelu . fcprojw_e^T + fcprojb_e. One cuBLASLt matmul per expert and layer (not a grouped
-// one).
+// fch_gelu . fcprojw_e^T + fcprojb_e. Each matmul is one batched cuBLASLt call for the El
+// experts (the grouped expert matmul above).
 static void moe_experts_forward_fast(floatX* y, floatX* fch, floatX* fch_gelu, const floatX* xin,
                                      MoeExperts<const floatX> w, const int* first, int El, int C) {
-    size_t C4 = 4 * (size_t)C;
-    for (int e = 0; e < El; e++) {
-        int r0 = first[e], n = first[e + 1] - r0;
-        if (n == 0) { continue; }
-        matmul_forward_fast(fch_gelu + r0 * C4, xin + (size_t)r0 * C, w.fcw + e * C4 * C, w.fcb + e * C4, n, C,
-                            (int)C4, fch + r0 * C4);
-        matmul_forward_fast(y + (size_t)r0 * C, fch_gelu + r0 * C4, w.fcprojw + e * C4 * C, w.fcprojb + e * C, n,
-                            (int)C4, C, NULL);
-    }
+    MoeRowGroups g = moe_row_groups(first, 1, 0, 1, El);
+    if (g.cap == 0) { return; }
+    floatX *xin_p, *fch_p, *gelu_p, *y_p;
+    moe_padded_scratch(g, C, &xin_p, &fch_p, &gelu_p, &y_p);
+    moe_pad_rows(xin_p, xin, g, C);
+    matmul_forward_batched_fast(gelu_p, xin_p, w.fcw, w.fcb, El, g.cap, C, 4 * C, fch_p);
+    matmul_forward_batched_fast(y_p, gelu_p, w.fcprojw, w.fcprojb, El, g.cap, 4 * C, C, NULL);
+    moe_unpad_rows(fch, fch_p, g, 4 * C);
+    moe_unpad_rows(fch_gelu, gelu_p, g, 4 * C);
+    moe_unpad_rows(y, y_p, g, C);
 }
 
 // Their backward from the output gradients dy (work rows, C), in the split backward's two
 // halves. Expert e's rows from source q are [src_first[e*(Q+1)+q], src_first[e*(Q+1)+q+1])
-// (host array). Input half: dh = d fch (gelu' applied), dx = d xin.
+// (host array). Input half: dh = d fch (gelu' applied), dx = d xin; one batched call per
+// matmul.
 static void moe_experts_backward_input_fast(floatX* dx, floatX* dh, const floatX* dy, const floatX* fch,
                                             MoeExperts<const floatX> w, const int* src_first, int Q, int El, int C) {
-    size_t C4 = 4 * (size_t)C;
-    for (int e = 0; e < El; e++) {
-        const int* sf = src_first + (size_t)e * (Q + 1);
-        int r0 = sf[0], n = sf[Q] - r0;
-        if (n == 0) { continue; }   // fcproj's input gradient with gelu'(fch) applied, then fc's
-        matmul_backward_fast(dh + r0 * C4, NULL, NULL, dy + (size_t)r0 * C, NULL, w.fcprojw + e * C4 * C, 1, n,
-                             (int)C4, C, fch + r0 * C4);
-        matmul_backward_fast(dx + (size_t)r0 * C, NULL, NULL, dh + r0 * C4, NULL, w.fcw + e * C4 * C, 1, n, C,
-                             (int)C4, NULL);
-    }
+    MoeRowGroups g = moe_row_groups(src_first, Q + 1, 0, Q, El);
+    if (g.cap == 0) { return; }
+    floatX *dy_p, *fch_p, *dh_p, *dx_p;
+    moe_padded_scratch(g, C, &dy_p, &fch_p, &dh_p, &dx_p);
+    moe_pad_rows(dy_p, dy, g, C);
+    moe_pad_rows(fch_p, fch, g, 4 * C);
+    // fcproj's input gradient with gelu'(fch) applied, then fc's
+    matmul_backward_batched_fast(dh_p, NULL, dy_p, NULL, w.fcprojw, El, g.cap, 4 * C, C, fch_p);
+    matmul_backward_batched_fast(dx_p, NULL, dh_p, NULL, w.fcw, El, g.cap, C, 4 * C, NULL);
+    moe_unpad_rows(dh, dh_p, g, 4 * C);
+    moe_unpad_rows(dx, dx_p, g, C);
 }
 // Weight half (from dy and the input half's dh): the weight and bias gradients, the rows of
-// each source q into slice q of the gradients (dw + q * slice). An expert without rows from a
-// source gets zero gradients there.
+// each source q into slice q of the gradients (dw + q * slice): per source one batched call
+// per weight for the El experts. An expert without rows from a source gets zero gradients
+// there (its block is all padding).
 static void moe_experts_backward_weight_fast(MoeExperts<float> dw, size_t slice, const floatX* dy, const floatX* dh,
                                              const floatX* fch_gelu, const floatX* xin, const int* src_first, int Q,
                                              int El, int C) {
     size_t C4 = 4 * (size_t)C;
-    for (int e = 0; e < El; e++) {
-        const int* sf = src_first + (size_t)e * (Q + 1);
-        for (int q = 0; q < Q; q++) {
-            int q0 = sf[q], nq = sf[q + 1] - q0;
-            float* dfcw = dw.fcw + q * slice + e * C4 * C;
-            float* dfcprojw = dw.fcprojw + q * slice + e * C4 * C;
-            if (nq > 0) {
-                matmul_backward_fast(NULL, dfcprojw, NULL, dy + (size_t)q0 * C, fch_gelu + q0 * C4, NULL, 1, nq,
-                                     (int)C4, C, NULL);
-                matmul_backward_fast(NULL, dfcw, NULL, dh + q0 * C4, xin + (size_t)q0 * C, NULL, 1, nq, C, (int)C4,
-                                     NULL);
-            } else {
-                cudaCheck(cudaMemsetAsync(dfcprojw, 0, sizeof(float) * C4 * C));
-                cudaCheck(cudaMemsetAsync(dfcw, 0, sizeof(float) * C4 * C));
-            }
-            moe_bias_grad_fast(dw.fcprojb + q * slice + e * C, dy + (size_t)q0 * C, nq, C);
-            moe_bias_grad_fast(dw.fcb + q * slice + e * C4, dh + q0 * C4, nq, (int)C4);
+    for (int q = 0; q < Q; q++) {
+        MoeRowGroups g = moe_row_groups(src_first, Q + 1, q, q + 1, El);
+        float* dfcw = dw.fcw + q * slice;
+        float* dfcprojw = dw.fcprojw + q * slice;
+        if (g.cap > 0) {
+            floatX *dy_p, *gelu_p, *dh_p, *xin_p;
+            moe_padded_scratch(g, C, &dy_p, &gelu_p, &dh_p, &xin_p);
+            moe_pad_rows(dy_p, dy, g, C);
+            moe_pad_rows(gelu_p, fch_gelu, g, (int)C4);
+            moe_pad_rows(dh_p, dh, g, (int)C4);
+            moe_pad_rows(xin_p, xin, g, C);
+            matmul_backward_batched_fast(NULL, dfcprojw, dy_p, gelu_p, NULL, El, g.cap, (int)C4, C, NULL);
+            matmul_backward_batched_fast(NULL, dfcw, dh_p, xin_p, NULL, El, g.cap, C, (int)C4, NULL);
+        } else {
+            cudaCheck(cudaMemsetAsync(dfcprojw, 0, sizeof(float) * El * C4 * C));
+            cudaCheck(cudaMemsetAsync(dfcw, 0, sizeof(float) * El * C4 * C));
+        }
+        for (int e = 0; e < El; e++) {
+            moe_bias_grad_fast(dw.fcprojb + q * slice + e * C, dy + (size_t)g.start[e] * C, g.count[e], C);
+            moe_bias_grad_fast(dw.fcb + q * slice + e * C4, dh + g.start[e] * C4, g.count[e], (int)C4);
         }
     }
 }

@@ -76,6 +76,12 @@
 #     tok/s and MFU of the run summary (steps after the first), GPU memory (the startup
 #     table's line and nvidia-smi's peak). Targets, INFO only: fast >= 55% MFU;
 #     deterministic >= 1/3 of fast's tok/s.
+#  6. only when STAGES names it (not in the default set: it needs ~5 minutes of its own):
+#     fast mode's MFU per layout, dev/bench/bench_fast_mfu.sh (DP, TP 2, PP 2 1f1b with 8
+#     microbatches, CP 2 at T=8192, experts d12e8k2 with EP 2; d12 and d24 at T=1024): an
+#     INFO row per table line, the table in $OUT/mfu_table.txt. A GPU session records it with
+#       STAGES="0 6" OUT=$OUT BUDGET=330 dev/gpu/check.sh
+#     (the README's MFU table is filled from that file).
 #
 # ---- fast-mode tolerances (stage 2), and why -----------------------------------------------
 # bf16 keeps 8 significant bits: unit roundoff u = 2^-8; round-to-nearest makes a relative
@@ -715,6 +721,18 @@ if want 5; then
     info "5. target: deterministic >= 1/3 of fast" "$(awk -v d="$det" -v f="$fast_best" 'BEGIN {printf "%.0f / %.0f tok/s = %.2f: %s", d, f, d / f, (d / f >= 1 / 3) ? "met" : "not met"}')"
   else
     info "5. target: deterministic >= 1/3 of fast" "not measured"
+  fi
+  pack
+fi
+
+# ---- 6. fast mode's MFU per layout (only when STAGES names it) --------------------------------------
+if want 6; then
+  stage "6. fast mode's MFU per layout (dev/bench/bench_fast_mfu.sh)"
+  if in_time "6. MFU per layout" 120; then
+    run s6_mfu "$(left)" env DATA="$DTRAIN" dev/bench/bench_fast_mfu.sh
+    sed -n '/^== /p; /^layout /,$p' "$LOGS/s6_mfu.out" >"$OUT/mfu_table.txt"
+    while IFS= read -r line; do info "6. MFU" "$line"; done < <(sed -n '/^layout /,/^FLOPs per token/p' "$LOGS/s6_mfu.out")
+    [ $RC = 0 ] || fail "6. MFU per layout" "the benchmark $(why $RC); see s6_mfu.out"
   fi
   pack
 fi

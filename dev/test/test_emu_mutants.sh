@@ -14,7 +14,9 @@
 #   5. an off-by-one in the flash forward's causal mask (each query sees one future key);
 #   6. a cuBLASLt call with a misaligned pointer: lt_matmul no longer passes A's alignment in
 #      the preference (cuBLASLt then assumes 256 bytes), and an input at a 2-byte offset must
-#      be refused by the stand-in (CUBLAS_STATUS_INVALID_VALUE = 7).
+#      be refused by the stand-in (CUBLAS_STATUS_INVALID_VALUE = 7);
+#   7. the experts' batched matmul without its bias batch stride (every expert adds the first
+#      expert's bias): the batched experts must differ from one matmul per expert.
 # A mutation that does not apply (the source changed) fails the test instead of passing it.
 set -u
 cd "$(dirname "$0")/../.."
@@ -60,7 +62,7 @@ expect_caught() {
   pass "$4: $(grep -m1 "$3" "$log" | cut -c1-110)"
 }
 
-# The six mutants, made and set building first, checked in order after.
+# The seven mutants, made and set building first, checked in order after.
 # 1. the barrier
 mutant no_barrier llmc/kernels_det.cuh '/if (have) { store_tile(buf ^ 1); }/{n;/__syncthreads();/d}' \
   "det_gemm_kernel's barrier"
@@ -84,6 +86,10 @@ build mask build/test_fast_emu
 # 6. a misaligned pointer passed to cuBLASLt
 mutant align llmc/matmul_cublaslt.cuh '/CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES/d' "the preference's A alignment"
 build align build/test_fast_emu
+# 7. a batched matmul's bias batch stride left unset
+mutant bias_stride llmc/matmul_cublaslt.cuh 's/if (batch->count > 1 \&\& bias) {/if (batch->count < 1 \&\& bias) {/' \
+  "the bias batch stride's attribute"
+build bias_stride build/test_fast_emu
 
 # 1: the race check names the kernel, and the shuffled emulator alone gets wrong bits
 M1="$W/no_barrier"
@@ -105,3 +111,4 @@ expect_caught fragment build/test_fast_emu "FAIL: flash forward" "... and flash 
 expect_caught no_wait build/test_fast_emu "FAIL: flash forward" "a missing cp.async wait"
 expect_caught mask build/test_fast_emu "FAIL: flash forward" "an off-by-one in the causal mask"
 expect_caught align build/test_fast_emu "cuBLASLt error 7" "a cuBLASLt call with a misaligned pointer"
+expect_caught bias_stride build/test_fast_emu "FAIL: grouped expert matmul" "the experts' batch without its bias stride"

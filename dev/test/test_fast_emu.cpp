@@ -15,7 +15,7 @@
  *     weight gradient, each bit-identical to a triple loop that sums the bf16 products in k
  *     order in fp32 and rounds where cuBLASLt rounds; an input at a 2-byte offset (its
  *     alignment passed in the preference) computes right too. The stand-in's refusals: the
- *     status code for each thing cuBLASLt refuses.
+ *     status code for each thing cuBLASLt refuses (a strided batch's among them).
  *   the mixture-of-experts layer (llmc/kernels_fast_moe.cuh, the calls train_gpt2_fast.cu's
  *     layer makes on one rank, with moe.h's routing plan), forward and backward, against a
  *     double-precision naive layer from the same bf16 inputs and the same load-balancing
@@ -24,6 +24,11 @@
  *     the tensor's largest |reference| (a path rounds to bf16 at most about six times, by up
  *     to 2^-9 each: fch, GELU, y, the combine; backward d slot, d h, d x, d logits); every
  *     output starts as NaN.
+ *   the grouped expert matmul (kernels_fast_moe.cuh: one strided-batched cuBLASLt call for all
+ *     local experts over their rows padded to a common count): the forward (fch, GELU, y), the
+ *     input half (d fch, d xin) and the weight half (fc and fcproj, each source's slice) equal
+ *     one matmul per expert and source bit for bit, on hand-made counts with an expert without
+ *     rows, a one-row expert and a source that sends an expert nothing.
  * Built twice by mk/fast_emu.mk: build/test_fast_emu and build/test_fast_emu_race (the race
  * check on, smaller cases).
  */
@@ -260,7 +265,7 @@ static void cublaslt_refusals(void) {
     auto heuristic = [&](cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t d) {
         return cublasLtMatmulAlgoGetHeuristic(cublaslt_handle, desc, a, b, d, d, pref, 1, &result, &found);
     };
-    struct { const char* what; cublasStatus_t got, want; } cases[16];
+    struct { const char* what; cublasStatus_t got, want; } cases[20];
     int n = 0;
     cublasLtMatrixLayout_t unused;
     cases[n++] = {"a leading dimension below the rows", cublasLtMatrixLayoutCreate(&unused, CUDA_R_16BF, 16, 16, 8),
@@ -293,6 +298,26 @@ static void cublaslt_refusals(void) {
                   CUBLAS_STATUS_INVALID_VALUE};
     aux_ld = 16;
     cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
+    // a strided batch: every layout of the same count, a GELU aux batch stride a multiple of 8
+    cublasLtMatrixLayout_t lbatch;
+    int32_t three = 3;
+    int64_t stride = 256, aux_stride = 260;
+    cublasCheck(cublasLtMatrixLayoutCreate(&lbatch, CUDA_R_16BF, 16, 16, 16));
+    cublasCheck(cublasLtMatrixLayoutSetAttribute(lbatch, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &three, sizeof(three)));
+    cublasCheck(cublasLtMatrixLayoutSetAttribute(lbatch, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                 sizeof(stride)));
+    cases[n++] = {"a batch of 3 with a D of one", heuristic(lbatch, lbatch, l16), CUBLAS_STATUS_INVALID_VALUE};
+    cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, &aux_stride,
+                                               sizeof(aux_stride)));
+    cases[n++] = {"a GELU aux batch stride of 260", heuristic(lbatch, lbatch, lbatch), CUBLAS_STATUS_INVALID_VALUE};
+    aux_stride = 256;
+    cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, &aux_stride,
+                                               sizeof(aux_stride)));
+    cases[n++] = {"a batch of 3 with GELU_AUX_BIAS", heuristic(lbatch, lbatch, lbatch), CUBLAS_STATUS_SUCCESS};
+    cases[n++] = {"a batch count of 8 bytes",
+                  cublasLtMatrixLayoutSetAttribute(lbatch, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &stride, sizeof(stride)),
+                  CUBLAS_STATUS_INVALID_VALUE};
+    cublasCheck(cublasLtMatrixLayoutDestroy(lbatch));
     epilogue = (cublasLtEpilogue_t)2;   // CUBLASLT_EPILOGUE_RELU: not in the subset
     cublasCheck(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
     cases[n++] = {"the RELU epilogue", heuristic(l16, l16, l16), CUBLAS_STATUS_NOT_SUPPORTED};
@@ -532,6 +557,123 @@ static void moe_layer_case(int B, int T, int C, int E, int k) {
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) { free(host[i]); }
 }
 
+// ---- the grouped expert matmul ---------------------------------------------------------------
+
+// the experts' MLPs as one cuBLASLt matmul per expert and source (what kernels_fast_moe.cuh ran
+// before its batched calls), forward, input half and weight half
+static void moe_experts_one_by_one(floatX* y, floatX* fch, floatX* fch_gelu, floatX* dh, floatX* dx,
+                                   MoeExperts<float> dw, size_t slice, const floatX* xin, const floatX* dy,
+                                   MoeExperts<const floatX> w, const int* src_first, int Q, int El, int C) {
+    size_t C4 = 4 * (size_t)C;
+    for (int e = 0; e < El; e++) {
+        const int* sf = src_first + (size_t)e * (Q + 1);
+        int r0 = sf[0], n = sf[Q] - r0;
+        if (n == 0) { continue; }
+        matmul_forward_fast(fch_gelu + r0 * C4, xin + (size_t)r0 * C, w.fcw + e * C4 * C, w.fcb + e * C4, n, C,
+                            (int)C4, fch + r0 * C4);
+        matmul_forward_fast(y + (size_t)r0 * C, fch_gelu + r0 * C4, w.fcprojw + e * C4 * C, w.fcprojb + e * C, n,
+                            (int)C4, C, NULL);
+        matmul_backward_fast(dh + r0 * C4, NULL, NULL, dy + (size_t)r0 * C, NULL, w.fcprojw + e * C4 * C, 1, n,
+                             (int)C4, C, fch + r0 * C4);
+        matmul_backward_fast(dx + (size_t)r0 * C, NULL, NULL, dh + r0 * C4, NULL, w.fcw + e * C4 * C, 1, n, C,
+                             (int)C4, NULL);
+    }
+    for (int e = 0; e < El; e++) {
+        for (int q = 0; q < Q; q++) {
+            int q0 = src_first[e * (Q + 1) + q], nq = src_first[e * (Q + 1) + q + 1] - q0;
+            float* dfcw = dw.fcw + q * slice + e * C4 * C;
+            float* dfcprojw = dw.fcprojw + q * slice + e * C4 * C;
+            if (nq > 0) {
+                matmul_backward_fast(NULL, dfcprojw, NULL, dy + (size_t)q0 * C, fch_gelu + q0 * C4, NULL, 1, nq,
+                                     (int)C4, C, NULL);
+                matmul_backward_fast(NULL, dfcw, NULL, dh + q0 * C4, xin + (size_t)q0 * C, NULL, 1, nq, C, (int)C4,
+                                     NULL);
+            } else {
+                cudaCheck(cudaMemset(dfcprojw, 0, sizeof(float) * C4 * C));
+                cudaCheck(cudaMemset(dfcw, 0, sizeof(float) * C4 * C));
+            }
+        }
+    }
+}
+
+static int bytes_differ(const void* d_a, const void* d_b, size_t bytes) {
+    unsigned char *a = host_copy((const unsigned char*)d_a, bytes), *b = host_copy((const unsigned char*)d_b, bytes);
+    int differ = memcmp(a, b, bytes) != 0;
+    free(a);
+    free(b);
+    return differ;
+}
+
+// The batched expert matmuls (kernels_fast_moe.cuh) = one matmul per expert, bit for bit, on
+// rows counted by hand: an expert without rows, one with a single row, Q sources (the weight
+// half's slices; a source that sends an expert nothing). Every output starts as NaN.
+static void moe_grouped_case(int C, int El, int Q, const int* counts /* El x Q */) {
+    const size_t C4 = 4 * (size_t)C;
+    int* src_first = (int*)malloc_or_die(sizeof(int) * El * (Q + 1), "plan");
+    int rows = 0;
+    for (int e = 0; e < El; e++) {
+        for (int q = 0; q < Q; q++) { src_first[e * (Q + 1) + q] = rows; rows += counts[e * Q + q]; }
+        src_first[e * (Q + 1) + Q] = rows;
+    }
+    int* first = (int*)malloc_or_die(sizeof(int) * (El + 1), "plan");
+    for (int e = 0; e <= El; e++) { first[e] = e < El ? src_first[e * (Q + 1)] : rows; }
+    uint64_t state = 777;
+    float* scratch = (float*)malloc_or_die(sizeof(float) * El * C4 * C, "as float");
+    floatX* h_xin = random_bf16((size_t)rows * C, 1.0f, &state, scratch);
+    floatX* h_dy = random_bf16((size_t)rows * C, 1.0f, &state, scratch);
+    floatX* h_fcw = random_bf16(El * C4 * C, 0.3f, &state, scratch);
+    floatX* h_fcb = random_bf16(El * C4, 0.1f, &state, scratch);
+    floatX* h_pw = random_bf16(El * C4 * C, 0.15f, &state, scratch);
+    floatX* h_pb = random_bf16((size_t)El * C, 0.1f, &state, scratch);
+    floatX *xin = device_copy(h_xin, (size_t)rows * C), *dy = device_copy(h_dy, (size_t)rows * C);
+    MoeExperts<const floatX> w = {device_copy(h_fcw, El * C4 * C), device_copy(h_fcb, El * C4),
+                                  device_copy(h_pw, El * C4 * C), device_copy(h_pb, (size_t)El * C)};
+    const size_t slice = El * C4 * C * 2 + 64;   // per source, as zero.h's slices: both weights and a gap
+    floatX* act[2][5];   // y, fch, fch_gelu, dh, dx: batched, one by one
+    MoeExperts<float> dw[2];
+    for (int v = 0; v < 2; v++) {
+        act[v][0] = (floatX*)device_nan(sizeof(floatX) * rows * C);
+        act[v][1] = (floatX*)device_nan(sizeof(floatX) * rows * C4);
+        act[v][2] = (floatX*)device_nan(sizeof(floatX) * rows * C4);
+        act[v][3] = (floatX*)device_nan(sizeof(floatX) * rows * C4);
+        act[v][4] = (floatX*)device_nan(sizeof(floatX) * rows * C);
+        float* g = (float*)device_nan(sizeof(float) * slice * Q);
+        dw[v] = {g, NULL, g + El * C4 * C + 32, NULL};   // the weights' gradients (the biases: below)
+    }
+    moe_experts_forward_fast(act[0][0], act[0][1], act[0][2], xin, w, first, El, C);
+    moe_experts_backward_input_fast(act[0][4], act[0][3], dy, act[0][1], w, src_first, Q, El, C);
+    MoeExperts<float> dw_weights = {dw[0].fcw, (float*)device_nan(sizeof(float) * Q * slice), dw[0].fcprojw,
+                                    (float*)device_nan(sizeof(float) * Q * slice)};   // the biases apart
+    moe_experts_backward_weight_fast(dw_weights, slice, dy, act[0][3], act[0][2], xin, src_first, Q, El, C);
+    moe_experts_one_by_one(act[1][0], act[1][1], act[1][2], act[1][3], act[1][4], dw[1], slice, xin, dy, w, src_first,
+                           Q, El, C);
+    const char* names[5] = {"y", "fch", "fch_gelu", "d fch", "d xin"};
+    const size_t widths[5] = {(size_t)C, C4, C4, C4, (size_t)C};
+    int bad = 0;
+    for (int i = 0; i < 5; i++) {
+        int d = bytes_differ(act[0][i], act[1][i], sizeof(floatX) * rows * widths[i]);
+        CHECK(!d, "grouped expert matmul C=%d El=%d Q=%d: %s differs from one matmul per expert", C, El, Q, names[i]);
+        bad += d;
+    }
+    for (int q = 0; q < Q; q++) {
+        int d = bytes_differ(dw[0].fcw + q * slice, dw[1].fcw + q * slice, sizeof(float) * El * C4 * C) ||
+                bytes_differ(dw[0].fcprojw + q * slice, dw[1].fcprojw + q * slice, sizeof(float) * El * C4 * C);
+        CHECK(!d, "grouped expert matmul C=%d El=%d Q=%d: source %d's weight gradients differ from one matmul per expert",
+              C, El, Q, q);
+        bad += d;
+    }
+    printf("grouped expert matmul C=%d El=%d Q=%d, %d rows: forward, input and weight gradients = one matmul per expert "
+           "bit for bit: %s\n", C, El, Q, rows, bad ? "FAIL" : "ok");
+    void* dev[] = {xin, dy, (void*)w.fcw, (void*)w.fcb, (void*)w.fcprojw, (void*)w.fcprojb, dw[0].fcw, dw[1].fcw,
+                   dw_weights.fcb, dw_weights.fcprojb};
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) { device_free(dev[i]); }
+    for (int v = 0; v < 2; v++) {
+        for (int i = 0; i < 5; i++) { device_free(act[v][i]); }
+    }
+    void* host[] = {src_first, first, scratch, h_xin, h_dy, h_fcw, h_fcb, h_pw, h_pb};
+    for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) { free(host[i]); }
+}
+
 int main(void) {
     flash_attention_setup();
     cublaslt_init();
@@ -559,8 +701,14 @@ int main(void) {
     cublaslt_refusals();
 #if LLMC_EMU_RACE_CHECK
     moe_layer_case(1, 8, 16, 4, 2);
+    static const int counts_q1[] = {3, 0, 1};
+    moe_grouped_case(16, 3, 1, counts_q1);
 #else
     moe_layer_case(2, 16, 32, 4, 2);
+    static const int counts_q1[] = {5, 0, 1, 13};          // El 4, one source
+    static const int counts_q2[] = {3, 4, 0, 6, 0, 0, 9, 0};   // El 4, two sources
+    moe_grouped_case(32, 4, 1, counts_q1);
+    moe_grouped_case(24, 4, 2, counts_q2);
 #endif
     cublaslt_free();
     printf(failures ? "%d FAILED\n" : "fast mode's attention, matmuls and expert layer on the emulated GPU: all checks passed\n",

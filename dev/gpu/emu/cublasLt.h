@@ -3,7 +3,9 @@
  * uses, so that file runs unchanged on the emulated GPU: the handle, a matmul descriptor with
  * its transposes, epilogue, bias and GELU aux attributes, column-major layouts, a preference
  * (workspace, minimum alignments), the heuristic and cublasLtMatmul; bf16 A and B, bf16 or
- * fp32 C = D, fp32 compute and scale; epilogues DEFAULT, BIAS, GELU_AUX_BIAS, DGELU.
+ * fp32 C = D, fp32 compute and scale; epilogues DEFAULT, BIAS, GELU_AUX_BIAS, DGELU; a strided
+ * batch (the layouts' BATCH_COUNT and STRIDED_BATCH_OFFSET, the descriptor's bias and aux
+ * batch strides).
  *
  * It checks what cuBLASLt checks and answers with its status codes, never a silent wrong
  * answer:
@@ -12,7 +14,10 @@
  *   CUBLAS_STATUS_INVALID_VALUE  shapes that do not chain (op(A) m x k, op(B) k x n, D m x n),
  *                                a leading dimension below the rows, a missing bias or aux
  *                                pointer, a GELU aux leading dimension below m or not a
- *                                multiple of 8, an attribute of the wrong size, and a pointer
+ *                                multiple of 8, layouts of different batch counts, a batch
+ *                                count below 1, a negative batch stride, a GELU aux batch
+ *                                stride not a multiple of 8, an attribute of the wrong size,
+ *                                and a pointer
  *                                at cublasLtMatmul less aligned than the algorithm was chosen
  *                                for: the preference's MIN_ALIGNMENT_*_BYTES (default 256, as
  *                                cuBLASLt's) is a promise, checked up to 16 bytes, the widest
@@ -20,8 +25,9 @@
  *                                held to 16 bytes: it is written and read like D).
  * It computes D = alpha op(A) op(B) [+ bias] [epilogue] with a reference GEMM kernel on the
  * emulated GPU: one thread per element, exact bf16 products summed in k order in fp32, the
- * epilogue in fp32, one rounding to bf16 where D (and the GELU aux) are bf16. GELU is the tanh
- * form, computed as train_gpt2.c computes it (llmc/canonical.h).
+ * epilogue in fp32, one rounding to bf16 where D (and the GELU aux) are bf16; problem b of a
+ * batch is the same kernel on pointers b strides on (grid z). GELU is the tanh form, computed
+ * as train_gpt2.c computes it (llmc/canonical.h).
  */
 #ifndef LLMC_EMU_CUBLASLT_H
 #define LLMC_EMU_CUBLASLT_H
@@ -52,9 +58,15 @@ typedef enum {
     CUBLASLT_MATMUL_DESC_TRANSB = 4,
     CUBLASLT_MATMUL_DESC_EPILOGUE = 7,
     CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8,
+    CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE = 10,
     CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11,
-    CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12
+    CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12,
+    CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE = 13
 } cublasLtMatmulDescAttributes_t;
+typedef enum {
+    CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = 5,
+    CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET = 6
+} cublasLtMatrixLayoutAttribute_t;
 typedef enum {
     CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,
     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES = 5,
@@ -70,8 +82,15 @@ struct EmuLtMatmulDesc {
     const void* bias;
     void* aux;
     int64_t aux_ld;
+    int64_t bias_batch_stride, aux_batch_stride;   // elements
 };
-struct EmuLtLayout { cudaDataType_t type; uint64_t rows, cols; int64_t ld; };
+struct EmuLtLayout {
+    cudaDataType_t type;
+    uint64_t rows, cols;
+    int64_t ld;
+    int32_t batch_count;
+    int64_t batch_stride;   // elements
+};
 struct EmuLtPreference { uint64_t max_workspace; uint32_t min_alignment[4]; };   // A, B, C, D
 typedef EmuLtHandle* cublasLtHandle_t;
 typedef EmuLtMatmulDesc* cublasLtMatmulDesc_t;
@@ -101,7 +120,7 @@ static inline cublasStatus_t cublasLtDestroy(cublasLtHandle_t handle) {
 static inline cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, cublasComputeType_t compute,
                                                       cudaDataType_t scale) {
     if (compute != CUBLAS_COMPUTE_32F || scale != CUDA_R_32F) { return CUBLAS_STATUS_NOT_SUPPORTED; }
-    *desc = new EmuLtMatmulDesc{CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0};
+    *desc = new EmuLtMatmulDesc{CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0, 0, 0};
     return CUBLAS_STATUS_SUCCESS;
 }
 static inline cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc) {
@@ -125,6 +144,10 @@ static inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t
         case CUBLASLT_MATMUL_DESC_BIAS_POINTER: return emu_lt_set(&desc->bias, sizeof(desc->bias), buf, bytes);
         case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER: return emu_lt_set(&desc->aux, sizeof(desc->aux), buf, bytes);
         case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: return emu_lt_set(&desc->aux_ld, sizeof(desc->aux_ld), buf, bytes);
+        case CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE:
+            return emu_lt_set(&desc->bias_batch_stride, sizeof(desc->bias_batch_stride), buf, bytes);
+        case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE:
+            return emu_lt_set(&desc->aux_batch_stride, sizeof(desc->aux_batch_stride), buf, bytes);
     }
     return CUBLAS_STATUS_INVALID_VALUE;
 }
@@ -132,8 +155,19 @@ static inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t
 static inline cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, cudaDataType_t type,
                                                         uint64_t rows, uint64_t cols, int64_t ld) {
     if (ld < 1 || (uint64_t)ld < rows) { return CUBLAS_STATUS_INVALID_VALUE; }
-    *layout = new EmuLtLayout{type, rows, cols, ld};
+    *layout = new EmuLtLayout{type, rows, cols, ld, 1, 0};
     return CUBLAS_STATUS_SUCCESS;
+}
+static inline cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t layout,
+                                                              cublasLtMatrixLayoutAttribute_t attr, const void* buf,
+                                                              size_t bytes) {
+    switch (attr) {
+        case CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT:
+            return emu_lt_set(&layout->batch_count, sizeof(layout->batch_count), buf, bytes);
+        case CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET:
+            return emu_lt_set(&layout->batch_stride, sizeof(layout->batch_stride), buf, bytes);
+    }
+    return CUBLAS_STATUS_INVALID_VALUE;
 }
 static inline cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) {
     delete layout;
@@ -185,6 +219,11 @@ static inline cublasStatus_t emu_lt_check(const EmuLtMatmulDesc* desc, const Emu
     if (kb != *k || d->rows != *m || d->cols != *n || c->rows != *m || c->cols != *n || c->ld != d->ld) {
         return CUBLAS_STATUS_INVALID_VALUE;
     }
+    if (d->batch_count < 1 || a->batch_count != d->batch_count || b->batch_count != d->batch_count ||
+        c->batch_count != d->batch_count || c->batch_stride != d->batch_stride || a->batch_stride < 0 ||
+        b->batch_stride < 0 || d->batch_stride < 0 || desc->bias_batch_stride < 0 || desc->aux_batch_stride < 0) {
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
     switch (desc->epilogue) {
         case CUBLASLT_EPILOGUE_DEFAULT: return CUBLAS_STATUS_SUCCESS;
         case CUBLASLT_EPILOGUE_BIAS:
@@ -195,7 +234,8 @@ static inline cublasStatus_t emu_lt_check(const EmuLtMatmulDesc* desc, const Emu
     if (d->type != CUDA_R_16BF) { return CUBLAS_STATUS_NOT_SUPPORTED; }   // bf16 bias and aux, as D
     if (desc->epilogue != CUBLASLT_EPILOGUE_DGELU && desc->bias == NULL) { return CUBLAS_STATUS_INVALID_VALUE; }
     if (desc->epilogue != CUBLASLT_EPILOGUE_BIAS &&
-        (desc->aux == NULL || desc->aux_ld < (int64_t)*m || desc->aux_ld % 8 != 0)) {
+        (desc->aux == NULL || desc->aux_ld < (int64_t)*m || desc->aux_ld % 8 != 0 ||
+         (d->batch_count > 1 && desc->aux_batch_stride % 8 != 0))) {
         return CUBLAS_STATUS_INVALID_VALUE;
     }
     return CUBLAS_STATUS_SUCCESS;
@@ -222,7 +262,7 @@ static inline cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t han
     return CUBLAS_STATUS_SUCCESS;
 }
 
-// one element of D: the reference GEMM's thread (i, j)
+// one element of D: the reference GEMM's thread (i, j) of problem blockIdx.z
 struct EmuLtProblem {
     const __nv_bfloat16 *a, *b, *bias;
     void* d;
@@ -232,11 +272,18 @@ struct EmuLtProblem {
     int transa, transb, d_fp32;
     cublasLtEpilogue_t epilogue;
     float alpha;
+    int64_t stride_a, stride_b, stride_d, stride_bias, stride_aux;   // elements from one problem to the next
 };
 
-static inline void emu_lt_gemm_element(const EmuLtProblem& p) {
+static inline void emu_lt_gemm_element(EmuLtProblem p) {
     uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x, j = (uint64_t)blockIdx.y * blockDim.y + threadIdx.y;
     if (i >= p.m || j >= p.n) { return; }
+    uint64_t z = blockIdx.z;
+    p.a += z * p.stride_a;
+    p.b += z * p.stride_b;
+    p.d = (char*)p.d + z * p.stride_d * (p.d_fp32 ? sizeof(float) : sizeof(__nv_bfloat16));
+    if (p.bias) { p.bias += z * p.stride_bias; }
+    if (p.aux) { p.aux += z * p.stride_aux; }
     float acc = 0.0f;
     for (uint64_t kk = 0; kk < p.k; kk++) {
         float av = __bfloat162float(p.transa ? p.a[kk + i * p.lda] : p.a[i + kk * p.lda]);
@@ -288,8 +335,9 @@ static inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMat
     EmuLtProblem p = {(const __nv_bfloat16*)A, (const __nv_bfloat16*)B, (const __nv_bfloat16*)desc->bias, D,
                       (__nv_bfloat16*)desc->aux, a->ld, b->ld, d->ld, desc->aux_ld, m, n, k,
                       desc->transa == CUBLAS_OP_T, desc->transb == CUBLAS_OP_T, d->type == CUDA_R_32F,
-                      desc->epilogue, *(const float*)alpha};
-    dim3 block(16, 16), grid((unsigned)((m + 15) / 16), (unsigned)((n + 15) / 16));
+                      desc->epilogue, *(const float*)alpha, a->batch_stride, b->batch_stride, d->batch_stride,
+                      desc->bias_batch_stride, desc->aux_batch_stride};
+    dim3 block(16, 16), grid((unsigned)((m + 15) / 16), (unsigned)((n + 15) / 16), (unsigned)d->batch_count);
     emu_launch("cublasLtMatmul (the stand-in's reference GEMM)", (const void*)&emu_lt_gemm_element, grid, block, 0,
                [=]() { emu_lt_gemm_element(p); });
     return CUBLAS_STATUS_SUCCESS;
