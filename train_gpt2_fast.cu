@@ -28,8 +28,11 @@
  * (the same bits as --tp K alone). Mixture-of-experts models (moe.h) run with data, expert
  * (--ep, bf16 all-to-alls) and pipeline parallelism and ZeRO: an fp32 router, bf16 expert rows,
  * one cuBLASLt matmul per expert (kernels_fast_moe.cuh), the routing plan and exchanges of
- * expert_parallel.h; every schedule, the split backward's too. In fast mode train_gpt2.cu
- * refuses --cp, --tp with --pp and experts with --tp, and says to use --deterministic 1.
+ * expert_parallel.h; every schedule, the split backward's too. Context parallelism (--cp N
+ * --cp-mode a2a, one pipeline stage, no --tp, dense models) holds each rank's zig-zag slice of
+ * T and turns it into NH/N heads of whole sequences around the flash kernels with bf16
+ * all-to-alls (kernels_fast_cp.cuh). In fast mode train_gpt2.cu refuses the ring, --cp with
+ * --tp, --pp or experts, --tp with --pp and experts with --tp, and says to use --deterministic 1.
  */
 #include "llmc/engine.h"
 #include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
