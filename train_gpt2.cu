@@ -147,11 +147,7 @@ int main(int argc, char** argv) {
         fatal("--varlen: fast mode trains fixed windows of -t tokens only (each sequence length would be a new "
               "attention plan); run --varlen with --deterministic 1");
     }
-    if (!det && t.args.cp > 1) {   // fast mode's context parallelism: the all-to-all, with data parallelism and ZeRO
-        if (strcmp(t.args.cp_mode, "a2a") != 0) {
-            fatal("--cp-mode %s: fast mode runs context parallelism as all-to-all only (--cp-mode a2a); the ring runs "
-                  "with --deterministic 1", t.args.cp_mode);
-        }
+    if (!det && t.args.cp > 1) {   // fast mode's context parallelism (ring or a2a), with data parallelism and ZeRO
         if (t.args.tp > 1) {
             fatal("--cp with --tp: fast mode runs context parallelism without tensor parallelism; run --cp %d --tp %d "
                   "with --deterministic 1", t.args.cp, t.args.tp);

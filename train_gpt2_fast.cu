@@ -28,11 +28,13 @@
  * (the same bits as --tp K alone). Mixture-of-experts models (moe.h) run with data, expert
  * (--ep, bf16 all-to-alls) and pipeline parallelism and ZeRO: an fp32 router, bf16 expert rows,
  * one cuBLASLt matmul per expert (kernels_fast_moe.cuh), the routing plan and exchanges of
- * expert_parallel.h; every schedule, the split backward's too. Context parallelism (--cp N
- * --cp-mode a2a, one pipeline stage, no --tp, dense models) holds each rank's zig-zag slice of
- * T and turns it into NH/N heads of whole sequences around the flash kernels with bf16
- * all-to-alls (kernels_fast_cp.cuh). In fast mode train_gpt2.cu refuses the ring, --cp with
- * --tp, --pp or experts, --tp with --pp and experts with --tp, and says to use --deterministic 1.
+ * expert_parallel.h; every schedule, the split backward's too. Context parallelism (--cp N,
+ * one pipeline stage, no --tp, dense models) holds each rank's zig-zag slice of T; attention
+ * either turns it into NH/N heads of whole sequences around the flash kernels with bf16
+ * all-to-alls (--cp-mode a2a) or passes bf16 K|V blocks around the ring, merging each block's
+ * partial output by its log-sum-exp (kernels_fast_cp.cuh). In fast mode train_gpt2.cu refuses
+ * --cp with --tp, --pp or experts, --tp with --pp and experts with --tp, and says to use
+ * --deterministic 1.
  */
 #include "llmc/engine.h"
 #include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
@@ -131,10 +133,11 @@ typedef struct {
     MoeCounters counters;
     float *psum, *daux;                // (E) device: the router's probability sums, d aux / d p
     float *psum_host, *daux_host;      // (E) their host copies
-    // context parallelism (--cp N --cp-mode a2a, kernels_fast_cp.cuh; N = 1: none): the
-    // training passes hold this rank's zig-zag slice (B,T/N) of each sequence
-    int N;
-    ContextParallel cp;    // context_parallel.h's group and buffers
+    // context parallelism (--cp N, kernels_fast_cp.cuh; N = 1: none): the training passes hold
+    // this rank's zig-zag slice (B,T/N) of each sequence
+    int N, ring;           // ring: --cp-mode ring, else the all-to-all
+    ContextParallel cp;    // context_parallel.h's group and buffers (parts: the all-to-all's; gather)
+    FastRing ring_bufs;    // the ring's blocks and partials
 } FastModel;
 
 // One mixture-of-experts layer's routing and expert activations, kept from its forward to its
@@ -320,8 +323,9 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
     const char* problem = cp_problem(m->N, cp_a2a, T, m->NHl, 1, why, sizeof(why));
     if (problem) { fatal("--cp %d: %s", m->N, problem); }
     if (m->N > 1) {   // the all-to-alls' buffers, and room for the gathers along T (bf16 B*T*C: B*T*C/2 floats)
-        if (!cp_a2a) { fatal("internal: fast mode runs context parallelism as all-to-all only"); }
         cp_init(&m->cp, cp, 1, m->mem, B, T, m->Cl, m->NHl, (size_t)B * T * c->channels / 2);
+        m->ring = !cp_a2a;
+        if (m->ring) { fast_ring_init(&m->ring_bufs, m->mem, m->N, B, T, m->Cl, m->NHl); }
     }
     m->sp = seq_parallel && m->K > 1;
     if (m->sp) {
@@ -357,6 +361,7 @@ static void fast_destroy(void* vm) {
     }
     m->mem->release(m->att_D);
     if (m->N > 1) { cp_free(&m->cp); }
+    if (m->ring) { fast_ring_free(&m->ring_bufs, m->mem); }
     if (m->K > 1) {
         m->mem->release(m->tp_sum);
         m->mem->release(m->probs_slice);
@@ -416,9 +421,9 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
     a->losses = act_f(m, head * BT, bytes);
     a->ce_stats = act_f(m, (m->K > 1) * head * 3 * BT, bytes);
     a->proj = act(m, BT * C, bytes);
-    if (a->cp) {   // attention's head-split tensors (as many elements as qkv's and atty's), whole sequences
-        a->qkv_h = act(m, L * BT * 3 * Cl, bytes);
-        a->atty_h = act(m, L * BT * Cl, bytes);
+    if (a->cp) {   // the all-to-all's head-split tensors (as many elements as qkv's and atty's), whole sequences
+        a->qkv_h = act(m, !m->ring * L * BT * 3 * Cl, bytes);
+        a->atty_h = act(m, !m->ring * L * BT * Cl, bytes);
         a->losses_full = act_f(m, head * B * Tw, bytes);
         *bytes += B * Tw * sizeof(int);
         a->inputs_full = (int*)m->mem->alloc(B * Tw * sizeof(int), "tokens");
@@ -874,6 +879,8 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
         matmul_forward_fast(x.qkv, x.ln1, w.qkvw, w.qkvb, rows, C, 3 * Cl, NULL);
         if (decode) {   // query row t0 against the cached keys and values of rows 0..t0
             attention_forward_fast_row(x.atty - (size_t)t0 * Cl, x.att, x.qkv - (size_t)t0 * 3 * Cl, t0, Cl, NHl);
+        } else if (a->cp && m->ring) {   // this rank's queries against every rank's K|V block around the ring
+            fast_cp_ring_forward(&m->cp, &m->ring_bufs, x.atty, x.att, x.qkv, B, T * m->N, Cl, NHl);
         } else if (a->cp) {   // this rank's NH/N heads on whole sequences, between two all-to-alls (cp group)
             fast_cp_a2a_forward(&m->cp, x.atty, x.att, x.qkv_h, x.atty_h, x.qkv, B, T * m->N, Cl, NHl);
         } else {
@@ -1149,7 +1156,9 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
         if (in) { fast_row_parallel_dout(m, a, g, d.dattproj, B, T); }
         if (in) { matmul_backward_fast(g->dbtc, NULL, NULL, d.dattproj, NULL, w.attprojw, B, T, Cl, C, NULL); }
         if (wt) { matmul_backward_fast(NULL, dw.attprojw, dw.attprojb, d.dattproj, x.atty, NULL, B, T, Cl, C, NULL); }
-        if (in && a->cp) {   // d out to the heads, their backward, d q|k|v back (all-to-alls, cp group)
+        if (in && a->cp && m->ring) {   // K|V around the ring again, dk|dv partials to their owners
+            fast_cp_ring_backward(&m->cp, &m->ring_bufs, d.dqkv, g->dbtc, x.qkv, x.atty, x.att, B, T * m->N, Cl, m->NHl);
+        } else if (in && a->cp) {   // d out to the heads, their backward, d q|k|v back (all-to-alls, cp group)
             fast_cp_a2a_backward(&m->cp, d.dqkv, g->dbtc, x.qkv_h, x.atty_h, x.att, m->att_D, B, T * m->N, Cl, m->NHl);
         } else if (in) {
             fast_attention_backward(d.dqkv, g->dbtc, x.qkv, x.atty, x.att, m->att_D, B, T, Cl, m->NHl);

@@ -29,8 +29,9 @@ TESTS += dev/test/test_fast_pp.sh
 TESTS += dev/test/test_fast_tp.sh
 
 # fast mode with context parallelism: --cp 2 --cp-mode a2a (ZeRO-0, 3) within a derived
-# tolerance of one rank (its forward equal), within the bf16 tolerances of train_gpt2, cp bytes
-# (bf16 all-to-alls) = the formula; the ring, --cp with --tp, --pp, experts, cudnn refused
+# tolerance of one rank (its forward equal), --cp-mode ring within the bf16 tolerances of one
+# rank, both within those of train_gpt2, cp bytes (bf16 messages, fp32 dK/dV and losses) = the
+# formula; --cp with --tp, --pp, experts, cudnn refused
 TESTS += dev/test/test_fast_cp.sh
 
 # fast mode with experts: one rank within the bf16 tolerances of train_gpt2, --ep 2 (ZeRO-0, 3)
