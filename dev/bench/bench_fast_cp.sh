@@ -2,7 +2,8 @@
 # Fast mode's context parallelism on a GPU (a table, not a test; prepared for a GPU, not run by
 # this work, which had none): train_gpt2cu in fast mode on GPT-2 124M's shape (12 layers, C=768,
 # NH=12, head size 64: the flash kernels) with maxT 8192, B=1, at T=8192 and the shorter T
-# given, for --cp 1 and --cp 2 --cp-mode a2a (the all-to-all: NH/2 heads a rank); per rank the
+# given, for --cp 1, --cp 2 --cp-mode a2a (the all-to-all: NH/2 heads a rank) and --cp 2
+# --cp-mode ring (its block kernels are naive loops: this row prices them); per rank the
 # activation memory (the startup table's, rank 0), the average step time (excluding the first)
 # and the throughput with its MFU (the run summary's). One rank a GPU when there are as many GPUs
 # as ranks (select_device); on one GPU the two ranks share it, which shows the memory per rank
@@ -19,7 +20,7 @@ trap 'rm -rf "$W"' EXIT
 build/testdata tokens "$W/train.bin" 400000 50257 1 >/dev/null
 printf "%-6s %-12s %14s %12s %s\n" "T" "layout" "act MiB/rank" "ms/step" "throughput"
 for T in ${TS:-2048 8192}; do
-  for layout in "1" "2 a2a"; do
+  for layout in "1" "2 a2a" "2 ring"; do
     N=${layout%% *}
     flags=()
     [ "$N" -gt 1 ] && flags=(--cp "$N" --cp-mode "${layout#* }")
