@@ -28,14 +28,20 @@
  * (the same bits as --tp K alone). Mixture-of-experts models (moe.h) run with data, expert
  * (--ep, bf16 all-to-alls) and pipeline parallelism and ZeRO: an fp32 router, bf16 expert rows,
  * all experts in each batched cuBLASLt call (kernels_fast_moe.cuh), the routing plan and exchanges of
- * expert_parallel.h; every schedule, the split backward's too. In fast mode train_gpt2.cu
- * refuses --cp, --tp with --pp and experts with --tp, and says to use --deterministic 1.
+ * expert_parallel.h; every schedule, the split backward's too. Context parallelism (--cp N,
+ * one pipeline stage, no --tp, dense models) holds each rank's zig-zag slice of T; attention
+ * either turns it into NH/N heads of whole sequences around the flash kernels with bf16
+ * all-to-alls (--cp-mode a2a) or passes bf16 K|V blocks around the ring, merging each block's
+ * partial output by its log-sum-exp (kernels_fast_cp.cuh). In fast mode train_gpt2.cu refuses
+ * --cp with --tp, --pp or experts, --tp with --pp and experts with --tp, and says to use
+ * --deterministic 1.
  */
 #include "llmc/engine.h"
 #include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
 #include "llmc/kernels_fast.cuh"
 #include "llmc/kernels_fast_tp.cuh"
 #include "llmc/kernels_fast_moe.cuh"
+#include "llmc/kernels_fast_cp.cuh"
 #include "llmc/expert_parallel.h"
 #include "llmc/tensor_parallel.h"
 #include "llmc/matmul_cublaslt.cuh"
@@ -127,6 +133,11 @@ typedef struct {
     MoeCounters counters;
     float *psum, *daux;                // (E) device: the router's probability sums, d aux / d p
     float *psum_host, *daux_host;      // (E) their host copies
+    // context parallelism (--cp N, kernels_fast_cp.cuh; N = 1: none): the training passes hold
+    // this rank's zig-zag slice (B,T/N) of each sequence
+    int N, ring;           // ring: --cp-mode ring, else the all-to-all
+    ContextParallel cp;    // context_parallel.h's group and buffers (parts: the all-to-all's; gather)
+    FastRing ring_bufs;    // the ring's blocks and partials
 } FastModel;
 
 // One mixture-of-experts layer's routing and expert activations, kept from its forward to its
@@ -154,12 +165,16 @@ typedef struct {
 typedef struct {
     int recompute, split_backward;
     int sp;                 // the pass is sequence-parallel (training and validation, not the sampler)
+    int cp;                 // the pass is context-parallel (likewise): every tensor below holds the slice
     int* inputs;
+    int* inputs_full;       // --cp: every position's tokens (B,T), for the embedding's gradient
     int* targets;           // NULL: no loss
     int* targets_buf;
     floatX *encoded, *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3, *lnf, *logits, *proj;
     float *ln1_mean, *ln1_rstd, *att, *ln2_mean, *ln2_rstd, *lnf_mean, *lnf_rstd, *losses;
     float* ce_stats;        // --tp: the vocab-parallel classifier's (3,B,T) max, Z and target logit
+    float* losses_full;     // --cp: every position's loss (B,T), gathered along T
+    floatX *qkv_h, *atty_h; // --cp: (L,B,T,3Cl/N), (L,B,T,Cl/N) attention's head-split q|k|v and output
     // a split backward's gradients kept from its input half for its weight half: per layer
     // those at the outputs of its weights (FastOutGrads), the head's d lnf, the embeddings' d encoded
     floatX *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1, *dlnf, *dencoded;
@@ -281,7 +296,6 @@ static FastWeights* fast_weights_use(Zero* zero) {
 
 static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zero, CommGroup* tp, CommGroup* cp,
                          int cp_a2a, int seq_parallel, int B, int T) {
-    if (cp->size != 1) { fatal("internal: fast mode runs without context parallelism"); }
     FastModel* m = (FastModel*)calloc_or_die(1, sizeof(FastModel), "model");
     m->config = *c;
     m->zero = zero;
@@ -303,6 +317,15 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
         m->tp_sum = (float*)m->mem->alloc(sizeof(float) * (size_t)B * T * c->channels, "tensor-parallel sums");
         m->probs_slice = (float*)m->mem->alloc(sizeof(float) * m->Vl, "sample logits");
         m->probs_all = (float*)m->mem->alloc(sizeof(float) * c->padded_vocab_size, "sample logits");
+    }
+    m->N = cp->size;
+    char why[256];
+    const char* problem = cp_problem(m->N, cp_a2a, T, m->NHl, 1, why, sizeof(why));
+    if (problem) { fatal("--cp %d: %s", m->N, problem); }
+    if (m->N > 1) {   // the all-to-alls' buffers, and room for the gathers along T (bf16 B*T*C: B*T*C/2 floats)
+        cp_init(&m->cp, cp, 1, m->mem, B, T, m->Cl, m->NHl, (size_t)B * T * c->channels / 2);
+        m->ring = !cp_a2a;
+        if (m->ring) { fast_ring_init(&m->ring_bufs, m->mem, m->N, B, T, m->Cl, m->NHl); }
     }
     m->sp = seq_parallel && m->K > 1;
     if (m->sp) {
@@ -337,6 +360,8 @@ static void fast_destroy(void* vm) {
         memset(m->weights, 0, sizeof(*m->weights));
     }
     m->mem->release(m->att_D);
+    if (m->N > 1) { cp_free(&m->cp); }
+    if (m->ring) { fast_ring_free(&m->ring_bufs, m->mem); }
     if (m->K > 1) {
         m->mem->release(m->tp_sum);
         m->mem->release(m->probs_slice);
@@ -362,9 +387,12 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
                               size_t* bytes) {
     FastModel* m = (FastModel*)vm;
     const GPT2Config* c = &m->config;
+    FastActs* a = (FastActs*)calloc_or_die(1, sizeof(FastActs), "activations");
+    a->cp = m->N > 1 && split_seqs == SEQS_SPLIT;
+    size_t Tw = T;   // the whole sequence; with CP every per-position tensor holds the slice of T/N
+    if (a->cp) { T /= m->N; }
     size_t L = m->layers, C = c->channels, Cl = m->Cl, NHl = m->NHl, Vl = m->Vl, BT = (size_t)B * T;
     size_t head = m->has_head;   // the head's tensors only on its chunk
-    FastActs* a = (FastActs*)calloc_or_die(1, sizeof(FastActs), "activations");
     *bytes = 2 * BT * sizeof(int);
     a->sp = m->sp && split_seqs == SEQS_SPLIT;
     size_t BTs = a->sp ? BT / m->K : BT;   // the residual stream's rows and the layernorms' (SP: the slice)
@@ -393,6 +421,13 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
     a->losses = act_f(m, head * BT, bytes);
     a->ce_stats = act_f(m, (m->K > 1) * head * 3 * BT, bytes);
     a->proj = act(m, BT * C, bytes);
+    if (a->cp) {   // the all-to-all's head-split tensors (as many elements as qkv's and atty's), whole sequences
+        a->qkv_h = act(m, !m->ring * L * BT * 3 * Cl, bytes);
+        a->atty_h = act(m, !m->ring * L * BT * Cl, bytes);
+        a->losses_full = act_f(m, head * B * Tw, bytes);
+        *bytes += B * Tw * sizeof(int);
+        a->inputs_full = (int*)m->mem->alloc(B * Tw * sizeof(int), "tokens");
+    }
     if (split_backward) {
         a->dfcproj = act(m, L * BT * C, bytes);
         a->dfch = act(m, L * BT * 4 * Cl, bytes);
@@ -401,7 +436,7 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
         a->dqkv = act(m, L * BT * 3 * Cl, bytes);
         a->dln1 = act(m, L * BT * C, bytes);
         a->dlnf = act(m, head * BT * C, bytes);
-        a->dencoded = act(m, m->has_embedding * BT * C, bytes);
+        a->dencoded = act(m, m->has_embedding * B * Tw * C, bytes);   // (CP: gathered whole)
     }
     if (m->E > 0) {
         size_t E = m->E, k = m->top_k, slots = BT * k, rows = (size_t)m->Q * slots;
@@ -445,7 +480,8 @@ static void fast_acts_destroy(void* vm, void* va) {
     void* all[] = {a->inputs, a->targets_buf, a->encoded, a->ln1, a->ln1_mean, a->ln1_rstd, a->qkv, a->atty, a->att,
                    a->residual2, a->ln2, a->ln2_mean, a->ln2_rstd, a->fch, a->fch_gelu, a->residual3, a->lnf,
                    a->lnf_mean, a->lnf_rstd, a->logits, a->losses, a->ce_stats, a->proj, a->dfcproj, a->dfch, a->dln2,
-                   a->dattproj, a->dqkv, a->dln1, a->dlnf, a->dencoded};
+                   a->dattproj, a->dqkv, a->dln1, a->dlnf, a->dencoded, a->qkv_h, a->atty_h, a->losses_full,
+                   a->inputs_full};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
         if (all[i]) { m->mem->release(all[i]); }
     }
@@ -467,14 +503,36 @@ static void fast_acts_destroy(void* vm, void* va) {
     free(a);
 }
 
+// The pass's tokens (B sequences of T, host memory). With CP the rank keeps its zig-zag slice
+// of each sequence (and all of the inputs, for the embedding's gradient).
 static void fast_set_tokens(void* vm, void* va, const int* inputs, const int* targets, int B, int T) {
     FastModel* m = (FastModel*)vm;
     FastActs* a = (FastActs*)va;
-    size_t bytes = (size_t)B * T * sizeof(int);
-    m->mem->from_host(a->inputs, inputs, bytes);
-    if (targets) { m->mem->from_host(a->targets_buf, targets, bytes); }
     a->targets = targets ? a->targets_buf : NULL;
+    if (!a->cp) {
+        size_t bytes = (size_t)B * T * sizeof(int);
+        m->mem->from_host(a->inputs, inputs, bytes);
+        if (targets) { m->mem->from_host(a->targets_buf, targets, bytes); }
+        return;
+    }
+    int N = m->N, Tl = T / N;
+    size_t n = (size_t)B * Tl;
+    m->mem->from_host(a->inputs_full, inputs, (size_t)B * T * sizeof(int));
+    int* slice = (int*)malloc_or_die(2 * n * sizeof(int), "token slices");
+    for (int b = 0; b < B; b++) {
+        for (int t = 0; t < Tl; t++) {
+            long pos = (long)b * T + canon_zz_global(t, T, N, m->cp.rank);
+            slice[b * Tl + t] = inputs[pos];
+            slice[n + b * Tl + t] = targets ? targets[pos] : 0;
+        }
+    }
+    m->mem->from_host(a->inputs, slice, n * sizeof(int));
+    if (targets) { m->mem->from_host(a->targets_buf, slice + n, n * sizeof(int)); }
+    free(slice);
 }
+
+// The positions a pass computes per sequence: the slice's T/N with CP, else T.
+static int fast_pass_T(const FastModel* m, const FastActs* a, int T) { return a->cp ? T / m->N : T; }
 
 // Stage boundaries are bf16 (stage_elem_bytes): a chunk's input and output are the residual
 // stream, which one rank keeps in bf16 too, so sending it loses nothing and halves the bytes.
@@ -484,13 +542,16 @@ static floatX* fast_chunk_output(const FastModel* m, const FastActs* a, int B, i
     return m->layers > 0 ? a->residual3 + (m->layers - 1) * BTs * m->config.channels : a->encoded;
 }
 static float* fast_stage_output(void* vm, void* va, int B, int T) {
-    return (float*)fast_chunk_output((FastModel*)vm, (FastActs*)va, B, T);
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    return (float*)fast_chunk_output(m, a, B, fast_pass_T(m, a, T));
 }
 
 // Per-layer views of the activations of the chunk's layer l, at row t0, for a pass over (B, T)
 // (att: the whole layer's, attention picks its rows).
 struct FastLayerActs {
     floatX *residual, *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3;
+    floatX *qkv_h, *atty_h;   // --cp: attention's head-split q|k|v and output (whole sequences)
     float *ln1_mean, *ln1_rstd, *att, *ln2_mean, *ln2_rstd;
 };
 static FastLayerActs fast_layer_acts(const FastModel* m, const FastActs* a, int l, int B, int T, int t0) {
@@ -503,6 +564,8 @@ static FastLayerActs fast_layer_acts(const FastModel* m, const FastActs* a, int 
     v.ln1_rstd = a->ln1_rstd + l * BTs + r0;
     v.qkv = a->qkv + (l * BT + r0) * 3 * Cl;
     v.atty = a->atty + (l * BT + r0) * Cl;
+    v.qkv_h = a->cp ? a->qkv_h + l * BT * 3 * Cl : NULL;
+    v.atty_h = a->cp ? a->atty_h + l * BT * Cl : NULL;
     v.att = a->att + l * gpu_attention_stats_stride(B, m->NHl, T);
     v.residual2 = a->residual2 + (l * BTs + r0) * C;
     v.ln2 = a->ln2 + (l * BT + r0) * C;
@@ -581,8 +644,8 @@ static void fast_sp_f_forward(FastModel* m, const FastActs* a, floatX* ln, int B
 static void fast_ln_param_grads(FastModel* m, const FastActs* a, float* dweight, float* dbias, const floatX* x,
                                 const floatX* dy, const float* mean, const float* rstd, int B, int T) {
     int C = m->config.channels;
-    if (!a->sp) {
-        layernorm_param_grads_x(dweight, dbias, NULL, x, dy, 1, mean, rstd, B, T, C, CANON_R);
+    if (!a->sp) {   // (CP: the slice's 8/N chunks of each sequence; ZeRO sums the ranks' partials)
+        layernorm_param_grads_x(dweight, dbias, NULL, x, dy, 1, mean, rstd, B, T, C, CANON_R / (a->cp ? m->N : 1));
         return;
     }
     layernorm_param_grads_x(NULL, NULL, m->ln_partials, x, dy, 1, mean, rstd, B, T / m->K, C, CANON_R / m->K);
@@ -751,7 +814,16 @@ static void fast_embed_rows(FastModel* m, FastActs* a, int B, int T, int t0, int
     floatX* wte = fast_params(m, ZERO_WTE, ZERO_WPE);
     floatX* wpe = fast_params(m, ZERO_WPE, m->layers > 0 ? ZERO_LAYER(m->first_layer) : -1);
     int Bp = rows == 1 ? 1 : B, Tp = rows == 1 ? 1 : T;
-    if (m->K == 1) {
+    if (a->cp) {   // CP: this rank's slice, the positions of its two stretches of each sequence (zigzag.h)
+        int N = m->N, stretch = T / (2 * N);
+        for (int b = 0; b < B; b++) {
+            for (int half = 0; half < 2; half++) {
+                size_t row = (size_t)b * (T / N) + half * stretch;
+                encoder_forward_fast(a->encoded + row * C, a->inputs + row, wte,
+                                     wpe + zz_stretch_begin(T, N, m->cp.rank, half) * C, 1, stretch, C);
+            }
+        }
+    } else if (m->K == 1) {
         encoder_forward_fast(a->encoded + (size_t)t0 * C, a->inputs + t0, wte, wpe + (size_t)t0 * C, Bp, Tp, C);
     } else if (a->sp) {   // SP: reduce-scatter along T (tp group) of the lookups, then the
                           // positions of this rank's slice (zigzag.h: two stretches a sequence)
@@ -807,6 +879,10 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
         matmul_forward_fast(x.qkv, x.ln1, w.qkvw, w.qkvb, rows, C, 3 * Cl, NULL);
         if (decode) {   // query row t0 against the cached keys and values of rows 0..t0
             attention_forward_fast_row(x.atty - (size_t)t0 * Cl, x.att, x.qkv - (size_t)t0 * 3 * Cl, t0, Cl, NHl);
+        } else if (a->cp && m->ring) {   // this rank's queries against every rank's K|V block around the ring
+            fast_cp_ring_forward(&m->cp, &m->ring_bufs, x.atty, x.att, x.qkv, B, T * m->N, Cl, NHl);
+        } else if (a->cp) {   // this rank's NH/N heads on whole sequences, between two all-to-alls (cp group)
+            fast_cp_a2a_forward(&m->cp, x.atty, x.att, x.qkv_h, x.atty_h, x.qkv, B, T * m->N, Cl, NHl);
         } else {
             fast_attention_forward(x.atty, x.att, x.qkv, B, T, Cl, NHl);
         }
@@ -843,7 +919,12 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
     }
 }
 
-static void fast_layers_forward(void* vm, void* va, int B, int T) { fast_layers_rows((FastModel*)vm, (FastActs*)va, B, T, 0, B * T); }
+static void fast_layers_forward(void* vm, void* va, int B, int T) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    int Tl = fast_pass_T(m, a, T);
+    fast_layers_rows(m, a, B, Tl, 0, B * Tl);
+}
 
 // logits of `rows` positions from row t0, bf16, and with targets the losses. A head chunk
 // without layers forms lnf itself from its input (the layers' fused kernel does otherwise).
@@ -866,7 +947,9 @@ static void fast_head_rows(FastModel* m, FastActs* a, int t0, int rows, int trai
 }
 
 static void fast_head_forward(void* vm, void* va, int B, int T, int training) {
-    fast_head_rows((FastModel*)vm, (FastActs*)va, 0, B * T, training);
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    fast_head_rows(m, a, 0, B * fast_pass_T(m, a, T), training);
 }
 
 // ---- generation with the KV cache ---------------------------------------------------------
@@ -883,9 +966,14 @@ static void fast_embed_decode(void* vm, void* va, int token, int t, int T) {
 static void fast_layers_decode(void* vm, void* va, int t, int T) { fast_layers_rows((FastModel*)vm, (FastActs*)va, 1, T, t, 1); }
 static void fast_head_decode(void* vm, void* va, int t, int T) { (void)T; fast_head_rows((FastModel*)vm, (FastActs*)va, t, 1, 0); }
 
+// The R3 sum of the pass's per-position losses; with CP every position's, all-gathered (cp
+// group, fp32) along T, summed as one rank sums them.
 static float fast_loss_sum(void* vm, void* va, int B, int T) {
-    (void)vm;
-    return position_sum(((FastActs*)va)->losses, B, T);
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    if (!a->cp) { return position_sum(a->losses, B, T); }
+    cp_gather_sequences(&m->cp, a->losses, a->losses_full, B, T, 1);
+    return position_sum(a->losses_full, B, T);
 }
 
 // The probabilities at one position, from its bf16 logits, formed on the host.
@@ -913,12 +1001,14 @@ static void* fast_grads_create(void* vm, int B, int T, int split_seqs, size_t* b
     size_t BTC = (size_t)B * T * m->config.channels, BTCl = (size_t)B * T * m->Cl;
     FastGrads* g = (FastGrads*)calloc_or_die(1, sizeof(FastGrads), "activation gradients");
     *bytes = 0;
-    int sp = m->sp && split_seqs == SEQS_SPLIT;
+    int sp = m->sp && split_seqs == SEQS_SPLIT, cp = m->N > 1 && split_seqs == SEQS_SPLIT;
+    size_t BTCw = BTC;   // CP: every per-position gradient holds the slice; the embedding's is gathered whole
+    if (cp) { BTC /= m->N; BTCl /= m->N; }
     g->dresidual = act(m, sp ? BTC / m->K : BTC, bytes);   // SP: the slice
     g->dbtc = act(m, BTC, bytes);
     g->dqkv = act(m, 3 * BTCl, bytes);
     g->dbt4c = act(m, 4 * BTCl, bytes);
-    g->dfull = act(m, sp * BTC, bytes);
+    g->dfull = act(m, sp ? BTC : cp && m->has_embedding ? BTCw : 0, bytes);
     if (m->E > 0) {
         size_t BT = (size_t)B * T, C = m->config.channels, E = m->E, slots = BT * m->top_k, rows = m->Q * slots;
         g->dgate = act_f(m, slots, bytes);
@@ -968,6 +1058,7 @@ static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float
     FastGrads* g = (FastGrads*)vg;
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
+    T = fast_pass_T(m, a, T);
     int C = c->channels, BT = B * T, in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT;
     int LNF = z->lay.num_units - 1, BTs = a->sp ? BT / m->K : BT;   // BTs: the residual stream's rows
     floatX* dlnf = a->split_backward ? a->dlnf : g->dbtc;
@@ -1030,6 +1121,7 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
     FastGrads* g = (FastGrads*)vg;
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
+    T = fast_pass_T(m, a, T);
     int C = c->channels, Cl = m->Cl, BT = B * T, in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT;
     int sp = a->sp, BTs = sp ? BT / m->K : BT;   // BTs: the residual stream's rows (SP: the slice)
     int first = m->first_layer;
@@ -1064,8 +1156,14 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
         if (in) { fast_row_parallel_dout(m, a, g, d.dattproj, B, T); }
         if (in) { matmul_backward_fast(g->dbtc, NULL, NULL, d.dattproj, NULL, w.attprojw, B, T, Cl, C, NULL); }
         if (wt) { matmul_backward_fast(NULL, dw.attprojw, dw.attprojb, d.dattproj, x.atty, NULL, B, T, Cl, C, NULL); }
-        if (in) {
+        if (in && a->cp && m->ring) {   // K|V around the ring again, dk|dv partials to their owners
+            fast_cp_ring_backward(&m->cp, &m->ring_bufs, d.dqkv, g->dbtc, x.qkv, x.atty, x.att, B, T * m->N, Cl, m->NHl);
+        } else if (in && a->cp) {   // d out to the heads, their backward, d q|k|v back (all-to-alls, cp group)
+            fast_cp_a2a_backward(&m->cp, d.dqkv, g->dbtc, x.qkv_h, x.atty_h, x.att, m->att_D, B, T * m->N, Cl, m->NHl);
+        } else if (in) {
             fast_attention_backward(d.dqkv, g->dbtc, x.qkv, x.atty, x.att, m->att_D, B, T, Cl, m->NHl);
+        }
+        if (in) {
             fast_column_parallel_dinp(m, sp, d.dln1, d.dqkv, w.qkvw, B, T, BT, 3 * Cl);
         }
         if (wt) { matmul_backward_fast(NULL, dw.qkvw, dw.qkvb, d.dqkv, x.ln1, NULL, B, T, C, 3 * Cl, NULL); }
@@ -1088,13 +1186,23 @@ static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T, int 
     FastGrads* g = (FastGrads*)vg;
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
-    // with SP the lookup's gradient reads every position: d(encoded) all-gathered along T (tp group)
-    floatX* dencoded = a->split_backward ? a->dencoded : a->sp ? g->dfull : g->dresidual;
-    if (part & BACKWARD_INPUT) { fast_row_parallel_dout(m, a, g, dencoded, B, T); }
+    // with SP the lookup's gradient reads every position: d(encoded) all-gathered along T (tp
+    // group); with CP likewise (cp group, bf16), and the one-rank backward runs on whole sequences
+    floatX* dencoded = a->split_backward ? a->dencoded : a->sp || a->cp ? g->dfull : g->dresidual;
+    if ((part & BACKWARD_INPUT) && a->cp) {
+        fast_cp_gather_sequences(&m->cp, dencoded, g->dresidual, B, T, c->channels);
+    } else if (part & BACKWARD_INPUT) {
+        fast_row_parallel_dout(m, a, g, dencoded, B, T);
+    }
     if (!(part & BACKWARD_WEIGHT)) { return; }
     int lookup_unit = zero_lookup_unit(z);
-    encoder_backward_x(zero_grad_unit(z, lookup_unit), zero_grad_unit(z, ZERO_WPE), dencoded, 1, a->inputs, B, T,
-                       c->channels, m->v0, m->Vl, c->max_seq_len);
+    float *dlookup = zero_grad_unit(z, lookup_unit), *dwpe = zero_grad_unit(z, ZERO_WPE);
+    encoder_backward_x(dlookup, dwpe, dencoded, 1, a->cp ? a->inputs_full : a->inputs, B, T, c->channels, m->v0,
+                       m->Vl, c->max_seq_len);
+    if (a->cp) {   // every rank of the group computed them whole: ZeRO gets this rank's part, -0.0f elsewhere
+        cp_keep_part(&m->cp, dlookup, z->lay.size[lookup_unit]);
+        cp_keep_part(&m->cp, dwpe, z->lay.size[ZERO_WPE]);
+    }
     zero_grad_unit_done(z, ZERO_WPE);
     zero_grad_unit_done(z, lookup_unit);
 }

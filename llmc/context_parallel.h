@@ -372,15 +372,19 @@ static inline void cp_finish_sequences(ContextParallel* cp, float* out, float* p
 // each layer sends, with the ring, (N-1) K and (N-1) V blocks forward, (N-1) V and (N-1) K
 // blocks and (N-1) dK|dV partial blocks backward, a block being B (T/N) (C/tp) floats; with the
 // all-to-all 8 (N-1)/N blocks; the embeddings' chunk all-gathers the embedding's gradient
-// ((N-1) B (T/N) C floats), the head's chunk the per-position losses ((N-1) B (T/N)).
+// ((N-1) B (T/N) C elements), the head's chunk the per-position losses ((N-1) B (T/N) floats).
+// elem_bytes: the bytes of an element of the K/V blocks, the all-to-alls' and the embedding's
+// gradient (4: fp32, deterministic mode; 2: bf16, fast mode, kernels_fast_cp.cuh); the ring's
+// dK|dV partials and the losses are fp32 in both.
 static inline uint64_t cp_bytes_per_step(int N, int a2a, int layers, int has_embedding, int has_head, int B, int T,
-                                         int C, int tp, int microbatches) {
+                                         int C, int tp, int microbatches, int elem_bytes) {
     uint64_t positions = (uint64_t)B * (T / N);   // this rank's positions of a microbatch
     uint64_t block = positions * (C / tp);
-    uint64_t per_layer = a2a ? 8 * (uint64_t)(N - 1) * block / N : 6 * (uint64_t)(N - 1) * block;
-    uint64_t per_micro = layers * per_layer + (has_embedding ? (uint64_t)(N - 1) * positions * C : 0) +
-                         (has_head ? (uint64_t)(N - 1) * positions : 0);
-    return sizeof(float) * per_micro * (uint64_t)microbatches;
+    uint64_t per_layer = a2a ? elem_bytes * 8 * (uint64_t)(N - 1) * block / N
+                             : elem_bytes * 4 * (uint64_t)(N - 1) * block + sizeof(float) * 2 * (uint64_t)(N - 1) * block;
+    uint64_t embedding = has_embedding ? elem_bytes * (uint64_t)(N - 1) * positions * C : 0;
+    uint64_t losses = has_head ? sizeof(float) * (uint64_t)(N - 1) * positions : 0;
+    return (layers * per_layer + embedding + losses) * (uint64_t)microbatches;
 }
 
 // cp_bytes_per_step for a --varlen step: the sum over this rank's sequences (lengths[i], i <
@@ -392,7 +396,7 @@ static inline uint64_t cp_bytes_per_varlen_step(int N, int D, int a2a, int layer
     uint64_t bytes = 0;
     for (int i = 0; i < count; i++) {
         if (zz_splits_length(D, lengths[i])) {
-            bytes += cp_bytes_per_step(N, a2a, layers, has_embedding, has_head, 1, lengths[i], C, tp, 1);
+            bytes += cp_bytes_per_step(N, a2a, layers, has_embedding, has_head, 1, lengths[i], C, tp, 1, sizeof(float));
         }
     }
     return bytes;

@@ -24,9 +24,15 @@ TESTS += dev/test/test_fast_pp.sh
 
 # fast mode with tensor parallelism: --tp 2 within a derived tolerance of one rank (DP 2 x TP 2
 # at ZeRO-3 = TP 2 byte for byte), within the bf16 tolerances of train_gpt2, tp bytes = Megatron's
-# count; --tp 2 --sp 1 = --tp 2 byte for byte, its tp bytes = the formula; --cp and --tp with
-# --pp refused in one line
+# count; --tp 2 --sp 1 = --tp 2 byte for byte, its tp bytes = the formula; --tp with --pp
+# refused in one line
 TESTS += dev/test/test_fast_tp.sh
+
+# fast mode with context parallelism: --cp 2 --cp-mode a2a (ZeRO-0, 3) within a derived
+# tolerance of one rank (its forward equal), --cp-mode ring within the bf16 tolerances of one
+# rank, both within those of train_gpt2, cp bytes (bf16 messages, fp32 dK/dV and losses) = the
+# formula; --cp with --tp, --pp, experts, cudnn refused
+TESTS += dev/test/test_fast_cp.sh
 
 # fast mode with experts: one rank within the bf16 tolerances of train_gpt2, --ep 2 (ZeRO-0, 3)
 # and --pp 2 (1f1b, zb1) = one rank byte for byte, rank 0's all-to-all bytes (bf16 rows) against

@@ -69,7 +69,8 @@
 #     failure: this machine cannot run it; make test runs the same layouts on the emulated
 #     GPU, dev/test/test_cuda_emu.sh). Fast mode on 2 pipeline stages (1f1b, zb1) identical to
 #     fast mode on one rank; fast --tp 2 run and finite (its tolerance: test_fast_tp.sh), fast
-#     --tp 2 --sp 1 identical to fast --tp 2. With 2+ GPUs also --comm nccl, and fast-mode data
+#     --tp 2 --sp 1 identical to fast --tp 2, fast --cp 2 --cp-mode a2a and ring run and finite
+#     with their cp bytes = the formula (their tolerances: test_fast_cp.sh). With 2+ GPUs also --comm nccl, and fast-mode data
 #     parallelism's tok/s from 1 to N GPUs (INFO).
 #  5. benchmark: GPT-2 124M (-e d12), T=1024, the largest B of 32, 16, 8 that fits; fast
 #     mode with cuDNN and with flash attention (10 steps), deterministic mode (4 steps):
@@ -617,9 +618,11 @@ fast_layouts() {
     else fail "$name" "differ from fast mode on 1 rank: $bad"; fi
   done
   # tensor parallelism (within a tolerance of one rank: test_fast_tp.sh derives it, so here it
-  # must run and stay finite), and sequence parallelism: the same bits as --tp 2 alone
+  # must run and stay finite), sequence parallelism: the same bits as --tp 2 alone, and context
+  # parallelism, the all-to-all and the ring (their tolerances: test_fast_cp.sh; here each runs,
+  # stays finite, and its cp bytes equal the formula on the trainer's accounting line)
   local tp
-  for tp in "--tp 2" "--tp 2 --sp 1"; do
+  for tp in "--tp 2" "--tp 2 --sp 1" "--cp 2 --cp-mode a2a" "--cp 2 --cp-mode ring"; do
     ln=$(echo "$tp" | tr -d ' -')
     name="4. fast 2 ranks $tp --comm $comm"
     in_time "$name" 15 || continue
@@ -629,6 +632,12 @@ fast_layouts() {
     finite "s4_fast_${comm}_$ln" "$W/s4_fast_${comm}_$ln"
     if [ $RC != 0 ]; then said "s4_fast_${comm}_$ln"; fail "$name" "$(why $RC); see s4_fast_${comm}_$ln.out"; continue; fi
     if [ "$ln" = tp2 ]; then pass "$name" "ran, finite (its tolerance against one rank: dev/test/test_fast_tp.sh)"; continue; fi
+    if [ "${ln#cp2cpmode}" != "$ln" ]; then
+      if grep -q "^cp accounting: ${ln#cp2cpmode} .*(equal)$" "$LOGS/s4_fast_${comm}_$ln.out"; then
+        pass "$name" "ran, finite, cp bytes = the formula (its tolerance against one rank: dev/test/test_fast_cp.sh)"
+      else fail "$name" "the cp accounting line is missing or says MISMATCH; see s4_fast_${comm}_$ln.out"; fi
+      continue
+    fi
     bad=$(differ "s4_fast_${comm}_tp2" "s4_fast_${comm}_$ln")
     if [ -z "$bad" ]; then pass "$name" "main.log, final model, samples identical to fast --tp 2"
     else fail "$name" "differ from fast --tp 2: $bad"; fi

@@ -27,8 +27,8 @@
 #      is per row, and the layernorm weight gradients' per-sequence subtrees finish over the
 #      group in the R3 tree's order; so within the tolerance of 1 and 2; its tp bytes against
 #      the formula (fp32 reduce-scatters, bf16 all-gathers, the layernorms' subtrees);
-#   5. what fast mode does not run yet (--cp in either mode, with or without --sp; --tp with
-#      --pp): refused in one line.
+#   5. what fast mode does not run yet (--tp with --pp): refused in one line (--cp with --tp:
+#      test_fast_cp.sh).
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -117,13 +117,7 @@ pass "fast mode --tp 2 --sp 1 = --tp 2 byte for byte (main.log, checkpoint, samp
 vs_cpu sp2 "--tp 2 --sp 1"
 
 # 5. what fast mode does not run yet: one line naming the flags
-for np_flags in "2 --cp 2" "2 --cp 2 --cp-mode a2a" "4 --tp 2 --sp 1 --cp 2"; do
-  flags=${np_flags#* }
-  out=$($MPI "${np_flags%% *}" "${FAST[@]}" "${ARGS[@]}" $flags -o "$W/refused" 2>&1) && fail "fast mode $flags: not refused"
-  echo "$out" | grep -q "^error: \[rank [0-3]\] --cp: fast mode runs data, tensor (with --sp) and pipeline parallelism and ZeRO; .*--deterministic 1$" \
-    || fail "fast mode $flags: no one-line refusal ($(echo "$out" | grep -m1 -i error))"
-done
 out=$($MPI 4 "${FAST[@]}" "${ARGS[@]}" --tp 2 --pp 2 -o "$W/refused" 2>&1) && fail "fast mode --tp 2 --pp 2: not refused"
 echo "$out" | grep -q "^error: \[rank [0-3]\] --tp with --pp: fast mode runs tensor parallelism on one pipeline stage only.*--deterministic 1$" \
   || fail "fast mode --tp 2 --pp 2: no one-line refusal ($(echo "$out" | grep -m1 -i error))"
-pass "fast mode --cp 2 (ring and a2a), --tp 2 --sp 1 --cp 2, --tp 2 --pp 2: refused in one line"
+pass "fast mode --tp 2 --pp 2: refused in one line"
