@@ -35,6 +35,7 @@
 #include "llmc/memory.h"
 #include "llmc/utils.h"
 #include "llmc/varlen_flexsp.h"
+#include "llmc/zero.h"
 
 // ---- from a plan to the pool's blocks ---------------------------------------------------
 
@@ -71,7 +72,12 @@ static inline void flexsp_plan_blocks(const FlexPlan* p, const int* group_of, co
 
 // ---- the gradient exchange ---------------------------------------------------------------
 
-#define FLEXSP_TREE_DEPTH 40   // the R1 tree over G sequences is ceil(log2 G) + 1 entries deep
+// The R1 tree over n sequences is at most ceil(log2 n) + 1 entries deep.
+static inline int flexsp_tree_depth(int n) {
+    int depth = 1;
+    while ((1 << (depth - 1)) < n) { depth++; }
+    return depth;
+}
 
 static inline int flexsp_holds(const int* first, const int* size, int j, int rank) {
     return rank >= first[j] && rank < first[j] + size[j];
@@ -116,10 +122,11 @@ static inline void flexsp_reduce_sequence_grads(CommGroup* pool, const int* firs
     size_t* next = (size_t*)calloc((size_t)P, sizeof(size_t));
     for (int s = 1; s < P; s++) { block[s] = block[s - 1] + recv_counts[s - 1]; }
     // the R1 tree over the sequences, streamed: push each finished sequence, then merge
-    float* stack = mem_floats(mem, (size_t)FLEXSP_TREE_DEPTH * shard + 1, "FlexSP gradient tree");
+    int depth = flexsp_tree_depth(nseq);
+    float* stack = mem_floats(mem, (size_t)depth * shard + 1, "FlexSP gradient tree");
     int top = 0;
     for (int j = 0; j < nseq; j++) {
-        if (top == FLEXSP_TREE_DEPTH) { fatal("internal: the FlexSP gradient tree is deeper than %d", FLEXSP_TREE_DEPTH); }
+        if (top == depth) { fatal("internal: the FlexSP gradient tree is deeper than %d", depth); }
         float* leaf = stack + (size_t)top * shard;
         for (int s = first[j]; s < first[j] + size[j]; s++) {
             const float* part = recv + block[s] + next[s];
@@ -142,6 +149,32 @@ static inline void flexsp_reduce_sequence_grads(CommGroup* pool, const int* firs
     free(recv_counts);
     free(block);
     free(next);
+}
+
+// ---- the trainer's step ------------------------------------------------------------------
+
+// After a FlexSP step's backwards (zero.h's flexsp mode: each of this rank's sequences' whole
+// gradient in z->flexsp_grads): unit by unit, the exchange above over the sharding group (the
+// pool) gives this rank its shard of the R1 tree over the step's nseq sequences, which lands
+// where ZeRO keeps its reduced gradient (stage 1: the shard's range of the gradient buffer;
+// stage 2: the shard buffer). zero_finish_grads then adds the tied embedding's halves, as
+// after any step.
+static inline void flexsp_reduce_step(Zero* z, const int* first, const int* size, int nseq) {
+    if (z->stage != 1 && z->stage != 2) { fatal("internal: FlexSP's step runs over ZeRO 1 or 2, not %d", z->stage); }
+    float* shard = zero_alloc(z, z->max_padded / (size_t)z->N + 1, "FlexSP gradient shard");
+    for (int u = 0; u < z->lay.num_all; u++) {
+        if (!z->lay.grads_here[u] || z->lay.padded[u] == 0) { continue; }
+        float* out = z->stage == 2 ? z->grad_shard + z->lay.gshard_base[u] : shard;
+        // all-to-all-v (the pool: the sharding group; gradients): shard r of unit u of every
+        // sequence this rank computed -> rank r, summed there in the step's index order
+        flexsp_reduce_sequence_grads(z->group, first, size, nseq, zero_flexsp_unit_region(z, u), z->lay.shard[u], out);
+        if (z->stage == 1) {
+            size_t b, e;
+            zero_shard_range(&z->lay, u, z->rank, &b, &e);
+            z->mem->copy(z->grads + z->lay.glocal[u] + b, out, (e - b) * sizeof(float));
+        }
+    }
+    z->mem->release(shard);
 }
 
 #endif // LLMC_FLEXSP_H
