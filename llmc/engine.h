@@ -667,7 +667,7 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets) {
     }
     t->mem->sync();
     float busy_ms = (float)((now_seconds() - t0) * 1e3);
-    flexsp_reduce_step(z, first, size, G);
+    flexsp_reduce_step(z, &t->flexsp_ws, first, size, G);
     zero_finish_grads(z);
     // all-gather (dp group): every rank's loss sums (its sequences in index order) and its
     // measured compute time; the loss is the R1 tree over sequence j's sum, from rank first[j]
@@ -932,6 +932,7 @@ static inline void trainer_end(Trainer* t) {
     free(t->moe_micro_aux);
     free(t->moe_counters);
     free(t->flexsp_line);
+    flexsp_workspace_free(t->mem, &t->flexsp_ws);
     pipeline_free(&t->pipe);
     if (t->do_sample) {
         for (int ch = 0; ch < t->nchunks; ch++) { t->ops->acts_destroy(t->models[ch], t->sample_acts[ch]); }

@@ -66,6 +66,7 @@ typedef struct {
     MoeCounters** moe_counters;     // [nchunks] each chunk's routing counters (NULL: none)
     float* moe_micro_aux;           // (local microbatches) each one's aux loss, summed over layers
     FlexCost flexsp_cost;           // --flexsp 1: the planner's cost model (engine.h trainer_flexsp_cost)
+    FlexWorkspace flexsp_ws;        // ... the gradient exchange's buffers
     char* flexsp_line;              // ... the step's plan and times, for the step's console lines
 } Trainer;
 
