@@ -10,7 +10,8 @@
 #  - resume continues at the sequence where the checkpoint stopped;
 #  - every layout equals one rank with --varlen on the documents: DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2,
 #    PP 2 under every schedule, DP 2 x PP 2, experts with --ep 2 (main.log, checkpoint, samples);
-#  - the emulated CUDA build (deterministic) on 1 rank, DP 2 x ZeRO-3, PP 2 and CP 2 equals the CPU build;
+#  - the emulated CUDA build (deterministic) on 1 rank, DP 2 x ZeRO-3, PP 2, CP 2 and --flexsp 1
+#    (DP 2 x ZeRO-2) equals the CPU build;
 #  - context parallelism (ring and a2a, cp 2 and 4, with DP and PP) and sequence parallelism
 #    (TP 2 + SP, with CP 2) equal one rank: a length that is a multiple of 2 x the ranks
 #    splitting it is split, any other computed whole by each rank;
@@ -126,7 +127,7 @@ i=0; for k in 3 7 11 1; do i=$((i + 1)); $DATA tokens "$W/tail$i.bin" $((48 + 1 
 TAILS=(-e d2c32h2v64t32 -i "$W/tail*.bin" -j "$W/tail1.bin" -t 16 --varlen 4 -v 2 -m 1 -s 2 -g 6 -l 3e-3 -x 3 -n 3)
 run tails 1 "${TAILS[@]}" -o "$W/tails"
 BIN="./train_gpt2cu_emu --deterministic 1"
-for layout in "1" "2 -z 3" "2 --pp 2" "2 --cp 2"; do
+for layout in "1" "2 -z 3" "2 --pp 2" "2 --cp 2" "2 -z 2 --flexsp 1"; do
   name=emu$(echo "$layout" | tr -d ' -')
   run "$name" $layout "${TAILS[@]}" -o "$W/$name"
   same tails "$name" 3
@@ -134,7 +135,7 @@ done
 BIN=./train_gpt2
 ./train_gpt2cu_emu --deterministic 0 "${TAILS[@]}" -o "$W/fastbad" >"$W/fastbad.out" 2>&1 && fail "fast mode accepted --varlen"
 grep -q -- "--varlen: fast mode trains fixed windows" "$W/fastbad.out" || { cat "$W/fastbad.out"; fail "fast mode with --varlen: no line naming the flag"; }
-pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3, PP 2 and CP 2: identical to the CPU build; fast mode refuses --varlen"
+pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3, PP 2, CP 2 and --flexsp 1 over DP 2 ZeRO-2: identical to the CPU build; fast mode refuses --varlen"
 
 # --- bad input: one line, non-zero exit ---
 bad() {   # expected-text args...
