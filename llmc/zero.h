@@ -76,7 +76,9 @@
  * every local microbatch, so rank r takes microbatches i*N + r (local step i): the ranks'
  * i-th microbatches form the block [i*N, (i+1)*N), the reduce-scatter sums it, and the local
  * tree over i finishes the global tree (exact when N and M/N are powers of two). Either way
- * the bits are those of one rank running all M microbatches.
+ * the bits are those of one rank running all M microbatches. With FlexSP (flexsp mode) a plan
+ * gives a rank any set of the step's sequences, which is no subtree: each one's gradient is
+ * kept whole and flexsp.h's exchange builds the tree over all of them at the shard owners.
  */
 #ifndef LLMC_ZERO_H
 #define LLMC_ZERO_H
@@ -304,7 +306,7 @@ typedef struct {
     // FlexSP (--flexsp 1, llmc/flexsp.h): the step's sequences this rank computes are its local
     // microbatches, each one's gradient kept whole (no tree, no reduction here) in
     // flexsp_grads: unit by unit, unit u's region holds every local microbatch's padded
-    // gradient of u (flexsp_unit_region), for flexsp_reduce_step's exchange
+    // gradient of u (zero_flexsp_unit_region), for flexsp_reduce_step's exchange
     int flexsp;
     const int* flexsp_index;   // [local microbatches of the step] each one's index in the step
     float* flexsp_grads;
