@@ -65,7 +65,8 @@ train_gpt2: train_gpt2.c $(LLMC_HEADERS)
 ifneq ($(HAVE_MPI),1)
 	@echo "note: mpicc not found (or NO_MPI=1): building train_gpt2 for a single rank only"
 endif
-	$(TRAIN_CC) $(CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
+	@$(if $(FLEXSP_GLPK),true,echo "note: glpk.h not found (Debian: libglpk-dev): --flexsp-policy milp plans with the greedy plan")
+	$(TRAIN_CC) $(CFLAGS) $(TRAIN_CFLAGS) $(FLEXSP_GLPK) -o $@ $< $(FLEXSP_LIBS) $(LDLIBS)
 
 # --- tests of the reference trainer --------------------------------------------------------
 # The kernel test is built twice: with the SIMD kernels and with the plain-C ones (same bits).

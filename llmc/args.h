@@ -55,6 +55,9 @@ typedef struct {
     int shuffle;
     long long seed;
     int varlen;                   // sequences per step cut at EOT (dataloader.h); 0 = fixed-T windows
+    int flexsp;                   // FlexSP: each step's sequences over the planner's groups (flexsp.h)
+    const char* flexsp_policy;    // ... static | adaptive | milp (varlen_flexsp.h)
+    int flexsp_tokens;            // ... the longest sequence one rank computes alone; 0 = -t
     int tp, pp, sp;               // tensor / pipeline / sequence parallelism
     int ep;                       // expert parallelism (a mixture-of-experts model)
     float aux_loss;               // alpha of the experts' load-balancing loss
@@ -134,6 +137,9 @@ static const ArgSpec arg_specs[] = {
     {"--grad-clip", ARG_FLOAT, ARG_FIELD(grad_clip), 0, 1e6, 0, "clip the global gradient norm to this; 0 = off"},
     {"--shuffle", ARG_INT, ARG_FIELD(shuffle), 0, 1, 0, "1 = shuffle the train shards and microbatches each epoch"},
     {"--varlen", ARG_INT, ARG_FIELD(varlen), 1, INT_MAX, 0, "G: train on G variable-length sequences per step, cut at EOT, of at most -t tokens, one per microbatch (-b, -d unused); default 0 = fixed windows of -t tokens"},
+    {"--flexsp", ARG_INT, ARG_FIELD(flexsp), 0, 1, 0, "1 = FlexSP (with --varlen, ZeRO 1 or 2): rank 0 plans each step's groups of the data-parallel pool and assigns the sequences to them; the same bits as one rank"},
+    ARG_STRING("--flexsp-policy", flexsp_policy, "FlexSP's planner: static (one group size for the run) | adaptive (the best single size per step) | milp (FlexSP's integer program, GLPK)"),
+    {"--flexsp-tokens", ARG_INT, ARG_FIELD(flexsp_tokens), 0, INT_MAX, 0, "FlexSP: the longest sequence one rank's memory holds (tokens); 0 = -t"},
     {"--seed", ARG_LLONG, ARG_FIELD(seed), 0, 0, ARG_ANY_VALUE, "seed of the weight init (-e dN) and of the shuffle"},
     ARG_STRING("--prompt", sample_prompt, "sampling: the prompt as comma-separated token ids (default: <|endoftext|>); the sample continues it"),
     ARG_STRING("--tokenizer", tokenizer_path, "llm.c tokenizer file used to print samples"),
@@ -203,6 +209,7 @@ static inline void train_args_defaults(TrainArgs* a) {
     a->aux_loss = 0.01f;
     a->cp = 1;
     a->cp_mode = "ring";
+    a->flexsp_policy = "milp";
     a->pp_schedule = "1f1b";
     a->deterministic = 0;
     a->comm = "auto";
@@ -355,6 +362,10 @@ static inline void train_args_validate(const TrainArgs* a) {
     }
     if (a->cp != 1 && a->cp != 2 && a->cp != 4 && a->cp != 8) {
         fatal("--cp %d: the context-parallel degree must be 1, 2, 4 or 8 (a divisor of the 8 canonical chunks)", a->cp);
+    }
+    if (strcmp(a->flexsp_policy, "static") != 0 && strcmp(a->flexsp_policy, "adaptive") != 0 &&
+        strcmp(a->flexsp_policy, "milp") != 0) {
+        fatal("--flexsp-policy: expected static, adaptive or milp, got '%s'", a->flexsp_policy);
     }
     if (strcmp(a->cp_mode, "ring") != 0 && strcmp(a->cp_mode, "a2a") != 0) {
         fatal("--cp-mode must be ring or a2a, got '%s'", a->cp_mode);

@@ -85,6 +85,47 @@ static inline void trainer_check_same_flags(Trainer* t) {
     }
 }
 
+// The cost model the trainer plans FlexSP's steps with: FlexSP's published computation
+// coefficients (varlen_flexsp.h; this machine's fit, make bench-flexsp, is noisy and its
+// per-sequence constant has no place in the model), groups of one rank only (max_group 1:
+// context parallelism over the pool's sub-groups is not done), and no memory bound on a
+// group's sum of tokens: the engine runs a group's sequences one pass at a time, each within
+// the activations of -t positions, and trainer_check_flexsp checks that -t fits one rank.
+static inline FlexCost trainer_flexsp_cost(int step_sequences, int T) {
+    FlexCost c = flexsp_cost_gpt7b();
+    c.params = 0;
+    c.act_per_token = 1;
+    c.device_bytes = (double)step_sequences * T;
+    c.max_group = 1;
+    return c;
+}
+
+// --flexsp 1 runs over the data-parallel pool with ZeRO 1 or 2 and groups of one rank
+// (README); every other layout is refused in one line.
+static inline void trainer_check_flexsp(Trainer* t) {
+    const TrainArgs* a = &t->args;
+    int N = t->comm.dp, budget = a->flexsp_tokens ? a->flexsp_tokens : t->T;
+    if (!a->varlen) { fatal("--flexsp 1: FlexSP plans a step of variable-length sequences; it needs --varlen G"); }
+    if (a->tp > 1 || a->pp > 1 || a->cp > 1 || a->ep > 1 || t->moe) {
+        fatal("--flexsp 1: FlexSP's pool is the data-parallel ranks; --tp %d --pp %d --cp %d --ep %d%s: use 1 for "
+              "each (and a model without experts)", a->tp, a->pp, a->cp, a->ep, t->moe ? " with experts" : "");
+    }
+    if (a->zero_stage != 1 && a->zero_stage != 2) {
+        fatal("-z %d with --flexsp 1: FlexSP's exchange sums each sequence's gradient at ZeRO's shard owners; use "
+              "-z 1 or -z 2", a->zero_stage);
+    }
+    if ((long long)budget * N < t->T) {
+        fatal("--flexsp-tokens %d: a sequence of -t %d tokens does not fit the memory of the pool (%d rank(s) x %d "
+              "tokens); raise --flexsp-tokens or lower -t", budget, t->T, N, budget);
+    }
+    if (budget < t->T) {
+        fatal("--flexsp-tokens %d: a sequence of -t %d tokens would need a group of more than one rank, which the "
+              "trainer does not run yet (context parallelism over the pool's sub-groups); use --flexsp-tokens >= -t",
+              budget, t->T);
+    }
+    t->flexsp_cost = trainer_flexsp_cost(a->varlen, t->T);
+}
+
 // MPI, the flags (returns 0 after --help), the rank grid, and what the run starts from: the
 // resume step (world rank 0 decides, every rank resumes from it), the full starting parameters
 // (host), the batch. Checks that need only these.
@@ -164,6 +205,7 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
         fatal("--ep %d: the %d experts per layer must split evenly over the expert-parallel ranks", a->ep, c->num_experts);
     }
     if (a->ep > 1) { comm_setup_expert_groups(&t->comm, a->ep); }
+    if (a->flexsp) { trainer_check_flexsp(t); }
     if (a->varlen) {   // one sequence per microbatch: the step's G sequences are its M = G microbatches
         if (a->total_batch != -1) {
             fatal("-d: a --varlen step is G = %d sequences (their targets weigh the loss); leave out -d", a->varlen);
@@ -250,6 +292,8 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     zero_init_ep(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->dpcp_group, comm->ep > 1 ? &comm->ep_group : NULL,
                  comm->ep > 1 ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, t->places, v,
                  t->head_stage, t->start_params, t->M);
+    t->zero.flexsp = a->flexsp;
+    if (a->flexsp) { t->flexsp_line = (char*)calloc_or_die(4096, 1, "FlexSP line"); }
     if (t->pp_kind == PP_DUALPIPE) {   // each stage's chunks on this rank and its mirror (pipeline.h)
         int first[2], count[2];
         for (int ch = 0; ch < v; ch++) { pipeline_chunk_microbatches(&cfg, comm->pp_rank, ch, &first[ch], &count[ch]); }
@@ -555,6 +599,112 @@ static inline void trainer_print_cp_accounting(const Trainer* t) {
            (unsigned long long)want, got == want ? "equal" : "MISMATCH");
 }
 
+// ---- FlexSP (--flexsp 1) --------------------------------------------------------------------
+
+#define FLEXSP_SOLVER_MS 200   // GLPK's time limit per step (the plan is never worse than greedy)
+
+// The plan of the step's G sequences (world rank 0 plans, the dp group gets it by broadcast:
+// GLPK under a time limit need not give every rank the same plan): first[j], size[j] the block
+// of pool ranks computing sequence j. Rank 0 writes what it planned into t->flexsp_line.
+static inline void trainer_flexsp_plan(Trainer* t, const double* len, int G, int* first, int* size,
+                                       FlexPlan* plan, int* group_of, int* sorted) {
+    int N = t->comm.dp;
+    if (t->comm.dp_rank == 0) {
+        const FlexCost* c = &t->flexsp_cost;
+        double* sorted_len = (double*)malloc_or_die(sizeof(double) * (size_t)G, "FlexSP plan");
+        flexsp_sort_by_length(len, G, sorted);
+        for (int i = 0; i < G; i++) { sorted_len[i] = len[sorted[i]]; }
+        double t0 = now_seconds();
+        const char* how = "";
+        if (strcmp(t->args.flexsp_policy, "static") == 0) {
+            flexsp_uniform_plan(c, sorted_len, G, N, flexsp_min_group(c, t->T, N), plan, group_of);
+        } else if (strcmp(t->args.flexsp_policy, "adaptive") == 0) {
+            flexsp_adaptive_plan(c, sorted_len, G, N, plan, group_of);
+        } else {
+            FlexSolved solved = flexsp_milp_plan(c, sorted_len, G, N, FLEXSP_SOLVER_MS, 1, plan, group_of, NULL, NULL);
+            how = solved == FLEXSP_MILP_OPTIMAL ? " (GLPK: optimal)" : solved == FLEXSP_MILP_TIME_LIMIT
+                  ? " (GLPK: time limit, the best plan found)" : " (greedy: GLPK not built in)";
+        }
+        if (!isfinite(plan->ms)) { fatal("internal: no FlexSP plan fits the step's sequences"); }
+        flexsp_align_groups(plan, group_of, G);
+        flexsp_plan_blocks(plan, group_of, sorted, G, N, first, size);
+        snprintf(t->flexsp_line, 4096, "           flexsp: %s%s planned in %.1f ms, %d group(s), planned %.0f ms "
+                 "(cost model)", t->args.flexsp_policy, how, (now_seconds() - t0) * 1e3, plan->ngroups, plan->ms);
+        free(sorted_len);
+    }
+    // broadcast (dp group: the pool): the plan's block of ranks of each sequence
+    comm_broadcast(&t->comm.dp_group, first, sizeof(int) * (size_t)G, 0, COMM_KIND_OTHER);
+    comm_broadcast(&t->comm.dp_group, size, sizeof(int) * (size_t)G, 0, COMM_KIND_OTHER);
+}
+
+// One FlexSP step's forward and backward passes, its gradient and its loss: this rank computes
+// the sequences of its group (a group of one: each sequence whole, as one rank does), keeps each
+// one's gradient whole (zero.h's flexsp mode), and flexsp_reduce_step sums them at the shard
+// owners in the step's index order; the loss is the R1 tree over the sequences' loss sums in
+// index order. Returns the loss; rank 0 adds each group's sequences and times to flexsp_line.
+static inline float trainer_flexsp_step(Trainer* t, int64_t targets) {
+    const TrainArgs* a = &t->args;
+    Zero* z = &t->zero;
+    Pipeline* p = &t->pipe;
+    int G = t->M, N = t->comm.dp, me = t->comm.dp_rank;
+    int64_t done = t->progress.microbatches_done;
+    double* len = (double*)malloc_or_die(sizeof(double) * (size_t)G, "FlexSP step");
+    int* ints = (int*)malloc_or_die(sizeof(int) * 5 * (size_t)G, "FlexSP step");
+    int *first = ints, *size = ints + G, *group_of = ints + 2 * G, *sorted = ints + 3 * G, *mine = ints + 4 * G;
+    FlexPlan* plan = (FlexPlan*)malloc_or_die(sizeof(FlexPlan), "FlexSP plan");
+    for (int j = 0; j < G; j++) { len[j] = dataloader_length(&t->train_loader, a->overfit_single_batch ? 0 : done + j); }
+    trainer_flexsp_plan(t, len, G, first, size, plan, group_of, sorted);
+    int count = 0;
+    for (int j = 0; j < G; j++) { if (flexsp_holds(first, size, j, me)) { mine[count++] = j; } }
+    // the passes: each of this rank's sequences as one microbatch of one chunk (no pipeline)
+    double t0 = now_seconds();
+    zero_flexsp_begin_step(z, mine, count);
+    float* local_loss = (float*)calloc_or_die((size_t)G + 1, sizeof(float), "FlexSP losses");
+    PipelineStepContext x = {z, t->grads, &t->train_loader, done, t->B, t->T, a->overfit_single_batch, 0, 0,
+                             1.0f / (float)(double)targets, t->ops->grad_residual(p->models[0], t->grads), local_loss};
+    for (int k = 0; k < count; k++) {
+        pipeline_run_forward(p, &x, k, 0);
+        pipeline_run_backward(p, &x, k, 0, BACKWARD_BOTH);
+    }
+    t->mem->sync();
+    float busy_ms = (float)((now_seconds() - t0) * 1e3);
+    flexsp_reduce_step(z, &t->flexsp_ws, first, size, G);
+    zero_finish_grads(z);
+    // all-gather (dp group): every rank's loss sums (its sequences in index order) and its
+    // measured compute time; the loss is the R1 tree over sequence j's sum, from rank first[j]
+    float* all = (float*)malloc_or_die(sizeof(float) * (size_t)N * (G + 1), "FlexSP losses");
+    local_loss[G] = busy_ms;
+    comm_all_gather(&t->comm.dp_group, local_loss, all, (size_t)G + 1, COMM_KIND_OTHER);
+    float* ordered = (float*)malloc_or_die(sizeof(float) * (size_t)G, "FlexSP losses");
+    int* next = (int*)calloc_or_die((size_t)N, sizeof(int), "FlexSP losses");
+    for (int j = 0; j < G; j++) { ordered[j] = all[(size_t)first[j] * (G + 1) + next[first[j]]++]; }
+    float loss = canon_tree_sum(ordered, G, 1) / (float)(double)targets;
+    if (t->comm.dp_rank == 0) {   // each group: its ranks, its sequences' lengths, planned and measured ms
+        char* line = t->flexsp_line;
+        size_t at = strlen(line);
+        double scratch[FLEXSP_MAX_POOL];
+        for (int k = 0; k < plan->ngroups; k++) { scratch[k] = t->flexsp_cost.beta; }
+        for (int i = 0; i < G; i++) { scratch[group_of[i]] += flexsp_seq_ms(&t->flexsp_cost, len[sorted[i]], plan->size[group_of[i]]); }
+        for (int k = 0, r = 0; k < plan->ngroups; r += plan->size[k], k++) {
+            at += (size_t)snprintf(line + at, 4096 - at, "\n           group %d (ranks %d-%d): lengths", k, r,
+                                   r + plan->size[k] - 1);
+            for (int i = 0; i < G && at < 4000; i++) {
+                if (group_of[i] == k) { at += (size_t)snprintf(line + at, 4096 - at, " %d", (int)len[sorted[i]]); }
+            }
+            float measured = 0;
+            for (int q = r; q < r + plan->size[k]; q++) {
+                float ms = all[(size_t)q * (G + 1) + G];
+                if (ms > measured) { measured = ms; }
+            }
+            if (at < 4000) {
+                at += (size_t)snprintf(line + at, 4096 - at, " | planned %.0f ms, measured %.1f ms", scratch[k], measured);
+            }
+        }
+    }
+    free(len); free(ints); free(plan); free(local_loss); free(all); free(ordered); free(next);
+    return loss;
+}
+
 // What the loop keeps from step to step, for the step lines and the run summary.
 typedef struct {
     int first_step;                 // of this run (after -y, the resumed step)
@@ -595,9 +745,13 @@ static inline void trainer_step(Trainer* t, TrainRun* run, int step, StepResult*
     int64_t targets = dataloader_step_targets(&t->train_loader, t->progress.microbatches_done, t->M,
                                               a->overfit_single_batch);
     out->tokens = (double)targets;
-    pipeline_step(pipe, z, t->grads, &t->train_loader, t->progress.microbatches_done, targets, t->B, t->T,
-                  a->overfit_single_batch, run->local_loss);
-    out->loss = global_mean_loss(t, run->local_loss, z->local_microbatches, t->M, 0, out->tokens);
+    if (a->flexsp) {
+        out->loss = trainer_flexsp_step(t, targets);
+    } else {
+        pipeline_step(pipe, z, t->grads, &t->train_loader, t->progress.microbatches_done, targets, t->B, t->T,
+                      a->overfit_single_batch, run->local_loss);
+        out->loss = global_mean_loss(t, run->local_loss, z->local_microbatches, t->M, 0, out->tokens);
+    }
     if (t->moe) {
         moe_microbatch_aux(&comm->pp_group, t->config.num_layers, pipe->moe_aux, z->local_microbatches,
                            t->moe_micro_aux);
@@ -649,6 +803,7 @@ static inline void trainer_report_step(Trainer* t, const BuildInfo* build, const
         build->throughput(throughput, sizeof(throughput), run->flops_per_step * (r->tokens / t->total_batch) / r->seconds);
         printf("step %4d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s | %s\n", r->step + 1,
                t->train_steps, r->loss, r->lr, r->norm, r->seconds * 1e3, r->tokens / r->seconds, throughput);
+        if (t->args.flexsp) { printf("%s\n", t->flexsp_line); }
         if (t->moe) {   // the expert load over the whole step; rank 0's all-to-all traffic
             MoeCounters sent = moe_counters_total(t->moe_counters, t->nchunks);
             printf("           experts: aux %.6f | tokens per expert min %.0f max %.0f (of %lld per layer) | "
@@ -777,6 +932,8 @@ static inline void trainer_end(Trainer* t) {
     free(t->pipe.moe_aux);
     free(t->moe_micro_aux);
     free(t->moe_counters);
+    free(t->flexsp_line);
+    flexsp_workspace_free(t->mem, &t->flexsp_ws);
     pipeline_free(&t->pipe);
     if (t->do_sample) {
         for (int ch = 0; ch < t->nchunks; ch++) { t->ops->acts_destroy(t->models[ch], t->sample_acts[ch]); }

@@ -35,6 +35,7 @@
 #include "llmc/memory.h"
 #include "llmc/utils.h"
 #include "llmc/varlen_flexsp.h"
+#include "llmc/zero.h"
 
 // ---- from a plan to the pool's blocks ---------------------------------------------------
 
@@ -71,7 +72,32 @@ static inline void flexsp_plan_blocks(const FlexPlan* p, const int* group_of, co
 
 // ---- the gradient exchange ---------------------------------------------------------------
 
-#define FLEXSP_TREE_DEPTH 40   // the R1 tree over G sequences is ceil(log2 G) + 1 entries deep
+// The exchange's three buffers (packed sends, received parts, the tree's stack), kept from call
+// to call by a caller that runs it every step (fresh pages would be faulted in each time).
+typedef struct {
+    float* buf[3];
+    size_t cap[3];
+} FlexWorkspace;
+
+static inline float* flexsp_workspace(const MemOps* mem, FlexWorkspace* ws, int k, size_t n) {
+    if (n > ws->cap[k]) {
+        mem->release(ws->buf[k]);
+        ws->buf[k] = mem_floats(mem, n, "FlexSP gradient exchange");
+        ws->cap[k] = n;
+    }
+    return ws->buf[k];
+}
+
+static inline void flexsp_workspace_free(const MemOps* mem, FlexWorkspace* ws) {
+    for (int k = 0; k < 3; k++) { mem->release(ws->buf[k]); ws->buf[k] = NULL; ws->cap[k] = 0; }
+}
+
+// The R1 tree over n sequences is at most ceil(log2 n) + 1 entries deep.
+static inline int flexsp_tree_depth(int n) {
+    int depth = 1;
+    while ((1 << (depth - 1)) < n) { depth++; }
+    return depth;
+}
 
 static inline int flexsp_holds(const int* first, const int* size, int j, int rank) {
     return rank >= first[j] && rank < first[j] + size[j];
@@ -81,10 +107,13 @@ static inline int flexsp_holds(const int* first, const int* size, int j, int ran
 // nseq sequences, in index order, of sequence j's gradient at [pool->rank * shard, + shard),
 // each finished over the pool ranks [first[j], first[j] + size[j]) that computed it.
 // grads: this rank's sequences (those whose block holds it), in index order, each the padded
-// gradient of pool->size * shard floats (its part, -0.0f elsewhere). All buffers in pool->mem.
-static inline void flexsp_reduce_sequence_grads(CommGroup* pool, const int* first, const int* size, int nseq,
-                                                const float* grads, size_t shard, float* out) {
+// gradient of pool->size * shard floats (its part, -0.0f elsewhere). All buffers in pool->mem;
+// ws: the working buffers (NULL: allocated for this call).
+static inline void flexsp_reduce_sequence_grads(CommGroup* pool, FlexWorkspace* ws, const int* first, const int* size,
+                                                int nseq, const float* grads, size_t shard, float* out) {
     const MemOps* mem = pool->mem;
+    FlexWorkspace own = {{NULL, NULL, NULL}, {0, 0, 0}};
+    if (ws == NULL) { ws = &own; }
     int P = pool->size, me = pool->rank;
     if (nseq < 1) { fatal("internal: a FlexSP step of %d sequences", nseq); }
     size_t* send_counts = (size_t*)calloc((size_t)P, sizeof(size_t));
@@ -100,8 +129,8 @@ static inline void flexsp_reduce_sequence_grads(CommGroup* pool, const int* firs
     }
     for (int r = 0; r < P; r++) { send_counts[r] = (size_t)mine * shard; }
     // pack: the block for rank r is shard r of each of this rank's sequences, in index order
-    float* send = mem_floats(mem, (size_t)mine * P * shard + 1, "FlexSP gradient exchange");
-    float* recv = mem_floats(mem, (size_t)received * shard + 1, "FlexSP gradient exchange");
+    float* send = flexsp_workspace(mem, ws, 0, (size_t)mine * P * shard + 1);
+    float* recv = flexsp_workspace(mem, ws, 1, (size_t)received * shard + 1);
     for (int r = 0; r < P; r++) {
         for (int k = 0; k < mine; k++) {
             mem->copy(send + ((size_t)r * mine + k) * shard, grads + ((size_t)k * P + r) * shard, shard * sizeof(float));
@@ -116,10 +145,11 @@ static inline void flexsp_reduce_sequence_grads(CommGroup* pool, const int* firs
     size_t* next = (size_t*)calloc((size_t)P, sizeof(size_t));
     for (int s = 1; s < P; s++) { block[s] = block[s - 1] + recv_counts[s - 1]; }
     // the R1 tree over the sequences, streamed: push each finished sequence, then merge
-    float* stack = mem_floats(mem, (size_t)FLEXSP_TREE_DEPTH * shard + 1, "FlexSP gradient tree");
+    int depth = flexsp_tree_depth(nseq);
+    float* stack = flexsp_workspace(mem, ws, 2, (size_t)depth * shard + 1);
     int top = 0;
     for (int j = 0; j < nseq; j++) {
-        if (top == FLEXSP_TREE_DEPTH) { fatal("internal: the FlexSP gradient tree is deeper than %d", FLEXSP_TREE_DEPTH); }
+        if (top == depth) { fatal("internal: the FlexSP gradient tree is deeper than %d", depth); }
         float* leaf = stack + (size_t)top * shard;
         for (int s = first[j]; s < first[j] + size[j]; s++) {
             const float* part = recv + block[s] + next[s];
@@ -135,13 +165,37 @@ static inline void flexsp_reduce_sequence_grads(CommGroup* pool, const int* firs
         }
     }
     mem->copy(out, stack, shard * sizeof(float));
-    mem->release(stack);
-    mem->release(send);
-    mem->release(recv);
+    flexsp_workspace_free(mem, &own);
     free(send_counts);
     free(recv_counts);
     free(block);
     free(next);
+}
+
+// ---- the trainer's step ------------------------------------------------------------------
+
+// After a FlexSP step's backwards (zero.h's flexsp mode: each of this rank's sequences' whole
+// gradient in z->flexsp_grads): unit by unit, the exchange above over the sharding group (the
+// pool) gives this rank its shard of the R1 tree over the step's nseq sequences, which lands
+// where ZeRO keeps its reduced gradient (stage 1: the shard's range of the gradient buffer;
+// stage 2: the shard buffer). zero_finish_grads then adds the tied embedding's halves, as
+// after any step.
+static inline void flexsp_reduce_step(Zero* z, FlexWorkspace* ws, const int* first, const int* size, int nseq) {
+    if (z->stage != 1 && z->stage != 2) { fatal("internal: FlexSP's step runs over ZeRO 1 or 2, not %d", z->stage); }
+    float* shard = z->stage == 1 ? zero_alloc(z, z->max_padded / (size_t)z->N + 1, "FlexSP gradient shard") : NULL;
+    for (int u = 0; u < z->lay.num_all; u++) {
+        if (!z->lay.grads_here[u] || z->lay.padded[u] == 0) { continue; }
+        float* out = z->stage == 2 ? z->grad_shard + z->lay.gshard_base[u] : shard;
+        // all-to-all-v (the pool: the sharding group; gradients): shard r of unit u of every
+        // sequence this rank computed -> rank r, summed there in the step's index order
+        flexsp_reduce_sequence_grads(z->group, ws, first, size, nseq, zero_flexsp_unit_region(z, u), z->lay.shard[u], out);
+        if (z->stage == 1) {
+            size_t b, e;
+            zero_shard_range(&z->lay, u, z->rank, &b, &e);
+            z->mem->copy(z->grads + z->lay.glocal[u] + b, out, (e - b) * sizeof(float));
+        }
+    }
+    z->mem->release(shard);
 }
 
 #endif // LLMC_FLEXSP_H

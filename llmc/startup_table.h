@@ -83,7 +83,12 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
                    mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576);
         }
     }
-    if (a->varlen) {
+    if (a->flexsp) {
+        printf("| batch         --varlen: G=%d sequences of up to T=%d tokens cut at EOT, one per microbatch; --flexsp 1: "
+               "rank 0 plans each step's groups of one rank (--flexsp-policy %s, %d tokens per rank); %lld sequences "
+               "per epoch\n", t->M, t->T, a->flexsp_policy, a->flexsp_tokens ? a->flexsp_tokens : t->T,
+               (long long)t->train_loader.num_seqs);
+    } else if (a->varlen) {
         printf("| batch         --varlen: G=%d sequences of up to T=%d tokens cut at EOT, one per microbatch (%d per "
                "data-parallel rank), at most %lld tokens; %lld sequences per epoch\n", t->M, t->T, z->local_microbatches,
                t->total_batch, (long long)t->train_loader.num_seqs);

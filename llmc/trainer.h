@@ -12,6 +12,7 @@
 #include "llmc/comm.h"
 #include "llmc/dataloader.h"
 #include "llmc/expert_parallel.h"
+#include "llmc/flexsp.h"
 #include "llmc/logger.h"
 #include "llmc/memory.h"
 #include "llmc/model.h"
@@ -64,6 +65,9 @@ typedef struct {
     int moe;                        // a mixture-of-experts model
     MoeCounters** moe_counters;     // [nchunks] each chunk's routing counters (NULL: none)
     float* moe_micro_aux;           // (local microbatches) each one's aux loss, summed over layers
+    FlexCost flexsp_cost;           // --flexsp 1: the planner's cost model (engine.h trainer_flexsp_cost)
+    FlexWorkspace flexsp_ws;        // ... the gradient exchange's buffers
+    char* flexsp_line;              // ... the step's plan and times, for the step's console lines
 } Trainer;
 
 #endif // LLMC_TRAINER_H

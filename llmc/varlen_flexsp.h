@@ -2,8 +2,8 @@
  * varlen_flexsp.h: FlexSP's planner (Wang et al., ASPLOS 2025, arXiv 2412.01523) for a step of
  * variable-length sequences: sequence-parallel groups of different power-of-two sizes that
  * cover a pool of N devices, the sequences assigned to them by a mixed-integer program.
- * It is the planner and its cost model only (dev/tools/flexsp_plan simulates plans with it);
- * the trainer does not run plans yet (README).
+ * dev/tools/flexsp_plan simulates plans with it; the trainer runs its plans (engine.h
+ * trainer_flexsp_plan) with groups of one rank (FlexCost.max_group 1; README).
  *
  * The cost model (FlexSP's, milliseconds): a sequence of s tokens in a group of g devices
  * computes in (alpha1 s^2 + alpha2 s) / g and, for g > 1, sends Ulysses' all-to-alls,
@@ -49,6 +49,7 @@ typedef struct {
     double params;                    // parameters (16 bytes each, sharded over the pool)
     double device_bytes;              // memory per device
     double act_per_token;             // activation bytes per token
+    int max_group;                    // the largest group size a plan may use; 0: the pool
 } FlexCost;
 
 // FlexSP's published GPT-7B coefficients (8-GPU nodes on InfiniBand: groups past 8 leave the
@@ -68,6 +69,12 @@ static inline FlexCost flexsp_cost_gpt7b(void) {
 
 static inline int flexsp_log2(int g) { int k = 0; while ((1 << k) < g) { k++; } return k; }
 
+// The largest group a plan of a pool of N may use: N, or the cost model's max_group (the
+// trainer runs groups of one rank only: CP over sub-groups is not done).
+static inline int flexsp_largest_group(const FlexCost* c, int N) {
+    return c->max_group > 0 && c->max_group < N ? c->max_group : N;
+}
+
 // ms of a sequence of s tokens in a group of g devices.
 static inline double flexsp_seq_ms(const FlexCost* c, double s, int g) {
     double t = (c->alpha1 * s * s + c->alpha2 * s) / g;
@@ -83,7 +90,7 @@ static inline double flexsp_group_tokens(const FlexCost* c, int g, int N) {
 
 // The smallest power-of-two group of a pool of N that holds s tokens, or 0 if none.
 static inline int flexsp_min_group(const FlexCost* c, double s, int N) {
-    for (int g = 1; g <= N; g *= 2) { if (flexsp_group_tokens(c, g, N) >= s) { return g; } }
+    for (int g = 1; g <= flexsp_largest_group(c, N); g *= 2) { if (flexsp_group_tokens(c, g, N) >= s) { return g; } }
     return 0;
 }
 
@@ -137,7 +144,7 @@ static inline double flexsp_adaptive_plan(const FlexCost* c, const double* len, 
     FlexPlan trial;
     int* trial_of = (int*)malloc_or_die(sizeof(int) * (size_t)(n ? n : 1), "plan");
     p->ms = INFINITY;
-    for (int g = 1; g <= N; g *= 2) {
+    for (int g = 1; g <= flexsp_largest_group(c, N); g *= 2) {
         if (flexsp_uniform_plan(c, len, n, N, g, &trial, trial_of) < p->ms) {
             *p = trial;
             memcpy(group_of, trial_of, sizeof(int) * (size_t)n);
@@ -165,7 +172,7 @@ static inline int flexsp_hetero_try(const FlexCost* c, const double* len, int n,
         if (best < 0) {
             int g = 1;
             while (g <= N - devices && (c->beta + flexsp_seq_ms(c, len[i], g) > M || flexsp_group_tokens(c, g, N) < len[i])) { g *= 2; }
-            if (g > N - devices) { return 0; }
+            if (g > N - devices || g > flexsp_largest_group(c, N)) { return 0; }
             best = p->ngroups++;
             p->size[best] = g;
             load[best] = c->beta;
@@ -299,7 +306,7 @@ static inline FlexSolved flexsp_milp_plan(const FlexCost* c, const double* len, 
     if (greedy.ms != INFINITY) {
         // candidate groups: N/g of each size g; columns x[b][p] (nb x P), u[p] (P), M
         int P = 0, gsize[2 * FLEXSP_MAX_POOL];
-        for (int g = 1; g <= N; g *= 2) { for (int k = 0; k < N / g; k++) { gsize[P++] = g; } }
+        for (int g = 1; g <= flexsp_largest_group(c, N); g *= 2) { for (int k = 0; k < N / g; k++) { gsize[P++] = g; } }
         int ncols = nb * P + P + 1, colM = ncols;
         glp_prob* lp = glp_create_prob();
         glp_set_obj_dir(lp, GLP_MIN);

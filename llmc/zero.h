@@ -76,7 +76,9 @@
  * every local microbatch, so rank r takes microbatches i*N + r (local step i): the ranks'
  * i-th microbatches form the block [i*N, (i+1)*N), the reduce-scatter sums it, and the local
  * tree over i finishes the global tree (exact when N and M/N are powers of two). Either way
- * the bits are those of one rank running all M microbatches.
+ * the bits are those of one rank running all M microbatches. With FlexSP (flexsp mode) a plan
+ * gives a rank any set of the step's sequences, which is no subtree: each one's gradient is
+ * kept whole and flexsp.h's exchange builds the tree over all of them at the shard owners.
  */
 #ifndef LLMC_ZERO_H
 #define LLMC_ZERO_H
@@ -301,6 +303,14 @@ typedef struct {
     int inflight_unit[ZERO_MAX_INFLIGHT];
     ZeroSlot* inflight_slot[ZERO_MAX_INFLIGHT];
     int ninflight;
+    // FlexSP (--flexsp 1, llmc/flexsp.h): the step's sequences this rank computes are its local
+    // microbatches, each one's gradient kept whole (no tree, no reduction here) in
+    // flexsp_grads: unit by unit, unit u's region holds every local microbatch's padded
+    // gradient of u (zero_flexsp_unit_region), for flexsp_reduce_step's exchange
+    int flexsp;
+    const int* flexsp_index;   // [local microbatches of the step] each one's index in the step
+    float* flexsp_grads;
+    size_t flexsp_capacity;    // floats allocated in flexsp_grads (kept from step to step)
 } Zero;
 
 static inline float* zero_alloc(const Zero* z, size_t n, const char* what) {
@@ -459,6 +469,7 @@ static inline void zero_set_mirror(Zero* z, int mirror, const int* first, const 
 // Global index of this rank's local microbatch i of the step whose first global microbatch
 // is `first` (see THE CANONICAL ORDER above).
 static inline int64_t zero_global_microbatch(const Zero* z, int64_t first, int i) {
+    if (z->flexsp) { return first + z->flexsp_index[i]; }
     if (z->stage <= 1) { return first + (int64_t)z->stream * z->local_microbatches + i; }
     return first + (int64_t)i * z->streams + z->stream;
 }
@@ -555,6 +566,35 @@ static inline void zero_stack_add_chunk(Zero* z, int depth_left) {
     if (run_end > run_begin) { zero_stack_add_range(z, depth_left, run_begin, run_end); }
 }
 
+// FlexSP: where unit u's gradients of the step's local microbatches are in flexsp_grads
+// (chunk_count[0] of them, each padded[u] floats, the padding 0).
+static inline float* zero_flexsp_unit_region(const Zero* z, int u) {
+    size_t before = 0;
+    for (int w = 0; w < u; w++) { before += z->lay.padded[w]; }
+    return z->flexsp_grads + before * (size_t)z->chunk_count[0];
+}
+
+// FlexSP: this step's local microbatches are the step's sequences index[0 .. count) (ascending):
+// room for each one's whole gradient.
+static inline void zero_flexsp_begin_step(Zero* z, const int* index, int count) {
+    if (z->nchunks != 1) { fatal("internal: FlexSP runs one model chunk per rank"); }
+    size_t total = 0;
+    for (int u = 0; u < z->lay.num_all; u++) { total += z->lay.padded[u]; }
+    z->flexsp_index = index;
+    z->chunk_count[0] = count;
+    if (total * (size_t)count > z->flexsp_capacity) {
+        z->mem->release(z->flexsp_grads);
+        z->flexsp_capacity = total * (size_t)count;
+        z->flexsp_grads = zero_alloc(z, z->flexsp_capacity, "FlexSP sequence gradients");
+    }
+    for (int u = 0; u < z->lay.num_all; u++) {   // backward writes the rest of each
+        float* region = zero_flexsp_unit_region(z, u);
+        for (int i = 0; i < count; i++) {
+            z->mem->fill(region + (size_t)i * z->lay.padded[u] + z->lay.size[u], 0.0f, z->lay.padded[u] - z->lay.size[u]);
+        }
+    }
+}
+
 // Starts the backward (its weight-gradient part) of chunk `chunk` on local microbatch i:
 // decides where it writes each unit's gradient. A chunk's microbatches come in order.
 static inline void zero_begin_microbatch(Zero* z, int chunk, int i) {
@@ -564,7 +604,11 @@ static inline void zero_begin_microbatch(Zero* z, int chunk, int i) {
     z->chunk = chunk;
     z->micro = z->chunk_next[chunk];
     z->stack_top = z->chunk_top[chunk];
-    if (z->stage <= 1) {
+    if (z->flexsp) {   // microbatch i's own padded gradient of each unit
+        for (int u = 0; u < z->lay.num_all; u++) {
+            z->unit_grad[u] = zero_flexsp_unit_region(z, u) + (size_t)i * z->lay.padded[u];
+        }
+    } else if (z->stage <= 1) {
         float* g = zero_stack_push(z);
         for (int u = 0; u < z->lay.num_all; u++) { z->unit_grad[u] = g + z->lay.glocal[u]; }
     } else {
@@ -630,6 +674,7 @@ static inline void zero_grad_unit_done(Zero* z, int u) {
     size_t size = z->lay.size[u];
     int slices = z->lay.slices[u];
     CommGroup* group = zero_unit_group(z, u);
+    if (z->flexsp) { return; }   // kept whole for flexsp_reduce_step
     if (z->stage >= 2) {
         if (slices > 1) {   // the R1 tree over the source microbatches, into slice 0
             z->mem->tree_rows(z->unit_grad[u], size, slices, z->unit_grad[u]);
@@ -689,6 +734,7 @@ static inline void zero_wait_reductions(Zero* z) {
 // chunk's local tree (the last microbatch was merged unit by unit in zero_grad_unit_done).
 static inline void zero_end_microbatch(Zero* z) {
     int i = z->micro, count = z->chunk_count[z->chunk];
+    if (z->flexsp) { z->chunk_next[z->chunk]++; z->chunk = -1; return; }
     if (z->stage >= 2) { zero_wait_reductions(z); }
     if (z->stage >= 2 || i != count - 1) {
         for (int mg = canon_tree_merges_after(i, count); mg > 0; mg--) {
@@ -968,6 +1014,7 @@ static inline void zero_free(Zero* z) {
     mem->release(z->params); mem->release(z->param_shard); mem->release(z->m); mem->release(z->v);
     for (int i = 1; i < z->stack_allocated; i++) { mem->release(z->stack[i]); }
     mem->release(z->grads); mem->release(z->grad_shard);
+    mem->release(z->flexsp_grads);
     for (int i = 0; i < z->ngslots; i++) { mem->release(z->gslots[i].buf); }
     for (int i = 0; i < z->npslots; i++) { mem->release(z->pslots[i].buf); }
     for (int i = 0; i < z->nsslots; i++) { mem->release(z->sslots[i].buf); }

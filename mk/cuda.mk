@@ -81,7 +81,7 @@ build/cuda_emu.o: dev/gpu/emu/cuda_emu.cpp dev/gpu/emu/cuda_runtime.h | build
 build/train_gpt2_fast_emu.o: train_gpt2_fast.cu $(LLMC_HEADERS) $(CUDA_HEADERS) $(EMU_FILES) | build
 	$(EMU_CXX) $(EMU_CXXFLAGS) -x c++ -c -o $@ $<
 train_gpt2cu_emu: train_gpt2.cu train_gpt2.c build/cuda_emu.o build/train_gpt2_fast_emu.o $(LLMC_HEADERS) $(CUDA_HEADERS) $(EMU_FILES)
-	$(EMU_CXX) $(EMU_CXXFLAGS) -x c++ train_gpt2.cu -x none build/train_gpt2_fast_emu.o build/cuda_emu.o -o $@ -lm
+	$(EMU_CXX) $(EMU_CXXFLAGS) $(FLEXSP_GLPK) -x c++ train_gpt2.cu -x none build/train_gpt2_fast_emu.o build/cuda_emu.o -o $@ $(FLEXSP_LIBS) -lm
 
 TEST_BINS += build/test_cuda_host train_gpt2cu_emu build/test_cuda_kernels_emu
 TESTS     += build/test_cuda_host build/test_cuda_kernels_emu

@@ -6,8 +6,14 @@
 # (varlen_flexsp.h's computation term for a group of one; with --varlen each sequence is its
 # own microbatch, so beta is per sequence) by least squares. L=4 C=128 NH=4, GPT-2's
 # vocabulary (EOT is token 50256), so the LM head's linear term dominates. One rank: the all-to-all
-# bandwidth of groups of 2 and more would need the trainer to run FlexSP's plans (not done).
-# Usage: dev/bench/bench_flexsp.sh [steps] (lengths: SS="16 32 64 128 256", G=8)
+# bandwidth of groups of 2 and more would need groups of more than one rank, which the trainer
+# does not run yet.
+# Then the trainer running FlexSP's plans: the median step time of 4 ranks (-z 1, OMP_NUM_THREADS=1
+# each) on tiny Shakespeare's documents (--varlen 16 -t 64, d4c64h2) per --flexsp-policy, against
+# plain data parallelism (each rank a block of 4 sequences by index). The ranks share this
+# machine's 2 cores, so the times are those of an oversubscribed machine.
+# Usage: dev/bench/bench_flexsp.sh [steps] (lengths: SS="16 32 64 128 256", G=8; POLICY_STEPS=8;
+# SS="" skips the fit)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STEPS=${1:-4}
@@ -16,7 +22,7 @@ make -s train_gpt2 >/dev/null
 W=$(mktemp -d /tmp/llmc_bench_flexsp.XXXXXX)
 trap 'rm -rf "$W"' EXIT
 printf "%-6s %12s %12s\n" "s" "ms/step" "ms/sequence"
-for s in ${SS:-16 32 64 128 256}; do
+for s in ${SS-16 32 64 128 256}; do
   python3 - "$W/docs$s.bin" "$s" <<'PY'
 import struct, sys
 path, s = sys.argv[1], int(sys.argv[2])
@@ -35,7 +41,7 @@ PY
   echo "$s $(echo "$ms $G" | awk '{ print $1 / $2 }')" >> "$W/points"
 done
 # least squares of y = a1 s^2 + a2 s + b: the normal equations, by Gaussian elimination
-python3 - "$W/points" <<'PY'
+[ -s "$W/points" ] && python3 - "$W/points" <<'PY'
 import sys
 pts = [tuple(map(float, line.split())) for line in open(sys.argv[1])]
 A = [[sum(x ** (4 - i - j) for x, _ in pts) for j in range(3)] + [sum(y * x ** (2 - i) for x, y in pts)] for i in range(3)]
@@ -50,3 +56,18 @@ a1, a2, b = (A[i][3] / A[i][i] for i in range(3))
 print("fitted on one rank (this machine, %d lengths): alpha1 %.4g ms/token^2, alpha2 %.4g ms/token, "
       "beta %.4g ms per sequence" % (len(pts), a1, a2, b))
 PY
+
+# --- 4 ranks, FlexSP's policies on tiny Shakespeare's documents ---
+DATA=dev/data/tinyshakespeare/tiny_shakespeare_train.bin
+[ -f "$DATA" ] || DATA=../shared/data/gpt2/tiny_shakespeare_train.bin
+PSTEPS=${POLICY_STEPS:-8}
+printf "\n4 ranks (2 cores shared), tiny Shakespeare, --varlen 16 -t 64, d4c64h2, -z 1, %d steps: median step ms\n" "$PSTEPS"
+printf "%-22s %10s\n" "layout" "ms/step"
+for layout in "plain data parallelism:" "static:--flexsp 1 --flexsp-policy static" \
+              "adaptive:--flexsp 1 --flexsp-policy adaptive" "milp:--flexsp 1 --flexsp-policy milp"; do
+  out=$(OMP_NUM_THREADS=1 dev/test/mpi.sh 4 ./train_gpt2 -e d4c64h2v50257t64 -i "$DATA" -t 64 --varlen 16 -z 1 \
+        ${layout#*:} -x "$PSTEPS" -v 0 -s 0 2>&1) || { echo "$out" | tail -3; exit 1; }
+  ms=$(echo "$out" | awk '/^step/ && !/ 1\// { for (i = 1; i <= NF; i++) if ($(i+1) == "ms") print $i }' | sort -n \
+       | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
+  printf "%-22s %10s\n" "${layout%%:*}" "$ms"
+done

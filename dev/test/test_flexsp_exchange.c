@@ -44,7 +44,7 @@ static int check_plan(const char* name, const int* first, const int* size, int n
         k++;
     }
     float* out = (float*)malloc(shard * sizeof(float));
-    flexsp_reduce_sequence_grads(&comm.world, first, size, nseq, grads, shard, out);
+    flexsp_reduce_sequence_grads(&comm.world, NULL, first, size, nseq, grads, shard, out);
     int bad = 0, order_matters = 0;
     for (size_t e = 0; e < shard; e++) {
         size_t i = (size_t)me * shard + e;
