@@ -556,9 +556,10 @@ static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
     // --pp (llmc/serve_pipeline.h): the probabilities back from the last stage, and the overlap
     metric(&p, &left, "# HELP serve_pipeline_returned_bytes_total Bytes rank 0 received from the last pipeline stage.\n"
                       "# TYPE serve_pipeline_returned_bytes_total counter\nserve_pipeline_returned_bytes_total %llu\n",
-           S.pipe.returned_bytes);
+           __atomic_load_n(&S.pipe.returned_bytes, __ATOMIC_RELAXED));
     metric(&p, &left, "# HELP serve_pipeline_in_flight_max Most iterations in the pipeline at once.\n"
-                      "# TYPE serve_pipeline_in_flight_max gauge\nserve_pipeline_in_flight_max %d\n", S.pipe.max_in_flight);
+                      "# TYPE serve_pipeline_in_flight_max gauge\nserve_pipeline_in_flight_max %d\n",
+           __atomic_load_n(&S.pipe.max_in_flight, __ATOMIC_RELAXED));
     metric_hist(&p, &left, "serve_time_to_first_token_seconds", "Arrival to the first generated token.", &S.ttft);
     metric_hist(&p, &left, "serve_inter_token_latency_seconds", "Between consecutive tokens of a request.", &S.itl);
     enum MHD_Result ok = send_text(c, 200, "text/plain; version=0.0.4", buf);

@@ -26,6 +26,7 @@ struct ServeModel {
     float* head_in;     // (rows,C) the rows the head reads, gathered
     float* probs_ranks; // tp > 1: (K,rows,Vl) every rank's slice of the head's probabilities, in mem ...
     float* probs_host;  // ... and on the host, before they are laid out as (rows,Vp)
+    CommGroup one_rank; // the model's own context-parallel group: the comm's cp groups are KVP's
 };
 
 static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2Config* config, const float* params,
@@ -38,9 +39,8 @@ static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2C
                  ep ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, &place, 1, S - 1, params, 0);
     // the comm's cp groups are the KVP groups of the engine's attention (llmc/serve_kvp.h); the
     // model's own context parallelism (the trainer's, over a sequence's rows) is one rank
-    static CommGroup one_rank;
-    comm_group_init_single(&one_rank, &comm->stats, comm->mem);
-    gpt2_init(&m->model, config, &place, &m->zero, &comm->tp_group, &one_rank, 0, 0, rows, 1);
+    comm_group_init_single(&m->one_rank, &comm->stats, comm->mem);
+    gpt2_init(&m->model, config, &place, &m->zero, &comm->tp_group, &m->one_rank, 0, 0, rows, 1);
     activations_alloc(&m->acts, &m->model, rows, 1, 1, 0, 0);   // recompute 1: one layer's GELU output
     m->acts.attend = attend;
     m->acts.attend_ctx = ctx;
@@ -130,5 +130,5 @@ static void serve_model_head(ServeModel* m, int N, const int* rows_dev, int M, f
 
 // A pipeline stage's ends (llmc/serve_pipeline.h): where the stage before's (N,C) rows arrive,
 // and this stage's (N,C) output, in mem.
-static float* serve_model_stage_input(ServeModel* m) { return m->acts.encoded; }
-static float* serve_model_stage_output(ServeModel* m, int N) { return stage_output(&m->acts, &m->model.config, N, 1); }
+static inline float* serve_model_stage_input(ServeModel* m) { return m->acts.encoded; }
+static inline float* serve_model_stage_output(ServeModel* m, int N) { return stage_output(&m->acts, &m->model.config, N, 1); }

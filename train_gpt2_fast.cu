@@ -322,10 +322,15 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
     char why[256];
     const char* problem = cp_problem(m->N, cp_a2a, T, m->NHl, 1, why, sizeof(why));
     if (problem) { fatal("--cp %d: %s", m->N, problem); }
-    if (m->N > 1) {   // the all-to-alls' buffers, and room for the gathers along T (bf16 B*T*C: B*T*C/2 floats)
-        cp_init(&m->cp, cp, 1, m->mem, B, T, m->Cl, m->NHl, (size_t)B * T * c->channels / 2);
+    if (m->N > 1) {   // room for the gathers along T (bf16 B*T*C: B*T*C/2 floats), and a2a's or the ring's buffers
+        size_t gather = (size_t)B * T * c->channels / 2;
         m->ring = !cp_a2a;
-        if (m->ring) { fast_ring_init(&m->ring_bufs, m->mem, m->N, B, T, m->Cl, m->NHl); }
+        if (m->ring) {
+            cp_init_gather(&m->cp, cp, 0, m->mem, gather);
+            fast_ring_init(&m->ring_bufs, m->mem, m->N, B, T, m->Cl, m->NHl);
+        } else {
+            cp_init(&m->cp, cp, 1, m->mem, B, T, m->Cl, m->NHl, gather);
+        }
     }
     m->sp = seq_parallel && m->K > 1;
     if (m->sp) {

@@ -119,14 +119,24 @@ static inline const char* cp_problem(int N, int a2a, int T, int NH, int sp_degre
 
 // Buffers for passes over up to (B, T) positions, C channels and NH heads (this
 // tensor-parallel rank's), in the model's memory.
-static inline void cp_init(ContextParallel* cp, CommGroup* g, int a2a, const MemOps* mem, int B, int T, int C,
-                           int NH, size_t gather_floats) {
+// The group and the gathers' buffer of gather_floats alone: for a caller whose attention keeps
+// its own buffers (fast mode's ring, kernels_fast_cp.cuh) and gathers only along T.
+static inline void cp_init_gather(ContextParallel* cp, CommGroup* g, int a2a, const MemOps* mem, size_t gather_floats) {
     memset(cp, 0, sizeof(*cp));
     cp->group = g;
     cp->N = g->size;
     cp->rank = g->rank;
     cp->a2a = a2a;
     cp->mem = mem;
+    if (cp->N == 1) { return; }
+    cp->gather = mem_floats(mem, gather_floats, "context parallelism (gathers)");
+    cp->gather_floats = gather_floats;
+}
+
+static inline void cp_init(ContextParallel* cp, CommGroup* g, int a2a, const MemOps* mem, int B, int T, int C,
+                           int NH, size_t gather_floats) {
+    size_t need = 2 * (size_t)B * T * C > gather_floats ? 2 * (size_t)B * T * C : gather_floats;
+    cp_init_gather(cp, g, a2a, mem, need);
     if (cp->N == 1) { return; }
     size_t n = (size_t)B * T / cp->N * C;
     if (a2a) {
@@ -139,9 +149,6 @@ static inline void cp_init(ContextParallel* cp, CommGroup* g, int a2a, const Mem
         cp->dkv_in = mem_floats(mem, 2 * cp->N * n, "context parallelism (dK/dV partials)");
         cp->ds = mem_floats(mem, (size_t)B * NH * (T / cp->N) * T, "context parallelism (ds)");
     }
-    size_t need = 2 * (size_t)B * T * C > gather_floats ? 2 * (size_t)B * T * C : gather_floats;
-    cp->gather = mem_floats(mem, need, "context parallelism (gathers)");
-    cp->gather_floats = need;
 }
 
 static inline void cp_free(ContextParallel* cp) {

@@ -72,11 +72,12 @@ static inline void flexsp_plan_blocks(const FlexPlan* p, const int* group_of, co
 
 // ---- the gradient exchange ---------------------------------------------------------------
 
-// The exchange's three buffers (packed sends, received parts, the tree's stack), kept from call
-// to call by a caller that runs it every step (fresh pages would be faulted in each time).
+// The exchange's three buffers (packed sends, received parts, the tree's stack) and the
+// trainer's step's fourth (a ZeRO-1 unit's reduced shard), kept from call to call by a caller
+// that runs it every step (fresh pages would be faulted in each time).
 typedef struct {
-    float* buf[3];
-    size_t cap[3];
+    float* buf[4];
+    size_t cap[4];
 } FlexWorkspace;
 
 static inline float* flexsp_workspace(const MemOps* mem, FlexWorkspace* ws, int k, size_t n) {
@@ -89,7 +90,7 @@ static inline float* flexsp_workspace(const MemOps* mem, FlexWorkspace* ws, int 
 }
 
 static inline void flexsp_workspace_free(const MemOps* mem, FlexWorkspace* ws) {
-    for (int k = 0; k < 3; k++) { mem->release(ws->buf[k]); ws->buf[k] = NULL; ws->cap[k] = 0; }
+    for (int k = 0; k < 4; k++) { mem->release(ws->buf[k]); ws->buf[k] = NULL; ws->cap[k] = 0; }
 }
 
 // The R1 tree over n sequences is at most ceil(log2 n) + 1 entries deep.
@@ -112,7 +113,7 @@ static inline int flexsp_holds(const int* first, const int* size, int j, int ran
 static inline void flexsp_reduce_sequence_grads(CommGroup* pool, FlexWorkspace* ws, const int* first, const int* size,
                                                 int nseq, const float* grads, size_t shard, float* out) {
     const MemOps* mem = pool->mem;
-    FlexWorkspace own = {{NULL, NULL, NULL}, {0, 0, 0}};
+    FlexWorkspace own = {{NULL, NULL, NULL, NULL}, {0, 0, 0, 0}};
     if (ws == NULL) { ws = &own; }
     int P = pool->size, me = pool->rank;
     if (nseq < 1) { fatal("internal: a FlexSP step of %d sequences", nseq); }
@@ -182,7 +183,7 @@ static inline void flexsp_reduce_sequence_grads(CommGroup* pool, FlexWorkspace* 
 // after any step.
 static inline void flexsp_reduce_step(Zero* z, FlexWorkspace* ws, const int* first, const int* size, int nseq) {
     if (z->stage != 1 && z->stage != 2) { fatal("internal: FlexSP's step runs over ZeRO 1 or 2, not %d", z->stage); }
-    float* shard = z->stage == 1 ? zero_alloc(z, z->max_padded / (size_t)z->N + 1, "FlexSP gradient shard") : NULL;
+    float* shard = z->stage == 1 ? flexsp_workspace(z->mem, ws, 3, z->max_padded / (size_t)z->N + 1) : NULL;
     for (int u = 0; u < z->lay.num_all; u++) {
         if (!z->lay.grads_here[u] || z->lay.padded[u] == 0) { continue; }
         float* out = z->stage == 2 ? z->grad_shard + z->lay.gshard_base[u] : shard;
@@ -195,7 +196,6 @@ static inline void flexsp_reduce_step(Zero* z, FlexWorkspace* ws, const int* fir
             z->mem->copy(z->grads + z->lay.glocal[u] + b, out, (e - b) * sizeof(float));
         }
     }
-    z->mem->release(shard);
 }
 
 #endif // LLMC_FLEXSP_H

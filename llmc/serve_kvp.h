@@ -75,7 +75,7 @@ static inline const char* serve_kvp_problem(char* why, size_t n, int P, int ep, 
         snprintf(why, n, "--kvp %d with --ep %d: KV parallelism does not compose with expert parallelism yet "
                  "(expected --ep 1)", P, ep);
     } else if (kv_blocks % P != 0) {
-        snprintf(why, n, "--kv-blocks %ld with --kvp %d: expected a multiple of %d (each KVP rank holds a %dth of "
+        snprintf(why, n, "--kv-blocks %ld with --kvp %d: expected a multiple of %d (each KVP rank holds 1/%d of "
                  "the blocks)", kv_blocks, P, P, P);
     } else {
         return NULL;
@@ -117,7 +117,8 @@ static inline BlockTable serve_kvp_part(const ServeKVP* s, int* blocks, int q) {
 }
 
 // Grows every rank's part of a request's table to hold its share of positions [0, positions):
-// 1 when done, 0 (unchanged) when a rank's free list is short.
+// 1 when done, 0 when a rank's free list is short (then no block was taken: a fresh table is
+// only laid out, every part empty).
 static inline int serve_kvp_reserve(ServeKVP* s, BlockTable* bt, int positions) {
     int width = s->P * s->local_blocks;
     if (bt->n == 0) {   // a fresh table (or one released): every rank's part empty

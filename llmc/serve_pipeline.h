@@ -199,7 +199,8 @@ static inline void serve_pp_launch(ServePipeline* p, ServeEngine* e) {
     p->iterations++;
     p->rows += e->num_rows;
     p->count++;
-    if (p->count > p->max_in_flight) { p->max_in_flight = p->count; }
+    // read by the HTTP threads' /metrics without the engine's lock: stored atomically
+    if (p->count > p->max_in_flight) { __atomic_store_n(&p->max_in_flight, p->count, __ATOMIC_RELAXED); }
     e->num_rows = 0;
 }
 
@@ -228,7 +229,7 @@ static inline void serve_pp_finish_oldest(ServePipeline* p, ServeEngine* e) {
     for (int s = 0; s < slot->num_sched; s++) { slot->sched[s]->in_flight = 0; }
     e->num_in_flight -= slot->num_sched;
     p->head_rows += slot->M;
-    p->returned_bytes += (unsigned long long)slot->M * e->Vp * sizeof(float);
+    __atomic_fetch_add(&p->returned_bytes, (unsigned long long)slot->M * e->Vp * sizeof(float), __ATOMIC_RELAXED);
     float* probs = e->probs;
     e->probs = slot->probs;
     serve_engine_finish_step(e);
