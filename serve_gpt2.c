@@ -642,6 +642,18 @@ static long flag_int(const char* flag, const char* v, long lo, long hi) {
     return x;
 }
 
+// BYTES with an optional binary suffix K, M or G (512M = 512 x 2^20), as --kv-memory takes it
+static size_t flag_bytes(const char* flag, const char* v) {
+    char* end;
+    unsigned long long x = strtoull(v, &end, 10);
+    int shift = *end == 'K' ? 10 : *end == 'M' ? 20 : *end == 'G' ? 30 : 0;
+    if (shift) { end++; }
+    if (*v < '0' || *v > '9' || *end != '\0' || x == 0 || x > (1ull << 50) >> shift) {
+        fatal("%s: expected a size in bytes such as 512M or 2G (suffix K, M or G: binary), got '%s'", flag, v);
+    }
+    return (size_t)(x << shift);
+}
+
 // SIGTERM and SIGINT, whichever thread they reach, wake main through a pipe
 static int stop_pipe[2];
 static void on_stop_signal(int sig) {
@@ -660,6 +672,8 @@ static void usage(void) {
            "  --bpe FILE              GPT-2's vocab.bpe (default dev/data/gpt2/vocab.bpe)\n"
            "  --block-size N          positions per KV block (default 16)\n"
            "  --kv-blocks N           KV blocks (default: room for 8 requests of maxT)\n"
+           "  --kv-memory BYTES       or the KV cache's memory a rank (512M, 2G): floor(BYTES / (2 x L x block size x C x 4))\n"
+           "                          blocks, L and C the rank's layers and channels (x P under --kvp P)\n"
            "  --max-batch-tokens N    rows per step: decoding rows plus prefill chunks (default 256)\n"
            "  --batching MODE         inflight: a waiting request joins at any step with room (default);\n"
            "                          static: a batch admitted together, none joins until all of it finished\n"
@@ -768,6 +782,7 @@ int main(int argc, char** argv) {
     comm_init(&comm, &argc, &argv);
     ServeLayout layout = {1, 1, 1, 1};
     const char *model = NULL, *host = "127.0.0.1", *encoder = "dev/data/gpt2/encoder.json", *merges = "dev/data/gpt2/vocab.bpe";
+    size_t kv_memory = 0;
     long port = 8000, block_size = 16, kv_blocks = 0, max_batch = 256, max_conn = 64, max_running = 0, max_body = 1 << 20, shutdown_s = 30;
     ServeBatching batching = SERVE_INFLIGHT;
     int weights_bf16 = 0;
@@ -788,6 +803,7 @@ int main(int argc, char** argv) {
         else if (strcmp(f, "--bpe") == 0) { merges = v; }
         else if (strcmp(f, "--block-size") == 0) { block_size = flag_int(f, v, 1, 4096); }
         else if (strcmp(f, "--kv-blocks") == 0) { kv_blocks = flag_int(f, v, 1, 1 << 24); }
+        else if (strcmp(f, "--kv-memory") == 0) { kv_memory = flag_bytes(f, v); }
         else if (strcmp(f, "--max-batch-tokens") == 0) { max_batch = flag_int(f, v, 1, 1 << 20); }
         else if (strcmp(f, "--max-running") == 0) { max_running = flag_int(f, v, 1, 100000); }
         else if (strcmp(f, "--batching") == 0) {
@@ -823,13 +839,33 @@ int main(int argc, char** argv) {
     GPT2Config config;
     float* params = gpt2_read_finite_model(model, &config, 0);
     char why[256];
-    if (kv_blocks == 0) {
-        long per_request = (config.max_seq_len + block_size - 1) / block_size;
-        kv_blocks = 8 * per_request;
+    const char* kv_problem = NULL;
+    long per_request = (config.max_seq_len + block_size - 1) / block_size;
+    // a rank's cache: its heads' C/tp channels of keys and values per position, for its stage's
+    // L/pp layers (the layout's own refusals follow)
+    int kv_layers = config.num_layers % layout.pp == 0 ? config.num_layers / layout.pp : config.num_layers;
+    size_t block_bytes = paged_kv_block_bytes(kv_layers, (int)block_size, config.channels / layout.tp);
+    if (kv_memory > 0) {   // a budget per rank; under --kvp each of the P ranks holds its 1/P of the blocks
+        if (kv_blocks > 0) {
+            kv_problem = "--kv-memory and --kv-blocks: give one of them (the cache's size in bytes, or in blocks)";
+        } else if (kv_memory / block_bytes > (1 << 24)) {
+            snprintf(why, sizeof(why), "--kv-memory %zu: more than 2^24 blocks of %zu bytes", kv_memory, block_bytes);
+            kv_problem = why;
+        } else {
+            kv_blocks = (long)(kv_memory / block_bytes) * layout.kvp;
+            if (kv_blocks < per_request) {
+                snprintf(why, sizeof(why), "--kv-memory %zu: %ld blocks of %zu bytes (2 x L %d x block size %ld x C %d x 4), "
+                         "fewer than the %ld one request of maxT = %d needs: expected at least %zu bytes", kv_memory,
+                         kv_blocks, block_bytes, kv_layers, block_size, config.channels / layout.tp, per_request,
+                         config.max_seq_len, (size_t)((per_request + layout.kvp - 1) / layout.kvp) * block_bytes);
+                kv_problem = why;
+            }
+        }
     }
-    if (serve_kvp_problem(why, sizeof(why), layout.kvp, layout.ep, (int)block_size, kv_blocks, &config) ||
+    if (kv_blocks == 0) { kv_blocks = 8 * per_request; }
+    if (kv_problem || serve_kvp_problem(why, sizeof(why), layout.kvp, layout.ep, (int)block_size, kv_blocks, &config) ||
         serve_layout_problem(&layout, &config, comm.world_size, why, sizeof(why))) {
-        if (comm.world_rank == 0) { fatal("%s", why); }   // one line: rank 0's abort ends the others
+        if (comm.world_rank == 0) { fatal("%s", kv_problem ? kv_problem : why); }   // one line: rank 0's abort ends the others
         comm_barrier(&comm.world);
     }
     serve_layout_setup(&comm, &layout);
@@ -918,6 +954,8 @@ int main(int argc, char** argv) {
         world_size = comm.world_size;
         pthread_create(&watcher, NULL, rank_watch_thread, &world_size);
     }
+    printf("serve_gpt2: KV cache of %ld blocks x %zu bytes = %zu bytes a rank (2 x L x block size x C x 4 per block, "
+           "L and C this rank's)\n", kv_blocks / layout.kvp, block_bytes, (size_t)(kv_blocks / layout.kvp) * block_bytes);
     printf("serving %s on http://%s:%u\n", S.model_name, host, info ? info->port : (unsigned)port);
     fflush(stdout);
 

@@ -450,25 +450,30 @@ void attention_forward_row(float* out, float* att, const float* qkv, int t, int 
 //   qkv (N,3C): each row's q (its own k, v are already in the cache)
 //   tables (N,max_blocks): each row's block table; pos (N): each row's position; out (N,C)
 //   key p of row r: kv + tables[r * max_blocks + p / bs] * block_stride + (p % bs) * 2C, k (C) | v (C)
-//   scratch: (N,NH,T) the probabilities, then T*3C floats (here: a row's keys and values, gathered)
+//   scratch: (N,NH,T) the probabilities, then T*3C floats (the CPU kernel gathers into a
+//   sequence of T*3C floats per thread of its own instead)
 // Row r is row pos[r] of attention_forward over that one sequence (1,T), bit for bit: its keys
-// and values, gathered into scratch, are that pass's qkv rows, and attention_query_row runs on
-// them unchanged.
-void attention_forward_paged(float* out, float* scratch, const float* qkv, const float* kv, long block_stride,
+// and values, gathered into the thread's sequence, are that pass's qkv rows, and
+// attention_query_row runs on them unchanged. The rows go to the threads (one parallel region
+// per layer, not one per row: a step of N rows would otherwise fork and join N times a layer),
+// a lone row's heads when there is only one.
+void attention_forward_paged(float* out, float* scratch_att, const float* qkv, const float* kv, long block_stride,
                              const int* tables, int max_blocks, const int* pos, int N, int T, int bs, int C, int NH) {
     int hs = C / NH;
     size_t C3 = 3 * (size_t)C;
-    float* seq = scratch + (size_t)N * NH * T;
+    float* seqs = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)thread_count() * T * C3);
+    #pragma omp parallel for schedule(dynamic, 1) if (N > 1)
     for (int r = 0; r < N; r++) {
         int t = pos[r];
+        float* seq = seqs + (size_t)thread_index() * T * C3;
         for (int p = 0; p <= t; p++) {
             const float* kvp = kv + tables[(size_t)r * max_blocks + p / bs] * block_stride + (size_t)(p % bs) * 2 * C;
             memcpy(seq + p * C3 + C, kvp, sizeof(float) * 2 * C);
         }
         memcpy(seq + t * C3, qkv + r * C3, sizeof(float) * C);
-        #pragma omp parallel for
+        #pragma omp parallel for if (N == 1)
         for (int h = 0; h < NH; h++) {
-            attention_query_row(out + (size_t)r * C + h * hs, scratch + ((size_t)r * NH + h) * T, seq, t, T, C, NH, h);
+            attention_query_row(out + (size_t)r * C + h * hs, scratch_att + ((size_t)r * NH + h) * T, seq, t, T, C, NH, h);
         }
     }
 }

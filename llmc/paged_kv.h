@@ -54,6 +54,13 @@ static inline float* paged_kv_layer(const PagedKV* kv, int l) {
     return kv->data + (size_t)l * kv->block_size * 2 * kv->C;
 }
 
+// bytes of one block: fp32 keys and values (2) of every layer (L) for block_size positions of
+// C channels (this rank's: C/tp under tensor parallelism): 2 x L x block_size x C x 4, so a
+// memory budget of B bytes holds floor(B / that) blocks (serve_gpt2 --kv-memory)
+static inline size_t paged_kv_block_bytes(int L, int block_size, int C) {
+    return (size_t)2 * L * block_size * C * sizeof(float);
+}
+
 static inline int paged_kv_blocks_for(const PagedKV* kv, int positions) {
     return (positions + kv->block_size - 1) / kv->block_size;
 }

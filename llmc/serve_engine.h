@@ -139,6 +139,7 @@ typedef struct ServeEngine {
     long* run_slot;
     ServeRequest** sched;                   // the step's requests, their last rows
     int *sched_last_row, num_sched, num_rows;
+    int* sched_head;                        // per scheduled request, its row of probs (-1: no draw this step)
     // ... and in mem: positions, tables and head rows as the kernels read them; attention's scratch
     int *pos_dev, *tables_dev, *head_rows_dev;
     float* att_scratch;
@@ -217,7 +218,8 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
     e->running = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "running requests");
     e->waiting = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "waiting requests");
     e->sched = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "serve step");
-    e->sched_last_row = (int*)malloc_or_die(sizeof(int) * (size_t)max_requests, "serve step");
+    e->sched_last_row = (int*)malloc_or_die(sizeof(int) * 2 * (size_t)max_requests, "serve step");
+    e->sched_head = e->sched_last_row + max_requests;
     size_t rows = (size_t)N;
     e->row_tok = (int*)calloc_or_die(rows * (5 + (size_t)e->max_blocks), sizeof(int), "serve rows");
     e->row_pos = e->row_tok + rows;
@@ -383,7 +385,6 @@ static inline int serve_append_text(ServeEngine* e, ServeRequest* r, int token) 
 // returns the finish reason, or NULL while it goes on.
 static inline const char* serve_draw(ServeEngine* e, ServeRequest* r, const float* probs) {
     int V = e->config.vocab_size;
-    r->fingerprint = serve_fnv1a(r->fingerprint, probs, (size_t)V);
     int token = sampler_draw(&r->sampler, probs, V, random_f32(&r->rng));
     r->tokens[r->len++] = token;
     e->tokens_generated++;
@@ -491,7 +492,11 @@ static inline int serve_head_rows(ServeEngine* e) {
     int M = 0;
     for (int s = 0; s < e->num_sched; s++) {
         ServeRequest* r = e->sched[s];
-        if (e->row_pos[e->sched_last_row[s]] + 1 == r->len) { e->head_rows[M++] = e->sched_last_row[s]; }
+        e->sched_head[s] = -1;
+        if (e->row_pos[e->sched_last_row[s]] + 1 == r->len) {
+            e->sched_head[s] = M;
+            e->head_rows[M++] = e->sched_last_row[s];
+        }
     }
     return M;
 }
@@ -529,11 +534,19 @@ static inline void serve_engine_stop_followers(ServeEngine* e) {
 // 3. Each request that caught up draws its next token; the finished ones leave.
 static inline void serve_engine_finish_step(ServeEngine* e) {
     if (e->num_rows == 0) { return; }
-    for (int s = 0, m = 0; s < e->num_sched; s++) {
+    // each drawing request's fingerprint over its distribution (V floats' bytes, one FNV-1a
+    // multiply per byte: 0.2 MB a row for GPT-2) is its own: the rows hashed in parallel
+    #pragma omp parallel for schedule(dynamic, 1) if (e->num_sched > 1)
+    for (int s = 0; s < e->num_sched; s++) {
+        if (e->sched_head[s] < 0) { continue; }
+        ServeRequest* r = e->sched[s];
+        r->fingerprint = serve_fnv1a(r->fingerprint, e->probs + (size_t)e->sched_head[s] * e->Vp, (size_t)e->config.vocab_size);
+    }
+    for (int s = 0; s < e->num_sched; s++) {
         ServeRequest* r = e->sched[s];
         r->computed = e->row_pos[e->sched_last_row[s]] + 1;
-        if (r->computed != r->len) { continue; }
-        const char* reason = serve_draw(e, r, e->probs + (size_t)m++ * e->Vp);
+        if (e->sched_head[s] < 0) { continue; }
+        const char* reason = serve_draw(e, r, e->probs + (size_t)e->sched_head[s] * e->Vp);
         if (reason) {
             for (int i = 0; i < e->num_running; i++) {
                 if (e->running[i] == r) { serve_remove_at(e->running, &e->num_running, i); }

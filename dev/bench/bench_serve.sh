@@ -8,12 +8,18 @@
 #   static, 16 conc.        --batching static: a batch admitted together, none joins until all finish
 #   one at a time, 16 conc. --max-running 1: the engine runs one request, 15 queue
 # TTFT, TPOT, ITL in ms (mean / p50 / p99), as vLLM's benchmark_serving reports them.
-# Usage: dev/bench/bench_serve.sh  (env: N requests per 16-concurrent row, default 16; N1 for
+# Each server first answers one warm-up request, not counted (its first steps pack the decode
+# copies of the weights, llmc/decode_matmul.h). The 16-concurrent rows send at RATE16 (default
+# inf, as vLLM's benchmark_serving's default request rate: --max-concurrency keeps 16 in flight);
+# a Poisson rate of a few per second keeps fewer than 16 in flight (Little's law: rate x
+# latency), so it would measure the arrivals, not the batching.
+# Usage: dev/bench/bench_serve.sh  (env: N requests per 16-concurrent row, default 48; N1 for
 # the one-request-at-a-time rows, default 4; OUT=MIN:MAX output tokens, default 16:32;
-# PROMPT=MIN:MAX characters, default 40:160; RATE requests/s, default 4)
+# PROMPT=MIN:MAX characters, default 40:160; RATE requests/s for the 1-concurrent rows, default 4;
+# RATE16 for the 16-concurrent rows, default inf)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-N=${N:-16}; N1=${N1:-4}; OUT=${OUT:-16:32}; PROMPT=${PROMPT:-40:160}; RATE=${RATE:-4}
+N=${N:-48}; N1=${N1:-4}; OUT=${OUT:-16:32}; PROMPT=${PROMPT:-40:160}; RATE=${RATE:-4}; RATE16=${RATE16:-inf}
 D=dev/data
 [ -s $D/tinyshakespeare.txt ] || D=../shared/data
 G=$D/gpt2
@@ -42,12 +48,16 @@ row() {   # label, requests, concurrency, server flags...
     sleep 0.1
   done
   [ -n "$port" ] || { cat "$W/server.out"; exit 1; }
+  build/serve_load --port "$port" --text $D/tinyshakespeare.txt --num-prompts 1 --max-concurrency 1 \
+    --output-tokens "$OUT" --prompt-chars "$PROMPT" --label warm-up >"$W/load.out" || { cat "$W/load.out"; exit 1; }
+  local rate=$RATE
+  [ "$conc" = 1 ] || rate=$RATE16
   build/serve_load --port "$port" --text $D/tinyshakespeare.txt --num-prompts "$n" --max-concurrency "$conc" \
-    --rate "$RATE" --output-tokens "$OUT" --prompt-chars "$PROMPT" --label "$label" >"$W/load.out" || { cat "$W/load.out"; exit 1; }
+    --rate "$rate" --output-tokens "$OUT" --prompt-chars "$PROMPT" --label "$label" >"$W/load.out" || { cat "$W/load.out"; exit 1; }
   kill -TERM $PID; wait $PID || true; PID=
   grep '^|' "$W/load.out"
 }
-echo "$ckpt, prompts $PROMPT chars, outputs $OUT tokens, Poisson arrivals at $RATE/s, $(nproc) cores"
+echo "$ckpt, prompts $PROMPT chars, outputs $OUT tokens, Poisson arrivals at $RATE/s (1 concurrent), $RATE16/s (16), $(nproc) cores, load average $(cut -d' ' -f1 /proc/loadavg)"
 echo "| schedule | requests | req/s | output tok/s | TTFT ms (mean / p50 / p99) | TPOT ms | ITL ms |"
 echo "|---|---|---|---|---|---|---|"
 row "lone request (1 concurrent)" "$N1" 1

@@ -18,6 +18,9 @@
 #  10. --weights bf16 on the dense checkpoint: the distributions' bits (greedy and mixed requests)
 #      = the fp32 server's on the checkpoint rounded to bf16 beforehand (build/testdata bf16), not
 #      the fp32 ones; 4 requests at once = each alone; a bad --weights value: one line, exit 1;
+#  11. --kv-memory: /metrics' free blocks = floor(budget / (2 x L x block size x C x 4)), L and C
+#      read from the checkpoint's header; a budget short of one maxT request, and --kv-memory with
+#      --kv-blocks, each refused in one line;
 # and first the request parser's fuzz target replays its seeds (when clang's libFuzzer is there).
 # Exits non-zero on the first failure, saying which.
 set -u
@@ -297,4 +300,30 @@ stop_server || fail "exit status of the bf16 server"
 [ "$(wc -l <"$W/bad_weights.out")" = 1 ] && grep -q -- '--weights' "$W/bad_weights.out" ||
   fail "--weights fp16: not one line naming the flag: $(cat "$W/bad_weights.out")"
 pass "--weights bf16: greedy and 6 mixed requests = the fp32 server on the checkpoint rounded to bf16 (distribution bits), 4 at once = each alone; --weights fp16 refused in one line"
+# --- 11. --kv-memory --------------------------------------------------------------------------
+CK=$CK_DENSE
+read -r maxT L C < <(od -An -w24 -t d4 -j 8 -N 24 "$CK" | awk '{ print $1, $3, $5 }')   # header [2] maxT, [4] L, [6] C
+block_bytes=$((2 * L * 4 * C * 4))   # --block-size 4
+budget=$((17 * block_bytes + block_bytes / 2))   # room for 17 and a half blocks (a maxT request: maxT / 4): 17
+start_server --kv-memory $budget --block-size 4
+grep -q "KV cache of 17 blocks x $block_bytes bytes = $((17 * block_bytes)) bytes" "$W/server.out" ||
+  fail "--kv-memory $budget: the startup line does not give 17 blocks of $block_bytes bytes: $(grep 'KV cache' "$W/server.out")"
+[ "$(metric serve_kv_blocks_free)" = $((budget / block_bytes)) ] ||
+  fail "--kv-memory $budget: $(metric serve_kv_blocks_free) free blocks, expected $((budget / block_bytes))"
+stop_server || fail "exit status of the --kv-memory server"
+start_server --kv-memory 1M
+[ "$(metric serve_kv_blocks_free)" = $((1048576 / (2 * L * 16 * C * 4))) ] ||
+  fail "--kv-memory 1M: $(metric serve_kv_blocks_free) free blocks, expected $((1048576 / (2 * L * 16 * C * 4)))"
+stop_server || fail "exit status of the --kv-memory 1M server"
+short=$(((maxT / 4 - 1) * block_bytes))   # one block short of a maxT request
+./serve_gpt2 -e "$CK" --kv-memory $short --block-size 4 >"$W/kv_short.out" 2>&1 && fail "--kv-memory $short was accepted"
+[ "$(wc -l <"$W/kv_short.out")" = 1 ] && grep -q -- "--kv-memory $short: $((maxT / 4 - 1)) blocks" "$W/kv_short.out" ||
+  fail "--kv-memory $short: not one line naming the flag and the blocks: $(cat "$W/kv_short.out")"
+./serve_gpt2 -e "$CK" --kv-memory 1M --kv-blocks 8 >"$W/kv_both.out" 2>&1 && fail "--kv-memory with --kv-blocks was accepted"
+[ "$(wc -l <"$W/kv_both.out")" = 1 ] && grep -q -- '--kv-memory and --kv-blocks' "$W/kv_both.out" ||
+  fail "--kv-memory with --kv-blocks: not one line naming both: $(cat "$W/kv_both.out")"
+./serve_gpt2 -e "$CK" --kv-memory 2T >"$W/kv_bad.out" 2>&1 && fail "--kv-memory 2T was accepted"
+[ "$(wc -l <"$W/kv_bad.out")" = 1 ] && grep -q -- '--kv-memory' "$W/kv_bad.out" ||
+  fail "--kv-memory 2T: not one line naming the flag: $(cat "$W/kv_bad.out")"
+pass "--kv-memory: free blocks = floor(budget / (2 x L x block size x C x 4)) at block sizes 4 and 16; short of one maxT request, with --kv-blocks, a bad size: each refused in one line"
 echo "all serve tests passed"
