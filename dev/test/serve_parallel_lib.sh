@@ -1,6 +1,7 @@
-# The across-ranks servers' tests' shared part (test_serve_parallel.sh, test_serve_kvp.sh),
-# sourced after serve_lib.sh: a checkpoint to serve (train), a POST and a metric (post, metric),
-# and the workload each layout's answers are compared on (workload).
+# The across-ranks servers' tests' shared part (test_serve_parallel.sh, test_serve_kvp.sh,
+# test_serve_pp.sh), sourced after serve_lib.sh: a checkpoint to serve (train), a POST and a
+# metric (post, metric), the workload each layout's answers are compared on (workload; the
+# pipeline's test has its own), and a layout refused at startup (refuse).
 train() {   # MODEL DIR: a 3-step checkpoint of MODEL (what is served matters, not how well)
   ./train_gpt2 -e "$1" -i $D/tiny_shakespeare_train.bin -b 4 -t 64 -x 3 -v 0 -s 0 -l 3e-3 -n 3 -o "$W/$2" \
     >"$W/train_$2.out" 2>&1 || fail "could not train $1: $(tail -3 "$W/train_$2.out")"
@@ -42,3 +43,11 @@ workload() {   # TAG
   } >"$W/$tag.out"
 }
 
+refuse() {   # CK EXPECTED FLAGS...: the one process refuses the layout FLAGS in one line saying EXPECTED
+  local ck=$1 want=$2
+  shift 2
+  ./serve_gpt2 -e "$ck" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "$@" >"$W/refused.out" 2>&1 &&
+    fail "$*: accepted"
+  [ "$(wc -l <"$W/refused.out")" = 1 ] && grep -q -- "$want" "$W/refused.out" ||
+    fail "$*: expected one line saying '$want', got: $(cat "$W/refused.out")"
+}

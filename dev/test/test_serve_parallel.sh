@@ -96,14 +96,6 @@ layouts "$W/dense/model_00000003.bin" dense "2:--tp 2" "4:--tp 4"
 layouts "$W/moe/model_00000003.bin" moe "2:--ep 2" "4:--tp 2 --ep 2"
 
 # --- 4. refused layouts ------------------------------------------------------------------
-refuse() {   # CK EXPECTED FLAGS...
-  local ck=$1 want=$2
-  shift 2
-  ./serve_gpt2 -e "$ck" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "$@" >"$W/refused.out" 2>&1 &&
-    fail "$*: accepted"
-  [ "$(wc -l <"$W/refused.out")" = 1 ] && grep -q -- "$want" "$W/refused.out" ||
-    fail "$*: expected one line saying '$want', got: $(cat "$W/refused.out")"
-}
 DENSE=$W/dense/model_00000003.bin MOE=$W/moe/model_00000003.bin
 refuse "$DENSE" "^error: --tp 3: the tensor-parallel degree must be" --tp 3
 refuse "$DENSE" "^error: --tp 8: the number of heads NH must be a multiple" --tp 8

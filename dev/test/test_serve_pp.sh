@@ -14,20 +14,14 @@
 #      event ending the stream, one line naming the rank, the server gone (no hang).
 set -u
 cd "$(dirname "$0")/../.."
-. dev/test/serve_lib.sh   # D, J, W, fail, pass; start_server, stop_server
+. dev/test/serve_lib.sh            # D, J, W, fail, pass; start_server, stop_server
+. dev/test/serve_parallel_lib.sh   # train, post, metric, toks, PROMPT, refuse (its own workload below)
 export MPI_TIMEOUT=120    # dev/test/mpi.sh: a hung layout fails instead of blocking
 
-./train_gpt2 -e d4c32h4t64 -i $D/tiny_shakespeare_train.bin -b 4 -t 64 -x 3 -v 0 -s 0 -l 3e-3 -n 3 -o "$W/dense" \
-  >"$W/train.out" 2>&1 || fail "could not train d4c32h4t64: $(tail -3 "$W/train.out")"
+train d4c32h4t64 dense
 CK=$W/dense/model_00000003.bin
 L=4 C=32 VP=50304 MAX_BLOCKS=4   # the model's shape: maxT 64 in blocks of 16
 
-post() {   # NAME BODY: the answer in $W/NAME.json; prints the HTTP status
-  curl -s -o "$W/$1.json" -w '%{http_code}' -H 'Content-Type: application/json' "$URL/v1/completions" --data-binary "$2"
-}
-metric() { curl -s "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
-read -r -a toks <"$D/tinyshakespeare_first1000.tokens.txt"
-PROMPT=5962,22307,25,198
 
 workload() {   # TAG: what the answers say into $W/TAG.out (no ids or times)
   local tag=$1 i clients=() temps=(0 1 0.7 1.3)
@@ -113,17 +107,9 @@ for l in "2:--pp 2" "4:--pp 4" "4:--pp 2 --tp 2" "8:--pp 4 --tp 2"; do
 done
 
 # --- 3. refused layouts ------------------------------------------------------------------
-refuse() {   # EXPECTED FLAGS...
-  local want=$1
-  shift
-  ./serve_gpt2 -e "$CK" --port 0 --encoder $D/encoder.json --bpe $D/vocab.bpe "$@" >"$W/refused.out" 2>&1 &&
-    fail "$*: accepted"
-  [ "$(wc -l <"$W/refused.out")" = 1 ] && grep -q -- "$want" "$W/refused.out" ||
-    fail "$*: expected one line saying '$want', got: $(cat "$W/refused.out")"
-}
-refuse "^error: --pp 3: must divide the model's 4 layers" --pp 3
-refuse "^error: --pp 2 with --ep 2: not built" --pp 2 --ep 2
-refuse "^error: --pp 2 x --tp 2 needs 4 ranks (mpirun -np 4), got 1" --pp 2 --tp 2
+refuse "$CK" "^error: --pp 3: must divide the model's 4 layers" --pp 3
+refuse "$CK" "^error: --pp 2 with --ep 2: not built" --pp 2 --ep 2
+refuse "$CK" "^error: --pp 2 x --tp 2 needs 4 ranks (mpirun -np 4), got 1" --pp 2 --tp 2
 pass "refused in one line: --pp 3 (4 layers), --pp with --ep, too few ranks"
 
 # --- 4. a stage rank that dies -------------------------------------------------------------
