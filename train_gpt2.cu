@@ -166,10 +166,6 @@ int main(int argc, char** argv) {
         }
         t.args.attention = "flash";   // (auto: cuDNN would be chosen for the whole training shape)
     }
-    if (!det && t.args.tp > 1 && t.args.pp > 1) {
-        fatal("--tp with --pp: fast mode runs tensor parallelism on one pipeline stage only (not yet tested with "
-              "stages); run --tp %d --pp %d with --deterministic 1", t.args.tp, t.args.pp);
-    }
     select_device(&t.comm);
     choose_transport(&t);
     device_peak_tflops = gpu_peak_tflops(device_prop.major, device_prop.minor, device_prop.name, det, &device_peak_name);

@@ -21,8 +21,9 @@
  * bf16 residual stream, and the split backward's halves (the zero-bubble and DualPipe
  * schedules) are the input gradients, then the cuBLASLt weight-gradient matmuls and the exact
  * reductions. The sampler decodes with a KV cache (one new row per token). Tensor parallelism
- * (one pipeline stage) splits the bf16 weights as tensor_parallel.h's pieces, with fp32 sums
- * crossing the tp group (kernels_fast_tp.cuh); with sequence parallelism (--sp 1) the residual
+ * splits the bf16 weights as tensor_parallel.h's pieces, with fp32 sums crossing the tp group
+ * (kernels_fast_tp.cuh); inside pipeline stages each tp rank of a stage sends and receives its
+ * own bf16 boundary over its pp group (comm.h's grid); with sequence parallelism (--sp 1) the residual
  * stream and the layernorms hold this rank's zig-zag slice of T (zigzag.h), the fp32 sums are
  * reduce-scattered along T and the bf16 layernorm outputs and residual gradients all-gathered
  * (the same bits as --tp K alone). Mixture-of-experts models (moe.h) run with data, expert
@@ -33,7 +34,7 @@
  * either turns it into NH/N heads of whole sequences around the flash kernels with bf16
  * all-to-alls (--cp-mode a2a) or passes bf16 K|V blocks around the ring, merging each block's
  * partial output by its log-sum-exp (kernels_fast_cp.cuh). In fast mode train_gpt2.cu refuses
- * --cp with --tp, --pp or experts, --tp with --pp and experts with --tp, and says to use
+ * --cp with --tp, --pp or experts, and experts with --tp, and says to use
  * --deterministic 1.
  */
 #include "llmc/engine.h"

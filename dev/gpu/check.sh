@@ -69,7 +69,8 @@
 #     failure: this machine cannot run it; make test runs the same layouts on the emulated
 #     GPU, dev/test/test_cuda_emu.sh). Fast mode on 2 pipeline stages (1f1b, zb1) identical to
 #     fast mode on one rank; fast --tp 2 run and finite (its tolerance: test_fast_tp.sh), fast
-#     --tp 2 --sp 1 identical to fast --tp 2, fast --cp 2 --cp-mode a2a and ring run and finite
+#     --tp 2 --sp 1 and fast --tp 2 --pp 2 (4 ranks, zb1) identical to fast --tp 2 (with NCCL
+#     only on 4+ GPUs), fast --cp 2 --cp-mode a2a and ring run and finite
 #     with their cp bytes = the formula (their tolerances: test_fast_cp.sh). With 2+ GPUs also --comm nccl, and fast-mode data
 #     parallelism's tok/s from 1 to N GPUs (INFO).
 #  5. benchmark: GPT-2 124M (-e d12), T=1024, the largest B of 32, 16, 8 that fits; fast
@@ -618,15 +619,18 @@ fast_layouts() {
     else fail "$name" "differ from fast mode on 1 rank: $bad"; fi
   done
   # tensor parallelism (within a tolerance of one rank: test_fast_tp.sh derives it, so here it
-  # must run and stay finite), sequence parallelism: the same bits as --tp 2 alone, and context
+  # must run and stay finite), sequence parallelism and tensor parallelism inside 2 pipeline
+  # stages (4 ranks, zb1: the split backward): the same bits as --tp 2 alone, and context
   # parallelism, the all-to-all and the ring (their tolerances: test_fast_cp.sh; here each runs,
   # stays finite, and its cp bytes equal the formula on the trainer's accounting line)
-  local tp
-  for tp in "--tp 2" "--tp 2 --sp 1" "--cp 2 --cp-mode a2a" "--cp 2 --cp-mode ring"; do
+  local tp np
+  for tp in "--tp 2" "--tp 2 --sp 1" "--tp 2 --pp 2 --schedule zb1" "--cp 2 --cp-mode a2a" "--cp 2 --cp-mode ring"; do
     ln=$(echo "$tp" | tr -d ' -')
-    name="4. fast 2 ranks $tp --comm $comm"
+    np=2; case $tp in *--pp*) np=4 ;; esac
+    name="4. fast $np ranks $tp --comm $comm"
+    if [ "$comm" = nccl ] && [ $np -gt "$NGPU" ]; then info "$name" "NCCL needs a GPU per rank: $np ranks, $NGPU GPUs"; continue; fi
     in_time "$name" 15 || continue
-    run "s4_fast_${comm}_$ln" $T4 dev/test/mpi.sh 2 $FAST_BIN --comm "$comm" "${S4[@]}" "${D1[@]}" $tp \
+    run "s4_fast_${comm}_$ln" $T4 dev/test/mpi.sh $np $FAST_BIN --comm "$comm" "${S4[@]}" "${D1[@]}" $tp \
         -o "$W/s4_fast_${comm}_$ln"
     keep "s4_fast_${comm}_$ln" "$W/s4_fast_${comm}_$ln"
     finite "s4_fast_${comm}_$ln" "$W/s4_fast_${comm}_$ln"

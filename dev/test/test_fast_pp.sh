@@ -8,19 +8,20 @@
 # residual + layernorm kernel does); the split backward's halves (zb1, zbv, dualpipe(v))
 # compute the same outputs as the whole backward. So every logged loss and norm, the samples
 # and the checkpoint bytes must be identical to one rank's:
-#   1. --pp 2 with 1f1b, gpipe, interleaved (--vpp 2), zb1, zbv, dualpipev, dualpipe; 1f1b
+#   1. --pp 2 with 1f1b, gpipe, interleaved (--vpp 2), zbv, dualpipev, dualpipe; 1f1b
 #      samples without the KV cache (--kv-cache 0: a full forward per token), the others with
 #      it (one row per token through the pipeline), so equal samples also say that the KV
 #      cache's tokens are the full forward's;
 #      gpipe (every forward before the first backward) and zbv (one rank holds the
 #      embeddings' chunk and the head's) at ZeRO-3, whose bf16 copies exist only for the
-#      units in flight; zb1 with -r 1 (the weight half recomputes GELU);
+#      units in flight (zb1, with -r 1: the weight half recomputes GELU, runs with --tp 2 in
+#      test_fast_tp.sh, byte-identical to --tp 2 on one stage; test_fast_moe.sh runs it too);
 #   2. --pp 4 (1f1b, one layer a stage); 2 data x 2 pipeline ranks (zbv, ZeRO-1);
 #   3. the 1f1b run against the fp32 CPU reference ./train_gpt2 within
 #      dev/gpu/fast_tolerance.awk's bf16 tolerances (the same formulas as test_fast_e2e.sh);
 #      the bytes stage 0 sends over the pp group against their formula, bf16 in fast mode and
 #      fp32 in ./train_gpt2 --pp 2;
-#   (tensor parallelism, and what fast mode refuses: dev/test/test_fast_tp.sh)
+#   (tensor parallelism, inside pipeline stages too: dev/test/test_fast_tp.sh)
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -45,7 +46,7 @@ run ref 1 "${FAST[@]}" "${ARGS[@]}"
 grep -q 'tel:' "$W/ref/main.log" || fail "ref: no validation loss logged"
 
 # 1. every schedule on 2 stages
-for layout in "1f1b --kv-cache 0" "gpipe -z 3" "interleaved --vpp 2" "zb1 -r 1" "zbv -z 3" dualpipev dualpipe; do
+for layout in "1f1b --kv-cache 0" "gpipe -z 3" "interleaved --vpp 2" "zbv -z 3" dualpipev dualpipe; do
   set -- $layout
   name=pp2_$1$( [ "${2:-}" = -z ] && echo _z3)
   run "$name" 2 "${FAST[@]}" "${ARGS[@]}" --pp 2 --schedule "$@"
@@ -53,7 +54,7 @@ for layout in "1f1b --kv-cache 0" "gpipe -z 3" "interleaved --vpp 2" "zb1 -r 1" 
 done
 grep -q "stage 0 .*layers \[0, 1) \[3, 4) + embeddings + head" "$W/pp2_zbv_z3.out" \
   || fail "zbv: stage 0 should hold layers 0 and 3, the embeddings and the head ($(grep 'stage 0' "$W/pp2_zbv_z3.out"))"
-pass "fast mode --pp 2 with 1f1b, gpipe (ZeRO-3), interleaved, zb1 (-r 1), zbv (ZeRO-3), dualpipev, dualpipe: bit-identical \
+pass "fast mode --pp 2 with 1f1b, gpipe (ZeRO-3), interleaved, zbv (ZeRO-3), dualpipev, dualpipe: bit-identical \
 to one rank (main.log, checkpoint, samples; 1f1b's without the KV cache = the others' with it)"
 
 # 2. 4 stages, one layer each; 2 data x 2 pipeline ranks (zbv, ZeRO-1: the gradients reduced

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fast mode (bf16) with tensor parallelism on the emulated GPU (./train_gpt2cu_emu
-# --deterministic 0 --tp 2, and with sequence parallelism --sp 1; real mpirun), against the
-# same fast run on one rank.
+# --deterministic 0 --tp 2, with sequence parallelism --sp 1, and inside 2 pipeline stages;
+# real mpirun), against the same fast run on one rank.
 #
 # Not bit-identical: cuBLASLt's fp32 accumulator sums a row-parallel layer's inputs (attproj,
 # fcproj) and a column-parallel layer's input gradient (qkv, fc, the LM head) in another order
@@ -17,8 +17,8 @@
 #   rel |d norm| <= tol sqrt(2) (forward and backward)
 # plus fast_tolerance.awk's growth over later steps (tol_norm0 sqrt(s) (l_0 - l_s)).
 #   1. --tp 2 against one rank within that tolerance (the samples, from the gathered logits,
-#      equal; --kv-cache 0 samples = the KV cache's); 2 data x 2 tensor ranks at ZeRO-3 =
-#      --tp 2 alone byte for byte (the replicated tensors' gradients reduced over dp only);
+#      equal); 2 data x 2 tensor ranks at ZeRO-3 = --tp 2 alone byte for byte (the replicated
+#      tensors' gradients reduced over dp only);
 #   2. --tp 2 against the fp32 CPU reference ./train_gpt2 within dev/gpu/fast_tolerance.awk;
 #   3. the bytes a step sends over the tp group against Megatron's count (fp32, as
 #      ./train_gpt2 --tp 2 sends);
@@ -27,8 +27,14 @@
 #      is per row, and the layernorm weight gradients' per-sequence subtrees finish over the
 #      group in the R3 tree's order; so within the tolerance of 1 and 2; its tp bytes against
 #      the formula (fp32 reduce-scatters, bf16 all-gathers, the layernorms' subtrees);
-#   5. what fast mode does not run yet (--tp with --pp): refused in one line (--cp with --tp:
-#      test_fast_cp.sh).
+#   5. --tp 2 --pp 2 (4 ranks; each tp rank of a stage sends and receives its own bf16
+#      boundary over its pp group, the whole residual stream, or with --sp 1 its slice) = --tp 2
+#      on one stage byte for byte (main.log, checkpoint, samples), as fast PP keeps one rank's
+#      bits: 1f1b at ZeRO-3 without the KV cache (so its samples = --tp 2's with it also say
+#      that the KV cache's tokens are the full forward's), zb1 (the split backward) with -r 1
+#      and --sp 1; within the bf16 tolerances of ./train_gpt2; stage 0's pp and tp bytes
+#      against their formulas (what fast mode refuses with --tp: --cp, test_fast_cp.sh;
+#      experts, test_fast_moe.sh).
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -69,12 +75,10 @@ res=$(awk -v S=6 -v u=0.00390625 -v n=$((4 * C)) -v Ktp=$((4 * L + 1)) -v N=$((M
   }' "$W/ref/main.log" "$W/tp2/main.log")
 [ "${res%% *}" = ok ] || fail "--tp 2 vs one rank: ${res#* }"
 diff <(samples ref) <(samples tp2) >/dev/null || fail "--tp 2: the samples differ from one rank's"
-run tp2_nokv 2 "${FAST[@]}" "${ARGS[@]}" --tp 2 --kv-cache 0
-diff <(samples tp2) <(samples tp2_nokv) >/dev/null || fail "--tp 2: the KV cache's samples differ from a full forward's"
 run dp2_tp2_z3 4 "${FAST[@]}" "${ARGS[@]}" --tp 2 -z 3
 cmp -s "$W/tp2/main.log" "$W/dp2_tp2_z3/main.log" || fail "2 data x 2 tensor ranks (ZeRO-3): main.log differs from --tp 2's"
 cmp -s "$W/tp2/model_00000002.bin" "$W/dp2_tp2_z3/model_00000002.bin" || fail "2 data x 2 tensor ranks (ZeRO-3): the checkpoint differs from --tp 2's"
-pass "fast mode --tp 2 vs one rank: ${res#* }; the same samples (KV cache = full forward); DP 2 x TP 2 (ZeRO-3) = TP 2 byte for byte"
+pass "fast mode --tp 2 vs one rank: ${res#* }; the same samples; DP 2 x TP 2 (ZeRO-3) = TP 2 byte for byte"
 
 # 2. against the fp32 reference
 run cpu 1 ./train_gpt2 "${ARGS[@]}"
@@ -116,8 +120,37 @@ got=$(tp_bytes sp2)
 pass "fast mode --tp 2 --sp 1 = --tp 2 byte for byte (main.log, checkpoint, samples); tp bytes per step $want_sp = the formula"
 vs_cpu sp2 "--tp 2 --sp 1"
 
-# 5. what fast mode does not run yet: one line naming the flags
-out=$($MPI 4 "${FAST[@]}" "${ARGS[@]}" --tp 2 --pp 2 -o "$W/refused" 2>&1) && fail "fast mode --tp 2 --pp 2: not refused"
-echo "$out" | grep -q "^error: \[rank [0-3]\] --tp with --pp: fast mode runs tensor parallelism on one pipeline stage only.*--deterministic 1$" \
-  || fail "fast mode --tp 2 --pp 2: no one-line refusal ($(echo "$out" | grep -m1 -i error))"
-pass "fast mode --tp 2 --pp 2: refused in one line"
+# 5. tensor parallelism inside pipeline stages: 2 tensor x 2 pipeline ranks. Stage 0 holds
+# layers [0, 3) and the embeddings (the startup table says so), stage 1 layer 3 and the head.
+for layout in "1f1b --kv-cache 0 -z 3" "zb1 -r 1 --sp 1"; do
+  set -- $layout
+  name=tp2_pp2_$1
+  run "$name" 4 "${FAST[@]}" "${ARGS[@]}" --tp 2 --pp 2 --schedule "$@"
+  grep -q "stage 0 .*layers \[0, 3) + embeddings," "$W/$name.out" \
+    || fail "$name: stage 0 should hold layers [0, 3) and the embeddings ($(grep 'stage 0' "$W/$name.out"))"
+  cmp -s "$W/tp2/main.log" "$W/$name/main.log" \
+    || fail "$name: main.log differs from --tp 2's ($(diff "$W/tp2/main.log" "$W/$name/main.log" | head -2 | tr '\n' ' '))"
+  cmp -s "$W/tp2/model_00000002.bin" "$W/$name/model_00000002.bin" || fail "$name: the checkpoint differs from --tp 2's"
+  grep -q '^generating:' "$W/$name.out" || fail "$name: no sample printed"
+  diff <(samples tp2) <(samples "$name") >/dev/null || fail "$name: the samples differ from --tp 2's"
+done
+pass "fast mode --tp 2 --pp 2 with 1f1b (ZeRO-3, no KV cache) and zb1 (-r 1, --sp 1) = --tp 2 on one stage byte for byte \
+(main.log, checkpoint, samples)"
+vs_cpu tp2_pp2_1f1b "--tp 2 --pp 2 1f1b"
+
+# stage 0's bytes of a step (rank 0's table: tp rank 0 of stage 0). pp: each microbatch's
+# boundary, its tp rank's B*T*C bf16 (with SP the slice, B*T/K*C), and its half of the tied
+# wte's vocabulary rows (Vp/K*C fp32) summed over the two stages as in test_fast_pp.sh
+# (4 Vp/K C bytes). tp: 3's count on 3 layers and the embedding lookup (no head, no classifier);
+# with SP 4's on them: 4*3 + 1 reduce-scatters, 2*3 forward and 2*3 + 1 backward all-gathers,
+# 2*3 layernorm subtrees.
+pp_bytes() { awk '$1 == "pp" { print $3; exit }' "$W/$1.out"; }
+Vp=512 S0=3
+for v in "tp2_pp2_1f1b $((M * btc * 2 + 4 * Vp / K * C)) $((M * (4 * S0 + 1) * $(ar $btc)))" \
+         "tp2_pp2_zb1 $((M * btc / K * 2 + 4 * Vp / K * C)) $((M * ((4 * S0 + 1) * sl * 4 + (4 * S0 + 1) * sl * 2 + 2 * S0 * $(ar $((2 * B * C))))))"; do
+  set -- $v
+  [ "$(pp_bytes "$1")" = "$2" ] || fail "$1: stage 0 sent $(pp_bytes "$1") bytes over the pp group in step 1, the formula says $2"
+  [ "$(tp_bytes "$1")" = "$3" ] || fail "$1: stage 0 sent $(tp_bytes "$1") bytes over the tp group in step 1, the formula says $3"
+done
+pass "stage 0's bytes per step under --tp 2 --pp 2: pp $(pp_bytes tp2_pp2_1f1b) (bf16 boundaries), with --sp 1 \
+$(pp_bytes tp2_pp2_zb1) (the slice); tp $(tp_bytes tp2_pp2_1f1b), with --sp 1 $(tp_bytes tp2_pp2_zb1) (= the formulas)"
