@@ -863,7 +863,7 @@ int main(int argc, char** argv) {
         }
     }
     if (kv_blocks == 0) { kv_blocks = 8 * per_request; }
-    if (kv_problem || serve_kvp_problem(why, sizeof(why), layout.kvp, layout.ep, (int)block_size, kv_blocks, &config) ||
+    if (kv_problem || serve_kvp_problem(why, sizeof(why), layout.kvp, layout.tp, layout.ep, (int)block_size, kv_blocks, &config) ||
         serve_layout_problem(&layout, &config, comm.world_size, why, sizeof(why))) {
         if (comm.world_rank == 0) { fatal("%s", kv_problem ? kv_problem : why); }   // one line: rank 0's abort ends the others
         comm_barrier(&comm.world);
@@ -946,9 +946,11 @@ int main(int argc, char** argv) {
         if (comm.cp > 1) {   // KV parallelism (llmc/serve_kvp.h): the cache per rank, the traffic per token
             const KVPLayout* lay = &S.engine.kvp.lay;
             printf("serve_gpt2: kvp %d: KV cache per rank %d blocks of %d heads, %zu bytes; KVP collectives %llu bytes "
-                   "per generated token (one row a step, per layer all-reduces of %d + %d + %d floats over %d ranks)\n",
-                   comm.cp, S.engine.kv.num_blocks, lay->NHl, serve_kv_cache_bytes(&S.engine),
-                   (unsigned long long)(config.num_layers * kvp_step_bytes(lay, 1)), lay->NHl, lay->NHl, lay->Cl, comm.cp);
+                   "per generated token (one row a step, per layer all-reduces of %d + %d floats and a reduce-scatter "
+                   "of %d over %d ranks); weights per rank %zu bytes (the output projection and the MLP over all %d "
+                   "ranks)\n", comm.cp, S.engine.kv.num_blocks, lay->NHl, serve_kv_cache_bytes(&S.engine),
+                   (unsigned long long)(config.num_layers * kvp_step_bytes(lay, 1)), lay->NHl, lay->NHl, lay->Cl, comm.cp,
+                   serve_model_weight_bytes(S.engine.model), comm.world_size);
         }
         static int world_size;
         world_size = comm.world_size;

@@ -33,15 +33,22 @@ bytes_per_token() {
   after=$(for k in tp other cp; do metric "serve_collective_bytes_total{kind=\"$k\"}"; done | tr '\n' ' ')
   awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8 }'
 }
-# The formulas for one row: an all-reduce of n floats over G ranks sends 2(G-1)ceil(n/G)*4 bytes.
-#   kvp:   per layer the max and Z of NH/K floats and the output of C/K floats, over P ranks
-#   tp:    (2L+1) all-reduces of C floats, the head's max (1) and sums (2), over K ranks
+# The formulas for one row: an all-reduce of n floats over G ranks sends 2(G-1)ceil(n/G)*4 bytes,
+# a reduce-scatter of G x n floats (G-1)*n*4.
+#   kvp:   per layer the max and Z all-reduces of NH/K floats and the output's reduce-scatter of
+#          P x C/(P K) floats, over P ranks
+#   tp:    per layer 2 all-reduces of C floats over all P K ranks (the output projection's and
+#          fcproj's g), the embedding's of C floats, the head's max (1) and sums (2) over K ranks
 #   other: the step broadcast of 2 + (2 + maxT/bs) + 1 ints, the gather of (K-1) * Vp/K floats
-formulas() {   # P K BS: "KVP TP OTHER"
+# and the weights per rank (fp32): the heads' qkv and the vocabulary's wte cut K ways, the
+# output projection's and the MLP's weights P K ways, the rest whole.
+formulas() {   # P K BS: "KVP TP OTHER WEIGHTS"
   awk -v P=$1 -v K=$2 -v bs=$3 -v L=$L -v C=$C -v NH=$NH -v T=$T -v Vp=$VP '
     function ar(G, n) { return 2 * (G - 1) * int((n + G - 1) / G) * 4 }
-    BEGIN { print L * (2 * ar(P, NH / K) + ar(P, C / K)), (2 * L + 1) * ar(K, C) + ar(K, 1) + ar(K, 2),
-                  (2 + (2 + T / bs) + 1) * 4 + (K - 1) * Vp / K * 4 }'
+    BEGIN { G = P * K
+            layer = 2 * C + 3 * C * C / K + 3 * C / K + C * C / G + C + 2 * C + 4 * C * C / G + 4 * C / G + 4 * C * C / G + C
+            print L * (2 * ar(P, NH / K) + (P - 1) * C / G * 4), 2 * L * ar(G, C) + ar(K, C) + ar(K, 1) + ar(K, 2),
+                  (2 + (2 + T / bs) + 1) * 4 + (K - 1) * Vp / K * 4, (Vp * C / K + T * C + L * layer + 2 * C) * 4 }'
 }
 
 # Two concurrent requests of 40 prompt tokens and 20 drawn (60 positions: nearly a full
@@ -92,8 +99,7 @@ for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8 --kv-memory 67584" 
   workload "$tag"
   cmp -s "$W/one.out" "$W/$tag.out" ||
     fail "$flags on $np ranks: answers differ from one process's: $(diff "$W/one.out" "$W/$tag.out" | head -4)"
-  read -r want_cp want_tp want_other <<<"$(formulas "$P" "$K" "$bs")"
-  [ "$K" = 1 ] && want_tp=0
+  read -r want_cp want_tp want_other want_weights <<<"$(formulas "$P" "$K" "$bs")"
   read -r tp other cp <<<"$(bytes_per_token)"
   [ "$cp" = "$want_cp" ] || fail "$flags: KVP bytes per token $cp, the formula says $want_cp"
   [ "$tp" = "$want_tp" ] || fail "$flags: tp bytes per token $tp, the formula says $want_tp"
@@ -104,6 +110,8 @@ for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8 --kv-memory 67584" 
   [ $((bytes * P * K)) = $((cache_one * kv_blocks * bs / (8 * T))) ] || fail "$flags: the test's own arithmetic"
   grep -q "^serve_gpt2: kvp $P: KV cache per rank $blocks blocks of $((NH / K)) heads, $bytes bytes; KVP collectives $want_cp bytes per generated token" "$W/server.out" ||
     fail "$flags: the startup line does not say $blocks blocks, $bytes bytes per rank, $want_cp B per token: $(grep kvp "$W/server.out")"
+  grep -q "^serve_gpt2: kvp $P: .*; weights per rank $want_weights bytes (the output projection and the MLP over all $np ranks)" "$W/server.out" ||
+    fail "$flags: the startup line does not say $want_weights bytes of weights per rank: $(grep kvp "$W/server.out")"
   [ "$(metric serve_kv_cache_bytes_per_rank)" = "$bytes" ] || fail "$flags: /metrics' KV cache per rank is not $bytes bytes"
   [ "$(metric serve_kv_blocks_free)" = $((blocks * P)) ] || fail "$flags: not every block free after the answers"
   [ "$(metric 'serve_ranks{dim="kvp"}')" = "$P" ] || fail "$flags: /metrics' kvp ranks are not $P"
