@@ -7,13 +7,15 @@
 #      it), a stream: tokens, text and the FNV-1a of every distribution drawn from = the
 #      one-process server's, byte for byte;
 #   2. the KVP, tp and other bytes per generated token of a lone one-token request against
-#      kv_parallel.h's and serve_parallel.h's formulas, computed here from the model's shape,
-#      and the startup line's KV cache per rank (1/P of the one-process server's per tp slice)
-#      and KVP bytes per token against the same formulas;
+#      kv_parallel.h's, serve_kvp.h's and serve_parallel.h's formulas, computed here from the
+#      model's shape, and the startup line's KV cache per rank (1/P of the one-process server's
+#      per tp slice), KVP bytes per token and weights per rank against the same formulas;
 #   3. the capacity per rank: --kvp 2 runs with --kv-blocks 4, 2 blocks of 16 positions per rank
 #      (one request of maxT: the workload queues and preempts), and two concurrent 60-position
 #      requests there = the one-process answers;
 #   4. the refused layouts, one line each.
+# Every layout is Helix's: attention's partials reduce-scattered by heads over the KVP group,
+# the output projection and the MLP tensor-parallel over all P x K ranks.
 set -u
 cd "$(dirname "$0")/../.."
 . dev/test/serve_lib.sh            # D, J, W, fail, pass; start_server, stop_server
@@ -133,4 +135,7 @@ refuse "$CK" "^error: --kvp 4 with --block-size 16: expected 2 x kvp x block siz
 refuse "$CK" "^error: --kvp 2 with --ep 2: KV parallelism does not compose with expert parallelism" --kvp 2 --ep 2
 refuse "$CK" "^error: --kv-blocks 5 with --kvp 2: expected a multiple of 2" --kvp 2 --kv-blocks 5
 refuse "$CK" "^error: --kvp 2 x --tp 1 needs 2 ranks (mpirun -np 2), got 1" --kvp 2
-pass "refused in one line: --kvp 3, --kvp 4 with blocks of 16 at maxT 64, --kvp with --ep, --kv-blocks not a multiple, too few ranks"
+refuse "$CK" "^error: --kvp 4: expected a divisor of the 2 heads per tensor-parallel rank" --kvp 4 --tp 2 --block-size 8
+train d1c32h16t64 heads16   # 16 heads: KVP 8 x TP 2 can scatter them, but not cut the MLP over 16 ranks
+refuse "$W/heads16/model_00000003.bin" "^error: --kvp 8 x --tp 2: the output projection and the MLP are cut over all 16 ranks, expected kvp x tp to divide 8" --kvp 8 --tp 2 --block-size 4
+pass "refused in one line: --kvp 3, --kvp 4 with blocks of 16 at maxT 64, --kvp with --ep, --kv-blocks not a multiple, too few ranks, --kvp 4 x --tp 2 on 4 heads (not 4 heads per tp rank to scatter), --kvp 8 x --tp 2 (16 ranks do not divide the 8 chunks)"
