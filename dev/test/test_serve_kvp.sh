@@ -13,7 +13,9 @@
 #   3. the capacity per rank: --kvp 2 runs with --kv-blocks 4, 2 blocks of 16 positions per rank
 #      (one request of maxT: the workload queues and preempts), and two concurrent 60-position
 #      requests there = the one-process answers;
-#   4. the refused layouts, one line each.
+#   4. --kvp 2 on a model of 4 experts (top 2): greedy and top-k = one process's, tp bytes per
+#      token and weights per rank = the formulas (each expert's MLP cut over the pool);
+#   5. the refused layouts, one line each.
 # Every layout is Helix's: attention's partials reduce-scattered by heads over the KVP group,
 # the output projection and the MLP tensor-parallel over all P x K ranks.
 set -u
@@ -85,7 +87,7 @@ cache_one=$(metric serve_kv_cache_bytes_per_rank)
 stop_server || fail "the one-process server's exit status after SIGTERM was not 0"
 pass "the one-process server's answers (KV cache $cache_one bytes)"
 
-# --- 1, 2. each layout = the one process; its bytes and cache against the formulas ----------
+# --- 1-3. each layout = the one process; its bytes and cache against the formulas -----------
 # (--kvp 4's cache by --kv-memory, a budget per rank: 16.5 blocks of 2 x L x 8 x C x 4 = 4096
 # bytes hold 16, x 4 ranks = the default 64 blocks of 8 that the checks below expect)
 for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8 --kv-memory 67584" "4:--kvp 2 --tp 2"; do
@@ -129,7 +131,39 @@ for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8 --kv-memory 67584" 
   pass "$flags on $np ranks = one process (greedy, top-k, 7 concurrent mixed, stream; probabilities' bits); per token kvp $cp B, tp $tp B, other $other B = the formulas; KV cache per rank $bytes B = 1/$((P * K)) of one process's$capacity_note"
 done
 
-# --- 3. refused layouts -------------------------------------------------------------------
+# --- 4. an expert model (4 experts, top 2, 2 heads): each expert's MLP cut over the pool ------
+# greedy and seeded top-k = one process's; per token the tp bytes are per layer the output
+# projection's all-reduce of C floats and the experts' of the k rows they received (every
+# row's k slots on every rank: no --ep), over P = 2 ranks; the weights per rank count each
+# expert's fc and fcproj halved
+train d2c32h2t64e4k2 moe
+CK=$W/moe/model_00000003.bin E=4 k=2
+expert_answers() {   # TAG
+  post "$1_greedy" "{\"prompt\":[$PROMPT],\"max_tokens\":24,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+  post "$1_topk" "{\"prompt\":\"First Citizen:\",\"max_tokens\":24,\"temperature\":1,\"top_k\":40,\"seed\":1337,\"ignore_eos\":true}" >/dev/null
+  for r in greedy topk; do $J "$W/$1_$r.json" choices.0.token_ids choices.0.probs_fnv1a || echo "no answer for $r"; done >"$W/$1.out"
+}
+start_server
+expert_answers moe_one
+stop_server || fail "the one-process expert server's exit status after SIGTERM was not 0"
+SERVE_LAUNCH="dev/test/mpi.sh 2" start_server --kvp 2
+expert_answers moe_kvp2
+grep -q "no answer" "$W/moe_one.out" && fail "the one-process expert server: requests unanswered"
+cmp -s "$W/moe_one.out" "$W/moe_kvp2.out" ||
+  fail "--kvp 2 on the expert model: answers differ from one process's: $(diff "$W/moe_one.out" "$W/moe_kvp2.out" | head -4)"
+read -r tp other cp <<<"$(bytes_per_token)"
+read -r want_tp want_weights <<<"$(awk -v L=2 -v C=$C -v NH=2 -v T=$T -v Vp=$VP -v E=$E -v k=$k '
+  function ar(G, n) { return 2 * (G - 1) * int((n + G - 1) / G) * 4 }
+  BEGIN { layer = 2 * C + 3 * C * C + 3 * C + C * C / 2 + C + 2 * C + E * C + E * (4 * C * C / 2 + 4 * C / 2 + 4 * C * C / 2 + C)
+          print L * (ar(2, C) + ar(2, k * C)), (Vp * C + T * C + L * layer + 2 * C) * 4 }')"
+[ "$tp" = "$want_tp" ] || fail "--kvp 2 on the expert model: tp bytes per token $tp, the formula says $want_tp"
+grep -q "^serve_gpt2: kvp 2: .*; weights per rank $want_weights bytes" "$W/server.out" ||
+  fail "--kvp 2 on the expert model: the startup line does not say $want_weights bytes of weights per rank: $(grep kvp "$W/server.out")"
+stop_ranks 2 "--kvp 2 on the expert model"
+pass "--kvp 2 on a 4-expert top-2 model = one process (greedy, top-k; probabilities' bits); per token tp $tp B = the formula; weights per rank $want_weights B"
+CK=$W/dense/model_00000003.bin
+
+# --- 5. refused layouts -------------------------------------------------------------------
 refuse "$CK" "^error: --kvp 3: expected 1, 2, 4 or 8" --kvp 3
 refuse "$CK" "^error: --kvp 4 with --block-size 16: expected 2 x kvp x block size (128) to divide the context length 64" --kvp 4
 refuse "$CK" "^error: --kvp 2 with --ep 2: KV parallelism does not compose with expert parallelism" --kvp 2 --ep 2
