@@ -686,7 +686,8 @@ static void usage(void) {
            "                          (llmc/serve_parallel.h); world rank 0 serves HTTP (default 1, 1)\n"
            "  --kvp P                 across mpirun -np P*K ranks with --tp K: each request's KV cache cut along\n"
            "                          its positions over P ranks (1, 2, 4, 8; 2 x P x --block-size must divide\n"
-           "                          maxT; --kv-blocks counts all P ranks' blocks; llmc/serve_kvp.h; default 1)\n"
+           "                          maxT; --kv-blocks counts all P ranks' blocks), the output projection and\n"
+           "                          the MLP over all P*K ranks (P*K must divide 8; llmc/serve_kvp.h; default 1)\n"
            "  --pp S                  across mpirun -np S*K ranks (with --tp K; not with --kvp, --ep): the layers cut into S pipeline\n"
            "                          stages (S must divide them), up to S iterations in flight (llmc/serve_pipeline.h)\n"
            "  --weights fp32|bf16     bf16: the weights rounded to bf16, the decode copies held in bf16 (half the\n"
@@ -863,7 +864,7 @@ int main(int argc, char** argv) {
         }
     }
     if (kv_blocks == 0) { kv_blocks = 8 * per_request; }
-    if (kv_problem || serve_kvp_problem(why, sizeof(why), layout.kvp, layout.ep, (int)block_size, kv_blocks, &config) ||
+    if (kv_problem || serve_kvp_problem(why, sizeof(why), layout.kvp, layout.tp, layout.ep, (int)block_size, kv_blocks, &config) ||
         serve_layout_problem(&layout, &config, comm.world_size, why, sizeof(why))) {
         if (comm.world_rank == 0) { fatal("%s", kv_problem ? kv_problem : why); }   // one line: rank 0's abort ends the others
         comm_barrier(&comm.world);
@@ -946,9 +947,11 @@ int main(int argc, char** argv) {
         if (comm.cp > 1) {   // KV parallelism (llmc/serve_kvp.h): the cache per rank, the traffic per token
             const KVPLayout* lay = &S.engine.kvp.lay;
             printf("serve_gpt2: kvp %d: KV cache per rank %d blocks of %d heads, %zu bytes; KVP collectives %llu bytes "
-                   "per generated token (one row a step, per layer all-reduces of %d + %d + %d floats over %d ranks)\n",
-                   comm.cp, S.engine.kv.num_blocks, lay->NHl, serve_kv_cache_bytes(&S.engine),
-                   (unsigned long long)(config.num_layers * kvp_step_bytes(lay, 1)), lay->NHl, lay->NHl, lay->Cl, comm.cp);
+                   "per generated token (one row a step, per layer all-reduces of %d + %d floats and a reduce-scatter "
+                   "of %d over %d ranks); weights per rank %zu bytes (the output projection and the MLP over all %d "
+                   "ranks)\n", comm.cp, S.engine.kv.num_blocks, lay->NHl, serve_kv_cache_bytes(&S.engine),
+                   (unsigned long long)(config.num_layers * kvp_step_bytes(lay, 1)), lay->NHl, lay->NHl, lay->Cl, comm.cp,
+                   serve_model_weight_bytes(S.engine.model), comm.world_size);
         }
         static int world_size;
         world_size = comm.world_size;

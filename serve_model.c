@@ -15,9 +15,11 @@
  * gpt2_init from the comm's tp and ep groups as the trainer cuts it: its heads, its columns and
  * rows of the MLP, its rows of wte, its experts. The head's probabilities over the whole
  * vocabulary are the tp group's slices all-gathered (tp_gather_vocab, as the trainer's sampler
- * gathers one position's). With --pp (llmc/serve_pipeline.h) the model is one pipeline stage's,
- * placed as the trainer places a stage (pipeline.h's ChunkPlace): layers [s*L/S, (s+1)*L/S),
- * the first stage the embeddings, the last the final layernorm and the head (wte on both).
+ * gathers one position's). With --kvp (llmc/serve_kvp.h) the output projection and the MLP are
+ * cut over all P x K ranks instead (Helix's layout; the ffn group). With --pp
+ * (llmc/serve_pipeline.h) the model is one pipeline stage's, placed as the trainer places a
+ * stage (pipeline.h's ChunkPlace): layers [s*L/S, (s+1)*L/S), the first stage the embeddings,
+ * the last the final layernorm and the head (wte on both).
  */
 struct ServeModel {
     Zero zero;          // the parameters (zero.h at one rank, M = 0: no gradients or AdamW state)
@@ -27,6 +29,7 @@ struct ServeModel {
     float* probs_ranks; // tp > 1: (K,rows,Vl) every rank's slice of the head's probabilities, in mem ...
     float* probs_host;  // ... and on the host, before they are laid out as (rows,Vp)
     CommGroup one_rank; // the model's own context-parallel group: the comm's cp groups are KVP's
+    CommGroup ffn;      // --kvp: the pool of P x K ranks the output projection and the MLP are cut over
 };
 
 static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2Config* config, const float* params,
@@ -35,12 +38,19 @@ static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2C
     int S = comm->pp, s = comm->pp_rank, L = config->num_layers;   // L % S == 0 (serve_layout_problem)
     ChunkPlace place = {s * L / S, (s + 1) * L / S, s == 0, s == S - 1, s};
     int ep = comm->ep > 1;   // the experts dealt over the ep group (expert_parallel.h), as the trainer deals them
-    zero_init_ep(&m->zero, config, mem, 0, &comm->dp_group, &comm->dp_group, ep ? &comm->ep_group : NULL,
-                 ep ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, &place, 1, S - 1, params, 0);
+    // the slices of the tp group; under --kvp the output projection and the MLP over the whole
+    // pool (Helix's layout, llmc/serve_kvp.h)
+    TPCut cut = comm->cp > 1 ? serve_kvp_cut(comm) : tp_cut(comm->tp_group.size, comm->tp_group.rank);
+    zero_init_cut(&m->zero, config, mem, 0, &comm->dp_group, &comm->dp_group, ep ? &comm->ep_group : NULL,
+                  ep ? &comm->edp_group : NULL, &comm->pp_group, cut, &place, 1, S - 1, params, 0);
     // the comm's cp groups are the KVP groups of the engine's attention (llmc/serve_kvp.h); the
     // model's own context parallelism (the trainer's, over a sequence's rows) is one rank
     comm_group_init_single(&m->one_rank, &comm->stats, comm->mem);
     gpt2_init(&m->model, config, &place, &m->zero, &comm->tp_group, &m->one_rank, 0, 0, rows, 1);
+    if (comm->cp > 1) {
+        serve_kvp_ffn_group(comm, &m->ffn);
+        gpt2_set_ffn_group(&m->model, &m->ffn);
+    }
     activations_alloc(&m->acts, &m->model, rows, 1, 1, 0, 0);   // recompute 1: one layer's GELU output
     m->acts.attend = attend;
     m->acts.attend_ctx = ctx;
@@ -66,8 +76,12 @@ static void serve_model_free(ServeModel* m) {
     activations_free(&m->model, &m->acts);
     gpt2_free(&m->model);
     zero_free(&m->zero);
+    if (m->ffn.size > 1) { comm_group_free(&m->ffn); }
     free(m);
 }
+
+// The bytes of the weights this rank holds (fp32; its slices of the layout).
+static size_t serve_model_weight_bytes(const ServeModel* m) { return m->zero.lay.local_params * sizeof(float); }
 
 static void serve_model_forward(ServeModel* m, const int* tokens, const int* pos, int N) {
     GPT2* model = &m->model;

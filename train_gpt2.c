@@ -697,6 +697,8 @@ typedef struct {
     int layers, cap_B, cap_T, recompute, seq_split, cp_split;
     int by_length;      // SEQS_SPLIT_BY_LENGTH: each pass picks cp_split from its length (pass_split)
     int C3, Ca, NHl, C4, Vl;   // local widths: qkv, atty, heads, fch, vocabulary
+    int Co;             // the attention output's columns the output projection reads: Ca, but in
+                        // Helix's serving layout (GPT2.tp_ffn) C / tp_ffn_size
     int* inputs;        // (B,T)     the pass's tokens
     int* inputs_full;   // (B,T*cp_split) every position's tokens (context parallelism: the
                         //           embedding's gradient runs on whole sequences)
@@ -766,6 +768,9 @@ typedef struct {
     int has_embedding, has_head; // the embeddings; the final layernorm + LM head
     CommGroup* tp;              // tensor-parallel group (tensor_parallel.h)
     int tp_size, v0, Vl;        // ... its size, and this rank's vocabulary rows [v0, v0 + Vl) of wte
+    CommGroup* tp_ffn;          // the group the attention output projection and the MLP are cut
+    int tp_ffn_size;            // over: tp, but in Helix's serving layout all K x P ranks of the
+                                // pool (gpt2_set_ffn_group; forward only)
     int seq_parallel;           // sequence parallelism in the passes that split sequences
     ContextParallel cp;         // context parallelism (context_parallel.h)
     int cp_size;
@@ -900,7 +905,8 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->cp_split = cp;
     a->seq_split = (sp ? tp : 1) * cp;
     size_t C3 = a->C3 = 3 * c->channels / tp, Ca = a->Ca = c->channels / tp, NHl = a->NHl = c->num_heads / tp;
-    size_t C4 = a->C4 = 4 * c->channels / tp, Vl = a->Vl = c->padded_vocab_size / tp;
+    size_t C4 = a->C4 = 4 * c->channels / model->tp_ffn_size, Vl = a->Vl = c->padded_vocab_size / tp;
+    a->Co = c->channels / model->tp_ffn_size;
     a->inputs = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
     a->target_buf = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
     a->inputs_full = cp > 1 ? (int*)model->mem->alloc((size_t)B * T * sizeof(int), "tokens") : a->inputs;
@@ -1183,17 +1189,18 @@ static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, fl
     }
 }
 
-// After a row-parallel layer: the partial outputs a->proj (B,Tn,C) summed over the tp group
-// (Megatron's g: all-reduce, or with SP reduce-scatter along T), then its bias; returns the
-// result (with SP, this rank's positions).
+// After a row-parallel layer: the partial outputs a->proj (B,Tn,C) summed over the group it is
+// cut over (tp_ffn: the tp group but in Helix's serving layout; Megatron's g: all-reduce, or
+// with SP reduce-scatter along T), then its bias; returns the result (with SP, this rank's
+// positions).
 static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B, int Tn) {
     int C = model->config.channels, Tl = Tn / a->cp_split;
     float* out = a->proj;
     if (a->seq_split > a->cp_split) {
-        tp_sp_reduce_scatter(model->tp, a->proj, a->proj_s, B, Tl, C, model->sp_scratch);
+        tp_sp_reduce_scatter(model->tp_ffn, a->proj, a->proj_s, B, Tl, C, model->sp_scratch);
         out = a->proj_s;
     } else {
-        tp_g_forward(model->tp, a->proj, (size_t)B * Tl * C);
+        tp_g_forward(model->tp_ffn, a->proj, (size_t)B * Tl * C);
     }
     bias_forward(out, bias, B * Tn / a->seq_split, C);
     return out;
@@ -1256,11 +1263,11 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
                        ex.fcb + e * ex.fcb_n, n, C, C4, CANON_R);
         gelu_forward(gelu_out + (size_t)r0 * C4, moe_act->fch + (size_t)r0 * C4, (size_t)n * C4);
         forward_matmul(model, y + (size_t)r0 * C, gelu_out + (size_t)r0 * C4, ex.fcprojw + e * ex.fcprojw_n, NULL, n, C4, C,
-                       CANON_R / model->tp_size);
+                       CANON_R / model->tp_ffn_size);
     }
-    // g (tp group): each expert's row-parallel partial outputs y (rows, C), all-reduced per
-    // row, then its bias
-    tp_g_forward(model->tp, y, (size_t)route->n_recv * C);
+    // g (the tp_ffn group: tp's but in Helix's serving layout): each expert's row-parallel
+    // partial outputs y (rows, C), all-reduced per row, then its bias
+    tp_g_forward(model->tp_ffn, y, (size_t)route->n_recv * C);
     for (int e = 0; e < model->El; e++) {
         int r0 = route->first[e], n = route->first[e + 1] - r0;
         if (n > 0) { bias_forward(y + (size_t)r0 * C, ex.fcprojb + e * ex.fcprojb_n, n, C); }
@@ -1313,7 +1320,7 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
     pass_split(model, a, NULL, T);   // a stage without the embeddings gets no set_tokens
-    int C = c->channels, Tn = t1 - t0, tp_size = model->tp_size, moe = model->num_experts > 0;
+    int C = c->channels, Tn = t1 - t0, ffn_size = model->tp_ffn_size, moe = model->num_experts > 0;
     int rows = (int)pass_rows(B, t0, t1, a->cp_split);
     size_t rows_s = pass_rows(B, t0, t1, a->seq_split);
     for (int l = model->first_layer; l < model->last_layer; l++) {
@@ -1323,7 +1330,7 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
         ln_forward_f(model, a, act.ln1, act.ln1_mean, act.ln1_rstd, act.residual, w.ln1w, w.ln1b, B, Tn);
         forward_matmul(model, act.qkv, act.ln1, w.qkvw, w.qkvb, rows, C, a->C3, CANON_R);
         attention_forward_rows(model, a, l - model->first_layer, B, T, t0, t1);
-        forward_matmul(model, a->proj, act.atty, w.attprojw, NULL, rows, a->Ca, C, CANON_R / tp_size);
+        forward_matmul(model, a->proj, act.atty, w.attprojw, NULL, rows, a->Co, C, CANON_R / ffn_size);
         residual_forward(act.residual2, act.residual, proj_g_bias(model, a, w.attprojb, B, Tn), rows_s * C);
         ln_forward_f(model, a, act.ln2, act.ln2_mean, act.ln2_rstd, act.residual2, w.ln2w, w.ln2b, B, Tn);
         if (moe) {   // complete on every tp rank: with SP this rank keeps its positions (no CP)
@@ -1334,7 +1341,7 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
         } else {
             forward_matmul(model, act.fch, act.ln2, w.fcw, w.fcb, rows, C, a->C4, CANON_R);
             gelu_forward(act.fch_gelu, act.fch, (size_t)rows * a->C4);
-            forward_matmul(model, a->proj, act.fch_gelu, w.fcprojw, NULL, rows, a->C4, C, CANON_R / tp_size);
+            forward_matmul(model, a->proj, act.fch_gelu, w.fcprojw, NULL, rows, a->C4, C, CANON_R / ffn_size);
             residual_forward(act.residual3, act.residual2, proj_g_bias(model, a, w.fcprojb, B, Tn), rows_s * C);
         }
         zero_params_release(z, ZERO_LAYER(l));
@@ -1641,6 +1648,7 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
 void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
+    if (model->tp_ffn != model->tp) { fatal("internal: the backward of a model whose MLP is cut wider than its heads"); }
     pass_split(model, a, g, T);
     int C = c->channels, cp_split = a->cp_split, Tl = T / cp_split, BT = B * Tl, tp_size = model->tp_size;
     int sp = g->seq_split > cp_split;
@@ -1783,7 +1791,8 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
     problem = cp_problem(cp->size, cp_a2a, T, config->num_heads / tp->size, seq_parallel ? tp->size : 1, why,
                          sizeof(why));
     if (problem) { fatal("--cp %d: %s", cp->size, problem); }
-    model->tp = tp;
+    model->tp = model->tp_ffn = tp;
+    model->tp_ffn_size = tp->size;
     model->seq_parallel = seq_parallel;
     model->cp_size = cp->size;
     model->tp_size = tp->size;
@@ -1825,6 +1834,20 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
                                         (double*)calloc_or_die((size_t)(layers ? layers : 1) * num_experts,
                                                                sizeof(double), "expert counters"), 0, 0, 0};
     }
+}
+
+// Helix's layout in the server (llmc/serve_kvp.h): the attention output projection and the
+// MLP cut over ffn (every rank of the pool, its slice ffn->rank) instead of the tp group, as
+// the parameters' cut says (zero_init_cut); before activations_alloc. The forward only: the
+// trainer cuts them over tp.
+void gpt2_set_ffn_group(GPT2* model, CommGroup* ffn) {
+    const TPCut* cut = &model->zero->lay.cut;
+    if (cut->ffn_K != ffn->size || cut->ffn_r != ffn->rank) {
+        fatal("internal: the MLP's group (rank %d of %d) is not the parameters' cut (slice %d of %d)", ffn->rank,
+              ffn->size, cut->ffn_r, cut->ffn_K);
+    }
+    model->tp_ffn = ffn;
+    model->tp_ffn_size = ffn->size;
 }
 
 void gpt2_free(GPT2* model) {

@@ -49,7 +49,9 @@
  *                                   projection and the FFN after attention): rank (kvp r, tp t)
  *                                   holds channel slice t*P + r, so the projection's g is an
  *                                   all-reduce over the KVP group, then over the TP group (a TP
- *                                   rank's P slices are a subtree of the R1 tree)
+ *                                   rank's P slices are a subtree of the R1 tree), or one
+ *                                   all-reduce over all P*tp ranks ranked by slice, the same
+ *                                   tree (the server's: llmc/serve_kvp.h)
  * Traffic (COMM_KIND_CP), bytes this rank sends per decode step of N rows (comm.h's formulas):
  *   max       2(P-1) * ceil(N*NHl/P) * 4
  *   Z         2(P-1) * ceil(N*NHl/P) * 4

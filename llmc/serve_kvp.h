@@ -8,18 +8,25 @@
  * 1): tensor parallel fastest, then KVP): the comm's cp group of a rank is its KVP group (the P
  * ranks of its tensor-parallel coordinate), and there are K such groups, one per slice of the
  * heads. The model's own context parallelism (the trainer's, over one sequence's rows) stays
- * one rank: a serving step's rows are all whole.
- *   attention:  rank (kvp r, tp t) attends with its tp slice's NH/K heads over the positions
+ * one rank: a serving step's rows are all whole. Helix's two layouts of one pool of P x K ranks:
+ *   attention:  rank (kvp r, tp t) attends with its tp slice's NH/K heads (qkv column-parallel
+ *               over the tp group, replicated over the KVP group) over the positions
  *               kv_parallel.h deals kvp rank r (zig-zag stretches r and 2P-1-r of maxT, whole
  *               blocks: not Helix's round-robin blocks, which cannot be exact); the combine is
- *               kv_parallel.h's all-reduce (KVP_COMBINE_ALL_REDUCE): every rank of the group
- *               has the attention output of its heads.
- *   after it:   the output projection, the MLP and the head run tensor-parallel over the tp
- *               group as without KVP, replicated over the P ranks of the KVP group (the same
- *               rows, the same slices: no traffic of their own; Helix's own layout would cut
- *               them over all P*K ranks, reduce-scattering the attention output instead). The
- *               replication costs P copies of each tp slice of the weights, not bytes on the
- *               wire.
+ *               kv_parallel.h's reduce-scatter (KVP_COMBINE_REDUCE_SCATTER, over the KVP group)
+ *               that leaves the rank the output of heads [r NH/(K P), (r+1) NH/(K P)) of its tp
+ *               slice's: channel slice t*P + r of C/(P K) channels.
+ *   after it:   the output projection (row-parallel) and the MLP (fc column-parallel, fcproj
+ *               row-parallel; in an expert layer each expert's) tensor-parallel over all P x K
+ *               ranks (the tp_ffn group, serve_kvp_ffn_group, ranked by that slice t*P + r: the
+ *               rank holds attprojw's columns of its heads and 4C/(P K) of the MLP's): weights
+ *               per rank 1/(P K) of them. Each row-parallel sum is canonical.h's R2 tree over 8
+ *               chunks of its inputs, a rank's 8/(P K) chunks its subtree, so P x K | 8 and the
+ *               all-reduce over the tp_ffn group (the R1 tree in slice order) finish the one-rank
+ *               bits (tensor_parallel.h EXACTNESS). Every rank then has the layer's whole output
+ *               rows, as the next layer's qkv (and the head) need them.
+ *   the head:   vocabulary-parallel over the tp group as without KVP, replicated over the KVP
+ *               group (as are the embeddings and the layernorms).
  *
  * THE CACHE: --kv-blocks B counts the blocks of all P ranks together; each rank's cache holds
  * B/P blocks of its heads (C/K channels of keys and values per position): 1/P of a one-rank
@@ -33,10 +40,13 @@
  * count; a short request (under maxT/(2P) positions) lives on kvp rank 0 alone, the price of
  * exactness (kv_parallel.h).
  *
- * THE TRAFFIC per step of N rows (COMM_KIND_CP, over the KVP group, per layer; kvp_step_bytes):
- * the max and Z all-reduces of N*NH/K floats and the output all-reduce of N*C/K floats, an
- * all-reduce of n floats sending 2(P-1)ceil(n/P)*4 bytes. A decode step of one request (N = 1)
- * gives the bytes per generated token: L x kvp_step_bytes(1).
+ * THE TRAFFIC per step of N rows, per layer (an all-reduce of n floats over G ranks sends
+ * 2(G-1)ceil(n/G)*4 bytes, a reduce-scatter of G x n floats (G-1)*n*4):
+ *   cp (the KVP group's, kvp_step_bytes): the max and Z all-reduces of N*NH/K floats, the
+ *        output's reduce-scatter of P x N*C/(P K) floats
+ *   tp: the output projection's and fcproj's all-reduces of N*C floats over the P x K ranks
+ *        (Megatron's g); the embedding's and the head's over the tp group as without KVP
+ * A decode step of one request (N = 1) gives the bytes per generated token: L x the per layer.
  */
 #ifndef LLMC_SERVE_KVP_H
 #define LLMC_SERVE_KVP_H
@@ -49,6 +59,7 @@
 #include "llmc/kv_parallel.h"
 #include "llmc/model.h"
 #include "llmc/paged_kv.h"
+#include "llmc/tensor_parallel.h"
 #include "llmc/utils.h"
 
 typedef struct {
@@ -61,7 +72,7 @@ typedef struct {
 
 // Why --kvp P cannot serve this model with these flags, as one line naming the flag, or NULL.
 // (The world's size is serve_layout_problem's to check.)
-static inline const char* serve_kvp_problem(char* why, size_t n, int P, int ep, int block_size, long kv_blocks,
+static inline const char* serve_kvp_problem(char* why, size_t n, int P, int tp, int ep, int block_size, long kv_blocks,
                                             const GPT2Config* c) {
     if (P == 1) { return NULL; }
 #ifdef LLMC_DEVICE_KERNELS
@@ -69,9 +80,12 @@ static inline const char* serve_kvp_problem(char* why, size_t n, int P, int ep, 
     snprintf(why, n, "--kvp %d: KV parallelism serves from serve_gpt2 (the CPU server) only (expected --kvp 1)", P);
     return why;
 #else
-    // (tp 1 here: --tp's own refusals are serve_layout_problem's; KVP works on any tp's heads)
-    if (kvp_problem(why, n, P, 1, c->max_seq_len, block_size, c->num_heads, KVP_COMBINE_ALL_REDUCE)) { return why; }
-    if (ep > 1) {
+    if (tp_problem(c, tp)) { return NULL; }   // --tp's own refusals are serve_layout_problem's
+    if (kvp_problem(why, n, P, tp, c->max_seq_len, block_size, c->num_heads, KVP_COMBINE_REDUCE_SCATTER)) { return why; }
+    if (CANON_R % (P * tp) != 0) {
+        snprintf(why, n, "--kvp %d x --tp %d: the output projection and the MLP are cut over all %d ranks, expected "
+                 "kvp x tp to divide %d (the canonical chunks of their sums)", P, tp, P * tp, CANON_R);
+    } else if (ep > 1) {
         snprintf(why, n, "--kvp %d with --ep %d: KV parallelism does not compose with expert parallelism yet "
                  "(expected --ep 1)", P, ep);
     } else if (kv_blocks % P != 0) {
@@ -92,7 +106,7 @@ static inline void serve_kvp_init(ServeKVP* s, Comm* comm, const GPT2Config* c, 
     if (s->P == 1) { return; }
     s->group = &comm->cp_group;
     kvp_init(&s->lay, s->P, comm->cp_rank, comm->tp_group.size, c->max_seq_len, bs, c->channels, c->num_heads,
-             KVP_COMBINE_ALL_REDUCE);
+             KVP_COMBINE_REDUCE_SCATTER);
     s->local_blocks = c->max_seq_len / (s->P * bs);
     s->pools = (PagedKV*)calloc_or_die((size_t)s->P, sizeof(PagedKV), "KVP free lists");
     for (int q = 0; q < s->P; q++) {
@@ -102,6 +116,28 @@ static inline void serve_kvp_init(ServeKVP* s, Comm* comm, const GPT2Config* c, 
         pool->free_stack = (int*)malloc_or_die(sizeof(int) * (size_t)pool->num_blocks, "KVP free list");
         for (int i = 0; i < pool->num_blocks; i++) { pool->free_stack[i] = pool->num_blocks - 1 - i; }   // as paged_kv_init
     }
+}
+
+// This rank's slices of the model (tensor_parallel.h TPCut): the heads and the vocabulary of
+// tp slice t, the output projection and the MLP of slice t*P + r of P x K (the heads the
+// reduce-scatter leaves it). Without KVP (comm->cp 1) the tp group's.
+static inline TPCut serve_kvp_cut(const Comm* comm) {
+    TPCut cut = tp_cut(comm->tp, comm->tp_rank);
+    cut.ffn_K = comm->tp * comm->cp;
+    cut.ffn_r = comm->tp_rank * comm->cp + comm->cp_rank;
+    return cut;
+}
+
+// The pool's P x K ranks as the group the output projection and the MLP are cut over, ranked
+// by their slices (serve_kvp_cut): their g all-reduces over it. Collective over the world
+// (comm->cp > 1; set up for the layout).
+static inline void serve_kvp_ffn_group(Comm* comm, CommGroup* ffn) {
+    comm_group_init_single(ffn, &comm->stats, comm->mem);
+#ifdef USE_MPI
+    comm_split(comm, ffn, comm->pp_rank * comm->dp + comm->dp_rank, serve_kvp_cut(comm).ffn_r, "kvp x tp");
+#else
+    fatal("--kvp %d: KV parallelism needs MPI", comm->cp);
+#endif
 }
 
 static inline void serve_kvp_free(ServeKVP* s) {
@@ -162,7 +198,7 @@ static inline int serve_kvp_blocks_used(const ServeKVP* s) {
 }
 
 // Layer l's attention step on the step's N rows (serve_engine.h serve_attend): qkv (N,3Cl) of
-// this rank's heads -> atty (N,Cl). Each row's new key and value go to this rank's cache if it
+// this rank's heads -> atty (N,Cl/P), its share of them (the output projection's input slice). Each row's new key and value go to this rank's cache if it
 // holds their position; then every row attends over the group (kv_parallel.h). row_tables
 // (N, max_blocks): each row's request's P parts.
 static inline void serve_kvp_attend(ServeKVP* s, const PagedKV* kv, int l, const float* qkv, float* atty,

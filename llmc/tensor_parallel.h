@@ -74,6 +74,7 @@ typedef struct {
     int tensor, layer;
     TPSplit split;
     int groups;
+    int K, r;                   // cut in K slices, this rank's slice r (TPCut)
     size_t rows, cols;          // the full tensor
     size_t lrows, lcols;        // this rank's part
     size_t canon;               // the full tensor's canonical offset (model.h MEMORY order)
@@ -84,44 +85,57 @@ typedef struct {
 
 static inline size_t tp_piece_elements(const TPPiece* p) { return p->lrows * p->lcols; }
 
-// The canonical index of element `i` (in this rank's part, row-major) of piece p on rank r.
-static inline size_t tp_piece_canonical(const TPPiece* p, int r, int K, size_t i) {
-    size_t row = i / p->lcols, col = i % p->lcols;
+// The canonical index of element `i` (in this rank's part, row-major) of piece p.
+static inline size_t tp_piece_canonical(const TPPiece* p, size_t i) {
+    size_t row = i / p->lcols, col = i % p->lcols, r = (size_t)p->r, K = (size_t)p->K;
     if (p->split == TP_REPLICATED) {
         // every rank holds the whole tensor
     } else if (p->cuts_rows) {
         size_t per = p->rows / p->groups / K, g = row / per;
-        row = g * (p->rows / p->groups) + (size_t)r * per + row % per;
+        row = g * (p->rows / p->groups) + r * per + row % per;
     } else {
         size_t per = p->cols / p->groups / K, g = col / per;
-        col = g * (p->cols / p->groups) + (size_t)r * per + col % per;
+        col = g * (p->cols / p->groups) + r * per + col % per;
     }
     return p->canon + row * p->cols + col;
 }
 
-// Piece of tensor t (rows x cols as held whole, at canonical offset canon) on a rank of K,
-// at local offset `local`.
-static inline void tp_piece_init(TPPiece* p, int t, int layer, size_t rows, size_t cols, size_t canon, int K,
+// How a rank's slices are cut (Megatron's names for who holds what): the heads (qkv) and the
+// vocabulary (wte) in K slices, of which it holds slice r; the attention output projection and
+// the MLP (attprojw, fcw, fcb, fcprojw, and each expert's fc and fcproj) in ffn_K slices, of
+// which it holds ffn_r. The same K and r (tp_cut) but in Helix's layout in the server
+// (llmc/serve_kvp.h: the output projection and the MLP over all K x P ranks of the pool).
+typedef struct { int K, r, ffn_K, ffn_r; } TPCut;
+static inline TPCut tp_cut(int K, int r) { TPCut cut = {K, r, K, r}; return cut; }
+
+// Whether tensor t sits after attention, in the cut's ffn_K slices.
+static inline int tp_after_attention(int t) { return t == P_ATTPROJW || t == P_FCW || t == P_FCB || t == P_FCPROJW; }
+
+// Piece of tensor t (rows x cols as held whole, at canonical offset canon) on a rank of the
+// cut, at local offset `local`.
+static inline void tp_piece_init(TPPiece* p, int t, int layer, size_t rows, size_t cols, size_t canon, TPCut cut,
                                  size_t local) {
     p->tensor = t;
     p->layer = layer;
     p->split = tp_split_of(t, &p->groups);
+    int replicated = p->split == TP_REPLICATED, after = tp_after_attention(t);
+    p->K = replicated ? 1 : after ? cut.ffn_K : cut.K;
+    p->r = replicated ? 0 : after ? cut.ffn_r : cut.r;
     p->rows = rows;
     p->cols = cols;
     p->cuts_rows = p->split == TP_COLUMN_PARALLEL && p->rows > 1;   // 1-D tensors are one row
-    int cut = p->split != TP_REPLICATED;
-    p->lrows = cut && p->cuts_rows ? p->rows / K : p->rows;
-    p->lcols = cut && !p->cuts_rows ? p->cols / K : p->cols;
+    p->lrows = p->cuts_rows ? p->rows / p->K : p->rows;
+    p->lcols = p->cuts_rows ? p->cols : p->cols / p->K;
     p->canon = canon;
     p->local = local;
 }
 
 // The pieces of parameter unit u (zero.h numbering: 0 wte, 1 wpe, 2.. layers, L+2 lnf) on a
-// rank of a K-way tensor-parallel group; returns their count, local offsets from 0. A layer
+// rank of the cut; returns their count, local offsets from 0. A layer
 // with experts holds its attention, layernorms and router here (TP_MAX_PIECES at most), its
 // experts in expert units.
 #define TP_MAX_PIECES 12
-static inline int tp_unit_pieces(const GPT2Config* c, int K, int u, TPPiece* out) {
+static inline int tp_unit_pieces(const GPT2Config* c, TPCut cut, int u, TPPiece* out) {
     int L = c->num_layers, n = 0, first, last, layer = 0;
     if (u == 0) { first = last = 0; }
     else if (u == 1) { first = last = 1; }
@@ -134,7 +148,7 @@ static inline int tp_unit_pieces(const GPT2Config* c, int K, int u, TPPiece* out
         if (param_is_expert_tensor(t) && c->num_experts > 0) { continue; }
         size_t rows, cols;
         param_shape(c, t, &rows, &cols);
-        tp_piece_init(&out[n], t, layer, rows, cols, param_offset(c, t, layer), K, local);
+        tp_piece_init(&out[n], t, layer, rows, cols, param_offset(c, t, layer), cut, local);
         local += tp_piece_elements(&out[n++]);
     }
     return n;
@@ -142,8 +156,8 @@ static inline int tp_unit_pieces(const GPT2Config* c, int K, int u, TPPiece* out
 
 // The pieces of the expert unit of `layer` holding experts [e0, e0 + El): fcw, fcb, fcprojw,
 // fcprojb (tensor-major), within each the experts in order, each split like the dense MLP's
-// tensor. Returns their count (4 El).
-static inline int tp_expert_unit_pieces(const GPT2Config* c, int K, int layer, int e0, int El, TPPiece* out) {
+// tensor (the cut's ffn_K slices). Returns their count (4 El).
+static inline int tp_expert_unit_pieces(const GPT2Config* c, TPCut cut, int layer, int e0, int El, TPPiece* out) {
     static const int tensors[4] = {P_FCW, P_FCB, P_FCPROJW, P_FCPROJB};
     int n = 0;
     size_t local = 0;
@@ -152,7 +166,7 @@ static inline int tp_expert_unit_pieces(const GPT2Config* c, int K, int layer, i
         param_expert_shape(c, tensors[i], &rows, &cols);
         for (int e = e0; e < e0 + El; e++) {
             size_t canon = param_offset(c, tensors[i], layer) + (size_t)e * rows * cols;
-            tp_piece_init(&out[n], tensors[i], layer, rows, cols, canon, K, local);
+            tp_piece_init(&out[n], tensors[i], layer, rows, cols, canon, cut, local);
             local += tp_piece_elements(&out[n++]);
         }
     }
@@ -160,13 +174,13 @@ static inline int tp_expert_unit_pieces(const GPT2Config* c, int K, int layer, i
 }
 
 // Calls fn(canonical_begin, local_begin, length, ctx) for the maximal runs of consecutive
-// canonical indices covering the local elements [lb, le) of piece p on rank r.
+// canonical indices covering the local elements [lb, le) of piece p.
 typedef void (*TPRunFn)(size_t canonical, size_t local, size_t len, void* ctx);
-static inline void tp_piece_runs(const TPPiece* p, int r, int K, size_t lb, size_t le, TPRunFn fn, void* ctx) {
+static inline void tp_piece_runs(const TPPiece* p, size_t lb, size_t le, TPRunFn fn, void* ctx) {
     size_t i = lb;
     while (i < le) {
-        size_t start = tp_piece_canonical(p, r, K, i), len = 1;
-        while (i + len < le && tp_piece_canonical(p, r, K, i + len) == start + len) { len++; }
+        size_t start = tp_piece_canonical(p, i), len = 1;
+        while (i + len < le && tp_piece_canonical(p, i + len) == start + len) { len++; }
         fn(start, p->local + i, len, ctx);
         i += len;
     }

@@ -109,6 +109,7 @@ typedef struct {
     int num_all;          // every unit: num_units + 1, then the expert units (L of them, or 0)
     int N;                // data-parallel size the shards are cut for
     int K, tp_rank;       // tensor-parallel size and this rank's place in it
+    TPCut cut;            // this rank's slices (tensor_parallel.h: K, tp_rank but in Helix's serving)
     int Q, ep_rank;       // expert-parallel size and this rank's place in it
     size_t P;             // parameters of the whole model
     size_t* size;         // elements of unit u on this rank (its tensor-parallel slices)
@@ -137,18 +138,20 @@ static inline int zero_units_all(const GPT2Config* c) {
     return c->num_layers + 4 + (c->num_experts > 0 ? c->num_layers : 0);
 }
 
-// The layout for a rank holding the chunks places[0 .. nchunks), rank tp_rank of a K-way
-// tensor-parallel group, rank ep_rank of a Q-way expert-parallel group (Q divides N).
+// The layout for a rank holding the chunks places[0 .. nchunks), its slices cut as `cut` says
+// (rank cut.r of a cut.K-way tensor-parallel group), rank ep_rank of a Q-way expert-parallel
+// group (Q divides N).
 // unit_chunk[u] (zero_units_all entries, filled here) is the chunk that computes unit u's
 // gradient, -1 for none.
 static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, const ChunkPlace* places,
-                                    int nchunks, int K, int tp_rank, int Q, int ep_rank, int* unit_chunk) {
+                                    int nchunks, TPCut cut, int Q, int ep_rank, int* unit_chunk) {
     int U = c->num_layers + 3, lookup = U, A = zero_units_all(c);
     z->num_units = U;
     z->num_all = A;
     z->N = N;
-    z->K = K;
-    z->tp_rank = tp_rank;
+    z->K = cut.K;
+    z->tp_rank = cut.r;
+    z->cut = cut;
     z->Q = Q;
     z->ep_rank = ep_rank;
     z->P = param_count(c);
@@ -171,10 +174,10 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, c
     for (int u = 0; u < A; u++) {
         if (zero_is_expert_unit(z, u)) {
             z->pieces[u] = (TPPiece*)calloc_or_die(4 * (size_t)El, sizeof(TPPiece), "unit layout");
-            z->npieces[u] = tp_expert_unit_pieces(c, K, u - U - 1, ep_rank * El, El, z->pieces[u]);
+            z->npieces[u] = tp_expert_unit_pieces(c, cut, u - U - 1, ep_rank * El, El, z->pieces[u]);
         } else {
             z->pieces[u] = (TPPiece*)calloc_or_die(TP_MAX_PIECES, sizeof(TPPiece), "unit layout");
-            z->npieces[u] = tp_unit_pieces(c, K, u == lookup ? ZERO_WTE : u, z->pieces[u]);   // the lookup unit mirrors wte
+            z->npieces[u] = tp_unit_pieces(c, cut, u == lookup ? ZERO_WTE : u, z->pieces[u]);   // the lookup unit mirrors wte
         }
         const TPPiece* last = &z->pieces[u][z->npieces[u] - 1];
         z->size[u] = last->local + tp_piece_elements(last);
@@ -350,7 +353,7 @@ static inline void zero_unit_from_full(const ZeroLayout* z, int u, const float* 
     ZeroCopyCtx ctx = {unit, full};
     for (int k = 0; k < z->npieces[u]; k++) {
         const TPPiece* p = &z->pieces[u][k];
-        tp_piece_runs(p, z->tp_rank, z->K, 0, tp_piece_elements(p), zero_copy_run, &ctx);
+        tp_piece_runs(p, 0, tp_piece_elements(p), zero_copy_run, &ctx);
     }
 }
 
@@ -366,10 +369,11 @@ static inline void zero_unit_from_full(const ZeroLayout* z, int u, const float* 
 // ranks (comm.h comm_setup_expert_groups; both NULL: no expert parallelism, the experts are
 // data-parallel); pp: the
 // pipeline group of which this rank is stage pp->rank, holding the model chunks
-// places[0 .. nchunks), stage head_stage holding the head; tp: the tensor-parallel group.
-static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
-                                CommGroup* shards, CommGroup* ep, CommGroup* edp, CommGroup* pp, CommGroup* tp,
-                                const ChunkPlace* places, int nchunks, int head_stage, const float* params, int M) {
+// places[0 .. nchunks), stage head_stage holding the head; cut: this rank's tensor-parallel
+// slices (zero_init_ep: its tp group's).
+static inline void zero_init_cut(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
+                                 CommGroup* shards, CommGroup* ep, CommGroup* edp, CommGroup* pp, TPCut cut,
+                                 const ChunkPlace* places, int nchunks, int head_stage, const float* params, int M) {
     static CommGroup single;   // the ep group of a rank without expert parallelism
     memset(z, 0, sizeof(*z));
     z->mem = mem;
@@ -399,7 +403,7 @@ static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem,
     z->chunk_next = z->chunk_top + nchunks;
     z->chunk_first = z->chunk_next + nchunks;
     z->chunk_count = z->chunk_first + nchunks;
-    zero_layout_init(&z->lay, c, z->N, places, nchunks, tp->size, tp->rank, ep->size, ep->rank, z->unit_chunk);
+    zero_layout_init(&z->lay, c, z->N, places, nchunks, cut, ep->size, ep->rank, z->unit_chunk);
     z->local_microbatches = M / z->streams;
     for (int ch = 0; ch < nchunks; ch++) { z->chunk_count[ch] = z->local_microbatches; }
     z->mirror = -1;
@@ -443,6 +447,14 @@ static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem,
     }
     z->stack_allocated = 1;
     z->unit_grad = (float**)calloc_or_die((size_t)z->lay.num_all, sizeof(float*), "unit gradients");
+}
+
+// ... every tensor cut over the tensor-parallel group tp.
+static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
+                                CommGroup* shards, CommGroup* ep, CommGroup* edp, CommGroup* pp, CommGroup* tp,
+                                const ChunkPlace* places, int nchunks, int head_stage, const float* params, int M) {
+    zero_init_cut(z, c, mem, stage, dp, shards, ep, edp, pp, tp_cut(tp->size, tp->rank), places, nchunks, head_stage,
+                  params, M);
 }
 
 static inline void zero_init(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
@@ -930,7 +942,7 @@ static inline void zero_full_params(Zero* z, float* dst) {
             for (int k = 0; k < z->lay.npieces[u]; k++) {
                 const TPPiece* p = &z->lay.pieces[u][k];
                 if (p->split == TP_REPLICATED && z->lay.tp_rank != 0) { continue; }
-                tp_piece_runs(p, z->lay.tp_rank, z->lay.K, 0, tp_piece_elements(p), zero_scatter_run, &ctx);
+                tp_piece_runs(p, 0, tp_piece_elements(p), zero_scatter_run, &ctx);
             }
         }
         zero_params_release(z, u);
@@ -970,7 +982,7 @@ static inline int zero_state_ranges(const Zero* z, int writing, StateRange* out)
             if (writing && p->split == TP_REPLICATED && z->lay.tp_rank != 0) { continue; }
             size_t lo = p->local > b ? p->local : b, hi = p->local + tp_piece_elements(p);
             if (hi > e) { hi = e; }
-            if (lo < hi) { tp_piece_runs(p, z->lay.tp_rank, z->lay.K, lo - p->local, hi - p->local, zero_range_run, &ctx); }
+            if (lo < hi) { tp_piece_runs(p, lo - p->local, hi - p->local, zero_range_run, &ctx); }
         }
     }
     return ctx.n;

@@ -260,7 +260,7 @@ static void full_grads(Zero* z, float* out) {
         ZeroScatterCtx ctx = {out, u == ZERO_WTE ? zero_wte_grad_at(z, 0) : zero_grad_at(z, u, 0)};
         for (int k = 0; k < z->lay.npieces[u]; k++) {
             const TPPiece* p = &z->lay.pieces[u][k];
-            tp_piece_runs(p, 0, 1, 0, tp_piece_elements(p), zero_scatter_run, &ctx);
+            tp_piece_runs(p, 0, tp_piece_elements(p), zero_scatter_run, &ctx);
         }
     }
 }

@@ -7,13 +7,17 @@
 #      it), a stream: tokens, text and the FNV-1a of every distribution drawn from = the
 #      one-process server's, byte for byte;
 #   2. the KVP, tp and other bytes per generated token of a lone one-token request against
-#      kv_parallel.h's and serve_parallel.h's formulas, computed here from the model's shape,
-#      and the startup line's KV cache per rank (1/P of the one-process server's per tp slice)
-#      and KVP bytes per token against the same formulas;
+#      kv_parallel.h's, serve_kvp.h's and serve_parallel.h's formulas, computed here from the
+#      model's shape, and the startup line's KV cache per rank (1/P of the one-process server's
+#      per tp slice), KVP bytes per token and weights per rank against the same formulas;
 #   3. the capacity per rank: --kvp 2 runs with --kv-blocks 4, 2 blocks of 16 positions per rank
 #      (one request of maxT: the workload queues and preempts), and two concurrent 60-position
 #      requests there = the one-process answers;
-#   4. the refused layouts, one line each.
+#   4. --kvp 2 on a model of 4 experts (top 2): greedy and top-k = one process's, tp bytes per
+#      token and weights per rank = the formulas (each expert's MLP cut over the pool);
+#   5. the refused layouts, one line each.
+# Every layout is Helix's: attention's partials reduce-scattered by heads over the KVP group,
+# the output projection and the MLP tensor-parallel over all P x K ranks.
 set -u
 cd "$(dirname "$0")/../.."
 . dev/test/serve_lib.sh            # D, J, W, fail, pass; start_server, stop_server
@@ -33,15 +37,22 @@ bytes_per_token() {
   after=$(for k in tp other cp; do metric "serve_collective_bytes_total{kind=\"$k\"}"; done | tr '\n' ' ')
   awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8 }'
 }
-# The formulas for one row: an all-reduce of n floats over G ranks sends 2(G-1)ceil(n/G)*4 bytes.
-#   kvp:   per layer the max and Z of NH/K floats and the output of C/K floats, over P ranks
-#   tp:    (2L+1) all-reduces of C floats, the head's max (1) and sums (2), over K ranks
+# The formulas for one row: an all-reduce of n floats over G ranks sends 2(G-1)ceil(n/G)*4 bytes,
+# a reduce-scatter of G x n floats (G-1)*n*4.
+#   kvp:   per layer the max and Z all-reduces of NH/K floats and the output's reduce-scatter of
+#          P x C/(P K) floats, over P ranks
+#   tp:    per layer 2 all-reduces of C floats over all P K ranks (the output projection's and
+#          fcproj's g), the embedding's of C floats, the head's max (1) and sums (2) over K ranks
 #   other: the step broadcast of 2 + (2 + maxT/bs) + 1 ints, the gather of (K-1) * Vp/K floats
-formulas() {   # P K BS: "KVP TP OTHER"
+# and the weights per rank (fp32): the heads' qkv and the vocabulary's wte cut K ways, the
+# output projection's and the MLP's weights P K ways, the rest whole.
+formulas() {   # P K BS: "KVP TP OTHER WEIGHTS"
   awk -v P=$1 -v K=$2 -v bs=$3 -v L=$L -v C=$C -v NH=$NH -v T=$T -v Vp=$VP '
     function ar(G, n) { return 2 * (G - 1) * int((n + G - 1) / G) * 4 }
-    BEGIN { print L * (2 * ar(P, NH / K) + ar(P, C / K)), (2 * L + 1) * ar(K, C) + ar(K, 1) + ar(K, 2),
-                  (2 + (2 + T / bs) + 1) * 4 + (K - 1) * Vp / K * 4 }'
+    BEGIN { G = P * K
+            layer = 2 * C + 3 * C * C / K + 3 * C / K + C * C / G + C + 2 * C + 4 * C * C / G + 4 * C / G + 4 * C * C / G + C
+            print L * (2 * ar(P, NH / K) + (P - 1) * C / G * 4), 2 * L * ar(G, C) + ar(K, C) + ar(K, 1) + ar(K, 2),
+                  (2 + (2 + T / bs) + 1) * 4 + (K - 1) * Vp / K * 4, (Vp * C / K + T * C + L * layer + 2 * C) * 4 }'
 }
 
 # Two concurrent requests of 40 prompt tokens and 20 drawn (60 positions: nearly a full
@@ -76,7 +87,7 @@ cache_one=$(metric serve_kv_cache_bytes_per_rank)
 stop_server || fail "the one-process server's exit status after SIGTERM was not 0"
 pass "the one-process server's answers (KV cache $cache_one bytes)"
 
-# --- 1, 2. each layout = the one process; its bytes and cache against the formulas ----------
+# --- 1-3. each layout = the one process; its bytes and cache against the formulas -----------
 # (--kvp 4's cache by --kv-memory, a budget per rank: 16.5 blocks of 2 x L x 8 x C x 4 = 4096
 # bytes hold 16, x 4 ranks = the default 64 blocks of 8 that the checks below expect)
 for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8 --kv-memory 67584" "4:--kvp 2 --tp 2"; do
@@ -92,8 +103,7 @@ for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8 --kv-memory 67584" 
   workload "$tag"
   cmp -s "$W/one.out" "$W/$tag.out" ||
     fail "$flags on $np ranks: answers differ from one process's: $(diff "$W/one.out" "$W/$tag.out" | head -4)"
-  read -r want_cp want_tp want_other <<<"$(formulas "$P" "$K" "$bs")"
-  [ "$K" = 1 ] && want_tp=0
+  read -r want_cp want_tp want_other want_weights <<<"$(formulas "$P" "$K" "$bs")"
   read -r tp other cp <<<"$(bytes_per_token)"
   [ "$cp" = "$want_cp" ] || fail "$flags: KVP bytes per token $cp, the formula says $want_cp"
   [ "$tp" = "$want_tp" ] || fail "$flags: tp bytes per token $tp, the formula says $want_tp"
@@ -104,6 +114,8 @@ for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8 --kv-memory 67584" 
   [ $((bytes * P * K)) = $((cache_one * kv_blocks * bs / (8 * T))) ] || fail "$flags: the test's own arithmetic"
   grep -q "^serve_gpt2: kvp $P: KV cache per rank $blocks blocks of $((NH / K)) heads, $bytes bytes; KVP collectives $want_cp bytes per generated token" "$W/server.out" ||
     fail "$flags: the startup line does not say $blocks blocks, $bytes bytes per rank, $want_cp B per token: $(grep kvp "$W/server.out")"
+  grep -q "^serve_gpt2: kvp $P: .*; weights per rank $want_weights bytes (the output projection and the MLP over all $np ranks)" "$W/server.out" ||
+    fail "$flags: the startup line does not say $want_weights bytes of weights per rank: $(grep kvp "$W/server.out")"
   [ "$(metric serve_kv_cache_bytes_per_rank)" = "$bytes" ] || fail "$flags: /metrics' KV cache per rank is not $bytes bytes"
   [ "$(metric serve_kv_blocks_free)" = $((blocks * P)) ] || fail "$flags: not every block free after the answers"
   [ "$(metric 'serve_ranks{dim="kvp"}')" = "$P" ] || fail "$flags: /metrics' kvp ranks are not $P"
@@ -119,10 +131,45 @@ for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8 --kv-memory 67584" 
   pass "$flags on $np ranks = one process (greedy, top-k, 7 concurrent mixed, stream; probabilities' bits); per token kvp $cp B, tp $tp B, other $other B = the formulas; KV cache per rank $bytes B = 1/$((P * K)) of one process's$capacity_note"
 done
 
-# --- 3. refused layouts -------------------------------------------------------------------
+# --- 4. an expert model (4 experts, top 2, 2 heads): each expert's MLP cut over the pool ------
+# greedy and seeded top-k = one process's; per token the tp bytes are per layer the output
+# projection's all-reduce of C floats and the experts' of the k rows they received (every
+# row's k slots on every rank: no --ep), over P = 2 ranks; the weights per rank count each
+# expert's fc and fcproj halved
+train d2c32h2t64e4k2 moe
+CK=$W/moe/model_00000003.bin E=4 k=2
+expert_answers() {   # TAG
+  post "$1_greedy" "{\"prompt\":[$PROMPT],\"max_tokens\":24,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+  post "$1_topk" "{\"prompt\":\"First Citizen:\",\"max_tokens\":24,\"temperature\":1,\"top_k\":40,\"seed\":1337,\"ignore_eos\":true}" >/dev/null
+  for r in greedy topk; do $J "$W/$1_$r.json" choices.0.token_ids choices.0.probs_fnv1a || echo "no answer for $r"; done >"$W/$1.out"
+}
+start_server
+expert_answers moe_one
+stop_server || fail "the one-process expert server's exit status after SIGTERM was not 0"
+SERVE_LAUNCH="dev/test/mpi.sh 2" start_server --kvp 2
+expert_answers moe_kvp2
+grep -q "no answer" "$W/moe_one.out" && fail "the one-process expert server: requests unanswered"
+cmp -s "$W/moe_one.out" "$W/moe_kvp2.out" ||
+  fail "--kvp 2 on the expert model: answers differ from one process's: $(diff "$W/moe_one.out" "$W/moe_kvp2.out" | head -4)"
+read -r tp other cp <<<"$(bytes_per_token)"
+read -r want_tp want_weights <<<"$(awk -v L=2 -v C=$C -v NH=2 -v T=$T -v Vp=$VP -v E=$E -v k=$k '
+  function ar(G, n) { return 2 * (G - 1) * int((n + G - 1) / G) * 4 }
+  BEGIN { layer = 2 * C + 3 * C * C + 3 * C + C * C / 2 + C + 2 * C + E * C + E * (4 * C * C / 2 + 4 * C / 2 + 4 * C * C / 2 + C)
+          print L * (ar(2, C) + ar(2, k * C)), (Vp * C + T * C + L * layer + 2 * C) * 4 }')"
+[ "$tp" = "$want_tp" ] || fail "--kvp 2 on the expert model: tp bytes per token $tp, the formula says $want_tp"
+grep -q "^serve_gpt2: kvp 2: .*; weights per rank $want_weights bytes" "$W/server.out" ||
+  fail "--kvp 2 on the expert model: the startup line does not say $want_weights bytes of weights per rank: $(grep kvp "$W/server.out")"
+stop_ranks 2 "--kvp 2 on the expert model"
+pass "--kvp 2 on a 4-expert top-2 model = one process (greedy, top-k; probabilities' bits); per token tp $tp B = the formula; weights per rank $want_weights B"
+CK=$W/dense/model_00000003.bin
+
+# --- 5. refused layouts -------------------------------------------------------------------
 refuse "$CK" "^error: --kvp 3: expected 1, 2, 4 or 8" --kvp 3
 refuse "$CK" "^error: --kvp 4 with --block-size 16: expected 2 x kvp x block size (128) to divide the context length 64" --kvp 4
 refuse "$CK" "^error: --kvp 2 with --ep 2: KV parallelism does not compose with expert parallelism" --kvp 2 --ep 2
 refuse "$CK" "^error: --kv-blocks 5 with --kvp 2: expected a multiple of 2" --kvp 2 --kv-blocks 5
 refuse "$CK" "^error: --kvp 2 x --tp 1 needs 2 ranks (mpirun -np 2), got 1" --kvp 2
-pass "refused in one line: --kvp 3, --kvp 4 with blocks of 16 at maxT 64, --kvp with --ep, --kv-blocks not a multiple, too few ranks"
+refuse "$CK" "^error: --kvp 4: expected a divisor of the 2 heads per tensor-parallel rank" --kvp 4 --tp 2 --block-size 8
+train d1c32h16t64 heads16   # 16 heads: KVP 8 x TP 2 can scatter them, but not cut the MLP over 16 ranks
+refuse "$W/heads16/model_00000003.bin" "^error: --kvp 8 x --tp 2: the output projection and the MLP are cut over all 16 ranks, expected kvp x tp to divide 8" --kvp 8 --tp 2 --block-size 4
+pass "refused in one line: --kvp 3, --kvp 4 with blocks of 16 at maxT 64, --kvp with --ep, --kv-blocks not a multiple, too few ranks, --kvp 4 x --tp 2 on 4 heads (not 4 heads per tp rank to scatter), --kvp 8 x --tp 2 (16 ranks do not divide the 8 chunks)"
