@@ -320,7 +320,7 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     int flexsp_largest = a->flexsp ? t->flexsp_cost.max_group : 1;
     CommGroup* cp_group = a->flexsp ? &comm->pool_groups[flexsp_log2(flexsp_largest)] : &comm->cp_group;
     if (flexsp_largest > 1 && ops->cp_select == NULL) {
-        fatal("--flexsp 1: this build runs FlexSP's groups of one rank only; use --flexsp-tokens >= -t %d", T);
+        fatal("internal: --flexsp 1's groups of several ranks need the model's cp_select (fast mode refuses --varlen)");
     }
     for (int ch = 0; ch < v; ch++) {
         t->models[ch] = ops->create(c, &t->places[ch], &t->zero, &comm->tp_group, cp_group,
