@@ -761,6 +761,8 @@ typedef struct {
     X(owner, float, yout, C)                   /* (rows,C)  the local experts' outputs (expert-major) */               \
     X(owner, float, hgelu, C4)                 /* (rows,4C/tp) the experts' GELU output in a forward, -r 1 */
 
+#define CP_GROUP_LEVELS 4   // context-parallel groups of 1, 2, 4 or 8 ranks (a sequence splits at most CANON_R ways)
+
 typedef struct {
     GPT2Config config;
     int first_layer, last_layer; // this model chunk's layers [first, last) (a pipeline stage's,
@@ -772,8 +774,11 @@ typedef struct {
     int tp_ffn_size;            // over: tp, but in Helix's serving layout all K x P ranks of the
                                 // pool (gpt2_set_ffn_group; forward only)
     int seq_parallel;           // sequence parallelism in the passes that split sequences
-    ContextParallel cp;         // context parallelism (context_parallel.h)
-    int cp_size;
+    ContextParallel* cp;        // context parallelism of the passes (context_parallel.h): one of cp_groups
+    int cp_size;                // ... its ranks
+    ContextParallel cp_groups[CP_GROUP_LEVELS]; // by log2 of a group's size: create's group, and
+                                // FlexSP's pool sub-groups (model_cp_select)
+    int cp_a2a, cap_B, cap_T;   // ... their attention (all-to-all, else the ring), the passes' capacity
     float* seq_grads;           // (B, largest unit) each sequence's subtree of a unit's gradient (CP)
     float* sp_scratch;          // (B,T,C) reordering for sequence parallelism's collectives
     float* probs_all;           // (Vp) one position's probabilities, all-gathered (sampling)
@@ -894,7 +899,7 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T / cap_split;
     size_t BTs = BT / (sp && !by_length ? tp : 1);   // positions of the sequence-split tensors
     size_t H = model->has_head ? 1 : 0, S = split_backward ? 1 : 0, emb = model->has_embedding ? 1 : 0;
-    size_t dense = model->num_experts > 0 ? 0 : 1, a2a = cp > 1 && model->cp.a2a, Tq = T / cap_split;
+    size_t dense = model->num_experts > 0 ? 0 : 1, a2a = cp > 1 && model->cp->a2a, Tq = T / cap_split;
     size_t gelus = dense * (recompute ? 1 : L);   // fch_gelu: one layer's, reused by all, with recompute
     memset(a, 0, sizeof(*a));
     a->layers = (int)L;
@@ -994,7 +999,7 @@ void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs
     int* slice = (int*)malloc_or_die(2 * bytes, "token slices");
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < Tl; t++) {
-            long pos = (long)b * T + canon_zz_global(t, T, cp, model->cp.rank);
+            long pos = (long)b * T + canon_zz_global(t, T, cp, model->cp->rank);
             slice[b * Tl + t] = inputs[pos];
             slice[(size_t)B * Tl + b * Tl + t] = targets ? targets[pos] : 0;
         }
@@ -1168,7 +1173,7 @@ void embed_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
         encoder_add_positions(a->encoded + r0 * C, wpe + r0 * C, B, t1 - t0, C);
     } else {   // this rank's positions: the slice of its context-parallel rank, and of that its
                // tensor-parallel rank's with SP (a slice of a slice is a slice, zigzag.h)
-        int r = (a->cp_split > 1 ? model->cp.rank : 0) * (sp ? model->tp_size : 1) + (sp ? model->tp->rank : 0);
+        int r = (a->cp_split > 1 ? model->cp->rank : 0) * (sp ? model->tp_size : 1) + (sp ? model->tp->rank : 0);
         add_zigzag_positions(a->encoded, wpe, B, T, C, a->seq_split, r);
     }
     zero_params_release(z, ZERO_WPE);
@@ -1226,7 +1231,7 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
     size_t slots = (size_t)BT * top_k;
     float* out_slice = out;
     if (a->cp_split > 1) {   // all-gather (cp group) of ln along T
-        cp_gather_sequences(&model->cp, ln, a->moe_whole, B, T, C);
+        cp_gather_sequences(model->cp, ln, a->moe_whole, B, T, C);
         ln = a->moe_whole;
         out = a->moe_whole + (size_t)BT * C;
     }
@@ -1278,7 +1283,7 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
         moe_route_return(route, model->ep, model->xrecv, moe_act->ret, C);
     }
     moe_combine(out, moe_act->ret, moe_act->gates, moe_act->slot_row, BT, top_k, C);
-    if (a->cp_split > 1) { zz_copy_slice(mem, out, out_slice, B, T, C, a->cp_split, model->cp.rank, 1); }
+    if (a->cp_split > 1) { zz_copy_slice(mem, out, out_slice, B, T, C, a->cp_split, model->cp->rank, 1); }
     // the load-balancing loss of this layer and microbatch
     moe_expert_prob_sums(model->psum, moe_act->probs, B, T, num_experts);
     mem->to_host(model->psum_host, model->psum, (size_t)num_experts * sizeof(float));
@@ -1306,10 +1311,10 @@ static void attention_forward_rows(GPT2* model, Activations* a, int l, int B, in
         for (int t = t0; t < t1; t++) { attention_forward_row(act.atty, act.att, act.qkv, t, T, a->Ca, a->NHl); }
     } else if (a->cp_split == 1) {
         attention_forward(act.atty, act.att, act.qkv, B, T, a->Ca, a->NHl);
-    } else if (model->cp.a2a) {
-        cp_a2a_forward(&model->cp, act.atty, act.att, act.qkvh, act.qkv, B, T, a->Ca, a->NHl);
+    } else if (model->cp->a2a) {
+        cp_a2a_forward(model->cp, act.atty, act.att, act.qkvh, act.qkv, B, T, a->Ca, a->NHl);
     } else {
-        cp_ring_forward(&model->cp, act.atty, act.att, act.qkv, B, T, a->Ca, a->NHl);
+        cp_ring_forward(model->cp, act.atty, act.att, act.qkv, B, T, a->Ca, a->NHl);
     }
 }
 
@@ -1375,7 +1380,7 @@ void head_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1, int
     float* losses = a->cp_split > 1 ? a->ce + 3 * rows : a->losses + r0;
     crossentropy_normalize(logits, losses, zs, target_logits, maxes, targets, rows, V, v0, Vl);
     // all-gather (cp group): every position's loss, in sequence order
-    if (a->cp_split > 1 && targets) { cp_gather_sequences(&model->cp, losses, a->losses, B, T, 1); }
+    if (a->cp_split > 1 && targets) { cp_gather_sequences(model->cp, losses, a->losses, B, T, 1); }
     if (!training) {
         zero_params_release(z, ZERO_WTE);
         zero_params_release(z, LNF);
@@ -1511,15 +1516,15 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
         size_t nwte = (size_t)model->Vl * C;
         matmul_weight_backward_cp(cp_split, cp_split > 1 ? model->seq_grads : dwte_lm, NULL, (long)nwte, a->probs,
                                   a->lnf, B, Tl, C, model->Vl);
-        if (cp_split > 1) { cp_finish_sequences(&model->cp, dwte_lm, model->seq_grads, B, nwte); }
-        if (whole_in_group(model, a)) { cp_keep_part(&model->cp, dwte_lm, nwte); }
+        if (cp_split > 1) { cp_finish_sequences(model->cp, dwte_lm, model->seq_grads, B, nwte); }
+        if (whole_in_group(model, a)) { cp_keep_part(model->cp, dwte_lm, nwte); }
         zero_grad_unit_done(z, ZERO_WTE);
         float* dlnfw = zero_grad_unit(z, LNF);
         float* dl = cp_split > 1 ? model->seq_grads : dlnfw;   // [weight | bias], per sequence with CP
         ln_backward_f_weight(model, g, dl, dl + C, 2L * C, dlnf, stage_output(a, c, B, T), a->lnf_mean, a->lnf_rstd,
                              B, T);
-        if (cp_split > 1) { cp_finish_sequences(&model->cp, dlnfw, model->seq_grads, B, 2 * (size_t)C); }
-        if (whole_in_group(model, a)) { cp_keep_part(&model->cp, dlnfw, 2 * (size_t)C); }
+        if (cp_split > 1) { cp_finish_sequences(model->cp, dlnfw, model->seq_grads, B, 2 * (size_t)C); }
+        if (whole_in_group(model, a)) { cp_keep_part(model->cp, dlnfw, 2 * (size_t)C); }
         zero_grad_unit_done(z, LNF);
     }
 }
@@ -1543,7 +1548,7 @@ static void moe_weight_backward(GPT2* model, Activations* a, ActivationGrads* g,
     size_t slice = z->lay.size[unit], nleaf = (size_t)ep_size * B * CANON_R + 1;
     if (cp > 1) {   // this rank's positions of dlogits
         float* mine = a->moe_whole + 2 * (size_t)B * T * C;
-        zz_copy_slice(model->mem, (float*)dlogits, mine, B, T, num_experts, cp, model->cp.rank, 1);
+        zz_copy_slice(model->mem, (float*)dlogits, mine, B, T, num_experts, cp, model->cp->rank, 1);
         dlogits = mine;
     }
     matmul_weight_backward_cp(cp, dw->routerw, NULL, (long)z->lay.size[ZERO_LAYER(l)], dlogits, ln, B, T / cp, C,
@@ -1560,7 +1565,7 @@ static void moe_weight_backward(GPT2* model, Activations* a, ActivationGrads* g,
         moe_expert_dweight(dex.fcw + e * dex.fcw_n, dex.fcb + e * dex.fcb_n, slice, dh, moe_act->xin, leaf, ep_size, B,
                            C, C4);
     }
-    for (int q = 0; cp > 1 && q < ep_size; q++) { cp_keep_part(&model->cp, dunit + q * slice, slice); }
+    for (int q = 0; cp > 1 && q < ep_size; q++) { cp_keep_part(model->cp, dunit + q * slice, slice); }
     zero_grad_unit_done(z, unit);
 }
 
@@ -1594,7 +1599,7 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
     }
     float* dln_slice = dln;
     if (a->cp_split > 1) {   // all-gather (cp group) of dout along T
-        cp_gather_sequences(&model->cp, dout, a->moe_whole, B, T, C);
+        cp_gather_sequences(model->cp, dout, a->moe_whole, B, T, C);
         dout = a->moe_whole;
         dln = a->moe_whole + (size_t)BT * C;
     }
@@ -1635,7 +1640,7 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
         dret = g->dslots;
     }
     moe_dinput_combine(dln, g->drouter, dret, moe_act->slot_row, BT, top_k, C);
-    if (a->cp_split > 1) { zz_copy_slice(mem, dln, dln_slice, B, T, C, a->cp_split, model->cp.rank, 1); }
+    if (a->cp_split > 1) { zz_copy_slice(mem, dln, dln_slice, B, T, C, a->cp_split, model->cp->rank, 1); }
 }
 
 // this chunk's layers backward. Input half: g->dresidual = d(loss)/d(stage_output) in,
@@ -1699,10 +1704,10 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
             matmul_backward(g->datty, NULL, NULL, d.dattproj, NULL, w.attprojw, B, Tl, a->Ca, C, 1, CANON_R);
             if (cp_split == 1) {
                 attention_backward(d.dqkv, g->datty, act.qkv, act.att, B, T, a->Ca, a->NHl);
-            } else if (model->cp.a2a) {
-                cp_a2a_backward(&model->cp, d.dqkv, g->datty, act.qkvh, act.att, B, T, a->Ca, a->NHl);
+            } else if (model->cp->a2a) {
+                cp_a2a_backward(model->cp, d.dqkv, g->datty, act.qkvh, act.att, B, T, a->Ca, a->NHl);
             } else {
-                cp_ring_backward(&model->cp, d.dqkv, g->datty, act.qkv, act.att, B, T, a->Ca, a->NHl);
+                cp_ring_backward(model->cp, d.dqkv, g->datty, act.qkv, act.att, B, T, a->Ca, a->NHl);
             }
         }
         if (wt) { matmul_weight_backward_cp(cp_split, dw.qkvw, dw.qkvb, us, d.dqkv, act.ln1, B, Tl, C, a->C3); }
@@ -1713,8 +1718,8 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         }
         if (wt) {
             ln_backward_f_weight(model, g, dw.ln1w, dw.ln1b, us, d.dln1, act.residual, act.ln1_mean, act.ln1_rstd, B, T);
-            if (cp_split > 1) { cp_finish_sequences(&model->cp, grad, model->seq_grads, B, (size_t)us); }
-            if (whole_in_group(model, a)) { cp_keep_part(&model->cp, grad, (size_t)us); }
+            if (cp_split > 1) { cp_finish_sequences(model->cp, grad, model->seq_grads, B, (size_t)us); }
+            if (whole_in_group(model, a)) { cp_keep_part(model->cp, grad, (size_t)us); }
             zero_grad_unit_done(z, ZERO_LAYER(l));
         }
         if (in) { zero_params_release(z, ZERO_LAYER(l)); }
@@ -1736,7 +1741,7 @@ void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int 
     if (part & BACKWARD_WEIGHT) {
         const float* dwhole = dencoded;
         if (a->cp_split > 1) {
-            cp_gather_sequences(&model->cp, dencoded, g->dwhole, B, T, c->channels);
+            cp_gather_sequences(model->cp, dencoded, g->dwhole, B, T, c->channels);
             dwhole = g->dwhole;
         }
         float* dwte_lookup = zero_grad_unit(z, lookup_unit);
@@ -1744,8 +1749,8 @@ void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int 
         encoder_backward(dwte_lookup, dwpe, dwhole, a->inputs_full, B, T, c->channels, model->v0, model->Vl,
                          c->max_seq_len);
         if (a->cp_split > 1 || whole_in_group(model, a)) {   // every rank of the group computed them whole: hand ZeRO its part
-            cp_keep_part(&model->cp, dwte_lookup, z->lay.size[lookup_unit]);
-            cp_keep_part(&model->cp, dwpe, z->lay.size[ZERO_WPE]);
+            cp_keep_part(model->cp, dwte_lookup, z->lay.size[lookup_unit]);
+            cp_keep_part(model->cp, dwpe, z->lay.size[ZERO_WPE]);
         }
         zero_grad_unit_done(z, ZERO_WPE);
         zero_grad_unit_done(z, lookup_unit);
@@ -1776,6 +1781,42 @@ void gpt2_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
 
 // --- building the model -------------------------------------------------------------------
 
+// The largest unit of gradient this rank computes (the per-sequence partials' room).
+static size_t largest_grad_unit(const Zero* zero) {
+    size_t unit = 0;
+    for (int u = 0; u < zero->lay.num_units; u++) {
+        if (zero->lay.grads_here[u] && zero->lay.size[u] > unit) { unit = zero->lay.size[u]; }
+    }
+    return unit;
+}
+
+// The passes that follow run their context parallelism over `group` (a group of one: none):
+// create's cp group, or under FlexSP the pool sub-group of the next sequence's group
+// (engine.h). Each group's buffers (context_parallel.h) are made on its first selection, for
+// the model's capacity of (B, T) positions; one group per size.
+static void model_cp_select(GPT2* model, CommGroup* group) {
+    int k = 0;
+    while ((1 << k) < group->size) { k++; }
+    if (k >= CP_GROUP_LEVELS || (1 << k) != group->size) {
+        fatal("internal: a context-parallel group of %d ranks (a power of two up to %d)", group->size, CANON_R);
+    }
+    ContextParallel* cp = &model->cp_groups[k];
+    if (cp->group != group) {
+        if (cp->group != NULL) { fatal("internal: two context-parallel groups of %d ranks", group->size); }
+        const GPT2Config* c = &model->config;
+        int N = group->size, B = model->cap_B, T = model->cap_T;
+        size_t unit = largest_grad_unit(model->zero);
+        // each sequence's subtree of a unit's gradient finished over the group, and the
+        // embedding chunk's all-gather of its input gradient at full width (B,T,C)
+        size_t finish = ((size_t)N * B + B) * ((unit + N - 1) / N);
+        size_t gather = model->has_embedding ? (size_t)B * T * c->channels : 0;
+        cp_init(cp, group, model->cp_a2a, model->mem, B, T, c->channels / model->tp_size, c->num_heads / model->tp_size,
+                finish > gather ? finish : gather);
+    }
+    model->cp = cp;
+    model->cp_size = group->size;
+}
+
 // The model of a model chunk (`place`: its layers, whether it has the embeddings and the
 // head) on the parameters zero.h holds, its tensor-parallel slices over tp (tensor_parallel.h);
 // for passes over up to (B, T) positions: seq_parallel, sequence parallelism (2 tp | T); cp,
@@ -1794,7 +1835,6 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
     model->tp = model->tp_ffn = tp;
     model->tp_ffn_size = tp->size;
     model->seq_parallel = seq_parallel;
-    model->cp_size = cp->size;
     model->tp_size = tp->size;
     model->Vl = config->padded_vocab_size / tp->size;
     model->v0 = tp->rank * model->Vl;
@@ -1807,19 +1847,14 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
     model->sp_scratch = seq_parallel ? mem_floats(model->mem, (size_t)B * T * config->channels, "sequence parallelism")
                                      : NULL;
     model->probs_all = place->has_head ? mem_floats(model->mem, config->padded_vocab_size, "probabilities") : NULL;
-    // context parallelism: each sequence's subtree of a unit's gradient (the largest unit
-    // this rank computes), and the group's finishing of it (context_parallel.h)
-    size_t unit = 0;
-    for (int u = 0; u < zero->lay.num_units; u++) {
-        if (zero->lay.grads_here[u] && zero->lay.size[u] > unit) { unit = zero->lay.size[u]; }
-    }
-    int cp_size = model->cp_size;
-    size_t finish = ((size_t)cp_size * B + B) * ((unit + cp_size - 1) / cp_size);
-    // the embedding chunk all-gathers its input gradient at full width (B,T,C)
-    size_t gather = place->has_embedding ? (size_t)B * T * config->channels : 0;
-    cp_init(&model->cp, cp, cp_a2a, model->mem, B, T, config->channels / tp->size, config->num_heads / tp->size,
-            finish > gather ? finish : gather);
-    model->seq_grads = cp_size > 1 ? mem_floats(model->mem, (size_t)B * unit, "context-parallel gradients") : NULL;
+    // context parallelism: the group's buffers, and each sequence's subtree of a unit's
+    // gradient (the largest unit this rank computes) before the group finishes it
+    model->cp_a2a = cp_a2a;
+    model->cap_B = B;
+    model->cap_T = T;
+    model_cp_select(model, cp);
+    model->seq_grads = cp->size > 1 ? mem_floats(model->mem, (size_t)B * largest_grad_unit(zero), "context-parallel gradients")
+                                    : NULL;
     if (config->num_experts > 0) {   // the expert-parallel group and the experts' layout are zero.h's
         int num_experts = model->num_experts = config->num_experts;
         model->top_k = config->top_k;
@@ -1855,7 +1890,7 @@ void gpt2_free(GPT2* model) {
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
     MOE_MODEL_ROWS(RELEASE, model)
     decode_copies_free(model);
-    cp_free(&model->cp);
+    for (int k = 0; k < CP_GROUP_LEVELS; k++) { cp_free(&model->cp_groups[k]); }
     free(model->psum_host);
     free(model->counters.tokens);
 }
@@ -1923,6 +1958,7 @@ static void model_moe_aux(void* m, void* a, float* host_aux) {
     const Activations* acts = (const Activations*)a;
     for (int l = 0; l < acts->layers; l++) { host_aux[l] = acts->moe ? acts->moe[l].aux : 0.0f; }
 }
+static void model_cp_select_op(void* m, CommGroup* group) { model_cp_select((GPT2*)m, group); }
 static MoeCounters* model_moe_counters(void* m) { return ((GPT2*)m)->num_experts > 0 ? &((GPT2*)m)->counters : NULL; }
 
 static const ModelOps gpt2_model_ops = {
@@ -1930,7 +1966,8 @@ static const ModelOps gpt2_model_ops = {
     model_stage_input, model_stage_output, model_embed_forward, model_layers_forward,
     model_head_forward, model_loss_sum, model_probs_at, model_grads_create, model_grads_destroy,
     model_grad_residual, model_head_backward, model_layers_backward, model_embed_backward,
-    model_moe_aux, model_moe_counters, model_embed_decode, model_layers_decode, model_head_decode, sizeof(float)
+    model_moe_aux, model_moe_counters, model_embed_decode, model_layers_decode, model_head_decode, sizeof(float),
+    model_cp_select_op
 };
 
 // ==========================================================================================

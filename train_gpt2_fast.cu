@@ -1229,7 +1229,8 @@ static ModelOps fast_model_ops = {
     fast_embed_backward,
     fast_moe_aux, fast_moe_counters,
     fast_embed_decode, fast_layers_decode, fast_head_decode,
-    sizeof(floatX)      // bf16 activations between stages
+    sizeof(floatX),     // bf16 activations between stages
+    NULL                // FlexSP needs --varlen, which fast mode refuses
 };
 
 const ModelOps* gpt2_fast_model_ops(void) { return &fast_model_ops; }

@@ -85,23 +85,35 @@ static inline void trainer_check_same_flags(Trainer* t) {
     }
 }
 
+// The largest group FlexSP's plans use on a pool of N with -t T: a power of two that divides
+// the pool (comm_setup_pool_groups' sub-groups), splits a sequence at most CANON_R ways
+// (context_parallel.h), of which 2 x its ranks divide -t (cp_problem: the activations and the
+// ring's blocks are laid out for -t) and, with --cp-mode a2a, its ranks divide the NH heads.
+static inline int trainer_flexsp_max_group(int N, int T, int a2a, int NH) {
+    int g = 1;
+    while (2 * g <= CANON_R && N % (2 * g) == 0 && T % (4 * g) == 0 && (!a2a || NH % (2 * g) == 0)) { g *= 2; }
+    return g;
+}
+
 // The cost model the trainer plans FlexSP's steps with: FlexSP's published computation
 // coefficients (varlen_flexsp.h; this machine's fit, make bench-flexsp, is noisy and its
-// per-sequence constant has no place in the model), groups of one rank only (max_group 1:
-// context parallelism over the pool's sub-groups is not done), and no memory bound on a
-// group's sum of tokens: the engine runs a group's sequences one pass at a time, each within
-// the activations of -t positions, and trainer_check_flexsp checks that -t fits one rank.
-static inline FlexCost trainer_flexsp_cost(int step_sequences, int T) {
+// per-sequence constant has no place in the model), groups up to max_group ranks, and memory
+// per sequence (per_sequence: the engine runs a group's sequences one pass at a time): a
+// sequence of s tokens needs a group of g ranks with g x budget >= s, budget the tokens one
+// rank holds (--flexsp-tokens).
+static inline FlexCost trainer_flexsp_cost(int budget, int max_group) {
     FlexCost c = flexsp_cost_gpt7b();
     c.params = 0;
     c.act_per_token = 1;
-    c.device_bytes = (double)step_sequences * T;
-    c.max_group = 1;
+    c.device_bytes = budget;
+    c.per_sequence = 1;
+    c.max_group = max_group;
     return c;
 }
 
-// --flexsp 1 runs over the data-parallel pool with ZeRO 1 or 2 and groups of one rank
-// (README); every other layout is refused in one line.
+// --flexsp 1 runs over the data-parallel pool with ZeRO 1 or 2, each group of several ranks
+// with context parallelism over its pool sub-group (README); every other layout is refused
+// in one line. Makes the pool's sub-groups (collective over the world).
 static inline void trainer_check_flexsp(Trainer* t) {
     const TrainArgs* a = &t->args;
     int N = t->comm.dp, budget = a->flexsp_tokens ? a->flexsp_tokens : t->T;
@@ -114,16 +126,16 @@ static inline void trainer_check_flexsp(Trainer* t) {
         fatal("-z %d with --flexsp 1: FlexSP's exchange sums each sequence's gradient at ZeRO's shard owners; use "
               "-z 1 or -z 2", a->zero_stage);
     }
-    if ((long long)budget * N < t->T) {
-        fatal("--flexsp-tokens %d: a sequence of -t %d tokens does not fit the memory of the pool (%d rank(s) x %d "
-              "tokens); raise --flexsp-tokens or lower -t", budget, t->T, N, budget);
+    int a2a = strcmp(a->cp_mode, "a2a") == 0;
+    int largest = trainer_flexsp_max_group(N, t->T, a2a, t->config.num_heads);
+    if ((long long)budget * largest < t->T) {
+        fatal("--flexsp-tokens %d: a sequence of -t %d tokens does not fit the memory of the pool's largest group "
+              "(%d rank(s) x %d tokens; a group is a power of two of at most %d ranks that divides the pool of %d, "
+              "2 x its ranks divide -t%s); raise --flexsp-tokens or lower -t", budget, t->T, largest, budget,
+              CANON_R, N, a2a ? " and its ranks the heads (--cp-mode a2a)" : "");
     }
-    if (budget < t->T) {
-        fatal("--flexsp-tokens %d: a sequence of -t %d tokens would need a group of more than one rank, which the "
-              "trainer does not run yet (context parallelism over the pool's sub-groups); use --flexsp-tokens >= -t",
-              budget, t->T);
-    }
-    t->flexsp_cost = trainer_flexsp_cost(a->varlen, t->T);
+    t->flexsp_cost = trainer_flexsp_cost(budget, largest);
+    comm_setup_pool_groups(&t->comm);
 }
 
 // MPI, the flags (returns 0 after --help), the rank grid, and what the run starts from: the
@@ -302,8 +314,16 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     free(t->start_params);
     t->start_params = NULL;
     t->models = (void**)malloc_or_die(sizeof(void*) * v, "models");
+    // FlexSP: the model is made for context parallelism over the pool's largest sub-group a
+    // plan uses (its buffers, and activations laid out by length); each sequence of a step
+    // then selects its own group's (trainer_flexsp_step)
+    int flexsp_largest = a->flexsp ? t->flexsp_cost.max_group : 1;
+    CommGroup* cp_group = a->flexsp ? &comm->pool_groups[flexsp_log2(flexsp_largest)] : &comm->cp_group;
+    if (flexsp_largest > 1 && ops->cp_select == NULL) {
+        fatal("internal: --flexsp 1's groups of several ranks need the model's cp_select (fast mode refuses --varlen)");
+    }
     for (int ch = 0; ch < v; ch++) {
-        t->models[ch] = ops->create(c, &t->places[ch], &t->zero, &comm->tp_group, &comm->cp_group,
+        t->models[ch] = ops->create(c, &t->places[ch], &t->zero, &comm->tp_group, cp_group,
                                     strcmp(a->cp_mode, "a2a") == 0, a->sp, B, T);
     }
 
@@ -315,12 +335,16 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     // corrupt one must not stop it)
     if (t->root && a->sample_every > 0) { tokenizer_init_for_model(&t->tokenizer, a->tokenizer_path, c->vocab_size); }
 
-    int split = trainer_sequence_split(t);
-    // --varlen with CP or SP: each sequence split or whole by its length (context_parallel.h)
+    int split = a->flexsp ? flexsp_largest : trainer_sequence_split(t);
+    // --varlen with CP or SP (or FlexSP's groups): each sequence split or whole by its length
+    // (context_parallel.h)
     SeqSplit layout = split == 1 ? SEQS_WHOLE : a->varlen ? SEQS_SPLIT_BY_LENGTH : SEQS_SPLIT;
     pipeline_init(&t->pipe, ops, mem, t->models, t->places, &comm->pp_group, t->pp_kind, v,
                   t->zero.local_microbatches, B, T, c->channels, a->recompute, split, layout);
     t->grads = ops->grads_create(t->models[0], B, T, layout, &t->grads_bytes);
+    if (flexsp_largest > 1) {   // every pool sub-group's buffers now; passes outside a step run whole
+        for (int k = flexsp_log2(flexsp_largest); k >= 0; k--) { ops->cp_select(t->models[0], &comm->pool_groups[k]); }
+    }
     if (t->moe) {
         size_t n = (size_t)t->zero.local_microbatches * c->num_layers;
         t->pipe.num_layers = c->num_layers;
@@ -638,7 +662,8 @@ static inline void trainer_flexsp_plan(Trainer* t, const double* len, int G, int
 }
 
 // One FlexSP step's forward and backward passes, its gradient and its loss: this rank computes
-// the sequences of its group (a group of one: each sequence whole, as one rank does), keeps each
+// the sequences of its group (a group of one: each sequence whole, as one rank does; a group
+// of several: with context parallelism over its pool sub-group), keeps each
 // one's gradient whole (zero.h's flexsp mode), and flexsp_reduce_step sums them at the shard
 // owners in the step's index order; the loss is the R1 tree over the sequences' loss sums in
 // index order. Returns the loss; rank 0 adds each group's sequences and times to flexsp_line.
@@ -656,16 +681,23 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets) {
     trainer_flexsp_plan(t, len, G, first, size, plan, group_of, sorted);
     int count = 0;
     for (int j = 0; j < G; j++) { if (flexsp_holds(first, size, j, me)) { mine[count++] = j; } }
-    // the passes: each of this rank's sequences as one microbatch of one chunk (no pipeline)
+    // the passes: each of this rank's sequences as one microbatch of one chunk (no pipeline),
+    // over its group's pool sub-group: every member runs the group's sequences in index order,
+    // each split when 2 x the group's ranks divide its length (ring or all-to-all context
+    // parallelism, context_parallel.h), else computed whole by each member; either way each
+    // member holds its part of the gradient and -0.0f elsewhere, as the exchange expects
     double t0 = now_seconds();
     zero_flexsp_begin_step(z, mine, count);
     float* local_loss = (float*)calloc_or_die((size_t)G + 1, sizeof(float), "FlexSP losses");
     PipelineStepContext x = {z, t->grads, &t->train_loader, done, t->B, t->T, a->overfit_single_batch, 0, 0,
                              1.0f / (float)(double)targets, t->ops->grad_residual(p->models[0], t->grads), local_loss};
+    int grouped = t->flexsp_cost.max_group > 1;
     for (int k = 0; k < count; k++) {
+        if (grouped) { t->ops->cp_select(p->models[0], &t->comm.pool_groups[flexsp_log2(size[mine[k]])]); }
         pipeline_run_forward(p, &x, k, 0);
         pipeline_run_backward(p, &x, k, 0, BACKWARD_BOTH);
     }
+    if (grouped) { t->ops->cp_select(p->models[0], &t->comm.pool_groups[0]); }   // validation: whole
     t->mem->sync();
     float busy_ms = (float)((now_seconds() - t0) * 1e3);
     flexsp_reduce_step(z, &t->flexsp_ws, first, size, G);
@@ -686,10 +718,17 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets) {
         for (int k = 0; k < plan->ngroups; k++) { scratch[k] = t->flexsp_cost.beta; }
         for (int i = 0; i < G; i++) { scratch[group_of[i]] += flexsp_seq_ms(&t->flexsp_cost, len[sorted[i]], plan->size[group_of[i]]); }
         for (int k = 0, r = 0; k < plan->ngroups; r += plan->size[k], k++) {
-            at += (size_t)snprintf(line + at, 4096 - at, "\n           group %d (ranks %d-%d): lengths", k, r,
-                                   r + plan->size[k] - 1);
+            at += (size_t)snprintf(line + at, 4096 - at, "\n           group %d (%d rank(s), %d-%d): lengths", k,
+                                   plan->size[k], r, r + plan->size[k] - 1);
+            int split = 0;
             for (int i = 0; i < G && at < 4000; i++) {
-                if (group_of[i] == k) { at += (size_t)snprintf(line + at, 4096 - at, " %d", (int)len[sorted[i]]); }
+                if (group_of[i] != k) { continue; }
+                at += (size_t)snprintf(line + at, 4096 - at, " %d", (int)len[sorted[i]]);
+                split += plan->size[k] > 1 && zz_splits_length(plan->size[k], (int)len[sorted[i]]);
+            }
+            if (plan->size[k] > 1 && at < 4000) {
+                at += (size_t)snprintf(line + at, 4096 - at, " (%d split %d ways, the others whole on each rank)", split,
+                                       plan->size[k]);
             }
             float measured = 0;
             for (int q = r; q < r + plan->size[k]; q++) {

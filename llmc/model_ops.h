@@ -86,6 +86,10 @@ typedef struct {
     // bytes of one element of stage_input, stage_output and grad_residual (fp32 or bf16): what
     // the pipeline executor sizes, copies and sends them by
     size_t stage_elem_bytes;
+    // FlexSP (engine.h trainer_flexsp_step): the context-parallel group of the passes that
+    // follow, one of the pool's sub-groups (comm.h comm_setup_pool_groups; a group of one:
+    // none), its buffers made on its first selection (NULL: the build runs groups of one rank)
+    void (*cp_select)(void* model, CommGroup* group);
 } ModelOps;
 
 // What a build adds to the engine's console output.

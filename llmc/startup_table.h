@@ -85,8 +85,9 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
     }
     if (a->flexsp) {
         printf("| batch         --varlen: G=%d sequences of up to T=%d tokens cut at EOT, one per microbatch; --flexsp 1: "
-               "rank 0 plans each step's groups of one rank (--flexsp-policy %s, %d tokens per rank); %lld sequences "
-               "per epoch\n", t->M, t->T, a->flexsp_policy, a->flexsp_tokens ? a->flexsp_tokens : t->T,
+               "rank 0 plans each step's groups of 1 to %d ranks (--flexsp-policy %s, %d tokens per rank; a group of "
+               "several runs %s context parallelism); %lld sequences per epoch\n", t->M, t->T, t->flexsp_cost.max_group,
+               a->flexsp_policy, a->flexsp_tokens ? a->flexsp_tokens : t->T, a->cp_mode,
                (long long)t->train_loader.num_seqs);
     } else if (a->varlen) {
         printf("| batch         --varlen: G=%d sequences of up to T=%d tokens cut at EOT, one per microbatch (%d per "

@@ -3,7 +3,8 @@
  * variable-length sequences: sequence-parallel groups of different power-of-two sizes that
  * cover a pool of N devices, the sequences assigned to them by a mixed-integer program.
  * dev/tools/flexsp_plan simulates plans with it; the trainer runs its plans (engine.h
- * trainer_flexsp_plan) with groups of one rank (FlexCost.max_group 1; README).
+ * trainer_flexsp_plan), a group of several ranks with context parallelism over its pool
+ * sub-group, and memory per sequence (FlexCost.per_sequence; README).
  *
  * The cost model (FlexSP's, milliseconds): a sequence of s tokens in a group of g devices
  * computes in (alpha1 s^2 + alpha2 s) / g and, for g > 1, sends Ulysses' all-to-alls,
@@ -50,6 +51,9 @@ typedef struct {
     double device_bytes;              // memory per device
     double act_per_token;             // activation bytes per token
     int max_group;                    // the largest group size a plan may use; 0: the pool
+    int per_sequence;                 // 1: a group holds one of its sequences at a time (the trainer
+                                      // runs them one after the other), so memory bounds each
+                                      // sequence; 0: the sum of the group's (FlexSP's)
 } FlexCost;
 
 // FlexSP's published GPT-7B coefficients (8-GPU nodes on InfiniBand: groups past 8 leave the
@@ -70,7 +74,7 @@ static inline FlexCost flexsp_cost_gpt7b(void) {
 static inline int flexsp_log2(int g) { int k = 0; while ((1 << k) < g) { k++; } return k; }
 
 // The largest group a plan of a pool of N may use: N, or the cost model's max_group (the
-// trainer runs groups of one rank only: CP over sub-groups is not done).
+// trainer's: the largest of its pool's sub-groups that context parallelism runs).
 static inline int flexsp_largest_group(const FlexCost* c, int N) {
     return c->max_group > 0 && c->max_group < N ? c->max_group : N;
 }
@@ -86,6 +90,12 @@ static inline double flexsp_seq_ms(const FlexCost* c, double s, int g) {
 static inline double flexsp_group_tokens(const FlexCost* c, int g, int N) {
     double free_bytes = c->device_bytes - 16.0 * c->params / N;
     return free_bytes <= 0 ? 0 : floor(free_bytes / c->act_per_token) * g;
+}
+
+// Whether a group of g devices of a pool of N, holding `held` tokens already, has room for a
+// sequence of s more.
+static inline int flexsp_fits(const FlexCost* c, double held, double s, int g, int N) {
+    return (c->per_sequence ? s : held + s) <= flexsp_group_tokens(c, g, N);
 }
 
 // The smallest power-of-two group of a pool of N that holds s tokens, or 0 if none.
@@ -118,13 +128,12 @@ static inline double flexsp_uniform_plan(const FlexCost* c, const double* len, i
     p->ngroups = N / g;
     double* load = (double*)calloc_or_die((size_t)p->ngroups, sizeof(double), "plan");
     double* tokens = (double*)calloc_or_die((size_t)p->ngroups, sizeof(double), "plan");
-    double cap = flexsp_group_tokens(c, g, N);
     for (int k = 0; k < p->ngroups; k++) { p->size[k] = g; load[k] = c->beta; }
     double result = 0;
     for (int i = 0; i < n && result == 0; i++) {
         int best = -1;
         for (int k = 0; k < p->ngroups; k++) {
-            if (tokens[k] + len[i] <= cap && (best < 0 || load[k] < load[best])) { best = k; }
+            if (flexsp_fits(c, tokens[k], len[i], g, N) && (best < 0 || load[k] < load[best])) { best = k; }
         }
         if (best < 0) { result = INFINITY; break; }
         group_of[i] = best;
@@ -167,7 +176,7 @@ static inline int flexsp_hetero_try(const FlexCost* c, const double* len, int n,
         int best = -1;
         for (int k = 0; k < p->ngroups; k++) {
             double t = load[k] + flexsp_seq_ms(c, len[i], p->size[k]);
-            if (t <= M && tokens[k] + len[i] <= flexsp_group_tokens(c, p->size[k], N) && (best < 0 || load[k] > load[best])) { best = k; }
+            if (t <= M && flexsp_fits(c, tokens[k], len[i], p->size[k], N) && (best < 0 || load[k] > load[best])) { best = k; }
         }
         if (best < 0) {
             int g = 1;
@@ -342,11 +351,13 @@ static inline FlexSolved flexsp_milp_plan(const FlexCost* c, const double* len, 
             for (int b = 0; b < nb; b++) { nz++; ia[nz] = row; ja[nz] = b * P + q + 1; ar[nz] = flexsp_seq_ms(c, bound[b], gsize[q]); }
             nz++; ia[nz] = row; ja[nz] = nb * P + q + 1; ar[nz] = c->beta;
             nz++; ia[nz] = row; ja[nz] = colM; ar[nz] = -1.0;
-            // memory: sum_b x[b][q] bound_b - cap u[q] <= 0 (an unused group holds nothing)
+            // memory: sum_b x[b][q] bound_b - cap u[q] <= 0 (an unused group holds nothing);
+            // one sequence at a time (per_sequence): the bucket's smallest group above bounds
+            // the memory, and the row only keeps an unused group empty (sum_b x[b][q] <= n u[q])
             row = glp_add_rows(lp, 1);
             glp_set_row_bnds(lp, row, GLP_UP, 0, 0);
-            for (int b = 0; b < nb; b++) { nz++; ia[nz] = row; ja[nz] = b * P + q + 1; ar[nz] = bound[b]; }
-            nz++; ia[nz] = row; ja[nz] = nb * P + q + 1; ar[nz] = -flexsp_group_tokens(c, gsize[q], N);
+            for (int b = 0; b < nb; b++) { nz++; ia[nz] = row; ja[nz] = b * P + q + 1; ar[nz] = c->per_sequence ? 1.0 : bound[b]; }
+            nz++; ia[nz] = row; ja[nz] = nb * P + q + 1; ar[nz] = c->per_sequence ? -(double)n : -flexsp_group_tokens(c, gsize[q], N);
         }
         row = glp_add_rows(lp, 1);   // the groups used cover the pool exactly
         glp_set_row_bnds(lp, row, GLP_FX, N, N);

@@ -6,12 +6,13 @@
 # (varlen_flexsp.h's computation term for a group of one; with --varlen each sequence is its
 # own microbatch, so beta is per sequence) by least squares. L=4 C=128 NH=4, GPT-2's
 # vocabulary (EOT is token 50256), so the LM head's linear term dominates. One rank: the all-to-all
-# bandwidth of groups of 2 and more would need groups of more than one rank, which the trainer
-# does not run yet.
+# bandwidth of groups of 2 and more is not fitted (the trainer's cost model keeps FlexSP's).
 # Then the trainer running FlexSP's plans: the median step time of 4 ranks (-z 1, OMP_NUM_THREADS=1
 # each) on tiny Shakespeare's documents (--varlen 16 -t 64, d4c64h2) per --flexsp-policy, against
-# plain data parallelism (each rank a block of 4 sequences by index). The ranks share this
-# machine's 2 cores, so the times are those of an oversubscribed machine.
+# plain data parallelism (each rank a block of 4 sequences by index): with --flexsp-tokens 64
+# (groups of one rank), then 16 (a sequence of 17-32 tokens needs a group of 2, of 33-64 one of
+# 4: context parallelism over the pool's sub-groups). The ranks share this machine's 2 cores, so
+# the times are those of an oversubscribed machine.
 # Usage: dev/bench/bench_flexsp.sh [steps] (lengths: SS="16 32 64 128 256", G=8; POLICY_STEPS=8;
 # SS="" skips the fit)
 set -euo pipefail
@@ -62,12 +63,16 @@ DATA=dev/data/tinyshakespeare/tiny_shakespeare_train.bin
 [ -f "$DATA" ] || DATA=../shared/data/gpt2/tiny_shakespeare_train.bin
 PSTEPS=${POLICY_STEPS:-8}
 printf "\n4 ranks (2 cores shared), tiny Shakespeare, --varlen 16 -t 64, d4c64h2, -z 1, %d steps: median step ms\n" "$PSTEPS"
-printf "%-22s %10s\n" "layout" "ms/step"
+printf "%-22s %10s  %s\n" "layout" "ms/step" "groups over the steps (ranks x how many)"
 for layout in "plain data parallelism:" "static:--flexsp 1 --flexsp-policy static" \
-              "adaptive:--flexsp 1 --flexsp-policy adaptive" "milp:--flexsp 1 --flexsp-policy milp"; do
+              "adaptive:--flexsp 1 --flexsp-policy adaptive" "milp:--flexsp 1 --flexsp-policy milp" \
+              "static, 16 tokens:--flexsp 1 --flexsp-tokens 16 --flexsp-policy static" \
+              "adaptive, 16 tokens:--flexsp 1 --flexsp-tokens 16 --flexsp-policy adaptive" \
+              "milp, 16 tokens:--flexsp 1 --flexsp-tokens 16 --flexsp-policy milp"; do
   out=$(OMP_NUM_THREADS=1 dev/test/mpi.sh 4 ./train_gpt2 -e d4c64h2v50257t64 -i "$DATA" -t 64 --varlen 16 -z 1 \
         ${layout#*:} -x "$PSTEPS" -v 0 -s 0 2>&1) || { echo "$out" | tail -3; exit 1; }
   ms=$(echo "$out" | awk '/^step/ && !/ 1\// { for (i = 1; i <= NF; i++) if ($(i+1) == "ms") print $i }' | sort -n \
        | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
-  printf "%-22s %10s\n" "${layout%%:*}" "$ms"
+  groups=$(echo "$out" | sed -n 's/^ *group [0-9]* (\([0-9]*\) rank(s).*/\1/p' | sort -n | uniq -c | awk '{ printf "%sx%s ", $2, $1 }')
+  printf "%-22s %10s  %s\n" "${layout%%:*}" "$ms" "$groups"
 done

@@ -1,10 +1,13 @@
 /*
  * test_flexsp.c: FlexSP's planner (llmc/varlen_flexsp.h) against an exhaustive search.
  *
- *  1. small pools (4 and 8 devices, 5-6 sequences, one case whose optimum mixes group sizes, fewer lengths than buckets, so the buckets
+ *  1. small pools (4 and 8 devices, 5-8 sequences, one case whose optimum mixes group sizes, fewer lengths than buckets, so the buckets
  *     are the lengths): every way to cover the pool with power-of-two groups and to assign the
  *     sequences to them, within memory, is tried here; the milp policy's plan must reach that
- *     optimum (GLPK), and adaptive must equal the best single size found the same way;
+ *     optimum (GLPK), and adaptive must equal the best single size found the same way (the last:
+ *     not below it, adaptive packs greedily); the last
+ *     case is the trainer's (engine.h trainer_flexsp_cost): memory per sequence, 15 tokens a
+ *     device, so a 16-token sequence needs a group of 2 whatever else its group runs;
  *  2. plans of a long-tail batch on 64 devices: power-of-two groups, aligned, covering the
  *     pool exactly, each within memory, every sequence in a group; milp <= adaptive.
  * Without GLPK only the invariants and milp <= adaptive are checked. Exits non-zero on failure.
@@ -25,10 +28,14 @@ static double best_assignment(const FlexCost* c, const double* len, int n, int N
         double ms[16], tok[16];
         for (int g = 0; g < k; g++) { ms[g] = c->beta; tok[g] = 0; }
         int ok = 1;
-        for (int i = 0; i < n; i++) { ms[assign[i]] += flexsp_seq_ms(c, len[i], size[assign[i]]); tok[assign[i]] += len[i]; }
+        for (int i = 0; i < n; i++) {
+            ms[assign[i]] += flexsp_seq_ms(c, len[i], size[assign[i]]);
+            tok[assign[i]] += len[i];
+            if (c->per_sequence && len[i] > flexsp_group_tokens(c, size[assign[i]], N)) { ok = 0; }
+        }
         double worst = 0;
         for (int g = 0; g < k; g++) {
-            if (tok[g] > flexsp_group_tokens(c, size[g], N)) { ok = 0; }
+            if (!c->per_sequence && tok[g] > flexsp_group_tokens(c, size[g], N)) { ok = 0; }
             if (ms[g] > worst) { worst = ms[g]; }
         }
         if (ok && worst < best) { best = worst; }
@@ -63,8 +70,10 @@ static void check_invariants(const FlexCost* c, const FlexPlan* p, const int* gr
         CHECK((p->size[k] & (p->size[k] - 1)) == 0, "%s: group %d has %d devices, not a power of two", name, k, p->size[k]);
         CHECK(at % p->size[k] == 0, "%s: group %d (%d devices) starts at device %d, not aligned", name, k, p->size[k], at);
         at += p->size[k];
-        double tok = 0;
-        for (int i = 0; i < n; i++) { if (group_of[i] == k) { tok += len[i]; } }
+        double tok = 0;   // the group's tokens at once: all of them, or one sequence at a time
+        for (int i = 0; i < n; i++) {
+            if (group_of[i] == k) { tok = c->per_sequence ? fmax(tok, len[i]) : tok + len[i]; }
+        }
         CHECK(tok <= flexsp_group_tokens(c, p->size[k], N), "%s: group %d holds %.0f tokens, more than its memory", name, k, tok);
     }
     CHECK(at == N, "%s: the groups cover %d devices of %d", name, at, N);
@@ -73,14 +82,22 @@ static void check_invariants(const FlexCost* c, const FlexPlan* p, const int* gr
 
 int main(void) {
     FlexCost c = flexsp_cost_gpt7b();
-    double cases[4][8] = {{20000, 9000, 2000, 1500, 300, 0}, {30000, 12000, 4000, 3000, 800, 200, 0},
-                          {11000, 10000, 700, 600, 500, 0}, {25000, 8000, 8000, 8000, 8000, 0}};
-    int pools[4] = {4, 8, 8, 8};
-    for (int t = 0; t < 4; t++) {
+    double cases[5][9] = {{20000, 9000, 2000, 1500, 300, 0}, {30000, 12000, 4000, 3000, 800, 200, 0},
+                          {11000, 10000, 700, 600, 500, 0}, {25000, 8000, 8000, 8000, 8000, 0},
+                          {16, 16, 15, 6, 4, 3, 2, 2, 0}};
+    int pools[5] = {4, 8, 8, 8, 4};
+    for (int t = 0; t < 5; t++) {
         if (t == 3) {   // 10K tokens per device, a slow all-to-all past pairs: the long sequence needs
                         // 4 devices, the others are best in pairs
             c.device_bytes = 58e9;
             for (int k = 2; k < FLEXSP_MAX_SIZES; k++) { c.bw[k] = 2.0; }
+        }
+        if (t == 4) {   // the trainer's: 15 tokens a device, one sequence at a time
+            c = flexsp_cost_gpt7b();
+            c.params = 0;
+            c.act_per_token = 1;
+            c.device_bytes = 15;
+            c.per_sequence = 1;
         }
         int n = 0, N = pools[t], size[16], group_of[16];
         while (cases[t][n] > 0) { n++; }
@@ -105,8 +122,15 @@ int main(void) {
         FlexPlan a;
         flexsp_adaptive_plan(&c, cases[t], n, N, &a, group_of);
         check_invariants(&c, &a, group_of, cases[t], n, N, "adaptive");
-        CHECK(fabs(a.ms - want_uniform) <= 1e-9 * want_uniform, "case %d: adaptive %.6f ms, the best single size %.6f ms", t,
-              a.ms, want_uniform);
+        // adaptive packs greedily (longest first, to the least-loaded group): the best single
+        // size's optimum in the first four cases, above it in the fifth (by 0.04 ms)
+        if (t < 4) {
+            CHECK(fabs(a.ms - want_uniform) <= 1e-9 * want_uniform, "case %d: adaptive %.6f ms, the best single size %.6f ms",
+                  t, a.ms, want_uniform);
+        } else {
+            CHECK(a.ms >= want_uniform * (1 - 1e-9), "case %d: adaptive %.6f ms, below the best single size %.6f ms", t,
+                  a.ms, want_uniform);
+        }
         if (t == 3) { CHECK(want < want_uniform * 0.99, "case 3 should need groups of different sizes"); }
         printf("case %d: %d sequences on %d devices: milp %.1f ms (exhaustive optimum %.1f), adaptive %.1f ms (best "
                "single size %.1f)\n", t, n, N, p.ms, want, a.ms, want_uniform);
