@@ -39,8 +39,8 @@ static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2C
     ChunkPlace place = {s * L / S, (s + 1) * L / S, s == 0, s == S - 1, s};
     int ep = comm->ep > 1;   // the experts dealt over the ep group (expert_parallel.h), as the trainer deals them
     // the slices of the tp group; under --kvp the output projection and the MLP over the whole
-    // pool (Helix's layout, llmc/serve_kvp.h)
-    TPCut cut = comm->cp > 1 ? serve_kvp_cut(comm) : tp_cut(comm->tp_group.size, comm->tp_group.rank);
+    // pool (Helix's layout, llmc/serve_kvp.h; without KVP serve_kvp_cut is the tp group's)
+    TPCut cut = serve_kvp_cut(comm);
     zero_init_cut(&m->zero, config, mem, 0, &comm->dp_group, &comm->dp_group, ep ? &comm->ep_group : NULL,
                   ep ? &comm->edp_group : NULL, &comm->pp_group, cut, &place, 1, S - 1, params, 0);
     // the comm's cp groups are the KVP groups of the engine's attention (llmc/serve_kvp.h); the
