@@ -139,10 +139,6 @@ int main(int argc, char** argv) {
 #ifdef LLMC_CUDA_EMU
     emu_fatal_hook = emu_fatal;
 #endif
-    if (!det && t.config.num_experts > 0 && t.args.tp > 1) {
-        fatal("--tp with experts: fast mode runs a mixture-of-experts model (E=%d) with data, expert and pipeline "
-              "parallelism and ZeRO; --tp %d with experts runs with --deterministic 1", t.config.num_experts, t.args.tp);
-    }
     if (!det && t.args.varlen) {
         fatal("--varlen: fast mode trains fixed windows of -t tokens only (each sequence length would be a new "
               "attention plan); run --varlen with --deterministic 1");

@@ -27,15 +27,16 @@
  * stream and the layernorms hold this rank's zig-zag slice of T (zigzag.h), the fp32 sums are
  * reduce-scattered along T and the bf16 layernorm outputs and residual gradients all-gathered
  * (the same bits as --tp K alone). Mixture-of-experts models (moe.h) run with data, expert
- * (--ep, bf16 all-to-alls) and pipeline parallelism and ZeRO: an fp32 router, bf16 expert rows,
- * all experts in each batched cuBLASLt call (kernels_fast_moe.cuh), the routing plan and exchanges of
- * expert_parallel.h; every schedule, the split backward's too. Context parallelism (--cp N,
+ * (--ep, bf16 all-to-alls), tensor (--tp K, + --sp 1: each expert's fc column-parallel and
+ * fcproj row-parallel, fp32 partial sums of the work rows over the tp group) and pipeline
+ * parallelism and ZeRO: an fp32 router, bf16 expert rows, all experts in each batched cuBLASLt
+ * call (kernels_fast_moe.cuh), the routing plan and exchanges of expert_parallel.h; every
+ * schedule, the split backward's too. Context parallelism (--cp N,
  * one pipeline stage, no --tp, dense models) holds each rank's zig-zag slice of T; attention
  * either turns it into NH/N heads of whole sequences around the flash kernels with bf16
  * all-to-alls (--cp-mode a2a) or passes bf16 K|V blocks around the ring, merging each block's
  * partial output by its log-sum-exp (kernels_fast_cp.cuh). In fast mode train_gpt2.cu refuses
- * --cp with --tp, --pp or experts, and experts with --tp, and says to use
- * --deterministic 1.
+ * --cp with --tp, --pp or experts, and says to use --deterministic 1.
  */
 #include "llmc/engine.h"
 #include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
@@ -134,6 +135,8 @@ typedef struct {
     MoeCounters counters;
     float *psum, *daux;                // (E) device: the router's probability sums, d aux / d p
     float *psum_host, *daux_host;      // (E) their host copies
+    float* moe_partial;    // --tp: (Q*B*T*k,C) fp32 the experts' partial outputs or input gradients per work row
+    floatX* moe_whole;     // --sp: (B*T,C) bf16 the layer's whole output (forward) or d ln2 (backward)
     // context parallelism (--cp N, kernels_fast_cp.cuh; N = 1: none): the training passes hold
     // this rank's zig-zag slice (B,T/N) of each sequence
     int N, ring;           // ring: --cp-mode ring, else the all-to-all
@@ -355,6 +358,11 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
         m->daux = (float*)m->mem->alloc(sizeof(float) * m->E, "router sums");
         m->psum_host = (float*)malloc_or_die(sizeof(float) * m->E, "router sums");
         m->daux_host = (float*)malloc_or_die(sizeof(float) * m->E, "router sums");
+        size_t BTC = (size_t)B * T * c->channels;
+        if (m->K > 1) {
+            m->moe_partial = (float*)m->mem->alloc(sizeof(float) * m->Q * m->top_k * BTC, "tensor-parallel sums");
+        }
+        if (m->sp) { m->moe_whole = (floatX*)m->mem->alloc(sizeof(floatX) * BTC, "sequence parallelism"); }
     }
     return m;
 }
@@ -385,6 +393,8 @@ static void fast_destroy(void* vm) {
         m->mem->release(m->daux);
         free(m->psum_host);
         free(m->daux_host);
+        if (m->moe_partial) { m->mem->release(m->moe_partial); }
+        if (m->moe_whole) { m->mem->release(m->moe_whole); }
     }
     free(m);
 }
@@ -636,6 +646,12 @@ static void fast_sp_all_gather(FastModel* m, floatX* full, const floatX* slice, 
     tp_sp_all_gather(m->tp, (const float*)slice, (float*)full, B, T, m->config.channels / 2, m->sp_scratch);
 }
 
+// slice (B,T/K,C) <- this rank's positions of whole (B,T,C) that every rank of the tp group
+// holds complete (a mixture-of-experts layer's output and d ln2): SP's slice without a sum.
+static void fast_sp_take_slice(FastModel* m, floatX* slice, const floatX* whole, int B, int T) {
+    tp_sp_take_slice(m->tp, (const float*)whole, (float*)slice, B, T, m->config.channels / 2);
+}
+
 // Where a layernorm before a column-parallel layer writes: with SP its slice (m->sp_ln), which
 // fast_sp_f_forward then all-gathers into ln; else ln itself.
 static floatX* fast_ln_out(FastModel* m, const FastActs* a, floatX* ln) { return a->sp ? m->sp_ln : ln; }
@@ -687,7 +703,11 @@ static void fast_classifier(FastModel* m, FastActs* a, float dloss, int rows, in
 // The router is fp32 (its logits from a cuBLASLt matmul with fp32 output, then moe.h's softmax,
 // top-k and gates: kernels_moe_det.cuh); the rows that move are bf16. With expert parallelism
 // (Q > 1) the dispatch rows and the experts' outputs, and in the backward their gradients,
-// cross the ep group as bf16, counted as C/2 floats per row (the same bytes).
+// cross the ep group as bf16, counted as C/2 floats per row (the same bytes). Under --tp K each
+// expert's MLP is split as the dense one (expert_parallel.h): every tp rank routes the same
+// positions (its ln2 rows are whole and the same on every rank), exchanges them with its
+// counterparts of the ep group, and runs this rank's 4C/K hidden units of each expert; the
+// fp32 partial outputs and input gradients of the work rows cross the tp group.
 
 // all-to-all (ep group) of bf16 rows of C: the dispatch rows to the experts' ranks (forward's
 // tokens, backward's output gradients) or the experts' rows back to their sources (forward's
@@ -732,8 +752,12 @@ static void fast_moe_forward(FastModel* m, FastActs* a, int l, const floatX* rou
     // each local expert's MLP over the rows it received: fc with GELU fused, fcproj with its bias
     int unit = zero_expert_unit(z, m->first_layer + l);
     floatX* y = Q == 1 ? x->ret : a->moe_y;
-    moe_experts_forward_fast(y, x->fch, x->fch_gelu, x->xin, expert_views<const floatX>(z, unit, fast_params(m, unit, next)),
-                             route->first, m->El, C);
+    MoeExperts<const floatX> w = expert_views<const floatX>(z, unit, fast_params(m, unit, next));
+    moe_experts_forward_fast(y, m->moe_partial, x->fch, x->fch_gelu, x->xin, w, route->first, m->El, C, 4 * m->Cl);
+    if (m->K > 1) {   // g forward: all-reduce (tp group) of the work rows' partial outputs, then fcproj's bias
+        tp_g_forward(m->tp, m->moe_partial, (size_t)route->n_recv * C);
+        moe_bias_add_round(y, m->moe_partial, w.fcprojb, route->first, m->El, C);
+    }
     fast_release(m, unit);
     if (Q > 1) {   // the outputs back to their sources, in dispatch-row order
         moe_gather_rows_fast(a->moe_send, a->moe_y, x->inv, route->n_recv, C);
@@ -792,9 +816,14 @@ static void fast_moe_backward(FastModel* m, FastActs* a, FastGrads* g, int l, co
             fast_moe_dispatch(m, route, dslots, g->dwork);
             moe_gather_rows_fast(dy, g->dwork, x->perm, route->n_recv, C);
         }
-        moe_experts_backward_input_fast(g->dx, dh, dy, x->fch, expert_views<const floatX>(z, unit, fast_params(m, unit, next)),
-                                        src_first, Q, m->El, C);
+        moe_experts_backward_input_fast(g->dx, m->moe_partial, dh, dy, x->fch,
+                                        expert_views<const floatX>(z, unit, fast_params(m, unit, next)), src_first, Q,
+                                        m->El, C, 4 * m->Cl);
         fast_release(m, unit);
+        if (m->K > 1) {   // f backward: all-reduce (tp group) of the work rows' partial input gradients, rounded once
+            tp_f_backward(m->tp, m->moe_partial, (size_t)route->n_recv * C);
+            bias_add_round(g->dx, m->moe_partial, NULL, (size_t)route->n_recv, C);
+        }
         // the input gradients back to their sources (dispatch rows), then each position's sum
         const floatX* dret = g->dx;
         if (Q > 1) {
@@ -807,7 +836,7 @@ static void fast_moe_backward(FastModel* m, FastActs* a, FastGrads* g, int l, co
     if (part & BACKWARD_WEIGHT) {
         moe_router_weight_grad_fast(drouterw, dlogits_bf16, ln, BT, C, E);
         moe_experts_backward_weight_fast(expert_views<float>(z, unit, zero_grad_unit(z, unit)), z->lay.size[unit], dy, dh,
-                                         x->fch_gelu, x->xin, src_first, Q, m->El, C);
+                                         x->fch_gelu, x->xin, src_first, Q, m->El, C, 4 * m->Cl);
         zero_grad_unit_done(z, unit);
     }
     free(src_first);
@@ -896,8 +925,10 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
         fused_residual_layernorm(x.residual2, fast_ln_out(m, a, x.ln2), x.ln2_mean, x.ln2_rstd, x.residual, a->proj,
                                  w.ln2w, w.ln2b, rs, C);
         fast_sp_f_forward(m, a, x.ln2, B, T);
-        if (m->E > 0) {   // the mixture of experts in place of the MLP (no tp, so no SP slice here)
-            fast_moe_forward(m, a, l - first, w.routerw, x.ln2, a->proj, after_experts(l), B, T);
+        if (m->E > 0) {   // the mixture of experts in place of the MLP, on every position (its output is
+                          // whole on every tp rank: with SP this rank keeps its slice)
+            fast_moe_forward(m, a, l - first, w.routerw, x.ln2, sp ? m->moe_whole : a->proj, after_experts(l), B, T);
+            if (sp) { fast_sp_take_slice(m, a->proj, m->moe_whole, B, T); }
         } else {          // column-parallel fc (+ GELU, keeps fch), row-parallel fcproj
             matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, rows, C, 4 * Cl, x.fch);
             fast_row_parallel_forward(m, sp, a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, B, T, rows, 4 * Cl);
@@ -1141,8 +1172,13 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
         if (wt) { dw = layer_views(z, ZERO_LAYER(l), zero_grad_unit(z, ZERO_LAYER(l))); }
         FastLayerActs x = fast_layer_acts(m, a, l - first, B, T, 0);
         FastOutGrads d = fast_out_grads(m, a, g, l - first, B, T);
-        if (m->E > 0) {   // the experts (d(residual) is their output's gradient, read before ln2's backward adds to it)
-            fast_moe_backward(m, a, g, l - first, w.routerw, dw.routerw, x.ln2, g->dresidual, d.dln2, below, B, T, part);
+        if (m->E > 0) {   // the experts (d(residual) is their output's gradient, read before ln2's backward
+                          // adds to it); with SP they read it whole, all-gathered along T (tp group), and give d ln2
+                          // whole on every tp rank, of which this rank keeps its slice
+            if (in && sp) { fast_sp_all_gather(m, g->dfull, g->dresidual, B, T); }
+            fast_moe_backward(m, a, g, l - first, w.routerw, dw.routerw, x.ln2, sp ? g->dfull : g->dresidual,
+                              sp ? m->moe_whole : d.dln2, below, B, T, part);
+            if (in && sp) { fast_sp_take_slice(m, d.dln2, m->moe_whole, B, T); }
         } else {
             // MLP; the fcproj backward's epilogue applies gelu'(fch): d fch
             if (in) { fast_row_parallel_dout(m, a, g, d.dfcproj, B, T); }

@@ -173,8 +173,9 @@ __global__ void moe_pad_rows_kernel(floatX* padded, const floatX* in, MoeRowGrou
         padded[x] = i < g.count[e] ? in[((size_t)g.start[e] + i) * W + c] : __float2bfloat16(0.0f);
     }
 }
-// out row start[e] + i = padded row e*cap + i, i < count[e] (the padding rows dropped)
-__global__ void moe_unpad_rows_kernel(floatX* out, const floatX* padded, MoeRowGroups g, int W) {
+// out row start[e] + i = padded row e*cap + i, i < count[e] (the padding rows dropped); bf16,
+// or the fp32 partial sums of --tp
+template <typename X> __global__ void moe_unpad_rows_kernel(X* out, const X* padded, MoeRowGroups g, int W) {
     size_t total = (size_t)g.n * g.cap * W;
     for (size_t x = blockIdx.x * (size_t)blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
         size_t r = x / W, c = x % W;
@@ -186,85 +187,112 @@ static void moe_pad_rows(floatX* padded, const floatX* in, const MoeRowGroups& g
     LAUNCH(moe_pad_rows_kernel, elementwise_blocks((size_t)g.n * g.cap * W, 256), 256, padded, in, g, W);
     cudaLaunchCheck("moe_pad_rows_kernel");
 }
-static void moe_unpad_rows(floatX* out, const floatX* padded, const MoeRowGroups& g, int W) {
-    LAUNCH(moe_unpad_rows_kernel, elementwise_blocks((size_t)g.n * g.cap * W, 256), 256, out, padded, g, W);
+template <typename X> static void moe_unpad_rows(X* out, const X* padded, const MoeRowGroups& g, int W) {
+    LAUNCH(moe_unpad_rows_kernel<X>, elementwise_blocks((size_t)g.n * g.cap * W, 256), 256, out, padded, g, W);
     cudaLaunchCheck("moe_unpad_rows_kernel");
 }
-// four padded tensors of a layer's rows, of C, 4C, 4C and C columns (one scratch buffer)
-static void moe_padded_scratch(const MoeRowGroups& g, int C, floatX** c_a, floatX** c4_a, floatX** c4_b,
+// four padded tensors of a layer's rows, of C, H, H and C columns (one scratch buffer; H the
+// hidden units this rank holds of each expert); c_b has room for fp32 (the partial sums of --tp)
+static void moe_padded_scratch(const MoeRowGroups& g, int C, int H, floatX** c_a, floatX** h_a, floatX** h_b,
                                floatX** c_b) {
     size_t rows = (size_t)g.n * g.cap;
-    floatX* base = (floatX*)device_scratch(DSCRATCH_EXPERT_ROWS, sizeof(floatX) * rows * 10 * C);
+    floatX* base = (floatX*)device_scratch(DSCRATCH_EXPERT_ROWS, sizeof(floatX) * rows * (3 * C + 2 * (size_t)H));
     *c_a = base;
-    *c4_a = base + rows * C;
-    *c4_b = base + rows * 5 * C;
-    *c_b = base + rows * 9 * C;
+    *h_a = base + rows * C;
+    *h_b = base + rows * (C + H);
+    *c_b = base + rows * (C + 2 * (size_t)H);
 }
 
 // The local experts' MLPs over their work rows (expert e: rows [first[e], first[e+1]), host
 // array): fch_gelu = gelu(fch), fch = xin . fcw_e^T + fcb_e (one matmul, GELU fused), y =
 // fch_gelu . fcprojw_e^T + fcprojb_e. Each matmul is one batched cuBLASLt call for the El
-// experts (the grouped expert matmul above).
-static void moe_experts_forward_fast(floatX* y, floatX* fch, floatX* fch_gelu, const floatX* xin,
-                                     MoeExperts<const floatX> w, const int* first, int El, int C) {
+// experts (the grouped expert matmul above). H: the hidden units this rank holds of each
+// expert, 4C, or under --tp K its 4C/K (fc column-parallel, fcproj row-parallel, as the dense
+// MLP: tensor_parallel.h). With `partial` (--tp) fcproj's fp32 partial sums over this rank's
+// H go to partial (work rows, C) instead of y, for the caller's g (all-reduce, then
+// moe_bias_add_round).
+static void moe_experts_forward_fast(floatX* y, float* partial, floatX* fch, floatX* fch_gelu, const floatX* xin,
+                                     MoeExperts<const floatX> w, const int* first, int El, int C, int H) {
     MoeRowGroups g = moe_row_groups(first, 1, 0, 1, El);
     if (g.cap == 0) { return; }
     floatX *xin_p, *fch_p, *gelu_p, *y_p;
-    moe_padded_scratch(g, C, &xin_p, &fch_p, &gelu_p, &y_p);
+    moe_padded_scratch(g, C, H, &xin_p, &fch_p, &gelu_p, &y_p);
     moe_pad_rows(xin_p, xin, g, C);
-    matmul_forward_batched_fast(gelu_p, xin_p, w.fcw, w.fcb, El, g.cap, C, 4 * C, fch_p);
-    matmul_forward_batched_fast(y_p, gelu_p, w.fcprojw, w.fcprojb, El, g.cap, 4 * C, C, NULL);
-    moe_unpad_rows(fch, fch_p, g, 4 * C);
-    moe_unpad_rows(fch_gelu, gelu_p, g, 4 * C);
-    moe_unpad_rows(y, y_p, g, C);
+    matmul_forward_batched_fast(gelu_p, xin_p, w.fcw, w.fcb, El, g.cap, C, H, fch_p);
+    moe_unpad_rows(fch, fch_p, g, H);
+    moe_unpad_rows(fch_gelu, gelu_p, g, H);
+    if (partial) {
+        matmul_forward_partial_batched_fast((float*)y_p, gelu_p, w.fcprojw, El, g.cap, H, C);
+        moe_unpad_rows(partial, (const float*)y_p, g, C);
+    } else {
+        matmul_forward_batched_fast(y_p, gelu_p, w.fcprojw, w.fcprojb, El, g.cap, H, C, NULL);
+        moe_unpad_rows(y, y_p, g, C);
+    }
+}
+
+// y (work rows, C) = round(sum + fcprojb_e) for expert e's rows (first: host array): under
+// --tp the replicated fcproj bias added once, after g's all-reduce (kernels_fast_tp.cuh)
+static void moe_bias_add_round(floatX* y, const float* sum, const floatX* fcprojb, const int* first, int El, int C) {
+    for (int e = 0; e < El; e++) {
+        size_t r0 = first[e], n = first[e + 1] - first[e];
+        if (n > 0) { bias_add_round(y + r0 * C, sum + r0 * C, fcprojb + (size_t)e * C, n, C); }
+    }
 }
 
 // Their backward from the output gradients dy (work rows, C), in the split backward's two
-// halves. Expert e's rows from source q are [src_first[e*(Q+1)+q], src_first[e*(Q+1)+q+1])
-// (host array). Input half: dh = d fch (gelu' applied), dx = d xin; one batched call per
-// matmul.
-static void moe_experts_backward_input_fast(floatX* dx, floatX* dh, const floatX* dy, const floatX* fch,
-                                            MoeExperts<const floatX> w, const int* src_first, int Q, int El, int C) {
+// halves (H as above). Expert e's rows from source q are [src_first[e*(Q+1)+q],
+// src_first[e*(Q+1)+q+1]) (host array). Input half: dh = d fch (gelu' applied), dx = d xin;
+// one batched call per matmul. With `partial` (--tp) fc's fp32 partial input gradients over
+// this rank's H go to partial (work rows, C) instead of dx, for the caller's f (all-reduce,
+// then the rounding).
+static void moe_experts_backward_input_fast(floatX* dx, float* partial, floatX* dh, const floatX* dy, const floatX* fch,
+                                            MoeExperts<const floatX> w, const int* src_first, int Q, int El, int C,
+                                            int H) {
     MoeRowGroups g = moe_row_groups(src_first, Q + 1, 0, Q, El);
     if (g.cap == 0) { return; }
     floatX *dy_p, *fch_p, *dh_p, *dx_p;
-    moe_padded_scratch(g, C, &dy_p, &fch_p, &dh_p, &dx_p);
+    moe_padded_scratch(g, C, H, &dy_p, &fch_p, &dh_p, &dx_p);
     moe_pad_rows(dy_p, dy, g, C);
-    moe_pad_rows(fch_p, fch, g, 4 * C);
+    moe_pad_rows(fch_p, fch, g, H);
     // fcproj's input gradient with gelu'(fch) applied, then fc's
-    matmul_backward_batched_fast(dh_p, NULL, dy_p, NULL, w.fcprojw, El, g.cap, 4 * C, C, fch_p);
-    matmul_backward_batched_fast(dx_p, NULL, dh_p, NULL, w.fcw, El, g.cap, C, 4 * C, NULL);
-    moe_unpad_rows(dh, dh_p, g, 4 * C);
-    moe_unpad_rows(dx, dx_p, g, C);
+    matmul_backward_batched_fast(dh_p, NULL, dy_p, NULL, w.fcprojw, El, g.cap, H, C, fch_p);
+    moe_unpad_rows(dh, dh_p, g, H);
+    if (partial) {
+        matmul_backward_dinp_partial_batched_fast((float*)dx_p, dh_p, w.fcw, El, g.cap, C, H);
+        moe_unpad_rows(partial, (const float*)dx_p, g, C);
+    } else {
+        matmul_backward_batched_fast(dx_p, NULL, dh_p, NULL, w.fcw, El, g.cap, C, H, NULL);
+        moe_unpad_rows(dx, dx_p, g, C);
+    }
 }
-// Weight half (from dy and the input half's dh): the weight and bias gradients, the rows of
-// each source q into slice q of the gradients (dw + q * slice): per source one batched call
-// per weight for the El experts. An expert without rows from a source gets zero gradients
-// there (its block is all padding).
+// Weight half (from dy and the input half's dh; H as above): the weight and bias gradients,
+// the rows of each source q into slice q of the gradients (dw + q * slice): per source one
+// batched call per weight for the El experts. An expert without rows from a source gets zero
+// gradients there (its block is all padding). Under --tp the replicated fcproj bias's gradient
+// is the same on every rank (dy is whole there), as the dense MLP's.
 static void moe_experts_backward_weight_fast(MoeExperts<float> dw, size_t slice, const floatX* dy, const floatX* dh,
                                              const floatX* fch_gelu, const floatX* xin, const int* src_first, int Q,
-                                             int El, int C) {
-    size_t C4 = 4 * (size_t)C;
+                                             int El, int C, int H) {
     for (int q = 0; q < Q; q++) {
         MoeRowGroups g = moe_row_groups(src_first, Q + 1, q, q + 1, El);
         float* dfcw = dw.fcw + q * slice;
         float* dfcprojw = dw.fcprojw + q * slice;
         if (g.cap > 0) {
             floatX *dy_p, *gelu_p, *dh_p, *xin_p;
-            moe_padded_scratch(g, C, &dy_p, &gelu_p, &dh_p, &xin_p);
+            moe_padded_scratch(g, C, H, &dy_p, &gelu_p, &dh_p, &xin_p);
             moe_pad_rows(dy_p, dy, g, C);
-            moe_pad_rows(gelu_p, fch_gelu, g, (int)C4);
-            moe_pad_rows(dh_p, dh, g, (int)C4);
+            moe_pad_rows(gelu_p, fch_gelu, g, H);
+            moe_pad_rows(dh_p, dh, g, H);
             moe_pad_rows(xin_p, xin, g, C);
-            matmul_backward_batched_fast(NULL, dfcprojw, dy_p, gelu_p, NULL, El, g.cap, (int)C4, C, NULL);
-            matmul_backward_batched_fast(NULL, dfcw, dh_p, xin_p, NULL, El, g.cap, C, (int)C4, NULL);
+            matmul_backward_batched_fast(NULL, dfcprojw, dy_p, gelu_p, NULL, El, g.cap, H, C, NULL);
+            matmul_backward_batched_fast(NULL, dfcw, dh_p, xin_p, NULL, El, g.cap, C, H, NULL);
         } else {
-            cudaCheck(cudaMemsetAsync(dfcprojw, 0, sizeof(float) * El * C4 * C));
-            cudaCheck(cudaMemsetAsync(dfcw, 0, sizeof(float) * El * C4 * C));
+            cudaCheck(cudaMemsetAsync(dfcprojw, 0, sizeof(float) * El * (size_t)H * C));
+            cudaCheck(cudaMemsetAsync(dfcw, 0, sizeof(float) * El * (size_t)H * C));
         }
         for (int e = 0; e < El; e++) {
             moe_bias_grad_fast(dw.fcprojb + q * slice + e * C, dy + (size_t)g.start[e] * C, g.count[e], C);
-            moe_bias_grad_fast(dw.fcb + q * slice + e * C4, dh + g.start[e] * C4, g.count[e], (int)C4);
+            moe_bias_grad_fast(dw.fcb + q * slice + e * (size_t)H, dh + (size_t)g.start[e] * H, g.count[e], H);
         }
     }
 }

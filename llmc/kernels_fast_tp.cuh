@@ -17,17 +17,32 @@
 #include "llmc/kernels_fast.cuh"
 
 // partial (BT,OC) fp32 = inp (BT,K) @ weight (OC,K)^T: a row-parallel layer's share of its
-// output (K: this rank's inputs), before g's all-reduce and the bias
+// output (K: this rank's inputs), before g's all-reduce and the bias. The batched form runs
+// `count` such problems of `rows` rows in one cuBLASLt call (matmul_cublaslt.cuh's strided
+// batch: problem b's rows [b*rows, (b+1)*rows), its weight the b-th (OC,K) block): the experts'
+// row-parallel fcproj, one problem per local expert (kernels_fast_moe.cuh).
+static void matmul_forward_partial_batched_fast(float* partial, const floatX* inp, const floatX* weight, int count,
+                                                int rows, int K, int OC) {
+    const LtBatch batch = {count, (int64_t)OC * K, (int64_t)rows * K, (int64_t)rows * OC, 0, 0};
+    lt_matmul_batched(partial, 1, weight, 1, inp, 0, OC, rows, K, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, &batch,
+                      "matmul_forward partial");
+}
 static void matmul_forward_partial_fast(float* partial, const floatX* inp, const floatX* weight, int BT, int K, int OC) {
-    lt_matmul(partial, 1, weight, 1, inp, 0, OC, BT, K, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, "matmul_forward partial");
+    matmul_forward_partial_batched_fast(partial, inp, weight, 1, BT, K, OC);
 }
 
 // dinp_partial (BT,K) fp32 = dout (BT,OC) @ weight (OC,K): a column-parallel layer's input
-// gradient from this rank's outputs OC, before f's all-reduce
+// gradient from this rank's outputs OC, before f's all-reduce; batched as above (the experts'
+// column-parallel fc).
+static void matmul_backward_dinp_partial_batched_fast(float* dinp_partial, const floatX* dout, const floatX* weight,
+                                                      int count, int rows, int K, int OC) {
+    const LtBatch batch = {count, (int64_t)OC * K, (int64_t)rows * OC, (int64_t)rows * K, 0, 0};
+    lt_matmul_batched(dinp_partial, 1, weight, 0, dout, 0, K, rows, OC, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, &batch,
+                      "matmul_backward dinp partial");
+}
 static void matmul_backward_dinp_partial_fast(float* dinp_partial, const floatX* dout, const floatX* weight, int BT,
                                               int K, int OC) {
-    lt_matmul(dinp_partial, 1, weight, 0, dout, 0, K, BT, OC, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL,
-              "matmul_backward dinp partial");
+    matmul_backward_dinp_partial_batched_fast(dinp_partial, dout, weight, 1, BT, K, OC);
 }
 
 // out (N,C) = round(sum + bias): the row-parallel bias added once, after the all-reduce (bias

@@ -26,9 +26,10 @@
  *     output starts as NaN.
  *   the grouped expert matmul (kernels_fast_moe.cuh: one strided-batched cuBLASLt call for all
  *     local experts over their rows padded to a common count): the forward (fch, GELU, y), the
- *     input half (d fch, d xin) and the weight half (fc and fcproj, each source's slice) equal
- *     one matmul per expert and source bit for bit, on hand-made counts with an expert without
- *     rows, a one-row expert and a source that sends an expert nothing.
+ *     input half (d fch, d xin), the weight half (fc and fcproj, each source's slice) and
+ *     --tp's fp32 partial sums (fcproj's outputs, fc's input gradients) equal one matmul per
+ *     expert and source bit for bit, on hand-made counts with an expert without rows, a
+ *     one-row expert and a source that sends an expert nothing.
  * Built twice by mk/fast_emu.mk: build/test_fast_emu and build/test_fast_emu_race (the race
  * check on, smaller cases).
  */
@@ -431,7 +432,7 @@ static void moe_layer_case(int B, int T, int C, int E, int k) {
     floatX* ret = (floatX*)device_nan(sizeof(floatX) * slots * C);
     floatX* out = (floatX*)device_nan(sizeof(floatX) * BT * C);
     moe_gather_rows_fast(xin, ln, d_row_pos, slots, C);
-    moe_experts_forward_fast(ret, fch, fch_gelu, xin, w, first, E, C);
+    moe_experts_forward_fast(ret, NULL, fch, fch_gelu, xin, w, first, E, C, C4);
     moe_combine_fast(out, ret, gates, d_slot_row, BT, k, C);
     float* dgate = (float*)device_nan(sizeof(float) * slots);
     floatX* dslots = (floatX*)device_nan(sizeof(floatX) * slots * C);
@@ -445,8 +446,8 @@ static void moe_layer_case(int B, int T, int C, int E, int k) {
     moe_combine_backward_fast(dgate, dslots, d_dout, ret, gates, d_slot_row, BT, k, C);
     moe_router_backward_fast(drouter, dlogits, dlogits_bf16, probs, chosen, gates, dgate, d_daux, routerw, BT, C, E, k);
     moe_router_weight_grad_fast(drouterw, dlogits_bf16, ln, BT, C, E);
-    moe_experts_backward_input_fast(dx, dh, dslots, fch, w, src_first, 1, E, C);
-    moe_experts_backward_weight_fast(dw, 0, dslots, dh, fch_gelu, xin, src_first, 1, E, C);
+    moe_experts_backward_input_fast(dx, NULL, dh, dslots, fch, w, src_first, 1, E, C, C4);
+    moe_experts_backward_weight_fast(dw, 0, dslots, dh, fch_gelu, xin, src_first, 1, E, C, C4);
     moe_dinput_combine_fast(dln, drouter, dx, d_slot_row, BT, k, C);
     // the naive layer in double
     double* r_out = (double*)calloc_or_die((size_t)BT * C, sizeof(double), "ref");
@@ -560,10 +561,12 @@ static void moe_layer_case(int B, int T, int C, int E, int k) {
 // ---- the grouped expert matmul ---------------------------------------------------------------
 
 // the experts' MLPs as one cuBLASLt matmul per expert and source (what kernels_fast_moe.cuh ran
-// before its batched calls), forward, input half and weight half
+// before its batched calls), forward, input half and weight half, and --tp's fp32 partial sums
+// (fcproj's outputs, fc's input gradients)
 static void moe_experts_one_by_one(floatX* y, floatX* fch, floatX* fch_gelu, floatX* dh, floatX* dx,
-                                   MoeExperts<float> dw, size_t slice, const floatX* xin, const floatX* dy,
-                                   MoeExperts<const floatX> w, const int* src_first, int Q, int El, int C) {
+                                   float* y_partial, float* dx_partial, MoeExperts<float> dw, size_t slice,
+                                   const floatX* xin, const floatX* dy, MoeExperts<const floatX> w,
+                                   const int* src_first, int Q, int El, int C) {
     size_t C4 = 4 * (size_t)C;
     for (int e = 0; e < El; e++) {
         const int* sf = src_first + (size_t)e * (Q + 1);
@@ -577,6 +580,9 @@ static void moe_experts_one_by_one(floatX* y, floatX* fch, floatX* fch_gelu, flo
                              (int)C4, C, fch + r0 * C4);
         matmul_backward_fast(dx + (size_t)r0 * C, NULL, NULL, dh + r0 * C4, NULL, w.fcw + e * C4 * C, 1, n, C,
                              (int)C4, NULL);
+        matmul_forward_partial_fast(y_partial + (size_t)r0 * C, fch_gelu + r0 * C4, w.fcprojw + e * C4 * C, n, (int)C4,
+                                    C);
+        matmul_backward_dinp_partial_fast(dx_partial + (size_t)r0 * C, dh + r0 * C4, w.fcw + e * C4 * C, n, C, (int)C4);
     }
     for (int e = 0; e < El; e++) {
         for (int q = 0; q < Q; q++) {
@@ -640,19 +646,32 @@ static void moe_grouped_case(int C, int El, int Q, const int* counts /* El x Q *
         float* g = (float*)device_nan(sizeof(float) * slice * Q);
         dw[v] = {g, NULL, g + El * C4 * C + 32, NULL};   // the weights' gradients (the biases: below)
     }
-    moe_experts_forward_fast(act[0][0], act[0][1], act[0][2], xin, w, first, El, C);
-    moe_experts_backward_input_fast(act[0][4], act[0][3], dy, act[0][1], w, src_first, Q, El, C);
+    float* partial[2][2];   // --tp's fp32 partial sums, fcproj's outputs and fc's input gradients
+    for (int v = 0; v < 2; v++) {
+        for (int i = 0; i < 2; i++) { partial[v][i] = (float*)device_nan(sizeof(float) * rows * C); }
+    }
+    moe_experts_forward_fast(NULL, partial[0][0], act[0][1], act[0][2], xin, w, first, El, C, (int)C4);
+    moe_experts_backward_input_fast(NULL, partial[0][1], act[0][3], dy, act[0][1], w, src_first, Q, El, C, (int)C4);
+    moe_experts_forward_fast(act[0][0], NULL, act[0][1], act[0][2], xin, w, first, El, C, (int)C4);
+    moe_experts_backward_input_fast(act[0][4], NULL, act[0][3], dy, act[0][1], w, src_first, Q, El, C, (int)C4);
     MoeExperts<float> dw_weights = {dw[0].fcw, (float*)device_nan(sizeof(float) * Q * slice), dw[0].fcprojw,
                                     (float*)device_nan(sizeof(float) * Q * slice)};   // the biases apart
-    moe_experts_backward_weight_fast(dw_weights, slice, dy, act[0][3], act[0][2], xin, src_first, Q, El, C);
-    moe_experts_one_by_one(act[1][0], act[1][1], act[1][2], act[1][3], act[1][4], dw[1], slice, xin, dy, w, src_first,
-                           Q, El, C);
+    moe_experts_backward_weight_fast(dw_weights, slice, dy, act[0][3], act[0][2], xin, src_first, Q, El, C, (int)C4);
+    moe_experts_one_by_one(act[1][0], act[1][1], act[1][2], act[1][3], act[1][4], partial[1][0], partial[1][1], dw[1],
+                           slice, xin, dy, w, src_first, Q, El, C);
     const char* names[5] = {"y", "fch", "fch_gelu", "d fch", "d xin"};
     const size_t widths[5] = {(size_t)C, C4, C4, C4, (size_t)C};
     int bad = 0;
     for (int i = 0; i < 5; i++) {
         int d = bytes_differ(act[0][i], act[1][i], sizeof(floatX) * rows * widths[i]);
         CHECK(!d, "grouped expert matmul C=%d El=%d Q=%d: %s differs from one matmul per expert", C, El, Q, names[i]);
+        bad += d;
+    }
+    const char* partial_names[2] = {"fcproj's fp32 partial outputs", "fc's fp32 partial input gradients"};
+    for (int i = 0; i < 2; i++) {
+        int d = bytes_differ(partial[0][i], partial[1][i], sizeof(float) * rows * C);
+        CHECK(!d, "grouped expert matmul C=%d El=%d Q=%d: %s differ from one matmul per expert", C, El, Q,
+              partial_names[i]);
         bad += d;
     }
     for (int q = 0; q < Q; q++) {
@@ -662,13 +681,14 @@ static void moe_grouped_case(int C, int El, int Q, const int* counts /* El x Q *
               C, El, Q, q);
         bad += d;
     }
-    printf("grouped expert matmul C=%d El=%d Q=%d, %d rows: forward, input and weight gradients = one matmul per expert "
-           "bit for bit: %s\n", C, El, Q, rows, bad ? "FAIL" : "ok");
+    printf("grouped expert matmul C=%d El=%d Q=%d, %d rows: forward, input and weight gradients, --tp's fp32 partial "
+           "sums = one matmul per expert bit for bit: %s\n", C, El, Q, rows, bad ? "FAIL" : "ok");
     void* dev[] = {xin, dy, (void*)w.fcw, (void*)w.fcb, (void*)w.fcprojw, (void*)w.fcprojb, dw[0].fcw, dw[1].fcw,
                    dw_weights.fcb, dw_weights.fcprojb};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) { device_free(dev[i]); }
     for (int v = 0; v < 2; v++) {
         for (int i = 0; i < 5; i++) { device_free(act[v][i]); }
+        for (int i = 0; i < 2; i++) { device_free(partial[v][i]); }
     }
     void* host[] = {src_first, first, scratch, h_xin, h_dy, h_fcw, h_fcb, h_pw, h_pb};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) { free(host[i]); }

@@ -5,16 +5,32 @@
 #      ./train_gpt2 (loss, aux loss included, and gradient norm at every step, the validation
 #      losses). The router is fp32 and its choice moe.h's; the expert path rounds as the dense
 #      MLP does (fc, GELU, fcproj) plus the combine, within the same budget of roundings;
-#   2. --ep 2 (2 data x 2 expert ranks, ZeRO-0 and ZeRO-3), --pp 2 (1f1b) and --pp 2 with zb1
-#      (a split backward of every expert layer) byte-identical to one rank (main.log and the
-#      final checkpoint): the experts see the same rows in the same order on whichever rank
-#      holds them, their gradient slices per source microbatch are combined by zero.h's trees,
-#      the bf16 rows cross the ep group unchanged, and each half of a split backward computes
-#      what the whole does;
+#   2. --ep 2 (2 data x 2 expert ranks), --pp 2 (1f1b) and --pp 2 with zb1 (a split backward
+#      of every expert layer) byte-identical to one rank (main.log and the final checkpoint):
+#      the experts see the same rows in the same order on whichever rank holds them, their
+#      gradient slices per source microbatch are combined by zero.h's trees, the bf16 rows
+#      cross the ep group unchanged, and each half of a split backward computes what the whole
+#      does (ZeRO-3 with --ep: the 4-rank run of 4);
 #   3. rank 0's all-to-all bytes per step against its routing counts: per layer pass the
 #      counts ((Q-1) E/Q ints) and positions (4 bytes a row out), then the bf16 rows (2C bytes
 #      each) out and back in the forward and again in the backward: 4C (out + in);
-#   4. what fast mode does not run with experts (--tp): refused in one line.
+#   4. --tp 2 (each expert's fc column-parallel, fcproj row-parallel: the dense MLP's split)
+#      against one rank within the tolerance of dev/gpu/fast_reorder_tolerance.awk (as
+#      test_fast_tp.sh derives it: a reordered fp32 sum of n <= 4C terms flips a bf16 rounding
+#      with probability p <= n 2^-24 / 2^-8; the reordered roundings of a path are, per layer,
+#      attproj's output and qkv's input gradient, and for each of a position's k experts its
+#      fcproj output and its fc input gradient, plus the LM head's input gradient:
+#      K_tp = 2(k+1)L + 1), the same samples, and within the bf16 tolerances of ./train_gpt2;
+#      the tp bytes of a step against Megatron's count, recomputed here: per microbatch and
+#      layer the all-reduces of attproj's partial outputs and qkv's input gradients (B*T*C
+#      floats each) and of the experts' partial outputs and fc input gradients, one row per
+#      slot (k*B*T*C floats each), then the embedding lookup and the LM head's input gradient
+#      (B*T*C) and the classifier's maxima (B*T) and (Z, target logit) (2*B*T);
+#   5. --tp 2 --sp 1 --ep 2 -z 3 (4 ranks: 2 tensor x 2 data ranks, the 2 data ranks one ep
+#      group; ZeRO-3) = --tp 2 byte for byte (main.log, checkpoint, samples): each tp
+#      rank routes the same whole ln2 rows and exchanges them with its counterpart of the ep
+#      group, an expert's partial sums per row are all-reduced in the same R1 tree, and SP's
+#      slices hold the rows --tp 2 computes.
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -24,7 +40,8 @@ trap 'rm -rf "$W"' EXIT
 . dev/test/lib.sh   # fail, pass, MPI
 . dev/test/fast_emu_lib.sh   # ARGS, FAST, run, vs_cpu
 ARGS+=(-e d2c32h2v512t32e4k2)   # (a later -e wins) 2 layers, 4 experts top 2
-L=2 C=32 E=4
+L=2 C=32 E=4 k=2 B=1 T=32 M=4   # M: ARGS' microbatches a step
+samples() { grep -A2 generating "$W/$1.out"; }
 
 # 1. one rank against the fp32 reference
 run ref 1 "${FAST[@]}" "${ARGS[@]}"
@@ -33,13 +50,13 @@ grep -q "aux:" "$W/ref/main.log" || fail "fast mode with experts: main.log has n
 vs_cpu ref "one rank, 4 experts top 2" $L
 
 # 2. expert and pipeline parallelism against one rank
-for layout in "--ep 2" "--ep 2 -z 3" "--pp 2" "--pp 2 --schedule zb1"; do
+for layout in "--ep 2" "--pp 2" "--pp 2 --schedule zb1"; do
   name=$(echo "$layout" | tr -d ' -')
   run "$name" 2 "${FAST[@]}" "${ARGS[@]}" $layout
   cmp -s "$W/ref/main.log" "$W/$name/main.log" || fail "fast mode $layout: main.log differs from one rank's"
   cmp -s "$W/ref/model_00000002.bin" "$W/$name/model_00000002.bin" || fail "fast mode $layout: the checkpoint differs from one rank's"
 done
-pass "fast mode with experts: --ep 2 (ZeRO-0, ZeRO-3), --pp 2 (1f1b, zb1) = one rank byte for byte"
+pass "fast mode with experts: --ep 2, --pp 2 (1f1b, zb1) = one rank byte for byte"
 
 # 3. rank 0's all-to-all bytes against its routing counts (Q = 2 ep ranks)
 Q=2 n=0
@@ -52,8 +69,27 @@ done < <(sed -n 's/.*all-to-all \([0-9]*\) bytes: \([0-9]*\) rows out, \([0-9]*\
 [ $n -gt 0 ] || fail "--ep 2: no all-to-all line"
 pass "--ep 2: all-to-all bytes per step = the routing counts' (bf16 rows: half of deterministic mode's fp32)"
 
-# 4. refusals
-out=$($MPI 2 "${FAST[@]}" "${ARGS[@]}" --tp 2 -o "$W/refused" 2>&1) && fail "fast mode --tp 2 with experts: not refused"
-echo "$out" | grep -q "^error: \[rank [01]\] --tp with experts: fast mode runs a mixture-of-experts model .*--deterministic 1$" \
-  || fail "fast mode --tp 2 with experts: no one-line refusal ($(echo "$out" | grep -m1 -i error))"
-pass "fast mode with experts: --tp 2 refused in one line"
+# 4. tensor parallelism against one rank, and its tp bytes
+run tp2 2 "${FAST[@]}" "${ARGS[@]}" --tp 2
+res=$(awk -v S=6 -v u=0.00390625 -v n=$((4 * C)) -v K=$((2 * (k + 1) * L + 1)) -v Kname=K_tp -v N=$((M * B * T)) \
+      -f dev/gpu/fast_reorder_tolerance.awk "$W/ref/main.log" "$W/tp2/main.log")
+[ "${res%% *}" = ok ] || fail "--tp 2 with experts vs one rank: ${res#* }"
+diff <(samples ref) <(samples tp2) >/dev/null || fail "--tp 2 with experts: the samples differ from one rank's"
+pass "fast mode with experts --tp 2 vs one rank: ${res#* }; the same samples"
+vs_cpu tp2 "with experts --tp 2" $L
+K=2
+ar() { echo $(( 2 * (K - 1) * (($1 + K - 1) / K) * 4 )); }
+btc=$((B * T * C)) bt=$((B * T))
+want=$(( M * (L * (2 * $(ar $btc) + 2 * $(ar $((k * btc)))) + 2 * $(ar $btc) + $(ar $bt) + $(ar $((2 * bt)))) ))
+got=$(awk '$1 == "tp" { print $3; exit }' "$W/tp2.out")
+[ "$got" = "$want" ] || fail "--tp 2 with experts: $got bytes over the tp group in step 1, Megatron's count is $want"
+pass "fast mode with experts --tp 2: tp bytes per step $want (= Megatron's count in fp32, the experts' rows per slot)"
+
+# 5. tensor, sequence and expert parallelism with ZeRO-3 at once
+run tp2_sp_ep2_z3 4 "${FAST[@]}" "${ARGS[@]}" --tp 2 --sp 1 --ep 2 -z 3
+for f in main.log model_00000002.bin; do
+  cmp -s "$W/tp2/$f" "$W/tp2_sp_ep2_z3/$f" || fail "--tp 2 --sp 1 --ep 2 -z 3 with experts: $f differs from --tp 2's"
+done
+diff <(samples tp2) <(samples tp2_sp_ep2_z3) >/dev/null || fail "--tp 2 --sp 1 --ep 2 -z 3 with experts: the samples differ from --tp 2's"
+grep -q 'all-to-all [1-9][0-9]* bytes' "$W/tp2_sp_ep2_z3.out" || fail "--tp 2 --sp 1 --ep 2 -z 3: no rows crossed the ep group"
+pass "fast mode with experts --tp 2 --sp 1 --ep 2 -z 3 (4 ranks) = --tp 2 byte for byte (main.log, checkpoint, samples)"

@@ -9,7 +9,7 @@
 # exponentials likewise. Everything else is the one-rank arithmetic: the embedding lookup is
 # exact (-0 from the ranks without the token), the bias is added once after the all-reduce,
 # and every sum crossing the tp group is fp32, rounded to bf16 once as one rank rounds it.
-# THE TOLERANCE (in fast_tolerance.awk's terms: u = 2^-8, S = 6, N = B*T positions): a
+# THE TOLERANCE (dev/gpu/fast_reorder_tolerance.awk: u = 2^-8, S = 6, N = B*T positions): a
 # reordered fp32 sum of n <= 4C terms moves by at most n 2^-24 relative, so a bf16 rounding
 # of it comes out one bf16 ulp (u relative) apart with probability p <= n 2^-24 / u; of a
 # path's roundings K_tp = 4L + 1 can (2L row-parallel outputs, 2L + 1 input gradients). So
@@ -33,8 +33,8 @@
 #      bits: 1f1b at ZeRO-3 without the KV cache (so its samples = --tp 2's with it also say
 #      that the KV cache's tokens are the full forward's), zb1 (the split backward) with -r 1
 #      and --sp 1; within the bf16 tolerances of ./train_gpt2; stage 0's pp and tp bytes
-#      against their formulas (what fast mode refuses with --tp: --cp, test_fast_cp.sh;
-#      experts, test_fast_moe.sh).
+#      against their formulas (what fast mode refuses with --tp, --cp: test_fast_cp.sh;
+#      experts under --tp: test_fast_moe.sh).
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -49,30 +49,8 @@ samples() { grep -A2 generating "$W/$1.out"; }
 # 1. --tp 2 against one rank
 run ref 1 "${FAST[@]}" "${ARGS[@]}"
 run tp2 2 "${FAST[@]}" "${ARGS[@]}" --tp 2
-res=$(awk -v S=6 -v u=0.00390625 -v n=$((4 * C)) -v Ktp=$((4 * L + 1)) -v N=$((M * B * T)) '
-  function abs(x) { return x < 0 ? -x : x }
-  function val(k,   i) { for (i = 2; i <= NF; i++) if (index($i, k ":") == 1) return substr($i, length(k) + 2); return "" }
-  FNR == 1 { f++ }
-  { s = substr($1, 3) + 0; tr = val("trl"); te = val("tel") }
-  tr != "" { l[f, s] = tr; nm[f, s] = val("norm"); if (f == 1) last = s }
-  te != "" { v[f, s] = te; if (f == 1) vs[s] = 1 }
-  END {
-    p = n * 2 ^ -24 / u; tol = S * u * sqrt(p * Ktp / N); tn = tol * sqrt(2); worst = 0; bad = ""
-    for (s = 0; s <= last; s++) {
-      if (!((2, s) in l)) { bad = bad " step " s " missing"; continue }
-      grow = tn * sqrt(s) * (l[1, 0] - l[1, s] > 0 ? l[1, 0] - l[1, s] : 0)
-      dl = abs(l[2, s] - l[1, s]) / (tol + grow); dn = abs(nm[2, s] - nm[1, s]) / abs(nm[1, s]) / (tn + grow)
-      if (dl > 1) bad = bad sprintf(" step %d loss %s vs %s", s, l[2, s], l[1, s])
-      if (dn > 1) bad = bad sprintf(" step %d norm %s vs %s", s, nm[2, s], nm[1, s])
-      if (dl > worst) worst = dl; if (dn > worst) worst = dn
-    }
-    for (s in vs) {
-      dv = abs(v[2, s] - v[1, s]) / tol
-      if (!((2, s) in v) || dv > 1) bad = bad sprintf(" val loss at step %d %s vs %s", s, v[2, s], v[1, s])
-      if (dv > worst) worst = dv
-    }
-    printf "%s tol %.2e nats (p %.1e, K_tp %d), worst difference %.2g of it\n", bad == "" ? "ok" : "bad" bad ":", tol, p, Ktp, worst
-  }' "$W/ref/main.log" "$W/tp2/main.log")
+res=$(awk -v S=6 -v u=0.00390625 -v n=$((4 * C)) -v K=$((4 * L + 1)) -v Kname=K_tp -v N=$((M * B * T)) \
+      -f dev/gpu/fast_reorder_tolerance.awk "$W/ref/main.log" "$W/tp2/main.log")
 [ "${res%% *}" = ok ] || fail "--tp 2 vs one rank: ${res#* }"
 diff <(samples ref) <(samples tp2) >/dev/null || fail "--tp 2: the samples differ from one rank's"
 run dp2_tp2_z3 4 "${FAST[@]}" "${ARGS[@]}" --tp 2 -z 3
