@@ -317,8 +317,11 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
     m->Vl = c->padded_vocab_size / m->K;
     m->v0 = tp->rank * m->Vl;
     m->att_D = (float*)m->mem->alloc(sizeof(float) * (size_t)B * m->NHl * T, "attention D");
+    // the most positions a pass holds: a training pass's B*T, or the sampler's (1, genT) with
+    // genT up to maxT (which -t may undercut)
+    size_t pass_rows = (size_t)B * T > (size_t)c->max_seq_len ? (size_t)B * T : (size_t)c->max_seq_len;
     if (m->K > 1) {
-        m->tp_sum = (float*)m->mem->alloc(sizeof(float) * (size_t)B * T * c->channels, "tensor-parallel sums");
+        m->tp_sum = (float*)m->mem->alloc(sizeof(float) * pass_rows * c->channels, "tensor-parallel sums");
         m->probs_slice = (float*)m->mem->alloc(sizeof(float) * m->Vl, "sample logits");
         m->probs_all = (float*)m->mem->alloc(sizeof(float) * c->padded_vocab_size, "sample logits");
     }
@@ -358,11 +361,13 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
         m->daux = (float*)m->mem->alloc(sizeof(float) * m->E, "router sums");
         m->psum_host = (float*)malloc_or_die(sizeof(float) * m->E, "router sums");
         m->daux_host = (float*)malloc_or_die(sizeof(float) * m->E, "router sums");
-        size_t BTC = (size_t)B * T * c->channels;
-        if (m->K > 1) {
-            m->moe_partial = (float*)m->mem->alloc(sizeof(float) * m->Q * m->top_k * BTC, "tensor-parallel sums");
+        if (m->K > 1) {   // (every slot of the ep group's passes)
+            m->moe_partial = (float*)m->mem->alloc(sizeof(float) * m->Q * m->top_k * pass_rows * c->channels,
+                                                   "tensor-parallel sums");
         }
-        if (m->sp) { m->moe_whole = (floatX*)m->mem->alloc(sizeof(floatX) * BTC, "sequence parallelism"); }
+        if (m->sp) {   // (training and validation passes only)
+            m->moe_whole = (floatX*)m->mem->alloc(sizeof(floatX) * (size_t)B * T * c->channels, "sequence parallelism");
+        }
     }
     return m;
 }

@@ -71,7 +71,8 @@
 #     fast mode on one rank; fast --tp 2 run and finite (its tolerance: test_fast_tp.sh), fast
 #     --tp 2 --sp 1 and fast --tp 2 --pp 2 (4 ranks, zb1) identical to fast --tp 2 (with NCCL
 #     only on 4+ GPUs), fast --cp 2 --cp-mode a2a and ring run and finite
-#     with their cp bytes = the formula (their tolerances: test_fast_cp.sh). With 2+ GPUs also --comm nccl, and fast-mode data
+#     with their cp bytes = the formula (their tolerances: test_fast_cp.sh), fast experts
+#     (S1_MOE's model) --tp 2 run and finite (its tolerance: test_fast_moe.sh). With 2+ GPUs also --comm nccl, and fast-mode data
 #     parallelism's tok/s from 1 to N GPUs (INFO).
 #  5. benchmark: GPT-2 124M (-e d12), T=1024, the largest B of 32, 16, 8 that fits; fast
 #     mode with cuDNN and with flash attention (10 steps), deterministic mode (4 steps):
@@ -298,6 +299,7 @@ if [ "$DRY_RUN" = 1 ]; then
   DET_MODEL=d2c32h2v64t32 DET_V=64
   S1=(-e $DET_MODEL -b 4 -t 16 -x 6 -v 3 -m 2 -s 3 -g 8 -n 3 -l 3e-3); S1_MID=3 S1_END=6
   S1_MOE=(-e d2c32h2v64t32e4k2 -b 4 -t 16 -x 3 -v 0 -s 0 -n 3 -l 3e-3); S1_MOE_END=3
+  S4_MOE=d2c32h2v64t32e4k2   # stage 4's model with experts (S4's shape and steps)
   S2_B=2 S2_T=16
   S2=(-e d2c32h2t32 -b $S2_B -t $S2_T -x 40 -a 1 --shuffle 0 -l 1e-2 -v 40 -m 2 -s 40 -g 8)
   S4=(-e $DET_MODEL -b 2 -t 16 -d 64 -x 3 -v 3 -m 2 -s 3 -g 4 -n 3); S4_END=3
@@ -307,6 +309,7 @@ else
   DET_MODEL=d4 DET_V=50257
   S1=(-e d4 -b 4 -t 64 -x 10 -v 5 -m 4 -s 5 -g 16 -n 5 -l 1e-3); S1_MID=5 S1_END=10
   S1_MOE=(-e d4e8k2 -b 4 -t 64 -x 4 -v 0 -s 0 -n 4 -l 1e-3); S1_MOE_END=4
+  S4_MOE=d4e8k2
   S2_B=4 S2_T=64
   S2=(-e d4 -b $S2_B -t $S2_T -x 60 -a 1 --shuffle 0 -l 1e-3 -v 60 -m 4 -s 60 -g 16)
   S4=(-e d4 -b 4 -t 64 -d 512 -x 4 -v 2 -m 2 -s 4 -g 8 -n 4); S4_END=4
@@ -622,20 +625,25 @@ fast_layouts() {
   # must run and stay finite), sequence parallelism and tensor parallelism inside 2 pipeline
   # stages (4 ranks, zb1: the split backward): the same bits as --tp 2 alone, and context
   # parallelism, the all-to-all and the ring (their tolerances: test_fast_cp.sh; here each runs,
-  # stays finite, and its cp bytes equal the formula on the trainer's accounting line)
-  local tp np
-  for tp in "--tp 2" "--tp 2 --sp 1" "--tp 2 --pp 2 --schedule zb1" "--cp 2 --cp-mode a2a" "--cp 2 --cp-mode ring"; do
+  # stays finite, and its cp bytes equal the formula on the trainer's accounting line), and a
+  # model with experts under --tp 2 (its tolerance against one rank: test_fast_moe.sh; here it
+  # runs and stays finite)
+  local tp np flags
+  for tp in "--tp 2" "--tp 2 --sp 1" "--tp 2 --pp 2 --schedule zb1" "--cp 2 --cp-mode a2a" "--cp 2 --cp-mode ring" \
+            "experts --tp 2"; do
     ln=$(echo "$tp" | tr -d ' -')
     np=2; case $tp in *--pp*) np=4 ;; esac
+    flags=${tp#experts }; [ "$flags" = "$tp" ] || flags="$flags -e $S4_MOE"   # (a later -e wins)
     name="4. fast $np ranks $tp --comm $comm"
     if [ "$comm" = nccl ] && [ $np -gt "$NGPU" ]; then info "$name" "NCCL needs a GPU per rank: $np ranks, $NGPU GPUs"; continue; fi
     in_time "$name" 15 || continue
-    run "s4_fast_${comm}_$ln" $T4 dev/test/mpi.sh $np $FAST_BIN --comm "$comm" "${S4[@]}" "${D1[@]}" $tp \
+    run "s4_fast_${comm}_$ln" $T4 dev/test/mpi.sh $np $FAST_BIN --comm "$comm" "${S4[@]}" "${D1[@]}" $flags \
         -o "$W/s4_fast_${comm}_$ln"
     keep "s4_fast_${comm}_$ln" "$W/s4_fast_${comm}_$ln"
     finite "s4_fast_${comm}_$ln" "$W/s4_fast_${comm}_$ln"
     if [ $RC != 0 ]; then said "s4_fast_${comm}_$ln"; fail "$name" "$(why $RC); see s4_fast_${comm}_$ln.out"; continue; fi
     if [ "$ln" = tp2 ]; then pass "$name" "ran, finite (its tolerance against one rank: dev/test/test_fast_tp.sh)"; continue; fi
+    if [ "$ln" = expertstp2 ]; then pass "$name" "ran, finite (its tolerance against one rank: dev/test/test_fast_moe.sh)"; continue; fi
     if [ "${ln#cp2cpmode}" != "$ln" ]; then
       if grep -q "^cp accounting: ${ln#cp2cpmode} .*(equal)$" "$LOGS/s4_fast_${comm}_$ln.out"; then
         pass "$name" "ran, finite, cp bytes = the formula (its tolerance against one rank: dev/test/test_fast_cp.sh)"

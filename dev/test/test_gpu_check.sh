@@ -78,7 +78,7 @@ for r in '^INFO  machine' '^INFO  0\. build' '^PASS  1\. deterministic == CPU' '
          '^PASS  2\. fast cuDNN vs flash' '^PASS  4\. 2 ranks -z 3 --comm mpi' '^PASS  4\. 2 ranks --tp 2 --comm mpi' \
          '^PASS  4\. 2 ranks --pp 2 --comm mpi' '^PASS  4\. fast 4 ranks --tp 2 --pp 2 --schedule zb1 --comm mpi' \
          '^PASS  4\. fast 2 ranks --cp 2 --cp-mode a2a --comm mpi' \
-         '^PASS  4\. fast 2 ranks --cp 2 --cp-mode ring --comm mpi' \
+         '^PASS  4\. fast 2 ranks --cp 2 --cp-mode ring --comm mpi' '^PASS  4\. fast 2 ranks experts --tp 2 --comm mpi' \
          '^INFO  5\. fast cudnn .*B=32' '^INFO  5\. fast flash .*B=32' \
          '^INFO  5\. deterministic .*B=16: [0-9.]+ tok/s' '^INFO  5\. target: fast MFU' '^INFO  5\. target: deterministic' \
          '^PASS  3\. finite values +[1-9][0-9]* values' '^----  total .*all passed'; do
