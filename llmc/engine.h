@@ -111,7 +111,7 @@ static inline FlexCost trainer_flexsp_cost(int budget, int max_group) {
     return c;
 }
 
-// --flexsp 1 runs over the data-parallel pool with ZeRO 1 or 2, each group of several ranks
+// --flexsp 1 runs over the data-parallel pool with any ZeRO stage, each group of several ranks
 // with context parallelism over its pool sub-group (README); every other layout is refused
 // in one line. Makes the pool's sub-groups (collective over the world).
 static inline void trainer_check_flexsp(Trainer* t) {
@@ -121,10 +121,6 @@ static inline void trainer_check_flexsp(Trainer* t) {
     if (a->tp > 1 || a->pp > 1 || a->cp > 1 || a->ep > 1 || t->moe) {
         fatal("--flexsp 1: FlexSP's pool is the data-parallel ranks; --tp %d --pp %d --cp %d --ep %d%s: use 1 for "
               "each (and a model without experts)", a->tp, a->pp, a->cp, a->ep, t->moe ? " with experts" : "");
-    }
-    if (a->zero_stage != 1 && a->zero_stage != 2) {
-        fatal("-z %d with --flexsp 1: FlexSP's exchange sums each sequence's gradient at ZeRO's shard owners; use "
-              "-z 1 or -z 2", a->zero_stage);
     }
     int a2a = strcmp(a->cp_mode, "a2a") == 0;
     int largest = trainer_flexsp_max_group(N, t->T, a2a, t->config.num_heads);
