@@ -9,7 +9,8 @@
 #    rounding;
 #  - resume continues at the sequence where the checkpoint stopped;
 #  - every layout equals one rank with --varlen on the documents: DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2,
-#    PP 2 under every schedule, DP 2 x PP 2, experts with --ep 2 (main.log, checkpoint, samples);
+#    PP 2 under every schedule, DP 2 x PP 2, experts with --ep 2 and with --flexsp 1 (DP 2, ZeRO 1
+#    and 3) (main.log, checkpoint, samples);
 #  - the emulated CUDA build (deterministic) on 1 rank, DP 2 x ZeRO-3, PP 2, CP 2 and --flexsp 1
 #    (DP 2 x ZeRO-3, a group of 2 ranks) equals the CPU build;
 #  - context parallelism (ring and a2a, cp 2 and 4, with DP and PP) and sequence parallelism
@@ -20,7 +21,7 @@
 #    (losses, norms, checkpoint), each step's line lists the groups, their sizes and lengths;
 #    ZeRO-0's and ZeRO-3's bytes per step equal the formula;
 #  - bad input: --varlen 0, -t above maxT, -d with --varlen, --flexsp without --varlen, an unknown
-#    --flexsp-policy, a sequence too long for the pool (1 and 2 ranks), experts, --cp 2 with --flexsp,
+#    --flexsp-policy, a sequence too long for the pool (1 and 2 ranks; experts: one rank), --cp 2 with --flexsp,
 #    and dev/tools/flexsp_plan's unknown policy and a sequence too long for the pool: one line.
 set -u
 cd "$(dirname "$0")/../.."
@@ -103,7 +104,15 @@ run moe1 1 "${MOE[@]}" -o "$W/moe1"
 run moe2 2 "${MOE[@]}" --ep 2 -o "$W/moe2"
 cmp -s "$W/moe1/main.log" "$W/moe2/main.log" || fail "--ep 2: losses differ from one rank"
 cmp -s "$W/moe1/model_00000002.bin" "$W/moe2/model_00000002.bin" || fail "--ep 2: parameters differ"
-pass "--varlen with experts, --ep 2: identical to one rank"
+# FlexSP with experts: groups of one rank (no context parallelism with experts under --varlen)
+for layout in "2 -z 1" "2 -z 3 --flexsp-policy static"; do
+  name=moeflex$(echo "$layout" | tr -d ' -')
+  run "$name" $layout --flexsp 1 "${MOE[@]}" -o "$W/$name"
+  cmp -s "$W/moe1/main.log" "$W/$name/main.log" || fail "$name: losses, norms or aux losses differ from one rank"
+  cmp -s "$W/moe1/model_00000002.bin" "$W/$name/model_00000002.bin" || fail "$name: parameters differ"
+  grep -q "^           group 1 (1 rank(s), 1-1): lengths [0-9 ]* | planned" "$W/$name.out" || fail "$name: rank 1 ran no group of its own"
+done
+pass "--varlen with experts, --ep 2 and --flexsp 1 on DP 2 (ZeRO 1 and 3): identical to one rank (losses, aux losses, norms, checkpoint)"
 
 # --- FlexSP: rank 0 plans each step's groups, a group of several ranks runs its sequences with
 # context parallelism (ring; a2a on 2 ranks) over its pool sub-group, the exchange keeps one rank's bits. Below -t,
@@ -174,7 +183,8 @@ bad "leave out -d" "${BAD[@]}" -d 256
 bad "--flexsp 1: .* it needs --varlen G" "${BAD[@]/--varlen/-b}" --flexsp 1 -z 1
 bad "--flexsp-policy: expected static, adaptive or milp" "${BAD[@]}" --flexsp 1 -z 1 --flexsp-policy bogus
 bad "--flexsp-tokens 8: a sequence of -t 16 tokens does not fit the memory of the pool" "${BAD[@]}" --flexsp 1 -z 1 --flexsp-tokens 8
-bad "--flexsp 1: FlexSP's pool is the data-parallel ranks" "${BAD[@]/d2c32h2v50257t32/d2c32h2v50257t32e4k2}" --flexsp 1 -z 1
+bad "--flexsp-tokens 8: a sequence of -t 16 tokens does not fit one rank, and with experts a FlexSP group is one rank" \
+  "${BAD[@]/d2c32h2v50257t32/d2c32h2v50257t32e4k2}" --flexsp 1 -z 1 --flexsp-tokens 8
 $MPI 2 ./train_gpt2 "${BAD[@]}" --flexsp 1 -z 1 --cp 2 >"$W/bad.out" 2>&1 && fail "accepted --flexsp 1 --cp 2"
 grep -q -- "--flexsp 1: FlexSP's pool is the data-parallel ranks; --tp 1 --pp 1 --cp 2" "$W/bad.out" || { cat "$W/bad.out"; fail "--flexsp with --cp 2: no line"; }
 $MPI 2 ./train_gpt2 "${BAD[@]}" --flexsp 1 -z 1 --flexsp-tokens 4 >"$W/bad.out" 2>&1 && fail "accepted a sequence longer than a group of two holds"
@@ -184,4 +194,4 @@ for args in "--policy bogus --lengths 5:--policy: expected static" "--gpus 2 --l
   dev/tools/flexsp_plan ${args%%:*} >"$W/bad.out" 2>&1 && fail "flexsp_plan accepted ${args%%:*}"
   [ "$(wc -l <"$W/bad.out")" -eq 1 ] && grep -q -- "${args#*:}" "$W/bad.out" || { cat "$W/bad.out"; fail "flexsp_plan ${args%%:*}: not one line"; }
 done
-pass "bad input: --varlen 0, -t above maxT, -d; --flexsp without --varlen, an unknown policy, a sequence too long for the pool of 1 and of 2 ranks, experts, --cp 2; flexsp_plan's unknown policy, a sequence too long for the pool: one line each"
+pass "bad input: --varlen 0, -t above maxT, -d; --flexsp without --varlen, an unknown policy, a sequence too long for the pool of 1 and of 2 ranks and for one rank with experts, --cp 2; flexsp_plan's unknown policy, a sequence too long for the pool: one line each"
