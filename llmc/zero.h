@@ -81,7 +81,8 @@
  * kept whole and flexsp.h's exchange builds the tree over all of them at the shard owners.
  * The ranks then run different numbers of passes, so stage 3 cannot gather a unit per pass
  * (every rank of the group must join each gather): it gathers every unit once per step, ahead
- * of the step's passes, and holds the whole parameters while they run (zero_flexsp_begin_step).
+ * of the step's passes, into a copy of the whole parameters kept for the run (4P bytes more per
+ * rank: zero_flexsp_begin_step).
  */
 #ifndef LLMC_ZERO_H
 #define LLMC_ZERO_H
