@@ -1795,8 +1795,7 @@ static size_t largest_grad_unit(const Zero* zero) {
 // (engine.h). Each group's buffers (context_parallel.h) are made on its first selection, for
 // the model's capacity of (B, T) positions; one group per size.
 static void model_cp_select(GPT2* model, CommGroup* group) {
-    int k = 0;
-    while ((1 << k) < group->size) { k++; }
+    int k = flexsp_log2(group->size);
     if (k >= CP_GROUP_LEVELS || (1 << k) != group->size) {
         fatal("internal: a context-parallel group of %d ranks (a power of two up to %d)", group->size, CANON_R);
     }

@@ -137,7 +137,7 @@ static const ArgSpec arg_specs[] = {
     {"--grad-clip", ARG_FLOAT, ARG_FIELD(grad_clip), 0, 1e6, 0, "clip the global gradient norm to this; 0 = off"},
     {"--shuffle", ARG_INT, ARG_FIELD(shuffle), 0, 1, 0, "1 = shuffle the train shards and microbatches each epoch"},
     {"--varlen", ARG_INT, ARG_FIELD(varlen), 1, INT_MAX, 0, "G: train on G variable-length sequences per step, cut at EOT, of at most -t tokens, one per microbatch (-b, -d unused); default 0 = fixed windows of -t tokens"},
-    {"--flexsp", ARG_INT, ARG_FIELD(flexsp), 0, 1, 0, "1 = FlexSP (with --varlen, ZeRO 1 or 2): rank 0 plans each step's groups of the data-parallel pool and assigns the sequences to them; the same bits as one rank"},
+    {"--flexsp", ARG_INT, ARG_FIELD(flexsp), 0, 1, 0, "1 = FlexSP (with --varlen, data parallelism, any ZeRO stage): rank 0 plans each step's groups of the data-parallel pool and assigns the sequences to them; the same bits as one rank"},
     ARG_STRING("--flexsp-policy", flexsp_policy, "FlexSP's planner: static (one group size for the run) | adaptive (the best single size per step) | milp (FlexSP's integer program, GLPK)"),
     {"--flexsp-tokens", ARG_INT, ARG_FIELD(flexsp_tokens), 0, INT_MAX, 0, "FlexSP: the longest sequence one rank's memory holds (tokens); 0 = -t"},
     {"--seed", ARG_LLONG, ARG_FIELD(seed), 0, 0, ARG_ANY_VALUE, "seed of the weight init (-e dN) and of the shuffle"},

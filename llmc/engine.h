@@ -111,23 +111,25 @@ static inline FlexCost trainer_flexsp_cost(int budget, int max_group) {
     return c;
 }
 
-// --flexsp 1 runs over the data-parallel pool with ZeRO 1 or 2, each group of several ranks
-// with context parallelism over its pool sub-group (README); every other layout is refused
-// in one line. Makes the pool's sub-groups (collective over the world).
+// --flexsp 1 runs over the data-parallel pool with any ZeRO stage, each group of several ranks
+// with context parallelism over its pool sub-group (README); a model with experts in groups of
+// one rank (experts and context parallelism do not combine under --varlen yet); every other
+// layout is refused in one line. Makes the pool's sub-groups (collective over the world).
 static inline void trainer_check_flexsp(Trainer* t) {
     const TrainArgs* a = &t->args;
     int N = t->comm.dp, budget = a->flexsp_tokens ? a->flexsp_tokens : t->T;
     if (!a->varlen) { fatal("--flexsp 1: FlexSP plans a step of variable-length sequences; it needs --varlen G"); }
-    if (a->tp > 1 || a->pp > 1 || a->cp > 1 || a->ep > 1 || t->moe) {
-        fatal("--flexsp 1: FlexSP's pool is the data-parallel ranks; --tp %d --pp %d --cp %d --ep %d%s: use 1 for "
-              "each (and a model without experts)", a->tp, a->pp, a->cp, a->ep, t->moe ? " with experts" : "");
-    }
-    if (a->zero_stage != 1 && a->zero_stage != 2) {
-        fatal("-z %d with --flexsp 1: FlexSP's exchange sums each sequence's gradient at ZeRO's shard owners; use "
-              "-z 1 or -z 2", a->zero_stage);
+    if (a->tp > 1 || a->pp > 1 || a->cp > 1 || a->ep > 1) {
+        fatal("--flexsp 1: FlexSP's pool is the data-parallel ranks; --tp %d --pp %d --cp %d --ep %d: use 1 for each",
+              a->tp, a->pp, a->cp, a->ep);
     }
     int a2a = strcmp(a->cp_mode, "a2a") == 0;
-    int largest = trainer_flexsp_max_group(N, t->T, a2a, t->config.num_heads);
+    int largest = t->moe ? 1 : trainer_flexsp_max_group(N, t->T, a2a, t->config.num_heads);
+    if ((long long)budget * largest < t->T && t->moe) {
+        fatal("--flexsp-tokens %d: a sequence of -t %d tokens does not fit one rank, and with experts a FlexSP group "
+              "is one rank (experts and context parallelism do not combine under --varlen yet); raise "
+              "--flexsp-tokens or lower -t", budget, t->T);
+    }
     if ((long long)budget * largest < t->T) {
         fatal("--flexsp-tokens %d: a sequence of -t %d tokens does not fit the memory of the pool's largest group "
               "(%d rank(s) x %d tokens; a group is a power of two of at most %d ranks that divides the pool of %d, "
@@ -345,12 +347,12 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     if (flexsp_largest > 1) {   // every pool sub-group's buffers now; passes outside a step run whole
         for (int k = flexsp_log2(flexsp_largest); k >= 0; k--) { ops->cp_select(t->models[0], &comm->pool_groups[k]); }
     }
-    if (t->moe) {
-        size_t n = (size_t)t->zero.local_microbatches * c->num_layers;
+    if (t->moe) {   // each local microbatch's aux losses (FlexSP: a rank may run all G = M sequences)
+        size_t micro = (size_t)(a->flexsp ? t->M : t->zero.local_microbatches), n = micro * c->num_layers;
         t->pipe.num_layers = c->num_layers;
         t->pipe.moe_aux = (float*)malloc_or_die(sizeof(float) * n, "aux losses");
         for (size_t k = 0; k < n; k++) { t->pipe.moe_aux[k] = -0.0f; }
-        t->moe_micro_aux = (float*)calloc_or_die((size_t)t->zero.local_microbatches + 1, sizeof(float), "aux losses");
+        t->moe_micro_aux = (float*)calloc_or_die(micro + 1, sizeof(float), "aux losses");
         t->moe_counters = (MoeCounters**)malloc_or_die(sizeof(MoeCounters*) * v, "routing counters");
         for (int ch = 0; ch < v; ch++) { t->moe_counters[ch] = ops->moe_counters(t->models[ch]); }
     }
@@ -666,8 +668,9 @@ static inline void trainer_flexsp_plan(Trainer* t, const double* len, int G, int
 // of several: with context parallelism over its pool sub-group), keeps each
 // one's gradient whole (zero.h's flexsp mode), and flexsp_reduce_step sums them at the shard
 // owners in the step's index order; the loss is the R1 tree over the sequences' loss sums in
-// index order. Returns the loss; rank 0 adds each group's sequences and times to flexsp_line.
-static inline float trainer_flexsp_step(Trainer* t, int64_t targets) {
+// index order, the experts' aux loss (*aux, with experts) the R1 tree over their aux losses
+// over G. Returns the loss; rank 0 adds each group's sequences and times to flexsp_line.
+static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux) {
     const TrainArgs* a = &t->args;
     Zero* z = &t->zero;
     Pipeline* p = &t->pipe;
@@ -688,7 +691,9 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets) {
     // member holds its part of the gradient and -0.0f elsewhere, as the exchange expects
     double t0 = now_seconds();
     zero_flexsp_begin_step(z, mine, count);
-    float* local_loss = (float*)calloc_or_die((size_t)G + 1, sizeof(float), "FlexSP losses");
+    // this rank's sequences' loss sums, their aux losses (experts), its measured compute time
+    size_t stride = 2 * (size_t)G + 1;
+    float* local_loss = (float*)calloc_or_die(stride, sizeof(float), "FlexSP losses");
     PipelineStepContext x = {z, t->grads, &t->train_loader, done, t->B, t->T, a->overfit_single_batch, 0, 0,
                              1.0f / (float)(double)targets, t->ops->grad_residual(p->models[0], t->grads), local_loss};
     int grouped = t->flexsp_cost.max_group > 1;
@@ -702,15 +707,25 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets) {
     float busy_ms = (float)((now_seconds() - t0) * 1e3);
     flexsp_reduce_step(z, &t->flexsp_ws, first, size, G);
     zero_finish_grads(z);
-    // all-gather (dp group): every rank's loss sums (its sequences in index order) and its
-    // measured compute time; the loss is the R1 tree over sequence j's sum, from rank first[j]
-    float* all = (float*)malloc_or_die(sizeof(float) * (size_t)N * (G + 1), "FlexSP losses");
-    local_loss[G] = busy_ms;
-    comm_all_gather(&t->comm.dp_group, local_loss, all, (size_t)G + 1, COMM_KIND_OTHER);
-    float* ordered = (float*)malloc_or_die(sizeof(float) * (size_t)G, "FlexSP losses");
+    if (t->moe) {   // each sequence's aux loss, summed over the layers in layer order
+        moe_microbatch_aux(&t->comm.pp_group, t->config.num_layers, p->moe_aux, count, t->moe_micro_aux);
+        memcpy(local_loss + G, t->moe_micro_aux, sizeof(float) * (size_t)count);
+    }
+    local_loss[2 * G] = busy_ms;
+    // all-gather (dp group): every rank's loss sums and aux losses (its sequences in index
+    // order) and its measured compute time; the loss is the R1 tree over sequence j's sum, from
+    // rank first[j], the aux loss the same over sequence j's aux loss
+    float* all = (float*)malloc_or_die(sizeof(float) * (size_t)N * stride, "FlexSP losses");
+    comm_all_gather(&t->comm.dp_group, local_loss, all, stride, COMM_KIND_OTHER);
+    float* ordered = (float*)malloc_or_die(sizeof(float) * 2 * (size_t)G, "FlexSP losses");
     int* next = (int*)calloc_or_die((size_t)N, sizeof(int), "FlexSP losses");
-    for (int j = 0; j < G; j++) { ordered[j] = all[(size_t)first[j] * (G + 1) + next[first[j]]++]; }
+    for (int j = 0; j < G; j++) {
+        const float* held = all + (size_t)first[j] * stride + next[first[j]]++;
+        ordered[j] = held[0];
+        ordered[G + j] = held[G];
+    }
     float loss = canon_tree_sum(ordered, G, 1) / (float)(double)targets;
+    if (t->moe) { *aux = canon_tree_sum(ordered + G, G, 1) / (float)(double)G; }
     if (t->comm.dp_rank == 0) {   // each group: its ranks, its sequences' lengths, planned and measured ms
         char* line = t->flexsp_line;
         size_t at = strlen(line);
@@ -732,7 +747,7 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets) {
             }
             float measured = 0;
             for (int q = r; q < r + plan->size[k]; q++) {
-                float ms = all[(size_t)q * (G + 1) + G];
+                float ms = all[(size_t)q * stride + 2 * G];
                 if (ms > measured) { measured = ms; }
             }
             if (at < 4000) {
@@ -785,16 +800,18 @@ static inline void trainer_step(Trainer* t, TrainRun* run, int step, StepResult*
                                               a->overfit_single_batch);
     out->tokens = (double)targets;
     if (a->flexsp) {
-        out->loss = trainer_flexsp_step(t, targets);
+        out->loss = trainer_flexsp_step(t, targets, &out->aux);
     } else {
         pipeline_step(pipe, z, t->grads, &t->train_loader, t->progress.microbatches_done, targets, t->B, t->T,
                       a->overfit_single_batch, run->local_loss);
         out->loss = global_mean_loss(t, run->local_loss, z->local_microbatches, t->M, 0, out->tokens);
+        if (t->moe) {
+            moe_microbatch_aux(&comm->pp_group, t->config.num_layers, pipe->moe_aux, z->local_microbatches,
+                               t->moe_micro_aux);
+            out->aux = global_mean_loss(t, t->moe_micro_aux, z->local_microbatches, t->M, 0, (double)t->M);
+        }
     }
     if (t->moe) {
-        moe_microbatch_aux(&comm->pp_group, t->config.num_layers, pipe->moe_aux, z->local_microbatches,
-                           t->moe_micro_aux);
-        out->aux = global_mean_loss(t, t->moe_micro_aux, z->local_microbatches, t->M, 0, (double)t->M);
         moe_expert_loads(t->moe_counters, t->nchunks, t->config.num_layers, t->config.num_experts, &comm->dp_group,
                          &comm->pp_group, &out->load_min, &out->load_max);
     }

@@ -23,7 +23,9 @@
  * WHAT IS SENT (per rank, per step, floats of the padded gradient n = P x shard): every
  * sequence this rank helped compute, all of it but its own shard: (its sequences) x n x
  * (P-1)/P; against ZeRO's one reduce-scatter (n x (P-1)/P) that is about G/P times as much:
- * the price of summing in index order when the plan does not follow the index.
+ * the price of summing in index order when the plan does not follow the index. ZeRO-0 adds
+ * the all-gather of the reduced shards (n x (P-1)/P), ZeRO-3 the step's one gather of the
+ * parameters (zero.h zero_flexsp_begin_step: every padded parameter unit x (P-1)/P).
  */
 #ifndef LLMC_FLEXSP_H
 #define LLMC_FLEXSP_H
@@ -73,8 +75,9 @@ static inline void flexsp_plan_blocks(const FlexPlan* p, const int* group_of, co
 // ---- the gradient exchange ---------------------------------------------------------------
 
 // The exchange's three buffers (packed sends, received parts, the tree's stack) and the
-// trainer's step's fourth (a ZeRO-1 unit's reduced shard), kept from call to call by a caller
-// that runs it every step (fresh pages would be faulted in each time).
+// trainer's step's fourth (a padded unit: ZeRO 0-1's reduced shard, ZeRO-0's gathered unit),
+// kept from call to call by a caller that runs it every step (fresh pages would be faulted in
+// each time).
 typedef struct {
     float* buf[4];
     size_t cap[4];
@@ -178,22 +181,28 @@ static inline void flexsp_reduce_sequence_grads(CommGroup* pool, FlexWorkspace* 
 // After a FlexSP step's backwards (zero.h's flexsp mode: each of this rank's sequences' whole
 // gradient in z->flexsp_grads): unit by unit, the exchange above over the sharding group (the
 // pool) gives this rank its shard of the R1 tree over the step's nseq sequences, which lands
-// where ZeRO keeps its reduced gradient (stage 1: the shard's range of the gradient buffer;
-// stage 2: the shard buffer). zero_finish_grads then adds the tied embedding's halves, as
-// after any step.
+// where ZeRO keeps its reduced gradient: stages 2-3 the shard buffer; stage 1 the shard's range
+// of the gradient buffer; stage 0, where every rank holds the whole reduced gradient, the
+// whole unit, all-gathered from the shard owners (the all-reduce of ZeRO-0 is that
+// reduce-scatter and all-gather too, comm.h). zero_finish_grads then adds the tied embedding's
+// halves, as after any step.
 static inline void flexsp_reduce_step(Zero* z, FlexWorkspace* ws, const int* first, const int* size, int nseq) {
-    if (z->stage != 1 && z->stage != 2) { fatal("internal: FlexSP's step runs over ZeRO 1 or 2, not %d", z->stage); }
-    float* shard = z->stage == 1 ? flexsp_workspace(z->mem, ws, 3, z->max_padded / (size_t)z->N + 1) : NULL;
+    zero_flexsp_end_passes(z);
+    float* unit = z->stage <= 1 ? flexsp_workspace(z->mem, ws, 3, z->max_padded) : NULL;   // a padded unit
     for (int u = 0; u < z->lay.num_all; u++) {
         if (!z->lay.grads_here[u] || z->lay.padded[u] == 0) { continue; }
-        float* out = z->stage == 2 ? z->grad_shard + z->lay.gshard_base[u] : shard;
+        size_t shard = z->lay.shard[u], b, e;
+        float* out = z->stage >= 2 ? z->grad_shard + z->lay.gshard_base[u] : unit + (size_t)z->rank * shard;
         // all-to-all-v (the pool: the sharding group; gradients): shard r of unit u of every
         // sequence this rank computed -> rank r, summed there in the step's index order
-        flexsp_reduce_sequence_grads(z->group, ws, first, size, nseq, zero_flexsp_unit_region(z, u), z->lay.shard[u], out);
+        flexsp_reduce_sequence_grads(z->group, ws, first, size, nseq, zero_flexsp_unit_region(z, u), shard, out);
         if (z->stage == 1) {
-            size_t b, e;
             zero_shard_range(&z->lay, u, z->rank, &b, &e);
             z->mem->copy(z->grads + z->lay.glocal[u] + b, out, (e - b) * sizeof(float));
+        } else if (z->stage == 0) {
+            // all-gather (the pool; gradients): every owner's reduced shard -> the whole unit
+            comm_all_gather(z->group, out, unit, shard, COMM_KIND_GRAD);
+            z->mem->copy(z->grads + z->lay.glocal[u], unit, z->lay.size[u] * sizeof(float));
         }
     }
 }

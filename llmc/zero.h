@@ -79,6 +79,10 @@
  * the bits are those of one rank running all M microbatches. With FlexSP (flexsp mode) a plan
  * gives a rank any set of the step's sequences, which is no subtree: each one's gradient is
  * kept whole and flexsp.h's exchange builds the tree over all of them at the shard owners.
+ * The ranks then run different numbers of passes, so stage 3 cannot gather a unit per pass
+ * (every rank of the group must join each gather): it gathers every unit once per step, ahead
+ * of the step's passes, into a copy of the whole parameters kept for the run (4P bytes more per
+ * rank: zero_flexsp_begin_step).
  */
 #ifndef LLMC_ZERO_H
 #define LLMC_ZERO_H
@@ -314,6 +318,12 @@ typedef struct {
     const int* flexsp_index;   // [local microbatches of the step] each one's index in the step
     float* flexsp_grads;
     size_t flexsp_capacity;    // floats allocated in flexsp_grads (kept from step to step)
+    // stage 3 under FlexSP: the ranks run different numbers of sequences, so no unit can be
+    // gathered per pass (every pool rank must join each gather); every unit is gathered once
+    // per step, ahead of its sequences (zero_flexsp_begin_step), into flexsp_params
+    // (lay.local_params, kept from step to step), which the step's passes read
+    float* flexsp_params;
+    int flexsp_params_held;    // flexsp_params holds this step's parameters
 } Zero;
 
 static inline float* zero_alloc(const Zero* z, size_t n, const char* what) {
@@ -525,6 +535,7 @@ static inline void zero_params_prefetch(Zero* z, int u) {
 static inline const float* zero_params_acquire(Zero* z, int u, int next) {
     if (!z->lay.params_here[u]) { fatal("internal: unit %d is not held by this rank", u); }
     if (z->stage != 3) { return z->params + z->lay.local[u]; }
+    if (z->flexsp_params_held) { return z->flexsp_params + z->lay.local[u]; }
     zero_params_prefetch(z, u);
     ZeroSlot* s = NULL;
     for (int i = 0; i < z->npslots; i++) { if (z->pslots[i].unit == u) { s = &z->pslots[i]; } }
@@ -535,7 +546,7 @@ static inline const float* zero_params_acquire(Zero* z, int u, int next) {
 
 // Stage 3: the gathered copy of unit u is no longer needed.
 static inline void zero_params_release(Zero* z, int u) {
-    if (z->stage != 3) { return; }
+    if (z->stage != 3 || z->flexsp_params_held) { return; }
     for (int i = 0; i < z->npslots; i++) {
         if (z->pslots[i].unit == u) {
             if (z->pslots[i].req) { comm_wait(z->pslots[i].req); }
@@ -587,7 +598,8 @@ static inline float* zero_flexsp_unit_region(const Zero* z, int u) {
 }
 
 // FlexSP: this step's local microbatches are the step's sequences index[0 .. count) (ascending):
-// room for each one's whole gradient.
+// room for each one's whole gradient; at stage 3 every unit's parameters gathered for the step
+// (every rank of the sharding group calls this, whatever its count).
 static inline void zero_flexsp_begin_step(Zero* z, const int* index, int count) {
     if (z->nchunks != 1) { fatal("internal: FlexSP runs one model chunk per rank"); }
     size_t total = 0;
@@ -605,7 +617,19 @@ static inline void zero_flexsp_begin_step(Zero* z, const int* index, int count) 
             z->mem->fill(region + (size_t)i * z->lay.padded[u] + z->lay.size[u], 0.0f, z->lay.padded[u] - z->lay.size[u]);
         }
     }
+    if (z->stage != 3) { return; }
+    if (z->flexsp_params == NULL) { z->flexsp_params = zero_alloc(z, z->lay.local_params, "FlexSP step parameters"); }
+    for (int u = 0; u < z->lay.num_all; u++) {   // the all-gathers of zero_params_acquire, unit after unit
+        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) { continue; }
+        z->mem->copy(z->flexsp_params + z->lay.local[u], zero_params_acquire(z, u, -1), z->lay.size[u] * sizeof(float));
+        zero_params_release(z, u);
+    }
+    z->flexsp_params_held = 1;
 }
+
+// FlexSP: the step's passes are done; AdamW will update the shards, so later passes
+// (validation, samples, the next step's gathers) gather anew.
+static inline void zero_flexsp_end_passes(Zero* z) { z->flexsp_params_held = 0; }
 
 // Starts the backward (its weight-gradient part) of chunk `chunk` on local microbatch i:
 // decides where it writes each unit's gradient. A chunk's microbatches come in order.
@@ -1014,7 +1038,8 @@ typedef struct { double params, grads, optimizer; } ZeroMemory;
 
 static inline ZeroMemory zero_memory(const Zero* z) {
     ZeroMemory mem;
-    mem.params = 4.0 * (z->stage <= 2 ? z->lay.local_params : z->lay.shard_params);
+    mem.params = 4.0 * (z->stage <= 2 ? z->lay.local_params
+                                      : z->lay.shard_params + (z->flexsp ? z->lay.local_params : 0));   // + FlexSP's step copy
     mem.grads = 4.0 * (z->stage <= 1 ? z->lay.local_grads : z->lay.shard_grads);
     mem.optimizer = 8.0 * (z->stage == 0 ? z->lay.local_params : z->lay.shard_params);
     return mem;
@@ -1027,6 +1052,7 @@ static inline void zero_free(Zero* z) {
     for (int i = 1; i < z->stack_allocated; i++) { mem->release(z->stack[i]); }
     mem->release(z->grads); mem->release(z->grad_shard);
     mem->release(z->flexsp_grads);
+    mem->release(z->flexsp_params);
     for (int i = 0; i < z->ngslots; i++) { mem->release(z->gslots[i].buf); }
     for (int i = 0; i < z->npslots; i++) { mem->release(z->pslots[i].buf); }
     for (int i = 0; i < z->nsslots; i++) { mem->release(z->sslots[i].buf); }

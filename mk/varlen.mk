@@ -21,8 +21,12 @@ build/test_flexsp_exchange: dev/test/test_flexsp_exchange.c $(LLMC_HEADERS) | bu
 TEST_BINS += build/test_flexsp_exchange
 TESTS += dev/test/test_flexsp_exchange.sh
 
+# FlexSP's all-to-all bandwidth per group size (a table for make bench-flexsp), built like train_gpt2
+build/bench_flexsp_a2a: dev/bench/bench_flexsp_a2a.c $(LLMC_HEADERS) | build
+	$(TRAIN_CC) $(CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
+
 .PHONY: bench-flexsp
-bench-flexsp: train_gpt2
+bench-flexsp: train_gpt2 build/bench_flexsp_a2a
 	dev/bench/bench_flexsp.sh
 
 .PHONY: clean-varlen

@@ -6,20 +6,22 @@
 # (varlen_flexsp.h's computation term for a group of one; with --varlen each sequence is its
 # own microbatch, so beta is per sequence) by least squares. L=4 C=128 NH=4, GPT-2's
 # vocabulary (EOT is token 50256), so the LM head's linear term dominates. One rank: the all-to-all
-# bandwidth of groups of 2 and more is not fitted (the trainer's cost model keeps FlexSP's).
+# term is measured apart, at the end (the trainer's cost model keeps FlexSP's bandwidths).
 # Then the trainer running FlexSP's plans: the median step time of 4 ranks (-z 1, OMP_NUM_THREADS=1
 # each) on tiny Shakespeare's documents (--varlen 16 -t 64, d4c64h2) per --flexsp-policy, against
 # plain data parallelism (each rank a block of 4 sequences by index): with --flexsp-tokens 64
 # (groups of one rank), then 16 (a sequence of 17-32 tokens needs a group of 2, of 33-64 one of
 # 4: context parallelism over the pool's sub-groups). The ranks share this machine's 2 cores, so
-# the times are those of an oversubscribed machine.
+# the times are those of an oversubscribed machine. Last, the all-to-all bandwidth per group
+# size the cost model's bw[] stands for (build/bench_flexsp_a2a: every sub-group of g ranks of
+# a pool of 4, then 8, at once), measured over shared memory between ranks on 2 cores.
 # Usage: dev/bench/bench_flexsp.sh [steps] (lengths: SS="16 32 64 128 256", G=8; POLICY_STEPS=8;
-# SS="" skips the fit)
+# SS="" skips the fit; A2A_RANKS="4 8", A2A_MIB=4 per rank)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STEPS=${1:-4}
 G=${G:-8}
-make -s train_gpt2 >/dev/null
+make -s train_gpt2 build/bench_flexsp_a2a >/dev/null
 W=$(mktemp -d /tmp/llmc_bench_flexsp.XXXXXX)
 trap 'rm -rf "$W"' EXIT
 printf "%-6s %12s %12s\n" "s" "ms/step" "ms/sequence"
@@ -75,4 +77,10 @@ for layout in "plain data parallelism:" "static:--flexsp 1 --flexsp-policy stati
        | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
   groups=$(echo "$out" | sed -n 's/^ *group [0-9]* (\([0-9]*\) rank(s).*/\1/p' | sort -n | uniq -c | awk '{ printf "%sx%s ", $2, $1 }')
   printf "%-22s %10s  %s\n" "${layout%%:*}" "$ms" "$groups"
+done
+
+# --- the all-to-all bandwidth per group size (build/bench_flexsp_a2a), on 4 and 8 ranks ---
+for np in ${A2A_RANKS-4 8}; do
+  printf "\n"
+  dev/test/mpi.sh "$np" build/bench_flexsp_a2a "${A2A_MIB:-4}"
 done

@@ -9,17 +9,19 @@
 #    rounding;
 #  - resume continues at the sequence where the checkpoint stopped;
 #  - every layout equals one rank with --varlen on the documents: DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2,
-#    PP 2 under every schedule, DP 2 x PP 2, experts with --ep 2 (main.log, checkpoint, samples);
+#    PP 2 under every schedule, DP 2 x PP 2, experts with --ep 2 and with --flexsp 1 (DP 2, ZeRO 1
+#    and 3) (main.log, checkpoint, samples);
 #  - the emulated CUDA build (deterministic) on 1 rank, DP 2 x ZeRO-3, PP 2, CP 2 and --flexsp 1
-#    (DP 2 x ZeRO-2, a group of 2 ranks) equals the CPU build;
+#    (DP 2 x ZeRO-3, a group of 2 ranks) equals the CPU build;
 #  - context parallelism (ring and a2a, cp 2 and 4, with DP and PP) and sequence parallelism
 #    (TP 2 + SP, with CP 2) equal one rank: a length that is a multiple of 2 x the ranks
 #    splitting it is split, any other computed whole by each rank;
-#  - FlexSP (--flexsp 1): every policy on 1, 2 and 4 ranks, ZeRO 1 and 2, groups of 1, 2 and 4
+#  - FlexSP (--flexsp 1): every policy on 1, 2 and 4 ranks, ZeRO 0-3, groups of 1, 2 and 4
 #    ranks (context parallelism over the pool's sub-groups), equals one rank's --varlen run
 #    (losses, norms, checkpoint), each step's line lists the groups, their sizes and lengths;
+#    ZeRO-0's and ZeRO-3's bytes per step equal the formula;
 #  - bad input: --varlen 0, -t above maxT, -d with --varlen, --flexsp without --varlen, an unknown
-#    --flexsp-policy, a sequence too long for the pool (1 and 2 ranks), -z 0 and 3, experts, --cp 2 with --flexsp,
+#    --flexsp-policy, a sequence too long for the pool (1 and 2 ranks; experts: one rank), --cp 2 with --flexsp,
 #    and dev/tools/flexsp_plan's unknown policy and a sequence too long for the pool: one line.
 set -u
 cd "$(dirname "$0")/../.."
@@ -102,16 +104,25 @@ run moe1 1 "${MOE[@]}" -o "$W/moe1"
 run moe2 2 "${MOE[@]}" --ep 2 -o "$W/moe2"
 cmp -s "$W/moe1/main.log" "$W/moe2/main.log" || fail "--ep 2: losses differ from one rank"
 cmp -s "$W/moe1/model_00000002.bin" "$W/moe2/model_00000002.bin" || fail "--ep 2: parameters differ"
-pass "--varlen with experts, --ep 2: identical to one rank"
+# FlexSP with experts: groups of one rank (no context parallelism with experts under --varlen)
+for layout in "2 -z 1" "2 -z 3 --flexsp-policy static"; do
+  name=moeflex$(echo "$layout" | tr -d ' -')
+  run "$name" $layout --flexsp 1 "${MOE[@]}" -o "$W/$name"
+  cmp -s "$W/moe1/main.log" "$W/$name/main.log" || fail "$name: losses, norms or aux losses differ from one rank"
+  cmp -s "$W/moe1/model_00000002.bin" "$W/$name/model_00000002.bin" || fail "$name: parameters differ"
+  grep -q "^           group 1 (1 rank(s), 1-1): lengths [0-9 ]* | planned" "$W/$name.out" || fail "$name: rank 1 ran no group of its own"
+done
+pass "--varlen with experts, --ep 2 and --flexsp 1 on DP 2 (ZeRO 1 and 3): identical to one rank (losses, aux losses, norms, checkpoint)"
 
 # --- FlexSP: rank 0 plans each step's groups, a group of several ranks runs its sequences with
 # context parallelism (ring; a2a on 2 ranks) over its pool sub-group, the exchange keeps one rank's bits. Below -t,
 # --flexsp-tokens makes the longer sequences need a group of 2 or 4 (LAYOUT:what its lines show) ---
 FLEX=(-e d2c16h2v50257t32 -i "$W/docs.bin" -j "$W/docsval.bin" -t 16 --varlen 8 -v 2 -m 1 -s 0 -l 3e-3 -x 2 -n 2)
 run flexone 1 "${FLEX[@]}" -o "$W/flexone"
-for layout in "1 -z 1 --flexsp-policy milp:group 0 (1 rank(s), 0-0)" "2 -z 2 --flexsp-policy adaptive:group 1 (1 rank(s), 1-1)" \
+for layout in "1 -z 1 --flexsp-policy milp:group 0 (1 rank(s), 0-0)" "2 -z 0 --flexsp-policy adaptive:group 1 (1 rank(s), 1-1)" \
+              "2 -z 3 --flexsp-policy milp:group 1 (1 rank(s), 1-1)" \
               "2 -z 1 --flexsp-policy static --flexsp-tokens 8 --cp-mode a2a:group 0 (2 rank(s), 0-1)" \
-              "4 -z 1 --flexsp-policy static --flexsp-tokens 4:group 0 (4 rank(s), 0-3)" \
+              "4 -z 3 --flexsp-policy static --flexsp-tokens 4:group 0 (4 rank(s), 0-3)" \
               "4 -z 2 --flexsp-policy milp --flexsp-tokens 15:group 1 (2 rank(s), 2-3)"; do
   shows=${layout#*:}; layout=${layout%%:*}
   name=flex$(echo "$layout" | tr -d ' -')
@@ -122,7 +133,24 @@ for layout in "1 -z 1 --flexsp-policy milp:group 0 (1 rank(s), 0-0)" "2 -z 2 --f
     || { cat "$W/$name.out"; fail "$name: no step line of '$shows' (a group of several ranks: with a split sequence)"; }
   case "$layout" in *milp*) grep -q "flexsp: milp (GLPK: " "$W/$name.out" || fail "$name: GLPK did not plan";; esac
 done
-pass "--flexsp 1, static / adaptive / milp on 1, 2 and 4 ranks, ZeRO 1 and 2, groups of 1, 2 (one, and two side by side) and 4 ranks: losses, norms and checkpoint identical to one rank's --varlen run"
+pass "--flexsp 1, static / adaptive / milp on 1, 2 and 4 ranks, ZeRO 0-3, groups of 1, 2 (one, and two side by side) and 4 ranks: losses, norms and checkpoint identical to one rank's --varlen run"
+# the first step's bytes on 2 ranks with groups of one (no cp traffic): the exchange sends shard
+# r of each of rank 0's sequences to rank r ((N-1)/N of the padded gradient P + Vp*C each:
+# every unit of d2c16 has an even size, so the padding is 0); ZeRO-0 all-gathers the reduced
+# gradient once more, ZeRO-3 gathers the parameters once per step (not per pass) and holds them
+# whole besides its shard
+Vp=50304; C=16; P=$(( Vp * C + 32 * C + 2 * (12 * C * C + 13 * C) + 2 * C )); E=$(( Vp * C ))
+for name in flex2z0flexsppolicyadaptive flex2z3flexsppolicymilp; do
+  f="$W/$name.out" z=${name:6:1}
+  mine=$(sed -n 's/^           group 0 (1 rank(s), 0-0): lengths \([0-9 ]*\) | planned.*/\1/p' "$f" | head -1 | wc -w)
+  set -- $(sed -n 's/.*bytes\/rank\/step grad \([0-9]*\) param \([0-9]*\) | bytes\/rank params \([0-9]*\).*/\1 \2 \3/p' "$f")
+  case $z in
+    0) want="$(( (mine + 1) * 4 * (P + E) / 2 )) 0 $(( 4 * P ))";;
+    3) want="$(( mine * 4 * (P + E) / 2 )) $(( 4 * P / 2 )) $(( 4 * P / 2 + 4 * P ))";;
+  esac
+  [ "$mine" -gt 0 ] && [ "$*" = "$want" ] || fail "$name: grad, param bytes per step and params held $*, expected $want (rank 0 ran $mine sequences)"
+done
+pass "--flexsp 1 on 2 ranks: ZeRO-0's and ZeRO-3's gradient and parameter bytes per step and ZeRO-3's parameters held equal the formula"
 
 # --- the emulated CUDA build (deterministic) against the CPU build ---
 # four files without EOT whose tails (1, 3, 7, 11 tokens) are short sequences, shuffled among the
@@ -132,7 +160,7 @@ i=0; for k in 3 7 11 1; do i=$((i + 1)); $DATA tokens "$W/tail$i.bin" $((48 + 1 
 TAILS=(-e d2c32h2v64t32 -i "$W/tail*.bin" -j "$W/tail1.bin" -t 16 --varlen 4 -v 2 -m 1 -s 2 -g 6 -l 3e-3 -x 3 -n 3)
 run tails 1 "${TAILS[@]}" -o "$W/tails"
 BIN="./train_gpt2cu_emu --deterministic 1"
-for layout in "1" "2 -z 3" "2 --pp 2" "2 --cp 2" "2 -z 2 --flexsp 1 --flexsp-tokens 8"; do
+for layout in "1" "2 -z 3" "2 --pp 2" "2 --cp 2" "2 -z 3 --flexsp 1 --flexsp-tokens 8"; do
   name=emu$(echo "$layout" | tr -d ' -')
   run "$name" $layout "${TAILS[@]}" -o "$W/$name"
   same tails "$name" 3
@@ -140,7 +168,7 @@ done
 BIN=./train_gpt2
 ./train_gpt2cu_emu --deterministic 0 "${TAILS[@]}" -o "$W/fastbad" >"$W/fastbad.out" 2>&1 && fail "fast mode accepted --varlen"
 grep -q -- "--varlen: fast mode trains fixed windows" "$W/fastbad.out" || { cat "$W/fastbad.out"; fail "fast mode with --varlen: no line naming the flag"; }
-pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3, PP 2, CP 2 and --flexsp 1 over DP 2 ZeRO-2 (a group of 2): identical to the CPU build; fast mode refuses --varlen"
+pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3, PP 2, CP 2 and --flexsp 1 over DP 2 ZeRO-3 (a group of 2): identical to the CPU build; fast mode refuses --varlen"
 
 # --- bad input: one line, non-zero exit ---
 bad() {   # expected-text args...
@@ -155,9 +183,8 @@ bad "leave out -d" "${BAD[@]}" -d 256
 bad "--flexsp 1: .* it needs --varlen G" "${BAD[@]/--varlen/-b}" --flexsp 1 -z 1
 bad "--flexsp-policy: expected static, adaptive or milp" "${BAD[@]}" --flexsp 1 -z 1 --flexsp-policy bogus
 bad "--flexsp-tokens 8: a sequence of -t 16 tokens does not fit the memory of the pool" "${BAD[@]}" --flexsp 1 -z 1 --flexsp-tokens 8
-bad "-z 0 with --flexsp 1: .* use -z 1 or -z 2" "${BAD[@]}" --flexsp 1
-bad "-z 3 with --flexsp 1" "${BAD[@]}" --flexsp 1 -z 3
-bad "--flexsp 1: FlexSP's pool is the data-parallel ranks" "${BAD[@]/d2c32h2v50257t32/d2c32h2v50257t32e4k2}" --flexsp 1 -z 1
+bad "--flexsp-tokens 8: a sequence of -t 16 tokens does not fit one rank, and with experts a FlexSP group is one rank" \
+  "${BAD[@]/d2c32h2v50257t32/d2c32h2v50257t32e4k2}" --flexsp 1 -z 1 --flexsp-tokens 8
 $MPI 2 ./train_gpt2 "${BAD[@]}" --flexsp 1 -z 1 --cp 2 >"$W/bad.out" 2>&1 && fail "accepted --flexsp 1 --cp 2"
 grep -q -- "--flexsp 1: FlexSP's pool is the data-parallel ranks; --tp 1 --pp 1 --cp 2" "$W/bad.out" || { cat "$W/bad.out"; fail "--flexsp with --cp 2: no line"; }
 $MPI 2 ./train_gpt2 "${BAD[@]}" --flexsp 1 -z 1 --flexsp-tokens 4 >"$W/bad.out" 2>&1 && fail "accepted a sequence longer than a group of two holds"
@@ -167,4 +194,4 @@ for args in "--policy bogus --lengths 5:--policy: expected static" "--gpus 2 --l
   dev/tools/flexsp_plan ${args%%:*} >"$W/bad.out" 2>&1 && fail "flexsp_plan accepted ${args%%:*}"
   [ "$(wc -l <"$W/bad.out")" -eq 1 ] && grep -q -- "${args#*:}" "$W/bad.out" || { cat "$W/bad.out"; fail "flexsp_plan ${args%%:*}: not one line"; }
 done
-pass "bad input: --varlen 0, -t above maxT, -d; --flexsp without --varlen, an unknown policy, a sequence too long for the pool of 1 and of 2 ranks, -z 0 and 3, experts, --cp 2; flexsp_plan's unknown policy, a sequence too long for the pool: one line each"
+pass "bad input: --varlen 0, -t above maxT, -d; --flexsp without --varlen, an unknown policy, a sequence too long for the pool of 1 and of 2 ranks and for one rank with experts, --cp 2; flexsp_plan's unknown policy, a sequence too long for the pool: one line each"
