@@ -84,10 +84,13 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
         }
     }
     if (a->flexsp) {
+        int largest = t->flexsp_cost.max_group;
+        char groups[96];
+        if (largest > 1) { snprintf(groups, sizeof(groups), "1 to %d ranks (a group of several runs %s context parallelism)", largest, a->cp_mode); }
+        else { snprintf(groups, sizeof(groups), "one rank%s", t->moe ? " (experts: no context parallelism)" : ""); }
         printf("| batch         --varlen: G=%d sequences of up to T=%d tokens cut at EOT, one per microbatch; --flexsp 1: "
-               "rank 0 plans each step's groups of 1 to %d ranks (--flexsp-policy %s, %d tokens per rank; a group of "
-               "several runs %s context parallelism); %lld sequences per epoch\n", t->M, t->T, t->flexsp_cost.max_group,
-               a->flexsp_policy, a->flexsp_tokens ? a->flexsp_tokens : t->T, a->cp_mode,
+               "rank 0 plans each step's groups of %s (--flexsp-policy %s, %d tokens per rank); %lld sequences per "
+               "epoch\n", t->M, t->T, groups, a->flexsp_policy, a->flexsp_tokens ? a->flexsp_tokens : t->T,
                (long long)t->train_loader.num_seqs);
     } else if (a->varlen) {
         printf("| batch         --varlen: G=%d sequences of up to T=%d tokens cut at EOT, one per microbatch (%d per "
