@@ -32,7 +32,7 @@
 
 // Scratch memory reused across calls (kernels run one at a time; slots keep them apart).
 enum { SCRATCH_PACK, SCRATCH_DINP, SCRATCH_DOUT, SCRATCH_XPACK, SCRATCH_ATT, SCRATCH_ATT_PACK, SCRATCH_ATT_TILE, SCRATCH_SORT,
-       SCRATCH_TREE, NUM_SCRATCH };
+       SCRATCH_TREE, SCRATCH_DECODE, NUM_SCRATCH };
 static float* scratch_ptr[NUM_SCRATCH];
 static size_t scratch_bytes[NUM_SCRATCH];
 static float* scratch(int slot, size_t bytes) {

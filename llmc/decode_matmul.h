@@ -24,6 +24,14 @@
  * still whatever the rows beside it. The caller rounds its fp32 weights the same way
  * (decode_round_bf16), so that the rows matmul_forward takes agree with the packed ones.
  *
+ * Two tile kernels share a panel's loads among rows. A few rows (up to DECODE_ROW_TILE): the
+ * lanes are the panel's outputs and each row's input is broadcast (decode_panel_tile). A batch
+ * (tiles of VLEN rows, 16 with AVX-512): the lanes are the rows, the inputs transposed once per
+ * call (decode_transpose_rows: at each k the tile's VLEN inputs are one vector), and each of the
+ * panel's DECODE_PANEL weights at k is broadcast (decode_panel_rows): DECODE_PANEL independent
+ * accumulators, the panel read once per VLEN rows. Either way each (row, output) pair is the
+ * same sequence of fmaf's, so the bits do not depend on which kernel or tile a row lands in.
+ *
  * DecodeWeights holds the packed copies, each found by the address of the weight it copies
  * (decode_weights_get makes one on first use);
  * decode_matmul takes the packed kernel for up to DECODE_MAX_ROWS rows (packing the weight on
@@ -39,6 +47,7 @@
 #include "llmc/simd.h"
 #include "llmc/utils.h"
 #include "llmc/kernels.h"
+#include "llmc/cpu_fast.h"
 #include "llmc/model.h"
 
 #define DECODE_PANEL 16                          // outputs contiguous at each k (64 bytes)
@@ -48,7 +57,9 @@
 #else
 #define DECODE_ROW_TILE 4                        // 8 accumulators + 2 (of 16 registers)
 #endif
-#define DECODE_MAX_ROWS 16                       // more rows: matmul_forward's row tiles (faster from about 32)
+// (DECODE_ROW_TILE = VLEN / 2 either way: a remainder of more rows fills most of a row-lane tile)
+#define DECODE_MAX_ROWS 64                       // more rows: matmul_forward's row tiles
+#define DECODE_PREFETCH_K 16                     // panel rows (k) ahead that a row tile asks the cache for
 
 typedef struct {
     const float* source;   // the weight (OC,IC) it copies
@@ -172,6 +183,15 @@ static inline void decode_matmul_forward_naive(float* out, const float* inp, con
     }
 }
 
+// panel row k's cache line into the cache ahead of its use (past the panel's end: a line of
+// the next panel, which the thread reads next; a prefetch never faults). Only the row tiles
+// ask: a few rows' loop is bound by the stream, which the hardware prefetcher already follows
+// (asking too made one row's 48 matrices of d12 slower, 13-16 -> 18 ms, one thread).
+static inline __attribute__((always_inline)) void decode_prefetch_panel(const float* panel, const uint16_t* panel_bf16, int k) {
+    if (panel_bf16) { __builtin_prefetch(panel_bf16 + (size_t)k * DECODE_PANEL); }
+    else { __builtin_prefetch(panel + (size_t)k * DECODE_PANEL); }
+}
+
 // One panel (outputs o0 .. o0 + no) for rows r0 .. r0 + NR: at each k, the panel's vectors are
 // loaded once (from fp32, or widened from bf16: panel_bf16) and each row's input broadcast
 // into them; each chunk's accumulators join the stack as one leaf.
@@ -212,22 +232,89 @@ static inline __attribute__((always_inline)) void decode_panel_tile(float* out, 
     }
 }
 
-// = decode_matmul_forward_naive = matmul_forward, bit for bit. The threads take contiguous
-// runs of panels, so each streams its part of the copy once per DECODE_ROW_TILE rows.
+// xt (tiles, IC, VLEN) <- inp rows: xt[(t * IC + k) * VLEN + r] = inp[(t * VLEN + r) * IC + k], the
+// rows past N zeros (their lanes are computed and never stored). Inside a parallel region.
+static inline void decode_transpose_rows(float* xt, const float* inp, int N, int IC, int tiles) {
+    #pragma omp for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        for (int r = 0; r < VLEN; r++) {
+            int row = t * VLEN + r;
+            float* dst = xt + (size_t)t * IC * VLEN + r;
+            for (int k = 0; k < IC; k++) { dst[(size_t)k * VLEN] = row < N ? inp[(size_t)row * IC + k] : 0.0f; }
+        }
+    }
+}
+
+// One panel (outputs o0 .. o0 + no) for the rows r0 .. r0 + nr of one transposed tile xt (IC,
+// VLEN): lane r of accumulator j is (row r0 + r, output o0 + j); at each k the tile's inputs are
+// one load and each of the panel's weights a broadcast (from fp32, or from the panel row widened
+// from bf16), DECODE_PANEL fmaf's per lane in flight; each chunk's accumulators join the stack
+// as one leaf.
+static inline __attribute__((always_inline)) void decode_panel_rows(float* out, const float* xt, const float* panel,
+                                                                    const uint16_t* panel_bf16, const float* bias, int IC,
+                                                                    int OC, int o0, int no, int r0, int nr, int nchunks) {
+    enum { ENTRY = DECODE_PANEL * VLEN };
+    float partials[(CANON_LOG2_R + 2) * ENTRY];
+    CanonStack stack = canon_stack(partials, ENTRY, 1, ENTRY, ENTRY);
+    for (int ch = 0; ch < nchunks; ch++) {
+        int kb = (int)(((long)IC * ch) / nchunks), ke = (int)(((long)IC * (ch + 1)) / nchunks);
+        vf acc[DECODE_PANEL];
+        _Pragma("GCC unroll 16") for (int j = 0; j < DECODE_PANEL; j++) { acc[j] = vf_zero(); }
+        for (int k = kb; k < ke; k++) {
+            decode_prefetch_panel(panel, panel_bf16, k + DECODE_PREFETCH_K);
+            float widened[DECODE_PANEL];
+            const float* w = panel + (size_t)k * DECODE_PANEL;
+            if (panel_bf16) {
+                _Pragma("GCC unroll 2") for (int v = 0; v < DECODE_PANEL_VECS; v++) {
+                    vf_store(widened + v * VLEN, vf_load_bf16(panel_bf16 + (size_t)k * DECODE_PANEL + v * VLEN));
+                }
+                w = widened;
+            }
+            vf x = vf_load(xt + (size_t)k * VLEN);
+            _Pragma("GCC unroll 16") for (int j = 0; j < DECODE_PANEL; j++) { acc[j] = vf_fma(x, vf_set1(w[j]), acc[j]); }
+        }
+        float* leaf = canon_stack_next(&stack);
+        _Pragma("GCC unroll 16") for (int j = 0; j < DECODE_PANEL; j++) { vf_store(leaf + j * VLEN, acc[j]); }
+        canon_stack_push(&stack, canon_tree_merges_after(ch, nchunks));
+    }
+    for (int r = 0; r < nr; r++) {
+        float* o = out + (size_t)(r0 + r) * OC + o0;
+        for (int j = 0; j < no; j++) { o[j] = bias ? partials[j * VLEN + r] + bias[o0 + j] : partials[j * VLEN + r]; }
+    }
+}
+
+// = decode_matmul_forward_naive = matmul_forward, bit for bit. The rows go in tiles of VLEN to
+// decode_panel_rows, and a remainder of at most DECODE_ROW_TILE rows (every row when N is that
+// small, as a lone request's step) to decode_panel_tile; a remainder of more rows takes a row
+// tile of its own, its missing rows zeros. The threads take contiguous runs of panels, so each
+// streams its part of the copy once per row tile.
 static inline void decode_matmul_forward(float* out, const float* inp, const DecodeMatrix* m, const float* bias, int N,
                                          int nchunks) {
     int IC = m->IC, OC = m->OC, panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
-    #pragma omp parallel for schedule(static)
-    for (int p = 0; p < panels; p++) {
-        size_t at = (size_t)p * IC * DECODE_PANEL;
-        int o0 = p * DECODE_PANEL, no = OC - o0 < DECODE_PANEL ? OC - o0 : DECODE_PANEL;
-        for (int r0 = 0; r0 < N; r0 += DECODE_ROW_TILE) {
+    int tiles = N % VLEN > DECODE_ROW_TILE ? (N + VLEN - 1) / VLEN : N / VLEN;   // row tiles
+    int tiled = tiles * VLEN < N ? tiles * VLEN : N;                            // rows they hold
+    float* xt = tiles ? scratch(SCRATCH_DECODE, sizeof(float) * (size_t)tiles * IC * VLEN) : NULL;
+    #pragma omp parallel
+    {
+        if (tiles) { decode_transpose_rows(xt, inp, N, IC, tiles); }   // (its omp for ends in a barrier)
+        #pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            size_t at = (size_t)p * IC * DECODE_PANEL;
+            int o0 = p * DECODE_PANEL, no = OC - o0 < DECODE_PANEL ? OC - o0 : DECODE_PANEL;
+            for (int t = 0; t < tiles; t++) {
+                int r0 = t * VLEN, nr = N - r0 < VLEN ? N - r0 : VLEN;
+                const float* x = xt + (size_t)t * IC * VLEN;
+                if (m->packed_bf16) { decode_panel_rows(out, x, NULL, m->packed_bf16 + at, bias, IC, OC, o0, no, r0, nr, nchunks); }
+                else { decode_panel_rows(out, x, m->packed + at, NULL, bias, IC, OC, o0, no, r0, nr, nchunks); }
+            }
+            if (tiled == N) { continue; }
+            int r0 = tiled;
             // one specialisation per row count and weight type (the branch on the type is
             // taken out of the k loop)
 #define DECODE_TILE(NR)                                                                                         \
     if (m->packed_bf16) { decode_panel_tile(out, inp, NULL, m->packed_bf16 + at, bias, IC, OC, o0, no, r0, NR, nchunks); } \
     else { decode_panel_tile(out, inp, m->packed + at, NULL, bias, IC, OC, o0, no, r0, NR, nchunks); }
-            switch (N - r0 < DECODE_ROW_TILE ? N - r0 : DECODE_ROW_TILE) {
+            switch (N - r0) {
                 case 1: DECODE_TILE(1); break;
                 case 2: DECODE_TILE(2); break;
                 case 3: DECODE_TILE(3); break;

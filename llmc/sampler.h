@@ -17,6 +17,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include "llmc/canonical.h"
 #include "llmc/utils.h"
 
 typedef struct {
@@ -81,15 +82,37 @@ static inline void sampler_nucleus(Sampler* s, double* w, int V) {
     for (; i < n; i++) { w[s->order[i]] = 0.0; }
 }
 
+// The greedy token: what `best = 0; for v: if (p[v] > p[best]) best = v` returns (the first
+// index of the largest value; NaNs never win, and a NaN at 0 wins). That loop waits on each
+// compare; here SAMPLER_LANES lanes each keep their own first maximum over v = lane mod
+// SAMPLER_LANES, from -inf, and the lanes' winners are combined by value, ties to the lower
+// index: the same token (test_sampler compares the two).
+#define SAMPLER_LANES 8
+static inline int sampler_argmax(const float* p, int V) {
+    if (V <= 0 || p[0] != p[0]) { return 0; }
+    float best[SAMPLER_LANES];
+    int at[SAMPLER_LANES];
+    for (int l = 0; l < SAMPLER_LANES; l++) { best[l] = -canon_inf(); at[l] = -1; }
+    int v = 0;
+    for (; v + SAMPLER_LANES <= V; v += SAMPLER_LANES) {
+        for (int l = 0; l < SAMPLER_LANES; l++) {
+            if (p[v + l] > best[l]) { best[l] = p[v + l]; at[l] = v + l; }
+        }
+    }
+    for (int l = 0; v + l < V; l++) {
+        if (p[v + l] > best[l]) { best[l] = p[v + l]; at[l] = v + l; }
+    }
+    int win = 0;   // p[0] when nothing beats -inf (every value -inf or NaN), as the loop gives
+    float top = -canon_inf();
+    for (int l = 0; l < SAMPLER_LANES; l++) {
+        if (at[l] >= 0 && (best[l] > top || (best[l] == top && at[l] < win))) { top = best[l]; win = at[l]; }
+    }
+    return win;
+}
+
 // The next token from probs[0 .. V) (host memory) and a coin in [0, 1).
 static inline int sampler_draw(Sampler* s, const float* probs, int V, float coin) {
-    if (s->temperature == 0.0f) {   // greedy
-        int best = 0;
-        for (int v = 1; v < V; v++) {
-            if (probs[v] > probs[best]) { best = v; }
-        }
-        return best;
-    }
+    if (s->temperature == 0.0f) { return sampler_argmax(probs, V); }   // greedy
     if (s->temperature == 1.0f && s->top_k == 0 && s->top_p >= 1.0f) {   // llm.c's sample_mult
         float cdf = 0.0f;
         for (int v = 0; v < V; v++) {

@@ -156,6 +156,20 @@ static inline uint64_t serve_fnv1a(uint64_t h, const float* x, size_t n) {
     return h;
 }
 
+// serve_fnv1a of SERVE_FNV_ROWS rows at once, each continued from its own h[j]: the same
+// hashes, the rows' multiply chains interleaved (one row's waits on the multiplier's latency
+// for every byte)
+#define SERVE_FNV_ROWS 4
+static inline void serve_fnv1a_rows(uint64_t h[SERVE_FNV_ROWS], const float* const x[SERVE_FNV_ROWS], size_t n) {
+    uint64_t a[SERVE_FNV_ROWS];
+    const unsigned char* b[SERVE_FNV_ROWS];
+    for (int j = 0; j < SERVE_FNV_ROWS; j++) { a[j] = h[j]; b[j] = (const unsigned char*)x[j]; }
+    for (size_t i = 0; i < n * sizeof(float); i++) {
+        for (int j = 0; j < SERVE_FNV_ROWS; j++) { a[j] = (a[j] ^ b[j][i]) * 1099511628211ull; }
+    }
+    for (int j = 0; j < SERVE_FNV_ROWS; j++) { h[j] = a[j]; }
+}
+
 static inline void serve_request_init(ServeRequest* r, const int* prompt, int n, int max_tokens, float temperature,
                                       int top_k, float top_p, uint64_t seed, int V) {
     memset(r, 0, sizeof(*r));
@@ -535,12 +549,30 @@ static inline void serve_engine_stop_followers(ServeEngine* e) {
 static inline void serve_engine_finish_step(ServeEngine* e) {
     if (e->num_rows == 0) { return; }
     // each drawing request's fingerprint over its distribution (V floats' bytes, one FNV-1a
-    // multiply per byte: 0.2 MB a row for GPT-2) is its own: the rows hashed in parallel
-    #pragma omp parallel for schedule(dynamic, 1) if (e->num_sched > 1)
-    for (int s = 0; s < e->num_sched; s++) {
-        if (e->sched_head[s] < 0) { continue; }
-        ServeRequest* r = e->sched[s];
-        r->fingerprint = serve_fnv1a(r->fingerprint, e->probs + (size_t)e->sched_head[s] * e->Vp, (size_t)e->config.vocab_size);
+    // multiply per byte: 0.2 MB a row for GPT-2) is its own: the rows hashed SERVE_FNV_ROWS at
+    // a time (the head's rows are the drawing requests in order), the groups in parallel
+    int M = 0;
+    for (int s = 0; s < e->num_sched; s++) { M += e->sched_head[s] >= 0; }
+    #pragma omp parallel for schedule(dynamic, 1) if (M > SERVE_FNV_ROWS)
+    for (int m0 = 0; m0 < M; m0 += SERVE_FNV_ROWS) {
+        ServeRequest* group[SERVE_FNV_ROWS];
+        int n = 0;
+        for (int s = 0; s < e->num_sched; s++) {
+            int m = e->sched_head[s];
+            if (m >= m0 && m < m0 + SERVE_FNV_ROWS) { group[n++] = e->sched[s]; }
+        }
+        if (n < SERVE_FNV_ROWS) {   // the last few rows
+            for (int j = 0; j < n; j++) {
+                group[j]->fingerprint = serve_fnv1a(group[j]->fingerprint, e->probs + (size_t)(m0 + j) * e->Vp,
+                                                    (size_t)e->config.vocab_size);
+            }
+            continue;
+        }
+        uint64_t h[SERVE_FNV_ROWS];
+        const float* rows[SERVE_FNV_ROWS];
+        for (int j = 0; j < SERVE_FNV_ROWS; j++) { h[j] = group[j]->fingerprint; rows[j] = e->probs + (size_t)(m0 + j) * e->Vp; }
+        serve_fnv1a_rows(h, rows, (size_t)e->config.vocab_size);
+        for (int j = 0; j < SERVE_FNV_ROWS; j++) { group[j]->fingerprint = h[j]; }
     }
     for (int s = 0; s < e->num_sched; s++) {
         ServeRequest* r = e->sched[s];

@@ -102,6 +102,9 @@ build/serve_load: dev/bench/serve_load.c | build
 .PHONY: bench-serve
 bench-serve: serve_gpt2 build/serve_load
 	dev/bench/bench_serve.sh
+# a serving step's parts (layers, attention, head, draws, fingerprints) at 1 and 16 rows
+build/bench_serve_step: dev/bench/bench_serve_step.c train_gpt2.c serve_model.c $(LLMC_HEADERS) | build
+	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
 
 .PHONY: clean-serve
 clean: clean-serve

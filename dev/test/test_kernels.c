@@ -197,10 +197,17 @@ static float ref_round_bf16(float x) {
 
 // The decode matmul on its packed copy (llmc/decode_matmul.h): the fast kernel and its
 // specification against the rules above, and decode_matmul (packed for few rows, matmul_forward
-// for more) against matmul_forward, for N = 1 .. DECODE_MAX_ROWS + 2 rows; OC not a multiple
-// of the panel, K whose chunks are uneven or empty, tensor-parallel chunk counts.
+// for more) against matmul_forward, for N = 1 .. 20 rows and around every multiple of the row
+// tiles (VLEN rows: 16 with AVX-512, 8 otherwise) up to DECODE_MAX_ROWS + 1, so each kernel,
+// full and partial row tiles and remainders of both sizes are met; OC not a multiple of the
+// panel, K whose chunks are uneven or empty, tensor-parallel chunk counts.
+static int decode_test_rows_next(int N) {
+    if (N < 20) { return N + 1; }
+    int next = (N + 2) / 8 * 8 + 7;   // 23, 24, 25, 31, 32, 33, ...: 8k - 1, 8k, 8k + 1
+    return N % 8 == 7 ? N + 1 : N % 8 == 0 ? N + 1 : next;
+}
 static void test_decode_matmul(int K, int OC) {
-    int maxN = DECODE_MAX_ROWS + 2;
+    int maxN = DECODE_MAX_ROWS + 1;
     char what[128];
     float* inp = rand_buf((size_t)maxN * K);
     float* w = rand_buf((size_t)OC * K);
@@ -210,7 +217,7 @@ static void test_decode_matmul(int K, int OC) {
     DecodeWeights dw = {0};
     decode_weights_add(&dw, w, OC, K);
     const DecodeMatrix* m = decode_weights_find(&dw, w, OC, K);
-    for (int N = 1; N <= maxN; N++) {
+    for (int N = 1; N <= maxN; N = decode_test_rows_next(N)) {
         for (int nch = CANON_R; nch >= 1; nch /= 2) {
             const float* b = nch == CANON_R || N % 2 ? bias : NULL;
             ref_matmul_forward(want, inp, w, b, N, K, OC, nch);
@@ -237,7 +244,7 @@ static void test_decode_matmul(int K, int OC) {
     dwb.bf16 = 1;
     decode_weights_add(&dwb, w, OC, K);
     const DecodeMatrix* mb = decode_weights_find(&dwb, w, OC, K);
-    for (int N = 1; N <= maxN; N++) {
+    for (int N = 1; N <= maxN; N = decode_test_rows_next(N)) {
         for (int nch = CANON_R; nch >= 1; nch /= 2) {
             const float* b = nch == CANON_R || N % 2 ? bias : NULL;
             ref_matmul_forward(want, inp, rounded, b, N, K, OC, nch);

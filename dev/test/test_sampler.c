@@ -125,6 +125,27 @@ int main(void) {
         CHECK(got == 17, "temperature 0 drew %d, the argmax is 17", got);
     }
     sampler_free(&greedy);
+    // sampler_argmax (the greedy draw, lanes combined) = the one-by-one loop it replaces, on
+    // lengths around its lanes, values from a few levels (ties in every lane position), NaNs
+    // (at 0 too), infinities
+    float levels[] = {0.0f, 0.25f, 0.5f, 0.5f, 1.0f, -canon_inf(), canon_inf(), canon_nan()};
+    float* x = malloc(sizeof(float) * 4099);
+    long argmax_cases = 0;
+    for (int trial = 0; trial < 4000; trial++) {
+        int n = trial < 2000 ? 1 + trial % 40 : 4099 - trial % 7;
+        int spread = 2 + trial % 7;   // which levels occur: a few (many ties) or all (NaN and inf)
+        for (int v = 0; v < n; v++) { x[v] = levels[(int)(random_f32(&rng) * spread) % spread]; }
+        if (trial % 5 == 0) { x[0] = canon_nan(); }
+        int want = 0;
+        for (int v = 1; v < n; v++) {
+            if (x[v] > x[want]) { want = v; }
+        }
+        int got = sampler_argmax(x, n);
+        CHECK(got == want, "sampler_argmax trial %d of %d values: %d, the loop %d", trial, n, got, want);
+        argmax_cases++;
+    }
+    free(x);
+    printf("%ld argmax cases against the one-by-one loop\n", argmax_cases);
 
     // 3. frequencies: 4 tokens with p = .1 .2 .3 .4 at temperature 0.5 are drawn in proportion
     //    to p^2 = 1 : 4 : 9 : 16 (chi-square with 3 degrees of freedom below 16.3: p < 0.001)
