@@ -51,8 +51,9 @@ serve_gpt2: serve_gpt2.c train_gpt2.c serve_model.c $(LLMC_HEADERS)
 # about C's {0} initializers, which serve_gpt2.c uses.)
 SERVE_CU_FLAGS := -Wno-missing-field-initializers
 SERVE_CU_DEPS := serve_gpt2.cu serve_gpt2.c train_gpt2.c serve_model.c $(LLMC_HEADERS) $(CUDA_HEADERS)
+# built with MPI where the trainer is (mpicxx, as train_gpt2cu_emu): mpirun -np N serve_gpt2cu_emu --tp ...
 serve_gpt2cu_emu: $(SERVE_CU_DEPS) build/cuda_emu.o $(EMU_FILES)
-	$(CXX) $(EMU_TEST_FLAGS) $(SERVE_CU_FLAGS) -x c++ serve_gpt2.cu -x none build/cuda_emu.o -o $@ -lm $(SERVE_LIBS)
+	$(EMU_CXX) $(EMU_TEST_FLAGS) $(EMU_MPI) $(SERVE_CU_FLAGS) -x c++ serve_gpt2.cu -x none build/cuda_emu.o -o $@ -lm $(SERVE_LIBS)
 ifeq ($(HAVE_SERVE_LIBS),1)
 TEST_BINS += serve_gpt2cu_emu
 TESTS     += dev/test/test_serve_cu.sh
@@ -62,7 +63,8 @@ endif
 endif
 ifeq ($(HAVE_CUDA),1)
 serve_gpt2cu: $(SERVE_CU_DEPS)
-	$(NVCC) $(NVCC_FLAGS) $(NVCC_DET_FLAGS) -Xcompiler -Wno-unused-function,$(SERVE_CU_FLAGS) -o $@ serve_gpt2.cu $(SERVE_LIBS)
+	$(NVCC) $(NVCC_FLAGS) $(NVCC_DET_FLAGS) $(MPI_CUDA_CFLAGS) -Xcompiler -Wno-unused-function,$(SERVE_CU_FLAGS) -o $@ serve_gpt2.cu \
+	    $(SERVE_LIBS) $(MPI_CUDA_LIBS)
 else
 serve_gpt2cu:
 	@echo "error: $@ needs CUDA: nvcc under CUDA_HOME=$(CUDA_HOME) (or pass NVCC=...)"; exit 1
