@@ -31,7 +31,7 @@
 #include "train_gpt2.c"
 #ifndef SERVE_MEMORY   // where the model's tensors live (serve_gpt2.cu: the GPU's, once it chose one)
 #define SERVE_MEMORY (&memory_host)
-#define SERVE_SELECT_DEVICE() ((void)0)
+#define SERVE_SELECT_DEVICE(comm) ((void)0)
 #endif
 #include "llmc/bpe_encoder.h"
 #include "llmc/gpt2_init.h"
@@ -836,7 +836,7 @@ int main(int argc, char** argv) {
     addr.sin_port = htons((uint16_t)port);
     if (inet_pton(AF_INET, host, &addr.sin_addr) != 1) { fatal("--host: expected an IPv4 address such as 127.0.0.1, got '%s'", host); }
 
-    SERVE_SELECT_DEVICE();
+    SERVE_SELECT_DEVICE(&comm);
     GPT2Config config;
     float* params = gpt2_read_finite_model(model, &config, 0);
     char why[256];

@@ -217,6 +217,9 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
     e->max_running = max_requests;
     e->batching = SERVE_INFLIGHT;
     e->comm = comm;
+    // the groups' collectives on the model's buffers in mem (device ones staged through host
+    // memory, or NCCL: comm.h), as the trainer's (engine.h trainer_build)
+    comm_set_memory(comm, mem);
     int K = comm->tp_group.size;
     int C = e->C / K, N = max_batch_tokens, NH = config->num_heads / K;   // this rank's heads
     int P = comm->cp;   // KVP ranks (llmc/serve_kvp.h), each holding kv_blocks / P of the blocks

@@ -47,12 +47,13 @@ serve_gpt2: serve_gpt2.c train_gpt2.c serve_model.c $(LLMC_HEADERS)
 
 # serve_gpt2cu, the CUDA build's server (serve_gpt2.cu: serve_gpt2.c on the deterministic device
 # kernels, its tensors in device memory), and its emulated twin (mk/cuda.mk's emulator, no GPU);
-# dev/test/test_serve_cu.sh checks the emulated one's tokens against serve_gpt2's. (C++ warns
+# dev/test/test_serve_cu.sh checks the emulated one's tokens against serve_gpt2's, on one rank and
+# across ranks (both are built with MPI where the trainer is, as train_gpt2cu and its twin). (C++ warns
 # about C's {0} initializers, which serve_gpt2.c uses.)
 SERVE_CU_FLAGS := -Wno-missing-field-initializers
 SERVE_CU_DEPS := serve_gpt2.cu serve_gpt2.c train_gpt2.c serve_model.c $(LLMC_HEADERS) $(CUDA_HEADERS)
 serve_gpt2cu_emu: $(SERVE_CU_DEPS) build/cuda_emu.o $(EMU_FILES)
-	$(CXX) $(EMU_TEST_FLAGS) $(SERVE_CU_FLAGS) -x c++ serve_gpt2.cu -x none build/cuda_emu.o -o $@ -lm $(SERVE_LIBS)
+	$(EMU_CXX) $(EMU_TEST_FLAGS) $(EMU_MPI) $(SERVE_CU_FLAGS) -x c++ serve_gpt2.cu -x none build/cuda_emu.o -o $@ -lm $(SERVE_LIBS)
 ifeq ($(HAVE_SERVE_LIBS),1)
 TEST_BINS += serve_gpt2cu_emu
 TESTS     += dev/test/test_serve_cu.sh
@@ -62,7 +63,8 @@ endif
 endif
 ifeq ($(HAVE_CUDA),1)
 serve_gpt2cu: $(SERVE_CU_DEPS)
-	$(NVCC) $(NVCC_FLAGS) $(NVCC_DET_FLAGS) -Xcompiler -Wno-unused-function,$(SERVE_CU_FLAGS) -o $@ serve_gpt2.cu $(SERVE_LIBS)
+	$(NVCC) $(NVCC_FLAGS) $(NVCC_DET_FLAGS) $(MPI_CUDA_CFLAGS) -Xcompiler -Wno-unused-function,$(SERVE_CU_FLAGS) -o $@ serve_gpt2.cu \
+	    $(SERVE_LIBS) $(MPI_CUDA_LIBS)
 else
 serve_gpt2cu:
 	@echo "error: $@ needs CUDA: nvcc under CUDA_HOME=$(CUDA_HOME) (or pass NVCC=...)"; exit 1
