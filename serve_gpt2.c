@@ -21,7 +21,7 @@
  * broadcasts each step; the others follow on their slice of the model. Rank 0 watches the
  * others: one that dies ends the server with one line, every request in flight answered 503.
  *
- *   mpirun -np S*K ./serve_gpt2 --pp S [--tp K] -e model.bin ...
+ *   mpirun -np S*Q*K ./serve_gpt2 --pp S [--tp K] [--ep Q] -e model.bin ...
  *
  * cuts the layers into S pipeline stages (llmc/serve_pipeline.h): rank 0 schedules and runs
  * stage 0, each iteration's rows go stage to stage, the probabilities come back to rank 0, up
@@ -688,7 +688,7 @@ static void usage(void) {
            "                          its positions over P ranks (1, 2, 4, 8; 2 x P x --block-size must divide\n"
            "                          maxT; --kv-blocks counts all P ranks' blocks), the output projection and\n"
            "                          the MLP over all P*K ranks (P*K must divide 8; llmc/serve_kvp.h; default 1)\n"
-           "  --pp S                  across mpirun -np S*K ranks (with --tp K; not with --kvp, --ep): the layers cut into S pipeline\n"
+           "  --pp S                  across mpirun -np S*Q*K ranks (with --tp K, --ep Q; not with --kvp): the layers cut into S pipeline\n"
            "                          stages (S must divide them), up to S iterations in flight (llmc/serve_pipeline.h)\n"
            "  --weights fp32|bf16     bf16: the weights rounded to bf16, the decode copies held in bf16 (half the\n"
            "                          bytes a step reads; fp32 arithmetic; the sampler's bits on the rounded\n"
@@ -877,6 +877,7 @@ int main(int argc, char** argv) {
 #endif
     bpe_init(&S.bpe, encoder, merges);
     serve_engine_init(&S.engine, &comm, SERVE_MEMORY, &config, params, (int)kv_blocks, (int)block_size, (int)max_batch, (int)max_conn);
+    free(params);   // the model holds its own slices: the whole checkpoint would cost every rank its size
     // every rank's decode copies in the same type (the followers branch off below)
 #ifndef LLMC_DEVICE_KERNELS
     S.engine.model->model.decode_layers->bf16 = weights_bf16;
@@ -896,8 +897,8 @@ int main(int argc, char** argv) {
         if (comm.pp > 1) {
             serve_pp_follow(&S.pipe, &S.engine);
             // what this rank sent, against llmc/serve_pipeline.h's formulas (the tests read it)
-            printf("serve_gpt2: rank %d (pp stage %d, tp rank %d): %lld iterations, %lld rows, %lld head rows; sent pp %llu other %llu tp %llu bytes\n",
-                   comm.world_rank, comm.pp_rank, comm.tp_rank, S.pipe.iterations, S.pipe.rows, S.pipe.head_rows,
+            printf("serve_gpt2: rank %d (pp stage %d, ep rank %d, tp rank %d): %lld iterations, %lld rows, %lld head rows; sent pp %llu other %llu tp %llu bytes\n",
+                   comm.world_rank, comm.pp_rank, comm.ep_rank, comm.tp_rank, S.pipe.iterations, S.pipe.rows, S.pipe.head_rows,
                    (unsigned long long)comm.stats.bytes[COMM_KIND_PP], (unsigned long long)comm.stats.bytes[COMM_KIND_OTHER],
                    (unsigned long long)comm.stats.bytes[COMM_KIND_TP]);
             fflush(stdout);
@@ -907,7 +908,6 @@ int main(int argc, char** argv) {
         }
         serve_engine_free(&S.engine);
         bpe_free(&S.bpe);
-        free(params);
         comm_finalize(&comm);
         free(rank_pids);
         return 0;
@@ -984,7 +984,6 @@ int main(int argc, char** argv) {
     MHD_stop_daemon(d);
     serve_engine_free(&S.engine);
     bpe_free(&S.bpe);
-    free(params);
     comm_finalize(&comm);
     free(rank_pids);
     printf("serve_gpt2: stopped\n");

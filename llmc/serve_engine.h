@@ -475,23 +475,34 @@ static inline int serve_engine_schedule(ServeEngine* e) {
     return rows;
 }
 
-// The step's rows from world rank 0 to every rank (its scheduler's choice; the others follow):
-// broadcast (world group; with --pp stage 0's tp group, serve_pipeline.h sends it down the
-// stages) of the row and head-row counts (2 ints; -1 rows: the end), then each row's token and
-// position, its block table (max_blocks ints), and the head's rows.
-static inline void serve_step_broadcast(ServeEngine* e, int* M) {
-    CommGroup* world = e->comm->pp > 1 ? &e->comm->tp_group : &e->comm->world;
-    if (world->size == 1) { return; }
+// One broadcast of the step from the group's rank 0 (every rank of `g` calls it): the row and
+// head-row counts (2 ints; -1 rows: the end), then each row's token and position, its block
+// table (max_blocks ints), and the head's rows.
+static inline void serve_step_send(ServeEngine* e, CommGroup* g, int* M) {
+    if (g->size == 1) { return; }
     int counts[2] = {e->num_rows, *M};
-    comm_broadcast(world, counts, sizeof(counts), 0, COMM_KIND_OTHER);
+    comm_broadcast(g, counts, sizeof(counts), 0, COMM_KIND_OTHER);
     e->num_rows = counts[0];
     *M = counts[1];
     if (e->num_rows <= 0) { return; }
     size_t N = (size_t)e->num_rows;
-    comm_broadcast(world, e->row_tok, sizeof(int) * N, 0, COMM_KIND_OTHER);
-    comm_broadcast(world, e->row_pos, sizeof(int) * N, 0, COMM_KIND_OTHER);
-    comm_broadcast(world, e->row_tables, sizeof(int) * N * e->max_blocks, 0, COMM_KIND_OTHER);
-    if (*M > 0) { comm_broadcast(world, e->head_rows, sizeof(int) * (size_t)*M, 0, COMM_KIND_OTHER); }
+    comm_broadcast(g, e->row_tok, sizeof(int) * N, 0, COMM_KIND_OTHER);
+    comm_broadcast(g, e->row_pos, sizeof(int) * N, 0, COMM_KIND_OTHER);
+    comm_broadcast(g, e->row_tables, sizeof(int) * N * e->max_blocks, 0, COMM_KIND_OTHER);
+    if (*M > 0) { comm_broadcast(g, e->head_rows, sizeof(int) * (size_t)*M, 0, COMM_KIND_OTHER); }
+}
+
+// The step's rows from world rank 0 to every rank that runs them (its scheduler's choice; the
+// others follow): over the world; with --pp only to stage 0's ranks (serve_pipeline.h sends it
+// down the stages): over rank 0's ep group (the stage's tp rank 0s), then over each tp group.
+static inline void serve_step_broadcast(ServeEngine* e, int* M) {
+    Comm* c = e->comm;
+    if (c->pp == 1) {
+        serve_step_send(e, &c->world, M);
+        return;
+    }
+    if (c->tp_rank == 0) { serve_step_send(e, &c->ep_group, M); }
+    serve_step_send(e, &c->tp_group, M);
 }
 
 // The forward over the step's rows and the head on M of them (every rank).

@@ -29,9 +29,10 @@
  *          depend on the routing: the test bounds them by 2k rows of C floats plus the counts)
  * A decode step of one request is N = M = 1: those bytes per generated token.
  *
- * --pp S (llmc/serve_pipeline.h): N = S x K ranks, stage s the tp group of world ranks s*K ..
- * s*K + K-1 (comm_setup_grid's pipeline coordinate, slowest), each stage its L/S layers; the
- * step goes down the stages with the rows, not by world broadcast. Not with --ep.
+ * --pp S (llmc/serve_pipeline.h): N = S x Q x K ranks, stage s world ranks s*Q*K .. (s+1)*Q*K - 1
+ * (comm_setup_grid's pipeline coordinate, slowest), its Q ep groups of K-rank tp groups as
+ * above, each stage its L/S layers and its experts' all-to-alls over its own ep groups; the
+ * step goes down the stages with the rows, not by world broadcast.
  */
 #ifndef LLMC_SERVE_PARALLEL_H
 #define LLMC_SERVE_PARALLEL_H
@@ -46,7 +47,6 @@ typedef struct { int tp, ep, pp, kvp; } ServeLayout;
 // What the model or the world cannot take in this layout, in one line (NULL: none).
 static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2Config* c, int world_size, char* why,
                                                size_t n) {
-    if (l->pp > 1 && l->ep > 1) { snprintf(why, n, "--pp %d with --ep %d: not built (expected --ep 1 with --pp)", l->pp, l->ep); return why; }
     if (l->pp > 1 && c->num_layers % l->pp != 0) {   // llmc/serve_pipeline.h: L/S layers a stage
         snprintf(why, n, "--pp %d: must divide the model's %d layers", l->pp, c->num_layers);
         return why;
@@ -67,9 +67,10 @@ static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2C
                  l->kvp * l->tp, world_size);
         return why;
     }
-    if (l->pp > 1 && world_size != l->pp * l->tp) {
-        snprintf(why, n, "--pp %d x --tp %d needs %d ranks (mpirun -np %d), got %d", l->pp, l->tp, l->pp * l->tp,
-                 l->pp * l->tp, world_size);
+    if (l->pp > 1 && world_size != l->pp * l->tp * l->ep) {
+        int need = l->pp * l->tp * l->ep;
+        snprintf(why, n, "--pp %d x --tp %d x --ep %d needs %d ranks (mpirun -np %d), got %d", l->pp, l->tp, l->ep,
+                 need, need, world_size);
         return why;
     }
     if (l->pp == 1 && l->kvp == 1 && world_size != l->tp * l->ep) {
@@ -84,7 +85,7 @@ static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2C
 // over the rest.
 // Collective over the world.
 static inline void serve_layout_setup(Comm* comm, const ServeLayout* l) {
-    // --pp: stage s is world ranks s*K .. s*K + K-1; the cp groups: the KVP groups (llmc/serve_kvp.h)
+    // --pp: stage s is world ranks s*Q*K .. (s+1)*Q*K - 1; the cp groups: the KVP groups (llmc/serve_kvp.h)
     comm_setup_grid_cp(comm, l->tp, l->kvp, l->pp);
     if (l->ep > 1) { comm_setup_expert_groups(comm, l->ep); }
 }

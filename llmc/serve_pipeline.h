@@ -3,18 +3,21 @@
  * [--tp K]`, the model's layers cut into S stages, several iterations in flight.
  *
  * THE STAGES: the trainer's grid (comm.h: tensor parallel fastest, pipeline slowest): stage s
- * is world ranks s*K .. s*K + K-1, one tp group; the pp group of each tp coordinate joins the S
- * stages. Stage s holds layers [s*L/S, (s+1)*L/S) (--pp must divide L), the first stage also
+ * is world ranks s*Q*K .. (s+1)*Q*K - 1, Q = --ep (default 1) tp groups of K ranks, its ep
+ * groups the Q ranks of each tp coordinate (serve_parallel.h: every one of them computes every
+ * row, the experts dealt over the ep group, the routed rows sent by all-to-all within the
+ * stage); the pp group of each (ep, tp) coordinate joins the S stages. Stage s holds layers [s*L/S, (s+1)*L/S) (--pp must divide L), the first stage also
  * the embeddings, the last the final layernorm and the head (wte on both), placed as the
  * trainer places a stage (serve_model.c: pipeline.h's ChunkPlace, zero.h), and the KV cache of
  * its own layers only: L/S layers of the same blocks (the block tables are rank 0's).
  *
  * AN ITERATION: world rank 0 (stage 0, tp rank 0) schedules it (serve_engine_schedule) and
- * sends it down: stage 0's tp group gets the step by broadcast (serve_step_broadcast), then
- * each rank of stage s < S-1 sends the step and its output rows (N x C floats, the residual
- * stream after its last layer) to the rank of the same tp coordinate in stage s+1 (pp group,
- * point to point); the last stage runs the head and its tp rank 0 sends the probabilities (M x
- * Vp floats) back to world rank 0 (pp group), which draws each request's token.
+ * sends it down: stage 0's ranks get the step by broadcast (serve_step_broadcast: over rank 0's
+ * ep group, then over each tp group), then each rank of stage s < S-1 sends the step and its
+ * output rows (N x C floats, the residual stream after its last layer) to the rank of the same
+ * (ep, tp) coordinate in stage s+1 (pp group, point to point); the last stage's ep rank 0 runs
+ * the head (dense: its tp group alone) and its tp rank 0 sends the probabilities (M x Vp
+ * floats) back to world rank 0 (pp group), which draws each request's token.
  *
  * SEVERAL ITERATIONS IN FLIGHT. The rule: a request is in at most one iteration in flight
  * (ServeRequest.in_flight), since its next row is the token its last one draws. Rank 0 keeps up
@@ -46,7 +49,10 @@
  *          stage's tp rank 0: M*Vp*4 back to world rank 0 (the probabilities)
  *   other: each rank of stage s < S-1: the step to stage s+1, (2 + N*(2 + max_blocks) + M)*4
  *          (the counts, each row's token, position and block table, the head's rows, as floats);
- *          world rank 0 with K > 1 the same ints as the step broadcast over stage 0's tp group
+ *          world rank 0 with K > 1 the same ints as the step broadcast over stage 0's tp group,
+ *          with Q > 1 once more over its ep group
+ *   ep:    (serve_parallel.h) within each stage, per MoE layer of its own, the routed rows'
+ *          all-to-alls over its ep groups (routing-dependent)
  *   tp:    (serve_parallel.h) over each stage's tp group, for its own layers: stage 0 the
  *          embedding's all-reduce and 2 per layer, the later stages 2 per layer, the last also
  *          the head's max and sums and the gather of the probabilities
@@ -258,7 +264,7 @@ static inline void serve_pp_follow(ServePipeline* p, ServeEngine* e) {
         p->rows += e->num_rows;
         if (!last) {
             serve_pp_send_down(p, e, M);
-        } else if (M > 0) {
+        } else if (M > 0 && e->comm->ep_rank == 0) {   // the head is dense: one ep rank's tp group runs it
             e->mem->from_host(e->head_rows_dev, e->head_rows, sizeof(int) * (size_t)M);
             serve_model_head(e->model, e->num_rows, e->head_rows_dev, M, e->probs);
             p->head_rows += M;

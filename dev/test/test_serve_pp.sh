@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # serve_gpt2 --pp S (llmc/serve_pipeline.h) under real mpirun (dev/test/mpi.sh) and curl, every
 # layout against the one-process server on the same requests, byte for byte:
-#   1. a dense d4 checkpoint (4 layers, 4 heads): --pp 2 (2 ranks), --pp 4 (4 ranks), --pp 2
-#      --tp 2 (4 ranks), --pp 4 --tp 2 (8 ranks): greedy, seeded top-k, 8 concurrent requests of mixed lengths and
+#   1. a dense d4 checkpoint (4 layers, 4 heads): --pp 2 (2 ranks), --pp 2 --tp 2 (4 ranks),
+#      --pp 4 --tp 2 (8 ranks); an expert d2 checkpoint (4 experts, top 2): --pp 2 --ep 2 (4
+#      ranks): greedy, seeded top-k, 8 concurrent requests of mixed lengths and
 #      sampling (the batch-invariance test across stages, several iterations in flight: the
 #      test asserts the pipeline held more than one), a stream; compared are the token ids, the
 #      text and the FNV-1a of every distribution drawn from (probs_fnv1a);
@@ -19,6 +20,7 @@ cd "$(dirname "$0")/../.."
 export MPI_TIMEOUT=120    # dev/test/mpi.sh: a hung layout fails instead of blocking
 
 train d4c32h4t64 dense
+train d2c32h2t64e4k2 moe
 CK=$W/dense/model_00000003.bin
 L=4 C=32 VP=50304 MAX_BLOCKS=4   # the model's shape: maxT 64 in blocks of 16
 
@@ -44,73 +46,90 @@ workload() {   # TAG: what the answers say into $W/TAG.out (no ids or times)
   } >"$W/$tag.out"
 }
 
-start_server
-workload one
-stop_server || fail "the one-process server's exit status after SIGTERM was not 0"
-! grep -q "no answer\|not complete" "$W/one.out" || fail "the one-process server's answers are incomplete: $(head -3 "$W/one.out")"
+layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on the same requests
+  local tag=$1 l np flags
+  shift
+  start_server
+  workload one
+  stop_server || fail "the one-process server's exit status after SIGTERM was not 0"
+  ! grep -q "no answer\|not complete" "$W/one.out" || fail "the one-process server's answers are incomplete: $(head -3 "$W/one.out")"
+  for l in "$@"; do
+    np=${l%%:*}
+    flags=${l#*:}
+    SERVE_LAUNCH="dev/test/mpi.sh $np" start_server $flags
+    grep -q "serve_gpt2: $np ranks" "$W/server.out" || fail "$flags: not $np ranks: $(head -3 "$W/server.out")"
+    workload "pp$np"
+    cmp -s "$W/one.out" "$W/pp$np.out" ||
+      fail "$flags on $np ranks: answers differ from one process's: $(diff "$W/one.out" "$W/pp$np.out" | head -4)"
+    in_flight=$(metric serve_pipeline_in_flight_max)
+    [ "${in_flight:-0}" -ge 2 ] || fail "$flags: never more than ${in_flight:-0} iteration in flight"
+    S=2 K=1 Q=1
+    [[ $flags =~ --pp\ ([0-9]+) ]] && S=${BASH_REMATCH[1]}
+    [[ $flags =~ --tp\ ([0-9]+) ]] && K=${BASH_REMATCH[1]}
+    [[ $flags =~ --ep\ ([0-9]+) ]] && Q=${BASH_REMATCH[1]}
 
-for l in "2:--pp 2" "4:--pp 4" "4:--pp 2 --tp 2" "8:--pp 4 --tp 2"; do
-  np=${l%%:*}
-  flags=${l#*:}
-  SERVE_LAUNCH="dev/test/mpi.sh $np" start_server $flags
-  grep -q "serve_gpt2: $np ranks" "$W/server.out" || fail "$flags: not $np ranks: $(head -3 "$W/server.out")"
-  workload "pp$np"
-  cmp -s "$W/one.out" "$W/pp$np.out" ||
-    fail "$flags on $np ranks: answers differ from one process's: $(diff "$W/one.out" "$W/pp$np.out" | head -4)"
-  in_flight=$(metric serve_pipeline_in_flight_max)
-  [ "${in_flight:-0}" -ge 2 ] || fail "$flags: never more than ${in_flight:-0} iteration in flight"
-  S=2 K=1
-  [[ $flags =~ --pp\ ([0-9]+) ]] && S=${BASH_REMATCH[1]}
-  [[ $flags =~ --tp\ ([0-9]+) ]] && K=${BASH_REMATCH[1]}
+    # per generated token of a lone one-token request (N = M = 1 every step), what rank 0 sent
+    # (pp: its C rows to stage 1; other: the step down, 2 + (2 + max_blocks) + 1 floats, and with
+    # K > 1 the same ints broadcast over stage 0's tp group, with Q > 1 over rank 0's ep group;
+    # tp: stage 0's all-reduces of C floats, the embedding's and 2 per layer of its L/S,
+    # 2(K-1)ceil(C/K)*4 bytes each) and what came back (Vp floats)
+    names=("serve_collective_bytes_total{kind=\"pp\"}" "serve_collective_bytes_total{kind=\"other\"}"
+           serve_pipeline_returned_bytes_total "serve_collective_bytes_total{kind=\"tp\"}")
+    before=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
+    post lone "{\"prompt\":[198],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+    after=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
+    read -r pp other back tp <<<"$(awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8, (y[4]-x[4])/8 }')"
+    step=$(( (2 + (2 + MAX_BLOCKS) + 1) * 4 ))
+    # (with Q > 1 also each of stage 0's L/S expert layers' row count to the other ep ranks,
+    # (Q-1)*4: every layer of the expert checkpoint is one, expert_parallel.h)
+    want_other=$(( step * (1 + (K > 1) + (Q > 1)) + (Q - 1) * 4 * L / S ))
+    [ "$pp" = $((C * 4)) ] || fail "$flags: rank 0's pp bytes per token $pp, the formula says C*4 = $((C * 4))"
+    [ "$other" = "$want_other" ] || fail "$flags: rank 0's other bytes per token $other, the formula says $want_other"
+    [ "$back" = $((VP * 4)) ] || fail "$flags: bytes back per token $back, the formula says Vp*4 = $((VP * 4))"
+    want_tp=$(( (2 * L / S + 1) * 2 * (K - 1) * ((C + K - 1) / K) * 4 ))
+    [ "$tp" = "$want_tp" ] || fail "$flags: rank 0's tp bytes per token $tp, the formula says $want_tp"
+    tokens=$(metric serve_generation_tokens_total)
 
-  # per generated token of a lone one-token request (N = M = 1 every step), what rank 0 sent
-  # (pp: its C rows to stage 1; other: the step down, 2 + (2 + max_blocks) + 1 floats, and with
-  # K > 1 the same ints broadcast over stage 0's tp group; tp: stage 0's all-reduces of C floats,
-  # the embedding's and 2 per layer of its L/S, 2(K-1)ceil(C/K)*4 bytes each) and what came
-  # back (Vp floats)
-  names=("serve_collective_bytes_total{kind=\"pp\"}" "serve_collective_bytes_total{kind=\"other\"}"
-         serve_pipeline_returned_bytes_total "serve_collective_bytes_total{kind=\"tp\"}")
-  before=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
-  post lone "{\"prompt\":[198],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
-  after=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
-  read -r pp other back tp <<<"$(awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8, (y[4]-x[4])/8 }')"
-  step=$(( (2 + (2 + MAX_BLOCKS) + 1) * 4 ))
-  want_other=$(( step * (K > 1 ? 2 : 1) ))
-  [ "$pp" = $((C * 4)) ] || fail "$flags: rank 0's pp bytes per token $pp, the formula says C*4 = $((C * 4))"
-  [ "$other" = "$want_other" ] || fail "$flags: rank 0's other bytes per token $other, the formula says $want_other"
-  [ "$back" = $((VP * 4)) ] || fail "$flags: bytes back per token $back, the formula says Vp*4 = $((VP * 4))"
-  want_tp=$(( (2 * L / S + 1) * 2 * (K - 1) * ((C + K - 1) / K) * 4 ))
-  [ "$tp" = "$want_tp" ] || fail "$flags: rank 0's tp bytes per token $tp, the formula says $want_tp"
-  tokens=$(metric serve_generation_tokens_total)
-
-  # SIGTERM to rank 0: it finishes, ends the stages, each prints its totals, and mpirun exits 0
-  kill -TERM "$(awk '/rank pids/ { print $(NF - '$((np - 1))'); exit }' "$W/server.out")"
-  wait "$SERVER_PID" || fail "$flags: exit status $? after SIGTERM to rank 0: $(tail -3 "$W/server.out")"
-  SERVER_PID=
-  grep -q '^serve_gpt2: stopped' "$W/server.out" || fail "$flags: rank 0 did not stop cleanly: $(tail -3 "$W/server.out")"
-  # every other rank's totals: a stage before the last sent C*4 pp bytes per row, the last
-  # stage's tp rank 0 Vp*4 per head row (one per generated token), its other tp ranks nothing
-  for r in $(seq 1 $((np - 1))); do
-    line=$(grep "^serve_gpt2: rank $r (pp stage" "$W/server.out") || fail "$flags: rank $r printed no totals"
-    # (its other bytes are not checked: a follower prints no head-row count for the steps it forwards)
-    read -r stage tpr rows heads ppb <<<"$(sed -E 's/.*pp stage ([0-9]+), tp rank ([0-9]+)\): [0-9]+ iterations, ([0-9]+) rows, ([0-9]+) head rows; sent pp ([0-9]+) other [0-9]+.*/\1 \2 \3 \4 \5/' <<<"$line")"
-    if [ "$stage" -lt $((S - 1)) ]; then
-      [ "$ppb" = $((rows * C * 4)) ] || fail "$flags: rank $r (stage $stage) sent $ppb pp bytes for $rows rows, not rows*C*4"
-    elif [ "$tpr" = 0 ]; then
-      [ "$heads" = "$tokens" ] || fail "$flags: rank $r ran the head on $heads rows for $tokens generated tokens"
-      [ "$ppb" = $((heads * VP * 4)) ] || fail "$flags: rank $r (last stage) sent $ppb pp bytes for $heads head rows, not M*Vp*4"
-    else
-      [ "$ppb" = 0 ] || fail "$flags: rank $r (last stage, tp rank $tpr) sent $ppb pp bytes, not 0"
-    fi
+    # SIGTERM to rank 0: it finishes, ends the stages, each prints its totals, and mpirun exits 0
+    kill -TERM "$(awk '/rank pids/ { print $(NF - '$((np - 1))'); exit }' "$W/server.out")"
+    wait "$SERVER_PID" || fail "$flags: exit status $? after SIGTERM to rank 0: $(tail -3 "$W/server.out")"
+    SERVER_PID=
+    grep -q '^serve_gpt2: stopped' "$W/server.out" || fail "$flags: rank 0 did not stop cleanly: $(tail -3 "$W/server.out")"
+    # every other rank's totals: a stage before the last sent C*4 pp bytes per row, the last
+    # stage's ep rank 0's tp rank 0 Vp*4 per head row (one per generated token), its other ranks
+    # nothing (only ep rank 0 runs the head)
+    for r in $(seq 1 $((np - 1))); do
+      line=$(grep "^serve_gpt2: rank $r (pp stage" "$W/server.out") || fail "$flags: rank $r printed no totals"
+      # (its other bytes are not checked: a follower prints no head-row count for the steps it forwards)
+      read -r stage epr tpr rows heads ppb <<<"$(sed -E 's/.*pp stage ([0-9]+), ep rank ([0-9]+), tp rank ([0-9]+)\): [0-9]+ iterations, ([0-9]+) rows, ([0-9]+) head rows; sent pp ([0-9]+) other [0-9]+.*/\1 \2 \3 \4 \5 \6/' <<<"$line")"
+      if [ "$stage" -lt $((S - 1)) ]; then
+        [ "$ppb" = $((rows * C * 4)) ] || fail "$flags: rank $r (stage $stage) sent $ppb pp bytes for $rows rows, not rows*C*4"
+      elif [ "$epr" != 0 ]; then
+        [ "$heads" = 0 ] && [ "$ppb" = 0 ] || fail "$flags: rank $r (last stage, ep rank $epr) ran $heads head rows, sent $ppb pp bytes, not 0"
+      elif [ "$tpr" = 0 ]; then
+        [ "$heads" = "$tokens" ] || fail "$flags: rank $r ran the head on $heads rows for $tokens generated tokens"
+        [ "$ppb" = $((heads * VP * 4)) ] || fail "$flags: rank $r (last stage) sent $ppb pp bytes for $heads head rows, not M*Vp*4"
+      else
+        [ "$ppb" = 0 ] || fail "$flags: rank $r (last stage, tp rank $tpr) sent $ppb pp bytes, not 0"
+      fi
+    done
+    pass "$flags on $np ranks ($tag) = one process (greedy, top-k, 8 concurrent mixed, stream; probabilities' bits), up to $in_flight iterations in flight; per token rank 0 sent pp $pp B, other $other B, tp $tp B, got $back B back; every stage's totals = the formulas"
   done
-  pass "$flags on $np ranks = one process (greedy, top-k, 8 concurrent mixed, stream; probabilities' bits), up to $in_flight iterations in flight; per token rank 0 sent pp $pp B, other $other B, tp $tp B, got $back B back; every stage's totals = the formulas"
-done
+}
+
+# (--pp 4 alone: covered by --pp 4 --tp 2, whose every stage's totals are checked the same way)
+layouts dense "2:--pp 2" "4:--pp 2 --tp 2" "8:--pp 4 --tp 2"
+# experts: each stage's routed rows by all-to-all over its own ep group; only ep rank 0 of the
+# last stage runs the head (its other ep rank's totals: no head rows, no pp bytes)
+CK=$W/moe/model_00000003.bin L=2
+layouts moe "4:--pp 2 --ep 2"
+CK=$W/dense/model_00000003.bin L=4
 
 # --- 3. refused layouts ------------------------------------------------------------------
 refuse "$CK" "^error: --pp 3: must divide the model's 4 layers" --pp 3
-refuse "$CK" "^error: --pp 2 with --ep 2: not built" --pp 2 --ep 2
-refuse "$CK" "^error: --pp 2 x --tp 2 needs 4 ranks (mpirun -np 4), got 1" --pp 2 --tp 2
-pass "refused in one line: --pp 3 (4 layers), --pp with --ep, too few ranks"
+refuse "$W/moe/model_00000003.bin" "^error: --ep 3: must divide the model's 4 experts" --pp 2 --ep 3
+refuse "$CK" "^error: --pp 2 x --tp 2 x --ep 1 needs 4 ranks (mpirun -np 4), got 1" --pp 2 --tp 2
+pass "refused in one line: --pp 3 (4 layers), --pp 2 --ep 3 (4 experts), too few ranks"
 
 # --- 4. a stage rank that dies -------------------------------------------------------------
 SERVE_LAUNCH="dev/test/mpi.sh 2" start_server --pp 2 --step-delay-ms 50
