@@ -77,7 +77,8 @@ enum { SERVE_PP_TAG_COUNTS = 1, SERVE_PP_TAG_STEP, SERVE_PP_TAG_ROWS, SERVE_PP_T
 typedef struct {
     int num_rows, num_sched, M;
     ServeRequest** sched;    // (max_requests) its requests ...
-    int* sched_last_row;     // ... their last rows
+    int* sched_last_row;     // ... their last rows ...
+    int* sched_head;         // ... and their rows of probs (-1: no draw; a prompt's chunk before its last)
     int* row_pos;            // (rows) its rows' positions
     float* probs;            // (max_head, Vp) what the last stage sends back
     CommRequest* probs_recv;
@@ -108,8 +109,9 @@ static inline void serve_pp_init(ServePipeline* p, ServeEngine* e) {
     for (int i = 0; i < p->S; i++) {
         ServePipeSlot* slot = &p->slots[i];
         slot->sched = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)e->max_requests, "pipeline iteration");
-        slot->sched_last_row = (int*)malloc_or_die(sizeof(int) * ((size_t)e->max_requests + (size_t)rows), "pipeline iteration");
-        slot->row_pos = slot->sched_last_row + e->max_requests;
+        slot->sched_last_row = (int*)malloc_or_die(sizeof(int) * (2 * (size_t)e->max_requests + (size_t)rows), "pipeline iteration");
+        slot->sched_head = slot->sched_last_row + e->max_requests;
+        slot->row_pos = slot->sched_head + e->max_requests;
         slot->probs = (float*)malloc_or_die(sizeof(float) * (size_t)p->max_head * e->Vp, "pipeline probabilities");
     }
 }
@@ -201,6 +203,7 @@ static inline void serve_pp_launch(ServePipeline* p, ServeEngine* e) {
     slot->M = M;
     memcpy(slot->sched, e->sched, sizeof(*e->sched) * (size_t)e->num_sched);
     memcpy(slot->sched_last_row, e->sched_last_row, sizeof(int) * (size_t)e->num_sched);
+    memcpy(slot->sched_head, e->sched_head, sizeof(int) * (size_t)e->num_sched);
     memcpy(slot->row_pos, e->row_pos, sizeof(int) * (size_t)e->num_rows);
     p->iterations++;
     p->rows += e->num_rows;
@@ -231,6 +234,7 @@ static inline void serve_pp_finish_oldest(ServePipeline* p, ServeEngine* e) {
     e->num_sched = slot->num_sched;
     memcpy(e->sched, slot->sched, sizeof(*e->sched) * (size_t)slot->num_sched);
     memcpy(e->sched_last_row, slot->sched_last_row, sizeof(int) * (size_t)slot->num_sched);
+    memcpy(e->sched_head, slot->sched_head, sizeof(int) * (size_t)slot->num_sched);
     memcpy(e->row_pos, slot->row_pos, sizeof(int) * (size_t)slot->num_rows);
     for (int s = 0; s < slot->num_sched; s++) { slot->sched[s]->in_flight = 0; }
     e->num_in_flight -= slot->num_sched;

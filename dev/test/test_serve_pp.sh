@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # serve_gpt2 --pp S (llmc/serve_pipeline.h) under real mpirun (dev/test/mpi.sh) and curl, every
 # layout against the one-process server on the same requests, byte for byte:
-#   1. a dense d4 checkpoint (4 layers, 4 heads): --pp 2 (2 ranks), --pp 2 --tp 2 (4 ranks),
-#      --pp 4 --tp 2 (8 ranks); an expert d2 checkpoint (4 experts, top 2): --pp 2 --ep 2 (4
+#   1. a dense d4 checkpoint (4 layers, 4 heads): --pp 2 (2 ranks) in a small cache (16 blocks
+#      of 4 positions: one request of maxT, so the concurrent ones are preempted) with prompts
+#      in chunks (--max-batch-tokens 8: iterations in flight hold prefill chunks that draw
+#      nothing), --pp 2 --tp 2 (4 ranks), --pp 4 --tp 2 (8 ranks), each against the one
+#      process with its default cache and chunks; an expert d2 checkpoint (4 experts, top 2): --pp 2 --ep 2 (4
 #      ranks): greedy, seeded top-k, 8 concurrent requests of mixed lengths and
 #      sampling (the batch-invariance test across stages, several iterations in flight: the
 #      test asserts the pipeline held more than one), a stream; compared are the token ids, the
@@ -22,7 +25,8 @@ export MPI_TIMEOUT=120    # dev/test/mpi.sh: a hung layout fails instead of bloc
 train d4c32h4t64 dense
 train d2c32h2t64e4k2 moe
 CK=$W/dense/model_00000003.bin
-L=4 C=32 VP=50304 MAX_BLOCKS=4   # the model's shape: maxT 64 in blocks of 16
+L=4 C=32 VP=50304 MAXT=64   # the model's shape
+SMALL="--block-size 4 --max-batch-tokens 8 --kv-blocks 16"
 
 
 workload() {   # TAG: what the answers say into $W/TAG.out (no ids or times)
@@ -63,10 +67,14 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
       fail "$flags on $np ranks: answers differ from one process's: $(diff "$W/one.out" "$W/pp$np.out" | head -4)"
     in_flight=$(metric serve_pipeline_in_flight_max)
     [ "${in_flight:-0}" -ge 2 ] || fail "$flags: never more than ${in_flight:-0} iteration in flight"
-    S=2 K=1 Q=1
+    preempted=$(metric serve_preemptions_total)
+    [[ $flags != *--kv-blocks* ]] || [ "${preempted:-0}" -gt 0 ] || fail "$flags: the small cache preempted nobody"
+    S=2 K=1 Q=1 BS=16
     [[ $flags =~ --pp\ ([0-9]+) ]] && S=${BASH_REMATCH[1]}
     [[ $flags =~ --tp\ ([0-9]+) ]] && K=${BASH_REMATCH[1]}
     [[ $flags =~ --ep\ ([0-9]+) ]] && Q=${BASH_REMATCH[1]}
+    [[ $flags =~ --block-size\ ([0-9]+) ]] && BS=${BASH_REMATCH[1]}
+    MAX_BLOCKS=$((MAXT / BS))
 
     # per generated token of a lone one-token request (N = M = 1 every step), what rank 0 sent
     # (pp: its C rows to stage 1; other: the step down, 2 + (2 + max_blocks) + 1 floats, and with
@@ -113,12 +121,12 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
         [ "$ppb" = 0 ] || fail "$flags: rank $r (last stage, tp rank $tpr) sent $ppb pp bytes, not 0"
       fi
     done
-    pass "$flags on $np ranks ($tag) = one process (greedy, top-k, 8 concurrent mixed, stream; probabilities' bits), up to $in_flight iterations in flight; per token rank 0 sent pp $pp B, other $other B, tp $tp B, got $back B back; every stage's totals = the formulas"
+    pass "$flags on $np ranks ($tag) = one process (greedy, top-k, 8 concurrent mixed, stream; probabilities' bits), up to $in_flight iterations in flight, ${preempted:-0} preemptions; per token rank 0 sent pp $pp B, other $other B, tp $tp B, got $back B back; every stage's totals = the formulas"
   done
 }
 
 # (--pp 4 alone: covered by --pp 4 --tp 2, whose every stage's totals are checked the same way)
-layouts dense "2:--pp 2" "4:--pp 2 --tp 2" "8:--pp 4 --tp 2"
+layouts dense "2:--pp 2 $SMALL" "4:--pp 2 --tp 2" "8:--pp 4 --tp 2"
 # experts: each stage's routed rows by all-to-all over its own ep group; only ep rank 0 of the
 # last stage runs the head (its other ep rank's totals: no head rows, no pp bytes)
 CK=$W/moe/model_00000003.bin L=2
