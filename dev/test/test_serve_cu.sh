@@ -95,9 +95,7 @@ emu_layout() {   # MODEL NP FLAGS...
   pass "$model: $what, $N requests at once (greedy and seeded, $cache) = serve_gpt2's tokens and distributions, each alone"
 }
 
-# --pp 2 in whole-prompt steps without preemption: serve_gpt2 --pp 2 itself fails with prefill in
-# chunks of 8 under these six requests (README, Not done yet)
-compare d2c32h2v64t32 1 "2 --tp 2" "2 --pp 2 --kv-blocks 64 --max-batch-tokens 256"
+compare d2c32h2v64t32 1 "2 --tp 2" "2 --pp 2"
 compare d2c32h2v64t32e4k2 1 "2 --ep 2"
 ./serve_gpt2cu_emu -e "$CK" --weights bf16 >"$W/bf16.out" 2>&1 && fail "serve_gpt2cu_emu accepted --weights bf16"
 [ "$(wc -l <"$W/bf16.out")" = 1 ] && grep -q -- '--weights bf16' "$W/bf16.out" ||
