@@ -6,6 +6,7 @@
 #                       libcjson-dev; without them `make` says so in one line and skips it)
 #   make serve          serves the quick start's checkpoint (make train) on port 8000
 #   make bench-serve    in-flight vs static batching vs one at a time on d12 (a table, not a test)
+#   make bench-serve-layouts  decode tok/s and ITL per layout (--tp, --pp, --kvp, --ep; a table)
 #
 # Tests: build/test_serve_engine drives the engine without HTTP; dev/test/test_serve.sh runs the
 # server under curl; dev/test/test_serve_parallel.sh across ranks under mpirun (llmc/serve_parallel.h),
@@ -102,6 +103,11 @@ build/serve_load: dev/bench/serve_load.c | build
 .PHONY: bench-serve
 bench-serve: serve_gpt2 build/serve_load
 	dev/bench/bench_serve.sh
+# per layout (issue 27): decode tok/s and ITL of one process, --tp, --pp, --kvp, --ep on d12 and
+# d12 with 8 experts, long prompts (dev/bench/bench_serve_layouts.sh; under mpirun)
+.PHONY: bench-serve-layouts
+bench-serve-layouts: serve_gpt2 build/serve_load train_gpt2
+	dev/bench/bench_serve_layouts.sh
 
 .PHONY: clean-serve
 clean: clean-serve
