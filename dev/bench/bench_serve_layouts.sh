@@ -16,10 +16,13 @@
 # rank 0 (the HTTP server), which ends the other ranks and mpirun.
 # The checkpoints are written once to build/bench_serve/ (ck/ the d12 make bench-serve writes
 # too, ck_moe/ the experts' d12): a step at learning rate 0 writes the initial weights.
-# Usage: dev/bench/bench_serve_layouts.sh  (env: N, CONC, OUT, PROMPT_TOKENS as above)
+# A row whose load does not complete within ROW_TIMEOUT s (default 600) says so and the next runs.
+# Usage: dev/bench/bench_serve_layouts.sh  (env: N, CONC, OUT, PROMPT_TOKENS as above; ROWS, an
+# extended regex: only the rows whose label matches, e.g. ROWS=d12e8k2)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 N=${N:-2}; CONC=${CONC:-2}; OUT=${OUT:-32}; PROMPT_TOKENS=${PROMPT_TOKENS:-992}
+ROWS=${ROWS:-.}; ROW_TIMEOUT=${ROW_TIMEOUT:-600}
 D=dev/data
 [ -s $D/tinyshakespeare.txt ] || D=../shared/data
 G=$D/gpt2
@@ -40,14 +43,20 @@ MOE=$(checkpoint d12e8k2 ck_moe)
 W=$(mktemp -d /tmp/llmc_bench_serve_layouts.XXXXXX)
 PID=
 RANK0=
-trap '[ -n "$RANK0" ] && kill -TERM $RANK0 2>/dev/null; [ -n "$PID" ] && wait $PID; rm -rf "$W"' EXIT
-load() {   # LOAD_FLAGS...: serve_load against $port, its output in $W/load.out
-  build/serve_load --port "$port" --tokens $G/tiny_shakespeare_val.bin --output-tokens "$OUT:$OUT" "$@" >"$W/load.out" ||
-    { cat "$W/load.out" "$W/server.out"; exit 1; }
+trap '[ -n "$RANK0" ] && kill -KILL $RANK0 2>/dev/null; [ -n "$PID" ] && wait $PID; rm -rf "$W"' EXIT
+load() {   # LOAD_FLAGS...: serve_load against $port, its output in $W/load.out; fails past ROW_TIMEOUT s
+  timeout "$ROW_TIMEOUT" build/serve_load --port "$port" --tokens $G/tiny_shakespeare_val.bin --output-tokens "$OUT:$OUT" "$@" >"$W/load.out"
 }
-row() {   # LABEL CHECKPOINT RANKS SERVER_FLAGS...
+stop() {   # SIGTERM to rank 0 (it finishes, ends the other ranks and mpirun); SIGKILL 60 s later if it has not
+  kill -TERM "$RANK0"
+  for _ in $(seq 600); do kill -0 "$RANK0" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "$RANK0" 2>/dev/null && { echo "rank 0 ignored SIGTERM for 60 s: killed" >>"$W/server.out"; kill -KILL "$RANK0"; }
+  wait "$PID"
+}
+row() {   # LABEL CHECKPOINT RANKS SERVER_FLAGS...: one row of the table (when LABEL matches ROWS)
   local label=$1 ck=$2 np=$3
   shift 3
+  [[ $label =~ $ROWS ]] || return 0
   local launch=()
   [ "$np" = 1 ] || launch=(dev/test/mpi.sh "$np")
   MPI_TIMEOUT=1200 ${launch[@]+"${launch[@]}"} ./serve_gpt2 -e "$ck" --port 0 --encoder $G/encoder.json --bpe $G/vocab.bpe "$@" \
@@ -63,10 +72,17 @@ row() {   # LABEL CHECKPOINT RANKS SERVER_FLAGS...
   RANK0=$PID
   # rank 0's pid: the startup line's first of the rank pids (mpirun does not forward SIGTERM as one stop)
   [ "$np" = 1 ] || RANK0=$(awk '/rank pids/ { print $(NF - '$((np - 1))'); exit }' "$W/server.out")
-  load --num-prompts 1 --max-concurrency 1 --prompt-tokens 16 --output-tokens 4:4
-  load --num-prompts "$N" --max-concurrency "$CONC" --prompt-tokens "$PROMPT_TOKENS"
-  kill -TERM "$RANK0"
-  wait "$PID" || { echo "$label: exit status $? after SIGTERM to rank 0: $(tail -3 "$W/server.out")"; exit 1; }
+  if ! load --num-prompts 1 --max-concurrency 1 --prompt-tokens 16 --output-tokens 4:4 ||
+     ! load --num-prompts "$N" --max-concurrency "$CONC" --prompt-tokens "$PROMPT_TOKENS"; then
+    # a layout that hangs or fails is a row saying so, and the benchmark goes on to the next
+    local got
+    got=$(grep '^requests' "$W/load.out" || echo "no answer in ${ROW_TIMEOUT} s")
+    stop || true
+    PID= RANK0=
+    echo "| $label | $np | **failed**: $got; $(tail -1 "$W/server.out") | | | |"
+    return
+  fi
+  stop || { echo "$label: exit status $? after SIGTERM to rank 0: $(tail -3 "$W/server.out")"; exit 1; }
   PID= RANK0=
   grep -q '^serve_gpt2: stopped' "$W/server.out" || { echo "$label: rank 0 did not stop cleanly: $(tail -3 "$W/server.out")"; exit 1; }
   # the row from serve_load's lines: "decode T tokens in S s decoding: R decode tok/s", "ITL mean X p50 Y p99 Z ms", TTFT alike

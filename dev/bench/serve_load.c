@@ -1,4 +1,5 @@
-// serve_load: a load generator for serve_gpt2 (make bench-serve), after vLLM's benchmark_serving.
+// serve_load: a load generator for serve_gpt2 (make bench-serve, make bench-serve-layouts), after
+// vLLM's benchmark_serving.
 // Requests arrive as a Poisson process at --rate per second (inf: all at once), at most
 // --max-concurrency in flight; each prompt is a passage of tiny Shakespeare (--prompt-chars
 // MIN:MAX characters from a random line start), each output length uniform in --output-tokens
