@@ -6,6 +6,7 @@
 #                       libcjson-dev; without them `make` says so in one line and skips it)
 #   make serve          serves the quick start's checkpoint (make train) on port 8000
 #   make bench-serve    in-flight vs static batching vs one at a time on d12 (a table, not a test)
+#   make bench-serve-layouts  decode tok/s and ITL per layout (--tp, --pp, --kvp, --ep; a table)
 #
 # Tests: build/test_serve_engine drives the engine without HTTP; dev/test/test_serve.sh runs the
 # server under curl; dev/test/test_serve_parallel.sh across ranks under mpirun (llmc/serve_parallel.h),
@@ -107,6 +108,11 @@ bench-serve: serve_gpt2 build/serve_load
 # a serving step's parts (layers, attention, head, draws, fingerprints) at 1 and 16 rows
 build/bench_serve_step: dev/bench/bench_serve_step.c train_gpt2.c serve_model.c $(LLMC_HEADERS) | build
 	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
+# per layout (issue 27): decode tok/s and ITL of one process, --tp, --pp, --kvp, --ep on d12 and
+# d12 with 8 experts, long prompts (dev/bench/bench_serve_layouts.sh; under mpirun)
+.PHONY: bench-serve-layouts
+bench-serve-layouts: serve_gpt2 build/serve_load train_gpt2
+	dev/bench/bench_serve_layouts.sh
 
 .PHONY: clean-serve
 clean: clean-serve

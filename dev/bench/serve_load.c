@@ -1,4 +1,5 @@
-// serve_load: a load generator for serve_gpt2 (make bench-serve), after vLLM's benchmark_serving.
+// serve_load: a load generator for serve_gpt2 (make bench-serve, make bench-serve-layouts), after
+// vLLM's benchmark_serving.
 // Requests arrive as a Poisson process at --rate per second (inf: all at once), at most
 // --max-concurrency in flight; each prompt is a passage of tiny Shakespeare (--prompt-chars
 // MIN:MAX characters from a random line start), each output length uniform in --output-tokens
@@ -7,6 +8,8 @@
 //   TTFT  request sent -> first chunk with text
 //   TPOT  (latency - TTFT) / (output tokens - 1)
 //   ITL   every gap between consecutive chunks with text
+//   decode tok/s  the tokens after each request's first, over the time some request was past its
+//                 first token (the union of [first, done]): the decode rate, prefill excluded
 // Output: one line of mean / p50 / p99 per metric, and request throughput, output tok/s; with
 // --label, also one Markdown table row of them (make bench-serve's table).
 #define _GNU_SOURCE
@@ -170,6 +173,20 @@ static int cmp_double(const void* a, const void* b) {
     return x < y ? -1 : x > y;
 }
 
+static int cmp_first(const void* a, const void* b) {
+    return cmp_double(&(*(Req* const*)a)->first, &(*(Req* const*)b)->first);
+}
+// seconds during which some request of `done` (n of them, complete) was past its first token
+static double decoding_seconds(Req** done, int n) {
+    qsort(done, (size_t)n, sizeof(Req*), cmp_first);
+    double total = 0, start = 0, end = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        if (done[i]->first > end) { total += end > start ? end - start : 0; start = done[i]->first; end = done[i]->done; }
+        else if (done[i]->done > end) { end = done[i]->done; }
+    }
+    return total + (end > start ? end - start : 0);
+}
+
 // mean, p50, p99 in ms (linear interpolation between order statistics, as numpy's percentile)
 static double row_stats[3][3];   // TTFT, TPOT, ITL: mean, p50, p99 in ms
 static void report(const char* name, double* v, int n, double* stats) {
@@ -187,14 +204,27 @@ static void report(const char* name, double* v, int n, double* stats) {
     printf("%-6s mean %8.1f  p50 %8.1f  p99 %8.1f ms\n", name, stats[0], stats[1], stats[2]);
 }
 
+// an llm.c token file (llmc/dataloader.h: a 256-int32 header, magic 20240520, [2] the count, then
+// uint16 ids): its ids
+static uint16_t* read_tokens(const char* file, long* count) {
+    FILE* fp = fopen(file, "rb");
+    int32_t header[256];
+    if (!fp || fread(header, sizeof(int32_t), 256, fp) != 256 || header[0] != 20240520) { die("--tokens: not an llm.c token file: ", file); }
+    *count = header[2];
+    uint16_t* ids = malloc(sizeof(uint16_t) * (size_t)*count);
+    if (fread(ids, sizeof(uint16_t), (size_t)*count, fp) != (size_t)*count) { die("--tokens: shorter than its header says: ", file); }
+    fclose(fp);
+    return ids;
+}
+
 static void range(const char* flag, const char* v, int* lo, int* hi) {
     if (sscanf(v, "%d:%d", lo, hi) != 2 || *lo < 1 || *hi < *lo) { die(flag, ": expected MIN:MAX, 1 <= MIN <= MAX"); }
 }
 
 int main(int argc, char** argv) {
-    const char *text_file = "dev/data/tinyshakespeare.txt", *label = NULL;
+    const char *text_file = "dev/data/tinyshakespeare.txt", *tokens_file = NULL, *label = NULL;
     double rate = INFINITY;
-    int concurrency = 1, pmin = 100, pmax = 400, omin = 16, omax = 48;
+    int concurrency = 1, pmin = 100, pmax = 400, omin = 16, omax = 48, prompt_tokens = 0;
     num_reqs = 16;
     port = 8000;
     for (int i = 1; i < argc; i += 2) {
@@ -207,29 +237,49 @@ int main(int argc, char** argv) {
         else if (strcmp(f, "--prompt-chars") == 0) { range(f, v, &pmin, &pmax); }
         else if (strcmp(f, "--output-tokens") == 0) { range(f, v, &omin, &omax); }
         else if (strcmp(f, "--text") == 0) { text_file = v; }
+        else if (strcmp(f, "--tokens") == 0) { tokens_file = v; }
+        else if (strcmp(f, "--prompt-tokens") == 0) { prompt_tokens = atoi(v); }
         else if (strcmp(f, "--label") == 0) { label = v; }
         else if (strcmp(f, "--seed") == 0) { rng_state = strtoull(v, NULL, 10) | 1; }
         else { die("unknown flag ", f); }
     }
     if (num_reqs < 1 || concurrency < 1 || !(rate > 0)) { die("--num-prompts, --max-concurrency, --rate: ", "positive"); }
-    FILE* fp = fopen(text_file, "rb");
-    if (!fp) { die("cannot read ", text_file); }
-    fseek(fp, 0, SEEK_END);
-    long tlen = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    char* text = malloc((size_t)tlen);
-    if (fread(text, 1, (size_t)tlen, fp) != (size_t)tlen || tlen < 2 * pmax) { die("too short or unreadable: ", text_file); }
-    fclose(fp);
+    if (!tokens_file != !prompt_tokens) { die("--tokens FILE and --prompt-tokens N: ", "both or neither"); }
+    long ntokens = 0;
+    uint16_t* ids = tokens_file ? read_tokens(tokens_file, &ntokens) : NULL;
+    if (ids && (prompt_tokens < 1 || ntokens <= prompt_tokens)) { die("--prompt-tokens: expected 1 .. the file's token count - 1, in ", tokens_file); }
+    char* text = NULL;
+    long tlen = 0;
+    if (!ids) {
+        FILE* fp = fopen(text_file, "rb");
+        if (!fp) { die("cannot read ", text_file); }
+        fseek(fp, 0, SEEK_END);
+        tlen = ftell(fp);
+        fseek(fp, 0, SEEK_SET);
+        text = malloc((size_t)tlen);
+        if (fread(text, 1, (size_t)tlen, fp) != (size_t)tlen || tlen < 2 * pmax) { die("too short or unreadable: ", text_file); }
+        fclose(fp);
+    }
 
     reqs = calloc((size_t)num_reqs, sizeof(Req));
-    char* prompt = malloc((size_t)pmax * 6 + 3);
+    // room for the prompt as JSON: a character escaped takes at most 6, an id 5 digits and a comma
+    char* prompt = malloc((size_t)(ids ? prompt_tokens : pmax) * 6 + 3);
     double t = 0;
     for (int i = 0; i < num_reqs; i++) {
         Req* r = &reqs[i];
-        long at = (long)(uniform01() * (double)(tlen - pmax - 1));
-        while (at > 0 && text[at - 1] != '\n') { at--; }   // a passage from a line's start
-        int chars = pmin + (int)(uniform01() * (pmax - pmin + 1));
-        json_string(prompt, text + at, chars);
+        if (ids) {   // a JSON array of prompt_tokens ids from a random offset
+            long at = (long)(uniform01() * (double)(ntokens - prompt_tokens));
+            char* o = prompt;
+            *o++ = '[';
+            for (int k = 0; k < prompt_tokens; k++) { o += sprintf(o, k ? ",%u" : "%u", ids[at + k]); }
+            *o++ = ']';
+            *o = 0;
+        } else {
+            long at = (long)(uniform01() * (double)(tlen - pmax - 1));
+            while (at > 0 && text[at - 1] != '\n') { at--; }   // a passage from a line's start
+            int chars = pmin + (int)(uniform01() * (pmax - pmin + 1));
+            json_string(prompt, text + at, chars);
+        }
         r->max_tokens = omin + (int)(uniform01() * (omax - omin + 1));
         r->body = malloc(strlen(prompt) + 256);
         sprintf(r->body, "{\"model\":\"gpt2\",\"prompt\":%s,\"max_tokens\":%d,\"temperature\":0,\"ignore_eos\":true,"
@@ -246,15 +296,17 @@ int main(int argc, char** argv) {
 
     double *ttft = malloc(sizeof(double) * num_reqs), *tpot = malloc(sizeof(double) * num_reqs);
     int nttft = 0, ntpot = 0, nitl = 0, ok = 0;
-    long out = 0;
+    long out = 0, decoded = 0;
+    Req** done = malloc(sizeof(Req*) * num_reqs);
     for (int i = 0; i < num_reqs; i++) { nitl += reqs[i].num_chunks; }
     double* itl = malloc(sizeof(double) * (size_t)(nitl + 1));
     nitl = 0;
     for (int i = 0; i < num_reqs; i++) {
         Req* r = &reqs[i];
         if (!r->ok || r->num_chunks == 0) { continue; }
-        ok++;
+        done[ok++] = r;
         out += r->output_tokens;
+        decoded += r->output_tokens - 1;
         ttft[nttft++] = r->first - r->sent;
         if (r->output_tokens > 1) { tpot[ntpot++] = (r->done - r->first) / (r->output_tokens - 1); }
         for (int c = 1; c < r->num_chunks; c++) { itl[nitl++] = r->chunk_times[c] - r->chunk_times[c - 1]; }
@@ -262,6 +314,8 @@ int main(int argc, char** argv) {
     double secs = t_end - t_start;
     printf("requests %d of %d complete in %.2f s: %.3f req/s, %ld output tokens, %.1f output tok/s\n", ok, num_reqs, secs,
            ok / secs, out, out / secs);
+    double dsecs = ok ? decoding_seconds(done, ok) : 0;
+    printf("decode %ld tokens in %.2f s decoding: %.2f decode tok/s\n", decoded, dsecs, dsecs > 0 ? decoded / dsecs : 0);
     report("TTFT", ttft, nttft, row_stats[0]);
     report("TPOT", tpot, ntpot, row_stats[1]);
     report("ITL", itl, nitl, row_stats[2]);
