@@ -106,7 +106,7 @@ build/serve_load: dev/bench/serve_load.c | build
 bench-serve: serve_gpt2 build/serve_load
 	dev/bench/bench_serve.sh
 # a serving step's parts (layers, attention, head, draws, fingerprints) at 1 and 16 rows
-build/bench_serve_step: dev/bench/bench_serve_step.c train_gpt2.c serve_model.c $(LLMC_HEADERS) | build
+build/bench_serve_step: dev/bench/bench_serve_step.c dev/bench/bench_median.h train_gpt2.c serve_model.c $(LLMC_HEADERS) | build
 	$(TRAIN_CC) $(TEST_CFLAGS) $(TRAIN_CFLAGS) -o $@ $< $(LDLIBS)
 # per layout (issue 27): decode tok/s and ITL of one process, --tp, --pp, --kvp, --ep on d12 and
 # d12 with 8 experts, long prompts (dev/bench/bench_serve_layouts.sh; under mpirun)

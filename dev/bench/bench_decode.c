@@ -24,14 +24,7 @@
 
 static double now_s(void) { return omp_get_wtime(); }
 
-static int cmp_double(const void* a, const void* b) {
-    double x = *(const double*)a, y = *(const double*)b;
-    return x < y ? -1 : x > y;
-}
-static double median(double* v, int n) {
-    qsort(v, (size_t)n, sizeof(double), cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+#include "dev/bench/bench_median.h"
 
 // Seconds to read n floats once: each thread sums its contiguous part into 64 lanes (8 AVX2
 // or 4 AVX-512 accumulators), so the adds never wait on each other.

@@ -49,14 +49,7 @@ static void timed_attend(void* ctx, int l, const float* qkv, float* atty, int C,
     attention_time.cpu += d.cpu;
 }
 
-static int cmp_double(const void* a, const void* b) {
-    double x = *(const double*)a, y = *(const double*)b;
-    return x < y ? -1 : x > y;
-}
-static double median(double* v, int n) {
-    qsort(v, (size_t)n, sizeof(double), cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+#include "dev/bench/bench_median.h"
 
 // R requests decoding together: each part's median per step (ms), wall and CPU
 static void bench_rows(Comm* comm, const GPT2Config* c, const float* params, int R, int steps, int warm,
