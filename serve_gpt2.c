@@ -22,6 +22,7 @@
  * others: one that dies ends the server with one line, every request in flight answered 503.
  *
  *   mpirun -np S*Q*K ./serve_gpt2 --pp S [--tp K] [--ep Q] -e model.bin ...
+ *   mpirun -np S*P*K ./serve_gpt2 --pp S --kvp P [--tp K] -e model.bin ...
  *
  * cuts the layers into S pipeline stages (llmc/serve_pipeline.h): rank 0 schedules and runs
  * stage 0, each iteration's rows go stage to stage, the probabilities come back to rank 0, up
@@ -688,8 +689,9 @@ static void usage(void) {
            "                          its positions over P ranks (1, 2, 4, 8; 2 x P x --block-size must divide\n"
            "                          maxT; --kv-blocks counts all P ranks' blocks), the output projection and\n"
            "                          the MLP over all P*K ranks (P*K must divide 8; llmc/serve_kvp.h; default 1)\n"
-           "  --pp S                  across mpirun -np S*Q*K ranks (with --tp K, --ep Q; not with --kvp): the layers cut into S pipeline\n"
-           "                          stages (S must divide them), up to S iterations in flight (llmc/serve_pipeline.h)\n"
+           "  --pp S                  across mpirun -np S*Q*K ranks (with --tp K, --ep Q; with --kvp P S*P*K): the layers\n"
+           "                          cut into S pipeline stages (S must divide them), up to S iterations in flight\n"
+           "                          (llmc/serve_pipeline.h)\n"
            "  --weights fp32|bf16     bf16: the weights rounded to bf16, the decode copies held in bf16 (half the\n"
            "                          bytes a step reads; fp32 arithmetic; the sampler's bits on the rounded\n"
            "                          checkpoint, not on this one; default fp32)\n");
@@ -897,8 +899,8 @@ int main(int argc, char** argv) {
         if (comm.pp > 1) {
             serve_pp_follow(&S.pipe, &S.engine);
             // what this rank sent, against llmc/serve_pipeline.h's formulas (the tests read it)
-            printf("serve_gpt2: rank %d (pp stage %d, ep rank %d, tp rank %d): %lld iterations, %lld rows, %lld head rows; sent pp %llu other %llu tp %llu bytes\n",
-                   comm.world_rank, comm.pp_rank, comm.ep_rank, comm.tp_rank, S.pipe.iterations, S.pipe.rows, S.pipe.head_rows,
+            printf("serve_gpt2: rank %d (pp stage %d, ep rank %d, kvp rank %d, tp rank %d): %lld iterations, %lld rows, %lld head rows; sent pp %llu other %llu tp %llu bytes\n",
+                   comm.world_rank, comm.pp_rank, comm.ep_rank, comm.cp_rank, comm.tp_rank, S.pipe.iterations, S.pipe.rows, S.pipe.head_rows,
                    (unsigned long long)comm.stats.bytes[COMM_KIND_PP], (unsigned long long)comm.stats.bytes[COMM_KIND_OTHER],
                    (unsigned long long)comm.stats.bytes[COMM_KIND_TP]);
             fflush(stdout);
@@ -947,11 +949,11 @@ int main(int argc, char** argv) {
         if (comm.cp > 1) {   // KV parallelism (llmc/serve_kvp.h): the cache per rank, the traffic per token
             const KVPLayout* lay = &S.engine.kvp.lay;
             printf("serve_gpt2: kvp %d: KV cache per rank %d blocks of %d heads, %zu bytes; KVP collectives %llu bytes "
-                   "per generated token (one row a step, per layer all-reduces of %d + %d floats and a reduce-scatter "
-                   "of %d over %d ranks); weights per rank %zu bytes (the output projection and the MLP over all %d "
-                   "ranks)\n", comm.cp, S.engine.kv.num_blocks, lay->NHl, serve_kv_cache_bytes(&S.engine),
-                   (unsigned long long)(config.num_layers * kvp_step_bytes(lay, 1)), lay->NHl, lay->NHl, lay->Cl, comm.cp,
-                   serve_model_weight_bytes(S.engine.model), comm.world_size);
+                   "per generated token (one row a step, per layer of the stage's %d all-reduces of %d + %d floats and "
+                   "a reduce-scatter of %d over %d ranks); weights per rank %zu bytes (the output projection and the "
+                   "MLP over all %d ranks)\n", comm.cp, S.engine.kv.num_blocks, lay->NHl, serve_kv_cache_bytes(&S.engine),
+                   (unsigned long long)(kv_layers * kvp_step_bytes(lay, 1)), kv_layers, lay->NHl, lay->NHl, lay->Cl,
+                   comm.cp, serve_model_weight_bytes(S.engine.model), comm.cp * comm.tp);
         }
         static int world_size;
         world_size = comm.world_size;

@@ -494,14 +494,15 @@ static inline void serve_step_send(ServeEngine* e, CommGroup* g, int* M) {
 
 // The step's rows from world rank 0 to every rank that runs them (its scheduler's choice; the
 // others follow): over the world; with --pp only to stage 0's ranks (serve_pipeline.h sends it
-// down the stages): over rank 0's ep group (the stage's tp rank 0s), then over each tp group.
+// down the stages): over rank 0's group across the stage's tp groups (the stage's tp rank 0s:
+// its KVP group under --kvp, else its ep group), then over each tp group.
 static inline void serve_step_broadcast(ServeEngine* e, int* M) {
     Comm* c = e->comm;
     if (c->pp == 1) {
         serve_step_send(e, &c->world, M);
         return;
     }
-    if (c->tp_rank == 0) { serve_step_send(e, &c->ep_group, M); }
+    if (c->tp_rank == 0) { serve_step_send(e, c->cp > 1 ? &c->cp_group : &c->ep_group, M); }
     serve_step_send(e, &c->tp_group, M);
 }
 

@@ -32,7 +32,8 @@
  * --pp S (llmc/serve_pipeline.h): N = S x Q x K ranks, stage s world ranks s*Q*K .. (s+1)*Q*K - 1
  * (comm_setup_grid's pipeline coordinate, slowest), its Q ep groups of K-rank tp groups as
  * above, each stage its L/S layers and its experts' all-to-alls over its own ep groups; the
- * step goes down the stages with the rows, not by world broadcast.
+ * step goes down the stages with the rows, not by world broadcast. With --kvp P each stage is
+ * a pool of P x K ranks instead: N = S x P x K.
  */
 #ifndef LLMC_SERVE_PARALLEL_H
 #define LLMC_SERVE_PARALLEL_H
@@ -51,7 +52,6 @@ static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2C
         snprintf(why, n, "--pp %d: must divide the model's %d layers", l->pp, c->num_layers);
         return why;
     }
-    if (l->pp > 1 && l->kvp > 1) { snprintf(why, n, "--pp %d with --kvp %d: not built (expected --kvp 1 with --pp)", l->pp, l->kvp); return why; }
     const char* tp = tp_problem(c, l->tp);
     if (tp) { snprintf(why, n, "--tp %d: %s (model: NH=%d, Vp=%d)", l->tp, tp, c->num_heads, c->padded_vocab_size); return why; }
     if (l->ep > 1 && c->num_experts == 0) {
@@ -62,20 +62,15 @@ static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2C
         snprintf(why, n, "--ep %d: must divide the model's %d experts", l->ep, c->num_experts);
         return why;
     }
-    if (l->kvp > 1 && world_size != l->kvp * l->tp) {   // (llmc/serve_kvp.h: --kvp with --ep is refused)
-        snprintf(why, n, "--kvp %d x --tp %d needs %d ranks (mpirun -np %d), got %d", l->kvp, l->tp, l->kvp * l->tp,
-                 l->kvp * l->tp, world_size);
-        return why;
-    }
-    if (l->pp > 1 && world_size != l->pp * l->tp * l->ep) {
-        int need = l->pp * l->tp * l->ep;
-        snprintf(why, n, "--pp %d x --tp %d x --ep %d needs %d ranks (mpirun -np %d), got %d", l->pp, l->tp, l->ep,
-                 need, need, world_size);
-        return why;
-    }
-    if (l->pp == 1 && l->kvp == 1 && world_size != l->tp * l->ep) {
-        snprintf(why, n, "--tp %d x --ep %d needs %d ranks (mpirun -np %d), got %d", l->tp, l->ep, l->tp * l->ep,
-                 l->tp * l->ep, world_size);
+    // a stage's ranks: the KVP x TP pool (llmc/serve_kvp.h), or the tp groups of the ep group
+    int stage = l->kvp > 1 ? l->kvp * l->tp : l->tp * l->ep;
+    if (world_size != l->pp * stage) {
+        int need = l->pp * stage;
+        char dims[96];
+        if (l->kvp > 1) { snprintf(dims, sizeof(dims), "--kvp %d x --tp %d", l->kvp, l->tp); }
+        else { snprintf(dims, sizeof(dims), "--tp %d x --ep %d", l->tp, l->ep); }
+        if (l->pp > 1) { snprintf(why, n, "--pp %d x %s needs %d ranks (mpirun -np %d), got %d", l->pp, dims, need, need, world_size); }
+        else { snprintf(why, n, "%s needs %d ranks (mpirun -np %d), got %d", dims, need, need, world_size); }
         return why;
     }
     return NULL;
