@@ -96,9 +96,21 @@ static struct {
     long long next_id, prompt_tokens, generation_tokens, requests_ok, requests_cancelled, requests_rejected;
     Histogram ttft, itl;
     uint64_t comm_bytes[COMM_KIND_COUNT];   // what world rank 0 sent, by kind, after the last step
+    long long* expert_slots;   // (E) an expert model's slots rank 0's rows routed to each expert (its
+                               // layers summed; its share of each step's rows under --ep), after the last step
     const char* dead;       // a rank died (rank_watch_thread): every request in flight gets this error
     int ranks_ending;       // rank 0 is ending the followers: their exits are no deaths
 } S;
+
+// S.expert_slots from the model's routing counters (train_gpt2.c MoeCounters); under S.mu
+static void snapshot_expert_slots(void) {
+    const MoeCounters* ct = &S.engine.model->model.counters;
+    for (int e = 0; S.expert_slots && e < ct->experts; e++) {
+        double slots = 0.0;
+        for (int l = 0; l < ct->layers; l++) { slots += ct->tokens[(size_t)l * ct->experts + e]; }
+        S.expert_slots[e] = (long long)slots;
+    }
+}
 
 static void job_unref(Job* j) {   // under S.mu
     if (--j->refs > 0) { return; }
@@ -173,6 +185,7 @@ static void* engine_thread(void* arg) {
             serve_engine_finish_step(&S.engine);
         }
         memcpy(S.comm_bytes, S.engine.comm->stats.bytes, sizeof(S.comm_bytes));
+        snapshot_expert_slots();
         pthread_cond_broadcast(&S.progress);
         if (S.step_delay_us) {
             pthread_mutex_unlock(&S.mu);
@@ -509,7 +522,7 @@ static size_t serve_kv_cache_bytes(const ServeEngine* e) {
 }
 
 static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
-    static char buf[16384];   // under S.mu
+    static char buf[65536];   // under S.mu (room for a line per expert)
     char* p = buf;
     size_t left = sizeof(buf);
     pthread_mutex_lock(&S.mu);
@@ -554,6 +567,14 @@ static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
     metric(&p, &left, "# HELP serve_ranks The layout: tensor-, expert-, KV- and pipeline-parallel ranks.\n# TYPE serve_ranks gauge\n"
                       "serve_ranks{dim=\"tp\"} %d\nserve_ranks{dim=\"ep\"} %d\nserve_ranks{dim=\"kvp\"} %d\n"
                       "serve_ranks{dim=\"pp\"} %d\n", e->comm->tp, e->comm->ep, e->comm->cp, e->comm->pp);
+    // an expert model's routing (what the tests recompute the ep traffic from)
+    if (S.expert_slots) {
+        metric(&p, &left, "# HELP serve_expert_slots_total Slots rank 0's rows routed to each expert, its layers summed.\n"
+                          "# TYPE serve_expert_slots_total counter\n");
+        for (int x = 0; x < e->config.num_experts; x++) {
+            metric(&p, &left, "serve_expert_slots_total{expert=\"%d\"} %lld\n", x, S.expert_slots[x]);
+        }
+    }
     // --pp (llmc/serve_pipeline.h): the probabilities back from the last stage, and the overlap
     metric(&p, &left, "# HELP serve_pipeline_returned_bytes_total Bytes rank 0 received from the last pipeline stage.\n"
                       "# TYPE serve_pipeline_returned_bytes_total counter\nserve_pipeline_returned_bytes_total %llu\n",
@@ -923,6 +944,7 @@ int main(int argc, char** argv) {
     S.max_connections = (int)max_conn;
     S.max_body = (size_t)max_body;
     S.limits = (ServeLimits){config.max_seq_len - 1, config.vocab_size, S.model_name, encode_text, &S.bpe};
+    if (config.num_experts > 0) { S.expert_slots = (long long*)calloc_or_die((size_t)config.num_experts, sizeof(long long), "expert slots"); }
 
     if (pipe(stop_pipe) != 0) { fatal("serve_gpt2: pipe: %s", strerror(errno)); }
     struct sigaction stop_action = {0};
@@ -988,6 +1010,7 @@ int main(int argc, char** argv) {
     bpe_free(&S.bpe);
     comm_finalize(&comm);
     free(rank_pids);
+    free(S.expert_slots);
     printf("serve_gpt2: stopped\n");
     return 0;
 }

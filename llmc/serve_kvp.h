@@ -85,9 +85,9 @@ static inline const char* serve_kvp_problem(char* why, size_t n, int P, int tp, 
     if (CANON_R % (P * tp) != 0) {
         snprintf(why, n, "--kvp %d x --tp %d: the output projection and the MLP are cut over all %d ranks, expected "
                  "kvp x tp to divide %d (the canonical chunks of their sums)", P, tp, P * tp, CANON_R);
-    } else if (ep > 1) {
-        snprintf(why, n, "--kvp %d with --ep %d: KV parallelism does not compose with expert parallelism yet "
-                 "(expected --ep 1)", P, ep);
+    } else if ((P * tp) % ep != 0) {
+        snprintf(why, n, "--ep %d with --kvp %d x --tp %d: the experts are dealt over ep ranks of the pool of %d, "
+                 "expected a divisor of %d", ep, P, tp, P * tp, P * tp);
     } else if (kv_blocks % P != 0) {
         snprintf(why, n, "--kv-blocks %ld with --kvp %d: expected a multiple of %d (each KVP rank holds 1/%d of "
                  "the blocks)", kv_blocks, P, P, P);
@@ -119,22 +119,51 @@ static inline void serve_kvp_init(ServeKVP* s, Comm* comm, const GPT2Config* c, 
 }
 
 // This rank's slices of the model (tensor_parallel.h TPCut): the heads and the vocabulary of
-// tp slice t, the output projection and the MLP of slice t*P + r of P x K (the heads the
-// reduce-scatter leaves it). Without KVP (comm->cp 1) the tp group's.
+// tp slice t, the output projection and the MLP of slice f = t*P + r of P x K (the heads the
+// reduce-scatter leaves it); with --ep Q its experts' fc and fcproj of slice f / Q of P x K / Q
+// (serve_kvp_expert_groups). Without KVP (comm->cp 1) the tp group's.
 static inline TPCut serve_kvp_cut(const Comm* comm) {
     TPCut cut = tp_cut(comm->tp, comm->tp_rank);
+    int Q = comm->cp > 1 ? comm->ep : 1;   // without KVP the ep groups are not in the pool
     cut.ffn_K = comm->tp * comm->cp;
     cut.ffn_r = comm->tp_rank * comm->cp + comm->cp_rank;
+    cut.exp_K = cut.ffn_K / Q;
+    cut.exp_r = cut.ffn_r / Q;
     return cut;
 }
 
-// The pool's P x K ranks as the group the output projection and the MLP are cut over, ranked
-// by their slices (serve_kvp_cut): their g all-reduces over it. Collective over the world
-// (comm->cp > 1; set up for the layout).
-static inline void serve_kvp_ffn_group(Comm* comm, CommGroup* ffn) {
-    comm_group_init_single(ffn, &comm->stats, comm->mem);
+// --kvp with --ep Q (Helix's FFN as TP x EP on the pool): slice f of the pool is rank f % Q of
+// the ep group of the slices with its f / Q (the experts dealt over it, expert_parallel.h), and
+// holds slice f / Q of those experts' fc and fcproj (serve_kvp_ffn_groups). Collective over the
+// world (after comm_setup_grid_cp; comm->dp is 1).
+static inline void serve_kvp_expert_groups(Comm* comm, int Q) {
+    comm_group_free(&comm->ep_group);
+    comm_group_free(&comm->edp_group);
+    comm->ep = Q;
+    int f = serve_kvp_cut(comm).ffn_r, G = comm->tp * comm->cp;
+    comm->ep_rank = f % Q;
+    comm->edp_rank = 0;
+    comm_group_init_single(&comm->edp_group, &comm->stats, comm->mem);   // no gradients: serving
 #ifdef USE_MPI
-    comm_split(comm, ffn, comm->pp_rank * comm->dp + comm->dp_rank, serve_kvp_cut(comm).ffn_r, "kvp x tp");
+    comm_split(comm, &comm->ep_group, comm->pp_rank * (G / Q) + f / Q, f % Q, "kvp ep");
+#else
+    fatal("--kvp %d: KV parallelism needs MPI", comm->cp);
+#endif
+    comm->ep_group.mem = comm->mem;
+}
+
+// The pool's P x K ranks as the group the output projection and the MLP are cut over, ranked
+// by their slices (serve_kvp_cut): their g all-reduces over it; and the group each expert's fc
+// and fcproj are cut over: the pool, or with --ep Q the Q-th of it holding the same experts
+// (the same f % Q), ranked by f / Q. Collective over the world (comm->cp > 1; set up for the
+// layout).
+static inline void serve_kvp_ffn_groups(Comm* comm, CommGroup* ffn, CommGroup* exp) {
+    comm_group_init_single(ffn, &comm->stats, comm->mem);
+    comm_group_init_single(exp, &comm->stats, comm->mem);
+#ifdef USE_MPI
+    TPCut cut = serve_kvp_cut(comm);
+    comm_split(comm, ffn, comm->pp_rank * comm->dp + comm->dp_rank, cut.ffn_r, "kvp x tp");
+    if (comm->ep > 1) { comm_split(comm, exp, comm->pp_rank * comm->ep + comm->ep_rank, cut.exp_r, "kvp x tp / ep"); }
 #else
     fatal("--kvp %d: KV parallelism needs MPI", comm->cp);
 #endif

@@ -41,6 +41,7 @@
 #include <stdio.h>
 #include "llmc/comm.h"
 #include "llmc/model.h"
+#include "llmc/serve_kvp.h"
 #include "llmc/tensor_parallel.h"
 
 typedef struct { int tp, ep, pp, kvp; } ServeLayout;
@@ -82,7 +83,11 @@ static inline const char* serve_layout_problem(const ServeLayout* l, const GPT2C
 static inline void serve_layout_setup(Comm* comm, const ServeLayout* l) {
     // --pp: stage s is world ranks s*Q*K .. (s+1)*Q*K - 1; the cp groups: the KVP groups (llmc/serve_kvp.h)
     comm_setup_grid_cp(comm, l->tp, l->kvp, l->pp);
-    if (l->ep > 1) { comm_setup_expert_groups(comm, l->ep); }
+    if (l->ep > 1 && l->kvp > 1) {
+        serve_kvp_expert_groups(comm, l->ep);   // Helix's FFN: TP x EP on the pool
+    } else if (l->ep > 1) {
+        comm_setup_expert_groups(comm, l->ep);
+    }
 }
 
 #endif // LLMC_SERVE_PARALLEL_H

@@ -20,7 +20,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 . dev/test/serve_lib.sh            # D, J, W, fail, pass; start_server, stop_server
-. dev/test/serve_parallel_lib.sh   # train, post, metric, toks, PROMPT, refuse (its own workload below)
+. dev/test/serve_parallel_lib.sh   # train, post, metric, lone_request, toks, PROMPT, refuse (its own workload below)
 export MPI_TIMEOUT=120    # dev/test/mpi.sh: a hung layout fails instead of blocking
 
 train d4c32h4t64 dense
@@ -89,10 +89,7 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
     names=("serve_collective_bytes_total{kind=\"pp\"}" "serve_collective_bytes_total{kind=\"other\"}"
            serve_pipeline_returned_bytes_total "serve_collective_bytes_total{kind=\"tp\"}"
            "serve_collective_bytes_total{kind=\"cp\"}")
-    before=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
-    post lone "{\"prompt\":[198],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
-    after=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
-    read -r pp other back tp cp <<<"$(awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); for (i = 1; i <= 5; i++) printf "%s ", (y[i]-x[i])/8 }')"
+    read -r pp other back tp cp <<<"$(lone_request "${names[@]}" | awk '{ for (i = 1; i <= NF; i++) printf "%s ", $i / 8 }')"
     step=$(( (2 + (2 + MAX_BLOCKS) + 1) * 4 ))
     # (with Q > 1 also each of stage 0's L/S expert layers' row count to the other ep ranks,
     # (Q-1)*4: every layer of the expert checkpoint is one, expert_parallel.h)
