@@ -96,8 +96,8 @@ static struct {
     long long next_id, prompt_tokens, generation_tokens, requests_ok, requests_cancelled, requests_rejected;
     Histogram ttft, itl;
     uint64_t comm_bytes[COMM_KIND_COUNT];   // what world rank 0 sent, by kind, after the last step
-    long long* expert_slots;   // (E) an expert model's slots rank 0's rows routed to each expert (its
-                               // layers summed; its share of each step's rows under --ep), after the last step
+    long long* expert_slots;   // (layers, E) an expert model's slots rank 0's rows routed to each expert of
+                               // its layers (its share of each step's rows under --ep), after the last step
     const char* dead;       // a rank died (rank_watch_thread): every request in flight gets this error
     int ranks_ending;       // rank 0 is ending the followers: their exits are no deaths
 } S;
@@ -105,10 +105,8 @@ static struct {
 // S.expert_slots from the model's routing counters (train_gpt2.c MoeCounters); under S.mu
 static void snapshot_expert_slots(void) {
     const MoeCounters* ct = &S.engine.model->model.counters;
-    for (int e = 0; S.expert_slots && e < ct->experts; e++) {
-        double slots = 0.0;
-        for (int l = 0; l < ct->layers; l++) { slots += ct->tokens[(size_t)l * ct->experts + e]; }
-        S.expert_slots[e] = (long long)slots;
+    for (size_t i = 0; S.expert_slots && i < (size_t)ct->layers * ct->experts; i++) {
+        S.expert_slots[i] = (long long)ct->tokens[i];
     }
 }
 
@@ -569,10 +567,14 @@ static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
                       "serve_ranks{dim=\"pp\"} %d\n", e->comm->tp, e->comm->ep, e->comm->cp, e->comm->pp);
     // an expert model's routing (what the tests recompute the ep traffic from)
     if (S.expert_slots) {
-        metric(&p, &left, "# HELP serve_expert_slots_total Slots rank 0's rows routed to each expert, its layers summed.\n"
+        const MoeCounters* ct = &e->model->model.counters;
+        metric(&p, &left, "# HELP serve_expert_slots_total Slots rank 0's rows routed to each expert of its layers.\n"
                           "# TYPE serve_expert_slots_total counter\n");
-        for (int x = 0; x < e->config.num_experts; x++) {
-            metric(&p, &left, "serve_expert_slots_total{expert=\"%d\"} %lld\n", x, S.expert_slots[x]);
+        for (int l = 0; l < ct->layers; l++) {
+            for (int x = 0; x < ct->experts; x++) {
+                metric(&p, &left, "serve_expert_slots_total{layer=\"%d\",expert=\"%d\"} %lld\n", ct->first_layer + l,
+                       x, S.expert_slots[(size_t)l * ct->experts + x]);
+            }
         }
     }
     // --pp (llmc/serve_pipeline.h): the probabilities back from the last stage, and the overlap
@@ -944,7 +946,10 @@ int main(int argc, char** argv) {
     S.max_connections = (int)max_conn;
     S.max_body = (size_t)max_body;
     S.limits = (ServeLimits){config.max_seq_len - 1, config.vocab_size, S.model_name, encode_text, &S.bpe};
-    if (config.num_experts > 0) { S.expert_slots = (long long*)calloc_or_die((size_t)config.num_experts, sizeof(long long), "expert slots"); }
+    if (config.num_experts > 0) {
+        const MoeCounters* ct = &S.engine.model->model.counters;
+        S.expert_slots = (long long*)calloc_or_die((size_t)(ct->layers ? ct->layers : 1) * ct->experts, sizeof(long long), "expert slots");
+    }
 
     if (pipe(stop_pipe) != 0) { fatal("serve_gpt2: pipe: %s", strerror(errno)); }
     struct sigaction stop_action = {0};

@@ -21,11 +21,15 @@ lone_request() {
   after=$(for m in "$@"; do metric "$m"; done | tr '\n' ' ')
   awk -v b="$before" -v a="$after" 'BEGIN { n = split(b, x); split(a, y); for (i = 1; i <= n; i++) printf "%d ", y[i] - x[i] }'
 }
-# ... and the slots it routed to each of an expert model's E experts, over the layers and steps
-routing() {   # E
-  local e names=()
-  for ((e = 0; e < $1; e++)); do names+=("serve_expert_slots_total{expert=\"$e\"}"); done
-  lone_request "${names[@]}"
+# ... and the slots it routed to each of an expert model's E experts over its steps and layers
+# [L0, L1) (the one process's routing: what the experts' traffic is recomputed from)
+routing() {   # E L0 L1
+  local e l names=()
+  for ((l = $2; l < $3; l++)); do
+    for ((e = 0; e < $1; e++)); do names+=("serve_expert_slots_total{layer=\"$l\",expert=\"$e\"}"); done
+  done
+  lone_request "${names[@]}" | awk -v E=$1 '{ for (i = 1; i <= NF; i++) slots[(i - 1) % E] += $i
+                                              for (e = 0; e < E; e++) printf "%d ", slots[e] }'
 }
 read -r -a toks <"$D/tinyshakespeare_first1000.tokens.txt"
 PROMPT=5962,22307,25,198

@@ -151,7 +151,7 @@ expert_answers() {   # TAG: both at once (each ep rank's share of a decode step 
 }
 start_server
 expert_answers moe_one
-read -r -a slots <<<"$(routing $E)"   # the lone request's slots per expert (8 steps x L x k)
+read -r -a slots <<<"$(routing $E 0 $L)"   # the lone request's slots per expert (8 steps x L x k)
 stop_server || fail "the one-process expert server's exit status after SIGTERM was not 0"
 grep -q "no answer" "$W/moe_one.out" && fail "the one-process expert server: requests unanswered"
 [ $((slots[0] + slots[1] + slots[2] + slots[3])) = $((8 * L * k)) ] || fail "the one process routed ${slots[*]} slots per expert"

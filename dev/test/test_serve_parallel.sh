@@ -47,7 +47,7 @@ layouts() {   # CK NAME NP:FLAGS...: each layout's workload = the one process's
   workload "${name}_1"
   # an expert model's routing of the lone request, slots per expert over its layers and 8 steps
   # (the one process routes every row itself): what the experts' traffic is recomputed from
-  [ "$name" = moe ] && read -r -a slots <<<"$(routing 4)"
+  [ "$name" = moe ] && read -r -a slots <<<"$(routing 4 0 2)"
   [ "$name" != moe ] || [ $((slots[0] + slots[1] + slots[2] + slots[3])) = $((8 * 2 * 2)) ] ||
     fail "the one process routed ${slots[*]} slots per expert, not 8 steps x 2 layers x top 2 in all"
   stop_server || fail "$name: the one-process server's exit status after SIGTERM was not 0"
