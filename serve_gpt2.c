@@ -15,7 +15,7 @@
  * cancel it), exit 0.
  *
  *   mpirun -np K*Q ./serve_gpt2 --tp K --ep Q -e model.bin ...
- *   mpirun -np P*K ./serve_gpt2 --kvp P --tp K -e model.bin ...   (Helix's KVP: llmc/serve_kvp.h)
+ *   mpirun -np P*K ./serve_gpt2 --kvp P --tp K [--ep Q] -e model.bin ...   (Helix's KVP: llmc/serve_kvp.h)
  *
  * serves across ranks (llmc/serve_parallel.h): world rank 0 runs HTTP and the scheduler and
  * broadcasts each step; the others follow on their slice of the model. Rank 0 watches the
@@ -706,12 +706,14 @@ static void usage(void) {
            "  --max-body-bytes N      request bodies over this get 413 (default 1048576)\n"
            "  --shutdown-timeout S    on SIGTERM, seconds to finish what runs before cancelling it (default 30)\n"
            "  --step-delay-ms N       sleep after every engine step (tests: slow streams; default 0)\n"
-           "  --tp K, --ep Q          across mpirun -np K*Q ranks: tensor-parallel over K, the experts over Q\n"
-           "                          (llmc/serve_parallel.h); world rank 0 serves HTTP (default 1, 1)\n"
+           "  --tp K, --ep Q          across mpirun -np K*Q ranks: tensor-parallel over K, the experts over Q, each\n"
+           "                          ep rank routing its share of a step's rows (llmc/serve_parallel.h); world\n"
+           "                          rank 0 serves HTTP (default 1, 1)\n"
            "  --kvp P                 across mpirun -np P*K ranks with --tp K: each request's KV cache cut along\n"
            "                          its positions over P ranks (1, 2, 4, 8; 2 x P x --block-size must divide\n"
            "                          maxT; --kv-blocks counts all P ranks' blocks), the output projection and\n"
-           "                          the MLP over all P*K ranks (P*K must divide 8; llmc/serve_kvp.h; default 1)\n"
+           "                          the MLP over all P*K ranks (P*K must divide 8; with --ep Q the experts\n"
+           "                          over Q of those ranks, Q dividing P*K; llmc/serve_kvp.h; default 1)\n"
            "  --pp S                  across mpirun -np S*Q*K ranks (with --tp K, --ep Q; with --kvp P S*P*K): the layers\n"
            "                          cut into S pipeline stages (S must divide them), up to S iterations in flight\n"
            "                          (llmc/serve_pipeline.h)\n"
