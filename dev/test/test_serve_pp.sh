@@ -88,8 +88,8 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
 
     # per generated token of a lone one-token request (N = M = 1 every step), what rank 0 sent
     # (pp: its C rows to stage 1; other: the step down, 2 + (2 + max_blocks) + 1 floats, and with
-    # K > 1 the same ints broadcast over stage 0's tp group, with Q > 1 over rank 0's ep group,
-    # with P > 1 over its KVP group; tp: stage 0's all-reduces of C floats, the embedding's over
+    # K > 1 the same ints broadcast over stage 0's tp group, and once over rank 0's KVP group
+    # with P > 1, else over its ep group with Q > 1 (serve_step_broadcast: one or the other); tp: stage 0's all-reduces of C floats, the embedding's over
     # the tp group and 2 per layer of its L/S over the G = P K ranks the output projection and
     # the MLP are cut over, 2(G-1)ceil(C/G)*4 bytes each; cp (--kvp): per layer the max and Z
     # all-reduces of NH/K floats and the output's reduce-scatter of P x C/G over the KVP group)
@@ -105,7 +105,7 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
     step=$(( (2 + (2 + MAX_BLOCKS) + 1) * 4 ))
     # (with Q > 1 also each of stage 0's L/S expert layers' row count to the other ep ranks,
     # (Q-1)*4: every layer of the expert checkpoint is one, expert_parallel.h)
-    want_other=$(( step * (1 + (K > 1) + (Q > 1) + (P > 1)) + (Q - 1) * 4 * L / S ))
+    want_other=$(( step * (1 + (K > 1) + (P > 1 || Q > 1)) + (Q - 1) * 4 * L / S ))
     [ "$pp" = $((C * 4)) ] || fail "$flags: rank 0's pp bytes per token $pp, the formula says C*4 = $((C * 4))"
     [ "$other" = "$want_other" ] || fail "$flags: rank 0's other bytes per token $other, the formula says $want_other"
     [ "$back" = $((VP * 4)) ] || fail "$flags: bytes back per token $back, the formula says Vp*4 = $((VP * 4))"
