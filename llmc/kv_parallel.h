@@ -75,8 +75,6 @@
 #include "llmc/paged_kv.h"
 #include "llmc/utils.h"
 
-#define KVP_MAX_HS 256   // the head sizes the device's output partials have room for
-
 typedef enum { KVP_COMBINE_ALL_REDUCE, KVP_COMBINE_REDUCE_SCATTER } KVPCombine;
 
 typedef struct {
@@ -128,7 +126,6 @@ static inline void kvp_init(KVPLayout* lay, int P, int rank, int tp, int T, int 
     lay->Cl = lay->NHl * lay->hs;
     lay->combine = combine;
     lay->mem = &memory_host;
-    if (lay->hs > KVP_MAX_HS) { fatal("KVP: head size %d is above %d", lay->hs, KVP_MAX_HS); }
 }
 
 // The workspace in mem (a cache on the GPU: serve_kvp.h), before the first decode.
@@ -159,7 +156,6 @@ HD const float* kvp_row(const float* kv, long block_stride, const int* table, in
     return kv + table[l / bs] * block_stride + (long)(l % bs) * 2 * Cl;
 }
 
-static inline int kvp_stretch(const KVPLayout* lay) { return lay->T / (2 * lay->P); }
 static inline int kvp_owner(const KVPLayout* lay, int p) { return kvp_owner_of(p, lay->T, lay->P); }
 static inline int kvp_local(const KVPLayout* lay, int p) { return kvp_local_of(p, lay->T, lay->P, lay->rank); }
 
