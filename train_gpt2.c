@@ -41,6 +41,7 @@
 #include "llmc/tensor_parallel.h"
 #include "llmc/context_parallel.h"
 #include "llmc/moe.h"
+#include "llmc/paged_kv.h"
 #include "llmc/expert_parallel.h"
 #include "llmc/engine.h"
 
@@ -463,7 +464,7 @@ static void attention_paged_row(float* out, float* att, float* seq, const float*
     size_t C3 = 3 * (size_t)C;
     int hs = C / NH;
     for (int p = 0; p <= t; p++) {
-        memcpy(seq + p * C3 + C, kv + table[p / bs] * block_stride + (size_t)(p % bs) * 2 * C, sizeof(float) * 2 * C);
+        memcpy(seq + p * C3 + C, kv + paged_kv_slot(table, block_stride, p, bs, C), sizeof(float) * 2 * C);
     }
     memcpy(seq + t * C3, q, sizeof(float) * C);
     #pragma omp parallel for if (heads_in_parallel)

@@ -24,7 +24,7 @@ static __global__ void kvp_scores_kernel(KVPLayout lay, float* scores, const flo
     int local_len = lay.T / lay.P, l = (int)(idx % local_len), h = (int)(idx / local_len % lay.NHl);
     int r = (int)(idx / local_len / lay.NHl);
     if (r >= N || l >= canon_zz_count_le(pos[r], lay.T, lay.P, lay.rank)) { return; }
-    const float* k = kvp_row(kv, block_stride, tables + (size_t)r * max_blocks, l, lay.bs, lay.Cl) + h * lay.hs;
+    const float* k = kv + paged_kv_slot(tables + (size_t)r * max_blocks, block_stride, l, lay.bs, lay.Cl) + h * lay.hs;
     scores[idx] = canon_dot(q + r * q_stride + h * lay.hs, 1, k, 1, lay.hs) * scale;
 }
 

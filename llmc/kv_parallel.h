@@ -150,12 +150,6 @@ HD int kvp_local_of(int p, int T, int P, int r) {
     return p < T / 2 ? p - r * h : h + p - (T - (r + 1) * h);
 }
 
-// Local position l's row (k | v, 2 Cl floats) in a layer's view of the rank's cache, through
-// a request's block table on the rank.
-HD const float* kvp_row(const float* kv, long block_stride, const int* table, int l, int bs, int Cl) {
-    return kv + table[l / bs] * block_stride + (long)(l % bs) * 2 * Cl;
-}
-
 static inline int kvp_owner(const KVPLayout* lay, int p) { return kvp_owner_of(p, lay->T, lay->P); }
 static inline int kvp_local(const KVPLayout* lay, int p) { return kvp_local_of(p, lay->T, lay->P, lay->rank); }
 
@@ -171,8 +165,7 @@ static inline int kvp_reserve(PagedKV* kv, BlockTable* bt, const KVPLayout* lay,
 // the request's table on this rank: an offset, or -1 when another rank of the group holds p.
 static inline long kvp_slot(const KVPLayout* lay, const int* table, long block_stride, int p) {
     if (kvp_owner(lay, p) != lay->rank) { return -1; }
-    int l = kvp_local(lay, p);
-    return table[l / lay->bs] * block_stride + (long)(l % lay->bs) * 2 * lay->Cl;
+    return paged_kv_slot(table, block_stride, kvp_local(lay, p), lay->bs, lay->Cl);
 }
 
 // Stores the k and v (Cl each, this rank's heads) of global position p of layer l, if this rank
@@ -231,7 +224,7 @@ HD float kvp_value(const float* e_row, float z, int t, int T, int P, int rank, c
             canon_zz_half(T, CANON_R, chunk0 + c, half, &b, &e);
             for (long p = b; p < e && p <= t; p++) {
                 int l = kvp_local_of((int)p, T, P, rank);
-                acc = fmaf(e_row[l] / z, kvp_row(kv, block_stride, table, l, bs, Cl)[vc], acc);
+                acc = fmaf(e_row[l] / z, kv[paged_kv_slot(table, block_stride, l, bs, Cl) + vc], acc);
             }
         }
         chunk_sum[c] = acc;
@@ -273,7 +266,7 @@ static void kvp_scores(const KVPLayout* lay, float* scores, float* maxes, const 
             float* s = scores + ((size_t)r * NHl + h) * local_len;
             float m = -canon_inf();
             for (int l = 0; l < n; l++) {
-                const float* k = kvp_row(kv, block_stride, tables + (size_t)r * max_blocks, l, lay->bs, lay->Cl) + h * hs;
+                const float* k = kv + paged_kv_slot(tables + (size_t)r * max_blocks, block_stride, l, lay->bs, lay->Cl) + h * hs;
                 s[l] = canon_dot(q + r * q_stride + h * hs, 1, k, 1, hs) * scale;
                 if (s[l] > m) { m = s[l]; }
             }

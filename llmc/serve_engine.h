@@ -356,7 +356,7 @@ static inline void serve_forward(ServeEngine* e, int N) {
         int p = e->row_pos[r];
         const int* table = e->row_tables + (size_t)r * e->max_blocks;
         long slot = e->kvp.P > 1 ? serve_kvp_slot(&e->kvp, table, block_stride, p)
-                                 : table[p / bs] * block_stride + (long)(p % bs) * 2 * C;
+                                 : paged_kv_slot(table, block_stride, p, bs, C);
         if (slot < 0) { continue; }
         if (i >= 0 && slot % block_stride != 0 && slot == e->run_slot[i] + (long)e->run_len[i] * 2 * C) {
             e->run_len[i]++;
