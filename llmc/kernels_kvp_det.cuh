@@ -24,20 +24,15 @@ static __global__ void kvp_scores_kernel(KVPLayout lay, float* scores, const flo
     int local_len = lay.T / lay.P, l = (int)(idx % local_len), h = (int)(idx / local_len % lay.NHl);
     int r = (int)(idx / local_len / lay.NHl);
     if (r >= N || l >= canon_zz_count_le(pos[r], lay.T, lay.P, lay.rank)) { return; }
-    const float* k = kv + paged_kv_slot(tables + (size_t)r * max_blocks, block_stride, l, lay.bs, lay.Cl) + h * lay.hs;
-    scores[idx] = canon_dot(q + r * q_stride + h * lay.hs, 1, k, 1, lay.hs) * scale;
+    scores[idx] = kvp_score(q + r * q_stride + h * lay.hs, kv, block_stride, tables + (size_t)r * max_blocks, l, lay.bs,
+                            lay.Cl, h * lay.hs, lay.hs, scale);
 }
 
-// one thread per (row, head): the max of its scores, in position order as the CPU's loop
+// one thread per (row, head): the max of its scores
 static __global__ void kvp_max_kernel(KVPLayout lay, float* maxes, const float* scores, const int* pos, int N) {
     int rh = blockIdx.x * blockDim.x + threadIdx.x;
     if (rh >= N * lay.NHl) { return; }
-    const float* s = scores + (size_t)rh * (lay.T / lay.P);
-    float m = -canon_inf();
-    for (int l = 0, n = canon_zz_count_le(pos[rh / lay.NHl], lay.T, lay.P, lay.rank); l < n; l++) {
-        if (s[l] > m) { m = s[l]; }
-    }
-    maxes[rh] = m;
+    maxes[rh] = kvp_max(scores + (size_t)rh * (lay.T / lay.P), canon_zz_count_le(pos[rh / lay.NHl], lay.T, lay.P, lay.rank));
 }
 
 static void kvp_scores(const KVPLayout* lay, float* scores, float* maxes, const float* q, long q_stride,

@@ -190,6 +190,30 @@ static inline uint64_t kvp_step_bytes(const KVPLayout* lay, int N) {
 }
 
 // ---- the decode step's arithmetic per output (HD) --------------------------------------------
+// The score of a (row, head) against local position l: dot(q, k) / sqrt(hs) (R2 over hs, as
+// one rank; scale the 1/sqrt(hs)), q the row's q of the head, k read through the row's table
+// on this rank at channel offset kc (h hs) of the position's k | v row.
+HD float kvp_score(const float* q, const float* kv, long block_stride, const int* table, int l, int bs, int Cl, int kc,
+                   int hs, float scale) {
+    return canon_dot(q, 1, kv + paged_kv_slot(table, block_stride, l, bs, Cl) + kc, 1, hs) * scale;
+}
+
+// The max of a (row, head)'s n scores, in position order (exact in any order: R5).
+HD float kvp_max(const float* s, int n) {
+    float m = -canon_inf();
+    for (int l = 0; l < n; l++) {
+        if (s[l] > m) { m = s[l]; }
+    }
+    return m;
+}
+
+// The positions of half `half` (0 low, 1 high) of zig-zag chunk c of T that a row at position
+// t attends to: [*b, *e), the half clipped at t (empty past it).
+HD void kvp_chunk_half(int T, int c, int half, int t, long* b, long* e) {
+    canon_zz_half(T, CANON_R, c, half, b, e);
+    if (*e > (long)t + 1) { *e = (long)t + 1; }
+}
+
 // One (row, head) at position t: the exps of its n = canon_zz_count_le(t) scores s (by local
 // position, in place: e = exp(s - m)), and this rank's subtree of the chunk sums of Z: rank r
 // holds chunks [r 8/P, (r+1) 8/P) of the 8 zig-zag chunks of T, each summed in position order.
@@ -201,8 +225,8 @@ HD float kvp_exps_zsum(float* s, float m, int t, int T, int P, int rank) {
         float acc = 0.0f;
         for (int half = 0; half < 2; half++) {
             long b, e;
-            canon_zz_half(T, CANON_R, chunk0 + c, half, &b, &e);
-            for (long p = b; p < e && p <= t; p++) { acc = acc + s[kvp_local_of((int)p, T, P, rank)]; }
+            kvp_chunk_half(T, chunk0 + c, half, t, &b, &e);
+            for (long p = b; p < e; p++) { acc = acc + s[kvp_local_of((int)p, T, P, rank)]; }
         }
         chunk_sum[c] = acc;
     }
@@ -221,8 +245,8 @@ HD float kvp_value(const float* e_row, float z, int t, int T, int P, int rank, c
         float acc = 0.0f;
         for (int half = 0; half < 2; half++) {
             long b, e;
-            canon_zz_half(T, CANON_R, chunk0 + c, half, &b, &e);
-            for (long p = b; p < e && p <= t; p++) {
+            kvp_chunk_half(T, chunk0 + c, half, t, &b, &e);
+            for (long p = b; p < e; p++) {
                 int l = kvp_local_of((int)p, T, P, rank);
                 acc = fmaf(e_row[l] / z, kv[paged_kv_slot(table, block_stride, l, bs, Cl) + vc], acc);
             }
@@ -264,13 +288,11 @@ static void kvp_scores(const KVPLayout* lay, float* scores, float* maxes, const 
         int n = canon_zz_count_le(pos[r], lay->T, lay->P, lay->rank);
         for (int h = 0; h < NHl; h++) {
             float* s = scores + ((size_t)r * NHl + h) * local_len;
-            float m = -canon_inf();
             for (int l = 0; l < n; l++) {
-                const float* k = kv + paged_kv_slot(tables + (size_t)r * max_blocks, block_stride, l, lay->bs, lay->Cl) + h * hs;
-                s[l] = canon_dot(q + r * q_stride + h * hs, 1, k, 1, hs) * scale;
-                if (s[l] > m) { m = s[l]; }
+                s[l] = kvp_score(q + r * q_stride + h * hs, kv, block_stride, tables + (size_t)r * max_blocks, l, lay->bs,
+                                 lay->Cl, h * hs, hs, scale);
             }
-            maxes[(size_t)r * NHl + h] = m;
+            maxes[(size_t)r * NHl + h] = kvp_max(s, n);
         }
     }
 }
