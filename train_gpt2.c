@@ -1293,10 +1293,14 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
     }
     moe_combine(out, moe_act->ret, moe_act->gates, moe_act->slot_row, BT, top_k, C);
     if (a->cp_split > 1) { zz_copy_slice(mem, out, out_slice, B, T, C, a->cp_split, model->cp->rank, 1); }
-    // the load-balancing loss of this layer and microbatch
-    moe_expert_prob_sums(model->psum, moe_act->probs, B, T, num_experts);
-    mem->to_host(model->psum_host, model->psum, (size_t)num_experts * sizeof(float));
-    moe_act->aux = moe_aux_loss(route->count, model->psum_host, num_experts, top_k, BT, c->aux_loss_coef);
+    // the load-balancing loss of this layer and microbatch (none over no rows: moe_aux_loss
+    // divides by BT)
+    moe_act->aux = 0.0f;
+    if (BT > 0) {
+        moe_expert_prob_sums(model->psum, moe_act->probs, B, T, num_experts);
+        mem->to_host(model->psum_host, model->psum, (size_t)num_experts * sizeof(float));
+        moe_act->aux = moe_aux_loss(route->count, model->psum_host, num_experts, top_k, BT, c->aux_loss_coef);
+    }
     MoeCounters* counters = &model->counters;
     for (int e = 0; e < num_experts; e++) {
         counters->tokens[(size_t)(l - model->first_layer) * num_experts + e] += route->count[e];
