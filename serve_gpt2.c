@@ -950,7 +950,7 @@ int main(int argc, char** argv) {
     S.limits = (ServeLimits){config.max_seq_len - 1, config.vocab_size, S.model_name, encode_text, &S.bpe};
     if (config.num_experts > 0) {
         const MoeCounters* ct = &S.engine.model->model.counters;
-        S.expert_slots = (long long*)calloc_or_die((size_t)(ct->layers ? ct->layers : 1) * ct->experts, sizeof(long long), "expert slots");
+        S.expert_slots = (long long*)calloc_or_die((size_t)ct->layers * ct->experts, sizeof(long long), "expert slots");
     }
 
     if (pipe(stop_pipe) != 0) { fatal("serve_gpt2: pipe: %s", strerror(errno)); }
