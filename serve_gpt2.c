@@ -561,7 +561,9 @@ static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
     // an expert model's routing (what the tests recompute the ep traffic from)
     if (S.expert_slots) {
         const MoeCounters* ct = &e->model->model.counters;
-        fprintf(out, "# HELP serve_expert_slots_total Slots rank 0's rows routed to each expert of its layers.\n"
+        fprintf(out, "# HELP serve_expert_slots_total Slots (top-k choices) that the rows rank 0 ran routed to each "
+                     "expert, by layer: with --ep only rank 0's share of each step's rows, with --pp only stage 0's "
+                     "layers.\n"
                      "# TYPE serve_expert_slots_total counter\n");
         for (int l = 0; l < ct->layers; l++) {
             for (int x = 0; x < ct->experts; x++) {
