@@ -4,13 +4,14 @@
 #   1. a dense d4 checkpoint (4 layers, 4 heads): --pp 2 (2 ranks) in a small cache (16 blocks
 #      of 4 positions: one request of maxT, so the concurrent ones are preempted) with prompts
 #      in chunks (--max-batch-tokens 8: iterations in flight hold prefill chunks that draw
-#      nothing), --pp 2 --kvp 2 (4 ranks: each stage's 2 ranks a KVP pool, in the same small
-#      cache, 1/2 of its blocks each), --pp 4 --tp 2 (8 ranks), each against the one process
-#      with its default cache and chunks; an expert d2 checkpoint (4 experts, top 2): --pp 2
-#      --ep 2 --tp 2 (8 ranks): greedy, seeded top-k, 8 concurrent requests of mixed lengths and
-#      sampling (the batch-invariance test across stages, several iterations in flight: the
-#      test asserts the pipeline held more than one), a stream; compared are the token ids, the
-#      text and the FNV-1a of every distribution drawn from (probs_fnv1a);
+#      nothing), --pp 4 --tp 2 (8 ranks); an expert d2 checkpoint (4 experts, top 2, 2 heads):
+#      --pp 2 --ep 2 (4 ranks: each stage's ep group), --pp 2 --kvp 2 --ep 2 (4 ranks: each
+#      stage's 2 ranks a KVP pool, its experts dealt over it, in the same small cache and
+#      chunks, 1/2 of its blocks each); each against the one process with its default cache and
+#      chunks: greedy, seeded top-k, 8 concurrent requests of mixed lengths and sampling (the
+#      batch-invariance test across stages, several iterations in flight: the test asserts the
+#      pipeline held more than one), a stream; compared are the token ids, the text and the
+#      FNV-1a of every distribution drawn from (probs_fnv1a);
 #   2. the bytes per generated token of a lone one-token request (every step one row) that rank
 #      0 sends and gets back (/metrics), and every other rank's totals at exit, against
 #      llmc/serve_pipeline.h's formulas computed here from the model's shape (and the experts'
@@ -163,13 +164,18 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
 
 # (--pp 4 alone, and --pp 2 --tp 2: covered by --pp 4 --tp 2, whose every stage's totals are
 # checked the same way)
-layouts dense "2:--pp 2 $SMALL" "4:--pp 2 --kvp 2 $SMALL" "8:--pp 4 --tp 2"
-# experts: each stage's routed rows by all-to-all over its own ep groups, each expert cut over a
-# tp group; only ep rank 0's tp group of the last stage runs the head (the other ep rank's
-# totals: no head rows, no pp bytes)
-CK=$W/moe/model_00000003.bin L=2 E=4
-layouts moe "8:--pp 2 --ep 2 --tp 2"
-CK=$W/dense/model_00000003.bin L=4 E=0
+layouts dense "2:--pp 2 $SMALL" "8:--pp 4 --tp 2"
+# experts: each stage's routed rows by all-to-all over its own ep groups (the comm grid's, or
+# with --kvp its KVP pool's: serve_kvp.h), the step to stage 0's ranks over rank 0's ep group,
+# or its KVP group; only ep rank 0 (KVP rank 0) of the last stage runs the head (the other's
+# totals: no head rows, no pp bytes). --pp with --kvp runs here, with experts, on the small
+# cache: its attention, cache and preemption are a dense model's. (--pp 2 --ep 2 --tp 2, each
+# expert also cut over a tp group, is not run: its pieces are --pp 4 --tp 2 above,
+# test_serve_parallel.sh's --tp 2 --ep 2 and test_moe.sh's trainer grid of pp x ep x tp, and 8
+# ranks cost the most on 2 cores.)
+CK=$W/moe/model_00000003.bin L=2 NH=2 E=4
+layouts moe "4:--pp 2 --ep 2" "4:--pp 2 --kvp 2 --ep 2 $SMALL"
+CK=$W/dense/model_00000003.bin L=4 NH=4 E=0
 
 # --- 3. refused layouts ------------------------------------------------------------------
 refuse "$CK" "^error: --pp 3: must divide the model's 4 layers" --pp 3
