@@ -4,14 +4,17 @@
  * serve_gpt2cu serves --kvp with its cache on the GPU: the same names and arguments, each
  * output computed by one thread with kv_parallel.h's per-output functions (a score; a (row,
  * head)'s exps and its subtree of Z; an output channel's subtree of the weighted values), so
- * the bits are the CPU's. Include it with LLMC_DEVICE_KERNELS defined (serve_gpt2.cu), which
- * leaves the CPU loops out of kv_parallel.h.
+ * the bits are the CPU's. It defines LLMC_DEVICE_KERNELS (serve_gpt2.cu does before it), which
+ * leaves the CPU loops out of kv_parallel.h: include it before kv_parallel.h.
  */
 #ifndef LLMC_KERNELS_KVP_DET_CUH
 #define LLMC_KERNELS_KVP_DET_CUH
 
+#if defined(LLMC_KV_PARALLEL_H) && !defined(LLMC_DEVICE_KERNELS)
+#error "kernels_kvp_det.cuh: include it before kv_parallel.h, whose CPU loops it replaces"
+#endif
 #ifndef LLMC_DEVICE_KERNELS
-#error "kernels_kvp_det.cuh: define LLMC_DEVICE_KERNELS first (kv_parallel.h then leaves its CPU loops out)"
+#define LLMC_DEVICE_KERNELS
 #endif
 #include "llmc/kernels_det.cuh"
 #include "llmc/kv_parallel.h"
