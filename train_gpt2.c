@@ -1327,10 +1327,8 @@ static void moe_forward_layer(GPT2* model, Activations* a, int l, const LayerTen
     }
     int Q = model->ep_size, q = model->ep->rank, C = model->config.channels, BT = B * T;
     int share = (BT + Q - 1) / Q, r0 = q * share < BT ? q * share : BT, n = BT - r0 < share ? BT - r0 : share;
-    float* mine = model->ep_rows + (size_t)q * share * C;
-    moe_forward(model, a, l, w, ln + (size_t)r0 * C, mine, next, 1, n);
-    // all-gather (ep group): the Q shares' output rows, in rank order: the rows in order
-    comm_all_gather(model->ep, mine, model->ep_rows, (size_t)share * C, COMM_KIND_EP);
+    moe_forward(model, a, l, w, ln + (size_t)r0 * C, model->ep_rows + (size_t)q * share * C, next, 1, n);
+    moe_gather_row_shares(model->ep, model->ep_rows, (size_t)share, C);   // the Q shares' output rows, in order
     model->mem->copy(out, model->ep_rows, sizeof(float) * (size_t)BT * C);
 }
 
