@@ -496,22 +496,14 @@ static enum MHD_Result handle_models(struct MHD_Connection* c) {
     return send_json(c, 200, root);
 }
 
-static void metric(char** p, size_t* left, const char* fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(*p, *left, fmt, ap);
-    va_end(ap);
-    if (n > 0 && (size_t)n < *left) { *p += n; *left -= (size_t)n; }
-}
-
-static void metric_hist(char** p, size_t* left, const char* name, const char* help, const Histogram* h) {
-    metric(p, left, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+static void metric_hist(FILE* out, const char* name, const char* help, const Histogram* h) {
+    fprintf(out, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
     long long cum = 0;
     for (int i = 0; i < HIST_N; i++) {
         cum += h->count[i];
-        metric(p, left, "%s_bucket{le=\"%g\"} %lld\n", name, hist_bounds[i], cum);
+        fprintf(out, "%s_bucket{le=\"%g\"} %lld\n", name, hist_bounds[i], cum);
     }
-    metric(p, left, "%s_bucket{le=\"+Inf\"} %lld\n%s_sum %.6f\n%s_count %lld\n", name, h->total, name, h->sum, name, h->total);
+    fprintf(out, "%s_bucket{le=\"+Inf\"} %lld\n%s_sum %.6f\n%s_count %lld\n", name, h->total, name, h->sum, name, h->total);
 }
 
 // This rank's KV cache: its blocks of its heads (serve_engine.h; every rank's the same size)
@@ -520,74 +512,79 @@ static size_t serve_kv_cache_bytes(const ServeEngine* e) {
 }
 
 static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
-    static char buf[65536];   // under S.mu (room for a line per expert)
-    char* p = buf;
-    size_t left = sizeof(buf);
+    char* text = NULL;
+    size_t len = 0;
+    FILE* out = open_memstream(&text, &len);   // grows to what is written: a line per expert of every layer
+    if (!out) { fatal("out of memory: the /metrics text"); }
     pthread_mutex_lock(&S.mu);
     const ServeEngine* e = &S.engine;
     int waiting = e->num_waiting;
     for (Job* j = S.inbox; j; j = j->next) { waiting++; }
-    metric(&p, &left, "# HELP serve_requests_running Requests in the running batch.\n# TYPE serve_requests_running gauge\n"
-                      "serve_requests_running %d\n", e->num_running);
-    metric(&p, &left, "# HELP serve_requests_waiting Requests waiting for KV blocks.\n# TYPE serve_requests_waiting gauge\n"
-                      "serve_requests_waiting %d\n", waiting);
+    fprintf(out, "# HELP serve_requests_running Requests in the running batch.\n# TYPE serve_requests_running gauge\n"
+                 "serve_requests_running %d\n", e->num_running);
+    fprintf(out, "# HELP serve_requests_waiting Requests waiting for KV blocks.\n# TYPE serve_requests_waiting gauge\n"
+                 "serve_requests_waiting %d\n", waiting);
     // under KVP the blocks of all of a KVP group's ranks (each rank's 1/P of them: llmc/serve_kvp.h)
     int kv_blocks = e->kvp.P * e->kv.num_blocks;
     int kv_used = e->kvp.P > 1 ? serve_kvp_blocks_used(&e->kvp) : e->kv.num_blocks - e->kv.num_free;
-    metric(&p, &left, "# HELP serve_kv_blocks_used KV cache blocks held by requests.\n# TYPE serve_kv_blocks_used gauge\n"
-                      "serve_kv_blocks_used %d\n", kv_used);
-    metric(&p, &left, "# HELP serve_kv_blocks_free KV cache blocks on the free list.\n# TYPE serve_kv_blocks_free gauge\n"
-                      "serve_kv_blocks_free %d\n", kv_blocks - kv_used);
-    metric(&p, &left, "# HELP serve_kv_cache_bytes_per_rank Bytes of the KV cache on each rank.\n"
-                      "# TYPE serve_kv_cache_bytes_per_rank gauge\nserve_kv_cache_bytes_per_rank %zu\n", serve_kv_cache_bytes(e));
-    metric(&p, &left, "# HELP serve_prompt_tokens_total Prompt tokens received.\n# TYPE serve_prompt_tokens_total counter\n"
-                      "serve_prompt_tokens_total %lld\n", S.prompt_tokens);
-    metric(&p, &left, "# HELP serve_generation_tokens_total Tokens generated.\n# TYPE serve_generation_tokens_total counter\n"
-                      "serve_generation_tokens_total %lld\n", S.generation_tokens);
-    metric(&p, &left, "# HELP serve_requests_total Requests by outcome.\n# TYPE serve_requests_total counter\n"
-                      "serve_requests_total{outcome=\"finished\"} %lld\nserve_requests_total{outcome=\"cancelled\"} %lld\n"
-                      "serve_requests_total{outcome=\"rejected\"} %lld\n", S.requests_ok, S.requests_cancelled, S.requests_rejected);
-    metric(&p, &left, "# HELP serve_preemptions_total Requests preempted (recomputed later).\n# TYPE serve_preemptions_total counter\n"
-                      "serve_preemptions_total %lld\n", e->preemptions);
+    fprintf(out, "# HELP serve_kv_blocks_used KV cache blocks held by requests.\n# TYPE serve_kv_blocks_used gauge\n"
+                 "serve_kv_blocks_used %d\n", kv_used);
+    fprintf(out, "# HELP serve_kv_blocks_free KV cache blocks on the free list.\n# TYPE serve_kv_blocks_free gauge\n"
+                 "serve_kv_blocks_free %d\n", kv_blocks - kv_used);
+    fprintf(out, "# HELP serve_kv_cache_bytes_per_rank Bytes of the KV cache on each rank.\n"
+                 "# TYPE serve_kv_cache_bytes_per_rank gauge\nserve_kv_cache_bytes_per_rank %zu\n", serve_kv_cache_bytes(e));
+    fprintf(out, "# HELP serve_prompt_tokens_total Prompt tokens received.\n# TYPE serve_prompt_tokens_total counter\n"
+                 "serve_prompt_tokens_total %lld\n", S.prompt_tokens);
+    fprintf(out, "# HELP serve_generation_tokens_total Tokens generated.\n# TYPE serve_generation_tokens_total counter\n"
+                 "serve_generation_tokens_total %lld\n", S.generation_tokens);
+    fprintf(out, "# HELP serve_requests_total Requests by outcome.\n# TYPE serve_requests_total counter\n"
+                 "serve_requests_total{outcome=\"finished\"} %lld\nserve_requests_total{outcome=\"cancelled\"} %lld\n"
+                 "serve_requests_total{outcome=\"rejected\"} %lld\n", S.requests_ok, S.requests_cancelled, S.requests_rejected);
+    fprintf(out, "# HELP serve_preemptions_total Requests preempted (recomputed later).\n# TYPE serve_preemptions_total counter\n"
+                 "serve_preemptions_total %lld\n", e->preemptions);
     // the collectives of serving across ranks (llmc/serve_parallel.h states their formulas): what
     // world rank 0 sent, by kind, in total and per generated token
-    metric(&p, &left, "# HELP serve_collective_bytes_total Bytes rank 0 sent in collectives, by kind.\n"
-                      "# TYPE serve_collective_bytes_total counter\n");
+    fprintf(out, "# HELP serve_collective_bytes_total Bytes rank 0 sent in collectives, by kind.\n"
+                 "# TYPE serve_collective_bytes_total counter\n");
     for (int k = 0; k < COMM_KIND_COUNT; k++) {
-        metric(&p, &left, "serve_collective_bytes_total{kind=\"%s\"} %llu\n", comm_kind_name[k], (unsigned long long)S.comm_bytes[k]);
+        fprintf(out, "serve_collective_bytes_total{kind=\"%s\"} %llu\n", comm_kind_name[k], (unsigned long long)S.comm_bytes[k]);
     }
-    metric(&p, &left, "# HELP serve_collective_bytes_per_token Collective bytes rank 0 sent per generated token, by kind.\n"
-                      "# TYPE serve_collective_bytes_per_token gauge\n");
+    fprintf(out, "# HELP serve_collective_bytes_per_token Collective bytes rank 0 sent per generated token, by kind.\n"
+                 "# TYPE serve_collective_bytes_per_token gauge\n");
     for (int k = 0; k < COMM_KIND_COUNT; k++) {
         double per = e->tokens_generated ? (double)S.comm_bytes[k] / (double)e->tokens_generated : 0.0;
-        metric(&p, &left, "serve_collective_bytes_per_token{kind=\"%s\"} %.1f\n", comm_kind_name[k], per);
+        fprintf(out, "serve_collective_bytes_per_token{kind=\"%s\"} %.1f\n", comm_kind_name[k], per);
     }
-    metric(&p, &left, "# HELP serve_ranks The layout: tensor-, expert-, KV- and pipeline-parallel ranks.\n# TYPE serve_ranks gauge\n"
-                      "serve_ranks{dim=\"tp\"} %d\nserve_ranks{dim=\"ep\"} %d\nserve_ranks{dim=\"kvp\"} %d\n"
-                      "serve_ranks{dim=\"pp\"} %d\n", e->comm->tp, e->comm->ep, e->comm->cp, e->comm->pp);
+    fprintf(out, "# HELP serve_ranks The layout: tensor-, expert-, KV- and pipeline-parallel ranks.\n# TYPE serve_ranks gauge\n"
+                 "serve_ranks{dim=\"tp\"} %d\nserve_ranks{dim=\"ep\"} %d\nserve_ranks{dim=\"kvp\"} %d\n"
+                 "serve_ranks{dim=\"pp\"} %d\n", e->comm->tp, e->comm->ep, e->comm->cp, e->comm->pp);
     // an expert model's routing (what the tests recompute the ep traffic from)
     if (S.expert_slots) {
         const MoeCounters* ct = &e->model->model.counters;
-        metric(&p, &left, "# HELP serve_expert_slots_total Slots rank 0's rows routed to each expert of its layers.\n"
-                          "# TYPE serve_expert_slots_total counter\n");
+        fprintf(out, "# HELP serve_expert_slots_total Slots (top-k choices) that the rows rank 0 ran routed to each "
+                     "expert, by layer: with --ep only rank 0's share of each step's rows, with --pp only stage 0's "
+                     "layers.\n"
+                     "# TYPE serve_expert_slots_total counter\n");
         for (int l = 0; l < ct->layers; l++) {
             for (int x = 0; x < ct->experts; x++) {
-                metric(&p, &left, "serve_expert_slots_total{layer=\"%d\",expert=\"%d\"} %lld\n", ct->first_layer + l,
-                       x, S.expert_slots[(size_t)l * ct->experts + x]);
+                fprintf(out, "serve_expert_slots_total{layer=\"%d\",expert=\"%d\"} %lld\n", ct->first_layer + l,
+                        x, S.expert_slots[(size_t)l * ct->experts + x]);
             }
         }
     }
     // --pp (llmc/serve_pipeline.h): the probabilities back from the last stage, and the overlap
-    metric(&p, &left, "# HELP serve_pipeline_returned_bytes_total Bytes rank 0 received from the last pipeline stage.\n"
-                      "# TYPE serve_pipeline_returned_bytes_total counter\nserve_pipeline_returned_bytes_total %llu\n",
-           __atomic_load_n(&S.pipe.returned_bytes, __ATOMIC_RELAXED));
-    metric(&p, &left, "# HELP serve_pipeline_in_flight_max Most iterations in the pipeline at once.\n"
-                      "# TYPE serve_pipeline_in_flight_max gauge\nserve_pipeline_in_flight_max %d\n",
-           __atomic_load_n(&S.pipe.max_in_flight, __ATOMIC_RELAXED));
-    metric_hist(&p, &left, "serve_time_to_first_token_seconds", "Arrival to the first generated token.", &S.ttft);
-    metric_hist(&p, &left, "serve_inter_token_latency_seconds", "Between consecutive tokens of a request.", &S.itl);
-    enum MHD_Result ok = send_text(c, 200, "text/plain; version=0.0.4", buf);
+    fprintf(out, "# HELP serve_pipeline_returned_bytes_total Bytes rank 0 received from the last pipeline stage.\n"
+                 "# TYPE serve_pipeline_returned_bytes_total counter\nserve_pipeline_returned_bytes_total %llu\n",
+            __atomic_load_n(&S.pipe.returned_bytes, __ATOMIC_RELAXED));
+    fprintf(out, "# HELP serve_pipeline_in_flight_max Most iterations in the pipeline at once.\n"
+                 "# TYPE serve_pipeline_in_flight_max gauge\nserve_pipeline_in_flight_max %d\n",
+            __atomic_load_n(&S.pipe.max_in_flight, __ATOMIC_RELAXED));
+    metric_hist(out, "serve_time_to_first_token_seconds", "Arrival to the first generated token.", &S.ttft);
+    metric_hist(out, "serve_inter_token_latency_seconds", "Between consecutive tokens of a request.", &S.itl);
     pthread_mutex_unlock(&S.mu);
+    if (fclose(out) != 0) { fatal("out of memory: the /metrics text (%zu bytes)", len); }
+    enum MHD_Result ok = send_text(c, 200, "text/plain; version=0.0.4", text);
+    free(text);
     return ok;
 }
 
@@ -950,7 +947,7 @@ int main(int argc, char** argv) {
     S.limits = (ServeLimits){config.max_seq_len - 1, config.vocab_size, S.model_name, encode_text, &S.bpe};
     if (config.num_experts > 0) {
         const MoeCounters* ct = &S.engine.model->model.counters;
-        S.expert_slots = (long long*)calloc_or_die((size_t)(ct->layers ? ct->layers : 1) * ct->experts, sizeof(long long), "expert slots");
+        S.expert_slots = (long long*)calloc_or_die((size_t)ct->layers * ct->experts, sizeof(long long), "expert slots");
     }
 
     if (pipe(stop_pipe) != 0) { fatal("serve_gpt2: pipe: %s", strerror(errno)); }

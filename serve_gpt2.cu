@@ -14,14 +14,13 @@
 #include "llmc/kernels_moe_det.cuh"   // the kernel contract's device set (with kernels_det.cuh)
 #include "llmc/comm.h"               // the ranks (comm_node_local_rank: which GPU is this rank's)
 
-// This rank's GPU (cuda_common.cuh), or one clear line saying why there is none
-static void serve_select_device(const Comm* comm) {
-    cudaDeviceProp prop;
-    cuda_select_device(comm_node_local_rank(comm), "serve_gpt2cu", "serve_gpt2 serves on the CPU", &prop);
-}
-
 #define LLMC_DEVICE_KERNELS
 #include "llmc/kernels_kvp_det.cuh"   // --kvp: KV parallelism's decode attention on the device
 #define SERVE_MEMORY (&memory_device)
-#define SERVE_SELECT_DEVICE(comm) serve_select_device(comm)
+// this rank's GPU (cuda_common.cuh), or one clear line saying why there is none
+#define SERVE_SELECT_DEVICE(comm)                                                                                       \
+    do {                                                                                                                \
+        cudaDeviceProp prop;                                                                                            \
+        cuda_select_device(comm_node_local_rank(comm), "serve_gpt2cu", "serve_gpt2 serves on the CPU", &prop);          \
+    } while (0)
 #include "serve_gpt2.c"

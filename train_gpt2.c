@@ -41,6 +41,7 @@
 #include "llmc/tensor_parallel.h"
 #include "llmc/context_parallel.h"
 #include "llmc/moe.h"
+#include "llmc/paged_kv.h"
 #include "llmc/expert_parallel.h"
 #include "llmc/engine.h"
 
@@ -463,7 +464,7 @@ static void attention_paged_row(float* out, float* att, float* seq, const float*
     size_t C3 = 3 * (size_t)C;
     int hs = C / NH;
     for (int p = 0; p <= t; p++) {
-        memcpy(seq + p * C3 + C, kv + table[p / bs] * block_stride + (size_t)(p % bs) * 2 * C, sizeof(float) * 2 * C);
+        memcpy(seq + p * C3 + C, kv + paged_kv_slot(table, block_stride, p, bs, C), sizeof(float) * 2 * C);
     }
     memcpy(seq + t * C3, q, sizeof(float) * C);
     #pragma omp parallel for if (heads_in_parallel)
@@ -698,7 +699,7 @@ typedef struct {
     int by_length;      // SEQS_SPLIT_BY_LENGTH: each pass picks cp_split from its length (pass_split)
     int C3, Ca, NHl, C4, Vl;   // local widths: qkv, atty, heads, fch, vocabulary
     int Co;             // the attention output's columns the output projection reads: Ca, but in
-                        // Helix's serving layout (GPT2.tp_ffn) C / tp_ffn_size
+                        // Helix's serving layout (GPT2.tp_ffn) C / its size
     int* inputs;        // (B,T)     the pass's tokens
     int* inputs_full;   // (B,T*cp_split) every position's tokens (context parallelism: the
                         //           embedding's gradient runs on whole sequences)
@@ -771,10 +772,10 @@ typedef struct {
     CommGroup* tp;              // tensor-parallel group (tensor_parallel.h)
     int tp_size, v0, Vl;        // ... its size, and this rank's vocabulary rows [v0, v0 + Vl) of wte
     CommGroup* tp_ffn;          // the group the attention output projection and the MLP are cut
-    int tp_ffn_size;            // over: tp, but in Helix's serving layout all K x P ranks of the
+                                // over: tp, but in Helix's serving layout all K x P ranks of the
                                 // pool (gpt2_set_ffn_groups; forward only)
     CommGroup* tp_exp;          // ... and each expert's fc and fcproj: tp_ffn, but with Helix's
-    int tp_exp_size;            // FFN as TP x EP the pool's ranks that hold the same experts
+                                // FFN as TP x EP the pool's ranks that hold the same experts
     int seq_parallel;           // sequence parallelism in the passes that split sequences
     ContextParallel* cp;        // context parallelism of the passes (context_parallel.h): one of cp_groups
     int cp_size;                // ... its ranks
@@ -914,9 +915,9 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->cp_split = cp;
     a->seq_split = (sp ? tp : 1) * cp;
     size_t C3 = a->C3 = 3 * c->channels / tp, Ca = a->Ca = c->channels / tp, NHl = a->NHl = c->num_heads / tp;
-    size_t C4 = a->C4 = 4 * c->channels / (model->num_experts > 0 ? model->tp_exp_size : model->tp_ffn_size);
+    size_t C4 = a->C4 = 4 * c->channels / (model->num_experts > 0 ? model->tp_exp : model->tp_ffn)->size;
     size_t Vl = a->Vl = c->padded_vocab_size / tp;
-    a->Co = c->channels / model->tp_ffn_size;
+    a->Co = c->channels / model->tp_ffn->size;
     a->inputs = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
     a->target_buf = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
     a->inputs_full = cp > 1 ? (int*)model->mem->alloc((size_t)B * T * sizeof(int), "tokens") : a->inputs;
@@ -1276,7 +1277,7 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
                        ex.fcb + e * ex.fcb_n, n, C, C4, CANON_R);
         gelu_forward(gelu_out + (size_t)r0 * C4, moe_act->fch + (size_t)r0 * C4, (size_t)n * C4);
         forward_matmul(model, y + (size_t)r0 * C, gelu_out + (size_t)r0 * C4, ex.fcprojw + e * ex.fcprojw_n, NULL, n, C4, C,
-                       CANON_R / model->tp_exp_size);
+                       CANON_R / model->tp_exp->size);
     }
     // g (the tp_exp group: tp's but in Helix's serving layout): each expert's row-parallel
     // partial outputs y (rows, C), all-reduced per row, then its bias
@@ -1292,10 +1293,14 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
     }
     moe_combine(out, moe_act->ret, moe_act->gates, moe_act->slot_row, BT, top_k, C);
     if (a->cp_split > 1) { zz_copy_slice(mem, out, out_slice, B, T, C, a->cp_split, model->cp->rank, 1); }
-    // the load-balancing loss of this layer and microbatch
-    moe_expert_prob_sums(model->psum, moe_act->probs, B, T, num_experts);
-    mem->to_host(model->psum_host, model->psum, (size_t)num_experts * sizeof(float));
-    moe_act->aux = moe_aux_loss(route->count, model->psum_host, num_experts, top_k, BT, c->aux_loss_coef);
+    // the load-balancing loss of this layer and microbatch (none over no rows: moe_aux_loss
+    // divides by BT)
+    moe_act->aux = 0.0f;
+    if (BT > 0) {
+        moe_expert_prob_sums(model->psum, moe_act->probs, B, T, num_experts);
+        mem->to_host(model->psum_host, model->psum, (size_t)num_experts * sizeof(float));
+        moe_act->aux = moe_aux_loss(route->count, model->psum_host, num_experts, top_k, BT, c->aux_loss_coef);
+    }
     MoeCounters* counters = &model->counters;
     for (int e = 0; e < num_experts; e++) {
         counters->tokens[(size_t)(l - model->first_layer) * num_experts + e] += route->count[e];
@@ -1322,10 +1327,8 @@ static void moe_forward_layer(GPT2* model, Activations* a, int l, const LayerTen
     }
     int Q = model->ep_size, q = model->ep->rank, C = model->config.channels, BT = B * T;
     int share = (BT + Q - 1) / Q, r0 = q * share < BT ? q * share : BT, n = BT - r0 < share ? BT - r0 : share;
-    float* mine = model->ep_rows + (size_t)q * share * C;
-    moe_forward(model, a, l, w, ln + (size_t)r0 * C, mine, next, 1, n);
-    // all-gather (ep group): the Q shares' output rows, in rank order: the rows in order
-    comm_all_gather(model->ep, mine, model->ep_rows, (size_t)share * C, COMM_KIND_EP);
+    moe_forward(model, a, l, w, ln + (size_t)r0 * C, model->ep_rows + (size_t)q * share * C, next, 1, n);
+    moe_gather_row_shares(model->ep, model->ep_rows, (size_t)share, C);   // the Q shares' output rows, in order
     model->mem->copy(out, model->ep_rows, sizeof(float) * (size_t)BT * C);
 }
 
@@ -1355,7 +1358,7 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
     pass_split(model, a, NULL, T);   // a stage without the embeddings gets no set_tokens
-    int C = c->channels, Tn = t1 - t0, ffn_size = model->tp_ffn_size, moe = model->num_experts > 0;
+    int C = c->channels, Tn = t1 - t0, ffn_size = model->tp_ffn->size, moe = model->num_experts > 0;
     int rows = (int)pass_rows(B, t0, t1, a->cp_split);
     size_t rows_s = pass_rows(B, t0, t1, a->seq_split);
     for (int l = model->first_layer; l < model->last_layer; l++) {
@@ -1864,7 +1867,6 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
                          sizeof(why));
     if (problem) { fatal("--cp %d: %s", cp->size, problem); }
     model->tp = model->tp_ffn = model->tp_exp = tp;
-    model->tp_ffn_size = model->tp_exp_size = tp->size;
     model->seq_parallel = seq_parallel;
     model->tp_size = tp->size;
     model->Vl = config->padded_vocab_size / tp->size;
@@ -1915,9 +1917,7 @@ void gpt2_set_ffn_groups(GPT2* model, CommGroup* ffn, CommGroup* exp) {
               cut->exp_r, cut->exp_K);
     }
     model->tp_ffn = ffn;
-    model->tp_ffn_size = ffn->size;
     model->tp_exp = exp;
-    model->tp_exp_size = exp->size;
 }
 
 // Serving's expert layers across ep ranks that hold the same rows (llmc/serve_parallel.h): each

@@ -157,6 +157,13 @@ static inline void moe_route_return(const MoeRoute* r, CommGroup* ep, const floa
     moe_route_exchange(r, ep, send, r->recv_rows, recv, r->send_rows, C);
 }
 
+// Serving's expert layers across ep ranks that hold the same rows (train_gpt2.c
+// moe_forward_layer): each rank's share of `share` rows of C floats, at its place in rows (ep
+// x share, C), all-gathered (ep group) in rank order: every rank gets the rows in order.
+static inline void moe_gather_row_shares(CommGroup* ep, float* rows, size_t share, int C) {
+    comm_all_gather(ep, rows + (size_t)ep->rank * share * C, rows, share * C, COMM_KIND_EP);
+}
+
 // Rows this rank sent to and received from the other ranks of its ep group in one exchange.
 static inline void moe_route_remote_rows(const MoeRoute* r, int ep_rank, long long* out, long long* in) {
     *out = *in = 0;

@@ -41,6 +41,7 @@
 #include "llmc/adamw.h"
 #include "llmc/gpu_plan.h"
 #include "llmc/memory.h"
+#include "llmc/paged_kv.h"
 
 // ==========================================================================================
 // scratch: device buffers the kernels reuse across calls (kernels run one at a time; slots
@@ -690,11 +691,6 @@ static inline void attention_forward_row(float* out, float* att, const float* qk
 // above with the keys read through the block table: scores one thread per (row, head, key),
 // the softmax one warp per (row, head) into scratch's att (N,NH,T), att@v one thread per (row,
 // channel), R2Z over the keys. The same bits as the CPU's, which gathers the keys first.
-__device__ __forceinline__ const float* det_paged_key(const float* kv, long block_stride, const int* table, int p,
-                                                      int bs, int C) {
-    return kv + table[p / bs] * block_stride + (size_t)(p % bs) * 2 * C;
-}
-
 static __global__ void attention_paged_scores_kernel(float* att, const float* qkv, const float* kv, long block_stride,
                                                      const int* tables, int max_blocks, const int* pos, int N, int T,
                                                      int bs, int C, int NH, float scale) {
@@ -702,7 +698,7 @@ static __global__ void attention_paged_scores_kernel(float* att, const float* qk
     int t2 = (int)(idx % T), h = (int)(idx / T % NH), r = (int)(idx / T / NH), hs = C / NH;
     if (r >= N || t2 > pos[r]) { return; }
     const float* q = qkv + (size_t)r * 3 * C + h * hs;
-    const float* k = det_paged_key(kv, block_stride, tables + (size_t)r * max_blocks, t2, bs, C) + h * hs;
+    const float* k = kv + paged_kv_slot(tables + (size_t)r * max_blocks, block_stride, t2, bs, C) + h * hs;
     att[((size_t)r * NH + h) * T + t2] = canon_dot(q, 1, k, 1, hs) * scale;
 }
 
@@ -722,7 +718,7 @@ static __global__ void attention_paged_values_kernel(float* out, const float* at
     const float* a = att + ((size_t)r * NH + c / (C / NH)) * T;
     const int* table = tables + (size_t)r * max_blocks;
     out[(size_t)r * C + c] =
-        det_weighted_values(a, t, T, [=](long j) { return det_paged_key(kv, block_stride, table, (int)j, bs, C)[C + c]; });
+        det_weighted_values(a, t, T, [=](long j) { return kv[paged_kv_slot(table, block_stride, (int)j, bs, C) + C + c]; });
 }
 
 // (inline, not static: kernels.h declares it extern; defined in every translation unit of this set)

@@ -4,14 +4,17 @@
  * serve_gpt2cu serves --kvp with its cache on the GPU: the same names and arguments, each
  * output computed by one thread with kv_parallel.h's per-output functions (a score; a (row,
  * head)'s exps and its subtree of Z; an output channel's subtree of the weighted values), so
- * the bits are the CPU's. Include it with LLMC_DEVICE_KERNELS defined (serve_gpt2.cu), which
- * leaves the CPU loops out of kv_parallel.h.
+ * the bits are the CPU's. It defines LLMC_DEVICE_KERNELS (serve_gpt2.cu does before it), which
+ * leaves the CPU loops out of kv_parallel.h: include it before kv_parallel.h.
  */
 #ifndef LLMC_KERNELS_KVP_DET_CUH
 #define LLMC_KERNELS_KVP_DET_CUH
 
+#if defined(LLMC_KV_PARALLEL_H) && !defined(LLMC_DEVICE_KERNELS)
+#error "kernels_kvp_det.cuh: include it before kv_parallel.h, whose CPU loops it replaces"
+#endif
 #ifndef LLMC_DEVICE_KERNELS
-#error "kernels_kvp_det.cuh: define LLMC_DEVICE_KERNELS first (kv_parallel.h then leaves its CPU loops out)"
+#define LLMC_DEVICE_KERNELS
 #endif
 #include "llmc/kernels_det.cuh"
 #include "llmc/kv_parallel.h"
@@ -24,20 +27,15 @@ static __global__ void kvp_scores_kernel(KVPLayout lay, float* scores, const flo
     int local_len = lay.T / lay.P, l = (int)(idx % local_len), h = (int)(idx / local_len % lay.NHl);
     int r = (int)(idx / local_len / lay.NHl);
     if (r >= N || l >= canon_zz_count_le(pos[r], lay.T, lay.P, lay.rank)) { return; }
-    const float* k = kvp_row(kv, block_stride, tables + (size_t)r * max_blocks, l, lay.bs, lay.Cl) + h * lay.hs;
-    scores[idx] = canon_dot(q + r * q_stride + h * lay.hs, 1, k, 1, lay.hs) * scale;
+    scores[idx] = kvp_score(q + r * q_stride + h * lay.hs, kv, block_stride, tables + (size_t)r * max_blocks, l, lay.bs,
+                            lay.Cl, h * lay.hs, lay.hs, scale);
 }
 
-// one thread per (row, head): the max of its scores, in position order as the CPU's loop
+// one thread per (row, head): the max of its scores
 static __global__ void kvp_max_kernel(KVPLayout lay, float* maxes, const float* scores, const int* pos, int N) {
     int rh = blockIdx.x * blockDim.x + threadIdx.x;
     if (rh >= N * lay.NHl) { return; }
-    const float* s = scores + (size_t)rh * (lay.T / lay.P);
-    float m = -canon_inf();
-    for (int l = 0, n = canon_zz_count_le(pos[rh / lay.NHl], lay.T, lay.P, lay.rank); l < n; l++) {
-        if (s[l] > m) { m = s[l]; }
-    }
-    maxes[rh] = m;
+    maxes[rh] = kvp_max(scores + (size_t)rh * (lay.T / lay.P), canon_zz_count_le(pos[rh / lay.NHl], lay.T, lay.P, lay.rank));
 }
 
 static void kvp_scores(const KVPLayout* lay, float* scores, float* maxes, const float* q, long q_stride,

@@ -75,8 +75,6 @@
 #include "llmc/paged_kv.h"
 #include "llmc/utils.h"
 
-#define KVP_MAX_HS 256   // the head sizes the device's output partials have room for
-
 typedef enum { KVP_COMBINE_ALL_REDUCE, KVP_COMBINE_REDUCE_SCATTER } KVPCombine;
 
 typedef struct {
@@ -128,7 +126,6 @@ static inline void kvp_init(KVPLayout* lay, int P, int rank, int tp, int T, int 
     lay->Cl = lay->NHl * lay->hs;
     lay->combine = combine;
     lay->mem = &memory_host;
-    if (lay->hs > KVP_MAX_HS) { fatal("KVP: head size %d is above %d", lay->hs, KVP_MAX_HS); }
 }
 
 // The workspace in mem (a cache on the GPU: serve_kvp.h), before the first decode.
@@ -153,13 +150,6 @@ HD int kvp_local_of(int p, int T, int P, int r) {
     return p < T / 2 ? p - r * h : h + p - (T - (r + 1) * h);
 }
 
-// Local position l's row (k | v, 2 Cl floats) in a layer's view of the rank's cache, through
-// a request's block table on the rank.
-HD const float* kvp_row(const float* kv, long block_stride, const int* table, int l, int bs, int Cl) {
-    return kv + table[l / bs] * block_stride + (long)(l % bs) * 2 * Cl;
-}
-
-static inline int kvp_stretch(const KVPLayout* lay) { return lay->T / (2 * lay->P); }
 static inline int kvp_owner(const KVPLayout* lay, int p) { return kvp_owner_of(p, lay->T, lay->P); }
 static inline int kvp_local(const KVPLayout* lay, int p) { return kvp_local_of(p, lay->T, lay->P, lay->rank); }
 
@@ -175,8 +165,7 @@ static inline int kvp_reserve(PagedKV* kv, BlockTable* bt, const KVPLayout* lay,
 // the request's table on this rank: an offset, or -1 when another rank of the group holds p.
 static inline long kvp_slot(const KVPLayout* lay, const int* table, long block_stride, int p) {
     if (kvp_owner(lay, p) != lay->rank) { return -1; }
-    int l = kvp_local(lay, p);
-    return table[l / lay->bs] * block_stride + (long)(l % lay->bs) * 2 * lay->Cl;
+    return paged_kv_slot(table, block_stride, kvp_local(lay, p), lay->bs, lay->Cl);
 }
 
 // Stores the k and v (Cl each, this rank's heads) of global position p of layer l, if this rank
@@ -201,6 +190,30 @@ static inline uint64_t kvp_step_bytes(const KVPLayout* lay, int N) {
 }
 
 // ---- the decode step's arithmetic per output (HD) --------------------------------------------
+// The score of a (row, head) against local position l: dot(q, k) / sqrt(hs) (R2 over hs, as
+// one rank; scale the 1/sqrt(hs)), q the row's q of the head, k read through the row's table
+// on this rank at channel offset kc (h hs) of the position's k | v row.
+HD float kvp_score(const float* q, const float* kv, long block_stride, const int* table, int l, int bs, int Cl, int kc,
+                   int hs, float scale) {
+    return canon_dot(q, 1, kv + paged_kv_slot(table, block_stride, l, bs, Cl) + kc, 1, hs) * scale;
+}
+
+// The max of a (row, head)'s n scores, in position order (exact in any order: R5).
+HD float kvp_max(const float* s, int n) {
+    float m = -canon_inf();
+    for (int l = 0; l < n; l++) {
+        if (s[l] > m) { m = s[l]; }
+    }
+    return m;
+}
+
+// The positions of half `half` (0 low, 1 high) of zig-zag chunk c of T that a row at position
+// t attends to: [*b, *e), the half clipped at t (empty past it).
+HD void kvp_chunk_half(int T, int c, int half, int t, long* b, long* e) {
+    canon_zz_half(T, CANON_R, c, half, b, e);
+    if (*e > (long)t + 1) { *e = (long)t + 1; }
+}
+
 // One (row, head) at position t: the exps of its n = canon_zz_count_le(t) scores s (by local
 // position, in place: e = exp(s - m)), and this rank's subtree of the chunk sums of Z: rank r
 // holds chunks [r 8/P, (r+1) 8/P) of the 8 zig-zag chunks of T, each summed in position order.
@@ -212,8 +225,8 @@ HD float kvp_exps_zsum(float* s, float m, int t, int T, int P, int rank) {
         float acc = 0.0f;
         for (int half = 0; half < 2; half++) {
             long b, e;
-            canon_zz_half(T, CANON_R, chunk0 + c, half, &b, &e);
-            for (long p = b; p < e && p <= t; p++) { acc = acc + s[kvp_local_of((int)p, T, P, rank)]; }
+            kvp_chunk_half(T, chunk0 + c, half, t, &b, &e);
+            for (long p = b; p < e; p++) { acc = acc + s[kvp_local_of((int)p, T, P, rank)]; }
         }
         chunk_sum[c] = acc;
     }
@@ -232,10 +245,10 @@ HD float kvp_value(const float* e_row, float z, int t, int T, int P, int rank, c
         float acc = 0.0f;
         for (int half = 0; half < 2; half++) {
             long b, e;
-            canon_zz_half(T, CANON_R, chunk0 + c, half, &b, &e);
-            for (long p = b; p < e && p <= t; p++) {
+            kvp_chunk_half(T, chunk0 + c, half, t, &b, &e);
+            for (long p = b; p < e; p++) {
                 int l = kvp_local_of((int)p, T, P, rank);
-                acc = fmaf(e_row[l] / z, kvp_row(kv, block_stride, table, l, bs, Cl)[vc], acc);
+                acc = fmaf(e_row[l] / z, kv[paged_kv_slot(table, block_stride, l, bs, Cl) + vc], acc);
             }
         }
         chunk_sum[c] = acc;
@@ -275,13 +288,11 @@ static void kvp_scores(const KVPLayout* lay, float* scores, float* maxes, const 
         int n = canon_zz_count_le(pos[r], lay->T, lay->P, lay->rank);
         for (int h = 0; h < NHl; h++) {
             float* s = scores + ((size_t)r * NHl + h) * local_len;
-            float m = -canon_inf();
             for (int l = 0; l < n; l++) {
-                const float* k = kvp_row(kv, block_stride, tables + (size_t)r * max_blocks, l, lay->bs, lay->Cl) + h * hs;
-                s[l] = canon_dot(q + r * q_stride + h * hs, 1, k, 1, hs) * scale;
-                if (s[l] > m) { m = s[l]; }
+                s[l] = kvp_score(q + r * q_stride + h * hs, kv, block_stride, tables + (size_t)r * max_blocks, l, lay->bs,
+                                 lay->Cl, h * hs, hs, scale);
             }
-            maxes[(size_t)r * NHl + h] = m;
+            maxes[(size_t)r * NHl + h] = kvp_max(s, n);
         }
     }
 }

@@ -13,6 +13,7 @@
 
 #include <stddef.h>
 #include <stdlib.h>
+#include "llmc/canonical.h"
 #include "llmc/memory.h"
 #include "llmc/utils.h"
 
@@ -52,6 +53,13 @@ static inline long paged_kv_block_stride(const PagedKV* kv) { return (long)kv->L
 // layer l's view of the cache: position slot s of block b is at + b * block_stride + s * 2C
 static inline float* paged_kv_layer(const PagedKV* kv, int l) {
     return kv->data + (size_t)l * kv->block_size * 2 * kv->C;
+}
+
+// Where position p's row (k | v, 2C floats) is in a layer's view of a cache of blocks of bs
+// positions, block_stride apart, through a request's block table (HD: the host's kernels and
+// the device's read it too).
+HD long paged_kv_slot(const int* table, long block_stride, int p, int bs, int C) {
+    return table[p / bs] * block_stride + (long)(p % bs) * 2 * C;
 }
 
 // bytes of one block: fp32 keys and values (2) of every layer (L) for block_size positions of

@@ -348,17 +348,19 @@ static inline void serve_forward(ServeEngine* e, int N) {
     int C = e->kv.C, bs = e->kv.block_size;   // this rank's channels of keys and values
     mem->from_host(e->pos_dev, e->row_pos, sizeof(int) * (size_t)N);
     mem->from_host(e->tables_dev, e->row_tables, sizeof(int) * (size_t)N * e->max_blocks);
-    // where each run of rows writes its keys and values: consecutive slots of one block (a
-    // block belongs to one request); under KVP the rows whose positions this rank holds
+    // where each run of rows writes its keys and values: consecutive rows into consecutive
+    // slots of one block (a block belongs to one request); under KVP the rows whose positions
+    // this rank holds
     e->num_runs = 0;
     long block_stride = paged_kv_block_stride(&e->kv);
     for (int r = 0, i = -1; r < N; r++) {
         int p = e->row_pos[r];
         const int* table = e->row_tables + (size_t)r * e->max_blocks;
         long slot = e->kvp.P > 1 ? serve_kvp_slot(&e->kvp, table, block_stride, p)
-                                 : table[p / bs] * block_stride + (long)(p % bs) * 2 * C;
+                                 : paged_kv_slot(table, block_stride, p, bs, C);
         if (slot < 0) { continue; }
-        if (i >= 0 && slot % block_stride != 0 && slot == e->run_slot[i] + (long)e->run_len[i] * 2 * C) {
+        if (i >= 0 && r == e->run_row[i] + e->run_len[i] && slot % block_stride != 0 &&
+            slot == e->run_slot[i] + (long)e->run_len[i] * 2 * C) {
             e->run_len[i]++;
         } else {
             i = e->num_runs++;

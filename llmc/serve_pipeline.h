@@ -54,7 +54,8 @@
  *   other: each rank of stage s < S-1: the step to stage s+1, (2 + N*(2 + max_blocks) + M)*4
  *          (the counts, each row's token, position and block table, the head's rows, as floats);
  *          world rank 0 with K > 1 the same ints as the step broadcast over stage 0's tp group,
- *          with Q > 1 once more over its ep group, with --kvp P > 1 over its KVP group
+ *          and once more over its KVP group with --kvp P > 1, else over its ep group with Q > 1
+ *          (serve_step_broadcast: never both)
  *   ep:    (serve_parallel.h) within each stage, per MoE layer of its own, the routed rows'
  *          all-to-alls over its ep groups (routing-dependent)
  *   tp:    (serve_parallel.h) over each stage's tp group, for its own layers: stage 0 the

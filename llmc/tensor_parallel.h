@@ -113,16 +113,16 @@ static inline TPCut tp_cut(int K, int r) { TPCut cut = {K, r, K, r, K, r}; retur
 // Whether tensor t sits after attention, in the cut's ffn_K slices.
 static inline int tp_after_attention(int t) { return t == P_ATTPROJW || t == P_FCW || t == P_FCB || t == P_FCPROJW; }
 
-// Piece of tensor t (rows x cols as held whole, at canonical offset canon) on a rank of the
-// cut, at local offset `local`.
-static inline void tp_piece_init(TPPiece* p, int t, int layer, size_t rows, size_t cols, size_t canon, TPCut cut,
+// Piece of tensor t (rows x cols as held whole, at canonical offset canon) as slice r of K
+// (a replicated tensor: whole), at local offset `local`.
+static inline void tp_piece_init(TPPiece* p, int t, int layer, size_t rows, size_t cols, size_t canon, int K, int r,
                                  size_t local) {
     p->tensor = t;
     p->layer = layer;
     p->split = tp_split_of(t, &p->groups);
-    int replicated = p->split == TP_REPLICATED, after = tp_after_attention(t);
-    p->K = replicated ? 1 : after ? cut.ffn_K : cut.K;
-    p->r = replicated ? 0 : after ? cut.ffn_r : cut.r;
+    int replicated = p->split == TP_REPLICATED;
+    p->K = replicated ? 1 : K;
+    p->r = replicated ? 0 : r;
     p->rows = rows;
     p->cols = cols;
     p->cuts_rows = p->split == TP_COLUMN_PARALLEL && p->rows > 1;   // 1-D tensors are one row
@@ -150,7 +150,9 @@ static inline int tp_unit_pieces(const GPT2Config* c, TPCut cut, int u, TPPiece*
         if (param_is_expert_tensor(t) && c->num_experts > 0) { continue; }
         size_t rows, cols;
         param_shape(c, t, &rows, &cols);
-        tp_piece_init(&out[n], t, layer, rows, cols, param_offset(c, t, layer), cut, local);
+        int after = tp_after_attention(t);   // in the cut's ffn_K slices
+        tp_piece_init(&out[n], t, layer, rows, cols, param_offset(c, t, layer), after ? cut.ffn_K : cut.K,
+                      after ? cut.ffn_r : cut.r, local);
         local += tp_piece_elements(&out[n++]);
     }
     return n;
@@ -161,8 +163,6 @@ static inline int tp_unit_pieces(const GPT2Config* c, TPCut cut, int u, TPPiece*
 // tensor but in the cut's exp_K slices. Returns their count (4 El).
 static inline int tp_expert_unit_pieces(const GPT2Config* c, TPCut cut, int layer, int e0, int El, TPPiece* out) {
     static const int tensors[4] = {P_FCW, P_FCB, P_FCPROJW, P_FCPROJB};
-    cut.ffn_K = cut.exp_K;
-    cut.ffn_r = cut.exp_r;
     int n = 0;
     size_t local = 0;
     for (int i = 0; i < 4; i++) {
@@ -170,7 +170,7 @@ static inline int tp_expert_unit_pieces(const GPT2Config* c, TPCut cut, int laye
         param_expert_shape(c, tensors[i], &rows, &cols);
         for (int e = e0; e < e0 + El; e++) {
             size_t canon = param_offset(c, tensors[i], layer) + (size_t)e * rows * cols;
-            tp_piece_init(&out[n], tensors[i], layer, rows, cols, canon, cut, local);
+            tp_piece_init(&out[n], tensors[i], layer, rows, cols, canon, cut.exp_K, cut.exp_r, local);
             local += tp_piece_elements(&out[n++]);
         }
     }

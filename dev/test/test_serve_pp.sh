@@ -4,13 +4,14 @@
 #   1. a dense d4 checkpoint (4 layers, 4 heads): --pp 2 (2 ranks) in a small cache (16 blocks
 #      of 4 positions: one request of maxT, so the concurrent ones are preempted) with prompts
 #      in chunks (--max-batch-tokens 8: iterations in flight hold prefill chunks that draw
-#      nothing), --pp 2 --kvp 2 (4 ranks: each stage's 2 ranks a KVP pool, in the same small
-#      cache, 1/2 of its blocks each), --pp 4 --tp 2 (8 ranks), each against the one process
-#      with its default cache and chunks; an expert d2 checkpoint (4 experts, top 2): --pp 2
-#      --ep 2 --tp 2 (8 ranks): greedy, seeded top-k, 8 concurrent requests of mixed lengths and
-#      sampling (the batch-invariance test across stages, several iterations in flight: the
-#      test asserts the pipeline held more than one), a stream; compared are the token ids, the
-#      text and the FNV-1a of every distribution drawn from (probs_fnv1a);
+#      nothing), --pp 4 --tp 2 (8 ranks); an expert d2 checkpoint (4 experts, top 2, 2 heads):
+#      --pp 2 --ep 2 (4 ranks: each stage's ep group), --pp 2 --kvp 2 --ep 2 (4 ranks: each
+#      stage's 2 ranks a KVP pool, its experts dealt over it, in the same small cache and
+#      chunks, 1/2 of its blocks each); each against the one process with its default cache and
+#      chunks: greedy, seeded top-k, 8 concurrent requests of mixed lengths and sampling (the
+#      batch-invariance test across stages, several iterations in flight: the test asserts the
+#      pipeline held more than one), a stream; compared are the token ids, the text and the
+#      FNV-1a of every distribution drawn from (probs_fnv1a);
 #   2. the bytes per generated token of a lone one-token request (every step one row) that rank
 #      0 sends and gets back (/metrics), and every other rank's totals at exit, against
 #      llmc/serve_pipeline.h's formulas computed here from the model's shape (and the experts'
@@ -88,8 +89,8 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
 
     # per generated token of a lone one-token request (N = M = 1 every step), what rank 0 sent
     # (pp: its C rows to stage 1; other: the step down, 2 + (2 + max_blocks) + 1 floats, and with
-    # K > 1 the same ints broadcast over stage 0's tp group, with Q > 1 over rank 0's ep group,
-    # with P > 1 over its KVP group; tp: stage 0's all-reduces of C floats, the embedding's over
+    # K > 1 the same ints broadcast over stage 0's tp group, and once over rank 0's KVP group
+    # with P > 1, else over its ep group with Q > 1 (serve_step_broadcast: one or the other); tp: stage 0's all-reduces of C floats, the embedding's over
     # the tp group and 2 per layer of its L/S over the G = P K ranks the output projection and
     # the MLP are cut over, 2(G-1)ceil(C/G)*4 bytes each; cp (--kvp): per layer the max and Z
     # all-reduces of NH/K floats and the output's reduce-scatter of P x C/G over the KVP group)
@@ -105,7 +106,7 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
     step=$(( (2 + (2 + MAX_BLOCKS) + 1) * 4 ))
     # (with Q > 1 also each of stage 0's L/S expert layers' row count to the other ep ranks,
     # (Q-1)*4: every layer of the expert checkpoint is one, expert_parallel.h)
-    want_other=$(( step * (1 + (K > 1) + (Q > 1) + (P > 1)) + (Q - 1) * 4 * L / S ))
+    want_other=$(( step * (1 + (K > 1) + (P > 1 || Q > 1)) + (Q - 1) * 4 * L / S ))
     [ "$pp" = $((C * 4)) ] || fail "$flags: rank 0's pp bytes per token $pp, the formula says C*4 = $((C * 4))"
     [ "$other" = "$want_other" ] || fail "$flags: rank 0's other bytes per token $other, the formula says $want_other"
     [ "$back" = $((VP * 4)) ] || fail "$flags: bytes back per token $back, the formula says Vp*4 = $((VP * 4))"
@@ -163,13 +164,18 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
 
 # (--pp 4 alone, and --pp 2 --tp 2: covered by --pp 4 --tp 2, whose every stage's totals are
 # checked the same way)
-layouts dense "2:--pp 2 $SMALL" "4:--pp 2 --kvp 2 $SMALL" "8:--pp 4 --tp 2"
-# experts: each stage's routed rows by all-to-all over its own ep groups, each expert cut over a
-# tp group; only ep rank 0's tp group of the last stage runs the head (the other ep rank's
-# totals: no head rows, no pp bytes)
-CK=$W/moe/model_00000003.bin L=2 E=4
-layouts moe "8:--pp 2 --ep 2 --tp 2"
-CK=$W/dense/model_00000003.bin L=4 E=0
+layouts dense "2:--pp 2 $SMALL" "8:--pp 4 --tp 2"
+# experts: each stage's routed rows by all-to-all over its own ep groups (the comm grid's, or
+# with --kvp its KVP pool's: serve_kvp.h), the step to stage 0's ranks over rank 0's ep group,
+# or its KVP group; only ep rank 0 (KVP rank 0) of the last stage runs the head (the other's
+# totals: no head rows, no pp bytes). --pp with --kvp runs here, with experts, on the small
+# cache: its attention, cache and preemption are a dense model's. (--pp 2 --ep 2 --tp 2, each
+# expert also cut over a tp group, is not run: its pieces are --pp 4 --tp 2 above,
+# test_serve_parallel.sh's --tp 2 --ep 2 and test_moe.sh's trainer grid of pp x ep x tp, and 8
+# ranks cost the most on 2 cores.)
+CK=$W/moe/model_00000003.bin L=2 NH=2 E=4
+layouts moe "4:--pp 2 --ep 2" "4:--pp 2 --kvp 2 --ep 2 $SMALL"
+CK=$W/dense/model_00000003.bin L=4 NH=4 E=0
 
 # --- 3. refused layouts ------------------------------------------------------------------
 refuse "$CK" "^error: --pp 3: must divide the model's 4 layers" --pp 3
