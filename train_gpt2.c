@@ -738,7 +738,7 @@ typedef struct {
     X(owner, float, dln1, BTC)                 /* (B,T,C)  also d(lnf's output) in the head's backward */              \
     X(owner, float, dgate, moe * slots)        /* (B,T,k)  mixture of experts from here */                             \
     X(owner, float, dlogits, moe * B * T * num_experts) /* (B,T,E) */                                                  \
-    X(owner, float, drouter, moe * BTC * cp)   /* (B,T,C)  the router's input gradient (CP: whole sequences) */        \
+    X(owner, float, drouter, moe * BTC * cap_split) /* (B,T,C) the router's input gradient (CP: whole sequences) */        \
     X(owner, float, daux, moe * num_experts)   /* (E)      the load-balancing loss's gradient per position */          \
     X(owner, float, dslots, moe * slots * C)   /* (B,T*k,C) the slots' output, then input, gradients */
 #define MOE_GRAD_ROWS(X, owner)                                                                                        \
@@ -1302,7 +1302,7 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
         moe_act->aux = moe_aux_loss(route->count, model->psum_host, num_experts, top_k, BT, c->aux_loss_coef);
     }
     MoeCounters* counters = &model->counters;
-    for (int e = 0; e < num_experts; e++) {
+    for (int e = 0; model->cp->rank == 0 && e < num_experts; e++) {   // a sequence's routing counted once in its group
         counters->tokens[(size_t)(l - model->first_layer) * num_experts + e] += route->count[e];
     }
     long long out_rows, in_rows;
@@ -1598,7 +1598,8 @@ static void moe_weight_backward(GPT2* model, Activations* a, ActivationGrads* g,
         moe_expert_dweight(dex.fcw + e * dex.fcw_n, dex.fcb + e * dex.fcb_n, slice, dh, moe_act->xin, leaf, ep_size, B,
                            C, C4);
     }
-    for (int q = 0; cp > 1 && q < ep_size; q++) { cp_keep_part(model->cp, dunit + q * slice, slice); }
+    int whole = cp > 1 || whole_in_group(model, a);   // every rank of the group computed them whole
+    for (int q = 0; whole && q < ep_size; q++) { cp_keep_part(model->cp, dunit + q * slice, slice); }
     zero_grad_unit_done(z, unit);
 }
 

@@ -395,27 +395,28 @@ static inline uint64_t cp_bytes_per_step(int N, int a2a, int layers, int has_emb
     return (layers * per_layer + embedding + losses) * (uint64_t)microbatches;
 }
 
-// cp_bytes_per_step for a --varlen step: the sum over this rank's sequences (lengths[i], i <
-// count) of one microbatch of B = 1, T = lengths[i] each, for those split over the D ranks
-// that split sequences (N, times the tensor-parallel degree with SP); a sequence every rank
-// computes whole sends nothing.
-static inline uint64_t cp_bytes_per_varlen_step(int N, int D, int a2a, int layers, int has_embedding, int has_head,
-                                                const int* lengths, int count, int C, int tp) {
-    uint64_t bytes = 0;
-    for (int i = 0; i < count; i++) {
-        if (zz_splits_length(D, lengths[i])) {
-            bytes += cp_bytes_per_step(N, a2a, layers, has_embedding, has_head, 1, lengths[i], C, tp, 1, sizeof(float));
-        }
-    }
-    return bytes;
-}
-
 // The bytes a mixture-of-experts model adds to cp_bytes_per_step: each expert layer runs on
 // whole sequences (train_gpt2.c moe_forward), so per microbatch it all-gathers its input
 // forward and its output's gradient backward, (N-1) B (T/N) C floats each (C whole: the
 // layer's input is complete on every tensor-parallel rank).
 static inline uint64_t cp_moe_bytes_per_step(int N, int layers, int B, int T, int C, int microbatches) {
     return sizeof(float) * 2 * (uint64_t)(N - 1) * B * (T / N) * C * (uint64_t)layers * (uint64_t)microbatches;
+}
+
+// cp_bytes_per_step for a --varlen step: the sum over this rank's sequences (lengths[i], i <
+// count) of one microbatch of B = 1, T = lengths[i] each, for those split over the D ranks
+// that split sequences (N, times the tensor-parallel degree with SP); a sequence every rank
+// computes whole sends nothing. moe: a mixture-of-experts model (cp_moe_bytes_per_step too).
+static inline uint64_t cp_bytes_per_varlen_step(int N, int D, int a2a, int moe, int layers, int has_embedding,
+                                                int has_head, const int* lengths, int count, int C, int tp) {
+    uint64_t bytes = 0;
+    for (int i = 0; i < count; i++) {
+        if (zz_splits_length(D, lengths[i])) {
+            bytes += cp_bytes_per_step(N, a2a, layers, has_embedding, has_head, 1, lengths[i], C, tp, 1, sizeof(float));
+            if (moe) { bytes += cp_moe_bytes_per_step(N, layers, 1, lengths[i], C, 1); }
+        }
+    }
+    return bytes;
 }
 
 #endif // LLMC_CONTEXT_PARALLEL_H

@@ -112,9 +112,9 @@ static inline FlexCost trainer_flexsp_cost(int budget, int max_group) {
 }
 
 // --flexsp 1 runs over the data-parallel pool with any ZeRO stage, each group of several ranks
-// with context parallelism over its pool sub-group (README); a model with experts in groups of
-// one rank (experts and context parallelism do not combine under --varlen yet); every other
-// layout is refused in one line. Makes the pool's sub-groups (collective over the world).
+// with context parallelism over its pool sub-group (README; with experts, each expert layer on
+// whole sequences on every member, as --cp runs them); every other layout is refused in one
+// line. Makes the pool's sub-groups (collective over the world).
 static inline void trainer_check_flexsp(Trainer* t) {
     const TrainArgs* a = &t->args;
     int N = t->comm.dp, budget = a->flexsp_tokens ? a->flexsp_tokens : t->T;
@@ -124,12 +124,7 @@ static inline void trainer_check_flexsp(Trainer* t) {
               a->tp, a->pp, a->cp, a->ep);
     }
     int a2a = strcmp(a->cp_mode, "a2a") == 0;
-    int largest = t->moe ? 1 : trainer_flexsp_max_group(N, t->T, a2a, t->config.num_heads);
-    if ((long long)budget * largest < t->T && t->moe) {
-        fatal("--flexsp-tokens %d: a sequence of -t %d tokens does not fit one rank, and with experts a FlexSP group "
-              "is one rank (experts and context parallelism do not combine under --varlen yet); raise "
-              "--flexsp-tokens or lower -t", budget, t->T);
-    }
+    int largest = trainer_flexsp_max_group(N, t->T, a2a, t->config.num_heads);
     if ((long long)budget * largest < t->T) {
         fatal("--flexsp-tokens %d: a sequence of -t %d tokens does not fit the memory of the pool's largest group "
               "(%d rank(s) x %d tokens; a group is a power of two of at most %d ranks that divides the pool of %d, "
@@ -207,10 +202,6 @@ static inline int trainer_begin(Trainer* t, int argc, char** argv) {
     if (t->moe && a->cp > 1 && a->sp) {
         fatal("--cp %d with --sp 1: a mixture-of-experts model does not combine context and sequence parallelism "
               "yet; use --sp 0 or --cp 1", a->cp);
-    }
-    if (t->moe && a->cp > 1 && a->varlen) {
-        fatal("--cp %d with --varlen: a mixture-of-experts model does not combine context parallelism and variable "
-              "lengths yet; use --cp 1 (--varlen runs with experts under DP, TP, PP and EP)", a->cp);
     }
     if (a->ep > 1 && !t->moe) {
         fatal("--ep %d: expert parallelism needs a mixture-of-experts model (-e with eE, e.g. d4e8k2, or a version 7 file)", a->ep);
@@ -614,8 +605,8 @@ static inline void trainer_print_cp_accounting(const Trainer* t) {
     if (t->moe) { want += cp_moe_bytes_per_step(comm->cp, layers, t->B, t->T, t->config.channels, t->zero.local_microbatches); }
     if (t->args.varlen) {
         int n = t->zero.local_microbatches, *lengths = trainer_step_lengths(t);
-        want = cp_bytes_per_varlen_step(comm->cp, trainer_sequence_split(t), a2a, layers, first, last, lengths, n,
-                                        t->config.channels, comm->tp);
+        want = cp_bytes_per_varlen_step(comm->cp, trainer_sequence_split(t), a2a, t->moe, layers, first, last, lengths,
+                                        n, t->config.channels, comm->tp);
         free(lengths);
     }
     uint64_t got = comm->stats.bytes[COMM_KIND_CP];
@@ -812,7 +803,8 @@ static inline void trainer_step(Trainer* t, TrainRun* run, int step, StepResult*
         }
     }
     if (t->moe) {
-        moe_expert_loads(t->moe_counters, t->nchunks, t->config.num_layers, t->config.num_experts, &comm->dp_group,
+        // the loads over data x context ranks (each sequence counted by its context group's first rank)
+        moe_expert_loads(t->moe_counters, t->nchunks, t->config.num_layers, t->config.num_experts, &comm->dpcp_group,
                          &comm->pp_group, &out->load_min, &out->load_max);
     }
     out->norm = zero_grad_norm(z, &comm->tp_group);
@@ -864,7 +856,7 @@ static inline void trainer_report_step(Trainer* t, const BuildInfo* build, const
             MoeCounters sent = moe_counters_total(t->moe_counters, t->nchunks);
             printf("           experts: aux %.6f | tokens per expert min %.0f max %.0f (of %lld per layer) | "
                    "all-to-all %llu bytes: %lld rows out, %lld in, %lld layer passes\n", r->aux, r->load_min,
-                   r->load_max, (long long)c->top_k * t->total_batch, (unsigned long long)comm->stats.bytes[COMM_KIND_EP],
+                   r->load_max, (long long)(c->top_k * r->tokens), (unsigned long long)comm->stats.bytes[COMM_KIND_EP],
                    sent.rows_out, sent.rows_in, sent.passes);
         }
         if (comm->pp > 1 && comm->pp <= PP_MAX_LISTED_STAGES) {

@@ -213,9 +213,11 @@ static inline MoeCounters moe_counters_total(MoeCounters* const* counters, int n
 
 // The fewest and the most slots routed to one expert of one layer (of L, with E experts each)
 // in the step, over every rank's microbatches: the rank's counts (its chunks') summed over the
-// dp group (all-reduce, dp group), then the stages' layers into one table (all-reduce, pp
-// group; each layer is held by one stage; integers below 2^24 are exact in floats).
-static inline void moe_expert_loads(MoeCounters* const* counters, int nchunks, int L, int E, CommGroup* dp,
+// ranks that hold different sequences (all-reduce, `data`: the dp group, or with context
+// parallelism data x context ranks, each sequence counted by one rank of its context group),
+// then the stages' layers into one table (all-reduce, pp group; each layer is held by one
+// stage; integers below 2^24 are exact in floats).
+static inline void moe_expert_loads(MoeCounters* const* counters, int nchunks, int L, int E, CommGroup* data,
                                     CommGroup* pp, double* lo, double* hi) {
     float* all = (float*)calloc_or_die((size_t)L * E, sizeof(float), "expert loads");
     for (int ch = 0; ch < nchunks; ch++) {
@@ -224,7 +226,7 @@ static inline void moe_expert_loads(MoeCounters* const* counters, int nchunks, i
             for (int e = 0; e < E; e++) { all[(size_t)(ct->first_layer + l) * E + e] = (float)ct->tokens[(size_t)l * E + e]; }
         }
     }
-    comm_all_reduce_sum(dp, all, (size_t)L * E, COMM_KIND_OTHER);
+    comm_all_reduce_sum(data, all, (size_t)L * E, COMM_KIND_OTHER);
     comm_all_reduce_sum(pp, all, (size_t)L * E, COMM_KIND_OTHER);
     *lo = *hi = all[0];
     for (size_t i = 1; i < (size_t)L * E; i++) {

@@ -74,7 +74,7 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
         printf("| experts       E=%d per layer, top k=%d, load-balancing alpha %g; %zu active parameters per token "
                "(%.1f%% of P)\n", c->num_experts, c->top_k, c->aux_loss_coef, active, 100.0 * active / P);
         printf("|               expert parallel %d (ep groups of %d data ranks; the experts' gradients reduced over %d "
-               "ranks)\n", comm->ep, comm->ep, N / comm->ep);
+               "ranks)\n", comm->ep, comm->ep, N * comm->cp / comm->ep);   // edp x cp
         for (int q = 0; q < comm->ep; q++) {
             int El = c->num_experts / comm->ep;
             // every rank holds as many experts: rank 0's bytes are each rank's

@@ -9,10 +9,11 @@
 #    rounding;
 #  - resume continues at the sequence where the checkpoint stopped;
 #  - every layout equals one rank with --varlen on the documents: DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2,
-#    PP 2 under every schedule, DP 2 x PP 2, experts with --ep 2 and with --flexsp 1 (DP 2, ZeRO 1
-#    and 3) (main.log, checkpoint, samples);
-#  - the emulated CUDA build (deterministic) on 1 rank, DP 2 x ZeRO-3, PP 2, CP 2 and --flexsp 1
-#    (DP 2 x ZeRO-3, a group of 2 ranks) equals the CPU build;
+#    PP 2 under every schedule, DP 2 x PP 2 (main.log, checkpoint, samples);
+#  - experts with --ep 2, --cp 2 (a2a), CP 2 x EP 2 and --flexsp 1 in groups of 1 and 2 ranks
+#    equal one rank (main.log with aux, checkpoint, tokens per expert);
+#  - the emulated CUDA build (deterministic) on 1 rank, DP 2 x ZeRO-3, PP 2, CP 2, and with experts
+#    CP 2 and --flexsp 1 (DP 2 x ZeRO-3, a group of 2 ranks) equals the CPU build;
 #  - context parallelism (ring and a2a, cp 2 and 4, with DP and PP) and sequence parallelism
 #    (TP 2 + SP, with CP 2) equal one rank: a length that is a multiple of 2 x the ranks
 #    splitting it is split, any other computed whole by each rank;
@@ -21,7 +22,7 @@
 #    (losses, norms, checkpoint), each step's line lists the groups, their sizes and lengths;
 #    ZeRO-0's and ZeRO-3's bytes per step equal the formula;
 #  - bad input: --varlen 0, -t above maxT, -d with --varlen, --flexsp without --varlen, an unknown
-#    --flexsp-policy, a sequence too long for the pool (1 and 2 ranks; experts: one rank), --cp 2 with --flexsp,
+#    --flexsp-policy, a sequence too long for the pool (1 and 2 ranks), --cp 2 with --flexsp,
 #    and dev/tools/flexsp_plan's unknown policy and a sequence too long for the pool: one line.
 set -u
 cd "$(dirname "$0")/../.."
@@ -99,20 +100,32 @@ run one4 1 "${DOCS4[@]}" -o "$W/one4"
 run cp4a2a 4 "${DOCS4[@]}" --cp 4 --cp-mode a2a -o "$W/cp4a2a"
 same one4 cp4a2a 3
 pass "--varlen with --cp 2 and 4, ring and a2a, DP 2 x CP 2 (ZeRO 1, 3), CP 2 x PP 2, TP 2 + SP, TP 2 + SP x CP 2: identical to one rank; the cp bytes equal the formula over the split sequences"
+# --- experts: every context rank runs each expert layer on whole sequences (split or not), and a
+# FlexSP group of several ranks the same; the per-expert loads count each sequence once ---
 MOE=(-e d2c32h2v50257t32e4k2 -i "$W/docs.bin" -t 16 --varlen 4 -v 0 -s 0 -l 3e-3 -x 2 -n 2)
 run moe1 1 "${MOE[@]}" -o "$W/moe1"
-run moe2 2 "${MOE[@]}" --ep 2 -o "$W/moe2"
-cmp -s "$W/moe1/main.log" "$W/moe2/main.log" || fail "--ep 2: losses differ from one rank"
-cmp -s "$W/moe1/model_00000002.bin" "$W/moe2/model_00000002.bin" || fail "--ep 2: parameters differ"
-# FlexSP with experts: groups of one rank (no context parallelism with experts under --varlen)
-for layout in "2 -z 1" "2 -z 3 --flexsp-policy static"; do
-  name=moeflex$(echo "$layout" | tr -d ' -')
-  run "$name" $layout --flexsp 1 "${MOE[@]}" -o "$W/$name"
+loads() { grep "tokens per expert" "$W/$1.out" | sed 's/ | all-to-all.*//'; }
+for layout in "2 --ep 2" "2 --cp 2 --cp-mode a2a" "4 --cp 2 --ep 2 -z 3" \
+              "2 -z 1 --flexsp 1:group 1 (1 rank(s), 1-1)" \
+              "2 -z 3 --flexsp 1 --flexsp-policy static --flexsp-tokens 8:group 0 (2 rank(s), 0-1)" \
+              "4 -z 2 --flexsp 1 --flexsp-tokens 8 --cp-mode a2a:group 1 (2 rank(s), 2-3)"; do
+  shows=${layout#*:}; layout=${layout%%:*}
+  name=moe$(echo "$layout" | tr -d ' -')
+  run "$name" $layout "${MOE[@]}" -o "$W/$name"
   cmp -s "$W/moe1/main.log" "$W/$name/main.log" || fail "$name: losses, norms or aux losses differ from one rank"
   cmp -s "$W/moe1/model_00000002.bin" "$W/$name/model_00000002.bin" || fail "$name: parameters differ"
-  grep -q "^           group 1 (1 rank(s), 1-1): lengths [0-9 ]* | planned" "$W/$name.out" || fail "$name: rank 1 ran no group of its own"
+  [ "$(loads moe1)" = "$(loads "$name")" ] || fail "$name: the tokens per expert differ from one rank's"
+  case "$layout" in
+    *--flexsp*) grep -q "^           $shows: lengths [0-9 ]* | planned" "$W/$name.out" \
+                  || grep -q "^           $shows: lengths [0-9 ]* ([1-9][0-9]* split [0-9] ways, the others whole on each rank) | planned" "$W/$name.out" \
+                  || { cat "$W/$name.out"; fail "$name: no step line of '$shows' (a group of several ranks: with a split sequence)"; };;
+    *--cp*) grep -q "^cp accounting: .*(equal)" "$W/$name.out" || fail "$name: the cp bytes differ from the formula"
+            split=$(sed -n 's/^varlen split: \([0-9]*\) of this rank.s \([0-9]*\) .*/\1 \2/p' "$W/$name.out")
+            [ -n "$split" ] && [ "${split% *}" -gt 0 ] && [ "${split% *}" -lt "${split#* }" ] \
+              || fail "$name: not both a split sequence and a whole one ($split)";;
+  esac
 done
-pass "--varlen with experts, --ep 2 and --flexsp 1 on DP 2 (ZeRO 1 and 3): identical to one rank (losses, aux losses, norms, checkpoint)"
+pass "--varlen with experts: --ep 2, --cp 2 a2a, CP 2 x EP 2 (ZeRO-3), --flexsp 1 on DP 2 (ZeRO 1, 3) and DP 4 (ZeRO-2, a2a) with groups of 1 and 2 ranks: identical to one rank (losses, aux losses, norms, checkpoint, tokens per expert); the cp bytes equal the formula"
 
 # --- FlexSP: rank 0 plans each step's groups, a group of several ranks runs its sequences with
 # context parallelism (ring; a2a on 2 ranks) over its pool sub-group, the exchange keeps one rank's bits. Below -t,
@@ -159,16 +172,25 @@ pass "--flexsp 1 on 2 ranks: ZeRO-0's and ZeRO-3's gradient and parameter bytes 
 i=0; for k in 3 7 11 1; do i=$((i + 1)); $DATA tokens "$W/tail$i.bin" $((48 + 1 + k)) 64 $i || fail "test data"; done
 TAILS=(-e d2c32h2v64t32 -i "$W/tail*.bin" -j "$W/tail1.bin" -t 16 --varlen 4 -v 2 -m 1 -s 2 -g 6 -l 3e-3 -x 3 -n 3)
 run tails 1 "${TAILS[@]}" -o "$W/tails"
+MTAILS=(-e d2c32h2v64t32e4k2 "${TAILS[@]:2}")
+run mtails 1 "${MTAILS[@]}" -o "$W/mtails"
 BIN="./train_gpt2cu_emu --deterministic 1"
-for layout in "1" "2 -z 3" "2 --pp 2" "2 --cp 2" "2 -z 3 --flexsp 1 --flexsp-tokens 8"; do
+for layout in "1" "2 -z 3" "2 --pp 2" "2 --cp 2"; do
   name=emu$(echo "$layout" | tr -d ' -')
   run "$name" $layout "${TAILS[@]}" -o "$W/$name"
   same tails "$name" 3
 done
+# experts (4, top 2) with context parallelism, and in a FlexSP group of 2 ranks
+for layout in "2 --cp 2" "2 -z 3 --flexsp 1 --flexsp-tokens 8"; do
+  name=memu$(echo "$layout" | tr -d ' -')
+  run "$name" $layout "${MTAILS[@]}" -o "$W/$name"
+  same mtails "$name" 3
+done
+grep -q "^           group 0 (2 rank(s), 0-1): lengths .* split 2 ways" "$W/memu2z3flexsp1flexsptokens8.out" || fail "emu --flexsp 1: no group of 2 ranks"
 BIN=./train_gpt2
 ./train_gpt2cu_emu --deterministic 0 "${TAILS[@]}" -o "$W/fastbad" >"$W/fastbad.out" 2>&1 && fail "fast mode accepted --varlen"
 grep -q -- "--varlen: fast mode trains fixed windows" "$W/fastbad.out" || { cat "$W/fastbad.out"; fail "fast mode with --varlen: no line naming the flag"; }
-pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3, PP 2, CP 2 and --flexsp 1 over DP 2 ZeRO-3 (a group of 2): identical to the CPU build; fast mode refuses --varlen"
+pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3, PP 2, CP 2, and with experts CP 2 and --flexsp 1 over DP 2 ZeRO-3 (a group of 2): identical to the CPU build; fast mode refuses --varlen"
 
 # --- bad input: one line, non-zero exit ---
 bad() {   # expected-text args...
@@ -183,8 +205,6 @@ bad "leave out -d" "${BAD[@]}" -d 256
 bad "--flexsp 1: .* it needs --varlen G" "${BAD[@]/--varlen/-b}" --flexsp 1 -z 1
 bad "--flexsp-policy: expected static, adaptive or milp" "${BAD[@]}" --flexsp 1 -z 1 --flexsp-policy bogus
 bad "--flexsp-tokens 8: a sequence of -t 16 tokens does not fit the memory of the pool" "${BAD[@]}" --flexsp 1 -z 1 --flexsp-tokens 8
-bad "--flexsp-tokens 8: a sequence of -t 16 tokens does not fit one rank, and with experts a FlexSP group is one rank" \
-  "${BAD[@]/d2c32h2v50257t32/d2c32h2v50257t32e4k2}" --flexsp 1 -z 1 --flexsp-tokens 8
 $MPI 2 ./train_gpt2 "${BAD[@]}" --flexsp 1 -z 1 --cp 2 >"$W/bad.out" 2>&1 && fail "accepted --flexsp 1 --cp 2"
 grep -q -- "--flexsp 1: FlexSP's pool is the data-parallel ranks; --tp 1 --pp 1 --cp 2" "$W/bad.out" || { cat "$W/bad.out"; fail "--flexsp with --cp 2: no line"; }
 $MPI 2 ./train_gpt2 "${BAD[@]}" --flexsp 1 -z 1 --flexsp-tokens 4 >"$W/bad.out" 2>&1 && fail "accepted a sequence longer than a group of two holds"
@@ -194,4 +214,4 @@ for args in "--policy bogus --lengths 5:--policy: expected static" "--gpus 2 --l
   dev/tools/flexsp_plan ${args%%:*} >"$W/bad.out" 2>&1 && fail "flexsp_plan accepted ${args%%:*}"
   [ "$(wc -l <"$W/bad.out")" -eq 1 ] && grep -q -- "${args#*:}" "$W/bad.out" || { cat "$W/bad.out"; fail "flexsp_plan ${args%%:*}: not one line"; }
 done
-pass "bad input: --varlen 0, -t above maxT, -d; --flexsp without --varlen, an unknown policy, a sequence too long for the pool of 1 and of 2 ranks and for one rank with experts, --cp 2; flexsp_plan's unknown policy, a sequence too long for the pool: one line each"
+pass "bad input: --varlen 0, -t above maxT, -d; --flexsp without --varlen, an unknown policy, a sequence too long for the pool of 1 and of 2 ranks, --cp 2; flexsp_plan's unknown policy, a sequence too long for the pool: one line each"
