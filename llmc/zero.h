@@ -112,8 +112,8 @@ typedef struct {
     int num_units;        // L + 3 parameter units; unit num_units is the gradient-only lookup unit
     int num_all;          // every unit: num_units + 1, then the expert units (L of them, or 0)
     int N;                // data-parallel size the shards are cut for
-    int K, tp_rank;       // tensor-parallel size and this rank's place in it
-    TPCut cut;            // this rank's slices (tensor_parallel.h: K, tp_rank but in Helix's serving)
+    TPCut cut;            // this rank's tensor-parallel slices (tensor_parallel.h): the tp group's
+                          // size K and this rank's place r in it (ffn_K, ffn_r: Helix's serving)
     int Q, ep_rank;       // expert-parallel size and this rank's place in it
     size_t P;             // parameters of the whole model
     size_t* size;         // elements of unit u on this rank (its tensor-parallel slices)
@@ -153,8 +153,6 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, c
     z->num_units = U;
     z->num_all = A;
     z->N = N;
-    z->K = cut.K;
-    z->tp_rank = cut.r;
     z->cut = cut;
     z->Q = Q;
     z->ep_rank = ep_rank;
@@ -888,7 +886,7 @@ static inline float zero_grad_norm(Zero* z, CommGroup* tp) {
         const float* g = u == ZERO_WTE ? zero_wte_grad_at(z, b) : zero_grad_at(z, u, b);
         for (int k = 0; k < z->lay.npieces[u]; k++) {
             const TPPiece* p = &z->lay.pieces[u][k];
-            if (p->split == TP_REPLICATED && z->lay.tp_rank != 0) { continue; }
+            if (p->split == TP_REPLICATED && z->lay.cut.r != 0) { continue; }
             size_t lo = p->local > b ? p->local : b, hi = p->local + tp_piece_elements(p);
             if (hi > e) { hi = e; }
             if (lo >= hi) { continue; }
@@ -965,7 +963,7 @@ static inline void zero_full_params(Zero* z, float* dst) {
             ZeroScatterCtx ctx = {dst, unit};
             for (int k = 0; k < z->lay.npieces[u]; k++) {
                 const TPPiece* p = &z->lay.pieces[u][k];
-                if (p->split == TP_REPLICATED && z->lay.tp_rank != 0) { continue; }
+                if (p->split == TP_REPLICATED && z->lay.cut.r != 0) { continue; }
                 tp_piece_runs(p, 0, tp_piece_elements(p), zero_scatter_run, &ctx);
             }
         }
@@ -1003,7 +1001,7 @@ static inline int zero_state_ranges(const Zero* z, int writing, StateRange* out)
         ctx.u = u;
         for (int k = 0; k < z->lay.npieces[u]; k++) {
             const TPPiece* p = &z->lay.pieces[u][k];
-            if (writing && p->split == TP_REPLICATED && z->lay.tp_rank != 0) { continue; }
+            if (writing && p->split == TP_REPLICATED && z->lay.cut.r != 0) { continue; }
             size_t lo = p->local > b ? p->local : b, hi = p->local + tp_piece_elements(p);
             if (hi > e) { hi = e; }
             if (lo < hi) { tp_piece_runs(p, lo - p->local, hi - p->local, zero_range_run, &ctx); }
