@@ -42,7 +42,7 @@ static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2C
     // pool (Helix's layout, llmc/serve_kvp.h; without KVP serve_kvp_cut is the tp group's)
     TPCut cut = serve_kvp_cut(comm);
     zero_init_cut(&m->zero, config, mem, 0, &comm->dp_group, &comm->dp_group, ep ? &comm->ep_group : NULL,
-                  ep ? &comm->edp_group : NULL, &comm->pp_group, cut, &place, 1, S - 1, params, 0);
+                  ep ? &comm->edp_group : NULL, &comm->pp_group, cut, &place, 1, S - 1, params, sizeof(float), 0);
     // the comm's cp groups are the KVP groups of the engine's attention (llmc/serve_kvp.h); the
     // model's own context parallelism (the trainer's, over a sequence's rows) is one rank
     comm_group_init_single(&m->one_rank, &comm->stats, comm->mem);
