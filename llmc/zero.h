@@ -650,6 +650,13 @@ static inline void zero_params_prefetch(Zero* z, int u) {
                                    z->lay.shard[u], COMM_KIND_PARAM);
 }
 
+// Unit u's buffer in a pool of gathered units, its gather finished.
+static inline float* zero_gathered(ZeroSlot* slots, int n, int u) {
+    ZeroSlot* s = zero_slot_of(slots, n, u);
+    if (s->req) { comm_wait(s->req); s->req = NULL; }
+    return s->buf;
+}
+
 // The full fp32 parameters of unit u. Sharded: waits for the gather (started now if no
 // prefetch did), and starts prefetching `next` (-1: none).
 static inline const float* zero_params_acquire(Zero* z, int u, int next) {
@@ -657,10 +664,8 @@ static inline const float* zero_params_acquire(Zero* z, int u, int next) {
     if (!zero_params_sharded(z)) { return z->params + z->lay.local[u]; }
     if (z->flexsp_params_held) { return z->flexsp_params + z->lay.local[u]; }
     zero_params_prefetch(z, u);
-    ZeroSlot* s = zero_slot_of(z->pslots, z->npslots, u);
     zero_params_prefetch(z, next);
-    if (s->req) { comm_wait(s->req); s->req = NULL; }
-    return s->buf;
+    return zero_gathered(z->pslots, z->npslots, u);
 }
 
 // Stage 3 with bf16 weights: start gathering unit u's bf16 weights into a free buffer (the
@@ -677,10 +682,8 @@ static inline const uint16_t* zero_weights_acquire(Zero* z, int u, int next) {
     if (!z->bf16_weights || !z->lay.params_here[u]) { fatal("internal: unit %d has no bf16 weights on this rank", u); }
     if (z->stage != 3) { return z->weights + z->lay.wlocal[u]; }
     zero_weights_prefetch(z, u);
-    ZeroSlot* s = zero_slot_of(z->wslots, z->nwslots, u);
     zero_weights_prefetch(z, next);
-    if (s->req) { comm_wait(s->req); s->req = NULL; }
-    return (const uint16_t*)s->buf;
+    return (const uint16_t*)zero_gathered(z->wslots, z->nwslots, u);
 }
 
 // Sharded parameters: the gathered copies of unit u (its fp32 parameters, its bf16 weights) are
