@@ -46,7 +46,7 @@ static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2C
     // group; under --kvp it is in the pool): no gradients, so no edp ranks to shard over
     CommGroup* dp = ep ? &comm->ep_group : &comm->dp_group;
     zero_init_cut(&m->zero, config, mem, 0, dp, dp, ep ? &comm->ep_group : NULL, ep ? &comm->edp_group : NULL,
-                  &comm->pp_group, cut, &place, 1, S - 1, params, 0);
+                  &comm->pp_group, cut, &place, 1, S - 1, params, sizeof(float), 0);
     // the comm's cp groups are the KVP groups of the engine's attention (llmc/serve_kvp.h); the
     // model's own context parallelism (the trainer's, over a sequence's rows) is one rank
     comm_group_init_single(&m->one_rank, &comm->stats, comm->mem);

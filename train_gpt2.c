@@ -2011,7 +2011,7 @@ static const ModelOps gpt2_model_ops = {
     model_head_forward, model_loss_sum, model_probs_at, model_grads_create, model_grads_destroy,
     model_grad_residual, model_head_backward, model_layers_backward, model_embed_backward,
     model_moe_aux, model_moe_counters, model_embed_decode, model_layers_decode, model_head_decode, sizeof(float),
-    model_cp_select_op
+    sizeof(float), model_cp_select_op
 };
 
 // ==========================================================================================

@@ -57,7 +57,6 @@ static void cuda_memory_line(void) {
     cudaCheck(cudaMemGetInfo(&free_b, &total_b));
     printf("| GPU memory    %.2f GiB allocated by rank 0, %.2f GiB of %.1f GiB in use on its GPU\n",
            device_bytes_allocated / 1073741824.0, (total_b - free_b) / 1073741824.0, total_b / 1073741824.0);
-    if (!device_deterministic) { printf("| bf16 weights  %s\n", gpt2_fast_weights_line()); }
 }
 
 static void cuda_throughput(char* out, size_t len, double flops_per_second) {

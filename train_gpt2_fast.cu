@@ -6,9 +6,9 @@
  *
  * The same GPT-2 as train_gpt2.c's model, driven by the same engine (llmc/engine.h) through
  * the same ModelOps table, with its parameters, gradients and AdamW state in zero.h's fp32
- * buffers: only the arithmetic differs. Weights and activations are bf16 (the units zero.h
- * holds in fp32 are rounded to bf16 as they are acquired; under ZeRO-3 only the units in
- * flight have a bf16 copy), matmuls run on tensor cores through
+ * buffers: only the arithmetic differs. Weights and activations are bf16 (zero.h's bf16 weights,
+ * rounded once a step from the fp32 parameters by their shard's owner and gathered in bf16;
+ * under ZeRO-3 only the units in flight), matmuls run on tensor cores through
  * cuBLASLt with the bias and GELU fused (llmc/matmul_cublaslt.cuh), attention is cuDNN's fused
  * attention (llmc/attention_cudnn.cuh) or our flash kernels (llmc/attention_flash.cuh), chosen
  * by --attention, the residual add and the next layernorm are one kernel,
@@ -83,34 +83,12 @@ static void fast_attention_backward(floatX* dqkv, const floatX* dout, const floa
     attention_backward_fast(dqkv, dout, qkv, out, stats, D, B, T, C, NH);
 }
 
-// ZeRO-3: the units with a bf16 copy at once. The passes hold one unit and acquire the next
-// (the embeddings' wte then wpe; layer l then l + 1; the last layer then lnf); on one stage
-// the head holds wte alone from its forward to its backward (with several stages other
-// microbatches' layers run in between, so the head releases it and acquires it again).
-#define FAST_UNITS_IN_FLIGHT 2
-static char fast_weights_said[160];   // what the bf16 copy takes (gpt2_fast_weights_line)
-
-// The bf16 copy of this rank's weights, one for all its model chunks (they share the rank's
-// Zero): ZeRO 0-2 every held unit rounded to bf16, at zero.h's unit offsets (lay.local);
-// ZeRO-3 FAST_UNITS_IN_FLIGHT buffers of the largest unit, buffer i holding unit
-// bf16_unit[i] (-1: free), as zero.h's gathered fp32 units are held only while in use.
-typedef struct {
-    const Zero* zero;      // the rank's (NULL: not built yet)
-    int users;             // its model chunks
-    floatX* params_bf16;
-    int bf16_unit[FAST_UNITS_IN_FLIGHT];
-    size_t bf16_unit_len;  // ZeRO-3: elements of one buffer (the largest unit)
-    size_t bf16_bytes;     // what params_bf16 takes on this rank
-} FastWeights;
-static FastWeights fast_weights;
-
 // One model chunk (ChunkPlace): layers [first_layer, last_layer), the embeddings and the head
 // when it has them.
 typedef struct {
     GPT2Config config;
     Zero* zero;
     const MemOps* mem;
-    FastWeights* weights;
     int first_layer, layers;   // layers: how many this chunk has (0: none)
     int has_embedding, has_head;
     int hold_head;         // wte stays held from the head's forward to its backward (one stage)
@@ -226,37 +204,13 @@ template <typename X> static MoeExperts<X> expert_views(const Zero* z, int u, X*
     return v;
 }
 
-// Where unit u's bf16 copy lives; ZeRO-3: the buffer holding it, else (take_free) a free one.
-static floatX* fast_bf16_of(FastModel* m, int u, int take_free) {
-    FastWeights* w = m->weights;
-    if (m->zero->stage != 3) { return w->params_bf16 + m->zero->lay.local[u]; }
-    int free_slot = -1;
-    for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) {
-        if (w->bf16_unit[i] == u) { return w->params_bf16 + i * w->bf16_unit_len; }
-        if (w->bf16_unit[i] < 0 && free_slot < 0) { free_slot = i; }
-    }
-    if (!take_free) { fatal("internal: unit %d has no bf16 copy", u); }
-    if (free_slot < 0) { fatal("internal: more than %d units in flight in fast mode", FAST_UNITS_IN_FLIGHT); }
-    w->bf16_unit[free_slot] = u;
-    return w->params_bf16 + free_slot * w->bf16_unit_len;
-}
-
-// Unit u's parameters in bf16: acquired from zero.h (ZeRO-3 gathers it, prefetching `next`)
-// and rounded; fast_release(m, u) when done.
+// Unit u's bf16 weights, zero.h's (BF16 WEIGHTS: rounded once a step by their owners; ZeRO-3
+// gathers the unit, prefetching `next`), read only; fast_release(m, u) when done.
 static floatX* fast_params(FastModel* m, int u, int next) {
-    const float* p = zero_params_acquire(m->zero, u, next);
-    floatX* dst = fast_bf16_of(m, u, 1);
-    float_to_bf16(dst, p, m->zero->lay.size[u]);
-    return dst;
+    return (floatX*)zero_weights_acquire(m->zero, u, next);
 }
 
-// Unit u's fp32 gather (ZeRO-3) and its bf16 copy are no longer needed.
-static void fast_release(FastModel* m, int u) {
-    zero_params_release(m->zero, u);
-    for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) {
-        if (m->weights->bf16_unit[i] == u) { m->weights->bf16_unit[i] = -1; }
-    }
-}
+static void fast_release(FastModel* m, int u) { zero_params_release(m->zero, u); }
 
 static floatX* act(FastModel* m, size_t n, size_t* bytes) {
     *bytes += n * sizeof(floatX);
@@ -269,35 +223,6 @@ static float* act_f(FastModel* m, size_t n, size_t* bytes) {
 
 // ---- ModelOps ----------------------------------------------------------------------------
 
-// The rank's bf16 weights, built by its first model chunk.
-static FastWeights* fast_weights_use(Zero* zero) {
-    FastWeights* w = &fast_weights;
-    if (w->users++ > 0) {
-        if (w->zero != zero) { fatal("internal: fast mode's model chunks of one rank share one Zero"); }
-        return w;
-    }
-    w->zero = zero;
-    size_t n = zero->lay.local_params;
-    w->bf16_unit_len = 0;
-    if (zero->stage == 3) {
-        for (int u = 0; u < zero->lay.num_all; u++) {
-            if (zero_param_unit(&zero->lay, u) && zero->lay.size[u] > w->bf16_unit_len) { w->bf16_unit_len = zero->lay.size[u]; }
-        }
-        for (int i = 0; i < FAST_UNITS_IN_FLIGHT; i++) { w->bf16_unit[i] = -1; }
-        n = FAST_UNITS_IN_FLIGHT * w->bf16_unit_len;
-    }
-    w->bf16_bytes = n * sizeof(floatX);
-    w->params_bf16 = (floatX*)zero->mem->alloc(w->bf16_bytes, "bf16 parameters");
-    if (zero->stage == 3) {
-        snprintf(fast_weights_said, sizeof(fast_weights_said), "%zu bytes per rank (ZeRO-3: %d units in flight x "
-                 "%zu elements, the largest unit)", w->bf16_bytes, FAST_UNITS_IN_FLIGHT, w->bf16_unit_len);
-    } else {
-        snprintf(fast_weights_said, sizeof(fast_weights_said), "%zu bytes per rank (the whole model: %zu elements)",
-                 w->bf16_bytes, n);
-    }
-    return w;
-}
-
 static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zero, CommGroup* tp, CommGroup* cp,
                          int cp_a2a, int seq_parallel, int B, int T) {
     FastModel* m = (FastModel*)calloc_or_die(1, sizeof(FastModel), "model");
@@ -309,7 +234,6 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
     m->has_embedding = place->has_embedding;
     m->has_head = place->has_head;
     m->hold_head = place->has_embedding && place->has_head;   // one stage: nothing runs in between
-    m->weights = fast_weights_use(zero);
     m->tp = tp;
     m->K = tp->size;
     m->NHl = c->num_heads / m->K;
@@ -374,10 +298,6 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
 
 static void fast_destroy(void* vm) {
     FastModel* m = (FastModel*)vm;
-    if (--m->weights->users == 0) {
-        m->mem->release(m->weights->params_bf16);
-        memset(m->weights, 0, sizeof(*m->weights));
-    }
     m->mem->release(m->att_D);
     if (m->N > 1) { cp_free(&m->cp); }
     if (m->ring) { fast_ring_free(&m->ring_bufs, m->mem); }
@@ -1106,7 +1026,7 @@ static void fast_head_backward(void* vm, void* va, void* vg, int B, int T, float
     floatX* dlnf = a->split_backward ? a->dlnf : g->dbtc;
     floatX* out = fast_chunk_output(m, a, B, T);   // lnf's input
     if (in) {
-        floatX* wte = m->hold_head ? fast_bf16_of(m, ZERO_WTE, 0) : fast_params(m, ZERO_WTE, -1);
+        floatX* wte = fast_params(m, ZERO_WTE, -1);   // with hold_head: still held since the forward
         fast_classifier(m, a, dloss, BT, 1);
         fast_column_parallel_dinp(m, a->sp, dlnf, a->logits, wte, B, T, BT, m->Vl);
     }
@@ -1271,12 +1191,11 @@ static ModelOps fast_model_ops = {
     fast_moe_aux, fast_moe_counters,
     fast_embed_decode, fast_layers_decode, fast_head_decode,
     sizeof(floatX),     // bf16 activations between stages
+    sizeof(floatX),     // bf16 weights, zero.h's
     NULL                // FlexSP needs --varlen, which fast mode refuses
 };
 
 const ModelOps* gpt2_fast_model_ops(void) { return &fast_model_ops; }
-
-const char* gpt2_fast_weights_line(void) { return fast_weights_said; }
 
 // Chooses the attention (see above) for training passes of (B, T); the sampler's forward
 // passes of (1, genT) use flash attention unless the head size needs cuDNN. Returns one line

@@ -257,6 +257,15 @@ HD uint32_t canon_float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return
 HD float canon_inf(void) { return canon_bits_to_float(0x7f800000u); }
 HD float canon_nan(void) { return canon_bits_to_float(0x7fc00000u); }
 
+// x rounded to bf16, as its 16 bits: to nearest, ties to even (CUDA's __float2bfloat16_rn), a
+// NaN to 0x7fff. Fast mode's weights are rounded from their fp32 master parameters by it
+// (memory.h's to_bf16).
+HD uint16_t canon_bf16_bits(float x) {
+    uint32_t u = canon_float_to_bits(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { return 0x7fffu; }
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 // 2^k for -126 <= k <= 127, exactly.
 HD float canon_pow2i(int k) { return canon_bits_to_float((uint32_t)(k + 127) << 23); }
 

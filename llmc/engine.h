@@ -296,7 +296,7 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     for (int k = 0; k < S * v; k++) { if (all[k].has_head) { t->head_stage = k / v; } }
     zero_init_ep(&t->zero, c, mem, a->zero_stage, &comm->dp_group, &comm->dpcp_group, comm->ep > 1 ? &comm->ep_group : NULL,
                  comm->ep > 1 ? &comm->edp_group : NULL, &comm->pp_group, &comm->tp_group, t->places, v,
-                 t->head_stage, t->start_params, t->M);
+                 t->head_stage, t->start_params, ops->weight_elem_bytes, t->M);
     t->zero.flexsp = a->flexsp;
     if (a->flexsp) { t->flexsp_line = (char*)calloc_or_die(4096, 1, "FlexSP line"); }
     if (t->pp_kind == PP_DUALPIPE) {   // each stage's chunks on this rank and its mirror (pipeline.h)
@@ -544,17 +544,18 @@ static inline void trainer_write_checkpoint(Trainer* t) {
 // ---- the loop ----------------------------------------------------------------------------
 
 // LLMC_DUALPIPE_DUMP=DIR (a debugging aid; test_pp_dualpipe.sh compares the files): under
-// dualpipe every rank writes what it holds after step `step`'s update, its parameters (ZeRO-3:
-// its shards) then AdamW's m and v, to DIR/copy_STEP_dpD_cpC_tpT_ppS.bin. The two copies of
-// a stage, pp S and pp S-1-S, hold the same layout, so their files must be the same bytes.
+// dualpipe every rank writes what it holds after step `step`'s update, its fp32 parameters
+// (zero_params_sharded: its shards) then AdamW's m and v, to DIR/copy_STEP_dpD_cpC_tpT_ppS.bin.
+// The two copies of a stage, pp S and pp S-1-S, hold the same layout, so their files must be
+// the same bytes.
 static inline void trainer_dump_copy(Trainer* t, int step) {
     const char* dir = getenv("LLMC_DUALPIPE_DUMP");
     if (dir == NULL || t->pp_kind != PP_DUALPIPE) { return; }
     const Zero* z = &t->zero;
     const Comm* comm = &t->comm;
-    size_t n = z->stage <= 2 ? z->lay.local_params : z->lay.shard_params;
+    size_t n = zero_params_sharded(z) ? z->lay.shard_params : z->lay.local_params;
     float* host = (float*)host_alloc((n + 2 * z->opt_len + 1) * sizeof(float), "copy dump");
-    t->mem->to_host(host, z->stage <= 2 ? z->params : z->param_shard, n * sizeof(float));
+    t->mem->to_host(host, zero_params_sharded(z) ? z->param_shard : z->params, n * sizeof(float));
     t->mem->to_host(host + n, z->m, z->opt_len * sizeof(float));
     t->mem->to_host(host + n + z->opt_len, z->v, z->opt_len * sizeof(float));
     char path[1200];
@@ -875,10 +876,12 @@ static inline void trainer_report_step(Trainer* t, const BuildInfo* build, const
             printf("communication per rank in this step (bytes sent):\n");
             comm_print_stats(comm, stdout);
             printf("zero accounting: stage %d N %d P %zu VpC %zu L %d microbatches/rank %d | "
-                   "bytes/rank/step grad %llu param %llu | bytes/rank params %.0f grads %.0f optimizer %.0f\n",
+                   "bytes/rank/step grad %llu param %llu | bytes/rank params %.0f grads %.0f optimizer %.0f",
                    z->stage, z->N, param_count(c), (size_t)c->padded_vocab_size * c->channels, c->num_layers,
                    z->local_microbatches, (unsigned long long)comm->stats.bytes[COMM_KIND_GRAD],
                    (unsigned long long)comm->stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
+            if (z->bf16_weights) { printf(" bf16 weights %.0f", mem.weights); }
+            printf("\n");
             if (t->args.varlen && trainer_sequence_split(t) > 1) { trainer_print_varlen_split(t); }
             if (comm->cp > 1) { trainer_print_cp_accounting(t); }
         }

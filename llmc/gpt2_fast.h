@@ -13,7 +13,5 @@ const ModelOps* gpt2_fast_model_ops(void);
 // (B, T); returns a line saying which attention runs
 const char* gpt2_fast_setup(const char* attention, const GPT2Config* c, int B, int T, int genT);
 void gpt2_fast_teardown(void);
-// what the bf16 copy of the weights takes on this rank, and why (after the model is built)
-const char* gpt2_fast_weights_line(void);
 
 #endif // LLMC_GPT2_FAST_H

@@ -30,7 +30,8 @@
  * Also here, shared with fast mode because they are exact AND cheap: the R3 reductions over
  * positions (bias and layernorm parameter gradients, the loss, the embedding gradients), which
  * read fp32 or bf16 (the *_x functions), and the device memory operations of memory.h
- * (memory_device): fill, the tree merge, the exact sum of squares, AdamW.
+ * (memory_device): fill, the tree merge, the exact sum of squares, AdamW, the bf16 rounding of
+ * fast mode's weights.
  */
 #ifndef LLMC_KERNELS_DET_CUH
 #define LLMC_KERNELS_DET_CUH
@@ -1065,6 +1066,12 @@ static __global__ void adamw_kernel(float* p, float* m, float* v, const float* g
     }
 }
 
+static __global__ void to_bf16_kernel(uint16_t* dst, const float* src, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        dst[i] = canon_bf16_bits(src[i]);
+    }
+}
+
 static void* device_mem_alloc(size_t bytes, const char* what) { return device_alloc(bytes, what); }
 static void device_mem_release(void* p) { device_free(p); }
 static void device_mem_copy(void* dst, const void* src, size_t bytes) {
@@ -1114,12 +1121,17 @@ static void device_mem_tree_rows(float* rows, size_t len, int nrows, float* out)
     LAUNCH(sequence_tree_kernel, elementwise_blocks(len, 256), 256, out, (const float*)rows, nrows, len);
     cudaLaunchCheck("sequence_tree_kernel (tree over ranks)");
 }
+static void device_mem_to_bf16(uint16_t* dst, const float* src, size_t n) {
+    if (n == 0) { return; }
+    LAUNCH(to_bf16_kernel, elementwise_blocks(n, 256), 256, dst, src, n);
+    cudaLaunchCheck("to_bf16_kernel");
+}
 static void device_mem_sync(void) { cudaCheck(cudaDeviceSynchronize()); }
 
 static const MemOps memory_device = {
     "device", device_mem_alloc, device_mem_release, device_mem_copy, device_mem_to_host, device_mem_from_host,
-    device_mem_fill, device_mem_add, device_mem_tree_rows, device_mem_sumsq, device_mem_adamw, device_holds,
-    device_mem_sync
+    device_mem_fill, device_mem_add, device_mem_tree_rows, device_mem_sumsq, device_mem_adamw, device_mem_to_bf16,
+    device_holds, device_mem_sync
 };
 
 #endif // LLMC_KERNELS_DET_CUH

@@ -251,7 +251,7 @@ static void fused_classifier(floatX* logits, float* losses, const int* targets, 
     cudaLaunchCheck("fused_classifier_kernel");
 }
 
-// out = round(in): a unit's bf16 weights, rounded from zero.h's fp32 unit as it is acquired
+// out = round(in), fp32 -> bf16
 __global__ void float_to_bf16_kernel(floatX* out, const float* in, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         out[i] = __float2bfloat16_rn(in[i]);

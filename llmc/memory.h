@@ -12,7 +12,8 @@
  * The arithmetic is canonical.h's: add is one IEEE addition per element (the merge step of the
  * R1 trees: the microbatch tree, the tied embedding's two halves), tree_rows the R1 tree over
  * the rows of a buffer (the local half of a reduce-scatter over ranks), sumsq the exact sum of
- * squares (R6), adamw adamw.h's update of each element. The device versions perform the same
+ * squares (R6), adamw adamw.h's update of each element, to_bf16 the rounding of fast mode's
+ * bf16 weights from their fp32 master parameters (zero.h). The device versions perform the same
  * operations on each element, so the bits are the same.
  */
 #ifndef LLMC_MEMORY_H
@@ -42,6 +43,7 @@ typedef struct MemOps {
     void (*sumsq)(SumSq* total, const float* x, size_t n);             // total += exact sum of x^2
     void (*adamw)(float* p, float* m, float* v, const float* g, size_t n, const AdamWStep* s,
                   float weight_decay);
+    void (*to_bf16)(uint16_t* dst, const float* src, size_t n);         // dst = canon_bf16_bits(src)
     int (*holds)(const void* p);     // 1 if p points into this memory and the host cannot read it
     void (*sync)(void);              // waits until every queued operation is done (timing)
 } MemOps;
@@ -112,12 +114,16 @@ static inline void host_adamw(float* p, float* m, float* v, const float* g, size
     #pragma omp parallel for simd
     for (size_t i = 0; i < n; i++) { adamw_update_elem(&p[i], &m[i], &v[i], g[i], &st, weight_decay); }
 }
+static inline void host_to_bf16(uint16_t* dst, const float* src, size_t n) {
+    #pragma omp parallel for
+    for (size_t i = 0; i < n; i++) { dst[i] = canon_bf16_bits(src[i]); }
+}
 static inline int host_holds(const void* p) { (void)p; return 0; }
 static inline void host_sync(void) {}
 
 static const MemOps memory_host = {
     "host", host_alloc, host_release, host_copy, host_copy, host_copy, host_fill, host_add,
-    host_tree_rows, host_sumsq, host_adamw, host_holds, host_sync
+    host_tree_rows, host_sumsq, host_adamw, host_to_bf16, host_holds, host_sync
 };
 
 #endif // LLMC_MEMORY_H

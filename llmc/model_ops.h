@@ -86,6 +86,9 @@ typedef struct {
     // bytes of one element of stage_input, stage_output and grad_residual (fp32 or bf16): what
     // the pipeline executor sizes, copies and sends them by
     size_t stage_elem_bytes;
+    // bytes of one element of the weights its passes read: 4, the fp32 parameters
+    // (zero_params_acquire), or 2, bf16 weights (zero_weights_acquire: zero.h BF16 WEIGHTS)
+    size_t weight_elem_bytes;
     // FlexSP (engine.h trainer_flexsp_step): the context-parallel group of the passes that
     // follow, one of the pool's sub-groups (comm.h comm_setup_pool_groups; a group of one:
     // none), its buffers made on its first selection (NULL: the build runs groups of one rank)

@@ -128,11 +128,26 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
            mem.params / 1048576, mem.grads / 1048576, mem.optimizer / 1048576,
            (pipe->slot_bytes + t->grads_bytes) / 1048576.0);
     if (comm->pp == 1) {
-        printf("|               ZeRO paper, fp32 AdamW: %s = %.1f MiB (ours: %.1f MiB incl. padding and wte's 2nd gradient half)\n",
-               z->stage == 0 ? "16P" : z->stage == 1 ? "8P + 8P/N" : z->stage == 2 ? "4P + 12P/N" : "16P/N",
-               (z->stage == 0 ? 16.0 * P : z->stage == 1 ? 8.0 * P + 8.0 * P / z->N
-                : z->stage == 2 ? 4.0 * P + 12.0 * P / z->N : 16.0 * P / z->N) / 1048576,
-               (mem.params + mem.grads + mem.optimizer) / 1048576);
+        // with bf16 weights: Megatron's distributed optimizer (fp32 main parameters of the shard,
+        // bf16 model parameters whole, zero.h BF16 WEIGHTS)
+        static const char* formula[2][4] = {{"16P", "8P + 8P/N", "4P + 12P/N", "16P/N"},
+                                            {"18P", "6P + 12P/N", "2P + 16P/N", "16P/N + gathered units"}};
+        double paper[2][4] = {{16.0 * P, 8.0 * P + 8.0 * P / z->N, 4.0 * P + 12.0 * P / z->N, 16.0 * P / z->N},
+                              {18.0 * P, 6.0 * P + 12.0 * P / z->N, 2.0 * P + 16.0 * P / z->N, 16.0 * P / z->N}};
+        int b = z->bf16_weights;
+        printf("|               ZeRO paper, fp32 AdamW%s: %s = %.1f MiB (ours: %.1f MiB incl. padding and wte's 2nd "
+               "gradient half)\n", b ? " + bf16 weights" : "", formula[b][z->stage], paper[b][z->stage] / 1048576,
+               (mem.params + mem.grads + mem.optimizer + mem.weights) / 1048576);
+    }
+    if (z->bf16_weights) {   // zero.h BF16 WEIGHTS
+        if (z->stage <= 2) {
+            printf("| bf16 weights  %.0f bytes per rank (every unit, padded: %zu elements), rounded from the fp32 "
+                   "parameters once a step%s\n", mem.weights, z->lay.local_weights,
+                   z->stage == 0 ? "" : " by their shard's owner and all-gathered in bf16");
+        } else {
+            printf("| bf16 weights  %.0f bytes per rank (ZeRO-3: %d buffers of the largest unit, %zu elements, each "
+                   "unit all-gathered in bf16 when a pass acquires it)\n", mem.weights, z->nwslots, 2 * z->wslot_floats);
+        }
     }
     if (build->memory_line) { build->memory_line(); }
     printf("| output        %s\n", a->output_dir ? a->output_dir : "(none)");

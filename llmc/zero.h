@@ -53,6 +53,29 @@
  * Reductions run as non-blocking collectives launched the moment a unit's backward is done,
  * overlapping the backward of the units below it.
  *
+ * BF16 WEIGHTS (fast mode: Megatron's distributed optimizer, fp32 main parameters sharded on
+ * their owners, bf16 model parameters gathered). A model whose passes read bf16 weights
+ * (zero_init's weight_bytes = 2) takes them from zero_weights_acquire; the fp32 parameters stay
+ * the master copy AdamW updates, and every element is rounded to bf16 once per step, by the
+ * rank that updated it (memory.h's to_bf16), so bf16 is what travels:
+ *   stage 0:   fp32 parameters whole (every rank updates all of them), rounded whole after the
+ *              step (no communication)
+ *   stages 1-2: fp32 parameters of the shard only; after AdamW each rank rounds its shard and
+ *              all-gathers the bf16 shards into every unit's bf16 weights
+ *   stage 3:   fp32 parameters of the shard; each acquire all-gathers the unit's rounded shards
+ *              into a buffer of the largest unit (ZERO_WEIGHT_BUFFERS of them, made up front)
+ * Rounding is elementwise, so every layout holds the bits one rank rounding the whole model
+ * does. Whole fp32 parameters are read only by checkpoints (zero_full_params gathers them unit
+ * by unit from stage 1 on). Units are padded to a multiple of 2N, so a bf16 shard is whole
+ * 4-byte words (what comm.h moves). Per rank (the same accounting as above, 2 bytes a bf16
+ * weight):
+ *   stage 0:   fp32 params 4P, bf16 weights 2P, grads 4P, m and v 8P      = 18P
+ *   stage 1:   4P/N + 2P + 4P + 8P/N                                       = 6P + 12P/N
+ *   stage 2:   4P/N + 2P + 4P/N + 8P/N                                     = 2P + 16P/N
+ *   stage 3:   16P/N + the gathered units' buffers (3 x 2 bytes x the largest unit)
+ * and the parameter bytes sent are half of the fp32 all-gathers' above: ~ 2P (N-1)/N per step
+ * at stages 1-2, 2 bytes per element of every unit gathered at stage 3.
+ *
  * WHERE THE BUFFERS LIVE. Every buffer here is allocated, copied, filled, summed and updated
  * through the MemOps table given to zero_init (memory.h): host memory in the CPU build, device
  * memory in the CUDA build. Only the layout bookkeeping is host data.
@@ -104,6 +127,10 @@
 #define ZERO_WTE 0
 #define ZERO_WPE 1
 #define ZERO_LAYER(l) ((l) + 2)
+// Each unit's bf16 weights start at a multiple of 128 elements (256 bytes, as every device
+// allocation does), so a tensor's weights sit at the same alignment in every layout and stage
+// (cuBLASLt may choose its algorithm by a pointer's alignment).
+#define ZERO_WEIGHT_ALIGN 128
 
 // ------------------------------------------------------------------------------------------
 // the unit layout of one rank
@@ -112,8 +139,8 @@ typedef struct {
     int num_units;        // L + 3 parameter units; unit num_units is the gradient-only lookup unit
     int num_all;          // every unit: num_units + 1, then the expert units (L of them, or 0)
     int N;                // data-parallel size the shards are cut for
-    int K, tp_rank;       // tensor-parallel size and this rank's place in it
-    TPCut cut;            // this rank's slices (tensor_parallel.h: K, tp_rank but in Helix's serving)
+    TPCut cut;            // this rank's tensor-parallel slices (tensor_parallel.h): the tp group's
+                          // size K and this rank's place r in it (ffn_K, ffn_r: Helix's serving)
     int Q, ep_rank;       // expert-parallel size and this rank's place in it
     size_t P;             // parameters of the whole model
     size_t* size;         // elements of unit u on this rank (its tensor-parallel slices)
@@ -123,13 +150,15 @@ typedef struct {
     int* slices;          // gradient slices of unit u: Q for expert units, else 1
     int* params_here;     // this rank holds unit u's parameters
     int* grads_here;      // this rank computes unit u's gradient
-    size_t* padded;       // size rounded up to a multiple of N (0 when not held)
+    size_t* padded;       // size rounded up to a multiple of N (bf16 weights: of 2N; 0 when not held)
     size_t* shard;        // padded / N
     size_t* local;        // offset of unit u in this rank's unsharded parameter buffer
+    size_t* wlocal;       // offset of unit u in the bf16 weights (ZeRO 0-2: each padded, gathered in place)
     size_t* shard_base;   // offset of unit u's shard in this rank's parameter shard buffers
     size_t* glocal;       // the same two for the gradient buffers (which hold the lookup unit, and wte only
     size_t* gshard_base;  //   on the stage that computes its LM-head half)
     size_t local_params, local_grads;   // unsharded buffer sizes (params; grads incl. the lookup unit)
+    size_t local_weights;               // the bf16 weights' size (elements)
     size_t shard_params, shard_grads;   // shard buffer sizes
 } ZeroLayout;
 
@@ -144,22 +173,21 @@ static inline int zero_units_all(const GPT2Config* c) {
 
 // The layout for a rank holding the chunks places[0 .. nchunks), its slices cut as `cut` says
 // (rank cut.r of a cut.K-way tensor-parallel group), rank ep_rank of a Q-way expert-parallel
-// group (Q divides N).
+// group (Q divides N), each shard a multiple of `align` elements (2 for bf16 weights: a bf16
+// shard is then whole 4-byte words, what comm.h moves).
 // unit_chunk[u] (zero_units_all entries, filled here) is the chunk that computes unit u's
 // gradient, -1 for none.
 static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, const ChunkPlace* places,
-                                    int nchunks, TPCut cut, int Q, int ep_rank, int* unit_chunk) {
+                                    int nchunks, TPCut cut, int Q, int ep_rank, int align, int* unit_chunk) {
     int U = c->num_layers + 3, lookup = U, A = zero_units_all(c);
     z->num_units = U;
     z->num_all = A;
     z->N = N;
-    z->K = cut.K;
-    z->tp_rank = cut.r;
     z->cut = cut;
     z->Q = Q;
     z->ep_rank = ep_rank;
     z->P = param_count(c);
-    size_t* all = (size_t*)calloc_or_die(7 * (size_t)A, sizeof(size_t), "unit layout");
+    size_t* all = (size_t*)calloc_or_die(8 * (size_t)A, sizeof(size_t), "unit layout");
     z->size = all;
     z->pieces = (TPPiece**)calloc_or_die((size_t)A, sizeof(TPPiece*), "unit layout");
     z->npieces = (int*)calloc_or_die((size_t)A, sizeof(int), "unit layout");
@@ -169,6 +197,7 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, c
     z->shard_base = all + 4 * A;
     z->glocal = all + 5 * A;
     z->gshard_base = all + 6 * A;
+    z->wlocal = all + 7 * A;
     int* flags = (int*)calloc_or_die(4 * (size_t)A, sizeof(int), "unit layout");
     z->params_here = flags;
     z->grads_here = flags + A;
@@ -211,20 +240,26 @@ static inline void zero_layout_init(ZeroLayout* z, const GPT2Config* c, int N, c
             unit_chunk[ZERO_WTE] = unit_chunk[U - 1] = ch;
         }
     }
-    size_t local = 0, base = 0, glocal = 0, gbase = 0;
+    size_t local = 0, base = 0, glocal = 0, gbase = 0, wlocal = 0;
     for (int u = 0; u < A; u++) {
         int params = u != lookup && z->params_here[u], grads = z->grads_here[u];
-        size_t n = params || grads ? z->size[u] : 0;
-        z->padded[u] = (n + z->Nu[u] - 1) / z->Nu[u] * z->Nu[u];
+        size_t n = params || grads ? z->size[u] : 0, cut_by = (size_t)z->Nu[u] * align;
+        z->padded[u] = (n + cut_by - 1) / cut_by * cut_by;
         z->shard[u] = z->padded[u] / z->Nu[u];
         z->local[u] = local;
         z->shard_base[u] = base;
         z->glocal[u] = glocal;
         z->gshard_base[u] = gbase;
-        if (params) { local += n; base += z->shard[u]; }
+        z->wlocal[u] = wlocal;
+        if (params) {
+            local += n;
+            base += z->shard[u];
+            wlocal += (z->padded[u] + ZERO_WEIGHT_ALIGN - 1) / ZERO_WEIGHT_ALIGN * ZERO_WEIGHT_ALIGN;
+        }
         if (grads) { glocal += n * z->slices[u]; gbase += z->shard[u]; }
     }
     z->local_params = local;
+    z->local_weights = wlocal;
     z->shard_params = base;
     z->local_grads = glocal;
     z->shard_grads = gbase;
@@ -250,6 +285,10 @@ static inline void zero_shard_range(const ZeroLayout* z, int u, int r, size_t* b
 // the engine
 
 #define ZERO_MAX_INFLIGHT 64
+// Stage 3 with bf16 weights: the gathered units' buffers made up front (more are made if a
+// schedule holds more): a pass holds a unit (the embedding holds wte while it acquires wpe),
+// acquires the next one and prefetches the one after.
+#define ZERO_WEIGHT_BUFFERS 3
 
 typedef struct {
     int unit;             // -1: free
@@ -274,8 +313,8 @@ typedef struct {
     int local_microbatches;    // M / streams
     size_t max_padded;         // largest padded unit
     // persistent state
-    float* params;             // stages 0-2: this rank's units (lay.local_params)
-    float* param_shard;        // stage 3: this rank's shards (lay.shard_params)
+    float* params;             // the fp32 parameters: this rank's units (lay.local_params) ...
+    float* param_shard;        // ... or its shards (lay.shard_params) when zero_params_sharded
     float* grads;              // stages 0-1: the step's gradient (lay.local_grads)
     float* grad_shard;         // stages 2-3: this rank's reduced gradient shards (lay.shard_grads)
     float* m;                  // stage 0: lay.local_params; stages 1-3: lay.shard_params
@@ -305,6 +344,12 @@ typedef struct {
     int npslots;
     ZeroSlot sslots[ZERO_MAX_INFLIGHT];   // stages 0-1: padded copies of gradients being reduced
     int nsslots;
+    // bf16 weights (BF16 WEIGHTS above): what the passes read, as bf16's 16 bits
+    int bf16_weights;
+    uint16_t* weights;         // stages 0-2: every held unit's (lay.local_weights, at lay.wlocal)
+    ZeroSlot wslots[ZERO_MAX_INFLIGHT];   // stage 3: gathered units (buffers of wslot_floats)
+    int nwslots;
+    size_t wslot_floats;       // the largest padded parameter unit in bf16, in 4-byte words
     // reductions in flight, finished in launch order (the same on every rank)
     CommRequest* inflight[ZERO_MAX_INFLIGHT];
     int inflight_unit[ZERO_MAX_INFLIGHT];
@@ -328,6 +373,30 @@ typedef struct {
 
 static inline float* zero_alloc(const Zero* z, size_t n, const char* what) {
     return mem_floats(z->mem, n, what);
+}
+
+// A free buffer of a pool, of `floats` 4-byte words (slots keep their buffers; a pool grows to
+// what is ever in use).
+static inline ZeroSlot* zero_slot_get_sized(const Zero* z, ZeroSlot* slots, int* n, int unit, size_t floats) {
+    for (int i = 0; i < *n; i++) {
+        if (slots[i].unit < 0) { slots[i].unit = unit; slots[i].req = NULL; return &slots[i]; }
+    }
+    if (*n == ZERO_MAX_INFLIGHT) { fatal("too many ZeRO buffers in use"); }
+    ZeroSlot* s = &slots[(*n)++];
+    s->unit = unit;
+    s->req = NULL;
+    s->buf = zero_alloc(z, floats, "ZeRO working buffer");
+    return s;
+}
+// ... of the largest unit's work (zero_unit_work) in fp32
+static inline ZeroSlot* zero_slot_get(const Zero* z, ZeroSlot* slots, int* n, int unit) {
+    return zero_slot_get_sized(z, slots, n, unit, z->max_padded);
+}
+
+// The slot of `slots` holding unit u, or NULL.
+static inline ZeroSlot* zero_slot_of(ZeroSlot* slots, int n, int u) {
+    for (int i = 0; i < n; i++) { if (slots[i].unit == u) { return &slots[i]; } }
+    return NULL;
 }
 
 static inline int zero_lookup_unit(const Zero* z) { return z->lay.num_units; }
@@ -367,6 +436,47 @@ static inline void zero_unit_from_full(const ZeroLayout* z, int u, const float* 
     }
 }
 
+// ---- bf16 weights (BF16 WEIGHTS above) -----------------------------------------------------
+
+// The fp32 parameters are held as this rank's shards (param_shard), not as whole units (params):
+// at stage 3, and with bf16 weights from stage 1 on.
+static inline int zero_params_sharded(const Zero* z) { return z->stage == 3 || (z->bf16_weights && z->stage >= 1); }
+
+// This rank holds unit u's parameters.
+static inline int zero_holds_params(const Zero* z, int u) {
+    return u >= 0 && u < z->lay.num_all && zero_param_unit(&z->lay, u) && z->lay.params_here[u];
+}
+
+// Unit u's bf16 weights into dst (padded[u] elements, the padding never read): this rank rounds
+// its fp32 shard into its block of dst, then
+// all-gather (dp group; edp group for an expert unit; bf16 parameters, two to a 4-byte word):
+// every rank's block -> the whole unit, in place.
+// Each element is rounded once, by its owner, exactly as one rank rounds it.
+static inline CommRequest* zero_weights_gather_start(Zero* z, int u, uint16_t* dst) {
+    int r = zero_unit_rank(z, u);
+    size_t b, e, shard = z->lay.shard[u];
+    zero_shard_range(&z->lay, u, r, &b, &e);
+    uint16_t* mine = dst + (size_t)r * shard;
+    z->mem->to_bf16(mine, z->param_shard + z->lay.shard_base[u], e - b);
+    return comm_all_gather_start(zero_unit_group(z, u), (const float*)mine, (float*)dst, shard / 2, COMM_KIND_PARAM);
+}
+
+// Stages 0-2: every held unit's bf16 weights from its fp32 parameters (at the start and after
+// each update): stage 0 rounds its whole units, stages 1-2 gather the rounded shards (every
+// unit's gather started, then each waited for). Stage 3 gathers a unit when a pass acquires it.
+static inline void zero_weights_refresh(Zero* z) {
+    if (z->stage == 3) { return; }
+    CommRequest** gathers = (CommRequest**)calloc_or_die((size_t)z->lay.num_all, sizeof(CommRequest*), "gathers");
+    for (int u = 0; u < z->lay.num_all; u++) {
+        if (!zero_holds_params(z, u)) { continue; }
+        uint16_t* unit = z->weights + z->lay.wlocal[u];
+        if (z->stage == 0) { z->mem->to_bf16(unit, z->params + z->lay.local[u], z->lay.size[u]); }
+        else { gathers[u] = zero_weights_gather_start(z, u, unit); }
+    }
+    comm_wait_all(gathers, z->lay.num_all);
+    free(gathers);
+}
+
 // params: the full initial parameters (every rank the same, MEMORY order); the engine keeps
 // this rank's part of the units it holds (stage 3: only its shards). M: microbatches per step
 // (global). dp: the data-parallel group (the streams of microbatches); shards: the group the
@@ -380,14 +490,21 @@ static inline void zero_unit_from_full(const ZeroLayout* z, int u, const float* 
 // data-parallel); pp: the
 // pipeline group of which this rank is stage pp->rank, holding the model chunks
 // places[0 .. nchunks), stage head_stage holding the head; cut: this rank's tensor-parallel
-// slices (zero_init_ep: its tp group's).
+// slices (zero_init_ep: its tp group's); weight_bytes: the bytes of an element of the weights
+// the model's passes read, 4 (the fp32 parameters: zero_params_acquire) or 2 (bf16 weights:
+// zero_weights_acquire).
 static inline void zero_init_cut(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
                                  CommGroup* shards, CommGroup* ep, CommGroup* edp, CommGroup* pp, TPCut cut,
-                                 const ChunkPlace* places, int nchunks, int head_stage, const float* params, int M) {
+                                 const ChunkPlace* places, int nchunks, int head_stage, const float* params,
+                                 size_t weight_bytes, int M) {
     static CommGroup single;   // the ep group of a rank without expert parallelism
+    if (weight_bytes != sizeof(float) && weight_bytes != sizeof(uint16_t)) {
+        fatal("internal: the model reads weights of %zu bytes an element (ZeRO holds fp32 or bf16)", weight_bytes);
+    }
     memset(z, 0, sizeof(*z));
     z->mem = mem;
     z->stage = stage;
+    z->bf16_weights = weight_bytes == sizeof(uint16_t);
     z->N = shards->size;
     z->rank = shards->rank;
     z->group = shards;
@@ -413,7 +530,8 @@ static inline void zero_init_cut(Zero* z, const GPT2Config* c, const MemOps* mem
     z->chunk_next = z->chunk_top + nchunks;
     z->chunk_first = z->chunk_next + nchunks;
     z->chunk_count = z->chunk_first + nchunks;
-    zero_layout_init(&z->lay, c, z->N, places, nchunks, cut, ep->size, ep->rank, z->unit_chunk);
+    zero_layout_init(&z->lay, c, z->N, places, nchunks, cut, ep->size, ep->rank, z->bf16_weights ? 2 : 1,
+                     z->unit_chunk);
     z->local_microbatches = M / z->streams;
     for (int ch = 0; ch < nchunks; ch++) { z->chunk_count[ch] = z->local_microbatches; }
     z->mirror = -1;
@@ -421,9 +539,10 @@ static inline void zero_init_cut(Zero* z, const GPT2Config* c, const MemOps* mem
     for (int u = 0; u < z->lay.num_all; u++) {
         if (zero_unit_work(&z->lay, u) > z->max_padded) { z->max_padded = zero_unit_work(&z->lay, u); }
     }
-    // each unit is assembled on the host, then its part (stage 3: its shard) copied into place
+    // each unit is assembled on the host, then its part (sharded: its shard) copied into place
     float* unit = (float*)host_alloc(z->max_padded * sizeof(float), "parameter unit");
-    if (stage <= 2) {
+    int sharded = zero_params_sharded(z);
+    if (!sharded) {
         z->params = zero_alloc(z, z->lay.local_params, "parameters");
     } else {
         z->param_shard = zero_alloc(z, z->lay.shard_params, "parameter shard");
@@ -431,7 +550,7 @@ static inline void zero_init_cut(Zero* z, const GPT2Config* c, const MemOps* mem
     for (int u = 0; u < z->lay.num_all; u++) {
         if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) { continue; }
         zero_unit_from_full(&z->lay, u, params, unit);
-        if (stage <= 2) {
+        if (!sharded) {
             mem->from_host(z->params + z->lay.local[u], unit, z->lay.size[u] * sizeof(float));
         } else {
             size_t b, e;
@@ -440,6 +559,21 @@ static inline void zero_init_cut(Zero* z, const GPT2Config* c, const MemOps* mem
         }
     }
     free(unit);
+    if (z->bf16_weights) {   // stages 0-2 the bf16 copy of every unit, stage 3 the buffers it gathers into
+        for (int u = 0; u < z->lay.num_all; u++) {
+            if (zero_holds_params(z, u) && z->lay.padded[u] / 2 > z->wslot_floats) { z->wslot_floats = z->lay.padded[u] / 2; }
+        }
+        if (stage <= 2) {
+            z->weights = (uint16_t*)mem->alloc(z->lay.local_weights * sizeof(uint16_t), "bf16 weights");
+        } else {
+            for (z->nwslots = 0; z->nwslots < ZERO_WEIGHT_BUFFERS; z->nwslots++) {
+                ZeroSlot* s = &z->wslots[z->nwslots];
+                s->unit = -1;
+                s->buf = zero_alloc(z, z->wslot_floats, "bf16 weights (gathered units)");
+            }
+        }
+        zero_weights_refresh(z);
+    }
     if (M == 0) { return; }   // no microbatches: inference (serve_engine.h), parameters only
     z->opt_len = stage == 0 ? z->lay.local_params : z->lay.shard_params;
     z->m = zero_alloc(z, z->opt_len, "AdamW m");
@@ -462,15 +596,16 @@ static inline void zero_init_cut(Zero* z, const GPT2Config* c, const MemOps* mem
 // ... every tensor cut over the tensor-parallel group tp.
 static inline void zero_init_ep(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
                                 CommGroup* shards, CommGroup* ep, CommGroup* edp, CommGroup* pp, CommGroup* tp,
-                                const ChunkPlace* places, int nchunks, int head_stage, const float* params, int M) {
+                                const ChunkPlace* places, int nchunks, int head_stage, const float* params,
+                                size_t weight_bytes, int M) {
     zero_init_cut(z, c, mem, stage, dp, shards, ep, edp, pp, tp_cut(tp->size, tp->rank), places, nchunks, head_stage,
-                  params, M);
+                  params, weight_bytes, M);
 }
 
 static inline void zero_init(Zero* z, const GPT2Config* c, const MemOps* mem, int stage, CommGroup* dp,
                              CommGroup* pp, CommGroup* tp, const ChunkPlace* places, int nchunks, int head_stage,
                              const float* params, int M) {
-    zero_init_ep(z, c, mem, stage, dp, dp, NULL, NULL, pp, tp, places, nchunks, head_stage, params, M);
+    zero_init_ep(z, c, mem, stage, dp, dp, NULL, NULL, pp, tp, places, nchunks, head_stage, params, sizeof(float), M);
 }
 
 // dualpipe (pipeline.h): chunk c computes the gradient of the local microbatches [first[c],
@@ -502,27 +637,12 @@ static inline void zero_owner_of_microbatch(const Zero* z, int j, int* rank, int
     else { *rank = j % z->streams; *local = j / z->streams; }
 }
 
-// A free buffer of a pool (slots keep their buffers; a pool grows to what is ever in use).
-static inline ZeroSlot* zero_slot_get(const Zero* z, ZeroSlot* slots, int* n, int unit) {
-    for (int i = 0; i < *n; i++) {
-        if (slots[i].unit < 0) { slots[i].unit = unit; slots[i].req = NULL; return &slots[i]; }
-    }
-    if (*n == ZERO_MAX_INFLIGHT) { fatal("too many ZeRO buffers in use"); }
-    ZeroSlot* s = &slots[(*n)++];
-    s->unit = unit;
-    s->req = NULL;
-    s->buf = zero_alloc(z, z->max_padded, "ZeRO working buffer");
-    return s;
-}
-
 // ---- parameters: where the forward/backward of unit u reads them -------------------------
 
-// Stage 3 only: start gathering unit u into a free buffer (the prefetch), if not there yet.
+// Sharded parameters only: start gathering unit u into a free buffer (the prefetch), if not
+// there yet.
 static inline void zero_params_prefetch(Zero* z, int u) {
-    if (z->stage != 3 || u < 0 || u >= z->lay.num_all || !zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) {
-        return;
-    }
-    for (int i = 0; i < z->npslots; i++) { if (z->pslots[i].unit == u) { return; } }
+    if (!zero_params_sharded(z) || !zero_holds_params(z, u) || zero_slot_of(z->pslots, z->npslots, u)) { return; }
     ZeroSlot* s = zero_slot_get(z, z->pslots, &z->npslots, u);
     // all-gather (dp group; edp group for an expert unit; parameters): every rank's shard of
     // unit u -> the whole unit
@@ -530,30 +650,55 @@ static inline void zero_params_prefetch(Zero* z, int u) {
                                    z->lay.shard[u], COMM_KIND_PARAM);
 }
 
-// The full parameters of unit u. Stage 3: waits for the gather (started now if no prefetch
-// did), and starts prefetching `next` (-1: none).
-static inline const float* zero_params_acquire(Zero* z, int u, int next) {
-    if (!z->lay.params_here[u]) { fatal("internal: unit %d is not held by this rank", u); }
-    if (z->stage != 3) { return z->params + z->lay.local[u]; }
-    if (z->flexsp_params_held) { return z->flexsp_params + z->lay.local[u]; }
-    zero_params_prefetch(z, u);
-    ZeroSlot* s = NULL;
-    for (int i = 0; i < z->npslots; i++) { if (z->pslots[i].unit == u) { s = &z->pslots[i]; } }
-    zero_params_prefetch(z, next);
+// Unit u's buffer in a pool of gathered units, its gather finished.
+static inline float* zero_gathered(ZeroSlot* slots, int n, int u) {
+    ZeroSlot* s = zero_slot_of(slots, n, u);
     if (s->req) { comm_wait(s->req); s->req = NULL; }
     return s->buf;
 }
 
-// Stage 3: the gathered copy of unit u is no longer needed.
-static inline void zero_params_release(Zero* z, int u) {
-    if (z->stage != 3 || z->flexsp_params_held) { return; }
-    for (int i = 0; i < z->npslots; i++) {
-        if (z->pslots[i].unit == u) {
-            if (z->pslots[i].req) { comm_wait(z->pslots[i].req); }
-            z->pslots[i].unit = -1;
-            z->pslots[i].req = NULL;
-        }
+// The full fp32 parameters of unit u. Sharded: waits for the gather (started now if no
+// prefetch did), and starts prefetching `next` (-1: none).
+static inline const float* zero_params_acquire(Zero* z, int u, int next) {
+    if (!z->lay.params_here[u]) { fatal("internal: unit %d is not held by this rank", u); }
+    if (!zero_params_sharded(z)) { return z->params + z->lay.local[u]; }
+    if (z->flexsp_params_held) { return z->flexsp_params + z->lay.local[u]; }
+    zero_params_prefetch(z, u);
+    zero_params_prefetch(z, next);
+    return zero_gathered(z->pslots, z->npslots, u);
+}
+
+// Stage 3 with bf16 weights: start gathering unit u's bf16 weights into a free buffer (the
+// prefetch), if not there yet.
+static inline void zero_weights_prefetch(Zero* z, int u) {
+    if (z->stage != 3 || !zero_holds_params(z, u) || zero_slot_of(z->wslots, z->nwslots, u)) { return; }
+    ZeroSlot* s = zero_slot_get_sized(z, z->wslots, &z->nwslots, u, z->wslot_floats);
+    s->req = zero_weights_gather_start(z, u, (uint16_t*)s->buf);
+}
+
+// Unit u's bf16 weights (bf16 weights only; their 16 bits), as zero_params_acquire gives its
+// fp32 parameters: stage 3 gathers the unit as it gathers the fp32 one, prefetching `next`.
+static inline const uint16_t* zero_weights_acquire(Zero* z, int u, int next) {
+    if (!z->bf16_weights || !z->lay.params_here[u]) { fatal("internal: unit %d has no bf16 weights on this rank", u); }
+    if (z->stage != 3) { return z->weights + z->lay.wlocal[u]; }
+    zero_weights_prefetch(z, u);
+    zero_weights_prefetch(z, next);
+    return (const uint16_t*)zero_gathered(z->wslots, z->nwslots, u);
+}
+
+// Sharded parameters: the gathered copies of unit u (its fp32 parameters, its bf16 weights) are
+// no longer needed.
+static inline void zero_slots_release(ZeroSlot* slots, int n, int u) {
+    for (ZeroSlot* s = zero_slot_of(slots, n, u); s; s = zero_slot_of(slots, n, u)) {
+        if (s->req) { comm_wait(s->req); }
+        s->unit = -1;
+        s->req = NULL;
     }
+}
+static inline void zero_params_release(Zero* z, int u) {
+    if (!zero_params_sharded(z) || z->flexsp_params_held) { return; }
+    zero_slots_release(z->pslots, z->npslots, u);
+    zero_slots_release(z->wslots, z->nwslots, u);
 }
 
 // ---- gradients ---------------------------------------------------------------------------
@@ -798,7 +943,7 @@ static inline float* zero_grad_at(Zero* z, int u, size_t at) {
     return z->grad_shard + z->lay.gshard_base[u] + (at - (size_t)zero_unit_rank(z, u) * z->lay.shard[u]);
 }
 static inline float* zero_param_at(Zero* z, int u, size_t at) {
-    if (z->stage <= 2) { return z->params + z->lay.local[u] + at; }
+    if (!zero_params_sharded(z)) { return z->params + z->lay.local[u] + at; }
     return z->param_shard + z->lay.shard_base[u] + (at - (size_t)zero_unit_rank(z, u) * z->lay.shard[u]);
 }
 static inline size_t zero_opt_index(const Zero* z, int u, size_t at) {
@@ -888,7 +1033,7 @@ static inline float zero_grad_norm(Zero* z, CommGroup* tp) {
         const float* g = u == ZERO_WTE ? zero_wte_grad_at(z, b) : zero_grad_at(z, u, b);
         for (int k = 0; k < z->lay.npieces[u]; k++) {
             const TPPiece* p = &z->lay.pieces[u][k];
-            if (p->split == TP_REPLICATED && z->lay.tp_rank != 0) { continue; }
+            if (p->split == TP_REPLICATED && z->lay.cut.r != 0) { continue; }
             size_t lo = p->local > b ? p->local : b, hi = p->local + tp_piece_elements(p);
             if (hi > e) { hi = e; }
             if (lo >= hi) { continue; }
@@ -905,7 +1050,8 @@ static inline float zero_grad_norm(Zero* z, CommGroup* tp) {
     return (float)sqrt(canon_sumsq_value(&total));
 }
 
-// AdamW on this rank's ranges, then (stages 1-2) all-gather every unit's parameters.
+// AdamW on this rank's ranges, then (stages 1-2) all-gather every unit's parameters, or with bf16
+// weights refresh them (stage 0 rounds, stages 1-2 gather the rounded shards).
 static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_decay) {
     for (int u = 0; u < z->lay.num_all; u++) {
         if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) { continue; }
@@ -924,7 +1070,9 @@ static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_dec
             z->mem->adamw(p + i, z->m + o + i, z->v + o + i, g + i, hi - lo, s, wd);
         }
     }
-    if (z->stage == 1 || z->stage == 2) {
+    if (z->bf16_weights) {
+        zero_weights_refresh(z);
+    } else if (z->stage == 1 || z->stage == 2) {
         // all-gather (dp group; edp group for an expert unit; parameters): every rank's
         // updated shard -> the whole unit
         for (int u = 0; u < z->lay.num_all; u++) {
@@ -948,7 +1096,8 @@ static inline void zero_adamw_step(Zero* z, const AdamWStep* s, float weight_dec
 // order, P floats) where dst != NULL: each element by exactly one rank of the dp rank-0 ranks
 // (wte by the first stage, replicated tensors by tensor-parallel rank 0), the experts of an
 // expert-parallel run by the ranks of dp rank 0's ep group (edp rank 0); the rest of dst is
-// left as is. Stage 3 gathers the units: every dp rank must call.
+// left as is. Sharded parameters (stage 3; bf16 weights from stage 1) are gathered unit by
+// unit: every dp rank must call.
 typedef struct { float* dst; const float* src; } ZeroScatterCtx;
 static inline void zero_scatter_run(size_t canonical, size_t local, size_t len, void* vctx) {
     ZeroScatterCtx* ctx = (ZeroScatterCtx*)vctx;
@@ -965,7 +1114,7 @@ static inline void zero_full_params(Zero* z, float* dst) {
             ZeroScatterCtx ctx = {dst, unit};
             for (int k = 0; k < z->lay.npieces[u]; k++) {
                 const TPPiece* p = &z->lay.pieces[u][k];
-                if (p->split == TP_REPLICATED && z->lay.tp_rank != 0) { continue; }
+                if (p->split == TP_REPLICATED && z->lay.cut.r != 0) { continue; }
                 tp_piece_runs(p, 0, tp_piece_elements(p), zero_scatter_run, &ctx);
             }
         }
@@ -1003,7 +1152,7 @@ static inline int zero_state_ranges(const Zero* z, int writing, StateRange* out)
         ctx.u = u;
         for (int k = 0; k < z->lay.npieces[u]; k++) {
             const TPPiece* p = &z->lay.pieces[u][k];
-            if (writing && p->split == TP_REPLICATED && z->lay.tp_rank != 0) { continue; }
+            if (writing && p->split == TP_REPLICATED && z->lay.cut.r != 0) { continue; }
             size_t lo = p->local > b ? p->local : b, hi = p->local + tp_piece_elements(p);
             if (hi > e) { hi = e; }
             if (lo < hi) { tp_piece_runs(p, lo - p->local, hi - p->local, zero_range_run, &ctx); }
@@ -1034,14 +1183,17 @@ static inline void zero_state_from_host(Zero* z) {
 }
 
 // Bytes each rank holds, by kind (what the startup table prints and the tests check).
-typedef struct { double params, grads, optimizer; } ZeroMemory;
+// weights: the bf16 weights (stages 0-2 the copy of every unit, stage 3 the buffers it gathers
+// into); 0 when the passes read the fp32 parameters.
+typedef struct { double params, grads, optimizer, weights; } ZeroMemory;
 
 static inline ZeroMemory zero_memory(const Zero* z) {
     ZeroMemory mem;
-    mem.params = 4.0 * (z->stage <= 2 ? z->lay.local_params
-                                      : z->lay.shard_params + (z->flexsp ? z->lay.local_params : 0));   // + FlexSP's step copy
+    mem.params = 4.0 * (!zero_params_sharded(z) ? z->lay.local_params
+                                                : z->lay.shard_params + (z->flexsp ? z->lay.local_params : 0));   // + FlexSP's step copy
     mem.grads = 4.0 * (z->stage <= 1 ? z->lay.local_grads : z->lay.shard_grads);
     mem.optimizer = 8.0 * (z->stage == 0 ? z->lay.local_params : z->lay.shard_params);
+    mem.weights = !z->bf16_weights ? 0.0 : z->stage <= 2 ? 2.0 * z->lay.local_weights : 4.0 * z->nwslots * z->wslot_floats;
     return mem;
 }
 
@@ -1056,6 +1208,8 @@ static inline void zero_free(Zero* z) {
     for (int i = 0; i < z->ngslots; i++) { mem->release(z->gslots[i].buf); }
     for (int i = 0; i < z->npslots; i++) { mem->release(z->pslots[i].buf); }
     for (int i = 0; i < z->nsslots; i++) { mem->release(z->sslots[i].buf); }
+    for (int i = 0; i < z->nwslots; i++) { mem->release(z->wslots[i].buf); }
+    mem->release(z->weights);
     free(z->unit_grad);
     free(z->unit_chunk);
     zero_layout_free(&z->lay);

@@ -9,12 +9,17 @@
  *  - SumSq: the exact sum of squares, rounded once, equals a __float128 sum on data whose
  *    exact sum __float128 can hold, for inputs spanning tiny to huge magnitudes, subnormals,
  *    any split of the data into partial accumulators; nan/inf give NaN.
+ *  - canon_bf16_bits (and memory.h's to_bf16, the rounding of fast mode's weights) against the
+ *    definition of round to nearest, ties to even, on 4 million bit patterns and the special
+ *    values: the nearer of the two bf16 values around x (computed in double), the even one on
+ *    a tie, infinity past the largest bf16 plus half its ulp, NaN as 0x7fff.
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "llmc/canonical.h"
+#include "llmc/memory.h"
 #include "llmc/rand.h"
 
 static int failures = 0;
@@ -27,6 +32,23 @@ static int64_t ulp_diff(float a, float b) {
     if (ia < 0) { ia = (int32_t)0x80000000 - ia; }
     if (ib < 0) { ib = (int32_t)0x80000000 - ib; }
     return llabs((long long)ia - (long long)ib);
+}
+
+// The value of a bf16's bits, with the one past the largest finite magnitude counted as 2^128
+// (where IEEE rounding to nearest puts the boundary to infinity).
+static double bf16_value(uint32_t h) {
+    if ((h & 0x7fffu) == 0x7f80u) { return (h & 0x8000u) ? -ldexp(1.0, 128) : ldexp(1.0, 128); }
+    return (double)canon_bits_to_float(h << 16);
+}
+
+// x rounded to bf16 by the definition: of the two bf16 values around x, the nearer, on a tie the
+// one with an even last bit.
+static uint16_t bf16_by_definition(float x) {
+    if (isnan(x)) { return 0x7fffu; }
+    uint32_t lo = canon_float_to_bits(x) >> 16, hi = lo + 1;   // |lo| <= |x| < |hi|, same sign
+    if (canon_bits_to_float(lo << 16) == x || isinf(x)) { return (uint16_t)lo; }
+    double dlo = fabs(bf16_value(lo) - (double)x), dhi = fabs(bf16_value(hi) - (double)x);
+    return (uint16_t)(dlo < dhi ? lo : dhi < dlo ? hi : (lo & 1u) ? hi : lo);
 }
 
 static float r1_ref(const float* v, int n) {
@@ -199,6 +221,34 @@ int main(void) {
         free(x);
     }
     printf("SumSq: 50 random trials and the extremes equal the exactly rounded sum; the array version is identical\n");
+
+    {   // bf16 rounding: random bit patterns (every exponent), the ties, and the special values
+        size_t n = (size_t)1 << 22, wrong = 0;
+        float* x = (float*)malloc(sizeof(float) * n);
+        uint16_t* h = (uint16_t*)malloc(sizeof(uint16_t) * n);
+        uint64_t state = 7;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t u = random_u32(&state);
+            if (i % 4 == 1) { u = (u & 0xffff0000u) | 0x8000u; }   // exactly halfway
+            x[i] = canon_bits_to_float(u);
+        }
+        float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, 1e-45f, 3.3961776e38f, 3.4028235e38f,
+                           -3.4028235e38f, 1.00390625f, 1.01171875f};
+        memcpy(x, special, sizeof(special));
+        memory_host.to_bf16(h, x, n);
+        for (size_t i = 0; i < n; i++) {
+            uint16_t want = bf16_by_definition(x[i]);
+            if (h[i] != want || canon_bf16_bits(x[i]) != want) {
+                if (wrong++ < 5) { printf("bf16 of %.9g (0x%08x): 0x%04x, want 0x%04x\n", x[i], canon_float_to_bits(x[i]), h[i], want); }
+            }
+        }
+        CHECK(wrong == 0, "canon_bf16_bits: %zu of %zu values not rounded to nearest even", wrong, n);
+        CHECK(canon_bf16_bits(3.3961776e38f) == 0x7f80u && canon_bf16_bits(1.00390625f) == 0x3f80u &&
+              canon_bf16_bits(1.01171875f) == 0x3f82u, "bf16 rounding of the overflow and tie cases");
+        free(x);
+        free(h);
+    }
+    printf("bf16 rounding: 4 million values and the special ones rounded to nearest, ties to even\n");
     if (failures) { printf("%d check(s) FAILED\n", failures); return 1; }
     printf("all checks passed\n");
     return 0;

@@ -10,9 +10,11 @@
 #   3. bit-identical across LLMC_EMU_SEED (block and thread order): main.log, checkpoint bytes
 #      and samples; fast mode's own run-to-run determinism
 #   4. DP 2 x ZeRO 0-3 (mpirun -np 2, the staged MPI transport) identical to one rank of fast
-#      mode with the same global batch -d: main.log and the checkpoint bytes; the bf16 copy of
-#      the weights per rank (the startup table's line) against its formula: the whole model at
-#      ZeRO 0-2, only the units in flight at ZeRO-3
+#      mode with the same global batch -d: main.log and the checkpoint bytes; against formulas
+#      (zero.h BF16 WEIGHTS): the bf16 weights per rank (the startup table's line and the
+#      accounting line: every unit at ZeRO 0-2, the gathered units' buffers at ZeRO-3), the
+#      fp32 parameters per rank (the shard only from ZeRO-1 on) and the parameter bytes per step
+#      (the all-gathers carry bf16: half of fp32's)
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -95,20 +97,41 @@ pass "fast mode is bit-identical across LLMC_EMU_SEED 0, 1, 5 (main.log, checkpo
 command -v mpirun >/dev/null 2>&1 || { echo "SKIP: no mpirun, fast-mode data parallelism is not tested"; exit 0; }
 DP=(-e d2c32h2v512t32 -i "$W/train.bin" -j "$W/val.bin" -b 2 -t 32 -d 128 -l 1e-3 --shuffle 0 -x 2 -v 0 -s 0 -n 2)
 run fast_ref 1 "${FAST[@]}" "${DP[@]}"
-# the bf16 copy of the weights per rank, from d2c32h2v512t32's shapes: ZeRO 0-2 the whole model
-# (P elements); ZeRO-3 two units in flight (a pass holds one unit while it acquires the next) x
-# the largest unit (wte Vp x C, wpe T x C, a layer 12C^2 + 13C, lnf 2C), 2 bytes an element
-C=32 L=2 Vp=512 T=32
-P=$((Vp * C + T * C + L * (12 * C * C + 13 * C) + 2 * C))
-largest=$((Vp * C)); for n in $((T * C)) $((12 * C * C + 13 * C)) $((2 * C)); do [ $n -gt $largest ] && largest=$n; done
-bf16_bytes() { sed -n 's/^| bf16 weights  \([0-9]*\) bytes per rank.*/\1/p' "$W/$1.out"; }
-for z in 0 1 2 3; do
-  run "fast_dp2z$z" 2 "${FAST[@]}" "${DP[@]}" -z $z
-  identical fast_ref "fast_dp2z$z" "DP 2 x ZeRO $z"
-  want=$((2 * P)); [ $z = 3 ] && want=$((2 * 2 * largest))
-  got=$(bf16_bytes "fast_dp2z$z")
-  [ "$got" = "$want" ] || fail "DP 2 x ZeRO $z: the bf16 weights take '$got' bytes per rank, want $want \
-($(grep '^| bf16 weights' "$W/fast_dp2z$z.out"))"
+# d2c32h2v512t32's units: wte Vp x C, wpe T x C, a layer 12C^2 + 13C, lnf 2C; padded to a
+# multiple of 2N (a bf16 shard is whole 4-byte words); at ZeRO 0-2 the bf16 copy holds every
+# unit from a multiple of 128 elements; at ZeRO-3 three buffers of the largest unit (a pass holds
+# wte while it acquires wpe and prefetches layer 0). 2 bytes a bf16 weight.
+C=32 L=2 Vp=512 T=32 N=2
+WTE=$((Vp * C)) WPE=$((T * C)) LAYER=$((12 * C * C + 13 * C)) LNF=$((2 * C))
+P=$((WTE + WPE + L * LAYER + LNF))
+up() { echo $(( ($1 + $2 - 1) / $2 * $2 )); }
+copy=0 largest=0
+for n in $WTE $WPE $(for l in $(seq $L); do echo $LAYER; done) $LNF; do
+  copy=$((copy + $(up "$(up $n $((2 * N)))" 128))); [ "$(up $n $((2 * N)))" -gt $largest ] && largest=$(up $n $((2 * N)))
 done
-pass "fast mode DP 2 x ZeRO 0-3 = one rank (main.log, checkpoints); bf16 weights per rank: $((2 * P)) bytes \
-(ZeRO 0-2), $((4 * largest)) (ZeRO-3: 2 units in flight x the largest unit)"
+bf16_bytes() { sed -n 's/^| bf16 weights  \([0-9]*\) bytes per rank.*/\1/p' "$W/$1.out"; }
+# accounting NAME: the zero accounting line's param bytes/step, fp32 params/rank, bf16 weights/rank
+accounting() {
+  grep "zero accounting" "$W/$1.out" | sed 's/.*| bytes\/rank\/step grad [0-9]* param \([0-9]*\) | bytes\/rank params \([0-9]*\) .* bf16 weights \([0-9]*\)$/\1 \2 \3/'
+}
+for z in 0 1 2 3; do
+  run "fast_dp2z$z" $N "${FAST[@]}" "${DP[@]}" -z $z
+  identical fast_ref "fast_dp2z$z" "DP 2 x ZeRO $z"
+  # bf16 weights; fp32 parameters (whole at ZeRO-0, the shard after); the parameter all-gathers:
+  # ZeRO 1-2 every unit once a step, ZeRO-3 (one microbatch per rank) wte, lnf and each layer
+  # twice (forward, backward), wpe once: 2P - wpe elements; each (N-1)/N of 2 bytes an element,
+  # where fp32 all-gathers send 4
+  case $z in
+    0) want_w=$((2 * copy)) want_p=$((4 * P)) want_sent=0;;
+    1|2) want_w=$((2 * copy)) want_p=$((4 * P / N)) want_sent=$(((N - 1) * 2 * P / N));;
+    3) want_w=$((3 * 2 * largest)) want_p=$((4 * P / N)) want_sent=$(((N - 1) * 2 * (2 * P - WPE) / N));;
+  esac
+  got=$(bf16_bytes "fast_dp2z$z")
+  [ "$got" = "$want_w" ] || fail "DP 2 x ZeRO $z: the bf16 weights take '$got' bytes per rank, want $want_w \
+($(grep '^| bf16 weights' "$W/fast_dp2z$z.out"))"
+  [ "$(accounting "fast_dp2z$z")" = "$want_sent $want_p $want_w" ] || fail "DP 2 x ZeRO $z: param bytes/step, fp32 \
+params/rank, bf16 weights/rank '$(accounting "fast_dp2z$z")', want '$want_sent $want_p $want_w'"
+done
+pass "fast mode DP 2 x ZeRO 0-3 = one rank (main.log, checkpoints); per rank: bf16 weights $((2 * copy)) bytes \
+(ZeRO 0-2), $((6 * largest)) (ZeRO-3: 3 buffers of the largest unit); fp32 parameters $((4 * P / N)) from ZeRO-1; \
+param all-gathers in bf16: $(((N - 1) * 2 * P / N)) bytes/step at ZeRO 1-2 (fp32: $(((N - 1) * 4 * P / N)))"
