@@ -124,19 +124,7 @@ int main(int argc, char** argv) {
         fatal("--varlen: fast mode trains fixed windows of -t tokens only (each sequence length would be a new "
               "attention plan); run --varlen with --deterministic 1");
     }
-    if (!det && t.args.cp > 1) {   // fast mode's context parallelism (ring or a2a), with data parallelism and ZeRO
-        if (t.args.tp > 1) {
-            fatal("--cp with --tp: fast mode runs context parallelism without tensor parallelism; run --cp %d --tp %d "
-                  "with --deterministic 1", t.args.cp, t.args.tp);
-        }
-        if (t.args.pp > 1) {
-            fatal("--cp with --pp: fast mode runs context parallelism on one pipeline stage only; run --cp %d --pp %d "
-                  "with --deterministic 1", t.args.cp, t.args.pp);
-        }
-        if (t.config.num_experts > 0) {
-            fatal("--cp with experts: fast mode runs context parallelism on dense models only; run --cp %d with a "
-                  "mixture-of-experts model with --deterministic 1", t.args.cp);
-        }
+    if (!det && t.args.cp > 1) {   // fast mode's context parallelism (ring or a2a), in every layout
         if (strcmp(t.args.attention, "cudnn") == 0) {
             fatal("--attention cudnn with --cp: fast mode's context parallelism runs the flash kernels on each "
                   "rank's heads; use --attention flash or auto");

@@ -31,12 +31,13 @@
  * fcproj row-parallel, fp32 partial sums of the work rows over the tp group) and pipeline
  * parallelism and ZeRO: an fp32 router, bf16 expert rows, all experts in each batched cuBLASLt
  * call (kernels_fast_moe.cuh), the routing plan and exchanges of expert_parallel.h; every
- * schedule, the split backward's too. Context parallelism (--cp N,
- * one pipeline stage, no --tp, dense models) holds each rank's zig-zag slice of T; attention
- * either turns it into NH/N heads of whole sequences around the flash kernels with bf16
- * all-to-alls (--cp-mode a2a) or passes bf16 K|V blocks around the ring, merging each block's
- * partial output by its log-sum-exp (kernels_fast_cp.cuh). In fast mode train_gpt2.cu refuses
- * --cp with --tp, --pp or experts, and says to use --deterministic 1.
+ * schedule, the split backward's too. Context parallelism (--cp N, in every layout above)
+ * holds each rank's zig-zag slice of T (with --sp 1 the residual stream a slice of that slice);
+ * attention either turns it into NH/N of the tp rank's heads of whole sequences around the
+ * flash kernels with bf16 all-to-alls (--cp-mode a2a) or passes bf16 K|V blocks of its heads
+ * around the ring, merging each block's partial output by its log-sum-exp
+ * (kernels_fast_cp.cuh); pipeline stages send the slice; an expert layer runs on whole
+ * sequences on every rank of the cp group, as in deterministic mode (fast_moe_layer_forward).
  */
 #include "llmc/engine.h"
 #include "llmc/kernels_moe_det.cuh"   // the device set (kernels_det.cuh with the experts' twins)
@@ -114,7 +115,10 @@ typedef struct {
     float *psum, *daux;                // (E) device: the router's probability sums, d aux / d p
     float *psum_host, *daux_host;      // (E) their host copies
     float* moe_partial;    // --tp: (Q*B*T*k,C) fp32 the experts' partial outputs or input gradients per work row
-    floatX* moe_whole;     // --sp: (B*T,C) bf16 the layer's whole output (forward) or d ln2 (backward)
+    // --sp or --cp: (B*T,C) bf16 whole sequences: [1] the layer's output (forward) or d ln2
+    // (backward), of which this rank keeps its slice; [0] (--cp) its input ln2 (forward) or d out
+    // (backward), all-gathered along T
+    floatX* moe_whole[2];
     // context parallelism (--cp N, kernels_fast_cp.cuh; N = 1: none): the training passes hold
     // this rank's zig-zag slice (B,T/N) of each sequence
     int N, ring;           // ring: --cp-mode ring, else the all-to-all
@@ -171,6 +175,7 @@ typedef struct {
     // mixture of experts (one set, reused by every layer)
     float *dgate, *dlogits, *drouter, *daux;   // (BT,k) (BT,E) (BT,C) (E) fp32
     floatX *dlogits_bf16, *dslots;             // (BT,E), (BT*k,C) dispatch rows
+    floatX* dlogits_mine;                      // --cp: (B*T/N,E) this rank's positions of dlogits_bf16
     floatX *dy, *dh, *dx, *dwork;              // (work rows, C / 4C / C / C)
 } FastGrads;
 
@@ -249,9 +254,10 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
         m->probs_slice = (float*)m->mem->alloc(sizeof(float) * m->Vl, "sample logits");
         m->probs_all = (float*)m->mem->alloc(sizeof(float) * c->padded_vocab_size, "sample logits");
     }
+    m->sp = seq_parallel && m->K > 1;
     m->N = cp->size;
     char why[256];
-    const char* problem = cp_problem(m->N, cp_a2a, T, m->NHl, 1, why, sizeof(why));
+    const char* problem = cp_problem(m->N, cp_a2a, T, m->NHl, m->sp ? m->K : 1, why, sizeof(why));
     if (problem) { fatal("--cp %d: %s", m->N, problem); }
     if (m->N > 1) {   // room for the gathers along T (bf16 B*T*C: B*T*C/2 floats), and a2a's or the ring's buffers
         size_t gather = (size_t)B * T * c->channels / 2;
@@ -263,7 +269,6 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
             cp_init(&m->cp, cp, 1, m->mem, B, T, m->Cl, m->NHl, gather);
         }
     }
-    m->sp = seq_parallel && m->K > 1;
     if (m->sp) {
         size_t BTC = (size_t)B * T * c->channels;
         m->sp_slice = (float*)m->mem->alloc(sizeof(float) * BTC / m->K, "sequence parallelism");
@@ -289,8 +294,10 @@ static void* fast_create(const GPT2Config* c, const ChunkPlace* place, Zero* zer
             m->moe_partial = (float*)m->mem->alloc(sizeof(float) * m->Q * m->top_k * pass_rows * c->channels,
                                                    "tensor-parallel sums");
         }
-        if (m->sp) {   // (training and validation passes only)
-            m->moe_whole = (floatX*)m->mem->alloc(sizeof(floatX) * (size_t)B * T * c->channels, "sequence parallelism");
+        for (int i = 0; i < 2; i++) {   // (training and validation passes only)
+            if (m->N > 1 || (m->sp && i == 1)) {
+                m->moe_whole[i] = (floatX*)m->mem->alloc(sizeof(floatX) * (size_t)B * T * c->channels, "expert layers");
+            }
         }
     }
     return m;
@@ -319,7 +326,9 @@ static void fast_destroy(void* vm) {
         free(m->psum_host);
         free(m->daux_host);
         if (m->moe_partial) { m->mem->release(m->moe_partial); }
-        if (m->moe_whole) { m->mem->release(m->moe_whole); }
+        for (int i = 0; i < 2; i++) {
+            if (m->moe_whole[i]) { m->mem->release(m->moe_whole[i]); }
+        }
     }
     free(m);
 }
@@ -379,15 +388,15 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
         a->dlnf = act(m, head * BT * C, bytes);
         a->dencoded = act(m, m->has_embedding * B * Tw * C, bytes);   // (CP: gathered whole)
     }
-    if (m->E > 0) {
-        size_t E = m->E, k = m->top_k, slots = BT * k, rows = (size_t)m->Q * slots;
+    if (m->E > 0) {   // (CP: the expert layers run on whole sequences, fast_moe_layer_forward)
+        size_t BTw = (size_t)B * Tw, E = m->E, k = m->top_k, slots = BTw * k, rows = (size_t)m->Q * slots;
         size_t nleaf = (size_t)m->El * ((size_t)m->Q * B * CANON_R + 1);
         a->moe_rows = (int)rows;
         a->moe = (FastMoeLayer*)calloc_or_die(L + 1, sizeof(FastMoeLayer), "expert activations");
         for (size_t l = 0; l < L; l++) {
             FastMoeLayer* x = &a->moe[l];
-            moe_route_init(&x->route, (int)BT, (int)k, (int)E, m->Q, B);
-            x->probs = act_f(m, BT * E, bytes);
+            moe_route_init(&x->route, (int)BTw, (int)k, (int)E, m->Q, B);
+            x->probs = act_f(m, BTw * E, bytes);
             x->gates = act_f(m, slots, bytes);
             *bytes += (3 * slots + 2 * rows + nleaf) * sizeof(int);   // chosen, slot_row, row_pos; perm, inv; leaf
             x->chosen = (int*)m->mem->alloc(slots * sizeof(int), "expert activations");
@@ -401,7 +410,7 @@ static void* fast_acts_create(void* vm, int B, int T, int recompute, int split_s
             x->fch = act(m, rows * 4 * C, bytes);
             x->fch_gelu = act(m, rows * 4 * C, bytes);
             if (split_backward) {   // what the input half leaves the weight half
-                x->dlogits_bf16 = act(m, BT * E, bytes);
+                x->dlogits_bf16 = act(m, BTw * E, bytes);
                 x->dy = act(m, rows * C, bytes);
                 x->dh = act(m, rows * 4 * C, bytes);
             }
@@ -474,6 +483,14 @@ static void fast_set_tokens(void* vm, void* va, const int* inputs, const int* ta
 
 // The positions a pass computes per sequence: the slice's T/N with CP, else T.
 static int fast_pass_T(const FastModel* m, const FastActs* a, int T) { return a->cp ? T / m->N : T; }
+
+// The ranks that split each sequence's residual stream in this pass (D: context x sequence
+// parallelism, zigzag.h) and this rank's index among them: context rank c's slice split again
+// K ways is the (c*K + k)-th of the D = N*K slices.
+static int fast_seq_ranks(const FastModel* m, const FastActs* a) { return (a->cp ? m->N : 1) * (a->sp ? m->K : 1); }
+static int fast_seq_rank(const FastModel* m, const FastActs* a) {
+    return (a->cp ? m->cp.rank : 0) * (a->sp ? m->K : 1) + (a->sp ? m->tp->rank : 0);
+}
 
 // Stage boundaries are bf16 (stage_elem_bytes): a chunk's input and output are the residual
 // stream, which one rank keeps in bf16 too, so sending it loses nothing and halves the bytes.
@@ -571,12 +588,6 @@ static void fast_sp_all_gather(FastModel* m, floatX* full, const floatX* slice, 
     tp_sp_all_gather(m->tp, (const float*)slice, (float*)full, B, T, m->config.channels / 2, m->sp_scratch);
 }
 
-// slice (B,T/K,C) <- this rank's positions of whole (B,T,C) that every rank of the tp group
-// holds complete (a mixture-of-experts layer's output and d ln2): SP's slice without a sum.
-static void fast_sp_take_slice(FastModel* m, floatX* slice, const floatX* whole, int B, int T) {
-    tp_sp_take_slice(m->tp, (const float*)whole, (float*)slice, B, T, m->config.channels / 2);
-}
-
 // Where a layernorm before a column-parallel layer writes: with SP its slice (m->sp_ln), which
 // fast_sp_f_forward then all-gathers into ln; else ln itself.
 static floatX* fast_ln_out(FastModel* m, const FastActs* a, floatX* ln) { return a->sp ? m->sp_ln : ln; }
@@ -591,11 +602,12 @@ static void fast_sp_f_forward(FastModel* m, const FastActs* a, floatX* ln, int B
 static void fast_ln_param_grads(FastModel* m, const FastActs* a, float* dweight, float* dbias, const floatX* x,
                                 const floatX* dy, const float* mean, const float* rstd, int B, int T) {
     int C = m->config.channels;
-    if (!a->sp) {   // (CP: the slice's 8/N chunks of each sequence; ZeRO sums the ranks' partials)
-        layernorm_param_grads_x(dweight, dbias, NULL, x, dy, 1, mean, rstd, B, T, C, CANON_R / (a->cp ? m->N : 1));
+    int chunks = CANON_R / fast_seq_ranks(m, a);   // of each sequence's 8, on this rank's slice
+    if (!a->sp) {   // (CP: ZeRO's data x context reduction sums the ranks' partials)
+        layernorm_param_grads_x(dweight, dbias, NULL, x, dy, 1, mean, rstd, B, T, C, chunks);
         return;
     }
-    layernorm_param_grads_x(NULL, NULL, m->ln_partials, x, dy, 1, mean, rstd, B, T / m->K, C, CANON_R / m->K);
+    layernorm_param_grads_x(NULL, NULL, m->ln_partials, x, dy, 1, mean, rstd, B, T / m->K, C, chunks);
     sp_layernorm_grads_reduce(m->tp, m->ln_partials, B, C);
     sequence_tree(dweight, m->ln_partials, B, C);
     sequence_tree(dbias, m->ln_partials + (size_t)B * C, B, C);
@@ -707,7 +719,11 @@ static void fast_moe_forward(FastModel* m, FastActs* a, int l, const floatX* rou
 // gradient into drouterw and the experts' into their unit, one slice per source microbatch of
 // the ep group (expert_parallel.h THE GRADIENT ORDER: zero.h combines the slices), from the
 // gradients the input half left (a split backward keeps them per layer in a->moe[l]).
-// `next`: the unit ZeRO-3 prefetches after the experts.
+// `next`: the unit ZeRO-3 prefetches after the experts. With CP (B, T whole sequences, ln this
+// rank's slice) the router's weight gradient is this rank's positions' share, as the dense
+// weights' are, and the experts', computed whole by every rank of the group, go to ZeRO as this
+// rank's part of each slice, -0.0f elsewhere (cp_keep_part: ZeRO reduces the expert units over
+// expert-data x context ranks, so the sum is the one-rank gradient).
 static void fast_moe_backward(FastModel* m, FastActs* a, FastGrads* g, int l, const floatX* routerw, float* drouterw,
                               const floatX* ln, const floatX* dout, floatX* dln, int next, int B, int T, int part) {
     const GPT2Config* c = &m->config;
@@ -759,55 +775,121 @@ static void fast_moe_backward(FastModel* m, FastActs* a, FastGrads* g, int l, co
         moe_dinput_combine_fast(dln, g->drouter, dret, x->slot_row, BT, k, C);
     }
     if (part & BACKWARD_WEIGHT) {
-        moe_router_weight_grad_fast(drouterw, dlogits_bf16, ln, BT, C, E);
-        moe_experts_backward_weight_fast(expert_views<float>(z, unit, zero_grad_unit(z, unit)), z->lay.size[unit], dy, dh,
-                                         x->fch_gelu, x->xin, src_first, Q, m->El, C, 4 * m->Cl);
+        if (a->cp) {   // this rank's positions of the router's output gradient
+            fast_take_slice(m->mem, g->dlogits_mine, dlogits_bf16, B, T, E, m->N, m->cp.rank);
+            moe_router_weight_grad_fast(drouterw, g->dlogits_mine, ln, BT / m->N, C, E);
+        } else {
+            moe_router_weight_grad_fast(drouterw, dlogits_bf16, ln, BT, C, E);
+        }
+        float* dunit = zero_grad_unit(z, unit);
+        size_t slice = z->lay.size[unit];
+        moe_experts_backward_weight_fast(expert_views<float>(z, unit, dunit), slice, dy, dh, x->fch_gelu, x->xin,
+                                         src_first, Q, m->El, C, 4 * m->Cl);
+        for (int q = 0; a->cp && q < Q; q++) { cp_keep_part(&m->cp, dunit + q * slice, slice); }
         zero_grad_unit_done(z, unit);
     }
     free(src_first);
 }
 
-// The embeddings of `rows` positions from row t0 of a pass over (B, T) (all of them, or one
-// row of the sampler's (1, T) with the KV cache).
+// A mixture-of-experts layer (fast_moe_forward) in a pass over B sequences of which this rank
+// holds T positions each (the slice with CP): a->proj, the rows of this rank's residual stream,
+// from ln2 (ln: the pass's rows, whole on every tp rank). The layer's output is whole on every
+// tp rank, and with SP this rank keeps its slice. With CP every rank of the cp group runs the
+// layer on whole sequences, as deterministic mode does: ln all-gathered along T (cp group,
+// bf16), the one-rank routing and arithmetic, and each rank keeps its slice of the output (the
+// engine refuses --cp with --sp 1 for experts, as deterministic mode does, so D below is N or
+// K). Whole rather than each rank routing its own positions: the routing
+// plan, the capacity and the load-balancing loss (a product of the microbatch's expert counts
+// and probability sums) are then one rank's, and so are the experts' weight gradients
+// (fast_moe_backward), at the price of every rank of the group computing each expert row.
+static void fast_moe_layer_forward(FastModel* m, FastActs* a, int l, const floatX* routerw, const floatX* ln, int next,
+                                   int B, int T) {
+    int C = m->config.channels, Tw = a->cp ? T * m->N : T;
+    if (!a->cp && !a->sp) {
+        fast_moe_forward(m, a, l, routerw, ln, a->proj, next, B, T);
+        return;
+    }
+    if (a->cp) {   // all-gather (cp group, bf16) of ln along T
+        fast_cp_gather_sequences(&m->cp, m->moe_whole[0], ln, B, Tw, C);
+        ln = m->moe_whole[0];
+    }
+    fast_moe_forward(m, a, l, routerw, ln, m->moe_whole[1], next, B, Tw);
+    fast_take_slice(m->mem, a->proj, m->moe_whole[1], B, Tw, C, fast_seq_ranks(m, a), fast_seq_rank(m, a));
+}
+
+// Its backward (fast_moe_backward's halves): dln (d ln2, the rows of this rank's residual
+// stream) from g->dresidual (the layer output's gradient, likewise), on whole sequences as the
+// forward ran: d out all-gathered along T (with SP over the tp group, with CP over the cp
+// group, bf16), d ln2 whole, of which this rank keeps its slice.
+static void fast_moe_layer_backward(FastModel* m, FastActs* a, FastGrads* g, int l, const floatX* routerw,
+                                    float* drouterw, const floatX* ln, floatX* dln, int next, int B, int T, int part) {
+    int C = m->config.channels, Tw = a->cp ? T * m->N : T, in = part & BACKWARD_INPUT;
+    const floatX* dout = g->dresidual;
+    if (!a->cp && !a->sp) {
+        fast_moe_backward(m, a, g, l, routerw, drouterw, ln, dout, dln, next, B, T, part);
+        return;
+    }
+    if (in && a->sp) {   // all-gather (tp group, bf16) along T
+        fast_sp_all_gather(m, g->dfull, g->dresidual, B, T);
+        dout = g->dfull;
+    }
+    if (in && a->cp) {   // all-gather (cp group, bf16) along T
+        fast_cp_gather_sequences(&m->cp, m->moe_whole[0], dout, B, Tw, C);
+        dout = m->moe_whole[0];
+    }
+    fast_moe_backward(m, a, g, l, routerw, drouterw, ln, dout, m->moe_whole[1], next, B, Tw, part);
+    if (in) { fast_take_slice(m->mem, dln, m->moe_whole[1], B, Tw, C, fast_seq_ranks(m, a), fast_seq_rank(m, a)); }
+}
+
+// The embeddings of `rows` positions from row t0 of a pass over (B, T) (all of the pass's
+// positions, or one row of the sampler's (1, T) with the KV cache). T: the whole sequence; with
+// CP and SP the residual stream holds this rank's D-way slice of each sequence (two stretches).
 static void fast_embed_rows(FastModel* m, FastActs* a, int B, int T, int t0, int rows) {
     int C = m->config.channels;
     floatX* wte = fast_params(m, ZERO_WTE, ZERO_WPE);
     floatX* wpe = fast_params(m, ZERO_WPE, m->layers > 0 ? ZERO_LAYER(m->first_layer) : -1);
     int Bp = rows == 1 ? 1 : B, Tp = rows == 1 ? 1 : T;
-    if (a->cp) {   // CP: this rank's slice, the positions of its two stretches of each sequence (zigzag.h)
-        int N = m->N, stretch = T / (2 * N);
+    int D = fast_seq_ranks(m, a), r = fast_seq_rank(m, a), stretch = T / (2 * D);
+    // fn(row, pos) for each of this rank's stretches of each sequence (D > 1): its first row in
+    // the slice and its first global position
+    auto each_stretch = [&](auto fn) {
         for (int b = 0; b < B; b++) {
-            for (int half = 0; half < 2; half++) {
-                size_t row = (size_t)b * (T / N) + half * stretch;
-                encoder_forward_fast(a->encoded + row * C, a->inputs + row, wte,
-                                     wpe + zz_stretch_begin(T, N, m->cp.rank, half) * C, 1, stretch, C);
-            }
+            for (int half = 0; half < 2; half++) { fn((size_t)b * (T / D) + half * stretch, zz_stretch_begin(T, D, r, half)); }
         }
-    } else if (m->K == 1) {
+    };
+    if (m->K == 1 && D == 1) {
         encoder_forward_fast(a->encoded + (size_t)t0 * C, a->inputs + t0, wte, wpe + (size_t)t0 * C, Bp, Tp, C);
-    } else if (a->sp) {   // SP: reduce-scatter along T (tp group) of the lookups, then the
-                          // positions of this rank's slice (zigzag.h: two stretches a sequence)
-        encoder_lookup_tp(m->tp_sum, a->inputs, wte, m->v0, m->Vl, (size_t)rows, C);
-        tp_sp_reduce_scatter(m->tp, m->tp_sum, m->sp_slice, B, T, C, m->sp_scratch);
-        int K = m->K, stretch = T / (2 * K);
-        for (int b = 0; b < B; b++) {
-            for (int half = 0; half < 2; half++) {
-                size_t row = (size_t)b * (T / K) + half * stretch;
-                encoder_add_positions_tp(a->encoded + row * C, m->sp_slice + row * C,
-                                         wpe + zz_stretch_begin(T, K, m->tp->rank, half) * C, 1, stretch, C);
-            }
-        }
+    } else if (m->K == 1) {   // CP: the positions of this rank's slice
+        each_stretch([&](size_t row, size_t pos) {
+            encoder_forward_fast(a->encoded + row * C, a->inputs + row, wte, wpe + pos * C, 1, stretch, C);
+        });
     } else {   // vocab-parallel: each row looked up by the rank holding its token (-0 elsewhere),
-               // all-reduce (tp group), then the positions added
+               // all-reduce (tp group), or with SP reduce-scatter along T (tp group), then the positions
+        const float* sum = m->tp_sum;
         encoder_lookup_tp(m->tp_sum, a->inputs + t0, wte, m->v0, m->Vl, (size_t)rows, C);
-        tp_vocab_embedding_reduce(m->tp, m->tp_sum, (size_t)rows * C);
-        encoder_add_positions_tp(a->encoded + (size_t)t0 * C, m->tp_sum, wpe + (size_t)t0 * C, Bp, Tp, C);
+        if (a->sp) {
+            tp_sp_reduce_scatter(m->tp, m->tp_sum, m->sp_slice, B, fast_pass_T(m, a, T), C, m->sp_scratch);
+            sum = m->sp_slice;
+        } else {
+            tp_vocab_embedding_reduce(m->tp, m->tp_sum, (size_t)rows * C);
+        }
+        if (D == 1) {
+            encoder_add_positions_tp(a->encoded + (size_t)t0 * C, sum, wpe + (size_t)t0 * C, Bp, Tp, C);
+        } else {
+            each_stretch([&](size_t row, size_t pos) {
+                encoder_add_positions_tp(a->encoded + row * C, sum + row * C, wpe + pos * C, 1, stretch, C);
+            });
+        }
     }
     fast_release(m, ZERO_WTE);
     fast_release(m, ZERO_WPE);
 }
 
-static void fast_embed_forward(void* vm, void* va, int B, int T) { fast_embed_rows((FastModel*)vm, (FastActs*)va, B, T, 0, B * T); }
+static void fast_embed_forward(void* vm, void* va, int B, int T) {
+    FastModel* m = (FastModel*)vm;
+    FastActs* a = (FastActs*)va;
+    fast_embed_rows(m, a, B, T, 0, B * fast_pass_T(m, a, T));
+}
 
 // The chunk's layers on `rows` positions from row t0 (decode: rows == 1, the sampler's (1, T)
 // pass with the rows before t0 in the KV cache), each layer's residual add fused into the next
@@ -850,10 +932,8 @@ static void fast_layers_rows(FastModel* m, FastActs* a, int B, int T, int t0, in
         fused_residual_layernorm(x.residual2, fast_ln_out(m, a, x.ln2), x.ln2_mean, x.ln2_rstd, x.residual, a->proj,
                                  w.ln2w, w.ln2b, rs, C);
         fast_sp_f_forward(m, a, x.ln2, B, T);
-        if (m->E > 0) {   // the mixture of experts in place of the MLP, on every position (its output is
-                          // whole on every tp rank: with SP this rank keeps its slice)
-            fast_moe_forward(m, a, l - first, w.routerw, x.ln2, sp ? m->moe_whole : a->proj, after_experts(l), B, T);
-            if (sp) { fast_sp_take_slice(m, a->proj, m->moe_whole, B, T); }
+        if (m->E > 0) {   // the mixture of experts in place of the MLP
+            fast_moe_layer_forward(m, a, l - first, w.routerw, x.ln2, after_experts(l), B, T);
         } else {          // column-parallel fc (+ GELU, keeps fch), row-parallel fcproj
             matmul_forward_fast(x.fch_gelu, x.ln2, w.fcw, w.fcb, rows, C, 4 * Cl, x.fch);
             fast_row_parallel_forward(m, sp, a->proj, x.fch_gelu, w.fcprojw, w.fcprojb, B, T, rows, 4 * Cl);
@@ -970,7 +1050,7 @@ static void* fast_grads_create(void* vm, int B, int T, int split_seqs, size_t* b
     g->dbtc = act(m, BTC, bytes);
     g->dqkv = act(m, 3 * BTCl, bytes);
     g->dbt4c = act(m, 4 * BTCl, bytes);
-    g->dfull = act(m, sp ? BTC : cp && m->has_embedding ? BTCw : 0, bytes);
+    g->dfull = act(m, cp && m->has_embedding ? BTCw : sp ? BTC : 0, bytes);
     if (m->E > 0) {
         size_t BT = (size_t)B * T, C = m->config.channels, E = m->E, slots = BT * m->top_k, rows = m->Q * slots;
         g->dgate = act_f(m, slots, bytes);
@@ -978,6 +1058,7 @@ static void* fast_grads_create(void* vm, int B, int T, int split_seqs, size_t* b
         g->drouter = act_f(m, BT * C, bytes);
         g->daux = act_f(m, E, bytes);
         g->dlogits_bf16 = act(m, BT * E, bytes);
+        g->dlogits_mine = act(m, cp ? BT / m->N * E : 0, bytes);
         g->dslots = act(m, rows * C, bytes);
         g->dy = act(m, rows * C, bytes);
         g->dh = act(m, rows * 4 * C, bytes);
@@ -995,8 +1076,8 @@ static void fast_grads_destroy(void* vm, void* vg) {
     m->mem->release(g->dqkv);
     m->mem->release(g->dbt4c);
     if (g->dfull) { m->mem->release(g->dfull); }
-    void* moe_all[] = {g->dgate, g->dlogits, g->drouter, g->daux, g->dlogits_bf16, g->dslots, g->dy, g->dh, g->dx,
-                       g->dwork};
+    void* moe_all[] = {g->dgate, g->dlogits, g->drouter, g->daux, g->dlogits_bf16, g->dlogits_mine, g->dslots, g->dy,
+                       g->dh, g->dx, g->dwork};
     for (size_t i = 0; i < sizeof(moe_all) / sizeof(moe_all[0]); i++) {
         if (moe_all[i]) { m->mem->release(moe_all[i]); }
     }
@@ -1098,12 +1179,8 @@ static void fast_layers_backward(void* vm, void* va, void* vg, int B, int T, int
         FastLayerActs x = fast_layer_acts(m, a, l - first, B, T, 0);
         FastOutGrads d = fast_out_grads(m, a, g, l - first, B, T);
         if (m->E > 0) {   // the experts (d(residual) is their output's gradient, read before ln2's backward
-                          // adds to it); with SP they read it whole, all-gathered along T (tp group), and give d ln2
-                          // whole on every tp rank, of which this rank keeps its slice
-            if (in && sp) { fast_sp_all_gather(m, g->dfull, g->dresidual, B, T); }
-            fast_moe_backward(m, a, g, l - first, w.routerw, dw.routerw, x.ln2, sp ? g->dfull : g->dresidual,
-                              sp ? m->moe_whole : d.dln2, below, B, T, part);
-            if (in && sp) { fast_sp_take_slice(m, d.dln2, m->moe_whole, B, T); }
+                          // adds to it)
+            fast_moe_layer_backward(m, a, g, l - first, w.routerw, dw.routerw, x.ln2, d.dln2, below, B, T, part);
         } else {
             // MLP; the fcproj backward's epilogue applies gelu'(fch): d fch
             if (in) { fast_row_parallel_dout(m, a, g, d.dfcproj, B, T); }
@@ -1154,10 +1231,16 @@ static void fast_embed_backward(void* vm, void* va, void* vg, int B, int T, int 
     const GPT2Config* c = &m->config;
     Zero* z = m->zero;
     // with SP the lookup's gradient reads every position: d(encoded) all-gathered along T (tp
-    // group); with CP likewise (cp group, bf16), and the one-rank backward runs on whole sequences
+    // group); with CP likewise (cp group, bf16; with SP after the tp group's gather into this
+    // rank's cp slice), and the one-rank backward runs on whole sequences
     floatX* dencoded = a->split_backward ? a->dencoded : a->sp || a->cp ? g->dfull : g->dresidual;
     if ((part & BACKWARD_INPUT) && a->cp) {
-        fast_cp_gather_sequences(&m->cp, dencoded, g->dresidual, B, T, c->channels);
+        const floatX* slice = g->dresidual;
+        if (a->sp) {
+            fast_sp_all_gather(m, g->dbtc, g->dresidual, B, T / m->N);
+            slice = g->dbtc;
+        }
+        fast_cp_gather_sequences(&m->cp, dencoded, slice, B, T, c->channels);
     } else if (part & BACKWARD_INPUT) {
         fast_row_parallel_dout(m, a, g, dencoded, B, T);
     }

@@ -396,11 +396,12 @@ static inline uint64_t cp_bytes_per_step(int N, int a2a, int layers, int has_emb
 }
 
 // The bytes a mixture-of-experts model adds to cp_bytes_per_step: each expert layer runs on
-// whole sequences (train_gpt2.c moe_forward), so per microbatch it all-gathers its input
-// forward and its output's gradient backward, (N-1) B (T/N) C floats each (C whole: the
-// layer's input is complete on every tensor-parallel rank).
-static inline uint64_t cp_moe_bytes_per_step(int N, int layers, int B, int T, int C, int microbatches) {
-    return sizeof(float) * 2 * (uint64_t)(N - 1) * B * (T / N) * C * (uint64_t)layers * (uint64_t)microbatches;
+// whole sequences (train_gpt2.c moe_forward; fast mode's fast_moe_layer_forward), so per
+// microbatch it all-gathers its input forward and its output's gradient backward, (N-1) B
+// (T/N) C elements of elem_bytes each (C whole: the layer's input is complete on every
+// tensor-parallel rank).
+static inline uint64_t cp_moe_bytes_per_step(int N, int layers, int B, int T, int C, int microbatches, int elem_bytes) {
+    return elem_bytes * 2 * (uint64_t)(N - 1) * B * (T / N) * C * (uint64_t)layers * (uint64_t)microbatches;
 }
 
 // cp_bytes_per_step for a --varlen step: the sum over this rank's sequences (lengths[i], i <

@@ -600,10 +600,14 @@ static inline void trainer_print_cp_accounting(const Trainer* t) {
         first |= t->places[ch].has_embedding;
         last |= t->places[ch].has_head;
     }
-    // the attention and embedding messages in the model's activation type (bf16 in fast mode)
+    // the attention, embedding and expert layers' messages in the model's activation type (bf16
+    // in fast mode)
+    int elem = (int)t->ops->stage_elem_bytes;
     uint64_t want = cp_bytes_per_step(comm->cp, a2a, layers, first, last, t->B, t->T, t->config.channels, comm->tp,
-                                      t->zero.local_microbatches, (int)t->ops->stage_elem_bytes);
-    if (t->moe) { want += cp_moe_bytes_per_step(comm->cp, layers, t->B, t->T, t->config.channels, t->zero.local_microbatches); }
+                                      t->zero.local_microbatches, elem);
+    if (t->moe) {
+        want += cp_moe_bytes_per_step(comm->cp, layers, t->B, t->T, t->config.channels, t->zero.local_microbatches, elem);
+    }
     if (t->args.varlen) {
         int n = t->zero.local_microbatches, *lengths = trainer_step_lengths(t);
         want = cp_bytes_per_varlen_step(comm->cp, trainer_sequence_split(t), a2a, t->moe, layers, first, last, lengths,

@@ -6,6 +6,10 @@
  *
  * THE LAYOUT is deterministic mode's (zigzag.h): a training pass holds this rank's zig-zag slice
  * of every sequence, T/N positions, and everything outside attention is per position on it.
+ * Under --tp K (C, NH below: the tp rank's C/K channels and NH/K heads) the tp collectives run
+ * on the slice's rows, and with --sp 1 the residual stream holds this rank's slice of the
+ * slice (the (c*K + k)-th of N*K zig-zag slices). An expert layer runs on whole sequences
+ * (every rank of the group the one-rank layer; fast_take_slice keeps this rank's positions).
  *
  * ATTENTION. An all-to-all (cp group) turns the sequence-split bf16 q|k|v (B,T/N,3C) into
  * head-split ones (B,T,3C/N): every position of the sequence, this rank's NH/N heads. The flash
@@ -88,6 +92,20 @@ static void fast_cp_a2a_backward(ContextParallel* cp, floatX* dqkv, const floatX
 // slice's positions put in place (the embedding's input gradient)
 static void fast_cp_gather_sequences(ContextParallel* cp, floatX* full, const floatX* slice, int B, int T, int C) {
     cp_gather_sequences(cp, (const float*)slice, (float*)full, B, T, C / 2);
+}
+
+// slice (B,T/D,width) bf16 <- rank r's positions of whole sequences (B,T,width) that every rank
+// holds complete (a mixture-of-experts layer's output and input gradient, its router's output
+// gradient; zigzag.h's D-way slice: D = N with CP, K with SP). No exchange.
+static void fast_take_slice(const MemOps* mem, floatX* slice, const floatX* whole, int B, int T, int width, int D,
+                            int r) {
+    size_t stretch = (size_t)T / (2 * D), Tl = (size_t)T / D;
+    for (int b = 0; b < B; b++) {
+        for (int half = 0; half < 2; half++) {
+            mem->copy(slice + ((size_t)b * Tl + half * stretch) * width,
+                      whole + ((size_t)b * T + zz_stretch_begin(T, D, r, half)) * width, stretch * width * sizeof(floatX));
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------------

@@ -28,13 +28,15 @@ TESTS += dev/test/test_fast_pp.sh
 # refused in one line
 TESTS += dev/test/test_fast_tp.sh
 
-# fast mode with context parallelism: --cp 2 --cp-mode a2a (ZeRO-0, 3) within a derived
-# tolerance of one rank (its forward equal), --cp-mode ring within the bf16 tolerances of one
-# rank, both within those of train_gpt2, cp bytes (bf16 messages, fp32 dK/dV and losses) = the
-# formula; --cp with --tp, --pp, experts, cudnn refused
+# fast mode with context parallelism: --cp 2 --cp-mode a2a within a derived tolerance of one
+# rank (its forward equal), and in 2 pipeline stages (1f1b) = --cp 2 byte for byte; --cp 2 --tp 2
+# --sp 1 --cp-mode ring within the bf16 tolerances of one rank; both within those of train_gpt2;
+# cp, tp and pp bytes = the formulas; --cp with cudnn, a2a with NH/tp not a multiple of --cp
+# refused
 TESTS += dev/test/test_fast_cp.sh
 
-# fast mode with experts: one rank within the bf16 tolerances of train_gpt2, --ep 2 (ZeRO-0, 3)
-# and --pp 2 (1f1b, zb1) = one rank byte for byte, rank 0's all-to-all bytes (bf16 rows) against
-# its routing counts; --tp with experts refused in one line
+# fast mode with experts: one rank within the bf16 tolerances of train_gpt2, --ep 2 and --pp 2
+# (1f1b, zb1) = one rank byte for byte, rank 0's all-to-all bytes (bf16 rows) against its routing
+# counts; --tp 2 within a derived tolerance of one rank, --tp 2 --sp 1 --ep 2 -z 3 = --tp 2;
+# --cp 2 --pp 2 (zb1, ZeRO-3) within a derived tolerance of one rank, its cp bytes = the formula
 TESTS += dev/test/test_fast_moe.sh

@@ -70,10 +70,12 @@
 #     GPU, dev/test/test_cuda_emu.sh). Fast mode on 2 pipeline stages (1f1b, zb1) identical to
 #     fast mode on one rank; fast --tp 2 run and finite (its tolerance: test_fast_tp.sh), fast
 #     --tp 2 --sp 1 and fast --tp 2 --pp 2 (4 ranks, zb1) identical to fast --tp 2 (with NCCL
-#     only on 4+ GPUs), fast --cp 2 --cp-mode a2a and ring run and finite
-#     with their cp bytes = the formula (their tolerances: test_fast_cp.sh), fast experts
-#     (S1_MOE's model) --tp 2 run and finite (its tolerance: test_fast_moe.sh). With 2+ GPUs also --comm nccl, and fast-mode data
-#     parallelism's tok/s from 1 to N GPUs (INFO).
+#     only on 4+ GPUs), fast --cp 2 --cp-mode a2a and ring, and --cp 2 --tp 2 --sp 1 --cp-mode
+#     ring (4 ranks), run and finite with their cp bytes = the formula (their tolerances:
+#     test_fast_cp.sh), fast --cp 2 --pp 2 (4 ranks, zb1, a2a) identical to fast --cp 2 --cp-mode
+#     a2a, fast experts (S1_MOE's model) --tp 2 and --cp 2 --cp-mode a2a run and finite (with
+#     the cp bytes = the formula; their tolerances: test_fast_moe.sh). With 2+ GPUs also --comm
+#     nccl, and fast-mode data parallelism's tok/s from 1 to N GPUs (INFO).
 #  5. benchmark: GPT-2 124M (-e d12), T=1024, the largest B of 32, 16, 8 that fits; fast
 #     mode with cuDNN and with flash attention (10 steps), deterministic mode (4 steps):
 #     tok/s and MFU of the run summary (steps after the first), GPU memory (the startup
@@ -623,16 +625,20 @@ fast_layouts() {
   done
   # tensor parallelism (within a tolerance of one rank: test_fast_tp.sh derives it, so here it
   # must run and stay finite), sequence parallelism and tensor parallelism inside 2 pipeline
-  # stages (4 ranks, zb1: the split backward): the same bits as --tp 2 alone, and context
-  # parallelism, the all-to-all and the ring (their tolerances: test_fast_cp.sh; here each runs,
-  # stays finite, and its cp bytes equal the formula on the trainer's accounting line), and a
-  # model with experts under --tp 2 (its tolerance against one rank: test_fast_moe.sh; here it
-  # runs and stays finite)
-  local tp np flags
+  # stages (4 ranks, zb1: the split backward): the same bits as --tp 2 alone; context
+  # parallelism, the all-to-all, the ring, and the ring under --tp 2 --sp 1 (their tolerances:
+  # test_fast_cp.sh; here each runs, stays finite, and its cp bytes equal the formula on the
+  # trainer's accounting line), and inside 2 pipeline stages (zb1): the same bits as --cp 2
+  # alone; a model with experts under --tp 2 and --cp 2 (their tolerances against one rank:
+  # test_fast_moe.sh; here each runs and stays finite, and under --cp 2 its cp bytes equal the
+  # formula)
+  local tp np flags mode ref what
   for tp in "--tp 2" "--tp 2 --sp 1" "--tp 2 --pp 2 --schedule zb1" "--cp 2 --cp-mode a2a" "--cp 2 --cp-mode ring" \
-            "experts --tp 2"; do
+            "--cp 2 --tp 2 --sp 1 --cp-mode ring" "--cp 2 --pp 2 --schedule zb1 --cp-mode a2a" "experts --tp 2" \
+            "experts --cp 2 --cp-mode a2a"; do
     ln=$(echo "$tp" | tr -d ' -')
-    np=2; case $tp in *--pp*) np=4 ;; esac
+    np=$(echo "$tp" | awk '{ n = 1; for (i = 1; i < NF; i++) if ($i == "--tp" || $i == "--pp" || $i == "--cp") n *= $(i + 1); print n }')
+    mode=$(echo "$tp" | sed -n 's/.*--cp-mode \([a-z0-9]*\).*/\1/p')
     flags=${tp#experts }; [ "$flags" = "$tp" ] || flags="$flags -e $S4_MOE"   # (a later -e wins)
     name="4. fast $np ranks $tp --comm $comm"
     if [ "$comm" = nccl ] && [ $np -gt "$NGPU" ]; then info "$name" "NCCL needs a GPU per rank: $np ranks, $NGPU GPUs"; continue; fi
@@ -644,15 +650,20 @@ fast_layouts() {
     if [ $RC != 0 ]; then said "s4_fast_${comm}_$ln"; fail "$name" "$(why $RC); see s4_fast_${comm}_$ln.out"; continue; fi
     if [ "$ln" = tp2 ]; then pass "$name" "ran, finite (its tolerance against one rank: dev/test/test_fast_tp.sh)"; continue; fi
     if [ "$ln" = expertstp2 ]; then pass "$name" "ran, finite (its tolerance against one rank: dev/test/test_fast_moe.sh)"; continue; fi
-    if [ "${ln#cp2cpmode}" != "$ln" ]; then
-      if grep -q "^cp accounting: ${ln#cp2cpmode} .*(equal)$" "$LOGS/s4_fast_${comm}_$ln.out"; then
-        pass "$name" "ran, finite, cp bytes = the formula (its tolerance against one rank: dev/test/test_fast_cp.sh)"
-      else fail "$name" "the cp accounting line is missing or says MISMATCH; see s4_fast_${comm}_$ln.out"; fi
-      continue
+    ref=tp2 what="--tp 2"
+    if [ -n "$mode" ]; then
+      if ! grep -q "^cp accounting: $mode .*(equal)$" "$LOGS/s4_fast_${comm}_$ln.out"; then
+        fail "$name" "the cp accounting line is missing or says MISMATCH; see s4_fast_${comm}_$ln.out"; continue
+      fi
+      if [ "${tp#*--pp}" = "$tp" ]; then
+        pass "$name" "ran, finite, cp bytes = the formula (its tolerance against one rank: dev/test/test_fast_$([ "$flags" = "$tp" ] && echo cp || echo moe).sh)"
+        continue
+      fi
+      ref=cp2cpmodea2a what="--cp 2 --cp-mode a2a"   # pipeline stages keep the bits of one stage
     fi
-    bad=$(differ "s4_fast_${comm}_tp2" "s4_fast_${comm}_$ln")
-    if [ -z "$bad" ]; then pass "$name" "main.log, final model, samples identical to fast --tp 2"
-    else fail "$name" "differ from fast --tp 2: $bad"; fi
+    bad=$(differ "s4_fast_${comm}_$ref" "s4_fast_${comm}_$ln")
+    if [ -z "$bad" ]; then pass "$name" "main.log, final model, samples identical to fast $what"
+    else fail "$name" "differ from fast $what: $bad"; fi
   done
 }
 if want 4; then

@@ -30,7 +30,18 @@
 #      group; ZeRO-3) = --tp 2 byte for byte (main.log, checkpoint, samples): each tp
 #      rank routes the same whole ln2 rows and exchanges them with its counterpart of the ep
 #      group, an expert's partial sums per row are all-reduced in the same R1 tree, and SP's
-#      slices hold the rows --tp 2 computes.
+#      slices hold the rows --tp 2 computes;
+#   6. --cp 2 --cp-mode a2a --pp 2 --schedule zb1 -z 3 (4 ranks: 2 context x 2 pipeline ranks,
+#      the split backward, ZeRO-3). Every rank of the cp group runs each expert layer on whole
+#      sequences (its input all-gathered along T, bf16; it keeps its slice of the output), so
+#      the routing, the load-balancing loss and the experts' weight gradients are one rank's,
+#      and with the all-to-all the forward is one rank's bits; the dense weights' gradients
+#      (the router's among them) are sums over the ranks' slices, test_fast_cp.sh's reordering:
+#      within its derived tolerance of one rank (K_cp = 4L + 2, a bound: the experts' weights
+#      are one rank's bits), within the bf16 tolerances of ./train_gpt2, and stage 0's cp bytes
+#      against test_fast_cp.sh's all-to-all count for its layer and the embedding's gradient
+#      plus the expert layer's two all-gathers ((N-1) B (T/N) C bf16 each: its input forward,
+#      its output's gradient backward).
 # Exits non-zero on the first failure, saying which.
 set -u
 cd "$(dirname "$0")/../.."
@@ -93,3 +104,18 @@ done
 diff <(samples tp2) <(samples tp2_sp_ep2_z3) >/dev/null || fail "--tp 2 --sp 1 --ep 2 -z 3 with experts: the samples differ from --tp 2's"
 grep -q 'all-to-all [1-9][0-9]* bytes' "$W/tp2_sp_ep2_z3.out" || fail "--tp 2 --sp 1 --ep 2 -z 3: no rows crossed the ep group"
 pass "fast mode with experts --tp 2 --sp 1 --ep 2 -z 3 (4 ranks) = --tp 2 byte for byte (main.log, checkpoint, samples)"
+
+# 6. context parallelism inside 2 pipeline stages (the split backward, ZeRO-3)
+run cp2_pp2_z3 4 "${FAST[@]}" "${ARGS[@]}" --cp 2 --cp-mode a2a --pp 2 --schedule zb1 -z 3
+res=$(awk -v S=6 -v u=0.00390625 -v n=$((B * T)) -v K=$((4 * L + 2)) -v Kname=K_cp -v N=$((M * B * T)) -v exact0=1 \
+      -f dev/gpu/fast_reorder_tolerance.awk "$W/ref/main.log" "$W/cp2_pp2_z3/main.log")
+[ "${res%% *}" = ok ] || fail "--cp 2 --pp 2 -z 3 with experts vs one rank: ${res#* }"
+pass "fast mode with experts --cp 2 --cp-mode a2a --pp 2 --schedule zb1 -z 3 vs one rank: step 0 and the first validation equal, ${res#* }"
+vs_cpu cp2_pp2_z3 "with experts --cp 2 --pp 2" $L
+N=2
+blk=$((B * T / N * C))   # a block: this rank's B (T/N) positions of C channels
+want=$(( M * (8 * (N - 1) * blk / N * 2 + 2 * (N - 1) * blk * 2 + (N - 1) * blk * 2) ))
+line=$(grep -m1 "^cp accounting:" "$W/cp2_pp2_z3.out") || fail "--cp 2 --pp 2 with experts: no cp accounting line"
+got=$(echo "$line" | sed -n 's/.*bytes\/rank\/step cp \([0-9]*\),.*/\1/p')
+[ "$got" = "$want" ] || fail "--cp 2 --pp 2 with experts: stage 0 sent $got bytes over the cp group in a step, the formula says $want"
+pass "fast mode with experts --cp 2 --pp 2: stage 0's cp bytes per step $want (bf16 all-to-alls, the expert layer's gathers and the embedding gradient's) = the formula"

@@ -79,6 +79,9 @@ for r in '^INFO  machine' '^INFO  0\. build' '^PASS  1\. deterministic == CPU' '
          '^PASS  4\. 2 ranks --pp 2 --comm mpi' '^PASS  4\. fast 4 ranks --tp 2 --pp 2 --schedule zb1 --comm mpi' \
          '^PASS  4\. fast 2 ranks --cp 2 --cp-mode a2a --comm mpi' \
          '^PASS  4\. fast 2 ranks --cp 2 --cp-mode ring --comm mpi' '^PASS  4\. fast 2 ranks experts --tp 2 --comm mpi' \
+         '^PASS  4\. fast 4 ranks --cp 2 --tp 2 --sp 1 --cp-mode ring --comm mpi' \
+         '^PASS  4\. fast 4 ranks --cp 2 --pp 2 --schedule zb1 --cp-mode a2a --comm mpi' \
+         '^PASS  4\. fast 2 ranks experts --cp 2 --cp-mode a2a --comm mpi' \
          '^INFO  5\. fast cudnn .*B=32' '^INFO  5\. fast flash .*B=32' \
          '^INFO  5\. deterministic .*B=16: [0-9.]+ tok/s' '^INFO  5\. target: fast MFU' '^INFO  5\. target: deterministic' \
          '^PASS  3\. finite values +[1-9][0-9]* values' '^----  total .*all passed'; do
