@@ -458,11 +458,14 @@ void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const f
 // out row r (r < nr) = R2Z over j < nj (nchunks chunks) of w(r, j) * x row j, j in [lo[r], hi[r])
 typedef struct {
     const float* w; long wr, wj;   // w(r, j) = w[r * wr + j * wj]
-    const float* x; long ldx;      // x row j at x + j * ldx
+    const float* x; long ldx;      // x row j at x + j * ldx, or at x + offs[j] where offs is given
     float* out; long ldo;          // out row r at out + r * ldo
     long nj; int nchunks;          // the reduced dimension: its length and R2Z chunks
     const int* lo; const int* hi;  // row r's terms: j in [lo[r], hi[r])
+    const long* offs;              // NULL, or the rows' places (a paged KV cache's slots)
 } AttRows;
+
+static inline const float* attn_x_row(const AttRows* a, long j) { return a->x + (a->offs ? a->offs[j] : j * a->ldx); }
 
 // One register tile: rows [0, nr) x channels [d0, d0 + nv*VLEN).
 ALWAYS_INLINE void attn_rows_tile(const AttRows* a, const int nr, int d0, const int nv) {
@@ -486,7 +489,7 @@ ALWAYS_INLINE void attn_rows_tile(const AttRows* a, const int nr, int d0, const 
             if (pb < lo_any) { pb = lo_any; }
             if (pe > hi_any) { pe = hi_any; }
             for (long j = pb; j < pe; j++) {
-                const float* xr = a->x + j * a->ldx + d0;
+                const float* xr = attn_x_row(a, j) + d0;
                 const float* wc = a->w + j * a->wj;
                 vf xv[MM_MV];
                 _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(xr + v * VLEN); }
@@ -519,7 +522,7 @@ static float attn_rows_elem(const AttRows* a, int r, int d) {
             long pb, pe;
             canon_zz_half(a->nj, a->nchunks, c, half, &pb, &pe);
             for (long j = pb < a->lo[r] ? a->lo[r] : pb; j < pe && j < a->hi[r]; j++) {
-                acc = fmaf(a->w[r * a->wr + j * a->wj], a->x[j * a->ldx + d], acc);
+                acc = fmaf(a->w[r * a->wr + j * a->wj], attn_x_row(a, j)[d], acc);
             }
         }
         canon_stack_push_value(&stack, acc, canon_tree_merges_after(c, a->nchunks));
@@ -715,7 +718,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
             for (int j = q.hi[r]; j < T; j++) { ar[j] = 0.0f; }
         }
         AttRows av = {a, T, 1, vr + (size_t)q.bh * T * hs, hs, out + ((size_t)q.b * T + q.t0) * C + q.h * hs, C, T,
-                      CANON_R, q.lo, q.hi};
+                      CANON_R, q.lo, q.hi, NULL};
         attn_rows(&av, q.nr, hs);
     }
 }
@@ -758,7 +761,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             for (int j = 0; j < q.hi[r]; j++) { sr[j] = ar[j] * (dr[j] - Sr) * scale; }
         }
         AttRows dq = {ds, T, 1, kr + q.bh * head, hs, dqkv + ((size_t)q.b * T + q.t0) * C3 + q.h * hs, C3, T, CANON_R,
-                      q.lo, q.hi};
+                      q.lo, q.hi, NULL};
         attn_rows(&dq, q.nr, hs);
     }
     // per strip of keys (tiles of ATT_NR, a few in a row so the strip of ds and att columns
@@ -773,12 +776,156 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             attn_bounds(lo, hi, t0, 1, T);
             size_t tt = (size_t)bh * T * T;
             float* drow = dqkv + ((size_t)b * T + t0) * C3 + h * hs;
-            AttRows dk = {ds_all + tt + t0, 1, T, qr + bh * head, hs, drow + C, C3, T, CANON_R, lo, hi};
-            AttRows dv = {att + tt + t0, 1, T, dr + bh * head, hs, drow + 2 * C, C3, T, CANON_R, lo, hi};
+            AttRows dk = {ds_all + tt + t0, 1, T, qr + bh * head, hs, drow + C, C3, T, CANON_R, lo, hi, NULL};
+            AttRows dv = {att + tt + t0, 1, T, dr + bh * head, hs, drow + 2 * C, C3, T, CANON_R, lo, hi, NULL};
             attn_rows(&dk, nr, hs);
             attn_rows(&dv, nr, hs);
         }
     }
+}
+
+// ------------------------------------------------------------------------------------------
+// Serving's paged attention = attention_forward_paged_naive (train_gpt2.c), bit for bit, the
+// keys and values read in place through the block table instead of gathered into a sequence.
+// A row (its query at position t) is bound by reading its keys and values from memory, so
+// each key's and each value's channels are read once, in order (a stream the hardware
+// prefetches), for all of the row's heads together:
+//  - scores: MR keys at a time, their channels transposed into a tile kt (C x MR, zero past
+//    t), then per head attn_scores' register tile (R2 over hs, the query broadcast);
+//  - the softmax per head: the max (exact), the exps, Z = R2Z over T (attn_row_sums), the
+//    division;
+//  - out = R2Z over the keys of att * v, every channel at once: key by key in each chunk's
+//    order, the accumulators a row of channels, the chunks' partials on a CanonStack.
+// The rows of a step go to the threads (one parallel region per layer, not a fork and join per
+// row); a lone row's heads are split among the threads (nested in an inactive region of one
+// thread, libgomp would start new threads every call: measured 16 -> 40 ms a decoded token on
+// d12).
+
+// offs[p] for p <= t: where key p of a row (block table `table`) starts in the layer's cache
+static void attn_paged_places(long* offs, const int* table, int t, int bs, long block_stride, int C) {
+    for (int b0 = 0; b0 <= t; b0 += bs) {
+        long base = table[b0 / bs] * block_stride;
+        for (int i = 0; i < bs && b0 + i <= t; i++) { offs[b0 + i] = base + (long)i * 2 * C; }
+    }
+}
+
+// out (nh*hs) = R2Z over keys j <= t (of T) of p[h][j] * value j's channel (h*hs + d), for the
+// nh heads at once; value j at v + offs[j], p row h at p + h * ldp; part: CANON_R rows of
+// nh*hs floats, each chunk's partials, then the R1 tree over them
+static void attn_paged_values(float* out, const float* p, long ldp, const float* v, const long* offs, int t, int T,
+                              int hs, int nh, float* part) {
+    int n = nh * hs, nvec = hs / VLEN;
+    for (int c = 0; c < CANON_R; c++) {
+        float* acc = part + (size_t)c * n;
+        memset(acc, 0, sizeof(float) * n);
+        for (int half = 0; half < 2; half++) {
+            long b, e;
+            canon_zz_half(T, CANON_R, c, half, &b, &e);
+            for (long j = b; j < e && j <= t; j++) {
+                const float* vj = v + offs[j];
+                for (int h = 0; h < nh; h++) {
+                    float w = p[h * ldp + j];
+                    vf wv = vf_set1(w);
+                    float* ah = acc + h * hs;
+                    const float* xh = vj + h * hs;
+                    for (int i = 0; i < nvec; i++) {
+                        vf_store(ah + i * VLEN, vf_fma(wv, vf_load(xh + i * VLEN), vf_load(ah + i * VLEN)));
+                    }
+                    for (int d = nvec * VLEN; d < hs; d++) { ah[d] = fmaf(w, xh[d], ah[d]); }
+                }
+            }
+        }
+    }
+    const float* q[CANON_R];
+    for (int c = 0; c < CANON_R; c++) { q[c] = part + (size_t)c * n; }
+    int d = 0;
+    for (; d + VLEN <= n; d += VLEN) {   // canon_tree8, lane by lane
+        vf s01 = vf_add(vf_load(q[0] + d), vf_load(q[1] + d)), s23 = vf_add(vf_load(q[2] + d), vf_load(q[3] + d));
+        vf s45 = vf_add(vf_load(q[4] + d), vf_load(q[5] + d)), s67 = vf_add(vf_load(q[6] + d), vf_load(q[7] + d));
+        vf_store(out + d, vf_add(vf_add(s01, s23), vf_add(s45, s67)));
+    }
+    for (; d < n; d++) {
+        float pd[CANON_R];
+        for (int c = 0; c < CANON_R; c++) { pd[c] = q[c][d]; }
+        out[d] = canon_tree8(pd);
+    }
+}
+
+// kt (n x MR) <- the nk <= MR keys at k + offs[j] (n channels each) transposed, in 8 x 8
+// blocks; the lanes past nk up to a whole vector repeat key nk - 1 (their scores are never read)
+static void attn_key_tile(float* kt, const float* k, const long* offs, int nk, int n) {
+    int nj = (nk + VLEN - 1) / VLEN * VLEN, n8 = n / 8 * 8;   // VLEN is a multiple of 8
+    for (int j0 = 0; j0 < nj; j0 += 8) {
+        const float* src[8];
+        for (int j = 0; j < 8; j++) { src[j] = k + offs[j0 + j < nk ? j0 + j : nk - 1]; }
+        for (int d0 = 0; d0 < n8; d0 += 8) {
+            transpose8x8(kt + d0 * MR + j0, MR, src);
+            for (int j = 0; j < 8; j++) { src[j] += 8; }
+        }
+        for (int d = n8; d < n; d++) {
+            for (int j = 0; j < 8; j++) { kt[d * MR + j0 + j] = src[j][d - n8]; }
+        }
+    }
+}
+
+// Heads [h0, h0 + nh) of one row: out (nh*hs, the heads' channels) from q (the row's C query
+// channels). Scratch: s (nh x Tp) the scores, then probabilities; kt (nh*hs x MR) the key
+// tile; part as attn_paged_values'.
+static void attn_paged_heads(float* out, float* s, long Tp, float* kt, float* part, const float* q, const float* kv,
+                             const long* offs, int t, int T, int C, int hs, int h0, int nh) {
+    float scale = canon_rsqrtf((float)hs);
+    for (int j0 = 0; j0 <= t; j0 += MR) {
+        int nk = t + 1 - j0 < MR ? t + 1 - j0 : MR;
+        attn_key_tile(kt, kv + h0 * hs, offs + j0, nk, nh * hs);
+        for (int h = 0; h < nh; h++) {
+            attn_scores(s + h * Tp + j0, 0, q + (h0 + h) * hs, 0, kt + (size_t)h * hs * MR, MR, hs, 1, nk, scale);
+        }
+    }
+    for (int h0r = 0; h0r < nh; h0r += ATT_NR) {
+        int nr = nh - h0r < ATT_NR ? nh - h0r : ATT_NR, hi[ATT_NR];
+        float z[ATT_NR];
+        for (int r = 0; r < nr; r++) {
+            float* sr = s + (h0r + r) * Tp;
+            exps_shifted(sr, t + 1, attn_row_max(sr, t + 1));
+            hi[r] = t + 1;
+        }
+        attn_row_sums(z, s + h0r * Tp, Tp, NULL, 0, nr, hi, T, CANON_R);
+        for (int r = 0; r < nr; r++) {
+            float* sr = s + (h0r + r) * Tp;
+            float zr = z[r];
+            #pragma omp simd
+            for (int j = 0; j <= t; j++) { sr[j] = sr[j] / zr; }
+        }
+    }
+    attn_paged_values(out, s, Tp, kv + C + h0 * hs, offs, t, T, hs, nh, part);
+}
+
+void attention_forward_paged(float* out, float* scratch_att, const float* qkv, const float* kv, long block_stride,
+                             const int* tables, int max_blocks, const int* pos, int N, int T, int bs, int C, int NH) {
+    int hs = C / NH, threads = thread_count();
+    long C3 = 3L * C, Tp = attn_padded(T), per_thread = NH * Tp + (long)C * MR + (long)CANON_R * C;
+    float* bufs = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)threads * per_thread);
+    long* places = (long*)scratch(SCRATCH_ATT_PACK, sizeof(long) * (size_t)threads * T);
+#define PAGED_HEADS(out, q, offs, t, h0, nh) do {                                                               \
+        float* s = bufs + (size_t)thread_index() * per_thread;                                                   \
+        attn_paged_heads(out, s, Tp, s + NH * Tp, s + NH * Tp + (long)C * MR, q, kv, offs, t, T, C, hs, h0, nh); \
+    } while (0)
+    if (N == 1) {   // the heads in as many groups as threads
+        attn_paged_places(places, tables, pos[0], bs, block_stride, C);
+        #pragma omp parallel for
+        for (int g = 0; g < threads; g++) {
+            int h0 = NH * g / threads, h1 = NH * (g + 1) / threads;
+            if (h1 > h0) { PAGED_HEADS(out + h0 * hs, qkv, places, pos[0], h0, h1 - h0); }
+        }
+        return;
+    }
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int r = 0; r < N; r++) {
+        long* offs = places + (size_t)thread_index() * T;
+        attn_paged_places(offs, tables + (size_t)r * max_blocks, pos[r], bs, block_stride, C);
+        PAGED_HEADS(out + r * C, qkv + r * C3, offs, pos[r], 0, NH);
+    }
+#undef PAGED_HEADS
 }
 
 // ------------------------------------------------------------------------------------------
@@ -899,7 +1046,7 @@ void attention_values_block(float* out, const float* att, const float* vblk, int
         AttTile q = attn_tile(idx, ntiles, NH, Tq, 0);
         cp_key_bounds(q.lo, q.hi, q.t0, q.nr, T, N, r, s);
         AttRows av = {att + ((size_t)q.bh * Tq + q.t0) * T + (size_t)s * Tq, T, 1, vr + (size_t)q.bh * Tq * hs, hs,
-                      out + ((size_t)q.b * Tq + q.t0) * C + q.h * hs, C, Tq, CANON_R / N, q.lo, q.hi};
+                      out + ((size_t)q.b * Tq + q.t0) * C + q.h * hs, C, Tq, CANON_R / N, q.lo, q.hi, NULL};
         attn_rows(&av, q.nr, hs);
     }
 }
@@ -959,8 +1106,8 @@ void attention_dkv_block(float* dk, float* dv, const float* ds, const float* att
         cp_query_bounds(kt.lo, kt.hi, kt.t0, kt.nr, T, N, r, s);
         size_t cols = (size_t)kt.bh * Tq * T + (size_t)s * Tq + kt.t0;
         size_t o = ((size_t)kt.b * Tq + kt.t0) * C + kt.h * hs;
-        AttRows k = {ds + cols, 1, T, qr + (size_t)kt.bh * Tq * hs, hs, dk + o, C, Tq, CANON_R / N, kt.lo, kt.hi};
-        AttRows v = {att + cols, 1, T, dr + (size_t)kt.bh * Tq * hs, hs, dv + o, C, Tq, CANON_R / N, kt.lo, kt.hi};
+        AttRows k = {ds + cols, 1, T, qr + (size_t)kt.bh * Tq * hs, hs, dk + o, C, Tq, CANON_R / N, kt.lo, kt.hi, NULL};
+        AttRows v = {att + cols, 1, T, dr + (size_t)kt.bh * Tq * hs, hs, dv + o, C, Tq, CANON_R / N, kt.lo, kt.hi, NULL};
         attn_rows(&k, kt.nr, hs);
         attn_rows(&v, kt.nr, hs);
     }

@@ -689,7 +689,7 @@ static inline void attention_forward_row(float* out, float* att, const float* qk
 // positions 0..pos[r] in a paged KV cache (block tables (N,max_blocks)); the three row kernels
 // above with the keys read through the block table: scores one thread per (row, head, key),
 // the softmax one warp per (row, head) into scratch's att (N,NH,T), att@v one thread per (row,
-// channel), R2Z over the keys. The same bits as the CPU's, which gathers the keys first.
+// channel), R2Z over the keys. The same bits as the CPU's.
 __device__ __forceinline__ const float* det_paged_key(const float* kv, long block_stride, const int* table, int p,
                                                       int bs, int C) {
     return kv + table[p / bs] * block_stride + (size_t)(p % bs) * 2 * C;

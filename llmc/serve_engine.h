@@ -248,7 +248,7 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
     e->pos_dev = (int*)mem->alloc(sizeof(int) * rows * (2 + (size_t)e->max_blocks), "serve rows");
     e->head_rows_dev = e->pos_dev + rows;
     e->tables_dev = e->head_rows_dev + rows;
-    e->att_scratch = mem_floats(mem, rows * NH * e->maxT + (size_t)e->maxT * 3 * C, "serve attention scratch");
+    e->att_scratch = mem_floats(mem, rows * NH * e->maxT, "serve attention scratch");
     e->probs = (float*)malloc_or_die(sizeof(float) * rows * e->Vp, "serve probabilities");
 }
 
