@@ -158,16 +158,25 @@ static inline uint64_t serve_fnv1a(uint64_t h, const float* x, size_t n) {
 
 // serve_fnv1a of SERVE_FNV_ROWS rows at once, each continued from its own h[j]: the same
 // hashes, the rows' multiply chains interleaved (one row's waits on the multiplier's latency
-// for every byte)
+// for every byte), each in a general register (the empty asm: gcc would otherwise put the four
+// chains in one vector and multiply by shifts and adds, ten dependent operations a byte)
 #define SERVE_FNV_ROWS 4
 static inline void serve_fnv1a_rows(uint64_t h[SERVE_FNV_ROWS], const float* const x[SERVE_FNV_ROWS], size_t n) {
-    uint64_t a[SERVE_FNV_ROWS];
-    const unsigned char* b[SERVE_FNV_ROWS];
-    for (int j = 0; j < SERVE_FNV_ROWS; j++) { a[j] = h[j]; b[j] = (const unsigned char*)x[j]; }
+    const uint64_t prime = 1099511628211ull;
+    const unsigned char *b0 = (const unsigned char*)x[0], *b1 = (const unsigned char*)x[1];
+    const unsigned char *b2 = (const unsigned char*)x[2], *b3 = (const unsigned char*)x[3];
+    uint64_t a0 = h[0], a1 = h[1], a2 = h[2], a3 = h[3];
     for (size_t i = 0; i < n * sizeof(float); i++) {
-        for (int j = 0; j < SERVE_FNV_ROWS; j++) { a[j] = (a[j] ^ b[j][i]) * 1099511628211ull; }
+        a0 = (a0 ^ b0[i]) * prime;
+        a1 = (a1 ^ b1[i]) * prime;
+        a2 = (a2 ^ b2[i]) * prime;
+        a3 = (a3 ^ b3[i]) * prime;
+        __asm__("" : "+r"(a0), "+r"(a1), "+r"(a2), "+r"(a3));
     }
-    for (int j = 0; j < SERVE_FNV_ROWS; j++) { h[j] = a[j]; }
+    h[0] = a0;
+    h[1] = a1;
+    h[2] = a2;
+    h[3] = a3;
 }
 
 static inline void serve_request_init(ServeRequest* r, const int* prompt, int n, int max_tokens, float temperature,
