@@ -6,7 +6,9 @@
  * DESIGN-NOTES 10): a request has `computed` positions in the cache and `len` known tokens
  * (prompt, then what it generated); a step computes rows computed .. computed + n of it, n =
  * one for a decoding request, a chunk of its prompt for a prefilling one, under a budget of
- * max_batch_tokens rows per step. Running requests go first, in admission order; when the
+ * max_batch_tokens rows per step, of which at most max_prefill_tokens are prompt rows when the
+ * step also decodes (Sarathi-Serve's stall-free batching: a joining prompt does not stretch its
+ * neighbours' inter-token latency). Running requests go first, in admission order; when the
  * cache has no block for one, the latest running request is preempted (its blocks freed,
  * itself back at the head of the queue, recomputed from its tokens when it returns); waiting
  * requests join, first come first served, only in a step that preempted nobody. A request whose
@@ -121,6 +123,7 @@ typedef struct ServeEngine {
     ServeRequest** waiting;   // FCFS; preempted requests at the front
     int num_waiting, max_requests;
     int max_running;          // requests in the batch at most (1: one at a time); default max_requests
+    int max_prefill_tokens;   // prompt rows in a step that also decodes, at most (0: max_batch_tokens)
     ServeBatching batching;   // default SERVE_INFLIGHT
     int max_sched;            // requests per step at most (serve_pipeline.h's micro-batches); 0: no limit
     int num_in_flight;        // requests in iterations in flight (serve_pipeline.h): never preempted
@@ -449,16 +452,42 @@ static inline void serve_admit(ServeEngine* e) {
     e->running[e->num_running++] = r;
 }
 
+// A request decodes when its one known token not computed is one it generated; otherwise its
+// rows are prompt rows (its prompt, or the tokens a preemption took back).
+static inline int serve_decodes(const ServeRequest* r) { return r->len > r->num_prompt && r->len - r->computed == 1; }
+
+// A request's rows this step: its one row when it decodes, else a chunk of its prompt rows
+// within both budgets.
+static inline int serve_rows_for(const ServeRequest* r, int budget, int prefill) {
+    if (serve_decodes(r)) { return budget > 0; }
+    int left = r->len - r->computed, n = left < budget ? left : budget;
+    return n < prefill ? n : prefill;
+}
+
+// The prompt rows a step may take: max_prefill_tokens when some running request decodes in it;
+// a step with none takes them up to the whole budget (a lone request's prompt in as few steps
+// as before).
+static inline int serve_prefill_budget(const ServeEngine* e) {
+    if (e->max_prefill_tokens <= 0) { return e->max_batch_tokens; }
+    for (int i = 0; i < e->num_running; i++) {
+        const ServeRequest* r = e->running[i];
+        if (!r->in_flight && serve_decodes(r)) { return e->max_prefill_tokens; }
+    }
+    return e->max_batch_tokens;
+}
+
 static inline int serve_engine_schedule(ServeEngine* e) {
     int budget = e->max_batch_tokens, rows = 0, preempted = 0;
     e->num_sched = 0;
     if (e->batching == SERVE_STATIC && e->num_running == 0) {   // the whole batch at once; its prefill chunked below
         while (e->num_waiting > 0 && e->num_running < e->max_running) { serve_admit(e); }
     }
+    int prefill = serve_prefill_budget(e);
     for (int i = 0; i < e->num_running && budget > 0 && !(e->max_sched && e->num_sched >= e->max_sched); i++) {
         ServeRequest* r = e->running[i];
         if (r->in_flight) { continue; }
-        int n = r->len - r->computed < budget ? r->len - r->computed : budget;
+        int n = serve_rows_for(r, budget, prefill);
+        if (n == 0) { continue; }   // a prompt's chunk waits for a step with room
         int room;
         while (!(room = serve_kv_reserve(e, r, r->computed + n))) {
             if (e->num_in_flight > 0) { preempted = 1; break; }   // none admitted: the iterations in flight free blocks as they end
@@ -468,15 +497,17 @@ static inline int serve_engine_schedule(ServeEngine* e) {
             if (itself) { break; }
         }
         if (!room) { break; }
+        if (!serve_decodes(r)) { prefill -= n; }
         serve_schedule(e, r, n, &rows);
         budget -= n;
     }
     while (e->batching == SERVE_INFLIGHT && !preempted && e->num_waiting > 0 && budget > 0 &&
            e->num_running < e->max_running && !(e->max_sched && e->num_sched >= e->max_sched)) {
         ServeRequest* r = e->waiting[0];
-        int n = r->len - r->computed < budget ? r->len - r->computed : budget;
-        if (!serve_kv_reserve(e, r, r->computed + n)) { break; }
+        int n = serve_rows_for(r, budget, prefill);
+        if (n == 0 || !serve_kv_reserve(e, r, r->computed + n)) { break; }
         serve_admit(e);
+        if (!serve_decodes(r)) { prefill -= n; }
         serve_schedule(e, r, n, &rows);
         budget -= n;
     }
