@@ -458,14 +458,11 @@ void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const f
 // out row r (r < nr) = R2Z over j < nj (nchunks chunks) of w(r, j) * x row j, j in [lo[r], hi[r])
 typedef struct {
     const float* w; long wr, wj;   // w(r, j) = w[r * wr + j * wj]
-    const float* x; long ldx;      // x row j at x + j * ldx, or at x + offs[j] where offs is given
+    const float* x; long ldx;      // x row j at x + j * ldx
     float* out; long ldo;          // out row r at out + r * ldo
     long nj; int nchunks;          // the reduced dimension: its length and R2Z chunks
     const int* lo; const int* hi;  // row r's terms: j in [lo[r], hi[r])
-    const long* offs;              // NULL, or the rows' places (a paged KV cache's slots)
 } AttRows;
-
-static inline const float* attn_x_row(const AttRows* a, long j) { return a->x + (a->offs ? a->offs[j] : j * a->ldx); }
 
 // One register tile: rows [0, nr) x channels [d0, d0 + nv*VLEN).
 ALWAYS_INLINE void attn_rows_tile(const AttRows* a, const int nr, int d0, const int nv) {
@@ -489,7 +486,7 @@ ALWAYS_INLINE void attn_rows_tile(const AttRows* a, const int nr, int d0, const 
             if (pb < lo_any) { pb = lo_any; }
             if (pe > hi_any) { pe = hi_any; }
             for (long j = pb; j < pe; j++) {
-                const float* xr = attn_x_row(a, j) + d0;
+                const float* xr = a->x + j * a->ldx + d0;
                 const float* wc = a->w + j * a->wj;
                 vf xv[MM_MV];
                 _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(xr + v * VLEN); }
@@ -522,7 +519,7 @@ static float attn_rows_elem(const AttRows* a, int r, int d) {
             long pb, pe;
             canon_zz_half(a->nj, a->nchunks, c, half, &pb, &pe);
             for (long j = pb < a->lo[r] ? a->lo[r] : pb; j < pe && j < a->hi[r]; j++) {
-                acc = fmaf(a->w[r * a->wr + j * a->wj], attn_x_row(a, j)[d], acc);
+                acc = fmaf(a->w[r * a->wr + j * a->wj], a->x[j * a->ldx + d], acc);
             }
         }
         canon_stack_push_value(&stack, acc, canon_tree_merges_after(c, a->nchunks));
@@ -718,7 +715,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
             for (int j = q.hi[r]; j < T; j++) { ar[j] = 0.0f; }
         }
         AttRows av = {a, T, 1, vr + (size_t)q.bh * T * hs, hs, out + ((size_t)q.b * T + q.t0) * C + q.h * hs, C, T,
-                      CANON_R, q.lo, q.hi, NULL};
+                      CANON_R, q.lo, q.hi};
         attn_rows(&av, q.nr, hs);
     }
 }
@@ -761,7 +758,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             for (int j = 0; j < q.hi[r]; j++) { sr[j] = ar[j] * (dr[j] - Sr) * scale; }
         }
         AttRows dq = {ds, T, 1, kr + q.bh * head, hs, dqkv + ((size_t)q.b * T + q.t0) * C3 + q.h * hs, C3, T, CANON_R,
-                      q.lo, q.hi, NULL};
+                      q.lo, q.hi};
         attn_rows(&dq, q.nr, hs);
     }
     // per strip of keys (tiles of ATT_NR, a few in a row so the strip of ds and att columns
@@ -776,8 +773,8 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             attn_bounds(lo, hi, t0, 1, T);
             size_t tt = (size_t)bh * T * T;
             float* drow = dqkv + ((size_t)b * T + t0) * C3 + h * hs;
-            AttRows dk = {ds_all + tt + t0, 1, T, qr + bh * head, hs, drow + C, C3, T, CANON_R, lo, hi, NULL};
-            AttRows dv = {att + tt + t0, 1, T, dr + bh * head, hs, drow + 2 * C, C3, T, CANON_R, lo, hi, NULL};
+            AttRows dk = {ds_all + tt + t0, 1, T, qr + bh * head, hs, drow + C, C3, T, CANON_R, lo, hi};
+            AttRows dv = {att + tt + t0, 1, T, dr + bh * head, hs, drow + 2 * C, C3, T, CANON_R, lo, hi};
             attn_rows(&dk, nr, hs);
             attn_rows(&dv, nr, hs);
         }
@@ -790,12 +787,12 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 // A row (its query at position t) is bound by reading its keys and values from memory, so
 // each key's and each value's channels are read once, in order (a stream the hardware
 // prefetches), for all of the row's heads together:
-//  - scores: MR keys at a time, their channels transposed into a tile kt (C x MR, zero past
-//    t), then per head attn_scores' register tile (R2 over hs, the query broadcast);
+//  - scores: MR keys at a time, their channels transposed 8 x 8 into a tile kt (C x MR), then
+//    per head attn_scores' register tile (R2 over hs, the query broadcast);
 //  - the softmax per head: the max (exact), the exps, Z = R2Z over T (attn_row_sums), the
 //    division;
 //  - out = R2Z over the keys of att * v, every channel at once: key by key in each chunk's
-//    order, the accumulators a row of channels, the chunks' partials on a CanonStack.
+//    order into a row of accumulators per chunk, then the R1 tree over the 8 rows.
 // The rows of a step go to the threads (one parallel region per layer, not a fork and join per
 // row); a lone row's heads are split among the threads (nested in an inactive region of one
 // thread, libgomp would start new threads every call: measured 16 -> 40 ms a decoded token on
@@ -1046,7 +1043,7 @@ void attention_values_block(float* out, const float* att, const float* vblk, int
         AttTile q = attn_tile(idx, ntiles, NH, Tq, 0);
         cp_key_bounds(q.lo, q.hi, q.t0, q.nr, T, N, r, s);
         AttRows av = {att + ((size_t)q.bh * Tq + q.t0) * T + (size_t)s * Tq, T, 1, vr + (size_t)q.bh * Tq * hs, hs,
-                      out + ((size_t)q.b * Tq + q.t0) * C + q.h * hs, C, Tq, CANON_R / N, q.lo, q.hi, NULL};
+                      out + ((size_t)q.b * Tq + q.t0) * C + q.h * hs, C, Tq, CANON_R / N, q.lo, q.hi};
         attn_rows(&av, q.nr, hs);
     }
 }
@@ -1106,8 +1103,8 @@ void attention_dkv_block(float* dk, float* dv, const float* ds, const float* att
         cp_query_bounds(kt.lo, kt.hi, kt.t0, kt.nr, T, N, r, s);
         size_t cols = (size_t)kt.bh * Tq * T + (size_t)s * Tq + kt.t0;
         size_t o = ((size_t)kt.b * Tq + kt.t0) * C + kt.h * hs;
-        AttRows k = {ds + cols, 1, T, qr + (size_t)kt.bh * Tq * hs, hs, dk + o, C, Tq, CANON_R / N, kt.lo, kt.hi, NULL};
-        AttRows v = {att + cols, 1, T, dr + (size_t)kt.bh * Tq * hs, hs, dv + o, C, Tq, CANON_R / N, kt.lo, kt.hi, NULL};
+        AttRows k = {ds + cols, 1, T, qr + (size_t)kt.bh * Tq * hs, hs, dk + o, C, Tq, CANON_R / N, kt.lo, kt.hi};
+        AttRows v = {att + cols, 1, T, dr + (size_t)kt.bh * Tq * hs, hs, dv + o, C, Tq, CANON_R / N, kt.lo, kt.hi};
         attn_rows(&k, kt.nr, hs);
         attn_rows(&v, kt.nr, hs);
     }
