@@ -15,13 +15,14 @@
  * cancel it), exit 0.
  *
  *   mpirun -np K*Q ./serve_gpt2 --tp K --ep Q -e model.bin ...
- *   mpirun -np P*K ./serve_gpt2 --kvp P --tp K -e model.bin ...   (Helix's KVP: llmc/serve_kvp.h)
+ *   mpirun -np P*K ./serve_gpt2 --kvp P --tp K [--ep Q] -e model.bin ...   (Helix's KVP: llmc/serve_kvp.h)
  *
  * serves across ranks (llmc/serve_parallel.h): world rank 0 runs HTTP and the scheduler and
  * broadcasts each step; the others follow on their slice of the model. Rank 0 watches the
  * others: one that dies ends the server with one line, every request in flight answered 503.
  *
  *   mpirun -np S*Q*K ./serve_gpt2 --pp S [--tp K] [--ep Q] -e model.bin ...
+ *   mpirun -np S*P*K ./serve_gpt2 --pp S --kvp P [--tp K] -e model.bin ...
  *
  * cuts the layers into S pipeline stages (llmc/serve_pipeline.h): rank 0 schedules and runs
  * stage 0, each iteration's rows go stage to stage, the probabilities come back to rank 0, up
@@ -95,9 +96,19 @@ static struct {
     long long next_id, prompt_tokens, generation_tokens, requests_ok, requests_cancelled, requests_rejected;
     Histogram ttft, itl;
     uint64_t comm_bytes[COMM_KIND_COUNT];   // what world rank 0 sent, by kind, after the last step
+    long long* expert_slots;   // (layers, E) an expert model's slots rank 0's rows routed to each expert of
+                               // its layers (its share of each step's rows under --ep), after the last step
     const char* dead;       // a rank died (rank_watch_thread): every request in flight gets this error
     int ranks_ending;       // rank 0 is ending the followers: their exits are no deaths
 } S;
+
+// S.expert_slots from the model's routing counters (train_gpt2.c MoeCounters); under S.mu
+static void snapshot_expert_slots(void) {
+    const MoeCounters* ct = &S.engine.model->model.counters;
+    for (size_t i = 0; S.expert_slots && i < (size_t)ct->layers * ct->experts; i++) {
+        S.expert_slots[i] = (long long)ct->tokens[i];
+    }
+}
 
 static void job_unref(Job* j) {   // under S.mu
     if (--j->refs > 0) { return; }
@@ -172,6 +183,7 @@ static void* engine_thread(void* arg) {
             serve_engine_finish_step(&S.engine);
         }
         memcpy(S.comm_bytes, S.engine.comm->stats.bytes, sizeof(S.comm_bytes));
+        snapshot_expert_slots();
         pthread_cond_broadcast(&S.progress);
         if (S.step_delay_us) {
             pthread_mutex_unlock(&S.mu);
@@ -508,7 +520,7 @@ static size_t serve_kv_cache_bytes(const ServeEngine* e) {
 }
 
 static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
-    static char buf[16384];   // under S.mu
+    static char buf[65536];   // under S.mu (room for a line per expert)
     char* p = buf;
     size_t left = sizeof(buf);
     pthread_mutex_lock(&S.mu);
@@ -553,6 +565,18 @@ static enum MHD_Result handle_metrics(struct MHD_Connection* c) {
     metric(&p, &left, "# HELP serve_ranks The layout: tensor-, expert-, KV- and pipeline-parallel ranks.\n# TYPE serve_ranks gauge\n"
                       "serve_ranks{dim=\"tp\"} %d\nserve_ranks{dim=\"ep\"} %d\nserve_ranks{dim=\"kvp\"} %d\n"
                       "serve_ranks{dim=\"pp\"} %d\n", e->comm->tp, e->comm->ep, e->comm->cp, e->comm->pp);
+    // an expert model's routing (what the tests recompute the ep traffic from)
+    if (S.expert_slots) {
+        const MoeCounters* ct = &e->model->model.counters;
+        metric(&p, &left, "# HELP serve_expert_slots_total Slots rank 0's rows routed to each expert of its layers.\n"
+                          "# TYPE serve_expert_slots_total counter\n");
+        for (int l = 0; l < ct->layers; l++) {
+            for (int x = 0; x < ct->experts; x++) {
+                metric(&p, &left, "serve_expert_slots_total{layer=\"%d\",expert=\"%d\"} %lld\n", ct->first_layer + l,
+                       x, S.expert_slots[(size_t)l * ct->experts + x]);
+            }
+        }
+    }
     // --pp (llmc/serve_pipeline.h): the probabilities back from the last stage, and the overlap
     metric(&p, &left, "# HELP serve_pipeline_returned_bytes_total Bytes rank 0 received from the last pipeline stage.\n"
                       "# TYPE serve_pipeline_returned_bytes_total counter\nserve_pipeline_returned_bytes_total %llu\n",
@@ -685,14 +709,17 @@ static void usage(void) {
            "  --max-body-bytes N      request bodies over this get 413 (default 1048576)\n"
            "  --shutdown-timeout S    on SIGTERM, seconds to finish what runs before cancelling it (default 30)\n"
            "  --step-delay-ms N       sleep after every engine step (tests: slow streams; default 0)\n"
-           "  --tp K, --ep Q          across mpirun -np K*Q ranks: tensor-parallel over K, the experts over Q\n"
-           "                          (llmc/serve_parallel.h); world rank 0 serves HTTP (default 1, 1)\n"
+           "  --tp K, --ep Q          across mpirun -np K*Q ranks: tensor-parallel over K, the experts over Q, each\n"
+           "                          ep rank routing its share of a step's rows (llmc/serve_parallel.h); world\n"
+           "                          rank 0 serves HTTP (default 1, 1)\n"
            "  --kvp P                 across mpirun -np P*K ranks with --tp K: each request's KV cache cut along\n"
            "                          its positions over P ranks (1, 2, 4, 8; 2 x P x --block-size must divide\n"
            "                          maxT; --kv-blocks counts all P ranks' blocks), the output projection and\n"
-           "                          the MLP over all P*K ranks (P*K must divide 8; llmc/serve_kvp.h; default 1)\n"
-           "  --pp S                  across mpirun -np S*Q*K ranks (with --tp K, --ep Q; not with --kvp): the layers cut into S pipeline\n"
-           "                          stages (S must divide them), up to S iterations in flight (llmc/serve_pipeline.h)\n"
+           "                          the MLP over all P*K ranks (P*K must divide 8; with --ep Q the experts\n"
+           "                          over Q of those ranks, Q dividing P*K; llmc/serve_kvp.h; default 1)\n"
+           "  --pp S                  across mpirun -np S*Q*K ranks (with --tp K, --ep Q; with --kvp P S*P*K): the layers\n"
+           "                          cut into S pipeline stages (S must divide them), up to S iterations in flight\n"
+           "                          (llmc/serve_pipeline.h)\n"
            "  --weights fp32|bf16     bf16: the weights rounded to bf16, the decode copies held in bf16 (half the\n"
            "                          bytes a step reads; fp32 arithmetic; the sampler's bits on the rounded\n"
            "                          checkpoint, not on this one; default fp32)\n");
@@ -902,8 +929,8 @@ int main(int argc, char** argv) {
         if (comm.pp > 1) {
             serve_pp_follow(&S.pipe, &S.engine);
             // what this rank sent, against llmc/serve_pipeline.h's formulas (the tests read it)
-            printf("serve_gpt2: rank %d (pp stage %d, ep rank %d, tp rank %d): %lld iterations, %lld rows, %lld head rows; sent pp %llu other %llu tp %llu bytes\n",
-                   comm.world_rank, comm.pp_rank, comm.ep_rank, comm.tp_rank, S.pipe.iterations, S.pipe.rows, S.pipe.head_rows,
+            printf("serve_gpt2: rank %d (pp stage %d, ep rank %d, kvp rank %d, tp rank %d): %lld iterations, %lld rows, %lld head rows; sent pp %llu other %llu tp %llu bytes\n",
+                   comm.world_rank, comm.pp_rank, comm.ep_rank, comm.cp_rank, comm.tp_rank, S.pipe.iterations, S.pipe.rows, S.pipe.head_rows,
                    (unsigned long long)comm.stats.bytes[COMM_KIND_PP], (unsigned long long)comm.stats.bytes[COMM_KIND_OTHER],
                    (unsigned long long)comm.stats.bytes[COMM_KIND_TP]);
             fflush(stdout);
@@ -927,6 +954,10 @@ int main(int argc, char** argv) {
     S.max_connections = (int)max_conn;
     S.max_body = (size_t)max_body;
     S.limits = (ServeLimits){config.max_seq_len - 1, config.vocab_size, S.model_name, encode_text, &S.bpe};
+    if (config.num_experts > 0) {
+        const MoeCounters* ct = &S.engine.model->model.counters;
+        S.expert_slots = (long long*)calloc_or_die((size_t)(ct->layers ? ct->layers : 1) * ct->experts, sizeof(long long), "expert slots");
+    }
 
     if (pipe(stop_pipe) != 0) { fatal("serve_gpt2: pipe: %s", strerror(errno)); }
     struct sigaction stop_action = {0};
@@ -953,11 +984,11 @@ int main(int argc, char** argv) {
         if (comm.cp > 1) {   // KV parallelism (llmc/serve_kvp.h): the cache per rank, the traffic per token
             const KVPLayout* lay = &S.engine.kvp.lay;
             printf("serve_gpt2: kvp %d: KV cache per rank %d blocks of %d heads, %zu bytes; KVP collectives %llu bytes "
-                   "per generated token (one row a step, per layer all-reduces of %d + %d floats and a reduce-scatter "
-                   "of %d over %d ranks); weights per rank %zu bytes (the output projection and the MLP over all %d "
-                   "ranks)\n", comm.cp, S.engine.kv.num_blocks, lay->NHl, serve_kv_cache_bytes(&S.engine),
-                   (unsigned long long)(config.num_layers * kvp_step_bytes(lay, 1)), lay->NHl, lay->NHl, lay->Cl, comm.cp,
-                   serve_model_weight_bytes(S.engine.model), comm.world_size);
+                   "per generated token (one row a step, per layer of the stage's %d all-reduces of %d + %d floats and "
+                   "a reduce-scatter of %d over %d ranks); weights per rank %zu bytes (the output projection and the "
+                   "MLP over all %d ranks)\n", comm.cp, S.engine.kv.num_blocks, lay->NHl, serve_kv_cache_bytes(&S.engine),
+                   (unsigned long long)(kv_layers * kvp_step_bytes(lay, 1)), kv_layers, lay->NHl, lay->NHl, lay->Cl,
+                   comm.cp, serve_model_weight_bytes(S.engine.model), comm.cp * comm.tp);
         }
         static int world_size;
         world_size = comm.world_size;
@@ -992,6 +1023,7 @@ int main(int argc, char** argv) {
     bpe_free(&S.bpe);
     comm_finalize(&comm);
     free(rank_pids);
+    free(S.expert_slots);
     printf("serve_gpt2: stopped\n");
     return 0;
 }

@@ -8,32 +8,20 @@
  * request's tokens are serve_gpt2's, bit for bit (dev/test/test_serve_cu.sh checks it on the
  * emulated GPU: `make serve_gpt2cu_emu`). Deterministic mode only: fast mode's bf16 kernels have
  * no paged attention. Across ranks as serve_gpt2 (mpirun -np 2 ./serve_gpt2cu --tp 2, --ep 2,
- * --pp 2): comm.h stages the collectives on device buffers through host memory (NCCL is not
- * enabled); --kvp is refused (llmc/serve_kvp.h: its attention is host code).
+ * --pp 2, --kvp 2): comm.h stages the collectives on device buffers through host memory (NCCL
+ * is not enabled); --kvp's attention runs llmc/kernels_kvp_det.cuh on each rank's stretches.
  */
 #include "llmc/kernels_moe_det.cuh"   // the kernel contract's device set (with kernels_det.cuh)
 #include "llmc/comm.h"               // the ranks (comm_node_local_rank: which GPU is this rank's)
 
-// This rank's GPU (its rank on the node, modulo the GPUs there: one GPU a rank across ranks),
-// or one clear line saying why there is none (train_gpt2cu's select_device)
+// This rank's GPU (cuda_common.cuh), or one clear line saying why there is none
 static void serve_select_device(const Comm* comm) {
-    int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess || count == 0) {
-        fatal("no CUDA GPU available (%s): serve_gpt2cu needs an NVIDIA GPU and its driver; serve_gpt2 serves on the "
-              "CPU", err != cudaSuccess ? cudaGetErrorString(err) : "no device");
-    }
-    int device = comm_node_local_rank(comm) % count;
     cudaDeviceProp prop;
-    cudaCheck(cudaSetDevice(device));
-    cudaCheck(cudaGetDeviceProperties(&prop, device));
-    if (prop.major < 8) {
-        fatal("GPU '%s' has compute capability %d.%d; serve_gpt2cu needs 8.0 or newer (Ampere, Hopper)", prop.name,
-              prop.major, prop.minor);
-    }
+    cuda_select_device(comm_node_local_rank(comm), "serve_gpt2cu", "serve_gpt2 serves on the CPU", &prop);
 }
 
 #define LLMC_DEVICE_KERNELS
+#include "llmc/kernels_kvp_det.cuh"   // --kvp: KV parallelism's decode attention on the device
 #define SERVE_MEMORY (&memory_device)
 #define SERVE_SELECT_DEVICE(comm) serve_select_device(comm)
 #include "serve_gpt2.c"

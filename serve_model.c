@@ -29,7 +29,8 @@ struct ServeModel {
     float* probs_ranks; // tp > 1: (K,rows,Vl) every rank's slice of the head's probabilities, in mem ...
     float* probs_host;  // ... and on the host, before they are laid out as (rows,Vp)
     CommGroup one_rank; // the model's own context-parallel group: the comm's cp groups are KVP's
-    CommGroup ffn;      // --kvp: the pool of P x K ranks the output projection and the MLP are cut over
+    CommGroup ffn;      // --kvp: the pool of P x K ranks the output projection and the MLP are cut over ...
+    CommGroup exp;      // ... and each expert's fc and fcproj (with --ep Q: the pool's ranks that hold the same experts)
 };
 
 static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2Config* config, const float* params,
@@ -41,16 +42,21 @@ static ServeModel* serve_model_create(Comm* comm, const MemOps* mem, const GPT2C
     // the slices of the tp group; under --kvp the output projection and the MLP over the whole
     // pool (Helix's layout, llmc/serve_kvp.h; without KVP serve_kvp_cut is the tp group's)
     TPCut cut = serve_kvp_cut(comm);
-    zero_init_cut(&m->zero, config, mem, 0, &comm->dp_group, &comm->dp_group, ep ? &comm->ep_group : NULL,
-                  ep ? &comm->edp_group : NULL, &comm->pp_group, cut, &place, 1, S - 1, params, 0);
+    // the ep group is the experts' data-parallel group (the trainer's carves it from the dp
+    // group; under --kvp it is in the pool): no gradients, so no edp ranks to shard over
+    CommGroup* dp = ep ? &comm->ep_group : &comm->dp_group;
+    zero_init_cut(&m->zero, config, mem, 0, dp, dp, ep ? &comm->ep_group : NULL, ep ? &comm->edp_group : NULL,
+                  &comm->pp_group, cut, &place, 1, S - 1, params, 0);
     // the comm's cp groups are the KVP groups of the engine's attention (llmc/serve_kvp.h); the
     // model's own context parallelism (the trainer's, over a sequence's rows) is one rank
     comm_group_init_single(&m->one_rank, &comm->stats, comm->mem);
     gpt2_init(&m->model, config, &place, &m->zero, &comm->tp_group, &m->one_rank, 0, 0, rows, 1);
     if (comm->cp > 1) {
-        serve_kvp_ffn_group(comm, &m->ffn);
-        gpt2_set_ffn_group(&m->model, &m->ffn);
+        serve_kvp_ffn_groups(comm, &m->ffn, &m->exp);
+        gpt2_set_ffn_groups(&m->model, &m->ffn, comm->ep > 1 ? &m->exp : &m->ffn);
     }
+    // the ep ranks hold the same rows: each runs the expert layers on its share (train_gpt2.c moe_forward_layer)
+    if (ep) { gpt2_split_expert_rows(&m->model, rows); }
     activations_alloc(&m->acts, &m->model, rows, 1, 1, 0, 0);   // recompute 1: one layer's GELU output
     m->acts.attend = attend;
     m->acts.attend_ctx = ctx;
@@ -77,6 +83,7 @@ static void serve_model_free(ServeModel* m) {
     gpt2_free(&m->model);
     zero_free(&m->zero);
     if (m->ffn.size > 1) { comm_group_free(&m->ffn); }
+    if (m->exp.size > 1) { comm_group_free(&m->exp); }
     free(m);
 }
 

@@ -761,7 +761,9 @@ typedef struct {
     int tp_size, v0, Vl;        // ... its size, and this rank's vocabulary rows [v0, v0 + Vl) of wte
     CommGroup* tp_ffn;          // the group the attention output projection and the MLP are cut
     int tp_ffn_size;            // over: tp, but in Helix's serving layout all K x P ranks of the
-                                // pool (gpt2_set_ffn_group; forward only)
+                                // pool (gpt2_set_ffn_groups; forward only)
+    CommGroup* tp_exp;          // ... and each expert's fc and fcproj: tp_ffn, but with Helix's
+    int tp_exp_size;            // FFN as TP x EP the pool's ranks that hold the same experts
     int seq_parallel;           // sequence parallelism in the passes that split sequences
     ContextParallel* cp;        // context parallelism of the passes (context_parallel.h): one of cp_groups
     int cp_size;                // ... its ranks
@@ -783,6 +785,8 @@ typedef struct {
     float* daux_host;           // (E)       the aux loss's gradient per position, on the host
     size_t rows_cap, xsend_cap;
     MoeCounters counters;       // routing since the engine's last reset
+    float* ep_rows;             // serving (gpt2_split_expert_rows): (ep x share, C) the expert
+                                // layers' outputs of every ep rank's share of the rows, or NULL
     // the sampler's packed weight copies (CPU build, forward_matmul): of the layers, of wte;
     // `decoding` is the one a decode step in progress reads (NULL: none)
     struct DecodeWeights *decode_layers, *decode_head, *decoding;
@@ -899,7 +903,8 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->cp_split = cp;
     a->seq_split = (sp ? tp : 1) * cp;
     size_t C3 = a->C3 = 3 * c->channels / tp, Ca = a->Ca = c->channels / tp, NHl = a->NHl = c->num_heads / tp;
-    size_t C4 = a->C4 = 4 * c->channels / model->tp_ffn_size, Vl = a->Vl = c->padded_vocab_size / tp;
+    size_t C4 = a->C4 = 4 * c->channels / (model->num_experts > 0 ? model->tp_exp_size : model->tp_ffn_size);
+    size_t Vl = a->Vl = c->padded_vocab_size / tp;
     a->Co = c->channels / model->tp_ffn_size;
     a->inputs = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
     a->target_buf = (int*)model->mem->alloc(BT * sizeof(int), "tokens");
@@ -1224,9 +1229,12 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
         ln = a->moe_whole;
         out = a->moe_whole + (size_t)BT * C;
     }
-    // the router: probabilities, the top_k chosen experts and their gates per position
-    forward_matmul(model, moe_act->probs, ln, w->routerw, NULL, BT, C, num_experts, CANON_R);
-    moe_router_forward(moe_act->probs, moe_act->chosen, moe_act->gates, moe_act->probs, BT, num_experts, top_k);
+    // the router: probabilities, the top_k chosen experts and their gates per position (a
+    // serving rank's share of a step may be no rows: it still takes part in the all-to-alls)
+    if (BT > 0) {
+        forward_matmul(model, moe_act->probs, ln, w->routerw, NULL, BT, C, num_experts, CANON_R);
+        moe_router_forward(moe_act->probs, moe_act->chosen, moe_act->gates, moe_act->probs, BT, num_experts, top_k);
+    }
     mem->to_host(route->chosen, moe_act->chosen, slots * sizeof(int));
     moe_route_plan(route, model->ep, B, T);   // the counts and positions each expert receives
     moe_acts_rows(model, a, moe_act, (size_t)route->n_recv);
@@ -1257,11 +1265,11 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
                        ex.fcb + e * ex.fcb_n, n, C, C4, CANON_R);
         gelu_forward(gelu_out + (size_t)r0 * C4, moe_act->fch + (size_t)r0 * C4, (size_t)n * C4);
         forward_matmul(model, y + (size_t)r0 * C, gelu_out + (size_t)r0 * C4, ex.fcprojw + e * ex.fcprojw_n, NULL, n, C4, C,
-                       CANON_R / model->tp_ffn_size);
+                       CANON_R / model->tp_exp_size);
     }
-    // g (the tp_ffn group: tp's but in Helix's serving layout): each expert's row-parallel
+    // g (the tp_exp group: tp's but in Helix's serving layout): each expert's row-parallel
     // partial outputs y (rows, C), all-reduced per row, then its bias
-    tp_g_forward(model->tp_ffn, y, (size_t)route->n_recv * C);
+    tp_g_forward(model->tp_exp, y, (size_t)route->n_recv * C);
     for (int e = 0; e < model->El; e++) {
         int r0 = route->first[e], n = route->first[e + 1] - r0;
         if (n > 0) { bias_forward(y + (size_t)r0 * C, ex.fcprojb + e * ex.fcprojb_n, n, C); }
@@ -1286,6 +1294,28 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
     counters->passes++;
     counters->rows_out += out_rows;
     counters->rows_in += in_rows;
+}
+
+// A mixture-of-experts layer of layers_forward: out (B,T,C) from ln. In serving across ep
+// ranks (GPT2.ep_rows: every rank of the ep group holds the step's rows alike, attention
+// replicated over it) each ep rank runs the layer on its share of the rows, ceil(BT/Q)
+// consecutive ones as one sequence, so that every routed row reaches its expert once, not once
+// from each ep rank; then the shares' outputs are all-gathered (Megatron's dispatch under
+// sequence parallelism). The same bits: a row's routing and its experts' arithmetic are its
+// own (moe.h), whichever rank computes it.
+static void moe_forward_layer(GPT2* model, Activations* a, int l, const LayerTensors* w, const float* ln, float* out,
+                              int next, int B, int T) {
+    if (!model->ep_rows) {
+        moe_forward(model, a, l, w, ln, out, next, B, T);
+        return;
+    }
+    int Q = model->ep_size, q = model->ep->rank, C = model->config.channels, BT = B * T;
+    int share = (BT + Q - 1) / Q, r0 = q * share < BT ? q * share : BT, n = BT - r0 < share ? BT - r0 : share;
+    float* mine = model->ep_rows + (size_t)q * share * C;
+    moe_forward(model, a, l, w, ln + (size_t)r0 * C, mine, next, 1, n);
+    // all-gather (ep group): the Q shares' output rows, in rank order: the rows in order
+    comm_all_gather(model->ep, mine, model->ep_rows, (size_t)share * C, COMM_KIND_EP);
+    model->mem->copy(out, model->ep_rows, sizeof(float) * (size_t)BT * C);
 }
 
 // Attention of this rank's heads (and with CP its queries) for the rows [t0, t1) of layer l
@@ -1329,7 +1359,7 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
         ln_forward_f(model, a, act.ln2, act.ln2_mean, act.ln2_rstd, act.residual2, w.ln2w, w.ln2b, B, Tn);
         if (moe) {   // complete on every tp rank: with SP this rank keeps its positions (no CP)
             int sp = a->seq_split > a->cp_split;
-            moe_forward(model, a, l, &w, act.ln2, a->proj, next, B, Tn);
+            moe_forward_layer(model, a, l, &w, act.ln2, a->proj, next, B, Tn);
             if (sp) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, Tn, C); }
             residual_forward(act.residual3, act.residual2, sp ? a->proj_s : a->proj, rows_s * C);
         } else {
@@ -1642,7 +1672,9 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
 void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T, int part) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    if (model->tp_ffn != model->tp) { fatal("internal: the backward of a model whose MLP is cut wider than its heads"); }
+    if (model->tp_ffn != model->tp || model->ep_rows) {
+        fatal("internal: the backward of a serving model (its MLP cut wider than its heads, or its expert rows shared)");
+    }
     pass_split(model, a, g, T);
     int C = c->channels, cp_split = a->cp_split, Tl = T / cp_split, BT = B * Tl, tp_size = model->tp_size;
     int sp = g->seq_split > cp_split;
@@ -1820,8 +1852,8 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
     problem = cp_problem(cp->size, cp_a2a, T, config->num_heads / tp->size, seq_parallel ? tp->size : 1, why,
                          sizeof(why));
     if (problem) { fatal("--cp %d: %s", cp->size, problem); }
-    model->tp = model->tp_ffn = tp;
-    model->tp_ffn_size = tp->size;
+    model->tp = model->tp_ffn = model->tp_exp = tp;
+    model->tp_ffn_size = model->tp_exp_size = tp->size;
     model->seq_parallel = seq_parallel;
     model->tp_size = tp->size;
     model->Vl = config->padded_vocab_size / tp->size;
@@ -1860,21 +1892,33 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
 }
 
 // Helix's layout in the server (llmc/serve_kvp.h): the attention output projection and the
-// MLP cut over ffn (every rank of the pool, its slice ffn->rank) instead of the tp group, as
-// the parameters' cut says (zero_init_cut); before activations_alloc. The forward only: the
-// trainer cuts them over tp.
-void gpt2_set_ffn_group(GPT2* model, CommGroup* ffn) {
+// MLP cut over ffn (every rank of the pool, its slice ffn->rank) instead of the tp group, each
+// expert's fc and fcproj over exp (ffn, or with --ep the pool's ranks that hold the same
+// experts), as the parameters' cut says (zero_init_cut); before activations_alloc. The
+// forward only: the trainer cuts them over tp.
+void gpt2_set_ffn_groups(GPT2* model, CommGroup* ffn, CommGroup* exp) {
     const TPCut* cut = &model->zero->lay.cut;
-    if (cut->ffn_K != ffn->size || cut->ffn_r != ffn->rank) {
-        fatal("internal: the MLP's group (rank %d of %d) is not the parameters' cut (slice %d of %d)", ffn->rank,
-              ffn->size, cut->ffn_r, cut->ffn_K);
+    if (cut->ffn_K != ffn->size || cut->ffn_r != ffn->rank || cut->exp_K != exp->size || cut->exp_r != exp->rank) {
+        fatal("internal: the MLP's groups (rank %d of %d, experts %d of %d) are not the parameters' cut (slice %d "
+              "of %d, experts %d of %d)", ffn->rank, ffn->size, exp->rank, exp->size, cut->ffn_r, cut->ffn_K,
+              cut->exp_r, cut->exp_K);
     }
     model->tp_ffn = ffn;
     model->tp_ffn_size = ffn->size;
+    model->tp_exp = exp;
+    model->tp_exp_size = exp->size;
+}
+
+// Serving's expert layers across ep ranks that hold the same rows (llmc/serve_parallel.h): each
+// ep rank takes its share of a pass's rows (moe_forward_layer), passes of up to `rows` rows.
+// The forward only: the trainer's ep ranks hold microbatches of their own.
+void gpt2_split_expert_rows(GPT2* model, int rows) {
+    int Q = model->ep_size, share = (rows + Q - 1) / Q;
+    model->ep_rows = mem_floats(model->mem, (size_t)Q * share * model->config.channels, "expert rows' shares");
 }
 
 void gpt2_free(GPT2* model) {
-    void* all[] = {model->sp_scratch, model->probs_all, model->xsend, model->psum, model->seq_grads};
+    void* all[] = {model->sp_scratch, model->probs_all, model->xsend, model->psum, model->seq_grads, model->ep_rows};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { model->mem->release(all[i]); }
     MOE_MODEL_ROWS(RELEASE, model)
     decode_copies_free(model);

@@ -40,24 +40,6 @@ static const char* device_peak_name;
 static const char* fast_attention = "";   // fast mode: which attention runs
 static const char* transport_name = "mpi";  // --comm, as chosen
 
-// This rank's GPU (its index among the ranks of its node, modulo the GPUs there), or one
-// clear line saying why there is none.
-static void select_device(const Comm* comm) {
-    int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess || count == 0) {
-        fatal("no CUDA GPU available (%s): train_gpt2cu needs an NVIDIA GPU and its driver; "
-              "train_gpt2 trains on the CPU", err != cudaSuccess ? cudaGetErrorString(err) : "no device");
-    }
-    device_index = comm_node_local_rank(comm) % count;
-    cudaCheck(cudaSetDevice(device_index));
-    cudaCheck(cudaGetDeviceProperties(&device_prop, device_index));
-    if (device_prop.major < 8) {
-        fatal("GPU '%s' has compute capability %d.%d; train_gpt2cu needs 8.0 or newer (Ampere, Hopper)",
-              device_prop.name, device_prop.major, device_prop.minor);
-    }
-}
-
 static void cuda_banner(void) {
     printf("| train_gpt2cu (%s mode)\n", device_deterministic
            ? "deterministic: fp32, canonical arithmetic, bit-exact with train_gpt2"
@@ -162,7 +144,8 @@ int main(int argc, char** argv) {
         }
         t.args.attention = "flash";   // (auto: cuDNN would be chosen for the whole training shape)
     }
-    select_device(&t.comm);
+    // this rank's GPU (its index among the ranks of its node, modulo the GPUs there)
+    device_index = cuda_select_device(comm_node_local_rank(&t.comm), "train_gpt2cu", "train_gpt2 trains on the CPU", &device_prop);
     choose_transport(&t);
     device_peak_tflops = gpu_peak_tflops(device_prop.major, device_prop.minor, device_prop.name, det, &device_peak_name);
     char err[256];

@@ -13,6 +13,11 @@
  * D = rowsum(dO * O); one kernel owns a tile of keys and walks the queries (dK, dV), another
  * owns a tile of queries and walks the keys (dQ). Head sizes 16, 32, 64.
  *
+ * The kernels compute a FaProblem: where q, k and v are and which keys each query sees (one
+ * rank's causal attention is one; the ring's blocks of kernels_fast_cp.cuh are others), into
+ * bf16 outputs (one rank's) or fp32 ones (the ring's partial outputs, dq accumulated over the
+ * blocks and dk|dv partials): the same tiles, masks and roundings of P and dS either way.
+ *
  * Fragment layouts (PTX ISA, mma.m16n8k16, lane = 4 * group + tig): A (16x16) a0: (group,
  * 2tig..+1), a1: (group+8, 2tig..), a2: (group, 2tig+8..), a3: (group+8, 2tig+8..);
  * B (16x8) b0: (k = 2tig..+1, n = group), b1: (k = 2tig+8.., n = group); C (16x8) c0,c1:
@@ -108,6 +113,29 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// ---- the problem ----------------------------------------------------------------------------
+
+// Which keys a query sees, in rows of the problem: query t sees key j iff t >= q_lo, j < k_hi
+// and, if causal, j <= t (causal only with q_lo = 0: the query tiles then line up with the key
+// tiles). One rank's attention over T rows: {0, T, 1}.
+struct FaMask { int q_lo, k_hi, causal; };
+
+// B sequences x NH heads of T query rows and T key rows: row t of sequence b of q at
+// q + (b T + t) ldq, head h at its columns h*HS; k and v likewise with ldkv.
+struct FaProblem {
+    const floatX *q, *k, *v;
+    long ldq, ldkv;
+    int T, NH;
+    FaMask mask;
+};
+
+// one rank's causal attention over qkv (B,T,3C)
+static FaProblem fa_causal(const floatX* qkv, int T, int C, int NH) {
+    return FaProblem{qkv, qkv + C, qkv + 2 * C, 3L * C, 3L * C, T, NH, FaMask{0, T, 1}};
+}
+
+__device__ __forceinline__ bool fa_hidden(FaMask m, int q, int key) { return key >= m.k_hi || (m.causal && key > q); }
+
 // ---- shared-memory tiles: 64 rows x HS, rows padded by 16 bytes (conflict-free ldmatrix) --
 
 template <int HS> struct FaTile {
@@ -183,11 +211,25 @@ __device__ __forceinline__ void fa_apply(float out[HS / 8][4], const float p[8][
     }
 }
 
-// writes 16 rows x HS of fp32 C tiles, times scale, as bf16 to rows row0 (this thread: group
-// and group + 8) of a (T, ld) slice
-template <int HS>
-__device__ __forceinline__ void fa_store_rows(floatX* g, long ld, int row0, int T, const float acc[HS / 8][4],
-                                              float scale0, float scale1) {
+// two adjacent outputs: rounded to bf16, or fp32 (written, or added to what is there)
+__device__ __forceinline__ void fa_store_pair(floatX* p, float a, float b, bool) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void fa_store_pair(float* p, float a, float b, bool accumulate) {
+    float2 v = {a, b};
+    if (accumulate) {
+        float2 was = *reinterpret_cast<const float2*>(p);
+        v.x = was.x + a;
+        v.y = was.y + b;
+    }
+    *reinterpret_cast<float2*>(p) = v;
+}
+
+// writes 16 rows x HS of fp32 C tiles, times scale, to rows row0 (this thread: group and
+// group + 8) of a (T, ld) slice; bf16 outputs are rounded, fp32 ones added to when accumulate
+template <int HS, typename OutT>
+__device__ __forceinline__ void fa_store_rows(OutT* g, long ld, int row0, int T, const float acc[HS / 8][4],
+                                              float scale0, float scale1, bool accumulate = false) {
     int lane = threadIdx.x % 32, group = lane / 4, tig = lane % 4;
     #pragma unroll
     for (int half = 0; half < 2; half++) {
@@ -196,47 +238,50 @@ __device__ __forceinline__ void fa_store_rows(floatX* g, long ld, int row0, int 
         float sc = half ? scale1 : scale0;
         #pragma unroll
         for (int dt = 0; dt < HS / 8; dt++) {
-            *reinterpret_cast<__nv_bfloat162*>(g + (long)row * ld + dt * 8 + tig * 2) =
-                __floats2bfloat162_rn(acc[dt][2 * half] * sc, acc[dt][2 * half + 1] * sc);
+            fa_store_pair(g + (long)row * ld + dt * 8 + tig * 2, acc[dt][2 * half] * sc, acc[dt][2 * half + 1] * sc,
+                          accumulate);
         }
     }
 }
 
 // ---- forward -----------------------------------------------------------------------------
 
-template <int HS>
-__global__ void __launch_bounds__(FA_THREADS) flash_forward_kernel(floatX* out, float* stats, const floatX* qkv,
-                                                                   int T, int NH, float scale_log2, int q_tile) {
+// out (B,T,C) and stats (B,NH,T) of problem p's query rows [q_lo, T): a block per query tile
+// counted from q_lo (blockIdx.x) and (b, h) (blockIdx.y)
+template <int HS, typename OutT>
+__global__ void __launch_bounds__(FA_THREADS) flash_forward_kernel(OutT* out, float* stats, FaProblem p,
+                                                                   float scale_log2, int q_tile) {
     DYNAMIC_SHARED(fa_smem);
     floatX* sQ = reinterpret_cast<floatX*>(fa_smem);
     floatX* sK = sQ + FaTile<HS>::ELEMS;         // 2 buffers
     floatX* sV = sK + 2 * FaTile<HS>::ELEMS;     // 2 buffers
     // the longest rows first; q_tile >= 0: that query tile alone (one launch of one tile)
     const int qt = q_tile >= 0 ? q_tile : (int)(gridDim.x - 1 - blockIdx.x);
-    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-    const long C = (long)NH * HS, C3 = 3 * C;
-    const floatX* q_g = qkv + (long)b * T * C3 + h * HS;
-    const floatX* k_g = q_g + C;
-    const floatX* v_g = q_g + 2 * C;
+    const int T = p.T, NH = p.NH, k_hi = p.mask.k_hi, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const long C = (long)NH * HS;
+    const floatX* q_g = p.q + (long)b * T * p.ldq + h * HS;
+    const floatX* k_g = p.k + (long)b * T * p.ldkv + h * HS;
+    const floatX* v_g = p.v + (long)b * T * p.ldkv + h * HS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, tig = lane % 4;
-    const int q0 = qt * FA_ROWS;
+    const int q0 = p.mask.q_lo + qt * FA_ROWS;
     const int row0 = q0 + warp * 16;   // this warp's rows; the thread's are row0 + group (+ 8)
 
-    fa_load_tile<HS>(sQ, q_g, C3, q0, T);
-    fa_load_tile<HS>(sK, k_g, C3, 0, T);
-    fa_load_tile<HS>(sV, v_g, C3, 0, T);
+    fa_load_tile<HS>(sQ, q_g, p.ldq, q0, T);
+    fa_load_tile<HS>(sK, k_g, p.ldkv, 0, k_hi);
+    fa_load_tile<HS>(sV, v_g, p.ldkv, 0, k_hi);
     cp_async_commit();
 
     float o[HS / 8][4];
     #pragma unroll
     for (int i = 0; i < HS / 8; i++) { o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f; }
     float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.0f, 0.0f};   // lrow: this thread's part
-    const int nkt = qt + 1;   // causal: key tiles up to the diagonal
+    // causal: the key tiles up to the diagonal; otherwise those below k_hi
+    const int nkt = p.mask.causal ? qt + 1 : (k_hi + FA_COLS - 1) / FA_COLS;
     for (int kt = 0; kt < nkt; kt++) {
         const int buf = kt & 1;
         if (kt + 1 < nkt) {
-            fa_load_tile<HS>(sK + (buf ^ 1) * FaTile<HS>::ELEMS, k_g, C3, (kt + 1) * FA_COLS, T);
-            fa_load_tile<HS>(sV + (buf ^ 1) * FaTile<HS>::ELEMS, v_g, C3, (kt + 1) * FA_COLS, T);
+            fa_load_tile<HS>(sK + (buf ^ 1) * FaTile<HS>::ELEMS, k_g, p.ldkv, (kt + 1) * FA_COLS, k_hi);
+            fa_load_tile<HS>(sV + (buf ^ 1) * FaTile<HS>::ELEMS, v_g, p.ldkv, (kt + 1) * FA_COLS, k_hi);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -255,7 +300,7 @@ __global__ void __launch_bounds__(FA_THREADS) flash_forward_kernel(floatX* out, 
                 int key = kt * FA_COLS + nt * 8 + tig * 2 + (e & 1);
                 int q = row0 + group + (e >> 1) * 8;
                 float v = s[nt][e] * scale_log2;
-                if (kt == qt && key > q) { v = -INFINITY; }
+                if (fa_hidden(p.mask, q, key)) { v = -INFINITY; }
                 s[nt][e] = v;
                 tmax[e >> 1] = fmaxf(tmax[e >> 1], v);
             }
@@ -274,9 +319,9 @@ __global__ void __launch_bounds__(FA_THREADS) flash_forward_kernel(floatX* out, 
         for (int nt = 0; nt < 8; nt++) {
             #pragma unroll
             for (int e = 0; e < 4; e++) {
-                float p = fast_exp2(s[nt][e] - mrow[e >> 1]);
-                s[nt][e] = p;
-                lrow[e >> 1] += p;
+                float pe = fast_exp2(s[nt][e] - mrow[e >> 1]);
+                s[nt][e] = pe;
+                lrow[e >> 1] += pe;
             }
         }
         #pragma unroll
@@ -325,31 +370,32 @@ __global__ void flash_backward_preprocess_kernel(float* D, const floatX* dout, c
     D[((bt / T) * NH + h) * T + bt % T] = acc;
 }
 
-// dQ for a tile of 64 queries: walk the key tiles 0..diagonal; S = Q K^T, P = exp2(S - stats),
-// dP = dO V^T, dS = P (dP - D), dQ += dS K; dQ *= scale at the end.
-template <int HS>
+// dQ for a tile of 64 queries (from q_lo): walk the key tiles it sees; S = Q K^T,
+// P = exp2(S - stats), dP = dO V^T, dS = P (dP - D), dQ += dS K; dq (B,T,ld_dq) = dQ scale at
+// the end (added to it when accumulate).
+template <int HS, typename OutT>
 __global__ void __launch_bounds__(FA_THREADS) flash_backward_dq_kernel(
-        floatX* dqkv, const floatX* dout, const floatX* qkv, const float* stats, const float* Dsum,
-        int T, int NH, float scale_log2, float scale) {
+        OutT* dq, long ld_dq, int accumulate, const floatX* dout, const float* stats, const float* Dsum, FaProblem p,
+        float scale_log2, float scale) {
     DYNAMIC_SHARED(fa_smem);
     floatX* sQ = reinterpret_cast<floatX*>(fa_smem);
     floatX* sdO = sQ + FaTile<HS>::ELEMS;
     floatX* sK = sdO + FaTile<HS>::ELEMS;       // 2 buffers
     floatX* sV = sK + 2 * FaTile<HS>::ELEMS;    // 2 buffers
     const int qt = gridDim.x - 1 - blockIdx.x;
-    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-    const long C = (long)NH * HS, C3 = 3 * C;
-    const floatX* q_g = qkv + (long)b * T * C3 + h * HS;
-    const floatX* k_g = q_g + C;
-    const floatX* v_g = q_g + 2 * C;
+    const int T = p.T, NH = p.NH, k_hi = p.mask.k_hi, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const long C = (long)NH * HS;
+    const floatX* q_g = p.q + (long)b * T * p.ldq + h * HS;
+    const floatX* k_g = p.k + (long)b * T * p.ldkv + h * HS;
+    const floatX* v_g = p.v + (long)b * T * p.ldkv + h * HS;
     const floatX* do_g = dout + (long)b * T * C + h * HS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, tig = lane % 4;
-    const int q0 = qt * FA_ROWS, row0 = q0 + warp * 16;
+    const int q0 = p.mask.q_lo + qt * FA_ROWS, row0 = q0 + warp * 16;
 
-    fa_load_tile<HS>(sQ, q_g, C3, q0, T);
+    fa_load_tile<HS>(sQ, q_g, p.ldq, q0, T);
     fa_load_tile<HS>(sdO, do_g, C, q0, T);
-    fa_load_tile<HS>(sK, k_g, C3, 0, T);
-    fa_load_tile<HS>(sV, v_g, C3, 0, T);
+    fa_load_tile<HS>(sK, k_g, p.ldkv, 0, k_hi);
+    fa_load_tile<HS>(sV, v_g, p.ldkv, 0, k_hi);
     cp_async_commit();
     float L[2], Dr[2];
     #pragma unroll
@@ -358,15 +404,15 @@ __global__ void __launch_bounds__(FA_THREADS) flash_backward_dq_kernel(
         L[r] = q < T ? stats[(long)bh * T + q] : 0.0f;
         Dr[r] = q < T ? Dsum[(long)bh * T + q] : 0.0f;
     }
-    float dq[HS / 8][4];
+    float acc[HS / 8][4];
     #pragma unroll
-    for (int i = 0; i < HS / 8; i++) { dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.0f; }
-    const int nkt = qt + 1;
+    for (int i = 0; i < HS / 8; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
+    const int nkt = p.mask.causal ? qt + 1 : (k_hi + FA_COLS - 1) / FA_COLS;
     for (int kt = 0; kt < nkt; kt++) {
         const int buf = kt & 1;
         if (kt + 1 < nkt) {
-            fa_load_tile<HS>(sK + (buf ^ 1) * FaTile<HS>::ELEMS, k_g, C3, (kt + 1) * FA_COLS, T);
-            fa_load_tile<HS>(sV + (buf ^ 1) * FaTile<HS>::ELEMS, v_g, C3, (kt + 1) * FA_COLS, T);
+            fa_load_tile<HS>(sK + (buf ^ 1) * FaTile<HS>::ELEMS, k_g, p.ldkv, (kt + 1) * FA_COLS, k_hi);
+            fa_load_tile<HS>(sV + (buf ^ 1) * FaTile<HS>::ELEMS, v_g, p.ldkv, (kt + 1) * FA_COLS, k_hi);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -375,13 +421,13 @@ __global__ void __launch_bounds__(FA_THREADS) flash_backward_dq_kernel(
         __syncthreads();
         const floatX* Kb = sK + buf * FaTile<HS>::ELEMS;
         const floatX* Vb = sV + buf * FaTile<HS>::ELEMS;
-        float p[8][4], dp[8][4];
+        float s[8][4], dp[8][4];
         #pragma unroll
         for (int i = 0; i < 8; i++) {
-            p[i][0] = p[i][1] = p[i][2] = p[i][3] = 0.0f;
+            s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
             dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.0f;
         }
-        fa_scores<HS>(p, sQ, warp * 16, Kb);
+        fa_scores<HS>(s, sQ, warp * 16, Kb);
         fa_scores<HS>(dp, sdO, warp * 16, Vb);
         #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
@@ -389,22 +435,24 @@ __global__ void __launch_bounds__(FA_THREADS) flash_backward_dq_kernel(
             for (int e = 0; e < 4; e++) {
                 int key = kt * FA_COLS + nt * 8 + tig * 2 + (e & 1);
                 int q = row0 + group + (e >> 1) * 8;
-                float pe = key > q ? 0.0f : fast_exp2(p[nt][e] * scale_log2 - L[e >> 1]);
-                p[nt][e] = pe * (dp[nt][e] - Dr[e >> 1]);   // dS
+                float pe = fa_hidden(p.mask, q, key) ? 0.0f : fast_exp2(s[nt][e] * scale_log2 - L[e >> 1]);
+                s[nt][e] = pe * (dp[nt][e] - Dr[e >> 1]);   // dS
             }
         }
-        fa_apply<HS>(dq, p, Kb);
+        fa_apply<HS>(acc, s, Kb);
         __syncthreads();
     }
-    fa_store_rows<HS>(dqkv + (long)b * T * C3 + h * HS, C3, row0, T, dq, scale, scale);
+    fa_store_rows<HS>(dq + (long)b * T * ld_dq + h * HS, ld_dq, row0, T, acc, scale, scale, accumulate != 0);
 }
 
-// dK, dV for a tile of 64 keys: walk the query tiles from the diagonal on; S^T = K Q^T,
-// P^T = exp2(S^T - stats), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q.
-template <int HS>
+// dK, dV for a tile of 64 keys: walk the query tiles that may see it (from the diagonal if
+// causal, else from q_lo; none for a tile at or past k_hi, whose rows get zeros);
+// S^T = K Q^T, P^T = exp2(S^T - stats), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
+// dK += dS^T Q; dk (B,T,ld_dkv) = dK scale, dv likewise = dV.
+template <int HS, typename OutT>
 __global__ void __launch_bounds__(FA_THREADS) flash_backward_dkdv_kernel(
-        floatX* dqkv, const floatX* dout, const floatX* qkv, const float* stats, const float* Dsum,
-        int T, int NH, float scale_log2, float scale) {
+        OutT* dk, OutT* dv, long ld_dkv, const floatX* dout, const float* stats, const float* Dsum, FaProblem p,
+        float scale_log2, float scale) {
     DYNAMIC_SHARED(fa_smem);
     floatX* sK = reinterpret_cast<floatX*>(fa_smem);
     floatX* sV = sK + FaTile<HS>::ELEMS;
@@ -413,43 +461,46 @@ __global__ void __launch_bounds__(FA_THREADS) flash_backward_dkdv_kernel(
     float* sL = reinterpret_cast<float*>(sdO + 2 * FaTile<HS>::ELEMS);   // 2 x 64
     float* sD = sL + 2 * FA_COLS;                                        // 2 x 64
     const int kt = blockIdx.x;   // the first key tiles see the most queries: launched first
-    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-    const long C = (long)NH * HS, C3 = 3 * C;
-    const floatX* q_g = qkv + (long)b * T * C3 + h * HS;
-    const floatX* k_g = q_g + C;
-    const floatX* v_g = q_g + 2 * C;
+    const int T = p.T, NH = p.NH, k_hi = p.mask.k_hi, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const long C = (long)NH * HS;
+    const floatX* q_g = p.q + (long)b * T * p.ldq + h * HS;
+    const floatX* k_g = p.k + (long)b * T * p.ldkv + h * HS;
+    const floatX* v_g = p.v + (long)b * T * p.ldkv + h * HS;
     const floatX* do_g = dout + (long)b * T * C + h * HS;
     const float* L_g = stats + (long)bh * T;
     const float* D_g = Dsum + (long)bh * T;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, tig = lane % 4;
     const int k0 = kt * FA_ROWS, row0 = k0 + warp * 16;   // this warp's keys
-    const int nqt = (T + FA_COLS - 1) / FA_COLS;
+    const int q_first = p.mask.causal ? k0 : p.mask.q_lo;
+    const int nqt = k0 < k_hi ? (T - q_first + FA_COLS - 1) / FA_COLS : 0;
 
-    fa_load_tile<HS>(sK, k_g, C3, k0, T);
-    fa_load_tile<HS>(sV, v_g, C3, k0, T);
-    fa_load_tile<HS>(sQ, q_g, C3, kt * FA_COLS, T);
-    fa_load_tile<HS>(sdO, do_g, C, kt * FA_COLS, T);
-    cp_async_commit();
-    if (threadIdx.x < FA_COLS) {
-        int q = kt * FA_COLS + threadIdx.x;
-        sL[threadIdx.x] = q < T ? L_g[q] : 0.0f;
-        sD[threadIdx.x] = q < T ? D_g[q] : 0.0f;
+    if (nqt > 0) {
+        fa_load_tile<HS>(sK, k_g, p.ldkv, k0, k_hi);
+        fa_load_tile<HS>(sV, v_g, p.ldkv, k0, k_hi);
+        fa_load_tile<HS>(sQ, q_g, p.ldq, q_first, T);
+        fa_load_tile<HS>(sdO, do_g, C, q_first, T);
+        cp_async_commit();
+        if (threadIdx.x < FA_COLS) {
+            int q = q_first + threadIdx.x;
+            sL[threadIdx.x] = q < T ? L_g[q] : 0.0f;
+            sD[threadIdx.x] = q < T ? D_g[q] : 0.0f;
+        }
     }
-    float dk[HS / 8][4], dv[HS / 8][4];
+    float dk_acc[HS / 8][4], dv_acc[HS / 8][4];
     #pragma unroll
     for (int i = 0; i < HS / 8; i++) {
-        dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.0f;
-        dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.0f;
+        dk_acc[i][0] = dk_acc[i][1] = dk_acc[i][2] = dk_acc[i][3] = 0.0f;
+        dv_acc[i][0] = dv_acc[i][1] = dv_acc[i][2] = dv_acc[i][3] = 0.0f;
     }
-    for (int qt = kt; qt < nqt; qt++) {
-        const int buf = (qt - kt) & 1;
+    for (int i = 0; i < nqt; i++) {
+        const int buf = i & 1, qbase = q_first + i * FA_COLS;
         float next_L = 0.0f, next_D = 0.0f;
-        if (qt + 1 < nqt) {
-            fa_load_tile<HS>(sQ + (buf ^ 1) * FaTile<HS>::ELEMS, q_g, C3, (qt + 1) * FA_COLS, T);
-            fa_load_tile<HS>(sdO + (buf ^ 1) * FaTile<HS>::ELEMS, do_g, C, (qt + 1) * FA_COLS, T);
+        if (i + 1 < nqt) {
+            fa_load_tile<HS>(sQ + (buf ^ 1) * FaTile<HS>::ELEMS, q_g, p.ldq, qbase + FA_COLS, T);
+            fa_load_tile<HS>(sdO + (buf ^ 1) * FaTile<HS>::ELEMS, do_g, C, qbase + FA_COLS, T);
             cp_async_commit();
             if (threadIdx.x < FA_COLS) {
-                int q = (qt + 1) * FA_COLS + threadIdx.x;
+                int q = qbase + FA_COLS + threadIdx.x;
                 next_L = q < T ? L_g[q] : 0.0f;
                 next_D = q < T ? D_g[q] : 0.0f;
             }
@@ -464,9 +515,9 @@ __global__ void __launch_bounds__(FA_THREADS) flash_backward_dkdv_kernel(
         const float* Db = sD + buf * FA_COLS;
         float pt[8][4], dpt[8][4];
         #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            pt[i][0] = pt[i][1] = pt[i][2] = pt[i][3] = 0.0f;
-            dpt[i][0] = dpt[i][1] = dpt[i][2] = dpt[i][3] = 0.0f;
+        for (int j = 0; j < 8; j++) {
+            pt[j][0] = pt[j][1] = pt[j][2] = pt[j][3] = 0.0f;
+            dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.0f;
         }
         fa_scores<HS>(pt, sK, warp * 16, Qb);     // S^T: rows keys, columns queries
         fa_scores<HS>(dpt, sV, warp * 16, dOb);   // dP^T
@@ -475,23 +526,23 @@ __global__ void __launch_bounds__(FA_THREADS) flash_backward_dkdv_kernel(
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int qc = nt * 8 + tig * 2 + (e & 1);
-                int q = qt * FA_COLS + qc;
+                int q = qbase + qc;
                 int key = row0 + group + (e >> 1) * 8;
-                float pe = (q < key || q >= T) ? 0.0f : fast_exp2(pt[nt][e] * scale_log2 - Lb[qc]);
+                float pe = (q >= T || fa_hidden(p.mask, q, key)) ? 0.0f : fast_exp2(pt[nt][e] * scale_log2 - Lb[qc]);
                 pt[nt][e] = pe;
                 dpt[nt][e] = pe * (dpt[nt][e] - Db[qc]);   // dS^T
             }
         }
-        fa_apply<HS>(dv, pt, dOb);
-        fa_apply<HS>(dk, dpt, Qb);
-        if (qt + 1 < nqt && threadIdx.x < FA_COLS) {   // the other buffer was last read a tile ago
+        fa_apply<HS>(dv_acc, pt, dOb);
+        fa_apply<HS>(dk_acc, dpt, Qb);
+        if (i + 1 < nqt && threadIdx.x < FA_COLS) {   // the other buffer was last read a tile ago
             sL[(buf ^ 1) * FA_COLS + threadIdx.x] = next_L;
             sD[(buf ^ 1) * FA_COLS + threadIdx.x] = next_D;
         }
         __syncthreads();
     }
-    fa_store_rows<HS>(dqkv + (long)b * T * C3 + C + h * HS, C3, row0, T, dk, scale, scale);
-    fa_store_rows<HS>(dqkv + (long)b * T * C3 + 2 * C + h * HS, C3, row0, T, dv, 1.0f, 1.0f);
+    fa_store_rows<HS>(dk + (long)b * T * ld_dkv + h * HS, ld_dkv, row0, T, dk_acc, scale, scale);
+    fa_store_rows<HS>(dv + (long)b * T * ld_dkv + h * HS, ld_dkv, row0, T, dv_acc, 1.0f, 1.0f);
 }
 
 // ---- launchers ---------------------------------------------------------------------------
@@ -502,10 +553,14 @@ template <int HS> static size_t fa_dkdv_smem() {
     return 6 * FaTile<HS>::ELEMS * sizeof(floatX) + 4 * FA_COLS * sizeof(float);
 }
 
+template <int HS, typename OutT> static void flash_setup_out() {
+    cudaCheck(cudaFuncSetAttribute(flash_forward_kernel<HS, OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_forward_smem<HS>()));
+    cudaCheck(cudaFuncSetAttribute(flash_backward_dq_kernel<HS, OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_dq_smem<HS>()));
+    cudaCheck(cudaFuncSetAttribute(flash_backward_dkdv_kernel<HS, OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_dkdv_smem<HS>()));
+}
 template <int HS> static void flash_setup_hs() {
-    cudaCheck(cudaFuncSetAttribute(flash_forward_kernel<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_forward_smem<HS>()));
-    cudaCheck(cudaFuncSetAttribute(flash_backward_dq_kernel<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_dq_smem<HS>()));
-    cudaCheck(cudaFuncSetAttribute(flash_backward_dkdv_kernel<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fa_dkdv_smem<HS>()));
+    flash_setup_out<HS, floatX>();   // one rank's attention
+    flash_setup_out<HS, float>();    // the ring's blocks
 }
 
 // once, before the first call: allows the kernels' shared memory above 48 KB
@@ -520,72 +575,86 @@ static void flash_attention_setup(void) {
 template <int HS> static float fa_scale() { return 1.0f / sqrtf((float)HS); }
 template <int HS> static float fa_scale_log2() { return FA_LOG2E * fa_scale<HS>(); }
 
-template <int HS>
-static void flash_forward_hs(floatX* out, float* stats, const floatX* qkv, int B, int T, int NH) {
-    dim3 grid((T + FA_ROWS - 1) / FA_ROWS, B * NH);
-    float scale_log2 = fa_scale_log2<HS>();
-    LAUNCH_SMEM(flash_forward_kernel<HS>, grid, FA_THREADS, fa_forward_smem<HS>(), out, stats, qkv, T, NH, scale_log2, -1);
+// q_tile >= 0: that query tile alone
+template <int HS, typename OutT>
+static void flash_forward_hs(OutT* out, float* stats, const FaProblem& p, int B, int q_tile) {
+    if (p.mask.causal && p.mask.q_lo != 0) { fatal("internal: a causal flash problem's queries start at row 0"); }
+    dim3 grid(q_tile >= 0 ? 1 : (p.T - p.mask.q_lo + FA_ROWS - 1) / FA_ROWS, B * p.NH);
+    LAUNCH_SMEM((flash_forward_kernel<HS, OutT>), grid, FA_THREADS, fa_forward_smem<HS>(), out, stats, p,
+                fa_scale_log2<HS>(), q_tile);
     cudaLaunchCheck("flash_forward_kernel");
 }
 
-// The sampler's KV cache: query row t of one sequence (B = 1) against key and value rows 0..t.
-// One launch of the query tile holding row t over the prefix T = t + 1: each of its rows is
-// what the full forward computes for it (the keys after a row carry a weight of exactly 0
-// there, and are not loaded here); its rows before t are written again, unchanged.
 template <int HS>
-static void flash_forward_row_hs(floatX* out, float* stats, const floatX* qkv, int t, int NH) {
-    dim3 grid(1, NH);
-    float scale_log2 = fa_scale_log2<HS>();
-    LAUNCH_SMEM(flash_forward_kernel<HS>, grid, FA_THREADS, fa_forward_smem<HS>(), out, stats, qkv, t + 1, NH,
-                scale_log2, t / FA_ROWS);
-    cudaLaunchCheck("flash_forward_kernel (one row)");
+static void flash_backward_D_hs(float* D, const floatX* dout, const floatX* out, int B, int T, int NH) {
+    LAUNCH(flash_backward_preprocess_kernel<HS>, ceil_div_u((long)B * T * NH, 256), 256, D, dout, out, B, T, NH);
+    cudaLaunchCheck("flash_backward_preprocess_kernel");
 }
 
-template <int HS>
-static void flash_backward_hs(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
-                              const float* stats, float* D, int B, int T, int NH) {
-    long rows = (long)B * T * NH;
-    LAUNCH(flash_backward_preprocess_kernel<HS>, ceil_div_u(rows, 256), 256, D, dout, out, B, T, NH);
-    cudaLaunchCheck("flash_backward_preprocess_kernel");
-    dim3 grid((T + FA_ROWS - 1) / FA_ROWS, B * NH);
+// dq (B,T,ld_dq), added to when accumulate; dk, dv (B,T,ld_dkv), every row (zeros for keys no
+// query sees)
+template <int HS, typename OutT>
+static void flash_backward_hs(OutT* dq, long ld_dq, int accumulate, OutT* dk, OutT* dv, long ld_dkv,
+                              const floatX* dout, const float* stats, const float* D, const FaProblem& p, int B) {
+    if (p.mask.causal && p.mask.q_lo != 0) { fatal("internal: a causal flash problem's queries start at row 0"); }
     float scale = fa_scale<HS>(), scale_log2 = fa_scale_log2<HS>();
-    LAUNCH_SMEM(flash_backward_dkdv_kernel<HS>, grid, FA_THREADS, fa_dkdv_smem<HS>(), dqkv, dout, qkv, stats, D, T,
-                NH, scale_log2, scale);
+    dim3 key_tiles((p.T + FA_ROWS - 1) / FA_ROWS, B * p.NH), query_tiles((p.T - p.mask.q_lo + FA_ROWS - 1) / FA_ROWS, B * p.NH);
+    LAUNCH_SMEM((flash_backward_dkdv_kernel<HS, OutT>), key_tiles, FA_THREADS, fa_dkdv_smem<HS>(), dk, dv, ld_dkv, dout,
+                stats, D, p, scale_log2, scale);
     cudaLaunchCheck("flash_backward_dkdv_kernel");
-    LAUNCH_SMEM(flash_backward_dq_kernel<HS>, grid, FA_THREADS, fa_dq_smem<HS>(), dqkv, dout, qkv, stats, D, T, NH,
-                scale_log2, scale);
+    LAUNCH_SMEM((flash_backward_dq_kernel<HS, OutT>), query_tiles, FA_THREADS, fa_dq_smem<HS>(), dq, ld_dq, accumulate,
+                dout, stats, D, p, scale_log2, scale);
     cudaLaunchCheck("flash_backward_dq_kernel");
 }
 
+// CALL with HS the head size hs as a constant
+#define FA_HS_DISPATCH(hs, ...)                                                                    \
+    switch (hs) {                                                                                  \
+        case 16: { constexpr int HS = 16; __VA_ARGS__; } break;                                    \
+        case 32: { constexpr int HS = 32; __VA_ARGS__; } break;                                    \
+        case 64: { constexpr int HS = 64; __VA_ARGS__; } break;                                    \
+        default: fatal("fast-mode attention supports head sizes 16, 32 and 64, not %d", (int)(hs)); \
+    }
+
 // qkv (B,T,3C) -> out (B,T,C), stats (B,NH,T)
 static void attention_forward_fast(floatX* out, float* stats, const floatX* qkv, int B, int T, int C, int NH) {
-    switch (C / NH) {
-        case 16: flash_forward_hs<16>(out, stats, qkv, B, T, NH); break;
-        case 32: flash_forward_hs<32>(out, stats, qkv, B, T, NH); break;
-        case 64: flash_forward_hs<64>(out, stats, qkv, B, T, NH); break;
-        default: fatal("fast-mode attention supports head sizes 16, 32 and 64, not %d", C / NH);
-    }
+    FA_HS_DISPATCH(C / NH, flash_forward_hs<HS>(out, stats, fa_causal(qkv, T, C, NH), B, -1));
 }
 
-// row t of out (1,T,C) from qkv (1,T,3C) rows 0..t; stats: (NH, t + 1) scratch
+// The sampler's KV cache: row t of out (1,T,C) from qkv (1,T,3C) rows 0..t; stats: (NH, t + 1)
+// scratch. One launch of the query tile holding row t over the prefix T = t + 1: each of its
+// rows is what the full forward computes for it (the keys after a row carry a weight of exactly
+// 0 there, and are not loaded here); its rows before t are written again, unchanged.
 static void attention_forward_fast_row(floatX* out, float* stats, const floatX* qkv, int t, int C, int NH) {
-    switch (C / NH) {
-        case 16: flash_forward_row_hs<16>(out, stats, qkv, t, NH); break;
-        case 32: flash_forward_row_hs<32>(out, stats, qkv, t, NH); break;
-        case 64: flash_forward_row_hs<64>(out, stats, qkv, t, NH); break;
-        default: fatal("fast-mode attention supports head sizes 16, 32 and 64, not %d", C / NH);
-    }
+    FA_HS_DISPATCH(C / NH, flash_forward_hs<HS>(out, stats, fa_causal(qkv, t + 1, C, NH), 1, t / FA_ROWS));
 }
 
 // dqkv (B,T,3C) <- dout (B,T,C), given the forward's qkv, out and stats; D: (B,NH,T) scratch
 static void attention_backward_fast(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
                                     const float* stats, float* D, int B, int T, int C, int NH) {
-    switch (C / NH) {
-        case 16: flash_backward_hs<16>(dqkv, dout, qkv, out, stats, D, B, T, NH); break;
-        case 32: flash_backward_hs<32>(dqkv, dout, qkv, out, stats, D, B, T, NH); break;
-        case 64: flash_backward_hs<64>(dqkv, dout, qkv, out, stats, D, B, T, NH); break;
-        default: fatal("fast-mode attention supports head sizes 16, 32 and 64, not %d", C / NH);
-    }
+    FA_HS_DISPATCH(C / NH, {
+        flash_backward_D_hs<HS>(D, dout, out, B, T, NH);
+        flash_backward_hs<HS>(dqkv, 3L * C, 0, dqkv + C, dqkv + 2 * C, 3L * C, dout, stats, D,
+                              fa_causal(qkv, T, C, NH), B);
+    });
+}
+
+// The same kernels in fp32 (the ring's blocks, kernels_fast_cp.cuh), for a problem p with C
+// channels: out (B,T,C) and stats (B,NH,T) of the rows [q_lo, T)
+static void attention_forward_fast_fp32(float* out, float* stats, const FaProblem& p, int B, int C) {
+    FA_HS_DISPATCH(C / p.NH, flash_forward_hs<HS>(out, stats, p, B, -1));
+}
+
+// D (B,NH,T) = rowsum(dout * out), the backward's per-row term, for attention_backward_fast_fp32
+static void attention_backward_D_fast(float* D, const floatX* dout, const floatX* out, int B, int T, int C, int NH) {
+    FA_HS_DISPATCH(C / NH, flash_backward_D_hs<HS>(D, dout, out, B, T, NH));
+}
+
+// dq (B,T,C) of the rows [q_lo, T) (added to it when accumulate) and dkv (B,T,2C), dk | dv
+// of every key, fp32, given the statistics and D of each query row
+static void attention_backward_fast_fp32(float* dq, int accumulate, float* dkv, const floatX* dout, const float* stats,
+                                         const float* D, const FaProblem& p, int B, int C) {
+    FA_HS_DISPATCH(C / p.NH, flash_backward_hs<HS>(dq, C, accumulate, dkv, dkv + C, 2L * C, dout, stats, D, p, B));
 }
 
 #endif // LLMC_ATTENTION_FLASH_CUH

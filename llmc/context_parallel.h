@@ -166,19 +166,20 @@ static inline void cp_free(ContextParallel* cp) {
 // pass's send): base + step.
 enum { CP_TAG_K = 1000, CP_TAG_V = 2000, CP_TAG_BV = 3000, CP_TAG_BK = 4000, CP_TAG_DKV = 5000 };
 
-// One pass around the ring: block (rank - i) mod N is in kv[i % 2] at step i (this rank's own
-// first, packed from qkv's `part` 1 = k or 2 = v); fn(ctx, block, s) computes on it while the
-// isend of it to the next rank and the irecv of the following block from the previous rank
-// are in flight.
+// One pass around the ring of blocks of `rows` x `width` floats (fast mode's: bf16 pairs):
+// block (rank - i) mod N is in kv[i % 2] at step i (this rank's own first, packed from the
+// first `width` floats of each of src's rows, stride ld); fn(ctx, block, s) computes on it
+// while the isend of it to the next rank and the irecv of the following block from the
+// previous rank are in flight.
 typedef void (*CpBlockFn)(void* ctx, const float* block, int s);
-static inline void cp_ring_pass(ContextParallel* cp, const float* qkv, int part, int B, int Tq, int C, int tag,
-                                CpBlockFn fn, void* ctx) {
+static inline void cp_ring_pass(ContextParallel* cp, float* const kv[2], const float* src, long ld, long rows,
+                                int width, int tag, CpBlockFn fn, void* ctx) {
     int N = cp->N, r = cp->rank, next = (r + 1) % N, prev = (r + N - 1) % N;
-    size_t n = (size_t)B * Tq * C;
-    copy_rows(cp->kv[0], C, qkv + (size_t)part * C, 3L * C, (long)B * Tq, C);
+    size_t n = (size_t)rows * width;
+    copy_rows(kv[0], width, src, ld, rows, width);
     CommRequest *send = NULL, *recv = NULL;
     for (int i = 0; i < N; i++) {
-        float* cur = cp->kv[i % 2];
+        float* cur = kv[i % 2];
         comm_wait(recv);   // block i has landed in cur
         recv = NULL;
         comm_wait(send);   // kv[(i + 1) % 2] was sent at step i - 1: free again
@@ -186,7 +187,7 @@ static inline void cp_ring_pass(ContextParallel* cp, const float* qkv, int part,
         if (i < N - 1) {
             // irecv (cp group) of the next block from the previous rank, isend (cp group) of
             // this one to the next rank
-            recv = comm_irecv(cp->group, cp->kv[(i + 1) % 2], n, prev, tag + i, COMM_KIND_CP);
+            recv = comm_irecv(cp->group, kv[(i + 1) % 2], n, prev, tag + i, COMM_KIND_CP);
             send = comm_isend(cp->group, cur, n, next, tag + i, COMM_KIND_CP);
         }
         fn(ctx, cur, (r - i + N) % N);
@@ -235,9 +236,9 @@ static inline void cp_ring_forward(ContextParallel* cp, float* out, float* att, 
     int N = cp->N, Tq = T / N;
     size_t n = (size_t)B * Tq * C;
     CpAttention a = {cp, att, NULL, qkv, NULL, B, T, C, NH, NULL};
-    cp_ring_pass(cp, qkv, 1, B, Tq, C, CP_TAG_K, cp_fwd_scores, &a);
+    cp_ring_pass(cp, cp->kv, qkv + C, 3L * C, (long)B * Tq, C, CP_TAG_K, cp_fwd_scores, &a);
     attention_softmax_blocks(att, B, T, NH, N, cp->rank);
-    cp_ring_pass(cp, qkv, 2, B, Tq, C, CP_TAG_V, cp_fwd_values, &a);
+    cp_ring_pass(cp, cp->kv, qkv + 2 * C, 3L * C, (long)B * Tq, C, CP_TAG_V, cp_fwd_values, &a);
     cp->mem->tree_rows(cp->parts, n, N, out);   // R1 over the blocks' subtrees
 }
 
@@ -248,7 +249,7 @@ static inline void cp_ring_backward(ContextParallel* cp, float* dqkv, const floa
     size_t n = (size_t)B * Tq * C;
     CommRequest* send[CANON_R] = {NULL};
     CpAttention a = {cp, (float*)att, cp->ds, qkv, dout, B, T, C, NH, send};
-    cp_ring_pass(cp, qkv, 2, B, Tq, C, CP_TAG_BV, cp_bwd_datt, &a);
+    cp_ring_pass(cp, cp->kv, qkv + 2 * C, 3L * C, (long)B * Tq, C, CP_TAG_BV, cp_bwd_datt, &a);
     attention_softmax_backward_blocks(cp->ds, att, B, T, C, NH, N, r);
     // every other rank's dk|dv partials of this rank's keys land in slot (their rank) of
     // dkv_in: irecv (cp group) posted before the pass, so no send waits for its receive
@@ -256,7 +257,7 @@ static inline void cp_ring_backward(ContextParallel* cp, float* dqkv, const floa
     for (int q = 0; q < N; q++) {
         if (q != r) { recv[q] = comm_irecv(cp->group, cp->dkv_in + 2 * (size_t)q * n, 2 * n, q, CP_TAG_DKV, COMM_KIND_CP); }
     }
-    cp_ring_pass(cp, qkv, 1, B, Tq, C, CP_TAG_BK, cp_bwd_keys, &a);
+    cp_ring_pass(cp, cp->kv, qkv + C, 3L * C, (long)B * Tq, C, CP_TAG_BK, cp_bwd_keys, &a);
     float* dq = cp->dkv + 2 * (size_t)r * n;   // this rank's own slot of dkv is free: dq lands there
     cp->mem->tree_rows(cp->parts, n, N, dq);
     copy_rows(dqkv, 3L * C, dq, C, (long)B * Tq, C);

@@ -42,6 +42,30 @@ extern void (*emu_fatal_hook)(const char* message);
 // ceil_div_u and elementwise_blocks (the grids of the elementwise kernels) are in gpu_plan.h,
 // where the host test checks them
 
+// --- the device ---------------------------------------------------------------------------
+
+// This rank's GPU: its node-local rank modulo the GPUs there (one GPU a rank under mpirun; more
+// ranks than GPUs share them), set as the current device, its properties in *prop; returns its
+// index. Without a usable one, one clear line naming the program and what its CPU twin does
+// (program "train_gpt2cu", cpu_twin "train_gpt2 trains on the CPU").
+static inline int cuda_select_device(int node_local_rank, const char* program, const char* cpu_twin,
+                                     cudaDeviceProp* prop) {
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess || count == 0) {
+        fatal("no CUDA GPU available (%s): %s needs an NVIDIA GPU and its driver; %s", err != cudaSuccess ?
+              cudaGetErrorString(err) : "no device", program, cpu_twin);
+    }
+    int device = node_local_rank % count;
+    cudaCheck(cudaSetDevice(device));
+    cudaCheck(cudaGetDeviceProperties(prop, device));
+    if (prop->major < 8) {
+        fatal("GPU '%s' has compute capability %d.%d; %s needs 8.0 or newer (Ampere, Hopper)", prop->name, prop->major,
+              prop->minor, program);
+    }
+    return device;
+}
+
 // --- device memory ------------------------------------------------------------------------
 
 // bytes allocated on the device by this process (both translation units of the CUDA build)

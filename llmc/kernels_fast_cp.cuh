@@ -94,153 +94,88 @@ static void fast_cp_gather_sequences(ContextParallel* cp, floatX* full, const fl
 // the ring (--cp-mode ring)
 //
 // Queries stay; the bf16 K|V of every rank's slice (a block of B (T/N) positions, k and v side
-// by side) travel around the group (rank r sends to r+1, receives from r-1, the next block in
-// flight while the kernels work on the one in hand). Forward, per block: this rank's queries
-// against the block's keys under the causal mask of their global positions (zigzag.h) give the
-// block's partial output and log-sum-exp (base 2, as the flash kernels keep it), fp32; the merge
-// folds them into the running output and log-sum-exp (the rescaling by 2^(lse_block - lse)),
-// fp32, and the output is rounded to bf16 once at the end. The global log-sum-exp is the flash
-// statistics the backward reads. Backward, per block (K|V around again): dq accumulates in
-// fp32 from P = 2^(s - lse) with the global lse and D = rowsum(dO * O); this rank's dk|dv
-// partials of the block's keys (fp32) go to the block's owner, who sums the N ranks' partials in
-// rank order (R1) and rounds once. Per layer and microbatch a rank sends 2 (N-1) bf16 blocks
-// forward, 2 (N-1) bf16 blocks and (N-1) fp32 dk|dv pairs backward.
+// by side) travel around the group (context_parallel.h's cp_ring_pass: rank r sends to r+1,
+// receives from r-1, the next block in flight while the kernels work on the one in hand).
 //
-// The block kernels are the naive loops (one thread per query row, or per key row for dk|dv),
-// not tensor-core tiles: correct and order-fixed, not tuned. P stays fp32 (the flash kernels
-// round it to bf16 for the P V product), so the ring is within fast mode's bf16 tolerance of
-// one rank, not its bits.
+// THE BLOCKS ARE FLASH PROBLEMS. In zig-zag order (zigzag.h: rank r holds stretches r and
+// 2N-1-r of T/2N = S positions) rank r's queries against block s's keys are one of three
+// shapes, in the slice's rows t (queries) and j (keys):
+//   s == r, the diagonal: causal, j <= t (the slice's order is the global order);
+//   s < r: every query sees block s's low stretch and none of its high one: j < S;
+//   s > r: the high stretch's queries see every key, the low stretch's none: t >= S;
+// each a FaMask of attention_flash.cuh, so the flash kernels (tensor-core tiles, cp.async,
+// the online softmax) run them unchanged, in fp32 outputs: the block's partial output,
+// normalized by its own sum, and its log-sum-exp (base 2, as the flash statistics). Under the
+// causal mask each rank does the same work: the diagonal and N-1 half blocks.
+//
+// Forward: block r comes first in every pass and writes the running output and log-sum-exp;
+// every later block's partial is merged into them (ring_merge_kernel: the rescaling by
+// 2^(lse_block - lse), fp32), and the output is rounded to bf16 once at the end. The global
+// log-sum-exp is the flash statistics the backward reads. Backward (K|V around again): D =
+// rowsum(dO * O) once from the bf16 output; per block the flash backward with the global
+// statistics adds the block's share to dq (fp32; block r writes it first) and gives this
+// rank's dk|dv partials of the block's keys (fp32), which go to the block's owner, who sums the
+// N ranks' partials in rank order (R1) and rounds once. What is fp32: the partial and running
+// outputs, every log-sum-exp, D, dq, the dk|dv partials and their sum; P and dS are rounded to
+// bf16 for their products exactly as one rank's flash kernels round them. The blocks' order
+// and the merge are other arithmetic than one rank's, so the ring is within fast mode's bf16
+// tolerance of one rank, not its bits. Per layer and microbatch a rank sends 2 (N-1) bf16
+// blocks forward, 2 (N-1) bf16 blocks and (N-1) fp32 dk|dv pairs backward.
 
-// global position of row t of rank r's slice (zigzag.h: stretch r, then stretch 2N-1-r)
-__device__ __forceinline__ int ring_global_pos(int t, int T, int N, int r) {
-    int stretch = T / (2 * N);
-    return t < stretch ? r * stretch + t : (2 * N - 1 - r) * stretch + (t - stretch);
+// rank r's queries (qkv (B,T/N,3C)) against block s's keys and values (kv (B,T/N,2C)); T: the
+// whole sequence
+static FaProblem ring_block_problem(const floatX* qkv, const floatX* kv, int T, int C, int NH, int N, int r, int s) {
+    int Tq = T / N, S = Tq / 2;
+    FaMask mask = s == r ? FaMask{0, Tq, 1} : s < r ? FaMask{0, S, 0} : FaMask{S, Tq, 0};
+    return FaProblem{qkv, kv, kv + C, 3L * C, 2L * C, Tq, NH, mask};
 }
 
-// o_blk (B,Tq,C) fp32, lse_blk (B,NH,Tq): queries of rank r (qkv (B,Tq,3C)) against block s's
-// keys and values (kv (B,Tq,2C)), causal by global position; a row that sees no key of the
-// block gets lse -inf and output 0. The naive loop: online softmax over the block's keys.
-template <int HS>
-__global__ void ring_block_forward_kernel(float* o_blk, float* lse_blk, const floatX* qkv, const floatX* kv, int B,
-                                          int T, int NH, int N, int r, int s, float scale_log2) {
-    int Tq = T / N, C = NH * HS;
+// (o, lse) <- the log-sum-exp combination of themselves and a block's (o_blk, lse_blk) in rows
+// [q_lo, T) of each sequence: lse = log2(2^lse + 2^lse_blk), o = (o 2^lse + o_blk 2^lse_blk) /
+// 2^lse_new, computed relative to their max; fp32. One thread per (b, t, h), h fastest; o
+// (B,T,C), lse (B,NH,T). Both log-sum-exps are finite: every row of the range sees a key.
+__global__ void ring_merge_kernel(float* o, float* lse, const float* o_blk, const float* lse_blk, int B, int T,
+                                  int C, int NH, int q_lo) {
+    int rows = T - q_lo, HS = C / NH;
     long idx = blockIdx.x * (long)blockDim.x + threadIdx.x;
-    if (idx >= (long)B * NH * Tq) { return; }
-    int t = (int)(idx % Tq), h = (int)(idx / Tq % NH), b = (int)(idx / Tq / NH);
-    int qpos = ring_global_pos(t, T, N, r);
-    const floatX* qrow = qkv + ((long)b * Tq + t) * 3 * C + h * HS;
-    float q[HS], o[HS];
-    for (int d = 0; d < HS; d++) { q[d] = __bfloat162float(qrow[d]); o[d] = 0.0f; }
-    float m = -INFINITY, l = 0.0f;
-    for (int j = 0; j < Tq; j++) {
-        if (ring_global_pos(j, T, N, s) > qpos) { continue; }
-        const floatX* krow = kv + ((long)b * Tq + j) * 2 * C + h * HS;
-        float sc = 0.0f;
-        for (int d = 0; d < HS; d++) { sc = __fmaf_rn(q[d], __bfloat162float(krow[d]), sc); }
-        sc = sc * scale_log2;
-        float mnew = fmaxf(m, sc), corr = exp2f(m - mnew), p = exp2f(sc - mnew);
-        l = l * corr + p;
-        for (int d = 0; d < HS; d++) { o[d] = __fmaf_rn(p, __bfloat162float(krow[C + d]), o[d] * corr); }
-        m = mnew;
-    }
-    float* orow = o_blk + ((long)b * Tq + t) * C + h * HS;
-    for (int d = 0; d < HS; d++) { orow[d] = l > 0.0f ? o[d] / l : 0.0f; }
-    lse_blk[idx] = l > 0.0f ? m + log2f(l) : -INFINITY;
-}
-
-// The merge: (o_acc, lse_acc) <- the log-sum-exp combination of themselves and a block's
-// (o_blk, lse_blk), one thread per (b, h, t): lse = log2(2^lse_acc + 2^lse_blk), o = (o_acc
-// 2^lse_acc + o_blk 2^lse_blk) / 2^lse, computed relative to their max.
-template <int HS>
-__global__ void ring_merge_kernel(float* o_acc, float* lse_acc, const float* o_blk, const float* lse_blk, int B, int Tq,
-                                  int NH) {
-    long idx = blockIdx.x * (long)blockDim.x + threadIdx.x;
-    if (idx >= (long)B * NH * Tq) { return; }
-    float a = lse_acc[idx], c = lse_blk[idx], mx = fmaxf(a, c);
-    if (mx == -INFINITY) { return; }
+    if (idx >= (long)B * rows * NH) { return; }
+    int h = (int)(idx % NH), t = q_lo + (int)(idx / NH % rows), b = (int)(idx / NH / rows);
+    long st = ((long)b * NH + h) * T + t;
+    float a = lse[st], c = lse_blk[st], mx = fmaxf(a, c);
     float wa = exp2f(a - mx), wc = exp2f(c - mx), ws = wa + wc;
-    int t = (int)(idx % Tq), h = (int)(idx / Tq % NH), b = (int)(idx / Tq / NH), C = NH * HS;
-    long row = ((long)b * Tq + t) * C + h * HS;
-    for (int d = 0; d < HS; d++) { o_acc[row + d] = (o_acc[row + d] * wa + o_blk[row + d] * wc) / ws; }
-    lse_acc[idx] = mx + log2f(ws);
+    float4* acc = reinterpret_cast<float4*>(o + ((long)b * T + t) * C + h * HS);
+    const float4* blk = reinterpret_cast<const float4*>(o_blk + ((long)b * T + t) * C + h * HS);
+    for (int d = 0; d < HS / 4; d++) {
+        float4 x = acc[d], y = blk[d];
+        acc[d] = make_float4((x.x * wa + y.x * wc) / ws, (x.y * wa + y.y * wc) / ws, (x.z * wa + y.z * wc) / ws,
+                             (x.w * wa + y.w * wc) / ws);
+    }
+    lse[st] = mx + log2f(ws);
 }
 
-// dq_acc (B,Tq,C) fp32 += this rank's queries' gradient from block s: P = 2^(s2 - lse),
-// dP = dO v, dS = P (dP - D), dq += dS k scale, D = rowsum(dO * O) (out: the forward's bf16
-// output), one thread per query row.
-template <int HS>
-__global__ void ring_block_dq_kernel(float* dq_acc, const floatX* dout, const floatX* out, const floatX* qkv,
-                                     const floatX* kv, const float* lse, int B, int T, int NH, int N, int r, int s,
-                                     float scale_log2, float scale) {
-    int Tq = T / N, C = NH * HS;
-    long idx = blockIdx.x * (long)blockDim.x + threadIdx.x;
-    if (idx >= (long)B * NH * Tq) { return; }
-    int t = (int)(idx % Tq), h = (int)(idx / Tq % NH), b = (int)(idx / Tq / NH);
-    int qpos = ring_global_pos(t, T, N, r);
-    long row = (long)b * Tq + t;
-    float q[HS], dy[HS], dq[HS], D = 0.0f;
-    for (int d = 0; d < HS; d++) {
-        q[d] = __bfloat162float(qkv[row * 3 * C + h * HS + d]);
-        dy[d] = __bfloat162float(dout[row * C + h * HS + d]);
-        D = __fmaf_rn(dy[d], __bfloat162float(out[row * C + h * HS + d]), D);
-        dq[d] = 0.0f;
+// rank r's running output o (B,T/N,C) and log-sum-exp lse (B,NH,T/N), fp32, after block s of
+// the ring (kv: its K|V): block r, first in the pass, writes them; any other block's partial
+// (o_blk, lse_blk: scratch of the same shapes) is merged into them.
+static void ring_block_forward(float* o, float* lse, float* o_blk, float* lse_blk, const floatX* qkv, const floatX* kv,
+                               int B, int T, int C, int NH, int N, int r, int s) {
+    FaProblem p = ring_block_problem(qkv, kv, T, C, NH, N, r, s);
+    if (s == r) {
+        attention_forward_fast_fp32(o, lse, p, B, C);
+        return;
     }
-    for (int j = 0; j < Tq; j++) {
-        if (ring_global_pos(j, T, N, s) > qpos) { continue; }
-        const floatX* krow = kv + ((long)b * Tq + j) * 2 * C + h * HS;
-        float sc = 0.0f, dp = 0.0f;
-        for (int d = 0; d < HS; d++) {
-            sc = __fmaf_rn(q[d], __bfloat162float(krow[d]), sc);
-            dp = __fmaf_rn(dy[d], __bfloat162float(krow[C + d]), dp);
-        }
-        float ds = exp2f(sc * scale_log2 - lse[idx]) * (dp - D);
-        for (int d = 0; d < HS; d++) { dq[d] = __fmaf_rn(ds, __bfloat162float(krow[d]), dq[d]); }
-    }
-    for (int d = 0; d < HS; d++) { dq_acc[row * C + h * HS + d] += dq[d] * scale; }
+    attention_forward_fast_fp32(o_blk, lse_blk, p, B, C);
+    int rows = p.T - p.mask.q_lo;
+    LAUNCH(ring_merge_kernel, ceil_div_u((size_t)B * rows * NH, 256), 256, o, lse, o_blk, lse_blk, B, p.T, C, NH,
+           p.mask.q_lo);
+    cudaLaunchCheck("ring_merge_kernel");
 }
 
-// dkv (B,Tq,2C) fp32: this rank's partials of block s's dk | dv over its queries, one thread
-// per key row j: dk = sum over visible queries of dS q scale, dv = sum of P dO.
-template <int HS>
-__global__ void ring_block_dkv_kernel(float* dkv, const floatX* dout, const floatX* out, const floatX* qkv,
-                                      const floatX* kv, const float* lse, int B, int T, int NH, int N, int r, int s,
-                                      float scale_log2, float scale) {
-    int Tq = T / N, C = NH * HS;
-    long idx = blockIdx.x * (long)blockDim.x + threadIdx.x;
-    if (idx >= (long)B * NH * Tq) { return; }
-    int j = (int)(idx % Tq), h = (int)(idx / Tq % NH), b = (int)(idx / Tq / NH);
-    int kpos = ring_global_pos(j, T, N, s);
-    const floatX* krow = kv + ((long)b * Tq + j) * 2 * C + h * HS;
-    float k[HS], v[HS], dk[HS], dv[HS];
-    for (int d = 0; d < HS; d++) {
-        k[d] = __bfloat162float(krow[d]);
-        v[d] = __bfloat162float(krow[C + d]);
-        dk[d] = dv[d] = 0.0f;
-    }
-    for (int t = 0; t < Tq; t++) {
-        if (kpos > ring_global_pos(t, T, N, r)) { continue; }
-        long row = (long)b * Tq + t;
-        const floatX* qrow = qkv + row * 3 * C + h * HS;
-        const floatX* dyrow = dout + row * C + h * HS;
-        const floatX* yrow = out + row * C + h * HS;
-        float sc = 0.0f, dp = 0.0f, D = 0.0f;
-        for (int d = 0; d < HS; d++) {
-            float dy = __bfloat162float(dyrow[d]);
-            sc = __fmaf_rn(__bfloat162float(qrow[d]), k[d], sc);
-            dp = __fmaf_rn(dy, v[d], dp);
-            D = __fmaf_rn(dy, __bfloat162float(yrow[d]), D);
-        }
-        float p = exp2f(sc * scale_log2 - lse[((long)b * NH + h) * Tq + t]), ds = p * (dp - D);
-        for (int d = 0; d < HS; d++) {
-            dk[d] = __fmaf_rn(ds, __bfloat162float(qrow[d]), dk[d]);
-            dv[d] = __fmaf_rn(p, __bfloat162float(dyrow[d]), dv[d]);
-        }
-    }
-    float* drow = dkv + ((long)b * Tq + j) * 2 * C + h * HS;
-    for (int d = 0; d < HS; d++) {
-        drow[d] = dk[d] * scale;
-        drow[C + d] = dv[d];
-    }
+// rank r's dq (B,T/N,C) fp32 += block s's share (block r, first in the pass, writes it) and
+// dkv (B,T/N,2C) fp32 <- rank r's dk | dv partials of block s's keys, from dout (B,T/N,C), the
+// global log-sum-exp lse and D (B,NH,T/N)
+static void ring_block_backward(float* dq, float* dkv, const floatX* dout, const floatX* qkv, const floatX* kv,
+                                const float* lse, const float* D, int B, int T, int C, int NH, int N, int r, int s) {
+    attention_backward_fast_fp32(dq, s != r, dkv, dout, lse, D, ring_block_problem(qkv, kv, T, C, NH, N, r, s), B, C);
 }
 
 // dst rows (bf16, stride ldd) <- width fp32 values of each of `rows` src rows (stride lds), rounded
@@ -259,10 +194,10 @@ static void ring_round_rows(floatX* dst, long ldd, const float* src, long lds, l
 // The ring's buffers for passes of up to (B, T) positions, C channels and NH heads (this
 // rank's), in the model's memory: rows = B T/N.
 typedef struct {
-    floatX* kv[2];     // the K|V block in hand and the next one (rows, 2C) bf16
+    float* kv[2];      // the K|V block in hand and the next one: (rows, 2C) bf16, as floats
     float* o_acc;      // (rows, C) the running output, fp32; the backward's dq
     float* o_blk;      // (rows, C) a block's partial output
-    float* lse_blk;    // (B, NH, T/N) a block's log-sum-exp
+    float* lse_blk;    // (B, NH, T/N) a block's log-sum-exp; the backward's D
     float* dkv;        // (N, rows, 2C) this rank's dk|dv partials of every block
     float* dkv_in;     // (N, rows, 2C) the partials of this rank's block from every rank
     float* dkv_sum;    // (rows, 2C) their sum
@@ -270,8 +205,8 @@ typedef struct {
 
 static void fast_ring_init(FastRing* R, const MemOps* mem, int N, int B, int T, int C, int NH) {
     size_t rows = (size_t)B * (T / N);
-    R->kv[0] = (floatX*)mem->alloc(sizeof(floatX) * rows * 2 * C, "context parallelism (K/V blocks)");
-    R->kv[1] = (floatX*)mem->alloc(sizeof(floatX) * rows * 2 * C, "context parallelism (K/V blocks)");
+    R->kv[0] = mem_floats(mem, rows * C, "context parallelism (K/V blocks)");
+    R->kv[1] = mem_floats(mem, rows * C, "context parallelism (K/V blocks)");
     R->o_acc = mem_floats(mem, rows * C, "context parallelism (ring)");
     R->o_blk = mem_floats(mem, rows * C, "context parallelism (ring)");
     R->lse_blk = mem_floats(mem, rows * NH, "context parallelism (ring)");
@@ -284,95 +219,46 @@ static void fast_ring_free(FastRing* R, const MemOps* mem) {
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) { mem->release(all[i]); }
 }
 
-// One pass around the ring: block (rank - i) mod N is in kv[i % 2] at step i (this rank's own
-// first, packed from qkv's k|v columns); fn(ctx, block, s) computes on it while the isend of it
-// to the next rank and the irecv of the following block from the previous rank (cp group, bf16
-// K|V) are in flight.
-typedef void (*FastRingFn)(void* ctx, const floatX* block, int s);
-static void fast_ring_pass(ContextParallel* cp, FastRing* R, const floatX* qkv, int B, int T, int C, int tag,
-                           FastRingFn fn, void* ctx) {
-    int N = cp->N, r = cp->rank, next = (r + 1) % N, prev = (r + N - 1) % N;
-    long rows = (long)B * (T / N);
-    size_t n = (size_t)rows * C;   // floats: a (rows, 2C) bf16 block
-    copy_rows((float*)R->kv[0], C, (const float*)qkv + C / 2, 3L * C / 2, rows, C);
-    CommRequest *send = NULL, *recv = NULL;
-    for (int i = 0; i < N; i++) {
-        floatX* cur = R->kv[i % 2];
-        comm_wait(recv);   // block i has landed in cur
-        recv = NULL;
-        comm_wait(send);   // kv[(i + 1) % 2] was sent at step i - 1: free again
-        send = NULL;
-        if (i < N - 1) {
-            recv = comm_irecv(cp->group, (float*)R->kv[(i + 1) % 2], n, prev, tag + i, COMM_KIND_CP);
-            send = comm_isend(cp->group, (const float*)cur, n, next, tag + i, COMM_KIND_CP);
-        }
-        fn(ctx, cur, (r - i + N) % N);
-    }
-    comm_wait(send);
-}
-
 typedef struct {
     ContextParallel* cp;
     FastRing* R;
     float* lse;                   // (B,NH,T/N) the global log-sum-exp (the forward writes it)
-    const floatX *qkv, *dout, *out;
+    const floatX *qkv, *dout;
     int B, T, C, NH;
     CommRequest** sends;          // the backward's dk|dv partials on their way to each block's owner
 } FastRingCtx;
 
-#define RING_HS_SWITCH(HS_VAR, CALL)                                                              \
-    switch (HS_VAR) {                                                                             \
-        case 16: { constexpr int HS = 16; CALL; } break;                                          \
-        case 32: { constexpr int HS = 32; CALL; } break;                                          \
-        case 64: { constexpr int HS = 64; CALL; } break;                                          \
-        default: fatal("fast-mode attention supports head sizes 16, 32 and 64, not %d", HS_VAR);  \
-    }
-
-static void fast_ring_fwd_block(void* v, const floatX* kv, int s) {
+static void fast_ring_fwd_block(void* v, const float* kv, int s) {
     FastRingCtx* x = (FastRingCtx*)v;
-    int N = x->cp->N, r = x->cp->rank, hs = x->C / x->NH;
-    long n = (long)x->B * x->NH * (x->T / N);
-    float scale_log2 = FA_LOG2E / sqrtf((float)hs);
-    RING_HS_SWITCH(hs, {
-        LAUNCH(ring_block_forward_kernel<HS>, ceil_div_u(n, 128), 128, x->R->o_blk, x->R->lse_blk, x->qkv, kv, x->B, x->T,
-               x->NH, N, r, s, scale_log2);
-        cudaLaunchCheck("ring_block_forward_kernel");
-        LAUNCH(ring_merge_kernel<HS>, ceil_div_u(n, 256), 256, x->R->o_acc, x->lse, x->R->o_blk, x->R->lse_blk, x->B,
-               x->T / N, x->NH);
-        cudaLaunchCheck("ring_merge_kernel");
-    });
+    ring_block_forward(x->R->o_acc, x->lse, x->R->o_blk, x->R->lse_blk, x->qkv, (const floatX*)kv, x->B, x->T, x->C,
+                       x->NH, x->cp->N, x->cp->rank, s);
+}
+
+// this rank's q|k|v (B,T/N,3C) bf16 in floats: its k|v columns are the ring's first block
+static void fast_ring_pass(ContextParallel* cp, FastRing* R, const floatX* qkv, int B, int T, int C, int tag,
+                           CpBlockFn fn, void* ctx) {
+    cp_ring_pass(cp, R->kv, (const float*)qkv + C / 2, 3L * C / 2, (long)B * (T / cp->N), C, tag, fn, ctx);
 }
 
 // out (B,T/N,C) bf16 and lse (B,NH,T/N) (the flash statistics, base 2) of this rank's queries
 // (qkv (B,T/N,3C); T: the whole sequence).
 static void fast_cp_ring_forward(ContextParallel* cp, FastRing* R, floatX* out, float* lse, const floatX* qkv, int B,
                                  int T, int C, int NH) {
-    long rows = (long)B * (T / cp->N);
-    cp->mem->fill(R->o_acc, 0.0f, (size_t)rows * C);
-    cp->mem->fill(lse, -INFINITY, (size_t)rows * NH);
-    FastRingCtx x = {cp, R, lse, qkv, NULL, NULL, B, T, C, NH, NULL};
+    FastRingCtx x = {cp, R, lse, qkv, NULL, B, T, C, NH, NULL};
     fast_ring_pass(cp, R, qkv, B, T, C, CP_TAG_K, fast_ring_fwd_block, &x);
-    ring_round_rows(out, C, R->o_acc, C, rows, C);
+    ring_round_rows(out, C, R->o_acc, C, (long)B * (T / cp->N), C);
 }
 
 // dq's share of block s, and this rank's dk|dv partials of block s's keys, on their way to the
 // block's owner at once (isend, cp group, fp32; this rank's own: straight into its slot of dkv_in)
-static void fast_ring_bwd_block(void* v, const floatX* kv, int s) {
+static void fast_ring_bwd_block(void* v, const float* kv, int s) {
     FastRingCtx* x = (FastRingCtx*)v;
     ContextParallel* cp = x->cp;
-    int N = cp->N, r = cp->rank, hs = x->C / x->NH;
-    long n = (long)x->B * x->NH * (x->T / N);
+    int N = cp->N, r = cp->rank;
     size_t blk = (size_t)x->B * (x->T / N) * 2 * x->C;
-    float scale = 1.0f / sqrtf((float)hs), scale_log2 = FA_LOG2E * scale;
     float* mine = s == r ? x->R->dkv_in + r * blk : x->R->dkv + s * blk;
-    RING_HS_SWITCH(hs, {
-        LAUNCH(ring_block_dq_kernel<HS>, ceil_div_u(n, 128), 128, x->R->o_acc, x->dout, x->out, x->qkv, kv, x->lse, x->B,
-               x->T, x->NH, N, r, s, scale_log2, scale);
-        cudaLaunchCheck("ring_block_dq_kernel");
-        LAUNCH(ring_block_dkv_kernel<HS>, ceil_div_u(n, 128), 128, mine, x->dout, x->out, x->qkv, kv, x->lse, x->B,
-               x->T, x->NH, N, r, s, scale_log2, scale);
-        cudaLaunchCheck("ring_block_dkv_kernel");
-    });
+    ring_block_backward(x->R->o_acc, mine, x->dout, x->qkv, (const floatX*)kv, x->lse, x->R->lse_blk, x->B, x->T,
+                        x->C, x->NH, N, r, s);
     if (s != r) { x->sends[s] = comm_isend(cp->group, mine, blk, s, CP_TAG_DKV, COMM_KIND_CP); }
 }
 
@@ -390,10 +276,10 @@ static void fast_cp_ring_backward(ContextParallel* cp, FastRing* R, floatX* dqkv
     for (int q = 0; q < N; q++) {
         if (q != r) { recv[q] = comm_irecv(cp->group, R->dkv_in + q * blk, blk, q, CP_TAG_DKV, COMM_KIND_CP); }
     }
-    cp->mem->fill(R->o_acc, 0.0f, (size_t)rows * C);   // dq
-    FastRingCtx x = {cp, R, (float*)lse, qkv, dout, out, B, T, C, NH, send};
+    attention_backward_D_fast(R->lse_blk, dout, out, B, T / N, C, NH);
+    FastRingCtx x = {cp, R, (float*)lse, qkv, dout, B, T, C, NH, send};
     fast_ring_pass(cp, R, qkv, B, T, C, CP_TAG_BK, fast_ring_bwd_block, &x);
-    ring_round_rows(dqkv, 3L * C, R->o_acc, C, rows, C);
+    ring_round_rows(dqkv, 3L * C, R->o_acc, C, rows, C);   // dq
     comm_wait_all(recv, N);
     cp->mem->tree_rows(R->dkv_in, blk, N, R->dkv_sum);   // R1 over the ranks' partials
     ring_round_rows(dqkv + C, 3L * C, R->dkv_sum, 2 * C, rows, 2 * C);

@@ -57,6 +57,11 @@
  *   Z         2(P-1) * ceil(N*NHl/P) * 4
  *   output    all-reduce 2(P-1) * ceil(N*Cl/P) * 4   or   reduce-scatter (P-1) * N*Cl/P * 4
  * (kvp_step_bytes).
+ *
+ * TWO KERNEL SETS. The step between its collectives is three kernels (kvp_scores, kvp_exps,
+ * kvp_values), each output computed by the per-output functions below (HD: host and device):
+ * the CPU's loops here, the device's in llmc/kernels_kvp_det.cuh (serve_gpt2cu), the same bits;
+ * the collectives run on the buffers where they live (comm.h stages device ones).
  */
 #ifndef LLMC_KV_PARALLEL_H
 #define LLMC_KV_PARALLEL_H
@@ -66,10 +71,11 @@
 #include <string.h>
 #include "llmc/canonical.h"
 #include "llmc/comm.h"
+#include "llmc/memory.h"
 #include "llmc/paged_kv.h"
 #include "llmc/utils.h"
 
-#define KVP_MAX_HS 256   // the head sizes the output partial's stack has room for
+#define KVP_MAX_HS 256   // the head sizes the device's output partials have room for
 
 typedef enum { KVP_COMBINE_ALL_REDUCE, KVP_COMBINE_REDUCE_SCATTER } KVPCombine;
 
@@ -79,8 +85,9 @@ typedef struct {
     int NHl, hs;        // this rank's heads (NH/tp) and the head size
     int Cl;             // NHl * hs: the channels of q, k and v this rank holds
     KVPCombine combine;
+    const MemOps* mem;  // where the workspace lives (the cache's memory; host unless kvp_set_memory)
     float* scores;      // workspace: (N, NHl, T/P) scores, then their exps, by local position
-    float* partials;    // (N, Cl) the output partials, then (P, N, Cl/P) for a reduce-scatter
+    float* partials;    // (N, Cl) the output partials, or (P, N, Cl/P) for a reduce-scatter
     float* stats;       // (2, N, NHl) maxes, then Z subtree sums
     int cap_rows;       // rows the partials and stats have room for
 } KVPLayout;
@@ -120,28 +127,41 @@ static inline void kvp_init(KVPLayout* lay, int P, int rank, int tp, int T, int 
     lay->hs = C / NH;
     lay->Cl = lay->NHl * lay->hs;
     lay->combine = combine;
+    lay->mem = &memory_host;
+    if (lay->hs > KVP_MAX_HS) { fatal("KVP: head size %d is above %d", lay->hs, KVP_MAX_HS); }
 }
+
+// The workspace in mem (a cache on the GPU: serve_kvp.h), before the first decode.
+static inline void kvp_set_memory(KVPLayout* lay, const MemOps* mem) { lay->mem = mem; }
 
 static inline void kvp_free(KVPLayout* lay) {
-    free(lay->scores);
-    free(lay->partials);
-    free(lay->stats);
+    lay->mem->release(lay->scores);
+    lay->mem->release(lay->partials);
+    lay->mem->release(lay->stats);
 }
 
-// Positions of each of this rank's two stretches.
+// ---- where a position lives (HD: the CPU loops below and the device kernels) ---------------
+// The rank of a KVP group of P that holds global position p of a context of T.
+HD int kvp_owner_of(int p, int T, int P) {
+    int h = T / (2 * P), s = p / h;   // stretch s of 2P
+    return s < P ? s : 2 * P - 1 - s;
+}
+
+// Rank r's local position of global position p (which it must own).
+HD int kvp_local_of(int p, int T, int P, int r) {
+    int h = T / (2 * P);
+    return p < T / 2 ? p - r * h : h + p - (T - (r + 1) * h);
+}
+
+// Local position l's row (k | v, 2 Cl floats) in a layer's view of the rank's cache, through
+// a request's block table on the rank.
+HD const float* kvp_row(const float* kv, long block_stride, const int* table, int l, int bs, int Cl) {
+    return kv + table[l / bs] * block_stride + (long)(l % bs) * 2 * Cl;
+}
+
 static inline int kvp_stretch(const KVPLayout* lay) { return lay->T / (2 * lay->P); }
-
-// The rank of the KVP group that holds global position p.
-static inline int kvp_owner(const KVPLayout* lay, int p) {
-    int h = kvp_stretch(lay), s = p / h;   // stretch s of 2P
-    return s < lay->P ? s : 2 * lay->P - 1 - s;
-}
-
-// This rank's local position of global position p (which it must own).
-static inline int kvp_local(const KVPLayout* lay, int p) {
-    int h = kvp_stretch(lay);
-    return p < lay->T / 2 ? p - lay->rank * h : h + p - (lay->T - (lay->rank + 1) * h);
-}
+static inline int kvp_owner(const KVPLayout* lay, int p) { return kvp_owner_of(p, lay->T, lay->P); }
+static inline int kvp_local(const KVPLayout* lay, int p) { return kvp_local_of(p, lay->T, lay->P, lay->rank); }
 
 // Grows this rank's block table to hold its share of a request's positions [0, positions):
 // 1 when done, 0 (unchanged) when the rank's free list is short. Its share is a prefix of its
@@ -151,14 +171,21 @@ static inline int kvp_reserve(PagedKV* kv, BlockTable* bt, const KVPLayout* lay,
     return block_table_reserve(kv, bt, local);
 }
 
+// Where global position p's key and value go in a layer's view of this rank's cache, through
+// the request's table on this rank: an offset, or -1 when another rank of the group holds p.
+static inline long kvp_slot(const KVPLayout* lay, const int* table, long block_stride, int p) {
+    if (kvp_owner(lay, p) != lay->rank) { return -1; }
+    int l = kvp_local(lay, p);
+    return table[l / lay->bs] * block_stride + (long)(l % lay->bs) * 2 * lay->Cl;
+}
+
 // Stores the k and v (Cl each, this rank's heads) of global position p of layer l, if this rank
-// holds p; returns whether it did. The table must have been reserved past p.
+// holds p; returns whether it did. The table must have been reserved past p. (Host memory.)
 static inline int kvp_store(PagedKV* kv, const BlockTable* bt, const KVPLayout* lay, int l, int p,
                             const float* k, const float* v) {
-    if (kvp_owner(lay, p) != lay->rank) { return 0; }
-    int local = kvp_local(lay, p);
-    float* row = paged_kv_layer(kv, l) + bt->blocks[local / lay->bs] * paged_kv_block_stride(kv) +
-                 (long)(local % lay->bs) * 2 * lay->Cl;
+    long slot = kvp_slot(lay, bt->blocks, paged_kv_block_stride(kv), p);
+    if (slot < 0) { return 0; }
+    float* row = paged_kv_layer(kv, l) + slot;
     memcpy(row, k, sizeof(float) * lay->Cl);
     memcpy(row + lay->Cl, v, sizeof(float) * lay->Cl);
     return 1;
@@ -173,120 +200,157 @@ static inline uint64_t kvp_step_bytes(const KVPLayout* lay, int N) {
     return stats + out;
 }
 
-// Decode attention of N query rows of different requests over the KVP group g (lay->P ranks,
-// in lay->rank order), each row against its request's keys at positions <= pos[r].
-//   q: row r's q of this rank's heads at q + r * q_stride (Cl floats)
-//   kv: one layer's view of this rank's cache (paged_kv_layer), block_stride apart
-//   tables (N, max_blocks): each row's block table on this rank (kvp_reserve)
-//   out: KVP_COMBINE_ALL_REDUCE (N, Cl); KVP_COMBINE_REDUCE_SCATTER (N, Cl/P), this rank's heads
-// Every rank of the group calls it with the same N and pos.
-static inline void kvp_attention_decode(KVPLayout* lay, CommGroup* g, float* out, const float* q, long q_stride,
-                                        const float* kv, long block_stride, const int* tables, int max_blocks,
-                                        const int* pos, int N) {
-    int P = lay->P, NHl = lay->NHl, hs = lay->hs, Cl = lay->Cl, bs = lay->bs, T = lay->T;
-    int per_rank = CANON_R / P, chunk0 = lay->rank * per_rank, local_len = T / P;
-    if (g->size != P || g->rank != lay->rank) { fatal("KVP: group of %d ranks (rank %d) for a layout of %d (rank %d)", g->size, g->rank, P, lay->rank); }
-    if (N > lay->cap_rows) {
-        free(lay->partials);
-        free(lay->stats);
-        free(lay->scores);
-        lay->partials = (float*)malloc_or_die(sizeof(float) * 2 * (size_t)N * Cl, "KVP partials");
-        lay->stats = (float*)malloc_or_die(sizeof(float) * 2 * (size_t)N * NHl, "KVP max and Z");
-        lay->scores = (float*)malloc_or_die(sizeof(float) * (size_t)N * NHl * local_len, "KVP scores");
-        lay->cap_rows = N;
+// ---- the decode step's arithmetic per output (HD) --------------------------------------------
+// One (row, head) at position t: the exps of its n = canon_zz_count_le(t) scores s (by local
+// position, in place: e = exp(s - m)), and this rank's subtree of the chunk sums of Z: rank r
+// holds chunks [r 8/P, (r+1) 8/P) of the 8 zig-zag chunks of T, each summed in position order.
+HD float kvp_exps_zsum(float* s, float m, int t, int T, int P, int rank) {
+    int per_rank = CANON_R / P, chunk0 = rank * per_rank, n = canon_zz_count_le(t, T, P, rank);
+    for (int l = 0; l < n; l++) { s[l] = canon_expf(s[l] - m); }
+    float chunk_sum[CANON_R];
+    for (int c = 0; c < per_rank; c++) {
+        float acc = 0.0f;
+        for (int half = 0; half < 2; half++) {
+            long b, e;
+            canon_zz_half(T, CANON_R, chunk0 + c, half, &b, &e);
+            for (long p = b; p < e && p <= t; p++) { acc = acc + s[kvp_local_of((int)p, T, P, rank)]; }
+        }
+        chunk_sum[c] = acc;
     }
-    float* maxes = lay->stats;                      // (N, NHl)
-    float* zsum = lay->stats + (size_t)N * NHl;     // (N, NHl)
-    float* partial = lay->partials;                 // (N, Cl)
-    float scale = canon_rsqrtf((float)hs);
-    if (hs > KVP_MAX_HS) { fatal("KVP: head size %d is above %d", hs, KVP_MAX_HS); }
-#define KVP_ROW(r, l) (kv + tables[(size_t)(r) * max_blocks + (l) / bs] * block_stride + (long)((l) % bs) * 2 * Cl)
+    return canon_tree_sum(chunk_sum, per_rank, 1);
+}
 
-    // 1. scores of the rank's keys at positions <= t (its first n local positions, kvp_reserve)
-    //    and their max per (row, head)
+// One output channel d (of head h's hs) of a (row, head) at position t: this rank's subtree of
+// the chunk sums, each from 0.0f in position order, of fmaf(e / z, v[d], acc); e the row's
+// exps by local position, v read through the row's table on this rank at channel offset vc
+// (Cl + h hs + d) of each position's k | v row.
+HD float kvp_value(const float* e_row, float z, int t, int T, int P, int rank, const float* kv, long block_stride,
+                   const int* table, int bs, int Cl, int vc) {
+    int per_rank = CANON_R / P, chunk0 = rank * per_rank;
+    float chunk_sum[CANON_R];
+    for (int c = 0; c < per_rank; c++) {
+        float acc = 0.0f;
+        for (int half = 0; half < 2; half++) {
+            long b, e;
+            canon_zz_half(T, CANON_R, chunk0 + c, half, &b, &e);
+            for (long p = b; p < e && p <= t; p++) {
+                int l = kvp_local_of((int)p, T, P, rank);
+                acc = fmaf(e_row[l] / z, kvp_row(kv, block_stride, table, l, bs, Cl)[vc], acc);
+            }
+        }
+        chunk_sum[c] = acc;
+    }
+    return canon_tree_sum(chunk_sum, per_rank, 1);
+}
+
+// Where output channel c (of Cl) of row r goes among the partials: (N, Cl), or for the
+// reduce-scatter by heads (P, N, Cl/P), block s the heads rank s gets.
+HD long kvp_partial_at(KVPCombine combine, int P, int N, int Cl, int r, int c) {
+    if (combine == KVP_COMBINE_ALL_REDUCE) { return (long)r * Cl + c; }
+    int Cs = Cl / P;
+    return ((long)(c / Cs) * N + r) * Cs + c % Cs;
+}
+
+// ---- the kernels: the CPU's here, the device's in llmc/kernels_kvp_det.cuh (included with
+// LLMC_DEVICE_KERNELS defined) -----------------------------------------------------------------
+// Every argument in the layout's memory but the layout itself: q (row r's q of this rank's
+// heads at q + r q_stride, Cl floats), kv one layer's view of this rank's cache (block_stride
+// apart), tables (N, max_blocks) each row's block table on this rank, pos (N) each row's
+// position. Declared here so that a set that misses one does not build.
+// scores (N, NHl, T/P) by local position <= pos[r], maxes (N, NHl) their max
+static void kvp_scores(const KVPLayout* lay, float* scores, float* maxes, const float* q, long q_stride,
+                       const float* kv, long block_stride, const int* tables, int max_blocks, const int* pos, int N);
+// scores -> exps in place; zsum (N, NHl) this rank's subtree of Z (kvp_exps_zsum)
+static void kvp_exps(const KVPLayout* lay, float* scores, float* zsum, const float* maxes, const int* pos, int N);
+// partials (kvp_partial_at) = this rank's subtree of each output (kvp_value)
+static void kvp_values(const KVPLayout* lay, float* partials, const float* scores, const float* zsum, const float* kv,
+                       long block_stride, const int* tables, int max_blocks, const int* pos, int N);
+
+#ifndef LLMC_DEVICE_KERNELS
+static void kvp_scores(const KVPLayout* lay, float* scores, float* maxes, const float* q, long q_stride,
+                       const float* kv, long block_stride, const int* tables, int max_blocks, const int* pos, int N) {
+    int NHl = lay->NHl, hs = lay->hs, local_len = lay->T / lay->P;
+    float scale = canon_rsqrtf((float)hs);
     for (int r = 0; r < N; r++) {
-        int n = canon_zz_count_le(pos[r], T, P, lay->rank);
+        int n = canon_zz_count_le(pos[r], lay->T, lay->P, lay->rank);
         for (int h = 0; h < NHl; h++) {
-            float* s = lay->scores + ((size_t)r * NHl + h) * local_len;
+            float* s = scores + ((size_t)r * NHl + h) * local_len;
             float m = -canon_inf();
             for (int l = 0; l < n; l++) {
-                s[l] = canon_dot(q + r * q_stride + h * hs, 1, KVP_ROW(r, l) + h * hs, 1, hs) * scale;
+                const float* k = kvp_row(kv, block_stride, tables + (size_t)r * max_blocks, l, lay->bs, lay->Cl) + h * hs;
+                s[l] = canon_dot(q + r * q_stride + h * hs, 1, k, 1, hs) * scale;
                 if (s[l] > m) { m = s[l]; }
             }
             maxes[(size_t)r * NHl + h] = m;
         }
     }
-    // max over the KVP group, on the (N, NHl) maxes: exact in any order
+}
+
+static void kvp_exps(const KVPLayout* lay, float* scores, float* zsum, const float* maxes, const int* pos, int N) {
+    int NHl = lay->NHl, local_len = lay->T / lay->P;
+    for (int r = 0; r < N; r++) {
+        for (int h = 0; h < NHl; h++) {
+            size_t rh = (size_t)r * NHl + h;
+            zsum[rh] = kvp_exps_zsum(scores + rh * local_len, maxes[rh], pos[r], lay->T, lay->P, lay->rank);
+        }
+    }
+}
+
+static void kvp_values(const KVPLayout* lay, float* partials, const float* scores, const float* zsum, const float* kv,
+                       long block_stride, const int* tables, int max_blocks, const int* pos, int N) {
+    int Cl = lay->Cl, hs = lay->hs, local_len = lay->T / lay->P;
+    for (int r = 0; r < N; r++) {
+        for (int c = 0; c < Cl; c++) {
+            size_t rh = (size_t)r * lay->NHl + c / hs;
+            partials[kvp_partial_at(lay->combine, lay->P, N, Cl, r, c)] =
+                kvp_value(scores + rh * local_len, zsum[rh], pos[r], lay->T, lay->P, lay->rank, kv, block_stride,
+                          tables + (size_t)r * max_blocks, lay->bs, Cl, Cl + c);
+        }
+    }
+}
+#endif
+
+// Decode attention of N query rows of different requests over the KVP group g (lay->P ranks,
+// in lay->rank order), each row against its request's keys at positions <= pos[r]; every
+// buffer in the layout's memory (the kernels' arguments above).
+//   out: KVP_COMBINE_ALL_REDUCE (N, Cl); KVP_COMBINE_REDUCE_SCATTER (N, Cl/P), this rank's heads
+// Every rank of the group calls it with the same N and pos.
+static inline void kvp_attention_decode(KVPLayout* lay, CommGroup* g, float* out, const float* q, long q_stride,
+                                        const float* kv, long block_stride, const int* tables, int max_blocks,
+                                        const int* pos, int N) {
+    int P = lay->P, NHl = lay->NHl, Cl = lay->Cl;
+    if (g->size != P || g->rank != lay->rank) { fatal("KVP: group of %d ranks (rank %d) for a layout of %d (rank %d)", g->size, g->rank, P, lay->rank); }
+    if (N > lay->cap_rows) {
+        kvp_free(lay);
+        lay->partials = mem_floats(lay->mem, (size_t)N * Cl, "KVP partials");
+        lay->stats = mem_floats(lay->mem, 2 * (size_t)N * NHl, "KVP max and Z");
+        lay->scores = mem_floats(lay->mem, (size_t)N * NHl * (lay->T / P), "KVP scores");
+        lay->cap_rows = N;
+    }
+    float* maxes = lay->stats;                      // (N, NHl)
+    float* zsum = lay->stats + (size_t)N * NHl;     // (N, NHl)
+
+    // 1. scores of the rank's keys at positions <= t (its first n local positions, kvp_reserve)
+    //    and their max per (row, head); the max over the KVP group: exact in any order
+    kvp_scores(lay, lay->scores, maxes, q, q_stride, kv, block_stride, tables, max_blocks, pos, N);
     comm_all_reduce_max(g, maxes, (size_t)N * NHl, COMM_KIND_CP);
 
-    // 2. exps (in place of the scores) and this rank's subtree of the chunk sums of Z
-    for (int r = 0; r < N; r++) {
-        int t = pos[r];
-        for (int h = 0; h < NHl; h++) {
-            float* s = lay->scores + ((size_t)r * NHl + h) * local_len;
-            float m = maxes[(size_t)r * NHl + h];
-            int n = canon_zz_count_le(t, T, P, lay->rank);
-            for (int l = 0; l < n; l++) { s[l] = canon_expf(s[l] - m); }
-            float chunk_sum[CANON_R];
-            for (int c = 0; c < per_rank; c++) {
-                float acc = 0.0f;
-                for (int half = 0; half < 2; half++) {
-                    long b, e;
-                    canon_zz_half(T, CANON_R, chunk0 + c, half, &b, &e);
-                    for (long p = b; p < e && p <= t; p++) { acc = acc + s[kvp_local(lay, (int)p)]; }
-                }
-                chunk_sum[c] = acc;
-            }
-            zsum[(size_t)r * NHl + h] = canon_tree_sum(chunk_sum, per_rank, 1);
-        }
-    }
-    // Z = R1 over the group's ranks in rank order of their subtrees: one rank's tree of 8
+    // 2. exps and this rank's subtree of the chunk sums of Z; Z = R1 over the group's ranks in
+    //    rank order of their subtrees: one rank's tree of 8
+    kvp_exps(lay, lay->scores, zsum, maxes, pos, N);
     comm_all_reduce_sum(g, zsum, (size_t)N * NHl, COMM_KIND_CP);
 
-    // 3. this rank's subtree of the chunk sums of (e/Z) v, per (row, head): (N, Cl)
-    for (int r = 0; r < N; r++) {
-        int t = pos[r];
-        for (int h = 0; h < NHl; h++) {
-            const float* e_row = lay->scores + ((size_t)r * NHl + h) * local_len;
-            float z = zsum[(size_t)r * NHl + h];
-            float stack_rows[CANON_LOG2_R + 1][KVP_MAX_HS];
-            CanonStack stack = canon_stack(stack_rows[0], KVP_MAX_HS, 1, hs, KVP_MAX_HS);
-            for (int c = 0; c < per_rank; c++) {
-                float* acc = canon_stack_next(&stack);
-                for (int d = 0; d < hs; d++) { acc[d] = 0.0f; }
-                for (int half = 0; half < 2; half++) {
-                    long b, e;
-                    canon_zz_half(T, CANON_R, chunk0 + c, half, &b, &e);
-                    for (long p = b; p < e && p <= t; p++) {
-                        int l = kvp_local(lay, (int)p);
-                        float w = e_row[l] / z;
-                        const float* v = KVP_ROW(r, l) + Cl + h * hs;
-                        for (int d = 0; d < hs; d++) { acc[d] = fmaf(w, v[d], acc[d]); }
-                    }
-                }
-                canon_stack_push(&stack, canon_tree_merges_after(c, per_rank));
-            }
-            memcpy(partial + (size_t)r * Cl + h * hs, stack_rows[0], sizeof(float) * hs);
-        }
-    }
-#undef KVP_ROW
+    // 3. this rank's subtree of the chunk sums of (e/Z) v, laid out for the combine
+    kvp_values(lay, lay->partials, lay->scores, zsum, kv, block_stride, tables, max_blocks, pos, N);
 
     // 4. the output: R1 over the group's ranks of the subtrees
     if (lay->combine == KVP_COMBINE_ALL_REDUCE) {
         // every rank gets o for all of its heads: all-reduce on (N, Cl)
-        comm_all_reduce_sum(g, partial, (size_t)N * Cl, COMM_KIND_CP);
-        memcpy(out, partial, sizeof(float) * (size_t)N * Cl);
+        comm_all_reduce_sum(g, lay->partials, (size_t)N * Cl, COMM_KIND_CP);
+        lay->mem->copy(out, lay->partials, sizeof(float) * (size_t)N * Cl);
     } else {
-        // rank s gets heads [s*NHl/P, (s+1)*NHl/P): the partials laid out (P, N, Cl/P), then a
-        // reduce-scatter over the group
-        int Cs = Cl / P;
-        float* blocks = lay->partials + (size_t)N * Cl;
-        for (int s = 0; s < P; s++) {
-            for (int r = 0; r < N; r++) {
-                memcpy(blocks + ((size_t)s * N + r) * Cs, partial + (size_t)r * Cl + s * Cs, sizeof(float) * Cs);
-            }
-        }
-        comm_reduce_scatter(g, blocks, out, (size_t)N * Cs, COMM_KIND_CP);
+        // rank s gets heads [s*NHl/P, (s+1)*NHl/P): the partials (P, N, Cl/P), reduce-scattered
+        comm_reduce_scatter(g, lay->partials, out, (size_t)N * (Cl / P), COMM_KIND_CP);
     }
 }
 

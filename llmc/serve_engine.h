@@ -242,7 +242,7 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
     }
     e->model = serve_model_create(comm, mem, config, params, N, serve_attend, e);
     paged_kv_init(&e->kv, mem, kv_blocks / P, block_size, config->num_layers / comm->pp, C);   // this stage's layers
-    serve_kvp_init(&e->kvp, comm, config, kv_blocks, block_size);
+    serve_kvp_init(&e->kvp, comm, mem, config, kv_blocks, block_size);
     e->max_blocks = paged_kv_blocks_for(&e->kv, e->maxT);
     e->running = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "running requests");
     e->waiting = (ServeRequest**)malloc_or_die(sizeof(ServeRequest*) * (size_t)max_requests, "waiting requests");
@@ -337,16 +337,17 @@ static inline void serve_preempt_latest(ServeEngine* e) {
 
 // Layer l's attention step (Activations.attend) on the step's N rows, qkv (N,3C) -> atty
 // (N,C): the new keys and values into their cache slots (a run of a request's rows at a time),
-// then each row against its request's keys (attention_forward_paged).
+// then each row against its request's keys (attention_forward_paged; under KVP over the
+// group, each rank's share of the keys, the partials combined: llmc/serve_kvp.h).
 static void serve_attend(void* ctx, int l, const float* qkv, float* atty, int C, int NH) {
     ServeEngine* e = (ServeEngine*)ctx;
-    if (e->kvp.P > 1) {   // each rank its share of the keys, the partials combined (llmc/serve_kvp.h)
-        serve_kvp_attend(&e->kvp, &e->kv, l, qkv, atty, e->row_pos, e->row_tables, e->max_blocks, e->num_rows);
-        return;
-    }
     float* kv = paged_kv_layer(&e->kv, l);
     for (int i = 0; i < e->num_runs; i++) {
         copy_rows(kv + e->run_slot[i], 2 * C, qkv + (size_t)e->run_row[i] * 3 * C + C, 3 * C, e->run_len[i], 2 * C);
+    }
+    if (e->kvp.P > 1) {
+        serve_kvp_attend(&e->kvp, &e->kv, l, qkv, atty, e->pos_dev, e->tables_dev, e->max_blocks, e->num_rows);
+        return;
     }
     attention_forward_paged(atty, e->att_scratch, qkv, kv, paged_kv_block_stride(&e->kv), e->tables_dev,
                             e->max_blocks, e->pos_dev, e->num_rows, e->maxT, e->kv.block_size, C, NH);
@@ -359,13 +360,17 @@ static inline void serve_forward(ServeEngine* e, int N) {
     int C = e->kv.C, bs = e->kv.block_size;   // this rank's channels of keys and values
     mem->from_host(e->pos_dev, e->row_pos, sizeof(int) * (size_t)N);
     mem->from_host(e->tables_dev, e->row_tables, sizeof(int) * (size_t)N * e->max_blocks);
-    // where each run of rows writes its keys and values: consecutive positions of one block
+    // where each run of rows writes its keys and values: consecutive slots of one block (a
+    // block belongs to one request); under KVP the rows whose positions this rank holds
     e->num_runs = 0;
     long block_stride = paged_kv_block_stride(&e->kv);
-    for (int r = 0, i = -1; r < N && e->kvp.P == 1; r++) {   // (a block belongs to one request; KVP: serve_kvp_attend)
+    for (int r = 0, i = -1; r < N; r++) {
         int p = e->row_pos[r];
-        long slot = e->row_tables[(size_t)r * e->max_blocks + p / bs] * block_stride + (long)(p % bs) * 2 * C;
-        if (i >= 0 && p % bs != 0 && slot == e->run_slot[i] + (long)e->run_len[i] * 2 * C) {
+        const int* table = e->row_tables + (size_t)r * e->max_blocks;
+        long slot = e->kvp.P > 1 ? serve_kvp_slot(&e->kvp, table, block_stride, p)
+                                 : table[p / bs] * block_stride + (long)(p % bs) * 2 * C;
+        if (slot < 0) { continue; }
+        if (i >= 0 && slot % block_stride != 0 && slot == e->run_slot[i] + (long)e->run_len[i] * 2 * C) {
             e->run_len[i]++;
         } else {
             i = e->num_runs++;
@@ -534,14 +539,15 @@ static inline void serve_step_send(ServeEngine* e, CommGroup* g, int* M) {
 
 // The step's rows from world rank 0 to every rank that runs them (its scheduler's choice; the
 // others follow): over the world; with --pp only to stage 0's ranks (serve_pipeline.h sends it
-// down the stages): over rank 0's ep group (the stage's tp rank 0s), then over each tp group.
+// down the stages): over rank 0's group across the stage's tp groups (the stage's tp rank 0s:
+// its KVP group under --kvp, else its ep group), then over each tp group.
 static inline void serve_step_broadcast(ServeEngine* e, int* M) {
     Comm* c = e->comm;
     if (c->pp == 1) {
         serve_step_send(e, &c->world, M);
         return;
     }
-    if (c->tp_rank == 0) { serve_step_send(e, &c->ep_group, M); }
+    if (c->tp_rank == 0) { serve_step_send(e, c->cp > 1 ? &c->cp_group : &c->ep_group, M); }
     serve_step_send(e, &c->tp_group, M);
 }
 

@@ -4,20 +4,24 @@
  *
  * THE STAGES: the trainer's grid (comm.h: tensor parallel fastest, pipeline slowest): stage s
  * is world ranks s*Q*K .. (s+1)*Q*K - 1, Q = --ep (default 1) tp groups of K ranks, its ep
- * groups the Q ranks of each tp coordinate (serve_parallel.h: every one of them computes every
+ * groups the Q ranks of each tp coordinate (serve_parallel.h: every one of them holds every
  * row, the experts dealt over the ep group, the routed rows sent by all-to-all within the
- * stage); the pp group of each (ep, tp) coordinate joins the S stages. Stage s holds layers [s*L/S, (s+1)*L/S) (--pp must divide L), the first stage also
+ * stage); with --kvp P instead each stage is a KVP x TP pool of P*K ranks (llmc/serve_kvp.h:
+ * its own KVP groups, its own pool for the output projection and the MLP, the KV cache of its
+ * layers cut along the positions over its KVP ranks). The pp group of each (ep or kvp, tp)
+ * coordinate joins the S stages. Stage s holds layers [s*L/S, (s+1)*L/S) (--pp must divide L), the first stage also
  * the embeddings, the last the final layernorm and the head (wte on both), placed as the
  * trainer places a stage (serve_model.c: pipeline.h's ChunkPlace, zero.h), and the KV cache of
  * its own layers only: L/S layers of the same blocks (the block tables are rank 0's).
  *
  * AN ITERATION: world rank 0 (stage 0, tp rank 0) schedules it (serve_engine_schedule) and
  * sends it down: stage 0's ranks get the step by broadcast (serve_step_broadcast: over rank 0's
- * ep group, then over each tp group), then each rank of stage s < S-1 sends the step and its
- * output rows (N x C floats, the residual stream after its last layer) to the rank of the same
- * (ep, tp) coordinate in stage s+1 (pp group, point to point); the last stage's ep rank 0 runs
- * the head (dense: its tp group alone) and its tp rank 0 sends the probabilities (M x Vp
- * floats) back to world rank 0 (pp group), which draws each request's token.
+ * ep group, or KVP group, then over each tp group), then each rank of stage s < S-1 sends the
+ * step and its output rows (N x C floats, the residual stream after its last layer) to the rank
+ * of the same coordinates in stage s+1 (pp group, point to point); the last stage's ep rank 0
+ * (KVP rank 0) runs the head (vocabulary-parallel: its tp group alone) and its tp rank 0 sends
+ * the probabilities (M x Vp floats) back to world rank 0 (pp group), which draws each
+ * request's token.
  *
  * SEVERAL ITERATIONS IN FLIGHT. The rule: a request is in at most one iteration in flight
  * (ServeRequest.in_flight), since its next row is the token its last one draws. Rank 0 keeps up
@@ -50,12 +54,13 @@
  *   other: each rank of stage s < S-1: the step to stage s+1, (2 + N*(2 + max_blocks) + M)*4
  *          (the counts, each row's token, position and block table, the head's rows, as floats);
  *          world rank 0 with K > 1 the same ints as the step broadcast over stage 0's tp group,
- *          with Q > 1 once more over its ep group
+ *          with Q > 1 once more over its ep group, with --kvp P > 1 over its KVP group
  *   ep:    (serve_parallel.h) within each stage, per MoE layer of its own, the routed rows'
  *          all-to-alls over its ep groups (routing-dependent)
  *   tp:    (serve_parallel.h) over each stage's tp group, for its own layers: stage 0 the
  *          embedding's all-reduce and 2 per layer, the later stages 2 per layer, the last also
- *          the head's max and sums and the gather of the probabilities
+ *          the head's max and sums and the gather of the probabilities; with --kvp the 2 per
+ *          layer over the stage's P*K pool (serve_kvp.h), and its KVP group's cp traffic
  * A decode step of one request is N = M = 1: per generated token C*4 bytes cross each of the
  * S-1 boundaries and Vp*4 come back. /metrics shows what rank 0 sent and received; each other
  * rank prints its totals when it ends (dev/test/test_serve_pp.sh checks both).
@@ -248,6 +253,11 @@ static inline void serve_pp_finish_oldest(ServePipeline* p, ServeEngine* e) {
     p->count--;
 }
 
+// Whether this rank of the last stage runs the head: it is vocabulary-parallel over a tp group
+// and the same on the others (the ep ranks', or under --kvp the KVP ranks' replicas of it), so
+// the tp group of ep rank 0 (KVP rank 0) runs it.
+static inline int serve_pp_runs_head(const Comm* c) { return c->cp > 1 ? c->cp_rank == 0 : c->ep_rank == 0; }
+
 // Every rank but world rank 0: the iterations as they come, until the end.
 static inline void serve_pp_follow(ServePipeline* p, ServeEngine* e) {
     int last = p->stage == p->S - 1;
@@ -268,7 +278,7 @@ static inline void serve_pp_follow(ServePipeline* p, ServeEngine* e) {
         p->rows += e->num_rows;
         if (!last) {
             serve_pp_send_down(p, e, M);
-        } else if (M > 0 && e->comm->ep_rank == 0) {   // the head is dense: one ep rank's tp group runs it
+        } else if (M > 0 && serve_pp_runs_head(e->comm)) {
             e->mem->from_host(e->head_rows_dev, e->head_rows, sizeof(int) * (size_t)M);
             serve_model_head(e->model, e->num_rows, e->head_rows_dev, M, e->probs);
             p->head_rows += M;

@@ -102,11 +102,13 @@ static inline size_t tp_piece_canonical(const TPPiece* p, size_t i) {
 
 // How a rank's slices are cut (Megatron's names for who holds what): the heads (qkv) and the
 // vocabulary (wte) in K slices, of which it holds slice r; the attention output projection and
-// the MLP (attprojw, fcw, fcb, fcprojw, and each expert's fc and fcproj) in ffn_K slices, of
-// which it holds ffn_r. The same K and r (tp_cut) but in Helix's layout in the server
-// (llmc/serve_kvp.h: the output projection and the MLP over all K x P ranks of the pool).
-typedef struct { int K, r, ffn_K, ffn_r; } TPCut;
-static inline TPCut tp_cut(int K, int r) { TPCut cut = {K, r, K, r}; return cut; }
+// the MLP (attprojw, fcw, fcb, fcprojw) in ffn_K slices, of which it holds ffn_r; each expert's
+// fc and fcproj in exp_K slices (Megatron's expert tensor parallelism), of which it holds
+// exp_r. The same K and r (tp_cut) but in Helix's layout in the server (llmc/serve_kvp.h: the
+// output projection and the MLP over all K x P ranks of the pool, the experts over the pool's
+// ranks that hold the same ones).
+typedef struct { int K, r, ffn_K, ffn_r, exp_K, exp_r; } TPCut;
+static inline TPCut tp_cut(int K, int r) { TPCut cut = {K, r, K, r, K, r}; return cut; }
 
 // Whether tensor t sits after attention, in the cut's ffn_K slices.
 static inline int tp_after_attention(int t) { return t == P_ATTPROJW || t == P_FCW || t == P_FCB || t == P_FCPROJW; }
@@ -156,9 +158,11 @@ static inline int tp_unit_pieces(const GPT2Config* c, TPCut cut, int u, TPPiece*
 
 // The pieces of the expert unit of `layer` holding experts [e0, e0 + El): fcw, fcb, fcprojw,
 // fcprojb (tensor-major), within each the experts in order, each split like the dense MLP's
-// tensor (the cut's ffn_K slices). Returns their count (4 El).
+// tensor but in the cut's exp_K slices. Returns their count (4 El).
 static inline int tp_expert_unit_pieces(const GPT2Config* c, TPCut cut, int layer, int e0, int El, TPPiece* out) {
     static const int tensors[4] = {P_FCW, P_FCB, P_FCPROJW, P_FCPROJB};
+    cut.ffn_K = cut.exp_K;
+    cut.ffn_r = cut.exp_r;
     int n = 0;
     size_t local = 0;
     for (int i = 0; i < 4; i++) {

@@ -1,7 +1,7 @@
-# Fast mode on the emulated GPU (dev/gpu/emu): flash attention against the double-precision
-# reference with per-element bounds, and llmc/matmul_cublaslt.cuh on the cuBLASLt stand-in
-# (dev/test/test_fast_emu.cpp), once plain and once with the race check (mk/cuda.mk's flags
-# and emulator objects).
+# Fast mode on the emulated GPU (dev/gpu/emu): flash attention and the context-parallel ring's
+# blocks against the double-precision reference with per-element bounds, and
+# llmc/matmul_cublaslt.cuh on the cuBLASLt stand-in (dev/test/test_fast_emu.cpp), once plain
+# and once with the race check (mk/cuda.mk's flags and emulator objects).
 build/test_fast_emu: dev/test/test_fast_emu.cpp dev/gpu/attention_reference.h build/cuda_emu.o $(LLMC_HEADERS) \
                      $(CUDA_HEADERS) $(EMU_FILES) | build
 	$(CXX) $(EMU_TEST_FLAGS) -x c++ $< -x none build/cuda_emu.o -o $@ -lm

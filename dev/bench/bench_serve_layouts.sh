@@ -4,7 +4,8 @@
 # under build/serve_load, with long prompts:
 #   on a random d12 (GPT-2 124M's shape, maxT 1024): one process, --tp 2, --pp 2, --kvp 2,
 #     --tp 2 --kvp 2 (4 ranks);
-#   on a random d12 with 8 experts per layer, top 2 (d12e8k2): one process, --ep 2, --tp 2 --ep 2.
+#   on a random d12 with 8 experts per layer, top 2 (d12e8k2): one process, --ep 2, --tp 2 --ep 2,
+#     --kvp 2 --ep 2 (Helix: attention KVP 2, the experts over the same 2 ranks).
 # Every request: PROMPT_TOKENS token ids of tiny Shakespeare (the repo's tokenized
 # tiny_shakespeare_val.bin, from a random offset; default 992, so that with OUT = 32 generated
 # tokens the context reaches d12's maxT of 1024), greedy with ignore_eos; N requests per row, all
@@ -104,4 +105,5 @@ row "d12, --tp 2 --kvp 2" "$DENSE" 4 --tp 2 --kvp 2
 row "d12e8k2, one process" "$MOE" 1
 row "d12e8k2, --ep 2" "$MOE" 2 --ep 2
 row "d12e8k2, --tp 2 --ep 2" "$MOE" 4 --tp 2 --ep 2
+row "d12e8k2, --kvp 2 --ep 2" "$MOE" 2 --kvp 2 --ep 2
 echo "load average after $(cut -d' ' -f1 /proc/loadavg)"

@@ -1,6 +1,7 @@
 # The across-ranks servers' tests' shared part (test_serve_parallel.sh, test_serve_kvp.sh,
 # test_serve_pp.sh), sourced after serve_lib.sh: a checkpoint to serve (train), a POST and a
-# metric (post, metric), the workload each layout's answers are compared on (workload; the
+# metric (post, metric), a lone request's growth of metrics and its routing (lone_request,
+# routing), the workload each layout's answers are compared on (workload; the
 # pipeline's test has its own), and a layout refused at startup (refuse).
 train() {   # MODEL DIR: a 3-step checkpoint of MODEL (what is served matters, not how well)
   ./train_gpt2 -e "$1" -i $D/tiny_shakespeare_train.bin -b 4 -t 64 -x 3 -v 0 -s 0 -l 3e-3 -n 3 -o "$W/$2" \
@@ -11,6 +12,25 @@ post() {   # NAME BODY: the answer in $W/NAME.json; prints the HTTP status
   curl -s -o "$W/$1.json" -w '%{http_code}' -H 'Content-Type: application/json' "$URL/v1/completions" --data-binary "$2"
 }
 metric() { curl -s "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
+# A lone greedy request with a one-token prompt (every step one row: N = M = 1), 8 tokens: what
+# the metrics NAMES... grew by, in order
+lone_request() {
+  local before after m
+  before=$(for m in "$@"; do metric "$m"; done | tr '\n' ' ')
+  post lone "{\"prompt\":[198],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+  after=$(for m in "$@"; do metric "$m"; done | tr '\n' ' ')
+  awk -v b="$before" -v a="$after" 'BEGIN { n = split(b, x); split(a, y); for (i = 1; i <= n; i++) printf "%d ", y[i] - x[i] }'
+}
+# ... and the slots it routed to each of an expert model's E experts over its steps and layers
+# [L0, L1) (the one process's routing: what the experts' traffic is recomputed from)
+routing() {   # E L0 L1
+  local e l names=()
+  for ((l = $2; l < $3; l++)); do
+    for ((e = 0; e < $1; e++)); do names+=("serve_expert_slots_total{layer=\"$l\",expert=\"$e\"}"); done
+  done
+  lone_request "${names[@]}" | awk -v E=$1 '{ for (i = 1; i <= NF; i++) slots[(i - 1) % E] += $i
+                                              for (e = 0; e < E; e++) printf "%d ", slots[e] }'
+}
 read -r -a toks <"$D/tinyshakespeare_first1000.tokens.txt"
 PROMPT=5962,22307,25,198
 

@@ -11,7 +11,8 @@
 #      for the row half: the 16x16x16 tile must differ from the triple loop and flash
 #      attention leave its tolerance;
 #   4. a missing cp.async wait (the flash forward's wait_group 1): the forward must fail;
-#   5. an off-by-one in the flash forward's causal mask (each query sees one future key);
+#   5. an off-by-one in the flash kernels' causal mask (fa_hidden: each query sees one future
+#      key): flash attention and the ring's diagonal block (kernels_fast_cp.cuh) must fail;
 #   6. a cuBLASLt call with a misaligned pointer: lt_matmul no longer passes A's alignment in
 #      the preference (cuBLASLt then assumes 256 bytes), and an input at a 2-byte offset must
 #      be refused by the stand-in (CUBLAS_STATUS_INVALID_VALUE = 7);
@@ -80,8 +81,7 @@ build fragment build/test_emu build/test_fast_emu
 mutant no_wait llmc/attention_flash.cuh '0,/cp_async_wait<1>();/{/cp_async_wait<1>();/d}' "the forward's cp_async_wait<1>"
 build no_wait build/test_fast_emu
 # 5. the causal mask one key late
-mutant mask llmc/attention_flash.cuh 's|if (kt == qt \&\& key > q) { v = -INFINITY; }|if (kt == qt \&\& key > q + 1) { v = -INFINITY; }|' \
-  "the forward's causal mask"
+mutant mask llmc/attention_flash.cuh 's|(m.causal \&\& key > q)|(m.causal \&\& key > q + 1)|' "fa_hidden's causal mask"
 build mask build/test_fast_emu
 # 6. a misaligned pointer passed to cuBLASLt
 mutant align llmc/matmul_cublaslt.cuh '/CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES/d' "the preference's A alignment"
@@ -110,5 +110,7 @@ expect_caught fragment build/test_emu "FAIL: ldmatrix + mma.sync" "a wrong ldmat
 expect_caught fragment build/test_fast_emu "FAIL: flash forward" "... and flash attention"
 expect_caught no_wait build/test_fast_emu "FAIL: flash forward" "a missing cp.async wait"
 expect_caught mask build/test_fast_emu "FAIL: flash forward" "an off-by-one in the causal mask"
+grep -q "FAIL: ring forward" "$W/mask.test_fast_emu.log" || fail "test_fast_emu passed the ring's diagonal block with an off-by-one causal mask"
+pass "... and the ring's diagonal block: $(grep -m1 "FAIL: ring forward" "$W/mask.test_fast_emu.log" | cut -c1-100)"
 expect_caught align build/test_fast_emu "cuBLASLt error 7" "a cuBLASLt call with a misaligned pointer"
 expect_caught bias_stride build/test_fast_emu "FAIL: grouped expert matmul" "the experts' batch without its bias stride"

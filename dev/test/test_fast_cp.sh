@@ -17,10 +17,10 @@
 #   step 0's train loss and the validation loss before any update: equal to one rank's;
 #   |d loss| <= tol = S u sqrt(p K_cp / N), rel |d norm| <= tol sqrt(2)
 # plus fast_tolerance.awk's growth over later steps (tol_norm0 sqrt(s) (l_0 - l_s)).
-# THE RING's attention is other arithmetic than one rank's flash kernels (each block's partial
-# output and log-sum-exp merged by rescaling, P kept in fp32 where the flash kernels round it to
-# bf16), so its tolerance against one rank is fast mode's against fp32: dev/gpu/fast_tolerance.awk
-# with one rank's fast run as the reference.
+# THE RING's attention is other arithmetic than one rank's (the flash kernels per K|V block, each
+# block's fp32 partial output and log-sum-exp merged by rescaling), so its tolerance against one
+# rank is fast mode's against fp32: dev/gpu/fast_tolerance.awk with one rank's fast run as the
+# reference.
 #   1. --cp 2 --cp-mode a2a against one rank within that tolerance (the same samples: the
 #      sampler runs whole sequences), and with ZeRO-3 (not ZeRO-0's bits: ZeRO-0 sums a rank's
 #      microbatches before the ranks, ZeRO-3 each microbatch's ranks first, and the ranks'

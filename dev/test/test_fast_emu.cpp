@@ -10,6 +10,10 @@
  *     LLMC_EMU_SEED (another block and thread order) and must give the same bits. The KV
  *     cache's one-row launch: row t (at tile edges) is the full forward's bit for bit, the
  *     rows after t NaN.
+ *   the ring's blocks (llmc/kernels_fast_cp.cuh: the flash kernels on fp32 outputs under the
+ *     ring's three masks, the log-sum-exp merge, the backward with the global statistics)
+ *     for every rank of N = 2, 3 on one process, against the same reference of the whole
+ *     sequence through the zig-zag layout with the same bounds; every output starts as NaN.
  *   cuBLASLt (dev/gpu/emu/cublasLt.h) through llmc/matmul_cublaslt.cuh unchanged: the forward
  *     with bias and with GELU_AUX_BIAS, the input gradient plain and with DGELU, the fp32
  *     weight gradient, each bit-identical to a triple loop that sums the bf16 products in k
@@ -43,6 +47,7 @@
 #include "llmc/attention_flash.cuh"
 #include "llmc/matmul_cublaslt.cuh"
 #include "llmc/kernels_fast_moe.cuh"
+#include "llmc/kernels_fast_cp.cuh"
 #include "dev/gpu/attention_reference.h"
 
 static int failures = 0;
@@ -147,6 +152,116 @@ static void flash_row_case(int T, int NH, int HS, const int* rows, int nrows) {
     free(h_qkv); free(h_dout); free(full);
     reference_free(&r);
     device_free(d_qkv); device_free(d_full); device_free(d_stats);
+}
+
+// ---- the ring's blocks (context parallelism) -----------------------------------------------
+
+// global position of row t of rank r's zig-zag slice: stretches r and 2N-1-r of T/2N
+static int zigzag_position(int t, int T, int N, int r) {
+    int S = T / (2 * N);
+    return t < S ? r * S + t : (2 * N - 1 - r) * S + t - S;
+}
+
+// kernels_fast_cp.cuh's ring for every rank of N on this one process, as each rank computes it:
+// its blocks in its pass's order (its own, then r-1, r-2, ...: ring_block_forward merging
+// each), the output rounded once; D from that output, ring_block_backward per block with the
+// global log-sum-exp, and each block's owner summing the N ranks' dk|dv partials in rank order
+// (fp32) and rounding once. Against the double reference of the whole sequence (the slices'
+// rows put back in place) with flash_case's bounds; every output and scratch starts as NaN.
+static void ring_case(int N, int B, int T, int NH, int HS) {
+    const int C = NH * HS, Tq = T / N;
+    const long rows = (long)B * Tq;
+    const size_t n_qkv = (size_t)B * T * 3 * C, n_out = (size_t)B * T * C, n_st = (size_t)B * NH * T;
+    floatX* h_qkv = (floatX*)malloc_or_die(n_qkv * sizeof(floatX), "qkv");
+    floatX* h_dout = (floatX*)malloc_or_die(n_out * sizeof(floatX), "dout");
+    Ref r;
+    reference_case(&r, B, T, NH, HS, h_qkv, h_dout);
+    reference(&r);
+    // rank q's slices: q|k|v (rows, 3C), its K|V block (rows, 2C), d out (rows, C)
+    floatX* s_qkv = (floatX*)malloc_or_die(n_qkv * sizeof(floatX), "slices");
+    floatX* s_kv = (floatX*)malloc_or_die((size_t)N * rows * 2 * C * sizeof(floatX), "slices");
+    floatX* s_dout = (floatX*)malloc_or_die(n_out * sizeof(floatX), "slices");
+    for (int q = 0; q < N; q++) {
+        for (int b = 0; b < B; b++) {
+            for (int t = 0; t < Tq; t++) {
+                size_t row = (size_t)q * rows + (size_t)b * Tq + t, g = (size_t)b * T + zigzag_position(t, T, N, q);
+                memcpy(s_qkv + row * 3 * C, h_qkv + g * 3 * C, 3 * C * sizeof(floatX));
+                memcpy(s_kv + row * 2 * C, h_qkv + g * 3 * C + C, 2 * C * sizeof(floatX));
+                memcpy(s_dout + row * C, h_dout + g * C, C * sizeof(floatX));
+            }
+        }
+    }
+    floatX *d_qkv = device_copy(s_qkv, n_qkv), *d_kv = device_copy(s_kv, (size_t)N * rows * 2 * C);
+    floatX* d_dout = device_copy(s_dout, n_out);
+    floatX* d_out = (floatX*)device_nan(n_out * sizeof(floatX));
+    float* d_o = (float*)device_nan(n_out * sizeof(float));       // every rank's running output
+    float* d_lse = (float*)device_nan(n_st * sizeof(float));      // and log-sum-exp
+    float* d_o_blk = (float*)device_nan(rows * C * sizeof(float));
+    float* d_lse_blk = (float*)device_nan(rows * NH * sizeof(float));
+    float* d_D = (float*)device_nan(rows * NH * sizeof(float));
+    float* d_dq = (float*)device_nan(n_out * sizeof(float));
+    float* d_part = (float*)device_nan((size_t)N * N * rows * 2 * C * sizeof(float));   // [rank][block]
+    for (int q = 0; q < N; q++) {
+        const floatX* qkv = d_qkv + q * rows * 3 * C;
+        float *o = d_o + q * rows * C, *lse = d_lse + q * rows * NH;
+        for (int i = 0; i < N; i++) {
+            int s = (q - i + N) % N;
+            ring_block_forward(o, lse, d_o_blk, d_lse_blk, qkv, d_kv + s * rows * 2 * C, B, T, C, NH, N, q, s);
+        }
+        ring_round_rows(d_out + q * rows * C, C, o, C, rows, C);
+        attention_backward_D_fast(d_D, d_dout + q * rows * C, d_out + q * rows * C, B, Tq, C, NH);
+        for (int i = 0; i < N; i++) {
+            int s = (q - i + N) % N;
+            ring_block_backward(d_dq + q * rows * C, d_part + ((size_t)q * N + s) * rows * 2 * C, d_dout + q * rows * C,
+                                qkv, d_kv + s * rows * 2 * C, lse, d_D, B, T, C, NH, N, q, s);
+        }
+    }
+    floatX* out_s = host_copy(d_out, n_out);
+    float *lse_s = host_copy(d_lse, n_st), *dq_s = host_copy(d_dq, n_out);
+    float* part = host_copy(d_part, (size_t)N * N * rows * 2 * C);
+    // the whole sequence's out, stats and dqkv, rows in place
+    floatX* out = (floatX*)malloc_or_die(n_out * sizeof(floatX), "out");
+    float* stats = (float*)malloc_or_die(n_st * sizeof(float), "stats");
+    floatX* dqkv = (floatX*)malloc_or_die(n_qkv * sizeof(floatX), "dqkv");
+    for (int q = 0; q < N; q++) {
+        for (int b = 0; b < B; b++) {
+            for (int t = 0; t < Tq; t++) {
+                size_t row = (size_t)q * rows + (size_t)b * Tq + t, g = (size_t)b * T + zigzag_position(t, T, N, q);
+                memcpy(out + g * C, out_s + row * C, C * sizeof(floatX));
+                for (int c = 0; c < C; c++) {
+                    dqkv[g * 3 * C + c] = __float2bfloat16_rn(dq_s[row * C + c]);
+                    for (int kv = 0; kv < 2; kv++) {
+                        float sum = 0.0f;   // the owner's (q's) sum over the ranks' partials of its block
+                        for (int from = 0; from < N; from++) {
+                            sum += part[(((size_t)from * N + q) * rows + (size_t)b * Tq + t) * 2 * C + kv * C + c];
+                        }
+                        dqkv[g * 3 * C + (1 + kv) * C + c] = __float2bfloat16_rn(sum);
+                    }
+                }
+                for (int h = 0; h < NH; h++) {
+                    stats[((size_t)b * NH + h) * T + zigzag_position(t, T, N, q)] =
+                        lse_s[(size_t)q * rows * NH + ((size_t)b * NH + h) * Tq + t];
+                }
+            }
+        }
+    }
+    Cmp c_out = compare_bf16(out, r.out, r.tol_out, B, T, C, -1);
+    Cmp c_lse = compare_stats(stats, r.lse, (long)n_st, 0.69314718055994530942);   // base 2 -> e
+    Cmp c_dq = compare_bf16(dqkv, r.dqkv, r.tol_dqkv, B, T, C, 0);
+    Cmp c_dk = compare_bf16(dqkv, r.dqkv, r.tol_dqkv, B, T, C, 1);
+    Cmp c_dv = compare_bf16(dqkv, r.dqkv, r.tol_dqkv, B, T, C, 2);
+    int pass = !c_out.bad && !c_lse.bad && !c_dq.bad && !c_dk.bad && !c_dv.bad;
+    printf("ring N=%d B=%d T=%3d (T/N %3d) NH=%d HS=%2d  %-4s worst |err|/tol: out %.3f lse %.3f dq %.3f dk %.3f dv %.3f\n",
+           N, B, T, Tq, NH, HS, pass ? "ok" : "FAIL", c_out.ratio, c_lse.ratio, c_dq.ratio, c_dk.ratio, c_dv.ratio);
+    CHECK(!c_out.bad && !c_lse.bad, "ring forward N=%d B=%d T=%d NH=%d HS=%d: %ld + %ld elements over tolerance", N, B,
+          T, NH, HS, c_out.bad, c_lse.bad);
+    CHECK(!c_dq.bad && !c_dk.bad && !c_dv.bad, "ring backward N=%d B=%d T=%d NH=%d HS=%d: %ld elements over tolerance",
+          N, B, T, NH, HS, c_dq.bad + c_dk.bad + c_dv.bad);
+    void* host[] = {h_qkv, h_dout, s_qkv, s_kv, s_dout, out_s, lse_s, dq_s, part, out, stats, dqkv};
+    for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) { free(host[i]); }
+    void* dev[] = {d_qkv, d_kv, d_dout, d_out, d_o, d_lse, d_o_blk, d_lse_blk, d_D, d_dq, d_part};
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) { device_free(dev[i]); }
+    reference_free(&r);
 }
 
 // ---- cuBLASLt --------------------------------------------------------------------------------
@@ -707,6 +822,15 @@ int main(void) {
 #endif
     for (size_t i = 0; i < sizeof(flash_cases) / sizeof(flash_cases[0]); i++) {
         flash_case(flash_cases[i][0], flash_cases[i][1], flash_cases[i][2], flash_cases[i][3]);
+    }
+    // N B T NH HS: T/N a multiple of 64 and not, the stretches T/2N crossing a tile edge
+#if LLMC_EMU_RACE_CHECK
+    static const int ring_cases[][5] = {{2, 1, 68, 1, 16}};
+#else
+    static const int ring_cases[][5] = {{2, 1, 128, 1, 16}, {2, 2, 100, 2, 32}, {2, 1, 260, 1, 64}, {3, 1, 150, 2, 16}};
+#endif
+    for (size_t i = 0; i < sizeof(ring_cases) / sizeof(ring_cases[0]); i++) {
+        ring_case(ring_cases[i][0], ring_cases[i][1], ring_cases[i][2], ring_cases[i][3], ring_cases[i][4]);
     }
     static const int rows[] = {0, 1, 63, 64, 65, 127, 129};
 #if LLMC_EMU_RACE_CHECK

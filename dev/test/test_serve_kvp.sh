@@ -13,29 +13,31 @@
 #   3. the capacity per rank: --kvp 2 runs with --kv-blocks 4, 2 blocks of 16 positions per rank
 #      (one request of maxT: the workload queues and preempts), and two concurrent 60-position
 #      requests there = the one-process answers;
-#   4. --kvp 2 on a model of 4 experts (top 2): greedy and top-k = one process's, tp bytes per
-#      token and weights per rank = the formulas (each expert's MLP cut over the pool);
+#   4. a model of 4 experts (top 2): --kvp 2 (each expert's MLP cut over the pool), --kvp 2
+#      --ep 2 and --kvp 2 --tp 2 --ep 2 (Helix's FFN as TP x EP on the same ranks): greedy and
+#      top-k at once = one process's; the kvp, tp, ep and other bytes per token against the
+#      formulas (the experts' from the one process's routing), the weights and the KV cache per
+#      rank;
 #   5. the refused layouts, one line each.
 # Every layout is Helix's: attention's partials reduce-scattered by heads over the KVP group,
-# the output projection and the MLP tensor-parallel over all P x K ranks.
+# the output projection and the MLP tensor-parallel over all P x K ranks (with --ep Q the
+# experts dealt over Q of them, each cut over the other P K / Q).
 set -u
 cd "$(dirname "$0")/../.."
 . dev/test/serve_lib.sh            # D, J, W, fail, pass; start_server, stop_server
-. dev/test/serve_parallel_lib.sh   # train, post, metric, toks, PROMPT, workload
+. dev/test/serve_parallel_lib.sh   # train, post, metric, lone_request, routing, toks, PROMPT, workload
 export MPI_TIMEOUT=120             # dev/test/mpi.sh: a hung layout fails instead of blocking
 train d2c32h4t64 dense
 CK=$W/dense/model_00000003.bin
 L=2 C=32 NH=4 T=64 VP=50304        # the checkpoint's shape
 LONG_PROMPT="50 12"                # workload: 50 prompt tokens, 12 drawn: positions 0 .. 61
 
-# Per generated token of a lone request with a one-token prompt (every step one row), what
-# rank 0 sent by kind: "TP OTHER CP" (cp: the KVP group's collectives)
+# Per generated token of a lone request (lone_request), what rank 0 sent by kind: "TP OTHER CP
+# EP" (cp: the KVP group's collectives)
 bytes_per_token() {
-  local before after k
-  before=$(for k in tp other cp; do metric "serve_collective_bytes_total{kind=\"$k\"}"; done | tr '\n' ' ')
-  post lone "{\"prompt\":[198],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
-  after=$(for k in tp other cp; do metric "serve_collective_bytes_total{kind=\"$k\"}"; done | tr '\n' ' ')
-  awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8 }'
+  lone_request "serve_collective_bytes_total{kind=\"tp\"}" "serve_collective_bytes_total{kind=\"other\"}" \
+    "serve_collective_bytes_total{kind=\"cp\"}" "serve_collective_bytes_total{kind=\"ep\"}" |
+    awk '{ print $1 / 8, $2 / 8, $3 / 8, $4 / 8 }'
 }
 # The formulas for one row: an all-reduce of n floats over G ranks sends 2(G-1)ceil(n/G)*4 bytes,
 # a reduce-scatter of G x n floats (G-1)*n*4.
@@ -104,7 +106,7 @@ for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8 --kv-memory 67584" 
   cmp -s "$W/one.out" "$W/$tag.out" ||
     fail "$flags on $np ranks: answers differ from one process's: $(diff "$W/one.out" "$W/$tag.out" | head -4)"
   read -r want_cp want_tp want_other want_weights <<<"$(formulas "$P" "$K" "$bs")"
-  read -r tp other cp <<<"$(bytes_per_token)"
+  read -r tp other cp ep <<<"$(bytes_per_token)"
   [ "$cp" = "$want_cp" ] || fail "$flags: KVP bytes per token $cp, the formula says $want_cp"
   [ "$tp" = "$want_tp" ] || fail "$flags: tp bytes per token $tp, the formula says $want_tp"
   [ "$other" = "$want_other" ] || fail "$flags: other bytes per token $other, the formula says $want_other"
@@ -131,45 +133,80 @@ for l in "2:--kvp 2 --kv-blocks 4" "4:--kvp 4 --block-size 8 --kv-memory 67584" 
   pass "$flags on $np ranks = one process (greedy, top-k, 7 concurrent mixed, stream; probabilities' bits); per token kvp $cp B, tp $tp B, other $other B = the formulas; KV cache per rank $bytes B = 1/$((P * K)) of one process's$capacity_note"
 done
 
-# --- 4. an expert model (4 experts, top 2, 2 heads): each expert's MLP cut over the pool ------
-# greedy and seeded top-k = one process's; per token the tp bytes are per layer the output
-# projection's all-reduce of C floats and the experts' of the k rows they received (every
-# row's k slots on every rank: no --ep), over P = 2 ranks; the weights per rank count each
-# expert's fc and fcproj halved
-train d2c32h2t64e4k2 moe
+# --- 4. an expert model (4 experts, top 2, 4 heads): Helix's FFN as TP x EP on the pool ------
+# --kvp 2 (each expert's MLP cut over the pool), --kvp 2 --ep 2 (the experts dealt over the
+# 2 ranks, each whole), --kvp 2 --tp 2 --ep 2 (4 ranks: the experts over the KVP groups, each
+# cut over a tp group): greedy and seeded top-k at once = one process's; per token of a lone
+# request, each kind of rank 0's bytes against the formulas below, recomputed from the shape
+# and the routing the one process reports for the same request; the weights and the KV cache
+# per rank.
+train d2c32h4t64e4k2 moe
 CK=$W/moe/model_00000003.bin E=4 k=2
-expert_answers() {   # TAG
-  post "$1_greedy" "{\"prompt\":[$PROMPT],\"max_tokens\":24,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
+expert_answers() {   # TAG: both at once (each ep rank's share of a decode step one row)
+  post "$1_greedy" "{\"prompt\":[$PROMPT],\"max_tokens\":24,\"temperature\":0,\"ignore_eos\":true}" >/dev/null &
+  local greedy=$!
   post "$1_topk" "{\"prompt\":\"First Citizen:\",\"max_tokens\":24,\"temperature\":1,\"top_k\":40,\"seed\":1337,\"ignore_eos\":true}" >/dev/null
+  wait "$greedy"
   for r in greedy topk; do $J "$W/$1_$r.json" choices.0.token_ids choices.0.probs_fnv1a || echo "no answer for $r"; done >"$W/$1.out"
 }
 start_server
 expert_answers moe_one
+read -r -a slots <<<"$(routing $E 0 $L)"   # the lone request's slots per expert (8 steps x L x k)
 stop_server || fail "the one-process expert server's exit status after SIGTERM was not 0"
-SERVE_LAUNCH="dev/test/mpi.sh 2" start_server --kvp 2
-expert_answers moe_kvp2
 grep -q "no answer" "$W/moe_one.out" && fail "the one-process expert server: requests unanswered"
-cmp -s "$W/moe_one.out" "$W/moe_kvp2.out" ||
-  fail "--kvp 2 on the expert model: answers differ from one process's: $(diff "$W/moe_one.out" "$W/moe_kvp2.out" | head -4)"
-read -r tp other cp <<<"$(bytes_per_token)"
-read -r want_tp want_weights <<<"$(awk -v L=2 -v C=$C -v NH=2 -v T=$T -v Vp=$VP -v E=$E -v k=$k '
-  function ar(G, n) { return 2 * (G - 1) * int((n + G - 1) / G) * 4 }
-  BEGIN { layer = 2 * C + 3 * C * C + 3 * C + C * C / 2 + C + 2 * C + E * C + E * (4 * C * C / 2 + 4 * C / 2 + 4 * C * C / 2 + C)
-          print L * (ar(2, C) + ar(2, k * C)), (Vp * C + T * C + L * layer + 2 * C) * 4 }')"
-[ "$tp" = "$want_tp" ] || fail "--kvp 2 on the expert model: tp bytes per token $tp, the formula says $want_tp"
-grep -q "^serve_gpt2: kvp 2: .*; weights per rank $want_weights bytes" "$W/server.out" ||
-  fail "--kvp 2 on the expert model: the startup line does not say $want_weights bytes of weights per rank: $(grep kvp "$W/server.out")"
-stop_ranks 2 "--kvp 2 on the expert model"
-pass "--kvp 2 on a 4-expert top-2 model = one process (greedy, top-k; probabilities' bits); per token tp $tp B = the formula; weights per rank $want_weights B"
+[ $((slots[0] + slots[1] + slots[2] + slots[3])) = $((8 * L * k)) ] || fail "the one process routed ${slots[*]} slots per expert"
+# The formulas for a lone request's 8 tokens on rank 0 (pool slice 0: ep rank 0, holding experts
+# [0, E/Q) cut into G/Q slices, its ep group's other ranks' shares of each one-row step empty),
+# per token: cp as for the dense model; tp the embedding's and the head's over K, per layer the
+# output projection's all-reduce of C over G = P K and the experts' of the rows rank 0's
+# experts got (the slots that stay, a row each) over G/Q; ep per layer the E/Q counts and the
+# output row of C to each other ep rank, a position and a row per slot going out; other the
+# step, the vocabulary gather, (Q-1) ints per layer; the weights: qkv and wte cut K ways, the
+# output projection G ways, E/Q experts each cut G/Q ways.
+expert_formulas() {   # P K Q: "CP TP EP OTHER WEIGHTS"
+  awk -v P=$1 -v K=$2 -v Q=$3 -v L=$L -v C=$C -v NH=$NH -v T=$T -v Vp=$VP -v E=$E -v s="${slots[*]}" '
+    function ar(G, n) { return 2 * (G - 1) * int((n + G - 1) / G) * 4 }
+    BEGIN { G = P * K; X = G / Q; El = E / Q; split(s, slot); stay = out = 0
+            for (e = 0; e < E; e++) { if (e < El) stay += slot[e + 1]; else out += slot[e + 1] }
+            layer = 2 * C + 3 * C * C / K + 3 * C / K + C * C / G + C + 2 * C + E * C + El * (8 * C * C / X + 4 * C / X + C)
+            print L * (2 * ar(P, NH / K) + (P - 1) * C / G * 4),
+                  ar(K, C) + ar(K, 1) + ar(K, 2) + L * ar(G, C) + stay * 2 * (X - 1) * C / X * 4 / 8,
+                  L * (Q - 1) * (El + C) * 4 + out * (C + 1) * 4 / 8,
+                  (2 + (2 + T / 16) + 1) * 4 + (K - 1) * Vp / K * 4 + L * (Q - 1) * 4,
+                  (Vp * C / K + T * C + L * layer + 2 * C) * 4 }'
+}
+for l in "2:--kvp 2" "2:--kvp 2 --ep 2" "4:--kvp 2 --tp 2 --ep 2"; do
+  np=${l%%:*} flags=${l#*:} K=1 Q=1 P=2
+  [[ $flags =~ --tp\ ([0-9]+) ]] && K=${BASH_REMATCH[1]}
+  [[ $flags =~ --ep\ ([0-9]+) ]] && Q=${BASH_REMATCH[1]}
+  SERVE_LAUNCH="dev/test/mpi.sh $np" start_server $flags
+  grep -q "serve_gpt2: $np ranks (tp $K x ep $Q x kvp $P x pp 1)" "$W/server.out" || fail "$flags: not $np ranks: $(head -3 "$W/server.out")"
+  tag=moe_kvp${P}_tp${K}_ep$Q
+  expert_answers "$tag"
+  cmp -s "$W/moe_one.out" "$W/$tag.out" ||
+    fail "$flags on the expert model: answers differ from one process's: $(diff "$W/moe_one.out" "$W/$tag.out" | head -4)"
+  read -r tp other cp ep <<<"$(bytes_per_token)"
+  read -r want_cp want_tp want_ep want_other want_weights <<<"$(expert_formulas $P $K $Q)"
+  for kind in cp tp ep other; do
+    want=want_$kind
+    [ "${!kind}" = "${!want}" ] || fail "$flags on the expert model: $kind bytes per token ${!kind}, the formula says ${!want} (routing ${slots[*]})"
+  done
+  grep -q "^serve_gpt2: kvp $P: .*; weights per rank $want_weights bytes" "$W/server.out" ||
+    fail "$flags on the expert model: the startup line does not say $want_weights bytes of weights per rank: $(grep kvp "$W/server.out")"
+  cache=$((8 * T / 16 / P * L * 16 * 2 * C / K * 4))   # the default 8 requests of maxT, 1/P of the blocks, C/K channels
+  [ "$(metric serve_kv_cache_bytes_per_rank)" = "$cache" ] || fail "$flags on the expert model: KV cache per rank is not $cache bytes"
+  stop_ranks "$np" "$flags on the expert model"
+  pass "$flags on a 4-expert top-2 model ($np ranks) = one process (greedy and top-k at once; probabilities' bits); per token kvp $cp B, tp $tp B, ep $ep B, other $other B = the formulas (routing ${slots[*]}); weights per rank $want_weights B, KV cache per rank $cache B"
+done
+refuse "$CK" "^error: --ep 4 with --kvp 2 x --tp 1: the experts are dealt over ep ranks of the pool of 2, expected a divisor of 2" --kvp 2 --ep 4
 CK=$W/dense/model_00000003.bin
 
 # --- 5. refused layouts -------------------------------------------------------------------
 refuse "$CK" "^error: --kvp 3: expected 1, 2, 4 or 8" --kvp 3
 refuse "$CK" "^error: --kvp 4 with --block-size 16: expected 2 x kvp x block size (128) to divide the context length 64" --kvp 4
-refuse "$CK" "^error: --kvp 2 with --ep 2: KV parallelism does not compose with expert parallelism" --kvp 2 --ep 2
 refuse "$CK" "^error: --kv-blocks 5 with --kvp 2: expected a multiple of 2" --kvp 2 --kv-blocks 5
 refuse "$CK" "^error: --kvp 2 x --tp 1 needs 2 ranks (mpirun -np 2), got 1" --kvp 2
 refuse "$CK" "^error: --kvp 4: expected a divisor of the 2 heads per tensor-parallel rank" --kvp 4 --tp 2 --block-size 8
 train d1c32h16t64 heads16   # 16 heads: KVP 8 x TP 2 can scatter them, but not cut the MLP over 16 ranks
 refuse "$W/heads16/model_00000003.bin" "^error: --kvp 8 x --tp 2: the output projection and the MLP are cut over all 16 ranks, expected kvp x tp to divide 8" --kvp 8 --tp 2 --block-size 4
-pass "refused in one line: --kvp 3, --kvp 4 with blocks of 16 at maxT 64, --kvp with --ep, --kv-blocks not a multiple, too few ranks, --kvp 4 x --tp 2 on 4 heads (not 4 heads per tp rank to scatter), --kvp 8 x --tp 2 (16 ranks do not divide the 8 chunks)"
+pass "refused in one line: --kvp 3, --kvp 4 with blocks of 16 at maxT 64, --ep not dividing the pool (above), --kv-blocks not a multiple, too few ranks, --kvp 4 x --tp 2 on 4 heads (not 4 heads per tp rank to scatter), --kvp 8 x --tp 2 (16 ranks do not divide the 8 chunks)"

@@ -2,31 +2,29 @@
 # serve_gpt2 across ranks (llmc/serve_parallel.h) under real mpirun (dev/test/mpi.sh) and curl,
 # every layout against the one-process server on the same requests, byte for byte:
 #   1. a dense d2 checkpoint with 4 heads: --tp 2 (2 ranks), --tp 4 (4 ranks);
-#   2. an expert checkpoint (4 experts, top 2, 2 heads): --ep 2 (2 ranks), --tp 2 --ep 2 (4 ranks);
+#   2. an expert checkpoint (4 experts, top 2, 2 heads): --ep 2 (2 ranks), --tp 2 --ep 2 (4 ranks),
+#      each ep rank running the expert layers on its share of a step's rows;
 #   each workload: greedy, seeded top-k, 6 concurrent requests of mixed lengths and sampling
 #   (the batch-invariance test across ranks), a stream; compared are the token ids, the text,
 #   and the FNV-1a of every distribution drawn from (probs_fnv1a: the probabilities' bits);
 #   3. the collective bytes per generated token of a lone one-token request (every step one row)
-#      against llmc/serve_parallel.h's formulas, computed here from the model's shape;
+#      against llmc/serve_parallel.h's formulas, computed here from the model's shape and, for the
+#      experts' traffic, the routing the one-process server reports for the same request;
 #   4. every refused layout: one line naming the flag, non-zero exit;
 #   5. a follower rank killed mid-request: a 503 JSON error for the request in flight, an error
 #      event ending the stream, one line naming the rank, the server gone (no hang).
 set -u
 cd "$(dirname "$0")/../.."
 . dev/test/serve_lib.sh   # D, J, W, fail, pass; start_server, stop_server
-. dev/test/serve_parallel_lib.sh   # train, post, metric, toks, PROMPT, workload
+. dev/test/serve_parallel_lib.sh   # train, post, metric, lone_request, routing, toks, PROMPT, workload
 export MPI_TIMEOUT=120    # dev/test/mpi.sh: a hung layout fails instead of blocking
 train d2c32h4t64 dense
 train d2c32h2t64e4k2 moe
 
-# Per generated token of a lone request with a one-token prompt (every step one row: N = M = 1),
-# what rank 0 sent by kind: "TP OTHER EP"
+# Per generated token of a lone request (lone_request), what rank 0 sent by kind: "TP OTHER EP"
 bytes_per_token() {
-  local before after k
-  before=$(for k in tp other ep; do metric "serve_collective_bytes_total{kind=\"$k\"}"; done | tr '\n' ' ')
-  post lone "{\"prompt\":[198],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
-  after=$(for k in tp other ep; do metric "serve_collective_bytes_total{kind=\"$k\"}"; done | tr '\n' ' ')
-  awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8 }'
+  lone_request "serve_collective_bytes_total{kind=\"tp\"}" "serve_collective_bytes_total{kind=\"other\"}" \
+    "serve_collective_bytes_total{kind=\"ep\"}" | awk '{ print $1 / 8, $2 / 8, $3 / 8 }'
 }
 
 # llmc/serve_parallel.h's formulas for one row (N = M = 1), from the model's shape: tp: (2L+1)
@@ -47,6 +45,11 @@ layouts() {   # CK NAME NP:FLAGS...: each layout's workload = the one process's
   shift 2
   start_server
   workload "${name}_1"
+  # an expert model's routing of the lone request, slots per expert over its layers and 8 steps
+  # (the one process routes every row itself): what the experts' traffic is recomputed from
+  [ "$name" = moe ] && read -r -a slots <<<"$(routing 4 0 2)"
+  [ "$name" != moe ] || [ $((slots[0] + slots[1] + slots[2] + slots[3])) = $((8 * 2 * 2)) ] ||
+    fail "the one process routed ${slots[*]} slots per expert, not 8 steps x 2 layers x top 2 in all"
   stop_server || fail "$name: the one-process server's exit status after SIGTERM was not 0"
   local l np flags
   for l in "$@"; do
@@ -65,24 +68,25 @@ layouts() {   # CK NAME NP:FLAGS...: each layout's workload = the one process's
     want_tp=$(tp_formula $K 2 32)
     [ "$K" = 1 ] && want_tp=0
     want_other=$(other_formula $K $Q)
-    if [ "$name" = moe ] && [ "$K" -gt 1 ]; then
-      # an expert layer's MLP is the experts' tensor-parallel slices: its all-reduce is over the
-      # rows the rank's experts received (routing-dependent, at most k*Q of C floats) instead of
-      # the dense MLP's one row: the attention's L + 1 all-reduces of C and the head's exactly,
-      # the experts' within those bounds
-      awk -v t="$tp" -v K=$K -v Q=$Q -v C=32 -v L=2 'function ar(n) { return 2 * (K - 1) * int((n + K - 1) / K) * 4 }
-          BEGIN { lo = (L + 1) * ar(C) + ar(1) + ar(2); exit !(t > lo && t <= lo + L * ar(2 * Q * C)) }' ||
-        fail "$name $flags: tp bytes per token $tp outside the attention + head + expert rows' bounds"
-    else
-      [ "$tp" = "$want_tp" ] || fail "$name $flags: tp bytes per token $tp, the formula says $want_tp"
+    local want_ep=0
+    if [ "$name" = moe ]; then
+      # each step's one row is rank 0's share (the others' are empty); of its slots (the one
+      # process's routing), those to rank 0's experts [0, E/Q) stay, the others go out (and
+      # come back: the ep bytes are the sender's). Per step and expert layer rank 0 sends its
+      # E/Q counts to each other ep rank, a position and a row of C floats per slot going out,
+      # its share's output row of C to each other ep rank (the all-gather); over its tp group
+      # the expert layer's all-reduce is over the rows rank 0's experts got, a row per slot
+      # that stayed (C/K divides: 2(K-1)C/K*4 bytes a row), in place of the dense MLP's
+      read -r want_tp want_ep <<<"$(awk -v K=$K -v Q=$Q -v C=32 -v L=2 -v E=4 -v s="${slots[*]}" '
+        function ar(n) { return 2 * (K - 1) * int((n + K - 1) / K) * 4 }
+        BEGIN { split(s, slot); stay = out = 0
+                for (e = 0; e < E; e++) { if (e < E / Q) stay += slot[e + 1]; else out += slot[e + 1] }
+                print ((L + 1) * ar(C) + ar(1) + ar(2)) + stay * 2 * (K - 1) * C / K * 4 / 8,
+                      L * (Q - 1) * (E / Q + C) * 4 + out * (C + 1) * 4 / 8 }')"
     fi
+    [ "$tp" = "$want_tp" ] || fail "$name $flags: tp bytes per token $tp, the formula says $want_tp"
     [ "$other" = "$want_other" ] || fail "$name $flags: other bytes per token $other, the formula says $want_other"
-    if [ "$Q" -gt 1 ]; then   # the routed rows out and back: at most top-k=2 rows of C per layer each way, plus counts
-      awk -v e="$ep" -v C=32 -v L=2 'BEGIN { exit !(e > 0 && e <= L * (2 * 2 * C * 4 + 256)) }' ||
-        fail "$name $flags: ep bytes per token $ep, not in (0, L*(2*k*C*4 + 256)]"
-    else
-      [ "$ep" = 0 ] || fail "$name $flags: ep bytes $ep without expert parallelism"
-    fi
+    [ "$ep" = "$want_ep" ] || fail "$name $flags: ep bytes per token $ep, the formula says $want_ep (routing: ${slots[*]:-none} slots per expert)"
     # SIGTERM to rank 0 (the HTTP server): it finishes, ends the followers, and mpirun exits 0
     kill -TERM "$(awk '/rank pids/ { print $(NF - '$((np - 1))'); exit }' "$W/server.out")"
     wait "$SERVER_PID" || fail "$name $flags: exit status $? after SIGTERM to rank 0: $(tail -3 "$W/server.out")"

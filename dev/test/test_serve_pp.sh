@@ -4,28 +4,30 @@
 #   1. a dense d4 checkpoint (4 layers, 4 heads): --pp 2 (2 ranks) in a small cache (16 blocks
 #      of 4 positions: one request of maxT, so the concurrent ones are preempted) with prompts
 #      in chunks (--max-batch-tokens 8: iterations in flight hold prefill chunks that draw
-#      nothing), --pp 2 --tp 2 (4 ranks), --pp 4 --tp 2 (8 ranks), each against the one
-#      process with its default cache and chunks; an expert d2 checkpoint (4 experts, top 2): --pp 2 --ep 2 (4
-#      ranks): greedy, seeded top-k, 8 concurrent requests of mixed lengths and
+#      nothing), --pp 2 --kvp 2 (4 ranks: each stage's 2 ranks a KVP pool, in the same small
+#      cache, 1/2 of its blocks each), --pp 4 --tp 2 (8 ranks), each against the one process
+#      with its default cache and chunks; an expert d2 checkpoint (4 experts, top 2): --pp 2
+#      --ep 2 --tp 2 (8 ranks): greedy, seeded top-k, 8 concurrent requests of mixed lengths and
 #      sampling (the batch-invariance test across stages, several iterations in flight: the
 #      test asserts the pipeline held more than one), a stream; compared are the token ids, the
 #      text and the FNV-1a of every distribution drawn from (probs_fnv1a);
 #   2. the bytes per generated token of a lone one-token request (every step one row) that rank
 #      0 sends and gets back (/metrics), and every other rank's totals at exit, against
-#      llmc/serve_pipeline.h's formulas computed here from the model's shape;
+#      llmc/serve_pipeline.h's formulas computed here from the model's shape (and the experts'
+#      from the one process's routing of the same request);
 #   3. refused layouts: one line naming the flag, non-zero exit;
 #   4. a stage rank killed mid-request: a 503 JSON error for the request in flight, an error
 #      event ending the stream, one line naming the rank, the server gone (no hang).
 set -u
 cd "$(dirname "$0")/../.."
 . dev/test/serve_lib.sh            # D, J, W, fail, pass; start_server, stop_server
-. dev/test/serve_parallel_lib.sh   # train, post, metric, toks, PROMPT, refuse (its own workload below)
+. dev/test/serve_parallel_lib.sh   # train, post, metric, lone_request, toks, PROMPT, refuse (its own workload below)
 export MPI_TIMEOUT=120    # dev/test/mpi.sh: a hung layout fails instead of blocking
 
 train d4c32h4t64 dense
 train d2c32h2t64e4k2 moe
 CK=$W/dense/model_00000003.bin
-L=4 C=32 VP=50304 MAXT=64   # the model's shape
+L=4 C=32 NH=4 VP=50304 MAXT=64   # the model's shape
 SMALL="--block-size 4 --max-batch-tokens 8 --kv-blocks 16"
 
 
@@ -55,6 +57,13 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
   shift
   start_server
   workload one
+  # an expert model (E experts, top k): the one process's routing of the lone request below, the
+  # slots per expert of each layer, (L, E) over its 8 steps: what the experts' traffic is
+  # recomputed from
+  local layer_slots=
+  if [ "${E:-0}" -gt 0 ]; then
+    for ((l = 0; l < L; l++)); do layer_slots+="$(routing $E $l $((l + 1)))"; done
+  fi
   stop_server || fail "the one-process server's exit status after SIGTERM was not 0"
   ! grep -q "no answer\|not complete" "$W/one.out" || fail "the one-process server's answers are incomplete: $(head -3 "$W/one.out")"
   for l in "$@"; do
@@ -69,8 +78,9 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
     [ "${in_flight:-0}" -ge 2 ] || fail "$flags: never more than ${in_flight:-0} iteration in flight"
     preempted=$(metric serve_preemptions_total)
     [[ $flags != *--kv-blocks* ]] || [ "${preempted:-0}" -gt 0 ] || fail "$flags: the small cache preempted nobody"
-    S=2 K=1 Q=1 BS=16
+    S=2 K=1 Q=1 P=1 BS=16
     [[ $flags =~ --pp\ ([0-9]+) ]] && S=${BASH_REMATCH[1]}
+    [[ $flags =~ --kvp\ ([0-9]+) ]] && P=${BASH_REMATCH[1]}
     [[ $flags =~ --tp\ ([0-9]+) ]] && K=${BASH_REMATCH[1]}
     [[ $flags =~ --ep\ ([0-9]+) ]] && Q=${BASH_REMATCH[1]}
     [[ $flags =~ --block-size\ ([0-9]+) ]] && BS=${BASH_REMATCH[1]}
@@ -78,24 +88,48 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
 
     # per generated token of a lone one-token request (N = M = 1 every step), what rank 0 sent
     # (pp: its C rows to stage 1; other: the step down, 2 + (2 + max_blocks) + 1 floats, and with
-    # K > 1 the same ints broadcast over stage 0's tp group, with Q > 1 over rank 0's ep group;
-    # tp: stage 0's all-reduces of C floats, the embedding's and 2 per layer of its L/S,
-    # 2(K-1)ceil(C/K)*4 bytes each) and what came back (Vp floats)
+    # K > 1 the same ints broadcast over stage 0's tp group, with Q > 1 over rank 0's ep group,
+    # with P > 1 over its KVP group; tp: stage 0's all-reduces of C floats, the embedding's over
+    # the tp group and 2 per layer of its L/S over the G = P K ranks the output projection and
+    # the MLP are cut over, 2(G-1)ceil(C/G)*4 bytes each; cp (--kvp): per layer the max and Z
+    # all-reduces of NH/K floats and the output's reduce-scatter of P x C/G over the KVP group)
+    # and what came back (Vp floats)
+    # (with experts, per layer the MLP's tp all-reduce is over the rows rank 0's experts [0, E/Q)
+    # got, a row per slot of the one-row steps that stays, and ep: its E/Q counts and its share's
+    # output row to each other ep rank, a position and a row per slot going out: as
+    # test_serve_parallel.sh, over stage 0's layers)
     names=("serve_collective_bytes_total{kind=\"pp\"}" "serve_collective_bytes_total{kind=\"other\"}"
-           serve_pipeline_returned_bytes_total "serve_collective_bytes_total{kind=\"tp\"}")
-    before=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
-    post lone "{\"prompt\":[198],\"max_tokens\":8,\"temperature\":0,\"ignore_eos\":true}" >/dev/null
-    after=$(for m in "${names[@]}"; do metric "$m"; done | tr '\n' ' ')
-    read -r pp other back tp <<<"$(awk -v b="$before" -v a="$after" 'BEGIN { split(b, x); split(a, y); print (y[1]-x[1])/8, (y[2]-x[2])/8, (y[3]-x[3])/8, (y[4]-x[4])/8 }')"
+           serve_pipeline_returned_bytes_total "serve_collective_bytes_total{kind=\"tp\"}"
+           "serve_collective_bytes_total{kind=\"cp\"}" "serve_collective_bytes_total{kind=\"ep\"}")
+    read -r pp other back tp cp ep <<<"$(lone_request "${names[@]}" | awk '{ for (i = 1; i <= NF; i++) printf "%s ", $i / 8 }')"
     step=$(( (2 + (2 + MAX_BLOCKS) + 1) * 4 ))
     # (with Q > 1 also each of stage 0's L/S expert layers' row count to the other ep ranks,
     # (Q-1)*4: every layer of the expert checkpoint is one, expert_parallel.h)
-    want_other=$(( step * (1 + (K > 1) + (Q > 1)) + (Q - 1) * 4 * L / S ))
+    want_other=$(( step * (1 + (K > 1) + (Q > 1) + (P > 1)) + (Q - 1) * 4 * L / S ))
     [ "$pp" = $((C * 4)) ] || fail "$flags: rank 0's pp bytes per token $pp, the formula says C*4 = $((C * 4))"
     [ "$other" = "$want_other" ] || fail "$flags: rank 0's other bytes per token $other, the formula says $want_other"
     [ "$back" = $((VP * 4)) ] || fail "$flags: bytes back per token $back, the formula says Vp*4 = $((VP * 4))"
-    want_tp=$(( (2 * L / S + 1) * 2 * (K - 1) * ((C + K - 1) / K) * 4 ))
+    read -r want_tp want_cp want_ep <<<"$(awk -v P=$P -v K=$K -v Q=$Q -v C=$C -v NH=$NH -v Ls=$((L / S)) -v E=${E:-0} \
+                                              -v s="$layer_slots" '
+      function ar(G, n) { return 2 * (G - 1) * int((n + G - 1) / G) * 4 }
+      BEGIN { G = P * K; split(s, slot); stay = out = 0
+              for (i = 0; i < Ls * E; i++) { if (i % E < E / Q) stay += slot[i + 1]; else out += slot[i + 1] }
+              X = P > 1 ? G / Q : K   # the ranks each expert is cut over
+              mlp = E ? stay * 2 * (X - 1) * C / X * 4 / 8 : Ls * ar(G, C)
+              print ar(K, C) + Ls * ar(G, C) + mlp,
+                    Ls * (2 * ar(P, NH / K) + (P - 1) * C / G * 4),
+                    E ? Ls * (Q - 1) * (E / Q + C) * 4 + out * (C + 1) * 4 / 8 : 0 }')"
     [ "$tp" = "$want_tp" ] || fail "$flags: rank 0's tp bytes per token $tp, the formula says $want_tp"
+    [ "$cp" = "$want_cp" ] || fail "$flags: rank 0's KVP bytes per token $cp, the formula says $want_cp"
+    [ "$ep" = "$want_ep" ] || fail "$flags: rank 0's ep bytes per token $ep, the formula says $want_ep (routing $layer_slots)"
+    kvp_note=
+    if [ "$P" -gt 1 ]; then   # each rank's cache: 1/P of the blocks, its stage's L/S layers, C/K channels
+      blocks=$((8 * MAXT / BS))   # the default: 8 requests of maxT
+      [[ $flags =~ --kv-blocks\ ([0-9]+) ]] && blocks=${BASH_REMATCH[1]}
+      cache=$(( blocks / P * L / S * BS * 2 * C / K * 4 ))
+      [ "$(metric serve_kv_cache_bytes_per_rank)" = "$cache" ] || fail "$flags: KV cache per rank $(metric serve_kv_cache_bytes_per_rank) bytes, not $cache"
+      kvp_note=", kvp $cp B; KV cache per rank $cache B (1/$P of the blocks, $((L / S)) layers)"
+    fi
     tokens=$(metric serve_generation_tokens_total)
 
     # SIGTERM to rank 0: it finishes, ends the stages, each prints its totals, and mpirun exits 0
@@ -109,11 +143,13 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
     for r in $(seq 1 $((np - 1))); do
       line=$(grep "^serve_gpt2: rank $r (pp stage" "$W/server.out") || fail "$flags: rank $r printed no totals"
       # (its other bytes are not checked: a follower prints no head-row count for the steps it forwards)
-      read -r stage epr tpr rows heads ppb <<<"$(sed -E 's/.*pp stage ([0-9]+), ep rank ([0-9]+), tp rank ([0-9]+)\): [0-9]+ iterations, ([0-9]+) rows, ([0-9]+) head rows; sent pp ([0-9]+) other [0-9]+.*/\1 \2 \3 \4 \5 \6/' <<<"$line")"
+      read -r stage epr kvpr tpr rows heads ppb <<<"$(sed -E 's/.*pp stage ([0-9]+), ep rank ([0-9]+), kvp rank ([0-9]+), tp rank ([0-9]+)\): [0-9]+ iterations, ([0-9]+) rows, ([0-9]+) head rows; sent pp ([0-9]+) other [0-9]+.*/\1 \2 \3 \4 \5 \6 \7/' <<<"$line")"
+      replica=$epr   # which copy of the tp group: only the first runs the head (its ep, or KVP, rank)
+      [ "$P" -gt 1 ] && replica=$kvpr
       if [ "$stage" -lt $((S - 1)) ]; then
         [ "$ppb" = $((rows * C * 4)) ] || fail "$flags: rank $r (stage $stage) sent $ppb pp bytes for $rows rows, not rows*C*4"
-      elif [ "$epr" != 0 ]; then
-        [ "$heads" = 0 ] && [ "$ppb" = 0 ] || fail "$flags: rank $r (last stage, ep rank $epr) ran $heads head rows, sent $ppb pp bytes, not 0"
+      elif [ "$replica" != 0 ]; then
+        [ "$heads" = 0 ] && [ "$ppb" = 0 ] || fail "$flags: rank $r (last stage, ep rank $epr, kvp rank $kvpr) ran $heads head rows, sent $ppb pp bytes, not 0"
       elif [ "$tpr" = 0 ]; then
         [ "$heads" = "$tokens" ] || fail "$flags: rank $r ran the head on $heads rows for $tokens generated tokens"
         [ "$ppb" = $((heads * VP * 4)) ] || fail "$flags: rank $r (last stage) sent $ppb pp bytes for $heads head rows, not M*Vp*4"
@@ -121,17 +157,19 @@ layouts() {   # TAG NP:FLAGS...: each layout on $CK = the one-process server on 
         [ "$ppb" = 0 ] || fail "$flags: rank $r (last stage, tp rank $tpr) sent $ppb pp bytes, not 0"
       fi
     done
-    pass "$flags on $np ranks ($tag) = one process (greedy, top-k, 8 concurrent mixed, stream; probabilities' bits), up to $in_flight iterations in flight, ${preempted:-0} preemptions; per token rank 0 sent pp $pp B, other $other B, tp $tp B, got $back B back; every stage's totals = the formulas"
+    pass "$flags on $np ranks ($tag) = one process (greedy, top-k, 8 concurrent mixed, stream; probabilities' bits), up to $in_flight iterations in flight, ${preempted:-0} preemptions; per token rank 0 sent pp $pp B, other $other B, tp $tp B, ep $ep B, got $back B back; every stage's totals = the formulas$kvp_note"
   done
 }
 
-# (--pp 4 alone: covered by --pp 4 --tp 2, whose every stage's totals are checked the same way)
-layouts dense "2:--pp 2 $SMALL" "4:--pp 2 --tp 2" "8:--pp 4 --tp 2"
-# experts: each stage's routed rows by all-to-all over its own ep group; only ep rank 0 of the
-# last stage runs the head (its other ep rank's totals: no head rows, no pp bytes)
-CK=$W/moe/model_00000003.bin L=2
-layouts moe "4:--pp 2 --ep 2"
-CK=$W/dense/model_00000003.bin L=4
+# (--pp 4 alone, and --pp 2 --tp 2: covered by --pp 4 --tp 2, whose every stage's totals are
+# checked the same way)
+layouts dense "2:--pp 2 $SMALL" "4:--pp 2 --kvp 2 $SMALL" "8:--pp 4 --tp 2"
+# experts: each stage's routed rows by all-to-all over its own ep groups, each expert cut over a
+# tp group; only ep rank 0's tp group of the last stage runs the head (the other ep rank's
+# totals: no head rows, no pp bytes)
+CK=$W/moe/model_00000003.bin L=2 E=4
+layouts moe "8:--pp 2 --ep 2 --tp 2"
+CK=$W/dense/model_00000003.bin L=4 E=0
 
 # --- 3. refused layouts ------------------------------------------------------------------
 refuse "$CK" "^error: --pp 3: must divide the model's 4 layers" --pp 3
