@@ -696,6 +696,9 @@ static void usage(void) {
            "  --kv-memory BYTES       or the KV cache's memory a rank (512M, 2G): floor(BYTES / (2 x L x block size x C x 4))\n"
            "                          blocks, L and C the rank's layers and channels (x P under --kvp P)\n"
            "  --max-batch-tokens N    rows per step: decoding rows plus prefill chunks (default 256)\n"
+           "  --max-prefill-tokens N  prompt rows (prefill chunks, a preempted request's recompute) in a step that\n"
+           "                          also decodes, at most; a step without decoding rows takes up to\n"
+           "                          --max-batch-tokens of them (default 32)\n"
            "  --batching MODE         inflight: a waiting request joins at any step with room (default);\n"
            "                          static: a batch admitted together, none joins until all of it finished\n"
            "  --max-running N         requests in the batch at most (1: one at a time; default --max-connections)\n"
@@ -808,7 +811,8 @@ int main(int argc, char** argv) {
     ServeLayout layout = {1, 1, 1, 1};
     const char *model = NULL, *host = "127.0.0.1", *encoder = "dev/data/gpt2/encoder.json", *merges = "dev/data/gpt2/vocab.bpe";
     size_t kv_memory = 0;
-    long port = 8000, block_size = 16, kv_blocks = 0, max_batch = 256, max_conn = 64, max_running = 0, max_body = 1 << 20, shutdown_s = 30;
+    long port = 8000, block_size = 16, kv_blocks = 0, max_batch = 256, max_prefill = 32, max_conn = 64, max_running = 0,
+         max_body = 1 << 20, shutdown_s = 30;
     ServeBatching batching = SERVE_INFLIGHT;
     int weights_bf16 = 0;
     S.model_name = "gpt2";
@@ -830,6 +834,7 @@ int main(int argc, char** argv) {
         else if (strcmp(f, "--kv-blocks") == 0) { kv_blocks = flag_int(f, v, 1, 1 << 24); }
         else if (strcmp(f, "--kv-memory") == 0) { kv_memory = flag_bytes(f, v); }
         else if (strcmp(f, "--max-batch-tokens") == 0) { max_batch = flag_int(f, v, 1, 1 << 20); }
+        else if (strcmp(f, "--max-prefill-tokens") == 0) { max_prefill = flag_int(f, v, 1, 1 << 20); }
         else if (strcmp(f, "--max-running") == 0) { max_running = flag_int(f, v, 1, 100000); }
         else if (strcmp(f, "--batching") == 0) {
             if (strcmp(v, "inflight") == 0) { batching = SERVE_INFLIGHT; }
@@ -938,6 +943,7 @@ int main(int argc, char** argv) {
     }
     pthread_t watcher;         // world_size > 1: rank_watch_thread
     S.engine.batching = batching;
+    S.engine.max_prefill_tokens = (int)max_prefill;
     if (max_running > 0) { S.engine.max_running = (int)(max_running < max_conn ? max_running : max_conn); }
     S.engine.token_text = token_text;
     S.engine.token_text_ctx = &S.bpe;
@@ -963,10 +969,10 @@ int main(int argc, char** argv) {
         (unsigned)(max_conn + 64), MHD_OPTION_NOTIFY_COMPLETED, request_completed, NULL, MHD_OPTION_END);
     if (!d) { fatal("--host %s --port %ld: cannot listen there (%s)", host, port, strerror(errno)); }
     const union MHD_DaemonInfo* info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
-    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d E=%d k=%d) in %s memory, %s weights, %ld KV blocks of %ld, %ld rows per step, %s batching of %d at most\n",
+    printf("serve_gpt2: %s (L=%d C=%d maxT=%d V=%d E=%d k=%d) in %s memory, %s weights, %ld KV blocks of %ld, %ld rows per step (%ld prompt rows in a decoding step), %s batching of %d at most\n",
            model, config.num_layers, config.channels, config.max_seq_len, config.vocab_size, config.num_experts,
            config.top_k, SERVE_MEMORY->name, weights_bf16 ? "bf16" : "fp32", kv_blocks, block_size,
-           max_batch, batching == SERVE_STATIC ? "static" : "in-flight", S.engine.max_running);
+           max_batch, max_prefill, batching == SERVE_STATIC ? "static" : "in-flight", S.engine.max_running);
     if (comm.world_size > 1) {
         printf("serve_gpt2: %d ranks (tp %d x ep %d x kvp %d x pp %d), rank pids", comm.world_size, comm.tp, comm.ep,
                comm.cp, comm.pp);

@@ -451,38 +451,27 @@ void attention_forward_row(float* out, float* att, const float* qkv, int t, int 
 //   qkv (N,3C): each row's q (its own k, v are already in the cache)
 //   tables (N,max_blocks): each row's block table; pos (N): each row's position; out (N,C)
 //   key p of row r: kv + tables[r * max_blocks + p / bs] * block_stride + (p % bs) * 2C, k (C) | v (C)
-//   scratch: (N,NH,T) the probabilities, then T*3C floats (the CPU kernel gathers into a
-//   sequence of T*3C floats per thread of its own instead)
+//   scratch: (N,NH,T) the probabilities
 // Row r is row pos[r] of attention_forward over that one sequence (1,T), bit for bit: its keys
-// and values, gathered into the thread's sequence, are that pass's qkv rows, and
-// attention_query_row runs on them unchanged. The rows of a step go to the threads (one
-// parallel region per layer, not a fork and join per row); a lone row's heads go to the threads
-// in a region of their own (nested in an inactive region of one thread, libgomp would start new
-// threads every call: measured 16 -> 40 ms a decoded token on d12).
-static void attention_paged_row(float* out, float* att, float* seq, const float* q, const float* kv, long block_stride,
-                                const int* table, int t, int T, int bs, int C, int NH, int heads_in_parallel) {
+// and values, gathered into a sequence of T*3C floats, are that pass's qkv rows, and
+// attention_query_row runs on them unchanged. The specification of cpu_fast.h's
+// attention_forward_paged, which reads the keys and values in place.
+void attention_forward_paged_naive(float* out, float* scratch_att, const float* qkv, const float* kv, long block_stride,
+                                   const int* tables, int max_blocks, const int* pos, int N, int T, int bs, int C,
+                                   int NH) {
     size_t C3 = 3 * (size_t)C;
     int hs = C / NH;
-    for (int p = 0; p <= t; p++) {
-        memcpy(seq + p * C3 + C, kv + paged_kv_slot(table, block_stride, p, bs, C), sizeof(float) * 2 * C);
-    }
-    memcpy(seq + t * C3, q, sizeof(float) * C);
-    #pragma omp parallel for if (heads_in_parallel)
-    for (int h = 0; h < NH; h++) { attention_query_row(out + h * hs, att + (size_t)h * T, seq, t, T, C, NH, h); }
-}
-
-void attention_forward_paged(float* out, float* scratch_att, const float* qkv, const float* kv, long block_stride,
-                             const int* tables, int max_blocks, const int* pos, int N, int T, int bs, int C, int NH) {
-    size_t C3 = 3 * (size_t)C;
-    float* seqs = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)thread_count() * T * C3);
-    if (N == 1) {
-        attention_paged_row(out, scratch_att, seqs, qkv, kv, block_stride, tables, pos[0], T, bs, C, NH, 1);
-        return;
-    }
-    #pragma omp parallel for schedule(dynamic, 1)
+    float* seq = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)T * C3);
     for (int r = 0; r < N; r++) {
-        attention_paged_row(out + (size_t)r * C, scratch_att + (size_t)r * NH * T, seqs + (size_t)thread_index() * T * C3,
-                            qkv + r * C3, kv, block_stride, tables + (size_t)r * max_blocks, pos[r], T, bs, C, NH, 0);
+        const int* table = tables + (size_t)r * max_blocks;
+        int t = pos[r];
+        for (int p = 0; p <= t; p++) {
+            memcpy(seq + p * C3 + C, kv + paged_kv_slot(table, block_stride, p, bs, C), sizeof(float) * 2 * C);
+        }
+        memcpy(seq + t * C3, qkv + r * C3, sizeof(float) * C);
+        for (int h = 0; h < NH; h++) {
+            attention_query_row(out + (size_t)r * C + h * hs, scratch_att + ((size_t)r * NH + h) * T, seq, t, T, C, NH, h);
+        }
     }
 }
 

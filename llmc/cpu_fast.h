@@ -782,6 +782,150 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 }
 
 // ------------------------------------------------------------------------------------------
+// Serving's paged attention = attention_forward_paged_naive (train_gpt2.c), bit for bit, the
+// keys and values read in place through the block table instead of gathered into a sequence.
+// A row (its query at position t) is bound by reading its keys and values from memory, so
+// each key's and each value's channels are read once, in order (a stream the hardware
+// prefetches), for all of the row's heads together:
+//  - scores: MR keys at a time, their channels transposed 8 x 8 into a tile kt (C x MR), then
+//    per head attn_scores' register tile (R2 over hs, the query broadcast);
+//  - the softmax per head: the max (exact), the exps, Z = R2Z over T (attn_row_sums), the
+//    division;
+//  - out = R2Z over the keys of att * v, every channel at once: key by key in each chunk's
+//    order into a row of accumulators per chunk, then the R1 tree over the 8 rows.
+// The rows of a step go to the threads (one parallel region per layer, not a fork and join per
+// row); a lone row's heads are split among the threads (nested in an inactive region of one
+// thread, libgomp would start new threads every call: measured 16 -> 40 ms a decoded token on
+// d12).
+
+// offs[p] for p <= t: where key p of a row (block table `table`) starts in the layer's cache
+static void attn_paged_places(long* offs, const int* table, int t, int bs, long block_stride, int C) {
+    for (int b0 = 0; b0 <= t; b0 += bs) {
+        long base = table[b0 / bs] * block_stride;
+        for (int i = 0; i < bs && b0 + i <= t; i++) { offs[b0 + i] = base + (long)i * 2 * C; }
+    }
+}
+
+// out (nh*hs) = R2Z over keys j <= t (of T) of p[h][j] * value j's channel (h*hs + d), for the
+// nh heads at once; value j at v + offs[j], p row h at p + h * ldp; part: CANON_R rows of
+// nh*hs floats, each chunk's partials, then the R1 tree over them
+static void attn_paged_values(float* out, const float* p, long ldp, const float* v, const long* offs, int t, int T,
+                              int hs, int nh, float* part) {
+    int n = nh * hs, nvec = hs / VLEN;
+    for (int c = 0; c < CANON_R; c++) {
+        float* acc = part + (size_t)c * n;
+        memset(acc, 0, sizeof(float) * n);
+        for (int half = 0; half < 2; half++) {
+            long b, e;
+            canon_zz_half(T, CANON_R, c, half, &b, &e);
+            for (long j = b; j < e && j <= t; j++) {
+                const float* vj = v + offs[j];
+                for (int h = 0; h < nh; h++) {
+                    float w = p[h * ldp + j];
+                    vf wv = vf_set1(w);
+                    float* ah = acc + h * hs;
+                    const float* xh = vj + h * hs;
+                    for (int i = 0; i < nvec; i++) {
+                        vf_store(ah + i * VLEN, vf_fma(wv, vf_load(xh + i * VLEN), vf_load(ah + i * VLEN)));
+                    }
+                    for (int d = nvec * VLEN; d < hs; d++) { ah[d] = fmaf(w, xh[d], ah[d]); }
+                }
+            }
+        }
+    }
+    const float* q[CANON_R];
+    for (int c = 0; c < CANON_R; c++) { q[c] = part + (size_t)c * n; }
+    int d = 0;
+    for (; d + VLEN <= n; d += VLEN) {   // canon_tree8, lane by lane
+        vf s01 = vf_add(vf_load(q[0] + d), vf_load(q[1] + d)), s23 = vf_add(vf_load(q[2] + d), vf_load(q[3] + d));
+        vf s45 = vf_add(vf_load(q[4] + d), vf_load(q[5] + d)), s67 = vf_add(vf_load(q[6] + d), vf_load(q[7] + d));
+        vf_store(out + d, vf_add(vf_add(s01, s23), vf_add(s45, s67)));
+    }
+    for (; d < n; d++) {
+        float pd[CANON_R];
+        for (int c = 0; c < CANON_R; c++) { pd[c] = q[c][d]; }
+        out[d] = canon_tree8(pd);
+    }
+}
+
+// kt (n x MR) <- the nk <= MR keys at k + offs[j] (n channels each) transposed, in 8 x 8
+// blocks; the lanes past nk up to a whole vector repeat key nk - 1 (their scores are never read)
+static void attn_key_tile(float* kt, const float* k, const long* offs, int nk, int n) {
+    int nj = (nk + VLEN - 1) / VLEN * VLEN, n8 = n / 8 * 8;   // VLEN is a multiple of 8
+    for (int j0 = 0; j0 < nj; j0 += 8) {
+        const float* src[8];
+        for (int j = 0; j < 8; j++) { src[j] = k + offs[j0 + j < nk ? j0 + j : nk - 1]; }
+        for (int d0 = 0; d0 < n8; d0 += 8) {
+            transpose8x8(kt + d0 * MR + j0, MR, src);
+            for (int j = 0; j < 8; j++) { src[j] += 8; }
+        }
+        for (int d = n8; d < n; d++) {
+            for (int j = 0; j < 8; j++) { kt[d * MR + j0 + j] = src[j][d - n8]; }
+        }
+    }
+}
+
+// Heads [h0, h0 + nh) of one row: out (nh*hs, the heads' channels) from q (the row's C query
+// channels). Scratch: s (nh x Tp) the scores, then probabilities; kt (nh*hs x MR) the key
+// tile; part as attn_paged_values'.
+static void attn_paged_heads(float* out, float* s, long Tp, float* kt, float* part, const float* q, const float* kv,
+                             const long* offs, int t, int T, int C, int hs, int h0, int nh) {
+    float scale = canon_rsqrtf((float)hs);
+    for (int j0 = 0; j0 <= t; j0 += MR) {
+        int nk = t + 1 - j0 < MR ? t + 1 - j0 : MR;
+        attn_key_tile(kt, kv + h0 * hs, offs + j0, nk, nh * hs);
+        for (int h = 0; h < nh; h++) {
+            attn_scores(s + h * Tp + j0, 0, q + (h0 + h) * hs, 0, kt + (size_t)h * hs * MR, MR, hs, 1, nk, scale);
+        }
+    }
+    for (int h0r = 0; h0r < nh; h0r += ATT_NR) {
+        int nr = nh - h0r < ATT_NR ? nh - h0r : ATT_NR, hi[ATT_NR];
+        float z[ATT_NR];
+        for (int r = 0; r < nr; r++) {
+            float* sr = s + (h0r + r) * Tp;
+            exps_shifted(sr, t + 1, attn_row_max(sr, t + 1));
+            hi[r] = t + 1;
+        }
+        attn_row_sums(z, s + h0r * Tp, Tp, NULL, 0, nr, hi, T, CANON_R);
+        for (int r = 0; r < nr; r++) {
+            float* sr = s + (h0r + r) * Tp;
+            float zr = z[r];
+            #pragma omp simd
+            for (int j = 0; j <= t; j++) { sr[j] = sr[j] / zr; }
+        }
+    }
+    attn_paged_values(out, s, Tp, kv + C + h0 * hs, offs, t, T, hs, nh, part);
+}
+
+void attention_forward_paged(float* out, float* scratch_att, const float* qkv, const float* kv, long block_stride,
+                             const int* tables, int max_blocks, const int* pos, int N, int T, int bs, int C, int NH) {
+    int hs = C / NH, threads = thread_count();
+    long C3 = 3L * C, Tp = attn_padded(T), per_thread = NH * Tp + (long)C * MR + (long)CANON_R * C;
+    float* bufs = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)threads * per_thread);
+    long* places = (long*)scratch(SCRATCH_ATT_PACK, sizeof(long) * (size_t)threads * T);
+#define PAGED_HEADS(out, q, offs, t, h0, nh) do {                                                               \
+        float* s = bufs + (size_t)thread_index() * per_thread;                                                   \
+        attn_paged_heads(out, s, Tp, s + NH * Tp, s + NH * Tp + (long)C * MR, q, kv, offs, t, T, C, hs, h0, nh); \
+    } while (0)
+    if (N == 1) {   // the heads in as many groups as threads
+        attn_paged_places(places, tables, pos[0], bs, block_stride, C);
+        #pragma omp parallel for
+        for (int g = 0; g < threads; g++) {
+            int h0 = NH * g / threads, h1 = NH * (g + 1) / threads;
+            if (h1 > h0) { PAGED_HEADS(out + h0 * hs, qkv, places, pos[0], h0, h1 - h0); }
+        }
+        return;
+    }
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int r = 0; r < N; r++) {
+        long* offs = places + (size_t)thread_index() * T;
+        attn_paged_places(offs, tables + (size_t)r * max_blocks, pos[r], bs, block_stride, C);
+        PAGED_HEADS(out + r * C, qkv + r * C3, offs, pos[r], 0, NH);
+    }
+#undef PAGED_HEADS
+}
+
+// ------------------------------------------------------------------------------------------
 // context parallelism's attention, one block of keys at a time (llmc/context_parallel.h drives
 // them around the group). Rank r of an N-way context-parallel group holds the queries of its
 // zig-zag slice of each sequence (Tq = T/N local positions, canonical.h R2Z) and sees the keys

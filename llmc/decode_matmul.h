@@ -29,8 +29,11 @@
  * (tiles of VLEN rows, 16 with AVX-512): the lanes are the rows, the inputs transposed once per
  * call (decode_transpose_rows: at each k the tile's VLEN inputs are one vector), and each of the
  * panel's DECODE_PANEL weights at k is broadcast (decode_panel_rows): DECODE_PANEL independent
- * accumulators, the panel read once per VLEN rows. Either way each (row, output) pair is the
- * same sequence of fmaf's, so the bits do not depend on which kernel or tile a row lands in.
+ * accumulators, the panel read once per VLEN rows: with AVX-512's 32 registers; AVX2's 16 do
+ * not hold them, so there a batch goes in tiles of 6 rows of the first kind (12 accumulators),
+ * the panel streamed from memory for the first and found in cache by the others. Either way
+ * each (row, output) pair is the same sequence of fmaf's, so the bits do not depend on which
+ * kernel or tile a row lands in.
  *
  * DecodeWeights holds the packed copies, each found by the address of the weight it copies
  * (decode_weights_get makes one on first use);
@@ -54,10 +57,13 @@
 #define DECODE_PANEL_VECS (DECODE_PANEL / VLEN)  // vectors per panel: 1 (AVX-512), 2 (AVX2, scalar)
 #if VLEN == 16
 #define DECODE_ROW_TILE 8                        // rows sharing a panel's loads: 8 accumulators + 1 (of 32 registers)
+#define DECODE_ROW_LANES 1                       // batches in row-lane tiles (a remainder of more than 8 rows too)
 #else
-#define DECODE_ROW_TILE 4                        // 8 accumulators + 2 (of 16 registers)
+#define DECODE_ROW_TILE 6                        // 12 accumulators + 2 + a broadcast (of 16 registers)
+#define DECODE_ROW_LANES 0                       // none: a row-lane tile's 16 accumulators, its input and a
+                                                 // broadcast do not fit 16 registers (two spilled: every k waits
+                                                 // on a store and a load), so every row goes in panel tiles
 #endif
-// (DECODE_ROW_TILE = VLEN / 2 either way: a remainder of more rows fills most of a row-lane tile)
 #define DECODE_MAX_ROWS 64                       // more rows: matmul_forward's row tiles
 #define DECODE_PREFETCH_K 16                     // panel rows (k) ahead that a row tile asks the cache for
 
@@ -192,17 +198,23 @@ static inline __attribute__((always_inline)) void decode_prefetch_panel(const fl
     else { __builtin_prefetch(panel + (size_t)k * DECODE_PANEL); }
 }
 
+// Where a panel tile asks the cache for the next panel: the bytes [at, end), one line every
+// `every` k's (at NULL: nothing).
+typedef struct { const char *at, *end; int every; } DecodeAhead;
+
 // One panel (outputs o0 .. o0 + no) for rows r0 .. r0 + NR: at each k, the panel's vectors are
 // loaded once (from fp32, or widened from bf16: panel_bf16) and each row's input broadcast
-// into them; each chunk's accumulators join the stack as one leaf.
+// into them; each chunk's accumulators join the stack as one leaf. Meanwhile its share of the
+// next panel is asked for (ahead).
 static inline __attribute__((always_inline)) void decode_panel_tile(float* out, const float* inp, const float* panel,
                                                                     const uint16_t* panel_bf16, const float* bias, int IC,
                                                                     int OC, int o0, int no, int r0, const int NR,
-                                                                    int nchunks) {
+                                                                    int nchunks, DecodeAhead ahead) {
     enum { PV = DECODE_PANEL_VECS, ENTRY = DECODE_ROW_TILE * DECODE_PANEL };
     float partials[(CANON_LOG2_R + 2) * ENTRY];
     CanonStack stack = canon_stack(partials, ENTRY, 1, NR * DECODE_PANEL, ENTRY);
     const float* x = inp + (size_t)r0 * IC;
+    int countdown = ahead.every;
     for (int ch = 0; ch < nchunks; ch++) {
         int kb = (int)(((long)IC * ch) / nchunks), ke = (int)(((long)IC * (ch + 1)) / nchunks);
         vf acc[DECODE_ROW_TILE][PV];
@@ -210,6 +222,10 @@ static inline __attribute__((always_inline)) void decode_panel_tile(float* out, 
             _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { acc[r][v] = vf_zero(); }
         }
         for (int k = kb; k < ke; k++) {
+            if (ahead.at && --countdown == 0) {
+                countdown = ahead.every;
+                if (ahead.at < ahead.end) { __builtin_prefetch(ahead.at); ahead.at += 64; }
+            }
             vf w[PV];
             _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) {
                 size_t i = (size_t)k * DECODE_PANEL + v * VLEN;
@@ -283,15 +299,16 @@ static inline __attribute__((always_inline)) void decode_panel_rows(float* out, 
     }
 }
 
-// = decode_matmul_forward_naive = matmul_forward, bit for bit. The rows go in tiles of VLEN to
-// decode_panel_rows, and a remainder of at most DECODE_ROW_TILE rows (every row when N is that
-// small, as a lone request's step) to decode_panel_tile; a remainder of more rows takes a row
-// tile of its own, its missing rows zeros. The threads take contiguous runs of panels, so each
-// streams its part of the copy once per row tile.
+// = decode_matmul_forward_naive = matmul_forward, bit for bit. With AVX-512 the rows go in
+// tiles of VLEN to decode_panel_rows, and a remainder of at most DECODE_ROW_TILE rows (every row
+// when N is that small, as a lone request's step) to decode_panel_tile; a remainder of more
+// rows takes a row tile of its own, its missing rows zeros. Otherwise every row goes to
+// decode_panel_tile, DECODE_ROW_TILE at a time. The threads take contiguous runs of panels, so
+// each streams its part of the copy once (the tiles after the first find the panel in cache).
 static inline void decode_matmul_forward(float* out, const float* inp, const DecodeMatrix* m, const float* bias, int N,
                                          int nchunks) {
     int IC = m->IC, OC = m->OC, panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
-    int tiles = N % VLEN > DECODE_ROW_TILE ? (N + VLEN - 1) / VLEN : N / VLEN;   // row tiles
+    int tiles = !DECODE_ROW_LANES ? 0 : N % VLEN > DECODE_ROW_TILE ? (N + VLEN - 1) / VLEN : N / VLEN;   // row tiles
     int tiled = tiles * VLEN < N ? tiles * VLEN : N;                            // rows they hold
     float* xt = tiles ? scratch(SCRATCH_DECODE, sizeof(float) * (size_t)tiles * IC * VLEN) : NULL;
     #pragma omp parallel
@@ -307,28 +324,38 @@ static inline void decode_matmul_forward(float* out, const float* inp, const Dec
                 if (m->packed_bf16) { decode_panel_rows(out, x, NULL, m->packed_bf16 + at, bias, IC, OC, o0, no, r0, nr, nchunks); }
                 else { decode_panel_rows(out, x, m->packed + at, NULL, bias, IC, OC, o0, no, r0, nr, nchunks); }
             }
-            if (tiled == N) { continue; }
-            int r0 = tiled;
-            // one specialisation per row count and weight type (the branch on the type is
-            // taken out of the k loop)
+            // with several panel tiles, each asks for its share of the next panel while it computes,
+            // so the stream from memory overlaps the arithmetic of every tile, not only the first's
+            int ntiles = (N - tiled + DECODE_ROW_TILE - 1) / DECODE_ROW_TILE;
+            size_t panel_bytes = (size_t)IC * DECODE_PANEL * (m->packed_bf16 ? sizeof(uint16_t) : sizeof(float));
+            size_t next_at = at + (size_t)IC * DECODE_PANEL;
+            const char* next = p + 1 == panels || ntiles < 2 ? NULL
+                               : m->packed_bf16 ? (const char*)(m->packed_bf16 + next_at) : (const char*)(m->packed + next_at);
+            for (int r0 = tiled, tile = 0; r0 < N; r0 += DECODE_ROW_TILE, tile++) {
+                DecodeAhead ahead = {NULL, NULL, ntiles};
+                if (next) {
+                    ahead.at = next + panel_bytes * tile / ntiles;
+                    ahead.end = next + panel_bytes * (tile + 1) / ntiles;
+                }
+                // one specialisation per row count and weight type (the branch on the type is
+                // taken out of the k loop)
 #define DECODE_TILE(NR)                                                                                         \
-    if (m->packed_bf16) { decode_panel_tile(out, inp, NULL, m->packed_bf16 + at, bias, IC, OC, o0, no, r0, NR, nchunks); } \
-    else { decode_panel_tile(out, inp, m->packed + at, NULL, bias, IC, OC, o0, no, r0, NR, nchunks); }
-            switch (N - r0) {
-                case 1: DECODE_TILE(1); break;
-                case 2: DECODE_TILE(2); break;
-                case 3: DECODE_TILE(3); break;
+    if (m->packed_bf16) { decode_panel_tile(out, inp, NULL, m->packed_bf16 + at, bias, IC, OC, o0, no, r0, NR, nchunks, ahead); } \
+    else { decode_panel_tile(out, inp, m->packed + at, NULL, bias, IC, OC, o0, no, r0, NR, nchunks, ahead); }
+                switch (N - r0 < DECODE_ROW_TILE ? N - r0 : DECODE_ROW_TILE) {
+                    case 1: DECODE_TILE(1); break;
+                    case 2: DECODE_TILE(2); break;
+                    case 3: DECODE_TILE(3); break;
+                    case 4: DECODE_TILE(4); break;
+                    case 5: DECODE_TILE(5); break;
 #if DECODE_ROW_TILE == 8
-                case 4: DECODE_TILE(4); break;
-                case 5: DECODE_TILE(5); break;
-                case 6: DECODE_TILE(6); break;
-                case 7: DECODE_TILE(7); break;
-                default: DECODE_TILE(8); break;
-#else
-                default: DECODE_TILE(4); break;
+                    case 6: DECODE_TILE(6); break;
+                    case 7: DECODE_TILE(7); break;
 #endif
-            }
+                    default: DECODE_TILE(DECODE_ROW_TILE); break;
+                }
 #undef DECODE_TILE
+            }
         }
     }
 }

@@ -62,9 +62,9 @@ static void attention_forward(float* out, float* att, const float* qkv, int B, i
 static void attention_forward_row(float* out, float* att, const float* qkv, int t, int T, int C, int NH);
 // serving: N rows of different sequences, each against its keys and values in a paged KV cache
 // (C floats of k then v per position); tables (N,max_blocks) each row's blocks, pos (N) its
-// position; out (N,C); scratch (N,NH,T) + T*3C floats. Only the servers call it, so it is
-// declared extern, not static: the trainers, which never do, leave it unused without a warning,
-// and a set without its body is still a link error for a server.
+// position; out (N,C); scratch (N,NH,T), the probabilities where a kernel keeps them. Only the
+// servers call it, so it is declared extern, not static: the trainers, which never do, leave it
+// unused without a warning, and a set without its body is still a link error for a server.
 void attention_forward_paged(float* out, float* scratch, const float* qkv, const float* kv, long block_stride,
                              const int* tables, int max_blocks, const int* pos, int N, int T, int bs, int C, int NH);
 // dqkv (B,T,3C) <- dout (B,T,C)

@@ -686,12 +686,14 @@ static inline void attention_forward_row(float* out, float* att, const float* qk
     cudaLaunchCheck("attention_row_values_kernel");
 }
 
-// Serving (train_gpt2.c attention_forward_paged): N query rows of different sequences over T
+// Serving (train_gpt2.c attention_forward_paged_naive, the specification of cpu_fast.h's
+// attention_forward_paged): N query rows of different sequences over T
 // positions each, row r at position pos[r] against the keys and values of its sequence's
 // positions 0..pos[r] in a paged KV cache (block tables (N,max_blocks)); the three row kernels
 // above with the keys read through the block table: scores one thread per (row, head, key),
 // the softmax one warp per (row, head) into scratch's att (N,NH,T), att@v one thread per (row,
-// channel), R2Z over the keys. The same bits as the CPU's, which gathers the keys first.
+// channel), R2Z over the keys. The same bits as the CPU's.
+
 static __global__ void attention_paged_scores_kernel(float* att, const float* qkv, const float* kv, long block_stride,
                                                      const int* tables, int max_blocks, const int* pos, int N, int T,
                                                      int bs, int C, int NH, float scale) {

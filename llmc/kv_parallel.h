@@ -2,7 +2,7 @@
  * kv_parallel.h: KV parallelism (KVP, Helix's name) for decode attention: each request's KV
  * cache is cut along its positions over the P ranks of a KVP group; every rank attends with
  * all of its query heads over the keys it holds, and the partial results are combined into
- * exactly the bits one rank's paged attention (train_gpt2.c's attention_forward_paged, the
+ * exactly the bits one rank's paged attention (attention_forward_paged, cpu_fast.h's, the
  * server's) computes. The KV cache per rank is 1/P of a full-context request's.
  *
  * WHICH POSITIONS A RANK HOLDS (zig-zag stretches, not Helix's round-robin blocks)

@@ -6,7 +6,9 @@
  * DESIGN-NOTES 10): a request has `computed` positions in the cache and `len` known tokens
  * (prompt, then what it generated); a step computes rows computed .. computed + n of it, n =
  * one for a decoding request, a chunk of its prompt for a prefilling one, under a budget of
- * max_batch_tokens rows per step. Running requests go first, in admission order; when the
+ * max_batch_tokens rows per step, of which at most max_prefill_tokens are prompt rows when the
+ * step also decodes (Sarathi-Serve's stall-free batching: a joining prompt does not stretch its
+ * neighbours' inter-token latency). Running requests go first, in admission order; when the
  * cache has no block for one, the latest running request is preempted (its blocks freed,
  * itself back at the head of the queue, recomputed from its tokens when it returns); waiting
  * requests join, first come first served, only in a step that preempted nobody. A request whose
@@ -121,6 +123,7 @@ typedef struct ServeEngine {
     ServeRequest** waiting;   // FCFS; preempted requests at the front
     int num_waiting, max_requests;
     int max_running;          // requests in the batch at most (1: one at a time); default max_requests
+    int max_prefill_tokens;   // prompt rows in a step that also decodes, at most (0: max_batch_tokens)
     ServeBatching batching;   // default SERVE_INFLIGHT
     int max_sched;            // requests per step at most (serve_pipeline.h's micro-batches); 0: no limit
     int num_in_flight;        // requests in iterations in flight (serve_pipeline.h): never preempted
@@ -158,16 +161,25 @@ static inline uint64_t serve_fnv1a(uint64_t h, const float* x, size_t n) {
 
 // serve_fnv1a of SERVE_FNV_ROWS rows at once, each continued from its own h[j]: the same
 // hashes, the rows' multiply chains interleaved (one row's waits on the multiplier's latency
-// for every byte)
+// for every byte), each in a general register (the empty asm: gcc would otherwise put the four
+// chains in one vector and multiply by shifts and adds, ten dependent operations a byte)
 #define SERVE_FNV_ROWS 4
 static inline void serve_fnv1a_rows(uint64_t h[SERVE_FNV_ROWS], const float* const x[SERVE_FNV_ROWS], size_t n) {
-    uint64_t a[SERVE_FNV_ROWS];
-    const unsigned char* b[SERVE_FNV_ROWS];
-    for (int j = 0; j < SERVE_FNV_ROWS; j++) { a[j] = h[j]; b[j] = (const unsigned char*)x[j]; }
+    const uint64_t prime = 1099511628211ull;
+    const unsigned char *b0 = (const unsigned char*)x[0], *b1 = (const unsigned char*)x[1];
+    const unsigned char *b2 = (const unsigned char*)x[2], *b3 = (const unsigned char*)x[3];
+    uint64_t a0 = h[0], a1 = h[1], a2 = h[2], a3 = h[3];
     for (size_t i = 0; i < n * sizeof(float); i++) {
-        for (int j = 0; j < SERVE_FNV_ROWS; j++) { a[j] = (a[j] ^ b[j][i]) * 1099511628211ull; }
+        a0 = (a0 ^ b0[i]) * prime;
+        a1 = (a1 ^ b1[i]) * prime;
+        a2 = (a2 ^ b2[i]) * prime;
+        a3 = (a3 ^ b3[i]) * prime;
+        __asm__("" : "+r"(a0), "+r"(a1), "+r"(a2), "+r"(a3));
     }
-    for (int j = 0; j < SERVE_FNV_ROWS; j++) { h[j] = a[j]; }
+    h[0] = a0;
+    h[1] = a1;
+    h[2] = a2;
+    h[3] = a3;
 }
 
 static inline void serve_request_init(ServeRequest* r, const int* prompt, int n, int max_tokens, float temperature,
@@ -248,7 +260,7 @@ static inline void serve_engine_init(ServeEngine* e, Comm* comm, const MemOps* m
     e->pos_dev = (int*)mem->alloc(sizeof(int) * rows * (2 + (size_t)e->max_blocks), "serve rows");
     e->head_rows_dev = e->pos_dev + rows;
     e->tables_dev = e->head_rows_dev + rows;
-    e->att_scratch = mem_floats(mem, rows * NH * e->maxT + (size_t)e->maxT * 3 * C, "serve attention scratch");
+    e->att_scratch = mem_floats(mem, rows * NH * e->maxT, "serve attention scratch");
     e->probs = (float*)malloc_or_die(sizeof(float) * rows * e->Vp, "serve probabilities");
 }
 
@@ -447,16 +459,42 @@ static inline void serve_admit(ServeEngine* e) {
     e->running[e->num_running++] = r;
 }
 
+// A request decodes when its one known token not computed is one it generated; otherwise its
+// rows are prompt rows (its prompt, or the tokens a preemption took back).
+static inline int serve_decodes(const ServeRequest* r) { return r->len > r->num_prompt && r->len - r->computed == 1; }
+
+// A request's rows this step: its one row when it decodes, else a chunk of its prompt rows
+// within both budgets.
+static inline int serve_rows_for(const ServeRequest* r, int budget, int prefill) {
+    if (serve_decodes(r)) { return budget > 0; }
+    int left = r->len - r->computed, n = left < budget ? left : budget;
+    return n < prefill ? n : prefill;
+}
+
+// The prompt rows a step may take: max_prefill_tokens when some running request decodes in it;
+// a step with none takes them up to the whole budget (a lone request's prompt in as few steps
+// as before).
+static inline int serve_prefill_budget(const ServeEngine* e) {
+    if (e->max_prefill_tokens <= 0) { return e->max_batch_tokens; }
+    for (int i = 0; i < e->num_running; i++) {
+        const ServeRequest* r = e->running[i];
+        if (!r->in_flight && serve_decodes(r)) { return e->max_prefill_tokens; }
+    }
+    return e->max_batch_tokens;
+}
+
 static inline int serve_engine_schedule(ServeEngine* e) {
     int budget = e->max_batch_tokens, rows = 0, preempted = 0;
     e->num_sched = 0;
     if (e->batching == SERVE_STATIC && e->num_running == 0) {   // the whole batch at once; its prefill chunked below
         while (e->num_waiting > 0 && e->num_running < e->max_running) { serve_admit(e); }
     }
+    int prefill = serve_prefill_budget(e);
     for (int i = 0; i < e->num_running && budget > 0 && !(e->max_sched && e->num_sched >= e->max_sched); i++) {
         ServeRequest* r = e->running[i];
         if (r->in_flight) { continue; }
-        int n = r->len - r->computed < budget ? r->len - r->computed : budget;
+        int n = serve_rows_for(r, budget, prefill);
+        if (n == 0) { continue; }   // a prompt's chunk waits for a step with room
         int room;
         while (!(room = serve_kv_reserve(e, r, r->computed + n))) {
             if (e->num_in_flight > 0) { preempted = 1; break; }   // none admitted: the iterations in flight free blocks as they end
@@ -466,15 +504,17 @@ static inline int serve_engine_schedule(ServeEngine* e) {
             if (itself) { break; }
         }
         if (!room) { break; }
+        if (!serve_decodes(r)) { prefill -= n; }
         serve_schedule(e, r, n, &rows);
         budget -= n;
     }
     while (e->batching == SERVE_INFLIGHT && !preempted && e->num_waiting > 0 && budget > 0 &&
            e->num_running < e->max_running && !(e->max_sched && e->num_sched >= e->max_sched)) {
         ServeRequest* r = e->waiting[0];
-        int n = r->len - r->computed < budget ? r->len - r->computed : budget;
-        if (!serve_kv_reserve(e, r, r->computed + n)) { break; }
+        int n = serve_rows_for(r, budget, prefill);
+        if (n == 0 || !serve_kv_reserve(e, r, r->computed + n)) { break; }
         serve_admit(e);
+        if (!serve_decodes(r)) { prefill -= n; }
         serve_schedule(e, r, n, &rows);
         budget -= n;
     }

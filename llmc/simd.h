@@ -172,4 +172,34 @@ static inline vf vf_expf(vf x) { vf r; for (int i = 0; i < VLEN; i++) { r.x[i] =
 #define LLMC_SIMD_NAME "scalar"
 #endif
 
+// dst[i * ldd + j] = src[j][i] for i, j < 8: eight rows of eight floats written as columns
+// (keys laid out one per lane). Moves only, so every build writes the same floats; with AVX2
+// (which AVX-512 machines have too) the 8 x 8 block is transposed in registers.
+#if (defined(__AVX2__) || defined(__AVX512F__)) && !defined(LLMC_NO_SIMD)
+static inline void transpose8x8(float* dst, long ldd, const float* const src[8]) {
+    __m256 t[8], s[8];
+    _Pragma("GCC unroll 4") for (int i = 0; i < 8; i += 2) {
+        __m256 a = _mm256_loadu_ps(src[i]), b = _mm256_loadu_ps(src[i + 1]);
+        t[i] = _mm256_unpacklo_ps(a, b);       // a0 b0 a1 b1 | a4 b4 a5 b5
+        t[i + 1] = _mm256_unpackhi_ps(a, b);   // a2 b2 a3 b3 | a6 b6 a7 b7
+    }
+    _Pragma("GCC unroll 2") for (int i = 0; i < 8; i += 4) {   // columns (0|4), (1|5), (2|6), (3|7) of rows i .. i+3
+        s[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
+    }
+}
+#else
+static inline void transpose8x8(float* dst, long ldd, const float* const src[8]) {
+    for (int i = 0; i < 8; i++) {
+        for (int j = 0; j < 8; j++) { dst[i * ldd + j] = src[j][i]; }
+    }
+}
+#endif
+
 #endif // LLMC_SIMD_H

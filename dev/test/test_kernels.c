@@ -475,7 +475,51 @@ static void test_layernorm(int B, int T, int C) {
 }
 
 // --- attention ----------------------------------------------------------------------------
-static void test_attention(int B, int T, int C, int NH) {
+// Serving's paged attention on the same sequences: their keys and values dealt into blocks of
+// bs positions in a shuffled order, every row of every sequence asked at once in a scattered
+// order, then the last row alone (a lone row's heads are split among the threads): each row
+// must be the canonical row wout of its sequence.
+static void check_attention_paged(const float* qkv, const float* wout, int B, int T, int C, int NH, int bs) {
+    size_t C3 = 3 * (size_t)C;
+    int max_blocks = (T + bs - 1) / bs, nblocks = B * max_blocks, N = B * T;
+    long block_stride = (long)bs * 2 * C;
+    int* order = malloc(sizeof(int) * nblocks);
+    for (int i = 0; i < nblocks; i++) { order[i] = i; }
+    for (int i = nblocks - 1; i > 0; i--) {
+        int j = (int)(random_u32(&rng_state) % (uint32_t)(i + 1)), x = order[i];
+        order[i] = order[j];
+        order[j] = x;
+    }
+    float* kv = calloc((size_t)nblocks * block_stride, sizeof(float));
+    float* rows = malloc(sizeof(float) * N * C3), *want = malloc(sizeof(float) * N * C);
+    int* tables = malloc(sizeof(int) * N * max_blocks), *pos = malloc(sizeof(int) * N);
+    for (int b = 0; b < B; b++) {
+        for (int p = 0; p < T; p++) {
+            const float* src = qkv + ((size_t)b * T + p) * C3;
+            memcpy(kv + order[b * max_blocks + p / bs] * block_stride + (long)(p % bs) * 2 * C, src + C, sizeof(float) * 2 * C);
+            int r = (int)(((size_t)b * T + p) * 7919 % (size_t)N);
+            memcpy(rows + r * C3, src, sizeof(float) * C3);
+            memcpy(want + (size_t)r * C, wout + ((size_t)b * T + p) * C, sizeof(float) * C);
+            memcpy(tables + (size_t)r * max_blocks, order + b * max_blocks, sizeof(int) * max_blocks);
+            pos[r] = p;
+        }
+    }
+    float* out = malloc(sizeof(float) * N * C), *sout = malloc(sizeof(float) * N * C);
+    float* scratch = malloc(sizeof(float) * (size_t)N * NH * T);
+    attention_forward_paged(out, scratch, rows, kv, block_stride, tables, max_blocks, pos, N, T, bs, C, NH);
+    attention_forward_paged_naive(sout, scratch, rows, kv, block_stride, tables, max_blocks, pos, N, T, bs, C, NH);
+    char what[96];
+    snprintf(what, sizeof(what), "attention_forward_paged B=%d T=%d C=%d NH=%d bs=%d", B, T, C, NH, bs);
+    expect_same(what, out, want, (size_t)N * C);
+    expect_same("attention_forward_paged_naive", sout, want, (size_t)N * C);
+    int last = (int)(((size_t)N - 1) * 7919 % (size_t)N);
+    attention_forward_paged(out, scratch, rows + last * C3, kv, block_stride, tables + (size_t)last * max_blocks,
+                            max_blocks, pos + last, 1, T, bs, C, NH);
+    expect_same("attention_forward_paged, a lone row", out, want + (size_t)last * C, C);
+    free(order); free(kv); free(rows); free(want); free(tables); free(pos); free(out); free(sout); free(scratch);
+}
+
+static void test_attention(int B, int T, int C, int NH, int bs) {
     int hs = C / NH;
     size_t C3 = 3 * (size_t)C;
     float* qkv = rand_buf((size_t)B * T * C3);
@@ -536,6 +580,7 @@ static void test_attention(int B, int T, int C, int NH) {
     expect_same("attention probabilities", att, watt, (size_t)B * NH * T * T);
     expect_same("attention_forward_naive", sout, wout, (size_t)B * T * C);
     expect_same("attention_forward_naive probabilities", satt, watt, (size_t)B * NH * T * T);
+    check_attention_paged(qkv, wout, B, T, C, NH, bs);
     // backward
     float* dy = rand_buf((size_t)B * T * C);
     float* dqkv = malloc(sizeof(float) * B * T * C3), *wdqkv = malloc(sizeof(float) * B * T * C3);
@@ -1039,13 +1084,13 @@ int main(void) {
     test_layernorm(2, 5, 7);
     test_layernorm(3, 16, 64);
     test_layernorm(1, 3, 200);
-    test_attention(1, 1, 8, 1);
-    test_attention(2, 5, 16, 2);
-    test_attention(1, 19, 24, 3);
-    test_attention(2, 12, 128, 2);
-    test_attention(1, 70, 128, 2);    // head size 64: whole vector tiles, several row tiles
-    test_attention(2, 37, 48, 1);     // head size 48: a partial tile of channel vectors
-    test_attention(1, 33, 40, 2);     // head size 20: a vector and a scalar tail
+    test_attention(1, 1, 8, 1, 16);   // (the last argument: the paged cache's block size)
+    test_attention(2, 5, 16, 2, 2);
+    test_attention(1, 19, 24, 3, 5);
+    test_attention(2, 12, 128, 2, 16);
+    test_attention(1, 70, 128, 2, 16);   // head size 64: whole vector tiles, several row and key tiles
+    test_attention(2, 37, 48, 1, 3);     // head size 48: a partial tile of channel vectors
+    test_attention(1, 33, 40, 2, 7);     // head size 20: a vector and a scalar tail
     for (int N = 2; N <= 8; N *= 2) {
         test_attention_blocks(2, 32, 16, 2, N);
         test_attention_blocks(1, 48, 128, 2, N);   // head size 64, stretches of 3..12 positions

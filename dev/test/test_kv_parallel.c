@@ -1,6 +1,6 @@
 /*
  * test_kv_parallel.c: KV parallelism (llmc/kv_parallel.h) on a real communicator against the
- * one-rank paged attention the server runs (train_gpt2.c's attention_forward_paged).
+ * one-rank paged attention the server runs (attention_forward_paged, llmc/cpu_fast.h).
  *
  *   mpirun -np W build/test_kv_parallel [--tp tp]     KVP P = W/tp (the cp groups) x TP tp
  *

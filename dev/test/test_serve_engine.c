@@ -11,7 +11,8 @@
  *  1. each request alone (prefill chunked by max_batch_tokens);
  *  2. all of them, arriving at random steps, in a cache small enough that requests are
  *     preempted and recomputed, then again in the reverse arrival order with other block
- *     and chunk sizes; every block free at the end;
+ *     and chunk sizes, and with few prompt rows per decoding step (no step that decodes
+ *     carries more, and the cap is met); every block free at the end;
  *  3. a stop string ends the text before it (finish_reason "stop"), maxT ends with "length";
  *  4. a request cancelled midway gives its blocks back and changes nobody else's tokens.
  * All of it twice: on a dense model, and on a mixture-of-experts one (4 experts, top 2) whose
@@ -81,17 +82,36 @@ static int same_tokens(const ServeRequest* r, const Case* k) {
            memcmp(r->tokens + r->num_prompt, k->expect, sizeof(int) * k->num_expect) == 0;
 }
 
+// The prompt rows of the step just scheduled when some request in it decodes (its row: the
+// last token it generated; every other row is a prompt row, or one a preemption took back);
+// -1 when none decodes. *capped: 1 when a prompt in it got fewer rows than it has left.
+static int decoding_step_prompt_rows(const ServeEngine* e, int* capped) {
+    int prompt = 0, decodes = 0;
+    for (int s = 0, first = 0; s < e->num_sched; first = e->sched_last_row[s] + 1, s++) {
+        const ServeRequest* r = e->sched[s];
+        int n = e->sched_last_row[s] + 1 - first, left = r->len - r->computed;
+        if (r->len > r->num_prompt && left == 1) { decodes = 1; continue; }
+        prompt += n;
+        if (n < left) { *capped = 1; }
+    }
+    return decodes ? prompt : -1;
+}
+
 // Runs the cases through one engine; case i arrives at step arrive[i] (in that order when
-// several share a step). Returns how many requests were preempted at least once.
+// several share a step). max_prefill > 0: the engine's max_prefill_tokens, which no step that
+// decodes may exceed and some such step must reach. Returns how many requests were preempted at
+// least once.
 static int run_batched(Comm* comm, const GPT2Config* c, const float* params, Case* cases, const int* order, const int* arrive,
-                       int kv_blocks, int block_size, int max_batch_tokens, ServeBatching batching, int max_running,
-                       const char* name) {
+                       int kv_blocks, int block_size, int max_batch_tokens, int max_prefill, ServeBatching batching,
+                       int max_running, const char* name) {
     ServeEngine e;
     serve_engine_init(&e, comm, &memory_host, c, params, kv_blocks, block_size, max_batch_tokens, NCASES);
     e.batching = batching;
+    e.max_prefill_tokens = max_prefill;
     if (max_running > 0) { e.max_running = max_running; }
     ServeRequest reqs[NCASES];
     int next = 0, busiest = 0, joined = 0;   // the schedule's own promises: the batch's cap, none joining a static batch
+    int over = 0, capped_steps = 0;          // ... and the prompt rows of a decoding step
     for (int step = 0; next < NCASES || !serve_engine_idle(&e); step++) {
         while (next < NCASES && arrive[order[next]] <= step) {
             request_from_case(&reqs[order[next]], &cases[order[next]], c->vocab_size);
@@ -99,7 +119,12 @@ static int run_batched(Comm* comm, const GPT2Config* c, const float* params, Cas
             next++;
         }
         int before = e.num_running;
-        serve_engine_step(&e);
+        serve_engine_schedule(&e);   // serve_engine_step, its schedule looked at
+        int capped = 0, prompt = decoding_step_prompt_rows(&e, &capped);
+        if (max_prefill > 0 && prompt > max_prefill) { over++; }
+        capped_steps += max_prefill > 0 && prompt == max_prefill && capped;
+        serve_engine_forward(&e);
+        serve_engine_finish_step(&e);
         if (max_running > 0) { busiest = e.num_running > busiest ? e.num_running : busiest; }
         if (batching == SERVE_STATIC && before > 0 && e.num_running > before) { joined++; }
         CHECK(step < 100000, "%s: the engine does not finish", name);
@@ -114,6 +139,8 @@ static int run_batched(Comm* comm, const GPT2Config* c, const float* params, Cas
     CHECK(bad == 0, "%s: %d request(s) differ from the sampler", name, bad);
     CHECK(busiest <= max_running, "%s: %d requests ran at once, over --max-running %d", name, busiest, max_running);
     CHECK(joined == 0, "%s: requests joined a running static batch at %d steps", name, joined);
+    CHECK(over == 0, "%s: %d decoding steps carried more than %d prompt rows", name, over, max_prefill);
+    CHECK(max_prefill == 0 || capped_steps > 0, "%s: no decoding step met the cap of %d prompt rows", name, max_prefill);
     CHECK(e.kv.num_free == kv_blocks, "%s: %d of %d blocks free at the end", name, e.kv.num_free, kv_blocks);
     printf("%s: %d requests = the sampler's tokens, %lld steps, %d preempted, all blocks free: %s\n", name, NCASES,
            e.steps, preempted, bad == 0 && e.kv.num_free == kv_blocks ? "ok" : "FAIL");
@@ -185,19 +212,21 @@ static void check_engine(Comm* comm, GPT2Config c, const char* model_name) {
             if (arrive[order[j]] < arrive[order[i]]) { int t = order[i]; order[i] = order[j]; order[j] = t; }
         }
     }
-    int p1 = run_batched(comm, &c, params, cases, order, arrive, 10, 16, 16, SERVE_INFLIGHT, 0, "batched, 10 blocks of 16, chunks of 16");
+    int p1 = run_batched(comm, &c, params, cases, order, arrive, 10, 16, 16, 0, SERVE_INFLIGHT, 0, "batched, 10 blocks of 16, chunks of 16");
     CHECK(p1 > 0, "the small cache preempted nobody: the test does not reach preemption");
     int reversed[NCASES], same_step[NCASES];
     for (int i = 0; i < NCASES; i++) {
         reversed[i] = order[NCASES - 1 - i];
         same_step[i] = 0;
     }
-    run_batched(comm, &c, params, cases, reversed, same_step, 40, 4, 5, SERVE_INFLIGHT, 0, "all at once reversed, 40 blocks of 4, chunks of 5");
-    run_batched(comm, &c, params, cases, order, arrive, 256, 16, 256, SERVE_INFLIGHT, 0, "batched, room for all, one chunk");
+    run_batched(comm, &c, params, cases, reversed, same_step, 40, 4, 5, 0, SERVE_INFLIGHT, 0, "all at once reversed, 40 blocks of 4, chunks of 5");
+    run_batched(comm, &c, params, cases, order, arrive, 256, 16, 256, 0, SERVE_INFLIGHT, 0, "batched, room for all, one chunk");
+    run_batched(comm, &c, params, cases, order, arrive, 256, 16, 256, 3, SERVE_INFLIGHT, 0,
+                "batched, room for all, 3 prompt rows in a decoding step");
     // the schedules make bench-serve compares in-flight batching with: the same bits
-    run_batched(comm, &c, params, cases, order, arrive, 10, 16, 16, SERVE_STATIC, 0, "static batches, 10 blocks of 16");
-    run_batched(comm, &c, params, cases, order, arrive, 256, 16, 256, SERVE_STATIC, 4, "static batches of 4");
-    run_batched(comm, &c, params, cases, order, arrive, 256, 16, 7, SERVE_INFLIGHT, 1, "one at a time, chunks of 7");
+    run_batched(comm, &c, params, cases, order, arrive, 10, 16, 16, 0, SERVE_STATIC, 0, "static batches, 10 blocks of 16");
+    run_batched(comm, &c, params, cases, order, arrive, 256, 16, 256, 0, SERVE_STATIC, 4, "static batches of 4");
+    run_batched(comm, &c, params, cases, order, arrive, 256, 16, 7, 0, SERVE_INFLIGHT, 1, "one at a time, chunks of 7");
 
     // 3. a stop string: the letters the sampler's tokens spell, cut before the first match
     {
