@@ -414,7 +414,7 @@ static inline uint64_t cp_bytes_per_varlen_step(int N, int D, int a2a, int moe, 
     for (int i = 0; i < count; i++) {
         if (zz_splits_length(D, lengths[i])) {
             bytes += cp_bytes_per_step(N, a2a, layers, has_embedding, has_head, 1, lengths[i], C, tp, 1, sizeof(float));
-            if (moe) { bytes += cp_moe_bytes_per_step(N, layers, 1, lengths[i], C, 1); }
+            if (moe) { bytes += cp_moe_bytes_per_step(N, layers, 1, lengths[i], C, 1, sizeof(float)); }
         }
     }
     return bytes;
