@@ -20,8 +20,8 @@
  *     3. The binaries, when built: train_gpt2cu --help and its refusals; without a GPU, one
  *        clear error line and exit status 1; train_gpt2cu_emu in fast mode
  *        refuses --attention cudnn in one line (dev/test/test_fast_e2e.sh runs it).
- *  - build/test_cuda_kernels_emu, by g++ on the CPU emulation of CUDA (dev/gpu/emu): the same,
- *    and 4. every kernel of llmc/kernels_det.cuh and the device memory operations, launched
+ *  - build/test_cuda_kernels_emu, by g++ on the CPU emulation of CUDA (dev/gpu/emu): only
+ *    4. (1-3 are build/test_cuda_host's): every kernel of llmc/kernels_det.cuh and the device memory operations, launched
  *    (emulated: fibers, shuffled blocks and threads, poisoned memory) and compared with their
  *    train_gpt2.c twins bit for bit; fast mode's kernels (cuBLASLt matmuls on the stand-in,
  *    flash attention, fused classifier, layernorms) against the reference within bf16
@@ -1703,6 +1703,9 @@ static void test_device(void) {
 #endif
 
 int main(void) {
+#ifndef LLMC_CUDA_EMU
+    // sections 1-3; the emulated builds leave them to build/test_cuda_host (the same source), as
+    // the race check's call on every load and store would only make them slower
     test_walk();
     test_det_gemm_threads();
     test_matmul();
@@ -1716,6 +1719,7 @@ int main(void) {
     test_sumsq();
     test_plan();
     test_binary();
+#endif
 #ifdef TEST_DEVICE
     test_device();
 #endif

@@ -69,5 +69,11 @@ else
   else echo "ok   train_gpt2.c's model (from line $model_start) calls no comm_ function"; fi
 fi
 
+# 4. no CUDA source is compiled only for some architectures: CI compiles the CUDA build for
+# sm_80 alone (.ci/run), which then compiles every line the GPU build runs
+guarded=$(grep -lE '__CUDA_ARCH__' llmc/*.cuh llmc/*.h ./*.cu dev/gpu/*.cu 2>/dev/null | head -3)
+if [ -n "$guarded" ]; then fail "code under __CUDA_ARCH__ in $guarded: CI's one-architecture build (.ci/run CUDA_ARCHS) would not compile all of it"
+else echo "ok   no CUDA source depends on __CUDA_ARCH__ (CI builds sm_80 only)"; fi
+
 [ $fails -eq 0 ] || { echo "$fails check(s) failed"; exit 1; }
 echo "all header checks passed"
