@@ -809,7 +809,20 @@ static void moe_grouped_case(int C, int El, int Q, const int* counts /* El x Q *
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) { free(host[i]); }
 }
 
-int main(void) {
+// with an argument, only the parts it lists (comma-separated: flash, ring, rows, matmul, moe), so
+// that dev/test/test_emu_mutants.sh runs a broken copy against the parts it breaks
+static const char* only_parts = NULL;
+static bool part(const char* name) {
+    if (!only_parts) { return true; }
+    size_t n = strlen(name);
+    for (const char* p = only_parts; (p = strstr(p, name)) != NULL; p += n) {
+        if ((p == only_parts || p[-1] == ',') && (p[n] == '\0' || p[n] == ',')) { return true; }
+    }
+    return false;
+}
+
+int main(int argc, char** argv) {
+    only_parts = argc > 1 ? argv[1] : NULL;
     flash_attention_setup();
     cublaslt_init();
 #if LLMC_EMU_RACE_CHECK
@@ -820,7 +833,7 @@ int main(void) {
     static const int flash_cases[][4] = {{1, 64, 2, 16}, {2, 100, 2, 32}, {1, 257, 2, 64}, {2, 130, 3, 64}};
     static const int matmul_cases[][4] = {{64, 64, 192, 0}, {37, 96, 256, 0}, {50, 40, 24, 1}};
 #endif
-    for (size_t i = 0; i < sizeof(flash_cases) / sizeof(flash_cases[0]); i++) {
+    for (size_t i = 0; part("flash") && i < sizeof(flash_cases) / sizeof(flash_cases[0]); i++) {
         flash_case(flash_cases[i][0], flash_cases[i][1], flash_cases[i][2], flash_cases[i][3]);
     }
     // N B T NH HS: T/N a multiple of 64 and not, the stretches T/2N crossing a tile edge
@@ -829,33 +842,38 @@ int main(void) {
 #else
     static const int ring_cases[][5] = {{2, 1, 128, 1, 16}, {2, 2, 100, 2, 32}, {2, 1, 260, 1, 64}, {3, 1, 150, 2, 16}};
 #endif
-    for (size_t i = 0; i < sizeof(ring_cases) / sizeof(ring_cases[0]); i++) {
+    for (size_t i = 0; part("ring") && i < sizeof(ring_cases) / sizeof(ring_cases[0]); i++) {
         ring_case(ring_cases[i][0], ring_cases[i][1], ring_cases[i][2], ring_cases[i][3], ring_cases[i][4]);
     }
     static const int rows[] = {0, 1, 63, 64, 65, 127, 129};
+    if (part("rows")) {
 #if LLMC_EMU_RACE_CHECK
-    flash_row_case(70, 1, 16, rows, 5);
+        flash_row_case(70, 1, 16, rows, 5);
 #else
-    flash_row_case(130, 2, 16, rows, 7);
-    flash_row_case(130, 1, 64, rows, 7);
+        flash_row_case(130, 2, 16, rows, 7);
+        flash_row_case(130, 1, 64, rows, 7);
 #endif
-    for (size_t i = 0; i < sizeof(matmul_cases) / sizeof(matmul_cases[0]); i++) {
+    }
+    for (size_t i = 0; part("matmul") && i < sizeof(matmul_cases) / sizeof(matmul_cases[0]); i++) {
         matmul_case(matmul_cases[i][0], matmul_cases[i][1], matmul_cases[i][2], matmul_cases[i][3]);
     }
-    cublaslt_refusals();
+    if (part("matmul")) { cublaslt_refusals(); }
+    if (part("moe")) {
 #if LLMC_EMU_RACE_CHECK
-    moe_layer_case(1, 8, 16, 4, 2);
-    static const int counts_q1[] = {3, 0, 1};
-    moe_grouped_case(16, 3, 1, counts_q1);
+        moe_layer_case(1, 8, 16, 4, 2);
+        static const int counts_q1[] = {3, 0, 1};
+        moe_grouped_case(16, 3, 1, counts_q1);
 #else
-    moe_layer_case(2, 16, 32, 4, 2);
-    static const int counts_q1[] = {5, 0, 1, 13};          // El 4, one source
-    static const int counts_q2[] = {3, 4, 0, 6, 0, 0, 9, 0};   // El 4, two sources
-    moe_grouped_case(32, 4, 1, counts_q1);
-    moe_grouped_case(24, 4, 2, counts_q2);
+        moe_layer_case(2, 16, 32, 4, 2);
+        static const int counts_q1[] = {5, 0, 1, 13};          // El 4, one source
+        static const int counts_q2[] = {3, 4, 0, 6, 0, 0, 9, 0};   // El 4, two sources
+        moe_grouped_case(32, 4, 1, counts_q1);
+        moe_grouped_case(24, 4, 2, counts_q2);
 #endif
+    }
     cublaslt_free();
-    printf(failures ? "%d FAILED\n" : "fast mode's attention, matmuls and expert layer on the emulated GPU: all checks passed\n",
-           failures);
+    if (failures) { printf("%d FAILED\n", failures); }
+    else { printf("fast mode's attention, matmuls and expert layer on the emulated GPU (%s): all checks passed\n",
+                  only_parts ? only_parts : "every part"); }
     return failures ? 1 : 0;
 }
