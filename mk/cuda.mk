@@ -99,7 +99,7 @@ EMU_RACE_FLAGS = -O1 -fsanitize=kernel-address --param asan-instrumentation-with
 build/cuda_emu_race.o: dev/gpu/emu/cuda_emu.cpp dev/gpu/emu/cuda_runtime.h | build
 	$(CXX) $(EMU_CXXFLAGS) -DLLMC_EMU_RACE_CHECK=1 -c -o $@ $<
 build/test_cuda_kernels_emu_race: dev/test/test_cuda_host.c train_gpt2.c build/cuda_emu_race.o $(LLMC_HEADERS) $(CUDA_HEADERS) $(EMU_FILES) | build
-	$(CXX) $(EMU_TEST_FLAGS) $(EMU_RACE_FLAGS) -x c++ $< -x none build/cuda_emu_race.o -o $@ -lm
+	$(CXX) $(EMU_TEST_FLAGS) $(EMU_RACE_FLAGS) -DLLMC_EMU_RACE_CHECK=1 -x c++ $< -x none build/cuda_emu_race.o -o $@ -lm
 
 # the emulator itself fails where a GPU would misbehave (dev/test/test_emu.cpp)
 build/test_emu: dev/test/test_emu.cpp build/cuda_emu.o $(CUDA_HEADERS) $(EMU_FILES) | build

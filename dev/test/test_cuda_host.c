@@ -1078,8 +1078,14 @@ static void expect_device(const char* what, const float* d, const float* want, s
 
 static void test_device_det(void) {
     // matmul, with the shares of tensor-parallel ranks (nchunks 8/K)
+#if LLMC_EMU_RACE_CHECK
+    // (every access of the kernels checked: the shapes that take several tiles each way, not
+    // GPT-2's K = 768, which the unchecked builds run)
+    int mm[][5] = {{1, 1, 1, 1, 1}, {2, 5, 17, 30, 3}, {4, 33, 129, 12, 3}, {2, 70, 200, 130, 1}};
+#else
     int mm[][5] = {{1, 1, 1, 1, 1}, {2, 5, 17, 30, 3}, {4, 33, 129, 12, 3}, {2, 70, 200, 130, 1}, {1, 300, 96, 200, 1},
                    {3, 64, 768, 96, 3}};
+#endif
     for (size_t s = 0; s < sizeof(mm) / sizeof(mm[0]); s++) {
         int B = mm[s][0], T = mm[s][1], K = mm[s][2], OC = mm[s][3], groups = mm[s][4], BT = B * T;
         char what[128];
@@ -1406,7 +1412,11 @@ static void test_device_fast(void) {
     gpu::cublaslt_init();
     gpu::flash_attention_setup();
     // matmuls, plain and with the GELU epilogues
+#if LLMC_EMU_RACE_CHECK
+    int mm[][4] = {{2, 64, 64, 192}, {1, 37, 96, 72}};   // B T K OC (smaller: every access checked)
+#else
     int mm[][4] = {{2, 64, 64, 192}, {4, 37, 256, 1024}, {1, 100, 1024, 256}};   // B T K OC
+#endif
     for (size_t s = 0; s < sizeof(mm) / sizeof(mm[0]); s++) {
         int B = mm[s][0], T = mm[s][1], K = mm[s][2], OC = mm[s][3], BT = B * T;
         char what[128];
