@@ -24,6 +24,7 @@
 #endif
 #include "llmc/utils.h"
 #include "llmc/canonical.h"
+#include "llmc/paged_kv.h"
 #include "llmc/simd.h"
 #include "llmc/moe.h"
 #include "llmc/kernels.h"
@@ -800,10 +801,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 
 // offs[p] for p <= t: where key p of a row (block table `table`) starts in the layer's cache
 static void attn_paged_places(long* offs, const int* table, int t, int bs, long block_stride, int C) {
-    for (int b0 = 0; b0 <= t; b0 += bs) {
-        long base = table[b0 / bs] * block_stride;
-        for (int i = 0; i < bs && b0 + i <= t; i++) { offs[b0 + i] = base + (long)i * 2 * C; }
-    }
+    for (int p = 0; p <= t; p++) { offs[p] = paged_kv_slot(table, block_stride, p, bs, C); }
 }
 
 // out (nh*hs) = R2Z over keys j <= t (of T) of p[h][j] * value j's channel (h*hs + d), for the
