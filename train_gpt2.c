@@ -183,18 +183,19 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
 
 // dres (BT,C) <- dres + dinp_ln, where with n = (x-mean)*rstd, dnorm = dout*weight:
 // dinp_ln = ((dnorm - mean(dnorm)) - n * mean(dnorm*n)) * rstd  (the means are R2 over C).
-// dweight[c] = R3 over positions of dout*n (fmaf), dbias[c] = R3 of dout.  B,T for R3.
-// Under sequence (or context) parallelism over D ranks a rank holds a zig-zag slice of
-// T = T_full/D positions of each sequence, i.e. nchunks = 8/D of every sequence's 8 R2Z chunks:
-// then seq_partials (2,B,C) receives each sequence's subtree for dweight and dbias, for the
+// dweight[c] = R3 over positions of dout*n (fmaf), dbias[c] = R3 of dout: B sequences of T
+// positions, the rows rank r's D-way zig-zag slice of each (canonical.h; canon_zz_len(T, D, r)
+// rows a sequence, its 8/D R2Z chunks; D = 1: whole). Under sequence (or context) parallelism
+// (D > 1) seq_partials (2,B,C) receives each sequence's subtree for dweight and dbias, for the
 // caller to finish over the group and over the sequences (sequence_tree); otherwise
-// (seq_partials NULL, nchunks 8) the R3 is done here. The two halves are independent: dres
+// (seq_partials NULL, D 1) the R3 is done here. The two halves are independent: dres
 // NULL skips the input gradient, dweight and seq_partials NULL the parameter gradients (the
 // pipeline's deferred weight gradients run them at different times).
 void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
                         const float* inp, const float* weight, const float* mean,
-                        const float* rstd, int B, int T, int C, int nchunks, float* seq_partials) {
-    int BT = dres ? B * T : 0;
+                        const float* rstd, int B, int T, int D, int r, int C, float* seq_partials) {
+    int Tl = (int)canon_zz_len(T, D, r), nchunks = CANON_R / D;
+    int BT = dres ? B * Tl : 0;
     #pragma omp parallel for
     for (int i = 0; i < BT; i++) {
         const float* x = inp + (size_t)i * C;
@@ -236,9 +237,9 @@ void layernorm_backward(float* dres, float* dweight, float* dbias, const float* 
                 for (int j = 0; j < cn; j++) { aw[j] = 0.0f; ab[j] = 0.0f; }
                 for (int half = 0; half < 2; half++) {
                     long tb, te;
-                    canon_zz_half(T, nchunks, ch, half, &tb, &te);
+                    canon_zz_slice_half(T, D, r, ch, half, &tb, &te);
                     for (long t = tb; t < te; t++) {
-                        size_t i = (size_t)b * T + t;
+                        size_t i = (size_t)b * Tl + t;
                         const float* x = inp + i * C + c0;
                         const float* dy = dout + i * C + c0;
                         for (int j = 0; j < cn; j++) {
@@ -553,7 +554,7 @@ void bias_forward(float* out, const float* bias, int BT, int OC) {
 
 // R3 sum of per-position values x (B,T): the loss sum of a microbatch.
 float position_sum(const float* x, int B, int T) {
-    return position_reduce_elem(x, 1, 0, NULL, 0, 0, B, T, CANON_R);
+    return position_reduce_elem(x, 1, 0, NULL, 0, 0, B, T, 1, 0);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -684,8 +685,9 @@ typedef struct {
 } MoeLayerActs;
 
 typedef struct {
-    int layers, cap_B, cap_T, recompute, seq_split, cp_split;
-    int by_length;      // SEQS_SPLIT_BY_LENGTH: each pass picks cp_split from its length (pass_split)
+    int layers, cap_B, cap_T, recompute;
+    ZzPass pass;        // how the pass is split, and this rank's slices (zigzag.h)
+    int by_length;      // SEQS_SPLIT_BY_LENGTH: each pass picks its split from its length (pass_split)
     int C3, Ca, NHl, C4, Vl;   // local widths: qkv, atty, heads, fch, vocabulary
     int Co;             // the attention output's columns the output projection reads: Ca, but in
                         // Helix's serving layout (GPT2.tp_ffn) C / its size
@@ -715,7 +717,7 @@ typedef struct {
 // positions x C; emb, sp, moe 1 or 0).
 #define ACTIVATION_GRADS(X, owner)                                                                                     \
     X(owner, float, dresidual, BTC)            /* (B,T,C)  d(residual stream); (B,T/tp,C) under SP */                  \
-    X(owner, float, dwhole, cp_whole * BTC * cap_split) /* (B,T*cp_split,C) the embedding's, gathered along T */       \
+    X(owner, float, dwhole, cp_whole * whole)  /* (B,T*cp_split,C) the embedding's, gathered along T */              \
     X(owner, float, ln_partials, per_seq * 2 * B * C) /* (2,B,C) layernorm weight/bias grads per sequence */           \
     X(owner, float, dbtc, sp * BTC)            /* (B,T,C)  a layernorm output's gradient before the tp sum */          \
     X(owner, float, datty, BTC / tp)           /* (B,T,C/tp) d(attention output) */                                    \
@@ -727,7 +729,7 @@ typedef struct {
     X(owner, float, dln1, BTC)                 /* (B,T,C)  also d(lnf's output) in the head's backward */              \
     X(owner, float, dgate, moe * slots)        /* (B,T,k)  mixture of experts from here */                             \
     X(owner, float, dlogits, moe * B * T * num_experts) /* (B,T,E) */                                                  \
-    X(owner, float, drouter, moe * BTC * cap_split) /* (B,T,C) the router's input gradient (CP: whole sequences) */        \
+    X(owner, float, drouter, moe * whole)      /* (B,T,C)  the router's input gradient (CP: whole sequences) */        \
     X(owner, float, daux, moe * num_experts)   /* (E)      the load-balancing loss's gradient per position */          \
     X(owner, float, dslots, moe * slots * C)   /* (B,T*k,C) the slots' output, then input, gradients */
 #define MOE_GRAD_ROWS(X, owner)                                                                                        \
@@ -737,7 +739,7 @@ typedef struct {
     X(owner, float, hgelu, C4)                 /* (rows,4C/tp) GELU recomputed (-r 1) */
 
 typedef struct {
-    int seq_split, cp_split;   // as in Activations
+    ZzPass pass;   // as in Activations
     ACTIVATION_GRADS(DECLARE, _)
     MOE_GRAD_ROWS(DECLARE, _)
     size_t rows_cap;
@@ -879,21 +881,45 @@ static void moe_grads_rows(const GPT2* model, ActivationGrads* g, size_t rows, i
     g->rows_cap = rows;
 }
 
+// The ranks that split the sequences of passes laid out as split_seqs (SeqSplit; SEQS_WHOLE:
+// none), and this rank's place among them.
+static ZzGroup model_split_group(const GPT2* model, int split_seqs) {
+    ZzGroup g = {split_seqs ? model->cp_size : 1, split_seqs && model->seq_parallel ? model->tp_size : 1,
+                 model->cp->rank, model->tp->rank};
+    return g;
+}
+
+// The positions of each sequence a pass of split_seqs (SeqSplit) over up to T positions holds
+// on this rank at most: all T unsplit, T/cp split over the cp group (with SP the residual
+// stream a tp-th of that), and by length the largest slice of any length up to T, or a
+// sequence too short to split (zz_max_len), over any of the groups the model's passes may
+// run on (FlexSP's, a group of one among them: then T).
+static int pass_capacity(const GPT2* model, int T, int split_seqs) {
+    if (split_seqs != SEQS_SPLIT_BY_LENGTH) { return T / (split_seqs ? model->cp_size : 1); }
+    int most = 0;
+    for (int k = 0; k < CP_GROUP_LEVELS; k++) {
+        int len = model->cp_groups[k].group ? zz_max_len(T, 1 << k) : 0;
+        most = len > most ? len : most;
+    }
+    return most;
+}
+
 // split_seqs (model_ops.h SeqSplit): SEQS_SPLIT, the sequences are split as the model's layout
 // says (context parallelism over its cp group, and with seq_parallel the residual stream over
 // the tensor-parallel group: Megatron's sequence parallelism); SEQS_WHOLE: every position on
 // every rank (the sampler's passes); SEQS_SPLIT_BY_LENGTH (--varlen with CP or SP): each pass is
-// split or whole by its length (pass_split), in memory for a whole pass.
+// split or whole by its length (pass_split), in memory for the most positions a rank holds of
+// any length up to T (pass_capacity).
 // split_backward: room for a split backward's kept gradients.
 void activations_alloc(Activations* a, const GPT2* model, int B, int T, int recompute, int split_seqs,
                        int split_backward) {
     const GPT2Config* c = &model->config;
     int tp = model->tp_size, cp = split_seqs ? model->cp_size : 1, sp = split_seqs && model->seq_parallel;
-    int by_length = split_seqs == SEQS_SPLIT_BY_LENGTH && (cp > 1 || sp), cap_split = by_length ? 1 : cp;
-    size_t L = model->last_layer - model->first_layer, C = c->channels, BT = (size_t)B * T / cap_split;
-    size_t BTs = BT / (sp && !by_length ? tp : 1);   // positions of the sequence-split tensors
+    int by_length = split_seqs == SEQS_SPLIT_BY_LENGTH && (cp > 1 || sp);
+    size_t L = model->last_layer - model->first_layer, C = c->channels, Tq = pass_capacity(model, T, split_seqs);
+    size_t BT = (size_t)B * Tq, BTs = BT / (sp && !by_length ? tp : 1);   // positions of the sequence-split tensors
     size_t H = model->has_head ? 1 : 0, S = split_backward ? 1 : 0, emb = model->has_embedding ? 1 : 0;
-    size_t dense = model->num_experts > 0 ? 0 : 1, a2a = cp > 1 && model->cp->a2a, Tq = T / cap_split;
+    size_t dense = model->num_experts > 0 ? 0 : 1, a2a = cp > 1 && model->cp->a2a;
     size_t gelus = dense * (recompute ? 1 : L);   // fch_gelu: one layer's, reused by all, with recompute
     memset(a, 0, sizeof(*a));
     a->layers = (int)L;
@@ -901,8 +927,7 @@ void activations_alloc(Activations* a, const GPT2* model, int B, int T, int reco
     a->cap_T = T;
     a->recompute = recompute;
     a->by_length = by_length;
-    a->cp_split = cp;
-    a->seq_split = (sp ? tp : 1) * cp;
+    a->pass = zz_pass(model_split_group(model, split_seqs), T, 0);
     size_t C3 = a->C3 = 3 * c->channels / tp, Ca = a->Ca = c->channels / tp, NHl = a->NHl = c->num_heads / tp;
     size_t C4 = a->C4 = 4 * c->channels / (model->num_experts > 0 ? model->tp_exp : model->tp_ffn)->size;
     size_t Vl = a->Vl = c->padded_vocab_size / tp;
@@ -953,25 +978,26 @@ void activations_free(const GPT2* model, Activations* a) {
 }
 
 // Activations laid out by length (--varlen with CP or SP): a pass over sequences of T
-// positions is split as the model's layout says (over the cp group, and with SP over the
-// tensor-parallel group: D ranks in all) when 2D | T, else whole on every rank
-// (context_parallel.h, VARIABLE LENGTHS); g, the backward's gradients, follows the pass. Every
-// entry point of a pass calls it before reading cp_split and seq_split.
+// positions is split as zz_split_length says (over the cp group, in R2Z's unequal pieces if
+// need be, and with SP over the tensor-parallel group too when the stretches are equal) or
+// whole on every rank (context_parallel.h, VARIABLE LENGTHS); g, the backward's gradients,
+// follows the pass. Every entry point of a pass calls it before reading the split.
 static void pass_split(const GPT2* model, Activations* a, ActivationGrads* g, int T) {
     if (!a->by_length) { return; }
-    int split = zz_splits_length(model->cp_size * (model->seq_parallel ? model->tp_size : 1), T);
-    a->cp_split = split ? model->cp_size : 1;
-    a->seq_split = split ? model->cp_size * (model->seq_parallel ? model->tp_size : 1) : 1;
-    if (g) {
-        g->cp_split = a->cp_split;
-        g->seq_split = a->seq_split;
-    }
+    a->pass = zz_pass(model_split_group(model, SEQS_SPLIT_BY_LENGTH), T, 1);
+    if (g) { g->pass = a->pass; }
 }
+
+// The positions of each sequence of T a pass holds: this rank's slice of the context split
+// (the per-position tensors), and of the sequence split (the residual stream); x an
+// Activations or ActivationGrads.
+#define CP_LEN(x, T) ((int)canon_zz_len((T), (x)->pass.cp_split, (x)->pass.cp_rank))
+#define SEQ_LEN(x, T) ((int)canon_zz_len((T), (x)->pass.seq_split, (x)->pass.seq_rank))
 
 // A pass that every rank of a context-parallel group computes whole (--varlen, a length the
 // group does not split): each rank hands ZeRO its part of every gradient (cp_keep_part).
 static int whole_in_group(const GPT2* model, const Activations* a) {
-    return a->by_length && model->cp_size > 1 && a->cp_split == 1;
+    return a->by_length && model->cp_size > 1 && a->pass.cp_split == 1;
 }
 
 // The pass's tokens (B sequences of T), from host memory; targets NULL: the pass computes no
@@ -980,7 +1006,7 @@ static int whole_in_group(const GPT2* model, const Activations* a) {
 void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs, const int* targets,
                             int B, int T) {
     pass_split(model, a, NULL, T);
-    int cp = a->cp_split, Tl = T / cp;
+    int cp = a->pass.cp_split, Tl = CP_LEN(a, T);
     size_t bytes = (size_t)B * Tl * sizeof(int);
     a->targets = targets ? a->target_buf : NULL;
     if (cp == 1) {
@@ -994,7 +1020,7 @@ void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs
     int* slice = (int*)malloc_or_die(2 * bytes, "token slices");
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < Tl; t++) {
-            long pos = (long)b * T + canon_zz_global(t, T, cp, model->cp->rank);
+            long pos = (long)b * T + canon_zz_global(t, T, cp, a->pass.cp_rank);
             slice[b * Tl + t] = inputs[pos];
             slice[(size_t)B * Tl + b * Tl + t] = targets ? targets[pos] : 0;
         }
@@ -1007,13 +1033,12 @@ void activations_set_tokens(const GPT2* model, Activations* a, const int* inputs
 // split_seqs: as activations_alloc's
 void activation_grads_alloc(ActivationGrads* g, const GPT2* model, int B, int T, int split_seqs) {
     int tp = model->tp_size, cp = split_seqs ? model->cp_size : 1, sp = split_seqs && model->seq_parallel;
-    int cap_split = split_seqs == SEQS_SPLIT_BY_LENGTH ? 1 : cp;   // by length: room for a whole pass
-    size_t C = model->config.channels, BTC = (size_t)B * T / cap_split * C, num_experts = model->num_experts;
+    size_t C = model->config.channels, BTC = (size_t)B * pass_capacity(model, T, split_seqs) * C;
+    size_t num_experts = model->num_experts, whole = (size_t)B * T * C;   // whole: (B,T,C), gathered along T
     size_t moe = num_experts > 0, dense = !moe, slots = (size_t)B * T * model->top_k;
     size_t cp_whole = cp > 1 && model->has_embedding, per_seq = sp || cp > 1;
     memset(g, 0, sizeof(*g));
-    g->cp_split = cp;
-    g->seq_split = (sp ? tp : 1) * cp;
+    g->pass = zz_pass(model_split_group(model, split_seqs), T, 0);
     size_t* total = &g->bytes;
     ACTIVATION_GRADS(ALLOC, g)
     if (moe) {
@@ -1036,7 +1061,7 @@ typedef struct {
 } LayerActs;
 
 static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, int B, int T, int t0) {
-    size_t C = c->channels, BT = (size_t)B * T / a->cp_split, BTs = (size_t)B * T / a->seq_split, r0 = t0;
+    size_t C = c->channels, BT = (size_t)B * CP_LEN(a, T), BTs = (size_t)B * SEQ_LEN(a, T), r0 = t0;
     LayerActs v;
     v.residual = (l == 0 ? a->encoded : a->residual3 + (l - 1) * BTs * C) + r0 * C;
     v.ln1 = a->ln1 + (l * BT + r0) * C;
@@ -1044,8 +1069,11 @@ static LayerActs layer_acts(const Activations* a, const GPT2Config* c, int l, in
     v.ln1_rstd = a->ln1_rstd + l * BTs + r0;
     v.qkv = a->qkv + (l * BT + r0) * a->C3;
     v.atty = a->atty + (l * BT + r0) * a->Ca;
-    v.att = a->att + l * (size_t)B * a->NHl * (T / a->cp_split) * T;
-    v.qkvh = a->qkvh ? a->qkvh + l * BT * a->C3 : NULL;
+    // att a layer: (B,NH,Tl,T) this rank's queries, or with the all-to-all (B,NH/cp,T,T) its heads
+    int a2a = a->qkvh && a->pass.cp_split > 1;
+    size_t layer_att = a2a ? (size_t)B * (a->NHl / a->pass.cp_split) * T * T : (size_t)B * a->NHl * CP_LEN(a, T) * T;
+    v.att = a->att + l * layer_att;
+    v.qkvh = a->qkvh ? a->qkvh + l * (size_t)B * T * (a->C3 / a->pass.cp_split) : NULL;   // (B,T,3C/cp) a layer
     v.residual2 = a->residual2 + (l * BTs + r0) * C;
     v.ln2 = a->ln2 + (l * BT + r0) * C;
     v.ln2_mean = a->ln2_mean + l * BTs + r0;
@@ -1063,7 +1091,7 @@ typedef struct { float *dfcproj, *dfch, *dln2, *dattproj, *dqkv, *dln1; } LayerO
 static LayerOutGrads layer_out_grads(const Activations* a, const ActivationGrads* g, const GPT2Config* c, int l,
                                      int B, int T) {
     if (!a->split_backward) { return (LayerOutGrads){g->dfcproj, g->dfch, g->dln2, g->dattproj, g->dqkv, g->dln1}; }
-    size_t C = c->channels, BT = (size_t)B * T / a->cp_split, BTs = (size_t)B * T / a->seq_split;
+    size_t C = c->channels, BT = (size_t)B * CP_LEN(a, T), BTs = (size_t)B * SEQ_LEN(a, T);
     LayerOutGrads d = {a->dfcproj + l * BT * C, a->dfch + l * BT * a->C4, a->dln2 + l * BTs * C,
                        a->dattproj + l * BT * C, a->dqkv + l * BT * a->C3, a->dln1 + l * BTs * C};
     return d;
@@ -1072,7 +1100,7 @@ static LayerOutGrads layer_out_grads(const Activations* a, const ActivationGrads
 // The output of the stage's layers (B,T,C), or its sequence slice: what the next stage, or
 // the head, receives.
 static float* stage_output(const Activations* a, const GPT2Config* c, int B, int T) {
-    size_t BTs = (size_t)B * T / a->seq_split;
+    size_t BTs = (size_t)B * SEQ_LEN(a, T);
     return a->layers > 0 ? a->residual3 + (size_t)(a->layers - 1) * BTs * c->channels : a->encoded;
 }
 
@@ -1129,19 +1157,22 @@ static ExpertTensors expert_unit(const Zero* z, int u, const float* base) {
 // (B = 1, never split over ranks) whose rows before t the earlier steps computed. Every
 // reduction over positions is laid out by T (R2Z chunks of T), so such a row equals that row
 // of the whole pass, bit for bit, whatever the rows after it hold (test_gpt2 checks). Of the
-// rows, this rank computes pass_rows(.., cp_split) of the per-position tensors and
-// pass_rows(.., seq_split) of the sequence-split ones, from row t0 of each.
-static size_t pass_rows(int B, int t0, int t1, int ranks) { return (size_t)B * (t1 - t0) / ranks; }
+// rows, this rank computes pass_rows(.., cp_split, cp_rank) of the per-position tensors and
+// pass_rows(.., seq_split, seq_rank) of the sequence-split ones, from row t0 of each (a split
+// pass is a whole one, t0 = 0).
+static size_t pass_rows(int B, int t0, int t1, int D, int r) { return (size_t)B * canon_zz_len(t1 - t0, D, r); }
 
-// out (B,T/D,C) += wpe at the global positions of rank r's D-way zig-zag slice (zigzag.h):
+// out (B,Tl,C) += wpe at the global positions of rank r's D-way zig-zag slice (zigzag.h):
 // its two stretches per sequence
 static void add_zigzag_positions(float* out, const float* wpe, int B, int T, int C, int D, int r) {
-    int Tl = T / D, stretch = Tl / 2;
-    for (int b = 0; b < B; b++) {
-        for (int half = 0; half < 2; half++) {
-            const float* pe = wpe + zz_stretch_begin(T, D, r, half) * C;
-            encoder_add_positions(out + ((size_t)b * Tl + half * stretch) * C, pe, 1, stretch, C);
+    long Tl = canon_zz_len(T, D, r), at = 0;
+    for (int half = 0; half < 2; half++) {
+        long begin, end;
+        canon_zz_stretch(T, D, r, half, &begin, &end);
+        for (int b = 0; b < B; b++) {
+            encoder_add_positions(out + ((size_t)b * Tl + at) * C, wpe + begin * C, 1, (int)(end - begin), C);
         }
+        at += end - begin;
     }
 }
 
@@ -1150,8 +1181,8 @@ static void add_zigzag_positions(float* out, const float* wpe, int B, int T, int
 void embed_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
-    int C = c->channels, sp = a->seq_split > a->cp_split;
-    size_t r0 = (size_t)t0, rows = pass_rows(B, t0, t1, a->cp_split);
+    int C = c->channels, sp = a->pass.seq_split > a->pass.cp_split;
+    size_t r0 = (size_t)t0, rows = pass_rows(B, t0, t1, a->pass.cp_split, a->pass.cp_rank);
     const float* wte = zero_params_acquire(z, ZERO_WTE, ZERO_WPE);
     float* lookup = sp ? a->proj : a->encoded + r0 * C;
     encoder_lookup(lookup, a->inputs + r0, wte, model->v0, model->Vl, (int)rows, C);
@@ -1159,17 +1190,16 @@ void embed_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
     // the vocab-parallel lookup summed over the tp group (each row came from the rank holding
     // its token): all-reduce, or with SP reduce-scatter along T
     if (sp) {
-        tp_sp_reduce_scatter(model->tp, lookup, a->encoded, B, T / a->cp_split, C, model->sp_scratch);
+        tp_sp_reduce_scatter(model->tp, lookup, a->encoded, B, CP_LEN(a, T), C, model->sp_scratch);
     } else {
         tp_vocab_embedding_reduce(model->tp, lookup, rows * C);
     }
     const float* wpe = zero_params_acquire(z, ZERO_WPE, ZERO_LAYER(model->first_layer));
-    if (a->seq_split == 1) {
+    if (a->pass.seq_split == 1) {
         encoder_add_positions(a->encoded + r0 * C, wpe + r0 * C, B, t1 - t0, C);
     } else {   // this rank's positions: the slice of its context-parallel rank, and of that its
                // tensor-parallel rank's with SP (a slice of a slice is a slice, zigzag.h)
-        int r = (a->cp_split > 1 ? model->cp->rank : 0) * (sp ? model->tp_size : 1) + (sp ? model->tp->rank : 0);
-        add_zigzag_positions(a->encoded, wpe, B, T, C, a->seq_split, r);
+        add_zigzag_positions(a->encoded, wpe, B, T, C, a->pass.seq_split, a->pass.seq_rank);
     }
     zero_params_release(z, ZERO_WPE);
 }
@@ -1179,9 +1209,9 @@ void embed_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
 // (Megatron's f).
 static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, float* rstd, const float* inp,
                          const float* weight, const float* bias, int B, int Tn) {
-    int C = model->config.channels, Tl = Tn / a->cp_split;
-    if (a->seq_split > a->cp_split) {
-        layernorm_forward(a->ln_s, mean, rstd, inp, weight, bias, B * Tn / a->seq_split, C);
+    int C = model->config.channels, Tl = CP_LEN(a, Tn);
+    if (a->pass.seq_split > a->pass.cp_split) {
+        layernorm_forward(a->ln_s, mean, rstd, inp, weight, bias, B * SEQ_LEN(a, Tn), C);
         tp_sp_all_gather(model->tp, a->ln_s, ln, B, Tl, C, model->sp_scratch);
     } else {
         layernorm_forward(ln, mean, rstd, inp, weight, bias, B * Tl, C);
@@ -1194,15 +1224,15 @@ static void ln_forward_f(GPT2* model, Activations* a, float* ln, float* mean, fl
 // with SP reduce-scatter along T), then its bias; returns the result (with SP, this rank's
 // positions).
 static float* proj_g_bias(GPT2* model, Activations* a, const float* bias, int B, int Tn) {
-    int C = model->config.channels, Tl = Tn / a->cp_split;
+    int C = model->config.channels, Tl = CP_LEN(a, Tn);
     float* out = a->proj;
-    if (a->seq_split > a->cp_split) {
+    if (a->pass.seq_split > a->pass.cp_split) {
         tp_sp_reduce_scatter(model->tp_ffn, a->proj, a->proj_s, B, Tl, C, model->sp_scratch);
         out = a->proj_s;
     } else {
         tp_g_forward(model->tp_ffn, a->proj, (size_t)B * Tl * C);
     }
-    bias_forward(out, bias, B * Tn / a->seq_split, C);
+    bias_forward(out, bias, B * SEQ_LEN(a, Tn), C);
     return out;
 }
 
@@ -1225,7 +1255,7 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
     int ep_size = model->ep_size, BT = B * T;
     size_t slots = (size_t)BT * top_k;
     float* out_slice = out;
-    if (a->cp_split > 1) {   // all-gather (cp group) of ln along T
+    if (a->pass.cp_split > 1) {   // all-gather (cp group) of ln along T
         cp_gather_sequences(model->cp, ln, a->moe_whole, B, T, C);
         ln = a->moe_whole;
         out = a->moe_whole + (size_t)BT * C;
@@ -1281,7 +1311,7 @@ static void moe_forward(GPT2* model, Activations* a, int l, const LayerTensors* 
         moe_route_return(route, model->ep, model->xrecv, moe_act->ret, C);
     }
     moe_combine(out, moe_act->ret, moe_act->gates, moe_act->slot_row, BT, top_k, C);
-    if (a->cp_split > 1) { zz_copy_slice(mem, out, out_slice, B, T, C, a->cp_split, model->cp->rank, 1); }
+    if (a->pass.cp_split > 1) { zz_copy_slice(mem, out, out_slice, B, T, C, a->pass.cp_split, a->pass.cp_rank, 1); }
     // the load-balancing loss of this layer and microbatch (none over no rows: moe_aux_loss
     // divides by BT)
     moe_act->aux = 0.0f;
@@ -1331,7 +1361,7 @@ static void attention_forward_rows(GPT2* model, Activations* a, int l, int B, in
         a->attend(a->attend_ctx, l, act.qkv, act.atty, a->Ca, a->NHl);
     } else if (t1 - t0 < T) {
         for (int t = t0; t < t1; t++) { attention_forward_row(act.atty, act.att, act.qkv, t, T, a->Ca, a->NHl); }
-    } else if (a->cp_split == 1) {
+    } else if (a->pass.cp_split == 1) {
         attention_forward(act.atty, act.att, act.qkv, B, T, a->Ca, a->NHl);
     } else if (model->cp->a2a) {
         cp_a2a_forward(model->cp, act.atty, act.att, act.qkvh, act.qkv, B, T, a->Ca, a->NHl);
@@ -1348,8 +1378,8 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
     Zero* z = model->zero;
     pass_split(model, a, NULL, T);   // a stage without the embeddings gets no set_tokens
     int C = c->channels, Tn = t1 - t0, ffn_size = model->tp_ffn->size, moe = model->num_experts > 0;
-    int rows = (int)pass_rows(B, t0, t1, a->cp_split);
-    size_t rows_s = pass_rows(B, t0, t1, a->seq_split);
+    int rows = (int)pass_rows(B, t0, t1, a->pass.cp_split, a->pass.cp_rank);
+    size_t rows_s = pass_rows(B, t0, t1, a->pass.seq_split, a->pass.seq_rank);
     for (int l = model->first_layer; l < model->last_layer; l++) {
         int next = l + 1 < model->last_layer ? ZERO_LAYER(l + 1) : model->has_head ? z->lay.num_units - 1 : -1;
         LayerTensors w = layer_unit(z, ZERO_LAYER(l), zero_params_acquire(z, ZERO_LAYER(l), moe ? zero_expert_unit(z, l) : next));
@@ -1361,7 +1391,7 @@ void layers_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1) {
         residual_forward(act.residual2, act.residual, proj_g_bias(model, a, w.attprojb, B, Tn), rows_s * C);
         ln_forward_f(model, a, act.ln2, act.ln2_mean, act.ln2_rstd, act.residual2, w.ln2w, w.ln2b, B, Tn);
         if (moe) {   // complete on every tp rank: with SP this rank keeps its positions (no CP)
-            int sp = a->seq_split > a->cp_split;
+            int sp = a->pass.seq_split > a->pass.cp_split;
             moe_forward_layer(model, a, l, &w, act.ln2, a->proj, next, B, Tn);
             if (sp) { tp_sp_take_slice(model->tp, a->proj, a->proj_s, B, Tn, C); }
             residual_forward(act.residual3, act.residual2, sp ? a->proj_s : a->proj, rows_s * C);
@@ -1386,7 +1416,7 @@ void head_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1, int
     Zero* z = model->zero;
     int C = c->channels, V = c->vocab_size, Vl = model->Vl, v0 = model->v0, LNF = z->lay.num_units - 1;
     size_t r0 = (size_t)t0;
-    int rows = (int)pass_rows(B, t0, t1, a->cp_split);
+    int rows = (int)pass_rows(B, t0, t1, a->pass.cp_split, a->pass.cp_rank);
     const float* lnf = zero_params_acquire(z, LNF, ZERO_WTE);
     ln_forward_f(model, a, a->lnf + r0 * C, a->lnf_mean + r0, a->lnf_rstd + r0, stage_output(a, c, B, T) + r0 * C,
                  lnf, lnf + C, B, t1 - t0);
@@ -1399,10 +1429,10 @@ void head_forward(GPT2* model, Activations* a, int B, int T, int t0, int t1, int
     tp_vocab_ce_max(model->tp, maxes, (size_t)rows);
     crossentropy_exps(zs, target_logits, logits, maxes, targets, rows, V, v0, Vl, CANON_R / model->tp_size);
     tp_vocab_ce_sums(model->tp, zs, (size_t)rows);   // zs, then target_logits
-    float* losses = a->cp_split > 1 ? a->ce + 3 * rows : a->losses + r0;
+    float* losses = a->pass.cp_split > 1 ? a->ce + 3 * rows : a->losses + r0;
     crossentropy_normalize(logits, losses, zs, target_logits, maxes, targets, rows, V, v0, Vl);
     // all-gather (cp group): every position's loss, in sequence order
-    if (a->cp_split > 1 && targets) { cp_gather_sequences(model->cp, losses, a->losses, B, T, 1); }
+    if (a->pass.cp_split > 1 && targets) { cp_gather_sequences(model->cp, losses, a->losses, B, T, 1); }
     if (!training) {
         zero_params_release(z, ZERO_WTE);
         zero_params_release(z, LNF);
@@ -1440,18 +1470,18 @@ void head_decode(GPT2* model, Activations* a, int t, int T) {
 static void ln_backward_f_input(GPT2* model, ActivationGrads* g, float* dres, float* dln, float* dln_sum,
                                 const float* inp, const float* weight, const float* mean, const float* rstd,
                                 int B, int T, int complete) {
-    int C = model->config.channels, Tl = T / g->cp_split;
-    if (g->seq_split > g->cp_split) {
+    int C = model->config.channels, Tl = CP_LEN(g, T);
+    if (g->pass.seq_split > g->pass.cp_split) {
         if (complete) {
             tp_sp_take_slice(model->tp, dln, dln_sum, B, Tl, C);
         } else {
             tp_sp_reduce_scatter(model->tp, dln, dln_sum, B, Tl, C, model->sp_scratch);
         }
-        layernorm_backward(dres, NULL, NULL, dln_sum, inp, weight, mean, rstd, B, T / g->seq_split, C,
-                           CANON_R / g->seq_split, NULL);
+        layernorm_backward(dres, NULL, NULL, dln_sum, inp, weight, mean, rstd, B, T, g->pass.seq_split, g->pass.seq_rank, C,
+                           NULL);
     } else {
         if (!complete) { tp_f_backward(model->tp, dln, (size_t)B * Tl * C); }
-        layernorm_backward(dres, NULL, NULL, dln, inp, weight, mean, rstd, B, Tl, C, CANON_R / g->cp_split, NULL);
+        layernorm_backward(dres, NULL, NULL, dln, inp, weight, mean, rstd, B, T, g->pass.cp_split, g->pass.cp_rank, C, NULL);
     }
 }
 
@@ -1464,15 +1494,15 @@ static void ln_backward_f_weight(GPT2* model, ActivationGrads* g, float* dweight
                                  const float* dln_sum, const float* inp, const float* mean, const float* rstd,
                                  int B, int T) {
     int C = model->config.channels;
-    if (g->seq_split == 1) {
-        layernorm_backward(NULL, dweight, dbias, dln_sum, inp, NULL, mean, rstd, B, T, C, CANON_R, NULL);
+    if (g->pass.seq_split == 1) {
+        layernorm_backward(NULL, dweight, dbias, dln_sum, inp, NULL, mean, rstd, B, T, 1, 0, C, NULL);
         return;
     }
-    layernorm_backward(NULL, NULL, NULL, dln_sum, inp, NULL, mean, rstd, B, T / g->seq_split, C,
-                       CANON_R / g->seq_split, g->ln_partials);
+    layernorm_backward(NULL, NULL, NULL, dln_sum, inp, NULL, mean, rstd, B, T, g->pass.seq_split, g->pass.seq_rank, C,
+                       g->ln_partials);
     // all-reduce (tp group): every rank's per-sequence subtrees of the two sums (2,B,C)
-    if (g->seq_split > g->cp_split) { sp_layernorm_grads_reduce(model->tp, g->ln_partials, B, C); }
-    if (g->cp_split > 1) {
+    if (g->pass.seq_split > g->pass.cp_split) { sp_layernorm_grads_reduce(model->tp, g->ln_partials, B, C); }
+    if (g->pass.cp_split > 1) {
         for (int b = 0; b < B; b++) {
             model->mem->copy(dweight + b * seq_stride, g->ln_partials + (size_t)b * C, sizeof(float) * C);
             model->mem->copy(dbias + b * seq_stride, g->ln_partials + (size_t)(B + b) * C, sizeof(float) * C);
@@ -1484,24 +1514,25 @@ static void ln_backward_f_weight(GPT2* model, ActivationGrads* g, float* dweight
 }
 
 // The weight and bias gradients of a matmul (dout (B,Tl,OC), inp (B,Tl,C)) over this rank's
-// positions; with CP (cp_split > 1) as per-sequence subtrees at dweight + b*seq_stride, dbias
-// + b*seq_stride, for the caller to finish over the group.
-static void matmul_weight_backward_cp(int cp_split, float* dweight, float* dbias, long seq_stride, const float* dout,
-                                      const float* inp, int B, int Tl, int C, int OC) {
-    if (cp_split == 1) {
-        matmul_backward(NULL, dweight, dbias, dout, inp, NULL, B, Tl, C, OC, 1, CANON_R);
+// positions, its slice of sequences of T (a's context split); with CP (cp_split > 1) as
+// per-sequence subtrees at dweight + b*seq_stride, dbias + b*seq_stride, for the caller to
+// finish over the group.
+static void matmul_weight_backward_cp(const Activations* a, float* dweight, float* dbias, long seq_stride,
+                                      const float* dout, const float* inp, int B, int T, int C, int OC) {
+    if (a->pass.cp_split == 1) {
+        matmul_backward(NULL, dweight, dbias, dout, inp, NULL, B, T, C, OC, 1, CANON_R);
         return;
     }
-    matmul_backward_seqs(dweight, dbias, seq_stride, dout, inp, B, Tl, C, OC, CANON_R / cp_split);
+    matmul_backward_seqs(dweight, dbias, seq_stride, dout, inp, B, T, a->pass.cp_split, a->pass.cp_rank, C, OC);
 }
 
 // The gradient of a row-parallel layer's output, full (B,T,C) (with CP this rank's slice), from
 // d(residual), into dst (Megatron's g backward: the identity, or with SP an all-gather along
 // T). A copy, because the backward goes on to change d(residual) before the weight half reads it.
 static void dres_g_backward(GPT2* model, ActivationGrads* g, float* dst, int B, int T) {
-    int Tl = T / g->cp_split;
+    int Tl = CP_LEN(g, T);
     size_t BTC = (size_t)B * Tl * model->config.channels;
-    if (g->seq_split == g->cp_split) {
+    if (g->pass.seq_split == g->pass.cp_split) {
         tp_g_backward(model->tp, g->dresidual, BTC);
         model->mem->copy(dst, g->dresidual, BTC * sizeof(float));
         return;
@@ -1517,8 +1548,8 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
     const GPT2Config* c = &model->config;
     Zero* z = model->zero;
     pass_split(model, a, g, T);
-    int C = c->channels, V = c->vocab_size, cp_split = a->cp_split, Tl = T / cp_split, BT = B * Tl;
-    int sp = g->seq_split > cp_split, LNF = z->lay.num_units - 1;
+    int C = c->channels, V = c->vocab_size, cp_split = a->pass.cp_split, Tl = CP_LEN(a, T), BT = B * Tl;
+    int sp = g->pass.seq_split > cp_split, LNF = z->lay.num_units - 1;
     float* dlnf = a->split_backward ? a->dlnf : g->dln1;
     if (part & BACKWARD_INPUT) {
         const float* wte = zero_params_acquire(z, ZERO_WTE, -1);
@@ -1528,7 +1559,7 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
         zero_params_release(z, ZERO_WTE);
         int next = model->last_layer > model->first_layer ? ZERO_LAYER(model->last_layer - 1) : -1;
         const float* lnf = zero_params_acquire(z, LNF, next);
-        model->mem->fill(g->dresidual, 0.0f, (size_t)B * T / g->seq_split * C);
+        model->mem->fill(g->dresidual, 0.0f, (size_t)B * SEQ_LEN(g, T) * C);
         ln_backward_f_input(model, g, g->dresidual, dlnf_part, dlnf, stage_output(a, c, B, T), lnf, a->lnf_mean,
                             a->lnf_rstd, B, T, 0);
         zero_params_release(z, LNF);
@@ -1536,8 +1567,8 @@ void head_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int T
     if (part & BACKWARD_WEIGHT) {
         float* dwte_lm = zero_grad_unit(z, ZERO_WTE);    // the LM-head half of wte's gradient
         size_t nwte = (size_t)model->Vl * C;
-        matmul_weight_backward_cp(cp_split, cp_split > 1 ? model->seq_grads : dwte_lm, NULL, (long)nwte, a->probs,
-                                  a->lnf, B, Tl, C, model->Vl);
+        matmul_weight_backward_cp(a, cp_split > 1 ? model->seq_grads : dwte_lm, NULL, (long)nwte, a->probs, a->lnf, B, T,
+                                  C, model->Vl);
         if (cp_split > 1) { cp_finish_sequences(model->cp, dwte_lm, model->seq_grads, B, nwte); }
         if (whole_in_group(model, a)) { cp_keep_part(model->cp, dwte_lm, nwte); }
         zero_grad_unit_done(z, ZERO_WTE);
@@ -1566,14 +1597,14 @@ static void moe_weight_backward(GPT2* model, Activations* a, ActivationGrads* g,
     MoeLayerActs* moe_act = &a->moe[l - model->first_layer];
     const MoeRoute* route = &moe_act->route;
     int C = model->config.channels, C4 = a->C4, ep_size = model->ep_size, unit = zero_expert_unit(z, l);
-    int num_experts = model->num_experts, cp = a->cp_split;
+    int num_experts = model->num_experts, cp = a->pass.cp_split;
     size_t slice = z->lay.size[unit], nleaf = (size_t)ep_size * B * CANON_R + 1;
     if (cp > 1) {   // this rank's positions of dlogits
         float* mine = a->moe_whole + 2 * (size_t)B * T * C;
-        zz_copy_slice(model->mem, (float*)dlogits, mine, B, T, num_experts, cp, model->cp->rank, 1);
+        zz_copy_slice(model->mem, (float*)dlogits, mine, B, T, num_experts, cp, a->pass.cp_rank, 1);
         dlogits = mine;
     }
-    matmul_weight_backward_cp(cp, dw->routerw, NULL, (long)z->lay.size[ZERO_LAYER(l)], dlogits, ln, B, T / cp, C,
+    matmul_weight_backward_cp(a, dw->routerw, NULL, (long)z->lay.size[ZERO_LAYER(l)], dlogits, ln, B, T, C,
                               num_experts);
     float* dunit = zero_grad_unit(z, unit);
     ExpertTensors dex = expert_unit(z, unit, dunit);
@@ -1621,7 +1652,7 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
         return;
     }
     float* dln_slice = dln;
-    if (a->cp_split > 1) {   // all-gather (cp group) of dout along T
+    if (a->pass.cp_split > 1) {   // all-gather (cp group) of dout along T
         cp_gather_sequences(model->cp, dout, a->moe_whole, B, T, C);
         dout = a->moe_whole;
         dln = a->moe_whole + (size_t)BT * C;
@@ -1663,7 +1694,7 @@ static void moe_backward(GPT2* model, Activations* a, ActivationGrads* g, int l,
         dret = g->dslots;
     }
     moe_dinput_combine(dln, g->drouter, dret, moe_act->slot_row, BT, top_k, C);
-    if (a->cp_split > 1) { zz_copy_slice(mem, dln, dln_slice, B, T, C, a->cp_split, model->cp->rank, 1); }
+    if (a->pass.cp_split > 1) { zz_copy_slice(mem, dln, dln_slice, B, T, C, a->pass.cp_split, a->pass.cp_rank, 1); }
 }
 
 // this chunk's layers backward. Input half: g->dresidual = d(loss)/d(stage_output) in,
@@ -1680,8 +1711,8 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         fatal("internal: the backward of a serving model (its MLP cut wider than its heads, or its expert rows shared)");
     }
     pass_split(model, a, g, T);
-    int C = c->channels, cp_split = a->cp_split, Tl = T / cp_split, BT = B * Tl, tp_size = model->tp_size;
-    int sp = g->seq_split > cp_split;
+    int C = c->channels, cp_split = a->pass.cp_split, Tl = CP_LEN(a, T), BT = B * Tl, tp_size = model->tp_size;
+    int sp = g->pass.seq_split > cp_split;
     int in = part & BACKWARD_INPUT, wt = part & BACKWARD_WEIGHT, moe = model->num_experts > 0;
     for (int l = model->last_layer - 1; l >= model->first_layer; l--) {
         LayerActs act = layer_acts(a, c, l - model->first_layer, B, T, 0);
@@ -1709,12 +1740,12 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         } else {     // MLP: residual3 = residual2 + fcproj(gelu(fc(ln2(residual2))))
             if (wt && a->recompute) { gelu_forward(act.fch_gelu, act.fch, (size_t)BT * a->C4); }
             if (in) { dres_g_backward(model, g, d.dfcproj, B, T); }
-            if (wt) { matmul_weight_backward_cp(cp_split, dw.fcprojw, dw.fcprojb, us, d.dfcproj, act.fch_gelu, B, Tl, a->C4, C); }
+            if (wt) { matmul_weight_backward_cp(a, dw.fcprojw, dw.fcprojb, us, d.dfcproj, act.fch_gelu, B, T, a->C4, C); }
             if (in) {
                 matmul_backward(d.dfch, NULL, NULL, d.dfcproj, NULL, w.fcprojw, B, Tl, a->C4, C, 1, CANON_R);
                 gelu_backward(d.dfch, act.fch, d.dfch, (size_t)BT * a->C4);
             }
-            if (wt) { matmul_weight_backward_cp(cp_split, dw.fcw, dw.fcb, us, d.dfch, act.ln2, B, Tl, C, a->C4); }
+            if (wt) { matmul_weight_backward_cp(a, dw.fcw, dw.fcb, us, d.dfch, act.ln2, B, T, C, a->C4); }
             if (in) {
                 matmul_backward(dln2_part, NULL, NULL, d.dfch, NULL, w.fcw, B, Tl, C, a->C4, 1, CANON_R / tp_size);
                 ln_backward_f_input(model, g, g->dresidual, dln2_part, d.dln2, act.residual2, w.ln2w, act.ln2_mean,
@@ -1724,7 +1755,7 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
         if (wt) { ln_backward_f_weight(model, g, dw.ln2w, dw.ln2b, us, d.dln2, act.residual2, act.ln2_mean, act.ln2_rstd, B, T); }
         // attention: residual2 = residual + attproj(attention(qkv(ln1(residual))))
         if (in) { dres_g_backward(model, g, d.dattproj, B, T); }
-        if (wt) { matmul_weight_backward_cp(cp_split, dw.attprojw, dw.attprojb, us, d.dattproj, act.atty, B, Tl, a->Ca, C); }
+        if (wt) { matmul_weight_backward_cp(a, dw.attprojw, dw.attprojb, us, d.dattproj, act.atty, B, T, a->Ca, C); }
         if (in) {
             matmul_backward(g->datty, NULL, NULL, d.dattproj, NULL, w.attprojw, B, Tl, a->Ca, C, 1, CANON_R);
             if (cp_split == 1) {
@@ -1735,7 +1766,7 @@ void layers_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int
                 cp_ring_backward(model->cp, d.dqkv, g->datty, act.qkv, act.att, B, T, a->Ca, a->NHl);
             }
         }
-        if (wt) { matmul_weight_backward_cp(cp_split, dw.qkvw, dw.qkvb, us, d.dqkv, act.ln1, B, Tl, C, a->C3); }
+        if (wt) { matmul_weight_backward_cp(a, dw.qkvw, dw.qkvb, us, d.dqkv, act.ln1, B, T, C, a->C3); }
         if (in) {
             matmul_backward(dln1_part, NULL, NULL, d.dqkv, NULL, w.qkvw, B, Tl, C, a->C3, 3, CANON_R / tp_size);
             ln_backward_f_input(model, g, g->dresidual, dln1_part, d.dln1, act.residual, w.ln1w, act.ln1_mean,
@@ -1765,7 +1796,7 @@ void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int 
     if (part & BACKWARD_INPUT) { dres_g_backward(model, g, dencoded, B, T); }
     if (part & BACKWARD_WEIGHT) {
         const float* dwhole = dencoded;
-        if (a->cp_split > 1) {
+        if (a->pass.cp_split > 1) {
             cp_gather_sequences(model->cp, dencoded, g->dwhole, B, T, c->channels);
             dwhole = g->dwhole;
         }
@@ -1773,7 +1804,7 @@ void embed_backward(GPT2* model, Activations* a, ActivationGrads* g, int B, int 
         float* dwpe = zero_grad_unit(z, ZERO_WPE);
         encoder_backward(dwte_lookup, dwpe, dwhole, a->inputs_full, B, T, c->channels, model->v0, model->Vl,
                          c->max_seq_len);
-        if (a->cp_split > 1 || whole_in_group(model, a)) {   // every rank of the group computed them whole: hand ZeRO its part
+        if (a->pass.cp_split > 1 || whole_in_group(model, a)) {   // every rank of the group computed them whole: hand ZeRO its part
             cp_keep_part(model->cp, dwte_lookup, z->lay.size[lookup_unit]);
             cp_keep_part(model->cp, dwpe, z->lay.size[ZERO_WPE]);
         }
@@ -1831,9 +1862,12 @@ static void model_cp_select(GPT2* model, CommGroup* group) {
         int N = group->size, B = model->cap_B, T = model->cap_T;
         size_t unit = largest_grad_unit(model->zero);
         // each sequence's subtree of a unit's gradient finished over the group, and the
-        // embedding chunk's all-gather of its input gradient at full width (B,T,C)
+        // all-gathers along T at full width (B,T,C) of the embedding chunk's input gradient and
+        // of a mixture of experts' input and output gradient (with N copies of a slice beside
+        // them when the slices differ in length, context_parallel.h)
         size_t finish = ((size_t)N * B + B) * ((unit + N - 1) / N);
-        size_t gather = model->has_embedding ? (size_t)B * T * c->channels : 0;
+        size_t gather = model->has_embedding || c->num_experts > 0
+                        ? (size_t)B * (T + (size_t)N * zz_max_len(T, N)) * c->channels : 0;
         cp_init(cp, group, model->cp_a2a, model->mem, B, T, c->channels / model->tp_size, c->num_heads / model->tp_size,
                 finish > gather ? finish : gather);
     }

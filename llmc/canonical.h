@@ -43,7 +43,10 @@
  *     global ones). So a rank reduces its positions by the same rule with nchunks = 8/D, and
  *     the R1 tree over ranks in rank order finishes the sum, bit-identical to one rank. A
  *     slice of a slice is a slice: D1-way then D2-way is the D1*D2-way slice of rank
- *     r1*D2 + r2.
+ *     r1*D2 + r2. For any other n >= 2D (--varlen) rank r holds the same chunks, now R2Z's
+ *     unequal pieces of n: its stretches are floor or ceil of n/2D, and its local chunk c is
+ *     global chunk r*8/D + c at its own offsets (canon_zz_slice_half), still a complete
+ *     subtree reduced by the same rule.
  *
  * R3. Reduction over positions (weight and bias gradients, the loss): position (b, t) of a
  *     batch of sequences. Each sequence b is reduced by R2Z over t; the sequence sums are
@@ -213,30 +216,78 @@ HD void canon_zz_half(long n, int nchunks, int c, int half, long* begin, long* e
     *end = canon_piece_begin(n, 2 * nchunks, p + 1);
 }
 
-// The global position of local position t of rank r's D-way zig-zag slice of a sequence of
-// length n (2D | n): its low stretch [r*h, (r+1)*h), then its high one [n-(r+1)*h, n-r*h),
-// h = n/(2D). D = 1 is the identity.
+// Rank r's D-way zig-zag slice of a sequence of length n (D | 8): R2Z chunks [r*k, (r+1)*k),
+// k = 8/D, i.e. global pieces r*k .. r*k+k-1 (its low stretch) and their mirrors 16-(r+1)*k ..
+// 15-r*k (its high stretch), stored low stretch first. When 2D | n the stretches are n/2D
+// each; for any other n they are R2Z's unequal pieces (a stretch of k pieces is floor or ceil
+// of k*n/16, the two stretches of a slice may differ by one, slices by up to two).
+// The first global position of the slice's low (half 0) or high (half 1) stretch, and its end.
+HD void canon_zz_stretch(long n, int D, int r, int half, long* begin, long* end) {
+    int k = CANON_R / D, p = half == 0 ? r * k : 2 * CANON_R - (r + 1) * k;
+    *begin = canon_piece_begin(n, 2 * CANON_R, p);
+    *end = canon_piece_begin(n, 2 * CANON_R, p + k);
+}
+
+// The positions of rank r's D-way slice (n/D when 2D | n).
+HD long canon_zz_len(long n, int D, int r) {
+    long b0, e0, b1, e1;
+    canon_zz_stretch(n, D, r, 0, &b0, &e0);
+    canon_zz_stretch(n, D, r, 1, &b1, &e1);
+    return (e0 - b0) + (e1 - b1);
+}
+
+// Where rank s's slice starts when the D slices are laid end to end in rank order (a row of n
+// keys of context parallelism's attention, block s; s*n/D when 2D | n): the slices before it
+// hold pieces [0, s*k) and [16 - s*k, 16).
+HD long canon_zz_offset(long n, int D, int s) {
+    int k = CANON_R / D;
+    return canon_piece_begin(n, 2 * CANON_R, s * k) + (n - canon_piece_begin(n, 2 * CANON_R, 2 * CANON_R - s * k));
+}
+
+// The global position of local position t of rank r's D-way slice of a sequence of length n.
+// D = 1 is the identity.
 HD long canon_zz_global(long t, long n, int D, int r) {
-    long h = n / (2 * D);
-    return t < h ? (long)r * h + t : n - (long)(r + 1) * h + (t - h);
+    long b0, e0, b1, e1;
+    canon_zz_stretch(n, D, r, 0, &b0, &e0);
+    canon_zz_stretch(n, D, r, 1, &b1, &e1);
+    return t < e0 - b0 ? b0 + t : b1 + (t - (e0 - b0));
+}
+
+// Stretch `half` of the slice's local chunk c (of its k = 8/D: global R2Z chunk r*k + c) in
+// the slice's local positions: [*begin, *end). D = 1 is canon_zz_half(n, CANON_R, ...); when
+// 2D | n it is canon_zz_half(n/D, k, ...), the slice being again a zig-zag sequence.
+HD void canon_zz_slice_half(long n, int D, int r, int c, int half, long* begin, long* end) {
+    long b0, e0, b1, e1;
+    canon_zz_stretch(n, D, r, 0, &b0, &e0);
+    canon_zz_stretch(n, D, r, 1, &b1, &e1);
+    int k = CANON_R / D, p = half == 0 ? r * k + c : 2 * CANON_R - 1 - r * k - c;
+    long shift = half == 0 ? -b0 : (e0 - b0) - b1;   // global -> local
+    *begin = canon_piece_begin(n, 2 * CANON_R, p) + shift;
+    *end = canon_piece_begin(n, 2 * CANON_R, p + 1) + shift;
 }
 
 // How many positions of rank s's D-way zig-zag slice of a sequence of length n lie at global
 // positions <= p (its low stretch, then its high one: a prefix of the slice, since the slice's
 // positions increase): the keys of rank s that a query at p attends to.
 HD int canon_zz_count_le(long p, long n, int D, int s) {
-    long h = n / (2 * D), lo = p - (long)s * h + 1, hi = p - (n - (long)(s + 1) * h) + 1;
-    lo = lo < 0 ? 0 : lo > h ? h : lo;
-    hi = hi < 0 ? 0 : hi > h ? h : hi;
+    long b0, e0, b1, e1;
+    canon_zz_stretch(n, D, s, 0, &b0, &e0);
+    canon_zz_stretch(n, D, s, 1, &b1, &e1);
+    long lo = p - b0 + 1, hi = p - b1 + 1;
+    lo = lo < 0 ? 0 : lo > e0 - b0 ? e0 - b0 : lo;
+    hi = hi < 0 ? 0 : hi > e1 - b1 ? e1 - b1 : hi;
     return (int)(lo + hi);
 }
 
 // How many positions of rank r's slice lie at global positions >= p (a suffix of the slice):
 // the queries of rank r that attend to a key at p.
 HD int canon_zz_count_ge(long p, long n, int D, int r) {
-    long h = n / (2 * D), lo = (long)(r + 1) * h - p, hi = n - (long)r * h - p;
-    lo = lo < 0 ? 0 : lo > h ? h : lo;
-    hi = hi < 0 ? 0 : hi > h ? h : hi;
+    long b0, e0, b1, e1;
+    canon_zz_stretch(n, D, r, 0, &b0, &e0);
+    canon_zz_stretch(n, D, r, 1, &b1, &e1);
+    long lo = e0 - p, hi = e1 - p;
+    lo = lo < 0 ? 0 : lo > e0 - b0 ? e0 - b0 : lo;
+    hi = hi < 0 ? 0 : hi > e1 - b1 ? e1 - b1 : hi;
     return (int)(lo + hi);
 }
 

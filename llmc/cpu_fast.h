@@ -98,19 +98,22 @@ ALWAYS_INLINE void tile_push(CanonStack* stack, vf acc[MM_NO][MM_MV], const int 
 
 // ------------------------------------------------------------------------------------------
 // R3 over positions of dout[pos][o] * x[pos][ic] (x = NULL: of dout[pos][o] alone), scalar:
-// each sequence's T positions in tchunks R2Z chunks (8, or a zig-zag slice's 8/D).
+// B sequences of T positions, of which the rows hold rank r's D-way zig-zag slice (canonical.h:
+// canon_zz_len(T, D, r) rows each, its 8/D R2Z chunks; D = 1: whole sequences).
 static float position_reduce_elem(const float* dout, int OC, int o, const float* x, int IC, int ic,
-                                  int B, int T, int tchunks) {
+                                  int B, int T, int D, int r) {
     float partials[CANON_LOG2_R + 34];
     CanonStack stack = canon_stack(partials, 1, 1, 1, 1);
+    long Tl = canon_zz_len(T, D, r);
+    int tchunks = CANON_R / D;
     for (int b = 0; b < B; b++) {
-        const float* dseq = dout + (size_t)b * T * OC + o;   // sequence b's terms, position t at t * OC
-        const float* xseq = x ? x + (size_t)b * T * IC + ic : NULL;
+        const float* dseq = dout + (size_t)b * Tl * OC + o;   // sequence b's terms, position t at t * OC
+        const float* xseq = x ? x + (size_t)b * Tl * IC + ic : NULL;
         for (int ch = 0; ch < tchunks; ch++) {
             float acc = 0.0f;
             for (int half = 0; half < 2; half++) {
                 long tb, te;
-                canon_zz_half(T, tchunks, ch, half, &tb, &te);
+                canon_zz_slice_half(T, D, r, ch, half, &tb, &te);
                 for (long t = tb; t < te; t++) { acc = xseq ? fmaf(dseq[t * OC], xseq[t * IC], acc) : acc + dseq[t * OC]; }
             }
             canon_stack_push_value(&stack, acc, canon_pos_merges_after(b, B, ch, tchunks));
@@ -338,15 +341,17 @@ static void matmul_backward_dinp(float* dinp, const float* dout, const float* we
     }
 }
 
-// dW tile: no outputs x (nv*VLEN) columns [k0, ...), all positions (R3; each sequence's T
-// positions in tchunks R2Z chunks: 8, or a zig-zag slice's 8/D). x: the tile's columns of inp,
+// dW tile: no outputs x (nv*VLEN) columns [k0, ...), all positions (R3; each sequence's rows
+// rank r's D-way slice of T positions: its 8/D R2Z chunks). x: the tile's columns of inp,
 // position pos's at x + pos * ldx.
 ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const float* x, long ldx,
-                                       int B, int T, int IC, int OC, int o0, const int no,
-                                       int k0, const int nv, int tchunks) {
+                                       int B, int T, int D, int r, int IC, int OC, int o0, const int no,
+                                       int k0, const int nv) {
     vf acc[MM_NO][MM_MV];
     TILE_STACK(partials, CANON_LOG2_R + 34);
     CanonStack stack = tile_stack(partials, no, nv);
+    long Tl = canon_zz_len(T, D, r);
+    int tchunks = CANON_R / D;
     for (int b = 0; b < B; b++) {
         for (int ch = 0; ch < tchunks; ch++) {
             _Pragma("GCC unroll 8") for (int j = 0; j < no; j++) {
@@ -354,9 +359,9 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
             }
             for (int half = 0; half < 2; half++) {
                 long tb, te;
-                canon_zz_half(T, tchunks, ch, half, &tb, &te);
+                canon_zz_slice_half(T, D, r, ch, half, &tb, &te);
                 for (long t = tb; t < te; t++) {
-                    size_t pos = (size_t)b * T + t;
+                    size_t pos = (size_t)b * Tl + t;
                     const float* xp = x + pos * ldx;
                     vf xv[MM_MV];
                     _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { xv[v] = vf_load(xp + v * VLEN); }
@@ -372,8 +377,8 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
     for (int j = 0; j < no; j++) { memcpy(dweight + (size_t)(o0 + j) * IC + k0, partials + j * MR, sizeof(float) * nv * VLEN); }
 }
 
-// dweight (OC,IC), dbias (OC) = matmul_backward_naive's (tchunks = 8), bit for bit: R3 over
-// positions, each sequence's in tchunks R2Z chunks. Tasks of MM_STRIP outputs (whole cache
+// dweight (OC,IC), dbias (OC) = matmul_backward_naive's (D = 1), bit for bit: R3 over
+// positions, each sequence's rows rank r's D-way slice of T positions. Tasks of MM_STRIP outputs (whole cache
 // lines of dout's rows): the strip's columns of dout are packed once (they stream from cache
 // for every tile of the strip, instead of one cache line per position and tile from a row OC
 // floats long: the LM head's dout is B*T x Vp), then for each block of MM_MV vectors of inp's
@@ -381,9 +386,9 @@ ALWAYS_INLINE void matmul_dweight_tile(float* dweight, const float* dout, const 
 // the strip's tiles of MM_NO outputs.
 #define MM_STRIP 48
 static void matmul_weight_grads(float* dweight, float* dbias, const float* dout, const float* inp, int B, int T,
-                                int IC, int OC, int tchunks) {
+                                int D, int r, int IC, int OC) {
     int nstrips = dweight ? (OC + MM_STRIP - 1) / MM_STRIP : 0;
-    size_t BT = (size_t)B * T;
+    size_t BT = (size_t)B * canon_zz_len(T, D, r);
     int kvec_end = IC / VLEN * VLEN, kblocks = (kvec_end + MR - 1) / MR;
     float* packs = scratch(SCRATCH_DOUT, sizeof(float) * (size_t)thread_count() * BT * MM_STRIP);
     float* xpack = scratch(SCRATCH_XPACK, sizeof(float) * ((size_t)kblocks * BT * MR + 1));   // [block][pos][MR]
@@ -404,20 +409,20 @@ static void matmul_weight_grads(float* dweight, float* dbias, const float* dout,
             int k0 = kb * MR, nv = (kvec_end - k0) / VLEN < MM_MV ? (kvec_end - k0) / VLEN : MM_MV;
             const float* x = xpack + (size_t)kb * BT * MR;
             for (int o0 = 0; o0 < ns; o0 += MM_NO) {
-#define DWEIGHT_TILE(N, V) matmul_dweight_tile(dw, strip, x, MR, B, T, IC, ns, o0, N, k0, V, tchunks)
+#define DWEIGHT_TILE(N, V) matmul_dweight_tile(dw, strip, x, MR, B, T, D, r, IC, ns, o0, N, k0, V)
                 CPU_TILE(ns - o0 < MM_NO ? ns - o0 : MM_NO, nv, DWEIGHT_TILE);
 #undef DWEIGHT_TILE
             }
         }
         for (int o = 0; o < ns; o++) {   // the columns that do not fill a vector
             for (int ic = kvec_end; ic < IC; ic++) {
-                dw[(size_t)o * IC + ic] = position_reduce_elem(strip, ns, o, inp, IC, ic, B, T, tchunks);
+                dw[(size_t)o * IC + ic] = position_reduce_elem(strip, ns, o, inp, IC, ic, B, T, D, r);
             }
         }
     }
     if (dbias) {
         #pragma omp parallel for
-        for (int o = 0; o < OC; o++) { dbias[o] = position_reduce_elem(dout, OC, o, NULL, 0, 0, B, T, tchunks); }
+        for (int o = 0; o < OC; o++) { dbias[o] = position_reduce_elem(dout, OC, o, NULL, 0, 0, B, T, D, r); }
     }
 }
 
@@ -426,18 +431,19 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* inp, const float* weight, int B, int T, int IC, int OC,
                      int groups, int nchunks) {
     if (dinp) { matmul_backward_dinp(dinp, dout, weight, B * T, IC, OC, groups, nchunks); }
-    matmul_weight_grads(dweight, dbias, dout, inp, B, T, IC, OC, CANON_R);
+    matmul_weight_grads(dweight, dbias, dout, inp, B, T, 1, 0, IC, OC);
 }
 
 // Each sequence's subtree of matmul_backward's weight and bias gradients, for a rank that holds
-// a zig-zag slice of T positions of every sequence (context parallelism: tchunks = 8/D of the
-// R2Z chunks), which the group finishes: sequence b's at dweight + b*seq_stride (OC,IC) and
+// its D-way zig-zag slice r of every sequence of T positions (context parallelism: the slice's
+// 8/D R2Z chunks), which the group finishes: sequence b's at dweight + b*seq_stride (OC,IC) and
 // dbias + b*seq_stride (OC; NULL: none).
 void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const float* dout, const float* inp,
-                          int B, int T, int IC, int OC, int tchunks) {
+                          int B, int T, int D, int r, int IC, int OC) {
+    size_t Tl = (size_t)canon_zz_len(T, D, r);
     for (int b = 0; b < B; b++) {
-        matmul_weight_grads(dweight + b * seq_stride, dbias ? dbias + b * seq_stride : NULL, dout + (size_t)b * T * OC,
-                            inp + (size_t)b * T * IC, 1, T, IC, OC, tchunks);
+        matmul_weight_grads(dweight + b * seq_stride, dbias ? dbias + b * seq_stride : NULL, dout + (size_t)b * Tl * OC,
+                            inp + (size_t)b * Tl * IC, 1, T, D, r, IC, OC);
     }
 }
 
@@ -456,12 +462,13 @@ void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const f
 // side, each row's chunks in its own order.
 #define ATT_NR MM_NO
 
-// out row r (r < nr) = R2Z over j < nj (nchunks chunks) of w(r, j) * x row j, j in [lo[r], hi[r])
+// out row r (r < nr) = R2Z over j of w(r, j) * x row j, j in [lo[r], hi[r]); j runs over rank
+// zr's zD-way zig-zag slice of a sequence of n positions (its 8/zD chunks; zD = 1: all of it)
 typedef struct {
     const float* w; long wr, wj;   // w(r, j) = w[r * wr + j * wj]
     const float* x; long ldx;      // x row j at x + j * ldx
     float* out; long ldo;          // out row r at out + r * ldo
-    long nj; int nchunks;          // the reduced dimension: its length and R2Z chunks
+    long n; int zD, zr;            // the reduced dimension: the slice
     const int* lo; const int* hi;  // row r's terms: j in [lo[r], hi[r])
 } AttRows;
 
@@ -477,13 +484,14 @@ ALWAYS_INLINE void attn_rows_tile(const AttRows* a, const int nr, int d0, const 
     vf acc[ATT_NR][MM_MV];
     TILE_STACK(partials, CANON_LOG2_R + 2);
     CanonStack stack = tile_stack(partials, nr, nv);
-    for (int c = 0; c < a->nchunks; c++) {
+    int nchunks = CANON_R / a->zD;
+    for (int c = 0; c < nchunks; c++) {
         _Pragma("GCC unroll 8") for (int r = 0; r < nr; r++) {
             _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) { acc[r][v] = vf_zero(); }
         }
         for (int half = 0; half < 2; half++) {
             long pb, pe;
-            canon_zz_half(a->nj, a->nchunks, c, half, &pb, &pe);
+            canon_zz_slice_half(a->n, a->zD, a->zr, c, half, &pb, &pe);
             if (pb < lo_any) { pb = lo_any; }
             if (pe > hi_any) { pe = hi_any; }
             for (long j = pb; j < pe; j++) {
@@ -505,7 +513,7 @@ ALWAYS_INLINE void attn_rows_tile(const AttRows* a, const int nr, int d0, const 
                 }
             }
         }
-        tile_push(&stack, acc, nr, nv, canon_tree_merges_after(c, a->nchunks));
+        tile_push(&stack, acc, nr, nv, canon_tree_merges_after(c, nchunks));
     }
     for (int r = 0; r < nr; r++) { memcpy(a->out + r * a->ldo + d0, partials + r * MR, sizeof(float) * nv * VLEN); }
 }
@@ -514,16 +522,17 @@ ALWAYS_INLINE void attn_rows_tile(const AttRows* a, const int nr, int d0, const 
 static float attn_rows_elem(const AttRows* a, int r, int d) {
     float partials[CANON_LOG2_R + 2] = {0.0f};
     CanonStack stack = canon_stack(partials, 1, 1, 1, 1);
-    for (int c = 0; c < a->nchunks; c++) {
+    int nchunks = CANON_R / a->zD;
+    for (int c = 0; c < nchunks; c++) {
         float acc = 0.0f;
         for (int half = 0; half < 2; half++) {
             long pb, pe;
-            canon_zz_half(a->nj, a->nchunks, c, half, &pb, &pe);
+            canon_zz_slice_half(a->n, a->zD, a->zr, c, half, &pb, &pe);
             for (long j = pb < a->lo[r] ? a->lo[r] : pb; j < pe && j < a->hi[r]; j++) {
                 acc = fmaf(a->w[r * a->wr + j * a->wj], a->x[j * a->ldx + d], acc);
             }
         }
-        canon_stack_push_value(&stack, acc, canon_tree_merges_after(c, a->nchunks));
+        canon_stack_push_value(&stack, acc, canon_tree_merges_after(c, nchunks));
     }
     return partials[0];
 }
@@ -633,10 +642,12 @@ static void exps_shifted(float* x, long n, float m) {
     for (; j < n; j++) { x[j] = canon_expf(x[j] - m); }
 }
 
-// R2Z sums (nchunks chunks over nj) of the nr rows x (stride ldx), row r over j < hi[r]: the
-// sum of x (y NULL), or the fmaf-accumulated dot product with y (stride ldy); rows side by side.
+// R2Z sums of the nr rows x (stride ldx), row r over j < hi[r], j over rank zr's zD-way slice
+// of a sequence of n positions (as AttRows): the sum of x (y NULL), or the fmaf-accumulated dot
+// product with y (stride ldy); rows side by side.
 static void attn_row_sums(float* out, const float* x, long ldx, const float* y, long ldy, int nr, const int* hi,
-                          long nj, int nchunks) {
+                          long n, int zD, int zr) {
+    int nchunks = CANON_R / zD;
     float part[CANON_R][ATT_NR];
     int hi_any = 0;
     for (int r = 0; r < nr; r++) { hi_any = hi[r] > hi_any ? hi[r] : hi_any; }
@@ -644,7 +655,7 @@ static void attn_row_sums(float* out, const float* x, long ldx, const float* y, 
         float acc[ATT_NR] = {0.0f};
         for (int half = 0; half < 2; half++) {
             long pb, pe;
-            canon_zz_half(nj, nchunks, c, half, &pb, &pe);
+            canon_zz_slice_half(n, zD, zr, c, half, &pb, &pe);
             for (long j = pb; j < pe && j < hi_any; j++) {
                 for (int r = 0; r < nr; r++) {
                     if (j < hi[r]) { acc[r] = y ? fmaf(x[r * ldx + j], y[r * ldy + j], acc[r]) : acc[r] + x[r * ldx + j]; }
@@ -706,7 +717,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
             float* sr = s + r * Tp;
             exps_shifted(sr, q.hi[r], attn_row_max(sr, q.hi[r]));
         }
-        attn_row_sums(z, s, Tp, NULL, 0, q.nr, q.hi, T, CANON_R);
+        attn_row_sums(z, s, Tp, NULL, 0, q.nr, q.hi, T, 1, 0);
         for (int r = 0; r < q.nr; r++) {
             float* ar = a + (size_t)r * T;
             const float* sr = s + r * Tp;
@@ -716,7 +727,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
             for (int j = q.hi[r]; j < T; j++) { ar[j] = 0.0f; }
         }
         AttRows av = {a, T, 1, vr + (size_t)q.bh * T * hs, hs, out + ((size_t)q.b * T + q.t0) * C + q.h * hs, C, T,
-                      CANON_R, q.lo, q.hi};
+                      1, 0, q.lo, q.hi};
         attn_rows(&av, q.nr, hs);
     }
 }
@@ -749,7 +760,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         attn_scores(datt, Tp, dout + ((size_t)q.b * T + q.t0) * C + q.h * hs, C, vt + (size_t)q.bh * hs * Tp, Tp, hs,
                     q.nr, q.t0 + q.nr, 1.0f);
         float S[ATT_NR];
-        attn_row_sums(S, a, T, datt, Tp, q.nr, q.hi, T, CANON_R);
+        attn_row_sums(S, a, T, datt, Tp, q.nr, q.hi, T, 1, 0);
         for (int r = 0; r < q.nr; r++) {
             const float* ar = a + (size_t)r * T;
             const float* dr = datt + r * Tp;
@@ -758,7 +769,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             #pragma omp simd
             for (int j = 0; j < q.hi[r]; j++) { sr[j] = ar[j] * (dr[j] - Sr) * scale; }
         }
-        AttRows dq = {ds, T, 1, kr + q.bh * head, hs, dqkv + ((size_t)q.b * T + q.t0) * C3 + q.h * hs, C3, T, CANON_R,
+        AttRows dq = {ds, T, 1, kr + q.bh * head, hs, dqkv + ((size_t)q.b * T + q.t0) * C3 + q.h * hs, C3, T, 1, 0,
                       q.lo, q.hi};
         attn_rows(&dq, q.nr, hs);
     }
@@ -774,8 +785,8 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             attn_bounds(lo, hi, t0, 1, T);
             size_t tt = (size_t)bh * T * T;
             float* drow = dqkv + ((size_t)b * T + t0) * C3 + h * hs;
-            AttRows dk = {ds_all + tt + t0, 1, T, qr + bh * head, hs, drow + C, C3, T, CANON_R, lo, hi};
-            AttRows dv = {att + tt + t0, 1, T, dr + bh * head, hs, drow + 2 * C, C3, T, CANON_R, lo, hi};
+            AttRows dk = {ds_all + tt + t0, 1, T, qr + bh * head, hs, drow + C, C3, T, 1, 0, lo, hi};
+            AttRows dv = {att + tt + t0, 1, T, dr + bh * head, hs, drow + 2 * C, C3, T, 1, 0, lo, hi};
             attn_rows(&dk, nr, hs);
             attn_rows(&dv, nr, hs);
         }
@@ -884,7 +895,7 @@ static void attn_paged_heads(float* out, float* s, long Tp, float* kt, float* pa
             exps_shifted(sr, t + 1, attn_row_max(sr, t + 1));
             hi[r] = t + 1;
         }
-        attn_row_sums(z, s + h0r * Tp, Tp, NULL, 0, nr, hi, T, CANON_R);
+        attn_row_sums(z, s + h0r * Tp, Tp, NULL, 0, nr, hi, T, 1, 0);
         for (int r = 0; r < nr; r++) {
             float* sr = s + (h0r + r) * Tp;
             float zr = z[r];
@@ -926,15 +937,17 @@ void attention_forward_paged(float* out, float* scratch_att, const float* qkv, c
 // ------------------------------------------------------------------------------------------
 // context parallelism's attention, one block of keys at a time (llmc/context_parallel.h drives
 // them around the group). Rank r of an N-way context-parallel group holds the queries of its
-// zig-zag slice of each sequence (Tq = T/N local positions, canonical.h R2Z) and sees the keys
-// and values of every rank's slice in turn: block s. att (B,NH,Tq,T) keeps block s in columns
-// [s*Tq, (s+1)*Tq); a query attends to the keys of block s at global positions up to its own,
-// a prefix of the block (canon_zz_count_le). Each reduction over keys is R2Z within a block
-// (8/N chunks of the block's local sequence: a complete subtree of the one-rank tree) and R1
-// over the blocks in rank order; the reductions over queries (dk, dv) likewise, over each
-// rank's queries, then R1 over the ranks. With N = 1 these are attention_forward and
-// attention_backward (so attention_*_naive) cut into passes: the same helpers, the same bits.
-//   qkv (B,Tq,3C) this rank's; kblk, vblk (B,Tq,C) block s's keys or values; C, NH this
+// zig-zag slice of each sequence of T positions (Tq = canon_zz_len(T, N, r) local positions,
+// canonical.h R2Z: T/N when 2N | T, else R2Z's unequal pieces) and sees the keys and values
+// of every rank's slice in turn: block s, Tk = canon_zz_len(T, N, s) positions. att
+// (B,NH,Tq,T) keeps block s in columns [canon_zz_offset(T, N, s), ... + Tk); a query attends
+// to the keys of block s at global positions up to its own, a prefix of the block
+// (canon_zz_count_le). Each reduction over keys is R2Z within a block (its 8/N chunks: a
+// complete subtree of the one-rank tree) and R1 over the blocks in rank order; the reductions
+// over queries (dk, dv) likewise, over each rank's queries, then R1 over the ranks. With N = 1
+// these are attention_forward and attention_backward (so attention_*_naive) cut into passes:
+// the same helpers, the same bits.
+//   qkv (B,Tq,3C) this rank's; kblk, vblk (B,Tk,C) block s's keys or values; C, NH this
 //   rank's channels and heads (tensor parallelism divides them as usual)
 
 // The keys of block s that query rows t0, t0+1, ... (nr of them, of rank r's slice) attend to:
@@ -949,7 +962,7 @@ static void cp_key_bounds(int* lo, int* hi, int t0, int nr, int T, int N, int r,
 
 // The queries of rank r that block s's keys j0, j0+1, ... are attended by: [lo[i], Tq).
 static void cp_query_bounds(int* lo, int* hi, int j0, int nr, int T, int N, int r, int s) {
-    int Tq = T / N;
+    int Tq = (int)canon_zz_len(T, N, r);
     for (int i = 0; i < ATT_NR; i++) {
         int j = j0 + (i < nr ? i : nr - 1);
         lo[i] = Tq - canon_zz_count_ge(canon_zz_global(j, T, N, s), T, N, r);
@@ -967,11 +980,11 @@ static int cp_max(const int* x, int n) {
 // columns: the entries each query attends to
 static void cp_block_products(float* att, const float* q, long ldq, const float* kblk, int B, int T, int C, int NH,
                               int N, int r, int s, float scale) {
-    int hs = C / NH, BH = B * NH, Tq = T / N;
-    long Tp = attn_padded(Tq);
+    int hs = C / NH, BH = B * NH, Tq = (int)canon_zz_len(T, N, r), Tk = (int)canon_zz_len(T, N, s);
+    long Tp = attn_padded(Tk), col = canon_zz_offset(T, N, s);
     float* kt = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * hs * Tp);
     float* tiles = scratch(SCRATCH_ATT_TILE, sizeof(float) * (size_t)thread_count() * ATT_NR * Tp);
-    attn_pack_transposed(kt, Tp, kblk, C, B, Tq, NH, hs);
+    attn_pack_transposed(kt, Tp, kblk, C, B, Tk, NH, hs);
     int ntiles = (Tq + ATT_NR - 1) / ATT_NR;
     #pragma omp parallel for schedule(dynamic, 1)
     for (long idx = 0; idx < (long)BH * ntiles; idx++) {
@@ -983,7 +996,7 @@ static void cp_block_products(float* att, const float* q, long ldq, const float*
         attn_scores(tile_s, Tp, q + ((size_t)qt.b * Tq + qt.t0) * ldq + qt.h * hs, ldq, kt + (size_t)qt.bh * hs * Tp, Tp,
                     hs, qt.nr, nkeys, scale);
         for (int i = 0; i < qt.nr; i++) {
-            memcpy(att + ((size_t)qt.bh * Tq + qt.t0 + i) * T + (size_t)s * Tq, tile_s + i * Tp, sizeof(float) * qt.hi[i]);
+            memcpy(att + ((size_t)qt.bh * Tq + qt.t0 + i) * T + col, tile_s + i * Tp, sizeof(float) * qt.hi[i]);
         }
     }
 }
@@ -997,7 +1010,7 @@ void attention_scores_block(float* att, const float* qkv, const float* kblk, int
 // The softmax of every row over all N blocks: the max (exact), the exps, Z = R1 over blocks of
 // each block's R2Z subtree, the division; 0 for the keys a query does not attend to.
 void attention_softmax_blocks(float* att, int B, int T, int NH, int N, int r) {
-    int Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    int Tq = (int)canon_zz_len(T, N, r), ntiles = (Tq + ATT_NR - 1) / ATT_NR;
     #pragma omp parallel for schedule(dynamic, 1)
     for (long idx = 0; idx < (long)B * NH * ntiles; idx++) {
         int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles);
@@ -1009,39 +1022,43 @@ void attention_softmax_blocks(float* att, int B, int T, int NH, int N, int r) {
         for (int i = 0; i < nr; i++) {
             float m = -canon_inf();
             for (int s = 0; s < N; s++) {
-                float ms = attn_row_max(rows + (size_t)i * T + (size_t)s * Tq, hi[s][i]);
+                float ms = attn_row_max(rows + (size_t)i * T + canon_zz_offset(T, N, s), hi[s][i]);
                 m = ms > m ? ms : m;
             }
             maxv[i] = m;
         }
         for (int s = 0; s < N; s++) {
-            for (int i = 0; i < nr; i++) { exps_shifted(rows + (size_t)i * T + (size_t)s * Tq, hi[s][i], maxv[i]); }
-            attn_row_sums(zs[s], rows + (size_t)s * Tq, T, NULL, 0, nr, hi[s], Tq, CANON_R / N);
+            long col = canon_zz_offset(T, N, s);
+            for (int i = 0; i < nr; i++) { exps_shifted(rows + (size_t)i * T + col, hi[s][i], maxv[i]); }
+            attn_row_sums(zs[s], rows + col, T, NULL, 0, nr, hi[s], T, N, s);
         }
         for (int i = 0; i < nr; i++) {
             float z = canon_tree_sum(&zs[0][i], N, ATT_NR);
             for (int s = 0; s < N; s++) {
-                float* a = rows + (size_t)i * T + (size_t)s * Tq;
+                float* a = rows + (size_t)i * T + canon_zz_offset(T, N, s);
+                int Tk = (int)canon_zz_len(T, N, s);
                 #pragma omp simd
                 for (int j = 0; j < hi[s][i]; j++) { a[j] = a[j] / z; }
-                for (int j = hi[s][i]; j < Tq; j++) { a[j] = 0.0f; }
+                for (int j = hi[s][i]; j < Tk; j++) { a[j] = 0.0f; }
             }
         }
     }
 }
 
-// out (B,Tq,C) = block s's subtree of att @ v: R2Z over the block's keys (8/N chunks)
+// out (B,Tq,C) = block s's subtree of att @ v: R2Z over the block's keys (its 8/N chunks)
 void attention_values_block(float* out, const float* att, const float* vblk, int B, int T, int C, int NH, int N,
                             int r, int s) {
-    int hs = C / NH, BH = B * NH, Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
-    float* vr = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * Tq * hs);
-    attn_pack_rows(vr, vblk, C, B, Tq, NH, hs);
+    int hs = C / NH, BH = B * NH, Tq = (int)canon_zz_len(T, N, r), Tk = (int)canon_zz_len(T, N, s);
+    int ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    long col = canon_zz_offset(T, N, s);
+    float* vr = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * Tk * hs);
+    attn_pack_rows(vr, vblk, C, B, Tk, NH, hs);
     #pragma omp parallel for schedule(dynamic, 1)
     for (long idx = 0; idx < (long)BH * ntiles; idx++) {
         AttTile q = attn_tile(idx, ntiles, NH, Tq, 0);
         cp_key_bounds(q.lo, q.hi, q.t0, q.nr, T, N, r, s);
-        AttRows av = {att + ((size_t)q.bh * Tq + q.t0) * T + (size_t)s * Tq, T, 1, vr + (size_t)q.bh * Tq * hs, hs,
-                      out + ((size_t)q.b * Tq + q.t0) * C + q.h * hs, C, Tq, CANON_R / N, q.lo, q.hi};
+        AttRows av = {att + ((size_t)q.bh * Tq + q.t0) * T + col, T, 1, vr + (size_t)q.bh * Tk * hs, hs,
+                      out + ((size_t)q.b * Tq + q.t0) * C + q.h * hs, C, T, N, s, q.lo, q.hi};
         attn_rows(&av, q.nr, hs);
     }
 }
@@ -1055,7 +1072,7 @@ void attention_datt_block(float* ds, const float* dout, const float* vblk, int B
 // ds <- att * (datt - S) * (1/sqrt(hs)) over every block, S = R1 over blocks of each block's
 // R2Z subtree of fmaf(att, datt)
 void attention_softmax_backward_blocks(float* ds, const float* att, int B, int T, int C, int NH, int N, int r) {
-    int Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    int Tq = (int)canon_zz_len(T, N, r), ntiles = (Tq + ATT_NR - 1) / ATT_NR;
     float scale = canon_rsqrtf((float)(C / NH));
     #pragma omp parallel for schedule(dynamic, 1)
     for (long idx = 0; idx < (long)B * NH * ntiles; idx++) {
@@ -1065,14 +1082,15 @@ void attention_softmax_backward_blocks(float* ds, const float* att, int B, int T
         int lo[CANON_R][ATT_NR], hi[CANON_R][ATT_NR];
         float ss[CANON_R][ATT_NR];
         for (int s = 0; s < N; s++) {
+            long col = canon_zz_offset(T, N, s);
             cp_key_bounds(lo[s], hi[s], t0, nr, T, N, r, s);
-            attn_row_sums(ss[s], att + row0 + (size_t)s * Tq, T, ds + row0 + (size_t)s * Tq, T, nr, hi[s], Tq, CANON_R / N);
+            attn_row_sums(ss[s], att + row0 + col, T, ds + row0 + col, T, nr, hi[s], T, N, s);
         }
         for (int i = 0; i < nr; i++) {
             float S = canon_tree_sum(&ss[0][i], N, ATT_NR);
             for (int s = 0; s < N; s++) {
-                const float* a = att + row0 + (size_t)i * T + (size_t)s * Tq;
-                float* d = ds + row0 + (size_t)i * T + (size_t)s * Tq;
+                const float* a = att + row0 + (size_t)i * T + canon_zz_offset(T, N, s);
+                float* d = ds + row0 + (size_t)i * T + canon_zz_offset(T, N, s);
                 #pragma omp simd
                 for (int j = 0; j < hi[s][i]; j++) { d[j] = a[j] * (d[j] - S) * scale; }
             }
@@ -1086,23 +1104,24 @@ void attention_dq_block(float* dq, const float* ds, const float* kblk, int B, in
     attention_values_block(dq, ds, kblk, B, T, C, NH, N, r, s);
 }
 
-// dk, dv (B,Tq,C) of block s's keys = this rank's subtree over its queries (R2Z, 8/N chunks)
-// of ds^T @ q and att^T @ dout: the partials the key's owner sums over the ranks
+// dk, dv (B,Tk,C) of block s's keys = this rank's subtree over its queries (R2Z over its slice,
+// 8/N chunks) of ds^T @ q and att^T @ dout: the partials the key's owner sums over the ranks
 void attention_dkv_block(float* dk, float* dv, const float* ds, const float* att, const float* qkv, const float* dout,
                          int B, int T, int C, int NH, int N, int r, int s) {
-    int hs = C / NH, BH = B * NH, Tq = T / N, ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    int hs = C / NH, BH = B * NH, Tq = (int)canon_zz_len(T, N, r), Tk = (int)canon_zz_len(T, N, s);
+    int ntiles = (Tk + ATT_NR - 1) / ATT_NR;
     float* qr = scratch(SCRATCH_ATT_PACK, sizeof(float) * (size_t)BH * Tq * hs * 2);
     float* dr = qr + (size_t)BH * Tq * hs;
     attn_pack_rows(qr, qkv, 3L * C, B, Tq, NH, hs);
     attn_pack_rows(dr, dout, C, B, Tq, NH, hs);
     #pragma omp parallel for schedule(dynamic, 1)
     for (long idx = 0; idx < (long)BH * ntiles; idx++) {
-        AttTile kt = attn_tile(idx, ntiles, NH, Tq, 0);   // rows: block s's keys [t0, t0 + nr)
+        AttTile kt = attn_tile(idx, ntiles, NH, Tk, 0);   // rows: block s's keys [t0, t0 + nr)
         cp_query_bounds(kt.lo, kt.hi, kt.t0, kt.nr, T, N, r, s);
-        size_t cols = (size_t)kt.bh * Tq * T + (size_t)s * Tq + kt.t0;
-        size_t o = ((size_t)kt.b * Tq + kt.t0) * C + kt.h * hs;
-        AttRows k = {ds + cols, 1, T, qr + (size_t)kt.bh * Tq * hs, hs, dk + o, C, Tq, CANON_R / N, kt.lo, kt.hi};
-        AttRows v = {att + cols, 1, T, dr + (size_t)kt.bh * Tq * hs, hs, dv + o, C, Tq, CANON_R / N, kt.lo, kt.hi};
+        size_t cols = (size_t)kt.bh * Tq * T + canon_zz_offset(T, N, s) + kt.t0;
+        size_t o = ((size_t)kt.b * Tk + kt.t0) * C + kt.h * hs;
+        AttRows k = {ds + cols, 1, T, qr + (size_t)kt.bh * Tq * hs, hs, dk + o, C, T, N, r, kt.lo, kt.hi};
+        AttRows v = {att + cols, 1, T, dr + (size_t)kt.bh * Tq * hs, hs, dv + o, C, T, N, r, kt.lo, kt.hi};
         attn_rows(&k, kt.nr, hs);
         attn_rows(&v, kt.nr, hs);
     }
@@ -1237,7 +1256,7 @@ void moe_router_forward(float* probs, int* chosen, float* gates, const float* lo
 // psum (E) = R3 over the positions of probs (B,T,E) of each expert's probability
 void moe_expert_prob_sums(float* psum, const float* probs, int B, int T, int E) {
     #pragma omp parallel for
-    for (int e = 0; e < E; e++) { psum[e] = position_reduce_elem(probs, E, e, NULL, 0, 0, B, T, CANON_R); }
+    for (int e = 0; e < E; e++) { psum[e] = position_reduce_elem(probs, E, e, NULL, 0, 0, B, T, 1, 0); }
 }
 
 // out (n,C) = rows in[index[i]] of in (., C)

@@ -319,6 +319,11 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
         t->models[ch] = ops->create(c, &t->places[ch], &t->zero, &comm->tp_group, cp_group,
                                     strcmp(a->cp_mode, "a2a") == 0, a->sp, B, T);
     }
+    // every pool sub-group's buffers now, before the activations, which hold a pass over any
+    // of them (the largest selected last)
+    for (int k = 0; flexsp_largest > 1 && k <= flexsp_log2(flexsp_largest); k++) {
+        ops->cp_select(t->models[0], &comm->pool_groups[k]);
+    }
 
     t->do_val = a->val_every > 0;
     train_data_open(a, B, T, c->vocab_size, t->total_batch, &t->train_loader, &t->val_loader, &t->val_batches,
@@ -328,16 +333,17 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     // corrupt one must not stop it)
     if (t->root && a->sample_every > 0) { tokenizer_init_for_model(&t->tokenizer, a->tokenizer_path, c->vocab_size); }
 
-    int split = a->flexsp ? flexsp_largest : trainer_sequence_split(t);
+    // the ranks that split a sequence: the cp group (its tp ranks with SP); under FlexSP each
+    // sequence's own group (and no pipeline messages: one stage)
+    ZzGroup split = {comm->cp, a->sp ? comm->tp : 1, comm->cp_rank, comm->tp_rank};
+    int splits = a->flexsp ? flexsp_largest : split.N * split.K;
     // --varlen with CP or SP (or FlexSP's groups): each sequence split or whole by its length
     // (context_parallel.h)
-    SeqSplit layout = split == 1 ? SEQS_WHOLE : a->varlen ? SEQS_SPLIT_BY_LENGTH : SEQS_SPLIT;
+    SeqSplit layout = splits == 1 ? SEQS_WHOLE : a->varlen ? SEQS_SPLIT_BY_LENGTH : SEQS_SPLIT;
     pipeline_init(&t->pipe, ops, mem, t->models, t->places, &comm->pp_group, t->pp_kind, v,
                   t->zero.local_microbatches, B, T, c->channels, a->recompute, split, layout);
     t->grads = ops->grads_create(t->models[0], B, T, layout, &t->grads_bytes);
-    if (flexsp_largest > 1) {   // every pool sub-group's buffers now; passes outside a step run whole
-        for (int k = flexsp_log2(flexsp_largest); k >= 0; k--) { ops->cp_select(t->models[0], &comm->pool_groups[k]); }
-    }
+    if (flexsp_largest > 1) { ops->cp_select(t->models[0], &comm->pool_groups[0]); }   // passes outside a step run whole
     if (t->moe) {   // each local microbatch's aux losses (FlexSP: a rank may run all G = M sequences)
         size_t micro = (size_t)(a->flexsp ? t->M : t->zero.local_microbatches), n = micro * c->num_layers;
         t->pipe.num_layers = c->num_layers;
@@ -420,7 +426,6 @@ static inline float global_mean_loss(Trainer* t, const float* local, int per_ran
 static inline float trainer_validate(Trainer* t) {
     Zero* z = &t->zero;
     int B = t->B, batches = t->val_batches;
-    int sp_degree = trainer_sequence_split(t);
     void** acts = (void**)malloc_or_die(sizeof(void*) * t->nchunks, "validation activations");
     for (int ch = 0; ch < t->nchunks; ch++) { acts[ch] = pipeline_chunk_acts(&t->pipe, ch); }
     int hc = t->pipe.head_chunk;
@@ -434,7 +439,7 @@ static inline float trainer_validate(Trainer* t) {
         dataloader_load(&t->val_loader, j < batches ? j : 0);
         int Tj = t->val_loader.loaded_T;   // T, or the --varlen sequence's length
         pipeline_forward_pass(&t->pipe, acts, t->val_loader.inputs, t->val_loader.targets, B, Tj,
-                              t->config.channels, sp_degree, -1);
+                              t->config.channels, 1, -1);
         if (hc >= 0 && j < batches) { local[k] = t->ops->loss_sum(t->models[hc], acts[hc], B, Tj); }
     }
     float loss = global_mean_loss(t, local, per_rank, batches, 1, (double)dataloader_targets(&t->val_loader, 0, batches));
@@ -465,7 +470,7 @@ static inline void trainer_sample(Trainer* t) {
     if (printing) { printf("generating:\n---\n"); }
     for (int pos = 1; pos < genT; pos++) {
         int kv = t->ops->layers_decode && t->args.kv_cache;
-        pipeline_forward_pass(&t->pipe, t->sample_acts, gen, NULL, 1, genT, C, 1, kv ? pos - 1 : -1);
+        pipeline_forward_pass(&t->pipe, t->sample_acts, gen, NULL, 1, genT, C, 0, kv ? pos - 1 : -1);
         if (pos < t->sample_prompt_len) { continue; }   // the prompt's rows only fill the cache
         int next = V - 1, hc = t->pipe.head_chunk;
         if (hc >= 0) {
@@ -580,14 +585,22 @@ static inline int* trainer_step_lengths(const Trainer* t) {
     return lengths;
 }
 
-// --varlen with CP or SP: how many of this rank's sequences of the step just run were split
-// (context_parallel.h, VARIABLE LENGTHS).
+// --varlen with CP or SP: how this rank's sequences of the step just run were split
+// (context_parallel.h, VARIABLE LENGTHS): into equal stretches, into R2Z's unequal pieces, or
+// not at all.
 static inline void trainer_print_varlen_split(const Trainer* t) {
-    int n = t->zero.local_microbatches, D = trainer_sequence_split(t), split = 0, *lengths = trainer_step_lengths(t);
-    for (int i = 0; i < n; i++) { split += zz_splits_length(D, lengths[i]); }
+    int n = t->zero.local_microbatches, N = t->comm.cp, D = trainer_sequence_split(t), *lengths = trainer_step_lengths(t);
+    int equal = 0, unequal = 0;
+    for (int i = 0; i < n; i++) {
+        int cp_split, seq_split;
+        zz_split_length(N, D / N, lengths[i], &cp_split, &seq_split);
+        equal += seq_split > 1 && zz_splits_length(seq_split, lengths[i]);
+        unequal += seq_split > 1 && !zz_splits_length(seq_split, lengths[i]);
+    }
     free(lengths);
-    printf("varlen split: %d of this rank's %d sequences split %d ways (length a multiple of 2 x %d), the others "
-           "computed whole by every rank\n", split, n, D, D);
+    printf("varlen split: %d of this rank's %d sequences split %d ways in equal stretches (a multiple of 2 x %d), "
+           "%d %d ways in R2Z's unequal pieces, %d computed whole by every rank\n", equal, n, D, D, unequal, N,
+           n - equal - unequal);
 }
 
 // Context parallelism's bytes this rank sent in the step, against cp_bytes_per_step for this
@@ -603,15 +616,16 @@ static inline void trainer_print_cp_accounting(const Trainer* t) {
     // the attention, embedding and expert layers' messages in the model's activation type (bf16
     // in fast mode)
     int elem = (int)t->ops->stage_elem_bytes;
-    uint64_t want = cp_bytes_per_step(comm->cp, a2a, layers, first, last, t->B, t->T, t->config.channels, comm->tp,
-                                      t->zero.local_microbatches, elem);
+    uint64_t want = cp_bytes_per_step(comm->cp, comm->cp_rank, a2a, layers, first, last, t->B, t->T, t->config.channels,
+                                      comm->tp, t->zero.local_microbatches, elem);
     if (t->moe) {
-        want += cp_moe_bytes_per_step(comm->cp, layers, t->B, t->T, t->config.channels, t->zero.local_microbatches, elem);
+        want += cp_moe_bytes_per_step(comm->cp, comm->cp_rank, layers, t->B, t->T, t->config.channels,
+                                      t->zero.local_microbatches, elem);
     }
     if (t->args.varlen) {
         int n = t->zero.local_microbatches, *lengths = trainer_step_lengths(t);
-        want = cp_bytes_per_varlen_step(comm->cp, trainer_sequence_split(t), a2a, t->moe, layers, first, last, lengths,
-                                        n, t->config.channels, comm->tp);
+        want = cp_bytes_per_varlen_step(comm->cp, trainer_sequence_split(t) / comm->cp, comm->cp_rank, a2a, t->moe,
+                                        layers, first, last, lengths, n, t->config.channels, comm->tp);
         free(lengths);
     }
     uint64_t got = comm->stats.bytes[COMM_KIND_CP];
@@ -735,7 +749,9 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
             for (int i = 0; i < G && at < 4000; i++) {
                 if (group_of[i] != k) { continue; }
                 at += (size_t)snprintf(line + at, 4096 - at, " %d", (int)len[sorted[i]]);
-                split += plan->size[k] > 1 && zz_splits_length(plan->size[k], (int)len[sorted[i]]);
+                int cp_split, seq_split;
+                zz_split_length(plan->size[k], 1, (int)len[sorted[i]], &cp_split, &seq_split);
+                split += cp_split > 1;
             }
             if (plan->size[k] > 1 && at < 4000) {
                 at += (size_t)snprintf(line + at, 4096 - at, " (%d split %d ways, the others whole on each rank)", split,

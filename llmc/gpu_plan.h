@@ -99,7 +99,8 @@ typedef struct {
     int M, N, R;         // outputs M x N, reduction length R
     int groups;          // R's chunk groups (the qkv dinp: 3)
     int nchunks;         // R's chunks (8, or a tensor-parallel rank's 8/tp)
-    int zigzag;          // R is along a sequence: R2Z chunks
+    int zigzag;          // R is along a sequence: R2Z chunks, R runs over rank rz_r's rz_D-way
+    int rz_n, rz_D, rz_r;// zig-zag slice of a sequence of rz_n positions (nchunks = 8/rz_D)
     int zdiv, Z;
     // the kernel variant: a_rc / b_rc: A (B) contiguous along r, else along m (n) (only how
     // tiles are loaded); causal: DET_CAUSAL_*; out_lower: DET_OUT_*
@@ -113,9 +114,10 @@ typedef struct {
 HD int det_zz_keys(const DetGemmArgs* g, int m) {
     return canon_zz_count_le(canon_zz_global(m, g->zz_T, g->zz_N, g->zz_r), g->zz_T, g->zz_N, g->zz_s);
 }
-// The first of rank zz_r's queries that attends to key m of block zz_s: [this, T/N).
+// The first of rank zz_r's queries that attends to key m of block zz_s: [this, its slice's length).
 HD int det_zz_first_query(const DetGemmArgs* g, int m) {
-    return g->zz_T / g->zz_N - canon_zz_count_ge(canon_zz_global(m, g->zz_T, g->zz_N, g->zz_s), g->zz_T, g->zz_N, g->zz_r);
+    return (int)canon_zz_len(g->zz_T, g->zz_N, g->zz_r) -
+           canon_zz_count_ge(canon_zz_global(m, g->zz_T, g->zz_N, g->zz_s), g->zz_T, g->zz_N, g->zz_r);
 }
 
 
@@ -123,7 +125,8 @@ typedef struct {
     int n;        // length of the reduced dimension
     int groups;   // its groups (n / groups each); 1 except for the qkv dinp (3); 2 if zigzag
     int nchunks;  // its chunks: 8, or 8/tp for a tensor-parallel rank's share (a power of two)
-    int zigzag;   // R2Z: group 0 of chunk c is piece c, group 1 piece 2*nchunks-1-c
+    int zigzag;   // R2Z: group 0 of chunk c is piece c, group 1 piece 2*nchunks-1-c of the slice
+    int rz_n, rz_D, rz_r; // ... rank rz_r's rz_D-way slice of a sequence of rz_n (DetGemmArgs)
     int lo, hi;   // only r in [lo, hi) can take part in this tile (causal clamp); [0, n) else
 } DetReduction;
 
@@ -136,6 +139,9 @@ HD DetReduction det_tile_reduction(const DetGemmArgs* g, int causal, int m0, int
     r.groups = g->zigzag ? 2 : g->groups;
     r.nchunks = g->nchunks;
     r.zigzag = g->zigzag;
+    r.rz_n = g->rz_n;
+    r.rz_D = g->rz_D;
+    r.rz_r = g->rz_r;
     r.lo = 0;
     r.hi = r.n;
     if (causal == DET_CAUSAL_R_LE_M && m_last + 1 < r.hi) { r.hi = m_last + 1; }
@@ -178,12 +184,12 @@ HD int det_tile_empty(const DetGemmArgs* g, int out, int n0, int m_last) {
 
 // Indices [*begin, *end) of chunk c, group g (clamped to [lo, hi); may be empty). Chunk c of
 // group g is [g*og + og*c/nchunks, g*og + og*(c+1)/nchunks), og = n / groups, as in
-// train_gpt2.c; zig-zag, group g is stretch g of R2Z chunk c (canon_zz_half).
+// train_gpt2.c; zig-zag, group g is stretch g of the slice's R2Z chunk c (canon_zz_slice_half).
 HD void det_segment(const DetReduction* r, int c, int g, int* begin, int* end) {
     long og = r->n / r->groups;
     long b = g * og + (og * c) / r->nchunks;
     long e = g * og + (og * (c + 1)) / r->nchunks;
-    if (r->zigzag) { canon_zz_half(r->n, r->nchunks, c, g, &b, &e); }
+    if (r->zigzag) { canon_zz_slice_half(r->rz_n, r->rz_D, r->rz_r, c, g, &b, &e); }
     if (b < r->lo) { b = r->lo; }
     if (e > r->hi) { e = r->hi; }
     *begin = (int)b;
@@ -230,6 +236,7 @@ static inline DetGemmArgs det_gemm_args(int M, int N, int R, int a_rc, int b_rc,
     memset(&g, 0, sizeof(g));
     g.M = M; g.N = N; g.R = R;
     g.groups = 1; g.nchunks = CANON_R; g.zdiv = 1; g.Z = 1; g.scale = 1.0f;
+    g.rz_n = R; g.rz_D = 1; g.rz_r = 0;   // a zig-zag R: the whole sequence
     g.a_rc = a_rc; g.b_rc = b_rc; g.causal = causal; g.out_lower = out_lower;
     return g;
 }
@@ -261,13 +268,17 @@ static inline DetGemmArgs det_args_matmul_dinp(float* dinp, const float* dout, c
 }
 
 // matmul_backward's dweight per sequence b: seq[b] (OC,K) = R2Z over t of dout[b,t,o] * inp[b,t,k]
-// (the R1 tree over b finishes the R3 reduction; with B = 1, seq is dweight itself)
+// (the R1 tree over b finishes the R3 reduction; with B = 1, seq is dweight itself); the rows
+// t are rank r's D-way zig-zag slice of each sequence of T positions (D = 1: all of it)
 static inline DetGemmArgs det_args_matmul_dweight(float* seq, const float* dout, const float* inp,
-                                                  int B, int T, int K, int OC) {
-    DetGemmArgs g = det_gemm_args(OC, K, T, 0, 0, DET_CAUSAL_NONE, 0);
+                                                  int B, int T, int D, int r, int K, int OC) {
+    long Tl = canon_zz_len(T, D, r);
+    DetGemmArgs g = det_gemm_args(OC, K, (int)Tl, 0, 0, DET_CAUSAL_NONE, 0);
     g.zigzag = 1;
-    g.A = dout;  g.a_zhi = (long)T * OC;  g.a_m = 1;  g.a_r = OC;
-    g.B = inp;   g.b_zhi = (long)T * K;   g.b_n = 1;  g.b_r = K;
+    g.rz_n = T; g.rz_D = D; g.rz_r = r;
+    g.nchunks = CANON_R / D;
+    g.A = dout;  g.a_zhi = Tl * OC;  g.a_m = 1;  g.a_r = OC;
+    g.B = inp;   g.b_zhi = Tl * K;   g.b_n = 1;  g.b_r = K;
     g.out = seq; g.o_zhi = (long)OC * K;  g.o_m = K;
     g.Z = B;
     return g;
@@ -339,20 +350,21 @@ static inline DetGemmArgs det_args_attention_by_queries(float* out, long ldo, co
 }
 
 // ---- context parallelism's blocks (cpu_fast.h attention_*_block) ---------------------------
-// Rank r's Tq = T/N queries against block s's Tq keys; att and ds (B,NH,Tq,T) keep block s in
-// columns [s*Tq, (s+1)*Tq).
+// Rank r's Tq = canon_zz_len(T, N, r) queries against block s's Tk = canon_zz_len(T, N, s)
+// keys (T/N each when 2N | T); att and ds (B,NH,Tq,T) keep block s in columns
+// [canon_zz_offset(T, N, s), ... + Tk).
 
 // att (or ds) block s [b,h][t][j] = R2 over hs of q_t . k_j (times scale) for the keys j that
-// query t attends to; q rows of stride ldq (qkv's q, or dout), kblk (B,Tq,C)
+// query t attends to; q rows of stride ldq (qkv's q, or dout), kblk (B,Tk,C)
 static inline DetGemmArgs det_args_attention_block_products(float* att, const float* q, long ldq, const float* kblk,
                                                             int B, int T, int C, int NH, int N, int r, int s,
                                                             float scale) {
-    int hs = C / NH, Tq = T / N;
+    int hs = C / NH, Tq = (int)canon_zz_len(T, N, r), Tk = (int)canon_zz_len(T, N, s);
     long TT = (long)Tq * T;
-    DetGemmArgs g = det_gemm_args(Tq, Tq, hs, 1, 1, DET_CAUSAL_NONE, DET_OUT_ZZ);
-    g.A = q;                      g.a_zhi = (long)Tq * ldq;  g.a_zlo = hs;  g.a_m = ldq;  g.a_r = 1;
-    g.B = kblk;                   g.b_zhi = (long)Tq * C;    g.b_zlo = hs;  g.b_n = C;    g.b_r = 1;
-    g.out = att + (long)s * Tq;   g.o_zhi = NH * TT;         g.o_zlo = TT;  g.o_m = T;
+    DetGemmArgs g = det_gemm_args(Tq, Tk, hs, 1, 1, DET_CAUSAL_NONE, DET_OUT_ZZ);
+    g.A = q;                                g.a_zhi = (long)Tq * ldq;  g.a_zlo = hs;  g.a_m = ldq;  g.a_r = 1;
+    g.B = kblk;                             g.b_zhi = (long)Tk * C;    g.b_zlo = hs;  g.b_n = C;    g.b_r = 1;
+    g.out = att + canon_zz_offset(T, N, s); g.o_zhi = NH * TT;         g.o_zlo = TT;  g.o_m = T;
     g.zdiv = NH;
     g.Z = B * NH;
     g.scale = scale;
@@ -360,36 +372,38 @@ static inline DetGemmArgs det_args_attention_block_products(float* att, const fl
     return g;
 }
 
-// out (B,Tq,C) head h = block s's subtree (R2Z over its keys, 8/N chunks) of w[b,h][t][j] * x
-// rows j (stride C): att @ v (w = att, x = vblk) and ds @ k (w = ds, x = kblk)
+// out (B,Tq,C) head h = block s's subtree (R2Z over its keys, its 8/N chunks) of w[b,h][t][j] *
+// x rows j (stride C): att @ v (w = att, x = vblk) and ds @ k (w = ds, x = kblk)
 static inline DetGemmArgs det_args_attention_block_by_keys(float* out, const float* w, const float* x, int B, int T,
                                                            int C, int NH, int N, int r, int s) {
-    int hs = C / NH, Tq = T / N;
+    int hs = C / NH, Tq = (int)canon_zz_len(T, N, r), Tk = (int)canon_zz_len(T, N, s);
     long TT = (long)Tq * T;
-    DetGemmArgs g = det_gemm_args(Tq, hs, Tq, 1, 0, DET_CAUSAL_ZZ_KEYS, DET_OUT_ALL);
+    DetGemmArgs g = det_gemm_args(Tq, hs, Tk, 1, 0, DET_CAUSAL_ZZ_KEYS, DET_OUT_ALL);
     g.zigzag = 1;
+    g.rz_n = T; g.rz_D = N; g.rz_r = s;
     g.nchunks = CANON_R / N;
-    g.A = w + (long)s * Tq;  g.a_zhi = NH * TT;        g.a_zlo = TT;  g.a_m = T;  g.a_r = 1;
-    g.B = x;                 g.b_zhi = (long)Tq * C;   g.b_zlo = hs;  g.b_n = 1;  g.b_r = C;
-    g.out = out;             g.o_zhi = (long)Tq * C;   g.o_zlo = hs;  g.o_m = C;
+    g.A = w + canon_zz_offset(T, N, s);  g.a_zhi = NH * TT;        g.a_zlo = TT;  g.a_m = T;  g.a_r = 1;
+    g.B = x;                             g.b_zhi = (long)Tk * C;   g.b_zlo = hs;  g.b_n = 1;  g.b_r = C;
+    g.out = out;                         g.o_zhi = (long)Tq * C;   g.o_zlo = hs;  g.o_m = C;
     g.zdiv = NH;
     g.Z = B * NH;
     det_args_zz(&g, T, N, r, s);
     return g;
 }
 
-// out (B,Tq,C) rows j = block s's keys, head h = rank r's subtree (R2Z over its queries, 8/N
+// out (B,Tk,C) rows j = block s's keys, head h = rank r's subtree (R2Z over its queries, its 8/N
 // chunks) of w[b,h][t][j] * x rows t (stride ldx): ds^T @ q (dk) and att^T @ dout (dv)
 static inline DetGemmArgs det_args_attention_block_by_queries(float* out, const float* w, const float* x, long ldx,
                                                               int B, int T, int C, int NH, int N, int r, int s) {
-    int hs = C / NH, Tq = T / N;
+    int hs = C / NH, Tq = (int)canon_zz_len(T, N, r), Tk = (int)canon_zz_len(T, N, s);
     long TT = (long)Tq * T;
-    DetGemmArgs g = det_gemm_args(Tq, hs, Tq, 0, 0, DET_CAUSAL_ZZ_QUERIES, DET_OUT_ALL);
+    DetGemmArgs g = det_gemm_args(Tk, hs, Tq, 0, 0, DET_CAUSAL_ZZ_QUERIES, DET_OUT_ALL);
     g.zigzag = 1;
+    g.rz_n = T; g.rz_D = N; g.rz_r = r;
     g.nchunks = CANON_R / N;
-    g.A = w + (long)s * Tq;  g.a_zhi = NH * TT;         g.a_zlo = TT;  g.a_m = 1;  g.a_r = T;
-    g.B = x;                 g.b_zhi = (long)Tq * ldx;  g.b_zlo = hs;  g.b_n = 1;  g.b_r = ldx;
-    g.out = out;             g.o_zhi = (long)Tq * C;    g.o_zlo = hs;  g.o_m = C;
+    g.A = w + canon_zz_offset(T, N, s);  g.a_zhi = NH * TT;         g.a_zlo = TT;  g.a_m = 1;  g.a_r = T;
+    g.B = x;                             g.b_zhi = (long)Tq * ldx;  g.b_zlo = hs;  g.b_n = 1;  g.b_r = ldx;
+    g.out = out;                         g.o_zhi = (long)Tk * C;    g.o_zlo = hs;  g.o_m = C;
     g.zdiv = NH;
     g.Z = B * NH;
     det_args_zz(&g, T, N, r, s);
@@ -401,8 +415,8 @@ static inline DetGemmArgs det_args_attention_block_by_queries(float* out, const 
 // A position reduction is computed as leaves, one per (sequence b, R2Z chunk ch of T), each
 // the sequential sum over its positions from 0.0f, then combined by the R3 tree. Leaf (b, ch)
 // of output o is stored at leaves[(b * nchunks + ch) * stride + o]. nchunks is 8, or 8/D when
-// a sequence-parallel rank holds a zig-zag slice of T/D positions of each sequence (its
-// chunks of the 8).
+// a sequence- or context-parallel rank holds its D-way zig-zag slice r of each sequence of T
+// positions (canon_zz_len(T, D, r) rows a sequence; its chunks of the 8).
 
 // The R1 tree over the nchunks leaves of sequence b: the sequence's subtree of the R3 tree.
 HD float det_seq_tree(const float* leaves, int b, int nchunks, long stride) {
@@ -420,14 +434,15 @@ HD float det_pos_tree(const float* leaves, int nseq, int nchunks, long stride) {
     return partials[0];
 }
 
-// Leaf (b, ch) of sum over positions of x[pos * OC + o] (x: B*T rows of OC; bias gradients,
-// the loss).
-HD float det_position_leaf(const void* x, int bf16, int OC, int o, int b, int T, int ch, int nchunks) {
+// Leaf (b, ch) of sum over positions of x[pos * OC + o] (x: B sequences' rows of OC, each rank
+// r's D-way slice of T; bias gradients, the loss).
+HD float det_position_leaf(const void* x, int bf16, int OC, int o, int b, int T, int D, int r, int ch) {
     float acc = 0.0f;
+    long Tl = canon_zz_len(T, D, r);
     for (int half = 0; half < 2; half++) {
         long tb, te;
-        canon_zz_half(T, nchunks, ch, half, &tb, &te);
-        for (long t = tb; t < te; t++) { acc = acc + det_load(x, ((size_t)b * T + t) * OC + o, bf16); }
+        canon_zz_slice_half(T, D, r, ch, half, &tb, &te);
+        for (long t = tb; t < te; t++) { acc = acc + det_load(x, ((size_t)b * Tl + t) * OC + o, bf16); }
     }
     return acc;
 }
@@ -435,14 +450,15 @@ HD float det_position_leaf(const void* x, int bf16, int OC, int o, int b, int T,
 // Leaves (b, ch) of layernorm's parameter gradients at channel c: dweight = sum dy * n
 // (fmaf), dbias = sum dy, with n = (x - mean) * rstd (train_gpt2.c layernorm_backward).
 HD void det_ln_param_leaf(const void* x, const void* dy, int bf16, const float* mean,
-                          const float* rstd, int C, int c, int b, int T, int ch, int nchunks,
+                          const float* rstd, int C, int c, int b, int T, int D, int r, int ch,
                           float* leaf_w, float* leaf_b) {
     float aw = 0.0f, ab = 0.0f;
+    long Tl = canon_zz_len(T, D, r);
     for (int half = 0; half < 2; half++) {
         long tb, te;
-        canon_zz_half(T, nchunks, ch, half, &tb, &te);
+        canon_zz_slice_half(T, D, r, ch, half, &tb, &te);
         for (long t = tb; t < te; t++) {
-            size_t i = (size_t)b * T + t;
+            size_t i = (size_t)b * Tl + t;
             float d = det_load(dy, i * C + c, bf16);
             float n = (det_load(x, i * C + c, bf16) - mean[i]) * rstd[i];
             aw = fmaf(d, n, aw);
@@ -506,15 +522,15 @@ HD float det_chunk_sum(const float* x, long begin, long end) {
     return acc;
 }
 
-// R2Z chunk c (of nchunks) of an attention row's keys [0, n) that a query attends to, those
-// below `count`: the sum of a[j] (b NULL), or the fmaf-accumulated dot product of a and b, from
-// 0.0f, the chunk's low piece then its high one. One rank: n = T, nchunks = 8, count = t + 1;
-// context parallelism: a block of n = T/N keys, 8/N chunks.
-HD float det_zz_chunk_row(const float* a, const float* b, long n, int nchunks, int c, long count) {
+// R2Z chunk c of an attention row's keys, rank r's D-way zig-zag slice of a sequence of n
+// positions, that a query attends to, those below `count`: the sum of a[j] (b NULL), or the
+// fmaf-accumulated dot product of a and b, from 0.0f, the chunk's low piece then its high one.
+// One rank: D = 1 (8 chunks), count = t + 1; context parallelism: block r of N, 8/N chunks.
+HD float det_zz_chunk_row(const float* a, const float* b, long n, int D, int r, int c, long count) {
     float acc = 0.0f;
     for (int half = 0; half < 2; half++) {
         long kb, ke;
-        canon_zz_half(n, nchunks, c, half, &kb, &ke);
+        canon_zz_slice_half(n, D, r, c, half, &kb, &ke);
         for (long j = kb; j < ke && j < count; j++) { acc = b ? fmaf(a[j], b[j], acc) : acc + a[j]; }
     }
     return acc;

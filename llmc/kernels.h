@@ -36,11 +36,12 @@ static void encoder_backward(float* dwte_emb, float* dwpe, const float* dout, co
 // layernorm: out, inp (BT,C); mean, rstd (BT)
 static void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
                               const float* weight, const float* bias, int BT, int C);
-// dres (B,T,C) += dinp; dweight, dbias (C) R3 over positions (nchunks of each sequence's 8),
-// or each sequence's subtree into seq_partials (2,B,C)
+// dres (B,T,C) += dinp; dweight, dbias (C) R3 over positions, or each sequence's subtree into
+// seq_partials (2,B,C). The rows are rank r's D-way zig-zag slice of each of B sequences of T
+// positions (canonical.h canon_zz_len(T, D, r) each, its 8/D R2Z chunks; D = 1: whole).
 static void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
                                const float* inp, const float* weight, const float* mean,
-                               const float* rstd, int B, int T, int C, int nchunks, float* seq_partials);
+                               const float* rstd, int B, int T, int D, int r, int C, float* seq_partials);
 // out (n) = R1 over sequences of partials (B,n)
 static void sequence_tree(float* out, const float* partials, int B, int n);
 
@@ -52,9 +53,10 @@ static void matmul_forward(float* out, const float* inp, const float* weight, co
 static void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                             const float* inp, const float* weight, int B, int T, int IC, int OC,
                             int groups, int nchunks);
-// each sequence's subtree of dweight, dbias (tchunks of its 8): sequence b's at + b*seq_stride
+// each sequence's subtree of dweight, dbias over rank r's D-way zig-zag slice of it (rows as
+// layernorm_backward's): sequence b's at + b*seq_stride
 static void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const float* dout,
-                                 const float* inp, int B, int T, int IC, int OC, int tchunks);
+                                 const float* inp, int B, int T, int D, int r, int IC, int OC);
 
 // attention, causal: qkv (B,T,3C) -> out (B,T,C), att (B,NH,T,T)
 static void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH);
@@ -72,9 +74,10 @@ static void attention_backward(float* dqkv, const float* dout, const float* qkv,
                                int B, int T, int C, int NH);
 
 // context parallelism's attention, one block of keys at a time (context_parallel.h): rank r
-// of an N-way group holds the queries of its zig-zag slice, Tq = T/N positions; qkv (B,Tq,3C);
-// kblk, vblk (B,Tq,C) block s's keys or values; att, ds (B,NH,Tq,T), block s in columns
-// [s*Tq, (s+1)*Tq); out, dq, dk, dv (B,Tq,C) block s's subtrees
+// of an N-way group holds the queries of its zig-zag slice of sequences of T positions, Tq =
+// canon_zz_len(T, N, r) (T/N when 2N | T); qkv (B,Tq,3C); kblk, vblk (B,Tk,C) block s's keys or
+// values, Tk = canon_zz_len(T, N, s); att, ds (B,NH,Tq,T), block s in columns
+// [canon_zz_offset(T, N, s), ... + Tk); out, dq (B,Tq,C) and dk, dv (B,Tk,C) block s's subtrees
 static void attention_scores_block(float* att, const float* qkv, const float* kblk, int B, int T, int C, int NH,
                                    int N, int r, int s);
 static void attention_softmax_blocks(float* att, int B, int T, int NH, int N, int r);

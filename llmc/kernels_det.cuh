@@ -227,14 +227,17 @@ static void det_gemm(const DetGemmArgs& g, const char* name) {
 // R3 reductions over positions (shared with fast mode: inputs fp32 or bf16)
 // ==========================================================================================
 
-// leaves[(b*nchunks + ch) * OC + o] = sum over the positions of chunk ch of sequence b of x[pos][o]
-static __global__ void position_leaves_kernel(float* leaves, const void* x, int bf16, int B, int T, int OC, int nchunks) {
+// leaves[(b*nchunks + ch) * OC + o] = sum over the positions of chunk ch of sequence b of x[pos][o]:
+// the rows rank r's D-way zig-zag slice of each sequence of T (nchunks = 8/D; D = 1: whole)
+static __global__ void position_leaves_kernel(float* leaves, const void* x, int bf16, int B, int T, int D, int r,
+                                              int OC) {
+    int nchunks = CANON_R / D;
     size_t n = (size_t)B * nchunks * OC;
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n;
          idx += (size_t)gridDim.x * blockDim.x) {
         int o = (int)(idx % OC);
         int leaf = (int)(idx / OC);
-        leaves[idx] = det_position_leaf(x, bf16, OC, o, leaf / nchunks, T, leaf % nchunks, nchunks);
+        leaves[idx] = det_position_leaf(x, bf16, OC, o, leaf / nchunks, T, D, r, leaf % nchunks);
     }
 }
 
@@ -254,36 +257,38 @@ static __global__ void position_tree_kernel(float* out, float* seq_out, const fl
 static inline void position_reduce_x(float* out, const void* x, int bf16, int B, int T, int OC) {
     size_t n = (size_t)B * CANON_R * OC;
     float* leaves = (float*)device_scratch(DSCRATCH_LEAVES, sizeof(float) * (n ? n : 1));
-    LAUNCH(position_leaves_kernel, elementwise_blocks(n, 256), 256, leaves, x, bf16, B, T, OC, CANON_R);
+    LAUNCH(position_leaves_kernel, elementwise_blocks(n, 256), 256, leaves, x, bf16, B, T, 1, 0, OC);
     cudaLaunchCheck("position_leaves_kernel");
     LAUNCH(position_tree_kernel, ceil_div_u(OC, 256), 256, out, (float*)NULL, leaves, B, CANON_R, OC);
     cudaLaunchCheck("position_tree_kernel");
 }
 
 static __global__ void ln_param_leaves_kernel(float* leaves_w, float* leaves_b, const void* x, const void* dy,
-                                       int bf16, const float* mean, const float* rstd, int B, int T, int C,
-                                       int nchunks) {
+                                       int bf16, const float* mean, const float* rstd, int B, int T, int D, int r,
+                                       int C) {
+    int nchunks = CANON_R / D;
     size_t n = (size_t)B * nchunks * C;
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n;
          idx += (size_t)gridDim.x * blockDim.x) {
         int c = (int)(idx % C);
         int leaf = (int)(idx / C);
-        det_ln_param_leaf(x, dy, bf16, mean, rstd, C, c, leaf / nchunks, T, leaf % nchunks, nchunks,
+        det_ln_param_leaf(x, dy, bf16, mean, rstd, C, c, leaf / nchunks, T, D, r, leaf % nchunks,
                           &leaves_w[idx], &leaves_b[idx]);
     }
 }
 
-// layernorm's dweight, dbias (C) = R3 of dy * n and of dy over nchunks chunks of T per
-// sequence (the parameter half of train_gpt2.c layernorm_backward); with seq_partials (2,B,C)
-// each sequence's subtrees instead, for the caller to finish (sequence parallelism). x, dy
-// fp32 or bf16.
-static inline void layernorm_param_grads_x(float* dweight, float* dbias, float* seq_partials, const void* x,
-                                           const void* dy, int bf16, const float* mean, const float* rstd,
-                                           int B, int T, int C, int nchunks) {
+// layernorm's dweight, dbias (C) = R3 of dy * n and of dy (the parameter half of train_gpt2.c
+// layernorm_backward), the rows rank r's D-way zig-zag slice of each sequence of T positions
+// (D = 1: whole); with seq_partials (2,B,C) each sequence's subtrees instead, for the caller to
+// finish (sequence or context parallelism). x, dy fp32 or bf16.
+static inline void layernorm_param_grads_slice(float* dweight, float* dbias, float* seq_partials, const void* x,
+                                               const void* dy, int bf16, const float* mean, const float* rstd,
+                                               int B, int T, int D, int r, int C) {
+    int nchunks = CANON_R / D;
     size_t n = (size_t)B * nchunks * C;
     float* leaves = (float*)device_scratch(DSCRATCH_LEAVES, 2 * sizeof(float) * (n ? n : 1));
     LAUNCH(ln_param_leaves_kernel, elementwise_blocks(n, 256), 256, leaves, leaves + n, x, dy, bf16, mean, rstd,
-           B, T, C, nchunks);
+           B, T, D, r, C);
     cudaLaunchCheck("ln_param_leaves_kernel");
     float* seq_w = seq_partials;
     float* seq_b = seq_partials ? seq_partials + (size_t)B * C : NULL;
@@ -291,6 +296,15 @@ static inline void layernorm_param_grads_x(float* dweight, float* dbias, float* 
     cudaLaunchCheck("position_tree_kernel");
     LAUNCH(position_tree_kernel, ceil_div_u(C, 256), 256, dbias, seq_b, leaves + n, B, nchunks, C);
     cudaLaunchCheck("position_tree_kernel");
+}
+
+// The same over T positions of each sequence in nchunks = 8/D chunks: a D-way slice in equal
+// stretches (fast mode's), whose local chunks are the same for every rank (zigzag.h).
+static inline void layernorm_param_grads_x(float* dweight, float* dbias, float* seq_partials, const void* x,
+                                           const void* dy, int bf16, const float* mean, const float* rstd,
+                                           int B, int T, int C, int nchunks) {
+    int D = CANON_R / nchunks;
+    layernorm_param_grads_slice(dweight, dbias, seq_partials, x, dy, bf16, mean, rstd, B, T * D, D, 0, C);
 }
 
 // R3 sum of per-position values x (B,T): the loss sum of a microbatch, to the host
@@ -494,21 +508,22 @@ static __global__ void layernorm_backward_dinp_kernel(float* dres, const float* 
     }
 }
 
-// dres (BT,C) <- dres + dinp_ln; dweight, dbias (C) = R3 over positions, each sequence's T
-// positions in nchunks chunks; with seq_partials (2,B,C), each sequence's subtrees instead
-// (sequence parallelism: the caller finishes them over the group). train_gpt2.c
-// layernorm_backward: dres NULL skips the first half, dweight and seq_partials NULL the second.
+// dres (BT,C) <- dres + dinp_ln; dweight, dbias (C) = R3 over positions, the rows rank r's
+// D-way zig-zag slice of each sequence of T; with seq_partials (2,B,C), each sequence's
+// subtrees instead (sequence or context parallelism: the caller finishes them over the group).
+// train_gpt2.c layernorm_backward: dres NULL skips the first half, dweight and seq_partials NULL
+// the second.
 static inline void layernorm_backward(float* dres, float* dweight, float* dbias, const float* dout,
                                       const float* inp, const float* weight, const float* mean,
-                                      const float* rstd, int B, int T, int C, int nchunks, float* seq_partials) {
-    int BT = B * T;
+                                      const float* rstd, int B, int T, int D, int r, int C, float* seq_partials) {
+    int BT = B * (int)canon_zz_len(T, D, r);
     if (dres) {
         LAUNCH(layernorm_backward_dinp_kernel, ceil_div_u((size_t)BT * CANON_R, 256), 256, dres, dout, inp, weight,
                mean, rstd, BT, C);
         cudaLaunchCheck("layernorm_backward_dinp_kernel");
     }
     if (dweight || seq_partials) {
-        layernorm_param_grads_x(dweight, dbias, seq_partials, inp, dout, 0, mean, rstd, B, T, C, nchunks);
+        layernorm_param_grads_slice(dweight, dbias, seq_partials, inp, dout, 0, mean, rstd, B, T, D, r, C);
     }
 }
 
@@ -545,7 +560,7 @@ static inline void matmul_backward(float* dinp, float* dweight, float* dbias, co
         // one partial matrix per sequence, then the R1 tree over sequences (B == 1: direct)
         size_t n = (size_t)OC * K;
         float* seq = B > 1 ? (float*)device_scratch(DSCRATCH_SEQ, sizeof(float) * n * B) : dweight;
-        det_gemm(det_args_matmul_dweight(seq, dout, inp, B, T, K, OC), "matmul_backward dweight");
+        det_gemm(det_args_matmul_dweight(seq, dout, inp, B, T, 1, 0, K, OC), "matmul_backward dweight");
         if (B > 1) {
             LAUNCH(sequence_tree_kernel, elementwise_blocks(n, 256), 256, dweight, (const float*)seq, B, n);
             cudaLaunchCheck("sequence_tree_kernel");
@@ -561,19 +576,19 @@ static __global__ void position_seq_tree_kernel(float* out, long stride, const f
     for (int b = 0; b < B; b++) { out[(size_t)b * stride + o] = det_seq_tree(leaves + o, b, nchunks, n); }
 }
 
-// Each sequence's subtree (tchunks R2Z chunks of its T positions) of matmul_backward's dweight
-// and dbias, at dweight + b*seq_stride and dbias + b*seq_stride (cpu_fast.h
-// matmul_backward_seqs: context parallelism)
+// Each sequence's subtree (over rank r's D-way zig-zag slice of its T positions, 8/D R2Z
+// chunks) of matmul_backward's dweight and dbias, at dweight + b*seq_stride and dbias +
+// b*seq_stride (cpu_fast.h matmul_backward_seqs: context parallelism)
 static inline void matmul_backward_seqs(float* dweight, float* dbias, long seq_stride, const float* dout,
-                                        const float* inp, int B, int T, int K, int OC, int tchunks) {
-    DetGemmArgs g = det_args_matmul_dweight(dweight, dout, inp, B, T, K, OC);
-    g.nchunks = tchunks;
+                                        const float* inp, int B, int T, int D, int r, int K, int OC) {
+    int tchunks = CANON_R / D;
+    DetGemmArgs g = det_args_matmul_dweight(dweight, dout, inp, B, T, D, r, K, OC);
     g.o_zhi = seq_stride;
     det_gemm(g, "matmul_backward_seqs dweight");
     if (dbias) {
         size_t n = (size_t)B * tchunks * OC;
         float* leaves = (float*)device_scratch(DSCRATCH_LEAVES, sizeof(float) * (n ? n : 1));
-        LAUNCH(position_leaves_kernel, elementwise_blocks(n, 256), 256, leaves, (const void*)dout, 0, B, T, OC, tchunks);
+        LAUNCH(position_leaves_kernel, elementwise_blocks(n, 256), 256, leaves, (const void*)dout, 0, B, T, D, r, OC);
         cudaLaunchCheck("position_leaves_kernel");
         LAUNCH(position_seq_tree_kernel, ceil_div_u(OC, 256), 256, dbias, seq_stride, (const float*)leaves, B, tchunks, OC);
         cudaLaunchCheck("position_seq_tree_kernel");
@@ -596,7 +611,7 @@ __device__ __forceinline__ void det_causal_softmax_row(float* a, int t, int T, i
     for (int t2 = lane; t2 <= t; t2 += 32) { a[t2] = canon_expf(a[t2] - maxv); }
     __syncwarp();
     float p = 0.0f;
-    if (lane < CANON_R) { p = det_zz_chunk_row(a, NULL, T, CANON_R, lane, t + 1); }
+    if (lane < CANON_R) { p = det_zz_chunk_row(a, NULL, T, 1, 0, lane, t + 1); }
     float zsum = __shfl_sync(FULL_MASK, det_tree8_shfl(p), 0);
     for (int t2 = lane; t2 < T; t2 += 32) { a[t2] = t2 <= t ? a[t2] / zsum : 0.0f; }
 }
@@ -617,7 +632,7 @@ static __global__ void attention_softmax_backward_kernel(float* ds, const float*
     float* d = ds + (size_t)row * T;
     const float* at = att + (size_t)row * T;
     float p = 0.0f;
-    if (lane < CANON_R) { p = det_zz_chunk_row(at, d, T, CANON_R, lane, t + 1); }
+    if (lane < CANON_R) { p = det_zz_chunk_row(at, d, T, 1, 0, lane, t + 1); }
     float S = __shfl_sync(FULL_MASK, det_tree8_shfl(p), 0);
     for (int t2 = lane; t2 <= t; t2 += 32) { d[t2] = at[t2] * (d[t2] - S) * scale; }
 }
@@ -756,8 +771,8 @@ static inline void attention_backward(float* dqkv, const float* dout, const floa
 
 // ==========================================================================================
 // context parallelism's attention blocks (cpu_fast.h attention_*_block; context_parallel.h
-// drives them): rank r's Tq = T/N queries against block s's keys, att and ds (B,NH,Tq,T) with
-// block s in columns [s*Tq, (s+1)*Tq)
+// drives them): rank r's Tq = canon_zz_len(T, N, r) queries against block s's keys, att and ds
+// (B,NH,Tq,T) with block s in columns [canon_zz_offset(T, N, s), ... + canon_zz_len(T, N, s))
 // ==========================================================================================
 
 static inline void attention_scores_block(float* att, const float* qkv, const float* kblk, int B, int T, int C,
@@ -779,13 +794,14 @@ static __global__ void attention_softmax_blocks_kernel(float* att, int rows, int
     int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x % 32;
     if (row >= rows) { return; }   // whole warps: rows is per warp
-    int Tq = T / N, per = CANON_R / N;
+    int Tq = (int)canon_zz_len(T, N, r), per = CANON_R / N;
     long p = canon_zz_global(row % Tq, T, N, r);
     float* a = att + (size_t)row * T;
     float maxv = -canon_inf();
     for (int s = 0; s < N; s++) {
         int cnt = canon_zz_count_le(p, T, N, s);
-        for (int j = lane; j < cnt; j += 32) { if (a[s * Tq + j] > maxv) { maxv = a[s * Tq + j]; } }
+        float* blk = a + canon_zz_offset(T, N, s);
+        for (int j = lane; j < cnt; j += 32) { if (blk[j] > maxv) { maxv = blk[j]; } }
     }
     for (int o = 16; o > 0; o >>= 1) {
         float other = __shfl_xor_sync(FULL_MASK, maxv, o);
@@ -793,24 +809,26 @@ static __global__ void attention_softmax_blocks_kernel(float* att, int rows, int
     }
     for (int s = 0; s < N; s++) {
         int cnt = canon_zz_count_le(p, T, N, s);
-        for (int j = lane; j < cnt; j += 32) { a[s * Tq + j] = canon_expf(a[s * Tq + j] - maxv); }
+        float* blk = a + canon_zz_offset(T, N, s);
+        for (int j = lane; j < cnt; j += 32) { blk[j] = canon_expf(blk[j] - maxv); }
     }
     __syncwarp();
     float part = 0.0f;
     if (lane < CANON_R) {
         int s = lane / per;
-        part = det_zz_chunk_row(a + s * Tq, NULL, Tq, per, lane % per, canon_zz_count_le(p, T, N, s));
+        part = det_zz_chunk_row(a + canon_zz_offset(T, N, s), NULL, T, N, s, lane % per, canon_zz_count_le(p, T, N, s));
     }
     float z = __shfl_sync(FULL_MASK, det_tree8_shfl(part), 0);
     __syncwarp();
     for (int s = 0; s < N; s++) {
-        int cnt = canon_zz_count_le(p, T, N, s);
-        for (int j = lane; j < Tq; j += 32) { a[s * Tq + j] = j < cnt ? a[s * Tq + j] / z : 0.0f; }
+        int cnt = canon_zz_count_le(p, T, N, s), Tk = (int)canon_zz_len(T, N, s);
+        float* blk = a + canon_zz_offset(T, N, s);
+        for (int j = lane; j < Tk; j += 32) { blk[j] = j < cnt ? blk[j] / z : 0.0f; }
     }
 }
 
 static inline void attention_softmax_blocks(float* att, int B, int T, int NH, int N, int r) {
-    int rows = B * NH * (T / N);
+    int rows = B * NH * (int)canon_zz_len(T, N, r);
     LAUNCH(attention_softmax_blocks_kernel, ceil_div_u((size_t)rows * 32, 256), 256, att, rows, T, N, r);
     cudaLaunchCheck("attention_softmax_blocks_kernel");
 }
@@ -822,26 +840,28 @@ static __global__ void attention_softmax_backward_blocks_kernel(float* ds, const
     int row = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x % 32;
     if (row >= rows) { return; }
-    int Tq = T / N, per = CANON_R / N;
+    int Tq = (int)canon_zz_len(T, N, r), per = CANON_R / N;
     long p = canon_zz_global(row % Tq, T, N, r);
     float* d = ds + (size_t)row * T;
     const float* at = att + (size_t)row * T;
     float part = 0.0f;
     if (lane < CANON_R) {
         int s = lane / per;
-        part = det_zz_chunk_row(at + s * Tq, d + s * Tq, Tq, per, lane % per, canon_zz_count_le(p, T, N, s));
+        long col = canon_zz_offset(T, N, s);
+        part = det_zz_chunk_row(at + col, d + col, T, N, s, lane % per, canon_zz_count_le(p, T, N, s));
     }
     float S = __shfl_sync(FULL_MASK, det_tree8_shfl(part), 0);
     __syncwarp();
     for (int s = 0; s < N; s++) {
         int cnt = canon_zz_count_le(p, T, N, s);
-        for (int j = lane; j < cnt; j += 32) { d[s * Tq + j] = at[s * Tq + j] * (d[s * Tq + j] - S) * scale; }
+        long col = canon_zz_offset(T, N, s);
+        for (int j = lane; j < cnt; j += 32) { d[col + j] = at[col + j] * (d[col + j] - S) * scale; }
     }
 }
 
 static inline void attention_softmax_backward_blocks(float* ds, const float* att, int B, int T, int C, int NH, int N,
                                                      int r) {
-    int rows = B * NH * (T / N);
+    int rows = B * NH * (int)canon_zz_len(T, N, r);
     LAUNCH(attention_softmax_backward_blocks_kernel, ceil_div_u((size_t)rows * 32, 256), 256, ds, att, rows, T, N, r,
            canon_rsqrtf((float)(C / NH)));
     cudaLaunchCheck("attention_softmax_backward_blocks_kernel");

@@ -255,7 +255,7 @@ static void fast_ring_fwd_block(void* v, const float* kv, int s) {
 // this rank's q|k|v (B,T/N,3C) bf16 in floats: its k|v columns are the ring's first block
 static void fast_ring_pass(ContextParallel* cp, FastRing* R, const floatX* qkv, int B, int T, int C, int tag,
                            CpBlockFn fn, void* ctx) {
-    cp_ring_pass(cp, R->kv, (const float*)qkv + C / 2, 3L * C / 2, (long)B * (T / cp->N), C, tag, fn, ctx);
+    cp_ring_pass(cp, R->kv, (const float*)qkv + C / 2, 3L * C / 2, B, T, C, tag, fn, ctx);
 }
 
 // out (B,T/N,C) bf16 and lse (B,NH,T/N) (the flash statistics, base 2) of this rank's queries

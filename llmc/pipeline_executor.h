@@ -82,11 +82,12 @@ typedef struct {
     int nslots;
     MessageBuffer msgs[PP_MAX_MESSAGES];
     int nmsgs;
-    size_t msg_floats;         // a boundary activation of (B, T) positions of C channels, in
+    size_t msg_floats;         // the largest boundary activation (B, a rank's positions, C), in
                                // 4-byte words (ModelOps.stage_elem_bytes each element)
-    int C;                     // C (a --varlen microbatch's message is B x its length x C)
-    int sp_degree;             // the ranks that split each sequence (context x sequence parallelism)
-    SeqSplit split_mode;       // ... always, or per microbatch by its length (--varlen with CP or SP)
+    int C;                     // C (a --varlen microbatch's message is B x its positions x C)
+    ZzGroup seq_group;         // the ranks that split each sequence (context x sequence parallelism)
+    SeqSplit split_mode;       // ... always, or per microbatch by its length (--varlen with CP, SP or
+                               // FlexSP), or never
     CommGroup* pp;
     const ModelOps* ops;
     const MemOps* mem;
@@ -135,10 +136,10 @@ static inline size_t pipeline_words(const ModelOps* ops, size_t n) {
 
 static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps* mem, void** models,
                                  const ChunkPlace* places, CommGroup* pp, PipelineScheduleKind kind, int nchunks,
-                                 int M, int B, int T, int C, int recompute, int sp_degree, SeqSplit split_mode) {
+                                 int M, int B, int T, int C, int recompute, ZzGroup seq_group, SeqSplit split_mode) {
     memset(p, 0, sizeof(*p));
-    p->sp_degree = sp_degree;
-    p->split_mode = sp_degree > 1 ? split_mode : SEQS_WHOLE;
+    p->seq_group = seq_group;
+    p->split_mode = split_mode;
     p->pp = pp;
     p->ops = ops;
     p->mem = mem;
@@ -179,7 +180,9 @@ static inline void pipeline_init(Pipeline* p, const ModelOps* ops, const MemOps*
     }
     free(mine);
     p->slots = (MicroSlot*)calloc_or_die((size_t)(p->nslots ? p->nslots : 1), sizeof(MicroSlot), "pipeline slots");
-    p->msg_floats = pipeline_words(ops, (size_t)B * T / (p->split_mode == SEQS_SPLIT ? sp_degree : 1) * C);
+    int positions = p->split_mode == SEQS_SPLIT_BY_LENGTH ? zz_max_len(T, seq_group.N)
+                    : p->split_mode == SEQS_SPLIT ? T / (seq_group.N * seq_group.K) : T;
+    p->msg_floats = pipeline_words(ops, (size_t)B * positions * C);
     p->C = C;
     for (int c = 0, k = 0; c < nchunks; c++) {
         for (int j = 0; j < count[c]; j++, k++) {
@@ -286,20 +289,18 @@ static inline int pipeline_positions(const PipelineStepContext* x, int i) {
     return dataloader_length(x->loader, x->overfit ? 0 : zero_global_microbatch(x->z, x->first_microbatch, i));
 }
 
-// How many ways a pass over sequences of T positions is split, for acts split sp_degree ways:
-// with --varlen and CP or SP (SEQS_SPLIT_BY_LENGTH) only a length that splits evenly is split,
-// the others run whole (context_parallel.h, VARIABLE LENGTHS).
-static inline int pipeline_length_split(const Pipeline* p, int sp_degree, int T) {
-    return p->split_mode == SEQS_SPLIT_BY_LENGTH && !zz_splits_length(sp_degree, T) ? 1 : sp_degree;
+// The 4-byte words of a boundary message (an activation or its gradient) of a pass over B
+// sequences of T positions laid out as split_mode says: this rank's positions of the residual
+// stream (zigzag.h; with --varlen, SEQS_SPLIT_BY_LENGTH, split or whole by the length).
+static inline size_t pipeline_pass_floats(const Pipeline* p, SeqSplit split_mode, int B, int T) {
+    ZzGroup whole = {1, 1, 0, 0};
+    ZzPass pass = zz_pass(split_mode == SEQS_WHOLE ? whole : p->seq_group, T, split_mode == SEQS_SPLIT_BY_LENGTH);
+    return pipeline_words(p->ops, (size_t)B * canon_zz_len(T, pass.seq_split, pass.seq_rank) * p->C);
 }
 
-// The 4-byte words of microbatch i's boundary message (its activation or its gradient).
+// The 4-byte words of microbatch i's boundary message.
 static inline size_t pipeline_message_floats(const Pipeline* p, const PipelineStepContext* x, int i) {
-    int Ti = pipeline_positions(x, i);
-    if (p->split_mode == SEQS_SPLIT_BY_LENGTH) {
-        return pipeline_words(p->ops, (size_t)x->B * Ti / pipeline_length_split(p, p->sp_degree, Ti) * p->C);
-    }
-    return Ti == x->T ? p->msg_floats : pipeline_words(p->ops, (size_t)x->B * Ti * p->C);
+    return pipeline_pass_floats(p, p->split_mode, x->B, pipeline_positions(x, i));
 }
 
 // FORWARD of (microbatch i, chunk c): its input from the data loader (virtual stage 0), the
@@ -509,15 +510,15 @@ static inline void pipeline_step_timing(const Pipeline* p, double seconds, float
 // first embeds the tokens, each receives its input (or takes it from the chunk before on this
 // rank), runs its layers and sends its output on; the last runs the head. Blocking sends and
 // receives: every stage walks the virtual stages in the same order.
-// sp_degree: the tensor-parallel degree if acts are sequence-parallel, else 1.
+// split: acts are laid out as the training passes' (validation), else whole (sampling).
 // row >= 0 (generation with a KV cache, B = 1): only position `row` of the pass laid out over
 // (1, T), its token inputs[row], through ModelOps' decode (the rows before it are in the
 // chunks' activations from the earlier calls); one row of C floats goes from stage to stage.
 static inline void pipeline_forward_pass(Pipeline* p, void** acts, const int* inputs, const int* targets,
-                                         int B, int T, int C, int sp_degree, int row) {
+                                         int B, int T, int C, int split, int row) {
     const ModelOps* ops = p->ops;
     int decode = row >= 0;
-    size_t n = pipeline_words(ops, decode ? (size_t)C : (size_t)B * T / pipeline_length_split(p, sp_degree, T) * C);   // the message
+    size_t n = decode ? pipeline_words(ops, (size_t)C) : pipeline_pass_floats(p, split ? p->split_mode : SEQS_WHOLE, B, T);   // the message
     size_t at = pipeline_words(ops, decode ? (size_t)row * C : 0);                          // where it starts
     int V = pipeline_num_virtual_stages(&p->cfg);
     for (int vs = 0; vs < V; vs++) {

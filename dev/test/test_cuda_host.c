@@ -158,7 +158,7 @@ static void thread_position_reduce(float* out, const void* x, int bf16, int B, i
     for (int b = 0; b < B; b++) {
         for (int ch = 0; ch < CANON_R; ch++) {
             for (int o = 0; o < OC; o++) {
-                leaves[((size_t)b * CANON_R + ch) * OC + o] = det_position_leaf(x, bf16, OC, o, b, T, ch, CANON_R);
+                leaves[((size_t)b * CANON_R + ch) * OC + o] = det_position_leaf(x, bf16, OC, o, b, T, 1, 0, ch);
             }
         }
     }
@@ -172,7 +172,7 @@ static void thread_matmul_backward(float* dinp, float* dweight, float* dbias, co
     thread_gemm(&g);
     size_t n = (size_t)OC * K;
     float* seq = zero_buf((size_t)B * n);
-    g = det_args_matmul_dweight(B > 1 ? seq : dweight, dout, inp, B, T, K, OC);
+    g = det_args_matmul_dweight(B > 1 ? seq : dweight, dout, inp, B, T, 1, 0, K, OC);
     thread_gemm(&g);
     if (B > 1) {
         for (size_t i = 0; i < n; i++) { dweight[i] = canon_tree_sum(seq + i, B, (long)n); }
@@ -196,11 +196,13 @@ static void thread_layernorm_forward(float* out, float* mean, float* rstd, const
     }
 }
 
-// nchunks chunks of T per sequence; with seq_partials (2,B,C) each sequence's subtrees
+// the rows rank r's D-way zig-zag slice of each sequence of T (8/D chunks); with seq_partials
+// (2,B,C) each sequence's subtrees
 static void thread_layernorm_backward(float* dres, float* dw, float* db, const float* dout, const float* inp,
-                                   const float* w, const float* mean, const float* rstd, int B, int T, int C,
-                                   int nchunks, float* seq_partials) {
-    for (int i = 0; i < B * T; i++) {
+                                   const float* w, const float* mean, const float* rstd, int B, int T, int D, int r,
+                                   int C, float* seq_partials) {
+    int nchunks = CANON_R / D;
+    for (int i = 0; i < B * canon_zz_len(T, D, r); i++) {
         size_t off = (size_t)i * C;
         float p1[CANON_R], p2[CANON_R];
         for (int ch = 0; ch < CANON_R; ch++) {
@@ -216,7 +218,7 @@ static void thread_layernorm_backward(float* dres, float* dw, float* db, const f
     float* leaves = zero_buf(2 * n);
     for (size_t idx = 0; idx < n; idx++) {
         int c = (int)(idx % C), leaf = (int)(idx / C);
-        det_ln_param_leaf(inp, dout, 0, mean, rstd, C, c, leaf / nchunks, T, leaf % nchunks, nchunks, &leaves[idx],
+        det_ln_param_leaf(inp, dout, 0, mean, rstd, C, c, leaf / nchunks, T, D, r, leaf % nchunks, &leaves[idx],
                           &leaves[n + idx]);
     }
     for (int c = 0; c < C; c++) {
@@ -239,7 +241,7 @@ static void thread_softmax_row(float* a, int t, int T) {
     for (int t2 = 0; t2 <= t; t2++) { if (a[t2] > maxv) { maxv = a[t2]; } }
     for (int t2 = 0; t2 <= t; t2++) { a[t2] = canon_expf(a[t2] - maxv); }
     float p[CANON_R];
-    for (int ch = 0; ch < CANON_R; ch++) { p[ch] = det_zz_chunk_row(a, NULL, T, CANON_R, ch, t + 1); }
+    for (int ch = 0; ch < CANON_R; ch++) { p[ch] = det_zz_chunk_row(a, NULL, T, 1, 0, ch, t + 1); }
     float z = canon_tree8(p);
     for (int t2 = 0; t2 < T; t2++) { a[t2] = t2 <= t ? a[t2] / z : 0.0f; }
 }
@@ -264,7 +266,7 @@ static void thread_attention_backward(float* dqkv, const float* dout, const floa
         float* d = ds + row * T;
         const float* at = att + row * T;
         float p[CANON_R];
-        for (int ch = 0; ch < CANON_R; ch++) { p[ch] = det_zz_chunk_row(at, d, T, CANON_R, ch, t + 1); }
+        for (int ch = 0; ch < CANON_R; ch++) { p[ch] = det_zz_chunk_row(at, d, T, 1, 0, ch, t + 1); }
         float S = canon_tree8(p);
         for (int t2 = 0; t2 <= t; t2++) { d[t2] = at[t2] * (d[t2] - S) * scale; }
     }
@@ -445,21 +447,25 @@ static void test_layernorm(void) {
         float* dres_r = rand_buf((size_t)BT * C);
         float* dres_g = copy_buf(dres_r, (size_t)BT * C);
         float *dw_r = zero_buf(C), *db_r = zero_buf(C), *dw_g = zero_buf(C), *db_g = zero_buf(C);
-        layernorm_backward(dres_r, dw_r, db_r, dy, x, w, mean_r, rstd_r, B, T, C, CANON_R, NULL);
-        thread_layernorm_backward(dres_g, dw_g, db_g, dy, x, w, mean_r, rstd_r, B, T, C, CANON_R, NULL);
+        layernorm_backward(dres_r, dw_r, db_r, dy, x, w, mean_r, rstd_r, B, T, 1, 0, C, NULL);
+        thread_layernorm_backward(dres_g, dw_g, db_g, dy, x, w, mean_r, rstd_r, B, T, 1, 0, C, NULL);
         snprintf(what, sizeof(what), "layernorm_backward B=%d T=%d C=%d", B, T, C);
         expect_same(what, dres_g, dres_r, (size_t)BT * C);
         expect_same("layernorm_backward dweight", dw_g, dw_r, C);
         expect_same("layernorm_backward dbias", db_g, db_r, C);
-        // a sequence-parallel rank (T/K positions of each sequence, 8/K chunks): the
-        // per-sequence subtrees of the parameter gradients
-        for (int K = 2; K <= 8 && T % K == 0; K *= 2) {
-            float *sp_r = zero_buf(2 * (size_t)B * C), *sp_g = zero_buf(2 * (size_t)B * C);
-            layernorm_backward(dres_r, dw_r, db_r, dy, x, w, mean_r, rstd_r, B, T / K, C, CANON_R / K, sp_r);
-            thread_layernorm_backward(dres_g, dw_g, db_g, dy, x, w, mean_r, rstd_r, B, T / K, C, CANON_R / K, sp_g);
-            snprintf(what, sizeof(what), "layernorm_backward sequence partials B=%d T=%d/%d C=%d", B, T, K, C);
-            expect_same(what, sp_g, sp_r, 2 * (size_t)B * C);
-            free(sp_r); free(sp_g);
+        // a sequence- or context-parallel rank (its zig-zag slice of each sequence, 8/K chunks;
+        // R2Z's unequal pieces when 2K does not divide T): the per-sequence subtrees of the
+        // parameter gradients
+        for (int K = 2; K <= 8 && T >= 2 * K; K *= 2) {
+            for (int r = 0; r < K; r += K - 1) {
+                float *sp_r = zero_buf(2 * (size_t)B * C), *sp_g = zero_buf(2 * (size_t)B * C);
+                layernorm_backward(dres_r, dw_r, db_r, dy, x, w, mean_r, rstd_r, B, T, K, r, C, sp_r);
+                thread_layernorm_backward(dres_g, dw_g, db_g, dy, x, w, mean_r, rstd_r, B, T, K, r, C, sp_g);
+                snprintf(what, sizeof(what), "layernorm_backward sequence partials B=%d T=%d, slice %d of %d C=%d", B, T,
+                         r, K, C);
+                expect_same(what, sp_g, sp_r, 2 * (size_t)B * C);
+                free(sp_r); free(sp_g);
+            }
         }
         free(x); free(w); free(b); free(dy); free(out_r); free(mean_r); free(rstd_r); free(out_g);
         free(mean_g); free(rstd_g); free(dres_r); free(dres_g); free(dw_r); free(db_r); free(dw_g); free(db_g);
@@ -563,49 +569,58 @@ static void test_attention_paged(void) {
 // variants of gpu_plan.h), the softmax rows as the lanes of attention_softmax_blocks_kernel
 // compute them (lane L: chunk L % (8/N) of block L / (8/N), canon_tree8 of the 8 lanes).
 static void thread_softmax_blocks_row(float* a, int t, int T, int N, int r) {
-    int Tq = T / N, per = CANON_R / N;
+    int per = CANON_R / N;
     long p = canon_zz_global(t, T, N, r);
     float maxv = -canon_inf();
     for (int s = 0; s < N; s++) {
-        for (int j = 0; j < canon_zz_count_le(p, T, N, s); j++) { if (a[s * Tq + j] > maxv) { maxv = a[s * Tq + j]; } }
+        float* blk = a + canon_zz_offset(T, N, s);
+        for (int j = 0; j < canon_zz_count_le(p, T, N, s); j++) { if (blk[j] > maxv) { maxv = blk[j]; } }
     }
     for (int s = 0; s < N; s++) {
-        for (int j = 0; j < canon_zz_count_le(p, T, N, s); j++) { a[s * Tq + j] = canon_expf(a[s * Tq + j] - maxv); }
+        float* blk = a + canon_zz_offset(T, N, s);
+        for (int j = 0; j < canon_zz_count_le(p, T, N, s); j++) { blk[j] = canon_expf(blk[j] - maxv); }
     }
     float lanes[CANON_R];
     for (int L = 0; L < CANON_R; L++) {
         int s = L / per;
-        lanes[L] = det_zz_chunk_row(a + s * Tq, NULL, Tq, per, L % per, canon_zz_count_le(p, T, N, s));
+        lanes[L] = det_zz_chunk_row(a + canon_zz_offset(T, N, s), NULL, T, N, s, L % per, canon_zz_count_le(p, T, N, s));
     }
     float z = canon_tree8(lanes);
     for (int s = 0; s < N; s++) {
         int cnt = canon_zz_count_le(p, T, N, s);
-        for (int j = 0; j < Tq; j++) { a[s * Tq + j] = j < cnt ? a[s * Tq + j] / z : 0.0f; }
+        float* blk = a + canon_zz_offset(T, N, s);
+        for (int j = 0; j < canon_zz_len(T, N, s); j++) { blk[j] = j < cnt ? blk[j] / z : 0.0f; }
     }
 }
 
 static void thread_softmax_backward_blocks_row(float* d, const float* at, int t, int T, int N, int r, float scale) {
-    int Tq = T / N, per = CANON_R / N;
+    int per = CANON_R / N;
     long p = canon_zz_global(t, T, N, r);
     float lanes[CANON_R];
     for (int L = 0; L < CANON_R; L++) {
         int s = L / per;
-        lanes[L] = det_zz_chunk_row(at + s * Tq, d + s * Tq, Tq, per, L % per, canon_zz_count_le(p, T, N, s));
+        long col = canon_zz_offset(T, N, s);
+        lanes[L] = det_zz_chunk_row(at + col, d + col, T, N, s, L % per, canon_zz_count_le(p, T, N, s));
     }
     float S = canon_tree8(lanes);
     for (int s = 0; s < N; s++) {
-        for (int j = 0; j < canon_zz_count_le(p, T, N, s); j++) { d[s * Tq + j] = at[s * Tq + j] * (d[s * Tq + j] - S) * scale; }
+        long col = canon_zz_offset(T, N, s);
+        for (int j = 0; j < canon_zz_count_le(p, T, N, s); j++) { d[col + j] = at[col + j] * (d[col + j] - S) * scale; }
     }
 }
 
 static void test_attention_blocks(void) {
-    int shapes[][5] = {{1, 16, 8, 2, 2}, {2, 32, 16, 2, 4}, {1, 48, 24, 3, 8}, {2, 280, 32, 2, 4}};   // B T C NH N
+    // B T C NH N; with T not a multiple of 2N, R2Z's unequal pieces (--varlen)
+    int shapes[][5] = {{1, 16, 8, 2, 2}, {2, 32, 16, 2, 4}, {1, 48, 24, 3, 8}, {2, 280, 32, 2, 4}, {1, 21, 16, 2, 2},
+                       {1, 45, 24, 3, 4}, {1, 37, 16, 2, 8}};
     for (size_t k = 0; k < sizeof(shapes) / sizeof(shapes[0]); k++) {
-        int B = shapes[k][0], T = shapes[k][1], C = shapes[k][2], NH = shapes[k][3], N = shapes[k][4], Tq = T / N;
-        size_t nl = (size_t)B * Tq * C, natt = (size_t)B * NH * Tq * T;
+        int B = shapes[k][0], T = shapes[k][1], C = shapes[k][2], NH = shapes[k][3], N = shapes[k][4];
+        size_t nl = (size_t)B * zz_max_len(T, N) * C;   // room for any rank's (B, Tl, C)
         float scale = canon_rsqrtf((float)(C / NH));
         float *qkv = rand_buf(3 * nl), *dout = rand_buf(nl), *kv = rand_buf(2 * (size_t)N * nl);
         for (int r = 0; r < N; r++) {
+            int Tq = (int)canon_zz_len(T, N, r);
+            size_t natt = (size_t)B * NH * Tq * T;
             float *att = zero_buf(natt), *att_t = zero_buf(natt), *ds = zero_buf(natt), *ds_t = zero_buf(natt);
             float *o = zero_buf(nl), *o_t = zero_buf(nl), *o2 = zero_buf(nl), *o2_t = zero_buf(nl);
             char what[128];
@@ -652,30 +667,34 @@ static void test_attention_blocks(void) {
         }
         free(qkv); free(dout); free(kv);
     }
-    // the weight gradients' per-sequence subtrees of a zig-zag slice (tchunks 8/D)
-    int B = 3, T = 24, K = 20, OC = 17;
+    // the weight gradients' per-sequence subtrees of a zig-zag slice (its 8/D chunks), of
+    // sequences of 24 positions and of 21 (R2Z's unequal pieces), the first and last rank
+    int B = 3, K = 20, OC = 17;
     long stride = (long)OC * K + OC + 5;
-    float *inp = rand_buf((size_t)B * T * K), *dout = rand_buf((size_t)B * T * OC);
-    for (int tchunks = CANON_R; tchunks >= 1; tchunks /= 2) {
-        float *seq = zero_buf(B * stride), *seq_t = zero_buf(B * stride);
-        matmul_backward_seqs(seq, seq + (long)OC * K, stride, dout, inp, B, T, K, OC, tchunks);
-        DetGemmArgs g = det_args_matmul_dweight(seq_t, dout, inp, B, T, K, OC);
-        g.nchunks = tchunks;
-        g.o_zhi = stride;
-        thread_gemm(&g);
-        for (int b = 0; b < B; b++) {
-            for (int o = 0; o < OC; o++) {
-                float leaves[CANON_R];
-                for (int ch = 0; ch < tchunks; ch++) { leaves[ch] = det_position_leaf(dout, 0, OC, o, b, T, ch, tchunks); }
-                seq_t[b * stride + (long)OC * K + o] = canon_tree_sum(leaves, tchunks, 1);
+    for (int T = 24; T >= 21; T -= 3) {
+        float *inp = rand_buf((size_t)B * T * K), *dout = rand_buf((size_t)B * T * OC);
+        for (int D = 1; D <= CANON_R; D *= 2) {
+            for (int r = 0; r < D; r += D > 1 ? D - 1 : 1) {
+                float *seq = zero_buf(B * stride), *seq_t = zero_buf(B * stride);
+                matmul_backward_seqs(seq, seq + (long)OC * K, stride, dout, inp, B, T, D, r, K, OC);
+                DetGemmArgs g = det_args_matmul_dweight(seq_t, dout, inp, B, T, D, r, K, OC);
+                g.o_zhi = stride;
+                thread_gemm(&g);
+                for (int b = 0; b < B; b++) {
+                    for (int o = 0; o < OC; o++) {
+                        float leaves[CANON_R];
+                        for (int ch = 0; ch < CANON_R / D; ch++) { leaves[ch] = det_position_leaf(dout, 0, OC, o, b, T, D, r, ch); }
+                        seq_t[b * stride + (long)OC * K + o] = canon_tree_sum(leaves, CANON_R / D, 1);
+                    }
+                }
+                char what[96];
+                snprintf(what, sizeof(what), "matmul_backward_seqs T=%d, slice %d of %d", T, r, D);
+                expect_same(what, seq_t, seq, B * stride);
+                free(seq); free(seq_t);
             }
         }
-        char what[96];
-        snprintf(what, sizeof(what), "matmul_backward_seqs, %d chunks", tchunks);
-        expect_same(what, seq_t, seq, B * stride);
-        free(seq); free(seq_t);
+        free(inp); free(dout);
     }
-    free(inp); free(dout);
 }
 
 static void test_crossentropy(void) {
@@ -862,8 +881,8 @@ static void test_launch_plans(void) {
             det_args_matmul_forward(NULL, NULL, NULL, NULL, BT, 4 * C, C, CANON_R),
             det_args_matmul_dinp(NULL, NULL, NULL, BT, C, Vp, 1, CANON_R),
             det_args_matmul_dinp(NULL, NULL, NULL, BT, C, 3 * C, 3, CANON_R),
-            det_args_matmul_dweight(NULL, NULL, NULL, B, T, C, Vp),
-            det_args_matmul_dweight(NULL, NULL, NULL, B, T, 4 * C, C),
+            det_args_matmul_dweight(NULL, NULL, NULL, B, T, 1, 0, C, Vp),
+            det_args_matmul_dweight(NULL, NULL, NULL, B, T, 1, 0, 4 * C, C),
             det_args_attention_scores(NULL, NULL, B, T, C, NH),
             det_args_attention_datt(NULL, NULL, NULL, B, T, C, NH),
             det_args_attention_by_keys(NULL, C, NULL, NULL, 3L * C, B, T, C, NH),
@@ -1134,17 +1153,17 @@ static void test_device_det(void) {
         float *d_dy = dev_floats(dy, n), *d_dres = dev_floats(dres, n);
         float *d_dw = (float*)dev_alloc(C * 4), *d_db = (float*)dev_alloc(C * 4);
         float *dw = zero_buf(C), *db = zero_buf(C);
-        layernorm_backward(dres, dw, db, dy, x, w, mean, rstd, B, T, C, CANON_R, NULL);
-        gpu::layernorm_backward(d_dres, d_dw, d_db, d_dy, d_x, d_w, d_mean, d_rstd, B, T, C, CANON_R, NULL);
+        layernorm_backward(dres, dw, db, dy, x, w, mean, rstd, B, T, 1, 0, C, NULL);
+        gpu::layernorm_backward(d_dres, d_dw, d_db, d_dy, d_x, d_w, d_mean, d_rstd, B, T, 1, 0, C, NULL);
         snprintf(what, sizeof(what), "device layernorm_backward B=%d T=%d C=%d", B, T, C);
         expect_device(what, d_dres, dres, n);
         expect_device("device layernorm_backward dweight", d_dw, dw, C);
         expect_device("device layernorm_backward dbias", d_db, db, C);
-        if (T % 2 == 0) {
+        if (T >= 4) {   // rank 1 of 2's slice (R2Z's unequal pieces when 4 does not divide T)
             float* sp = zero_buf(2 * (size_t)B * C);
             float* d_sp = (float*)dev_alloc(2 * (size_t)B * C * 4);
-            layernorm_backward(dres, dw, db, dy, x, w, mean, rstd, B, T / 2, C, CANON_R / 2, sp);
-            gpu::layernorm_backward(d_dres, d_dw, d_db, d_dy, d_x, d_w, d_mean, d_rstd, B, T / 2, C, CANON_R / 2, d_sp);
+            layernorm_backward(dres, dw, db, dy, x, w, mean, rstd, B, T, 2, 1, C, sp);
+            gpu::layernorm_backward(d_dres, d_dw, d_db, d_dy, d_x, d_w, d_mean, d_rstd, B, T, 2, 1, C, d_sp);
             expect_device("device layernorm_backward sequence partials", d_sp, sp, 2 * (size_t)B * C);
             float* tree = zero_buf(C);
             sequence_tree(tree, sp, B, C);
@@ -1188,13 +1207,16 @@ static void test_device_det(void) {
         cudaFree(d_qkv); cudaFree(d_dout); cudaFree(d_out); cudaFree(d_att); cudaFree(d_dqkv);
     }
     // context parallelism's attention blocks, every rank of N, and its other kernels
-    int cpb[][5] = {{1, 16, 8, 2, 2}, {2, 48, 32, 2, 4}, {1, 272, 64, 2, 8}};   // B T C NH N
+    // (with T not a multiple of 2N, R2Z's unequal pieces: --varlen)
+    int cpb[][5] = {{1, 16, 8, 2, 2}, {2, 48, 32, 2, 4}, {1, 272, 64, 2, 8}, {1, 27, 16, 2, 4}};   // B T C NH N
     for (size_t k = 0; k < sizeof(cpb) / sizeof(cpb[0]); k++) {
-        int B = cpb[k][0], T = cpb[k][1], C = cpb[k][2], NH = cpb[k][3], N = cpb[k][4], Tq = T / N;
-        size_t nl = (size_t)B * Tq * C, natt = (size_t)B * NH * Tq * T;
+        int B = cpb[k][0], T = cpb[k][1], C = cpb[k][2], NH = cpb[k][3], N = cpb[k][4];
+        size_t nl = (size_t)B * zz_max_len(T, N) * C;   // room for any rank's (B, Tl, C)
         float *qkv = rand_buf(3 * nl), *dout = rand_buf(nl), *kv = rand_buf(2 * (size_t)N * nl);
         float *d_qkv = dev_floats(qkv, 3 * nl), *d_dout = dev_floats(dout, nl), *d_kv = dev_floats(kv, 2 * (size_t)N * nl);
         for (int r = 0; r < N; r++) {
+            int Tq = (int)canon_zz_len(T, N, r);
+            size_t natt = (size_t)B * NH * Tq * T;
             float *att = zero_buf(natt), *ds = zero_buf(natt), *o = zero_buf(nl), *o2 = zero_buf(nl);
             float *d_att = dev_floats(att, natt), *d_ds = dev_floats(ds, natt);
             float *d_o = (float*)dev_alloc(nl * 4), *d_o2 = (float*)dev_alloc(nl * 4);
@@ -1211,7 +1233,7 @@ static void test_device_det(void) {
             for (int s = 0; s < N; s++) {
                 attention_values_block(o, att, kv + (N + s) * nl, B, T, C, NH, N, r, s);
                 gpu::attention_values_block(d_o, d_att, d_kv + (N + s) * nl, B, T, C, NH, N, r, s);
-                expect_device("device attention_values_block", d_o, o, nl);
+                expect_device("device attention_values_block", d_o, o, (size_t)B * Tq * C);
                 attention_datt_block(ds, dout, kv + (N + s) * nl, B, T, C, NH, N, r, s);
                 gpu::attention_datt_block(d_ds, d_dout, d_kv + (N + s) * nl, B, T, C, NH, N, r, s);
             }
@@ -1221,34 +1243,36 @@ static void test_device_det(void) {
             for (int s = 0; s < N; s++) {
                 attention_dq_block(o, ds, kv + s * nl, B, T, C, NH, N, r, s);
                 gpu::attention_dq_block(d_o, d_ds, d_kv + s * nl, B, T, C, NH, N, r, s);
-                expect_device("device attention_dq_block", d_o, o, nl);
+                expect_device("device attention_dq_block", d_o, o, (size_t)B * Tq * C);
                 attention_dkv_block(o, o2, ds, att, qkv, dout, B, T, C, NH, N, r, s);
                 gpu::attention_dkv_block(d_o, d_o2, d_ds, d_att, d_qkv, d_dout, B, T, C, NH, N, r, s);
-                expect_device("device attention_dkv_block dk", d_o, o, nl);
-                expect_device("device attention_dkv_block dv", d_o2, o2, nl);
+                size_t nk = (size_t)B * canon_zz_len(T, N, s) * C;
+                expect_device("device attention_dkv_block dk", d_o, o, nk);
+                expect_device("device attention_dkv_block dv", d_o2, o2, nk);
             }
             free(att); free(ds); free(o); free(o2);
             cudaFree(d_att); cudaFree(d_ds); cudaFree(d_o); cudaFree(d_o2);
         }
         // copy_rows: a tensor's columns packed, as the ring sends its K and V
+        long rows = (long)B * canon_zz_len(T, N, 0);
         float* packed = zero_buf(nl);
         float* d_packed = (float*)dev_alloc(nl * 4);
-        copy_rows(packed, C, qkv + C, 3L * C, (long)B * Tq, C);
-        gpu::copy_rows(d_packed, C, d_qkv + C, 3L * C, (long)B * Tq, C);
-        expect_device("device copy_rows", d_packed, packed, nl);
+        copy_rows(packed, C, qkv + C, 3L * C, rows, C);
+        gpu::copy_rows(d_packed, C, d_qkv + C, 3L * C, rows, C);
+        expect_device("device copy_rows", d_packed, packed, (size_t)rows * C);
         free(qkv); free(dout); free(kv); free(packed);
         cudaFree(d_qkv); cudaFree(d_dout); cudaFree(d_kv); cudaFree(d_packed);
     }
-    {   // the weight gradients' per-sequence subtrees of a zig-zag slice
-        int B = 3, T = 24, K = 20, OC = 17;
+    {   // the weight gradients' per-sequence subtrees of a zig-zag slice (R2Z's unequal pieces: T = 21)
+        int B = 3, T = 21, K = 20, OC = 17;
         long stride = (long)OC * K + OC;
         float *inp = rand_buf((size_t)B * T * K), *dout = rand_buf((size_t)B * T * OC);
         float *d_inp = dev_floats(inp, (size_t)B * T * K), *d_dout = dev_floats(dout, (size_t)B * T * OC);
-        for (int tchunks = CANON_R; tchunks >= 1; tchunks /= 2) {
+        for (int D = 1; D <= CANON_R; D *= 2) {
             float* seq = zero_buf(B * stride);
             float* d_seq = (float*)dev_alloc(B * stride * 4);
-            matmul_backward_seqs(seq, seq + (long)OC * K, stride, dout, inp, B, T, K, OC, tchunks);
-            gpu::matmul_backward_seqs(d_seq, d_seq + (long)OC * K, stride, d_dout, d_inp, B, T, K, OC, tchunks);
+            matmul_backward_seqs(seq, seq + (long)OC * K, stride, dout, inp, B, T, D, D - 1, K, OC);
+            gpu::matmul_backward_seqs(d_seq, d_seq + (long)OC * K, stride, d_dout, d_inp, B, T, D, D - 1, K, OC);
             expect_device("device matmul_backward_seqs", d_seq, seq, B * stride);
             free(seq);
             cudaFree(d_seq);
@@ -1542,7 +1566,7 @@ static void test_device_fast(void) {
         // backward: the GPU starts from the same dres the reference adds into
         floatX *d_dy = dev_bf16(dy, n), *d_dres = dev_bf16(dres, n);
         float *dw = zero_buf(C), *db = zero_buf(C);
-        layernorm_backward(dres, dw, db, dy, sum, w, mean, rstd, B, T, C, CANON_R, NULL);
+        layernorm_backward(dres, dw, db, dy, sum, w, mean, rstd, B, T, 1, 0, C, NULL);
         float *d_mean_ref = dev_floats(mean, BT), *d_rstd_ref = dev_floats(rstd, BT);
         gpu::layernorm_backward_fast(d_dres, d_dy, d_sum, d_w, d_mean_ref, d_rstd_ref, BT, C);
         got = host_bf16(d_dres, n);

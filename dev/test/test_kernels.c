@@ -57,6 +57,21 @@ static void zz(long n, int nchunks, int c, int half, long* b, long* e) {
     *e = n * (p + 1) / (2 * nchunks);
 }
 
+// Rank r's D-way zig-zag slice of a sequence of T positions, from the rule's text: R2Z chunks
+// [r*k, (r+1)*k), k = 8/D, i.e. pieces r*k .. r*k+k-1 (the low stretch) then their mirrors
+// 16-(r+1)*k .. 15-r*k (the high stretch), piece p = [p*T/16, (p+1)*T/16): the slice's length,
+// and the global position of its local position t.
+static long piece(long T, int p) { return T * p / 16; }
+static long slice_len(long T, int D, int r) {
+    int k = 8 / D;
+    return (piece(T, (r + 1) * k) - piece(T, r * k)) + (piece(T, 16 - r * k) - piece(T, 16 - (r + 1) * k));
+}
+static long slice_pos(long T, int D, int r, long t) {
+    int k = 8 / D;
+    long low = piece(T, (r + 1) * k) - piece(T, r * k);
+    return t < low ? piece(T, r * k) + t : piece(T, 16 - (r + 1) * k) + (t - low);
+}
+
 typedef float (*TermFn)(long i, const void* ctx);   // i-th term of a reduction
 typedef struct { int is_product; } Kind;
 
@@ -263,28 +278,29 @@ static void test_decode_matmul(int K, int OC) {
     free(inp); free(w); free(bias); free(got); free(want);
 }
 
-// Context parallelism's weight gradients: D ranks hold zig-zag slices of every sequence; each
-// gives per-sequence subtrees over its 8/D chunks (matmul_backward_seqs), R1 over the ranks
-// per sequence then R1 over the sequences == the one-rank dweight and dbias.
+// Context parallelism's weight gradients: D ranks hold zig-zag slices of every sequence (R2Z's
+// unequal pieces when 2D does not divide T); each gives per-sequence subtrees over its 8/D
+// chunks (matmul_backward_seqs), R1 over the ranks per sequence then R1 over the sequences ==
+// the one-rank dweight and dbias.
 static void test_matmul_seqs(int B, int T, int K, int OC) {
     float* inp = rand_buf((size_t)B * T * K), *dout = rand_buf((size_t)B * T * OC);
     float* dw = malloc(sizeof(float) * OC * K), *db = malloc(sizeof(float) * OC);
     matmul_backward(NULL, dw, db, dout, inp, NULL, B, T, K, OC, 1, CANON_R);
-    for (int D = 2; D <= 8 && T % (2 * D) == 0; D *= 2) {
-        int Tl = T / D, h = Tl / 2;
+    for (int D = 2; D <= 8 && T >= 2 * D; D *= 2) {
         long stride = (long)OC * K + OC;
         float* parts = malloc(sizeof(float) * D * B * stride);
-        float* sx = malloc(sizeof(float) * B * Tl * K), *sd = malloc(sizeof(float) * B * Tl * OC);
+        float* sx = malloc(sizeof(float) * B * T * K), *sd = malloc(sizeof(float) * B * T * OC);
         for (int r = 0; r < D; r++) {
+            long Tl = slice_len(T, D, r);
             for (int b = 0; b < B; b++) {
                 for (int t = 0; t < Tl; t++) {
-                    size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+                    size_t g = (size_t)b * T + slice_pos(T, D, r, t);
                     memcpy(sx + ((size_t)b * Tl + t) * K, inp + g * K, sizeof(float) * K);
                     memcpy(sd + ((size_t)b * Tl + t) * OC, dout + g * OC, sizeof(float) * OC);
                 }
             }
             float* p = parts + (size_t)r * B * stride;
-            matmul_backward_seqs(p, p + (long)OC * K, stride, sd, sx, B, Tl, K, OC, CANON_R / D);
+            matmul_backward_seqs(p, p + (long)OC * K, stride, sd, sx, B, T, D, r, K, OC);
         }
         float* got = malloc(sizeof(float) * stride);
         for (long i = 0; i < stride; i++) {
@@ -399,7 +415,7 @@ static void test_layernorm(int B, int T, int C) {
     float* wdres = malloc(sizeof(float) * BT * C);
     memcpy(wdres, dres, sizeof(float) * BT * C);
     float* dw = malloc(sizeof(float) * C), *db = malloc(sizeof(float) * C);
-    layernorm_backward(dres, dw, db, dy, x, w, mean, rstd, B, T, C, CANON_R, NULL);
+    layernorm_backward(dres, dw, db, dy, x, w, mean, rstd, B, T, 1, 0, C, NULL);
     float* dnorm = malloc(sizeof(float) * C);
     float* nrm = malloc(sizeof(float) * (size_t)BT * C);
     for (int i = 0; i < BT; i++) {
@@ -431,19 +447,20 @@ static void test_layernorm(int B, int T, int C) {
     }
     expect_same("layernorm dweight", dw, wdw, C);
     expect_same("layernorm dbias", db, wdb, C);
-    // sequence parallelism: K ranks hold zig-zag slices of each sequence (rank r: stretches r
-    // and 2K-1-r of T/2K positions, low one first); each gives per-sequence subtrees over its
-    // 8/K chunks, finished by R1 over ranks, then R1 over sequences
-    for (int K = 2; K <= 8 && T % (2 * K) == 0; K *= 2) {
-        int Tl = T / K, h = Tl / 2;
+    // sequence (and context) parallelism: K ranks hold zig-zag slices of each sequence (rank r:
+    // stretches r and 2K-1-r, low one first; R2Z's unequal pieces when 2K does not divide T);
+    // each gives per-sequence subtrees over its 8/K chunks, finished by R1 over ranks, then R1
+    // over sequences
+    for (int K = 2; K <= 8 && T >= 2 * K; K *= 2) {
         float* parts = malloc(sizeof(float) * 2 * B * C * K);
-        float* sx = malloc(sizeof(float) * B * Tl * C), *sdy = malloc(sizeof(float) * B * Tl * C);
-        float* sm = malloc(sizeof(float) * B * Tl), *sr = malloc(sizeof(float) * B * Tl);
-        float* sdres = calloc((size_t)B * Tl * C, sizeof(float));
+        float* sx = malloc(sizeof(float) * B * T * C), *sdy = malloc(sizeof(float) * B * T * C);
+        float* sm = malloc(sizeof(float) * B * T), *sr = malloc(sizeof(float) * B * T);
+        float* sdres = calloc((size_t)B * T * C, sizeof(float));
         for (int r = 0; r < K; r++) {
+            long Tl = slice_len(T, K, r);
             for (int b = 0; b < B; b++) {
                 for (int t = 0; t < Tl; t++) {
-                    size_t src = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+                    size_t src = (size_t)b * T + slice_pos(T, K, r, t);
                     size_t dst = (size_t)b * Tl + t;
                     memcpy(sx + dst * C, x + src * C, sizeof(float) * C);
                     memcpy(sdy + dst * C, dy + src * C, sizeof(float) * C);
@@ -451,8 +468,7 @@ static void test_layernorm(int B, int T, int C) {
                     sr[dst] = rstd[src];
                 }
             }
-            layernorm_backward(sdres, NULL, NULL, sdy, sx, w, sm, sr, B, Tl, C, CANON_R / K,
-                               parts + (size_t)r * 2 * B * C);
+            layernorm_backward(sdres, NULL, NULL, sdy, sx, w, sm, sr, B, T, K, r, C, parts + (size_t)r * 2 * B * C);
         }
         float* combined = malloc(sizeof(float) * 2 * B * C);
         for (size_t i = 0; i < 2 * (size_t)B * C; i++) {
@@ -648,13 +664,12 @@ static void test_attention(int B, int T, int C, int NH, int bs) {
 }
 
 // Context parallelism's attention (the block kernels a ring drives), N ranks simulated here:
-// rank r holds the queries of its zig-zag slice (stretches r and 2N-1-r of T/2N positions),
-// sees every rank's keys and values as a block, sums the blocks' subtrees by R1 over blocks,
-// and the owner of a key sums the ranks' dk/dv subtrees by R1 over ranks: bit for bit the
-// one-rank attention.
+// rank r holds the queries of its zig-zag slice (stretches r and 2N-1-r; R2Z's unequal pieces
+// when 2N does not divide T, slice_len(T, N, r) positions), sees every rank's keys and values
+// as a block, sums the blocks' subtrees by R1 over blocks, and the owner of a key sums the
+// ranks' dk/dv subtrees by R1 over ranks: bit for bit the one-rank attention.
 static void test_attention_blocks(int B, int T, int C, int NH, int N) {
-    int Tq = T / N, h = Tq / 2;
-    size_t C3 = 3 * (size_t)C;
+    size_t C3 = 3 * (size_t)C, cap = (size_t)B * T * C;   // cap: room for any rank's (B, Tl, C)
     float* qkv = rand_buf((size_t)B * T * C3);
     for (size_t i = 0; i < (size_t)B * T * C3; i++) { qkv[i] *= 0.3f; }
     float* dy = rand_buf((size_t)B * T * C);
@@ -662,69 +677,71 @@ static void test_attention_blocks(int B, int T, int C, int NH, int N) {
     float* dqkv = malloc(sizeof(float) * B * T * C3);
     attention_forward(out, att, qkv, B, T, C, NH);
     attention_backward(dqkv, dy, qkv, att, B, T, C, NH);
-    size_t nl = (size_t)B * Tq * C;
-    float* lqkv = malloc(sizeof(float) * N * B * Tq * C3);   // every rank's slice
-    float* ldy = malloc(sizeof(float) * N * nl);
-    float* kv = malloc(sizeof(float) * 2 * N * nl);           // every rank's k and v, packed
+    long Tl[8], col[8];
+    for (int r = 0, at = 0; r < N; at += Tl[r], r++) { Tl[r] = slice_len(T, N, r); col[r] = at; }
+    float* lqkv = malloc(sizeof(float) * N * cap * 3);   // every rank's slice
+    float* ldy = malloc(sizeof(float) * N * cap);
+    float* kv = malloc(sizeof(float) * 2 * N * cap);       // every rank's k and v
     for (int r = 0; r < N; r++) {
         for (int b = 0; b < B; b++) {
-            for (int t = 0; t < Tq; t++) {
-                size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
-                size_t l = (size_t)b * Tq + t;
-                memcpy(lqkv + (size_t)r * B * Tq * C3 + l * C3, qkv + g * C3, sizeof(float) * C3);
-                memcpy(ldy + r * nl + l * C, dy + g * C, sizeof(float) * C);
-                memcpy(kv + r * nl + l * C, qkv + g * C3 + C, sizeof(float) * C);
-                memcpy(kv + (N + r) * nl + l * C, qkv + g * C3 + 2 * C, sizeof(float) * C);
+            for (int t = 0; t < Tl[r]; t++) {
+                size_t g = (size_t)b * T + slice_pos(T, N, r, t);
+                size_t l = (size_t)b * Tl[r] + t;
+                memcpy(lqkv + r * cap * 3 + l * C3, qkv + g * C3, sizeof(float) * C3);
+                memcpy(ldy + r * cap + l * C, dy + g * C, sizeof(float) * C);
+                memcpy(kv + r * cap + l * C, qkv + g * C3 + C, sizeof(float) * C);
+                memcpy(kv + (N + r) * cap + l * C, qkv + g * C3 + 2 * C, sizeof(float) * C);
             }
         }
     }
-    float* latt = malloc(sizeof(float) * B * NH * Tq * T), *lds = malloc(sizeof(float) * B * NH * Tq * T);
-    float* part = malloc(sizeof(float) * N * nl), *dkp = malloc(sizeof(float) * N * N * nl), *dvp = malloc(sizeof(float) * N * N * nl);
+    float* latt = malloc(sizeof(float) * B * NH * T * T), *lds = malloc(sizeof(float) * B * NH * T * T);
+    float* part = malloc(sizeof(float) * N * cap), *dkp = malloc(sizeof(float) * N * N * cap), *dvp = malloc(sizeof(float) * N * N * cap);
     int bad_out = 0, bad_att = 0, bad_dq = 0, bad_dkv = 0;
     for (int r = 0; r < N; r++) {
-        const float* q = lqkv + (size_t)r * B * Tq * C3;
-        for (int s = 0; s < N; s++) { attention_scores_block(latt, q, kv + s * nl, B, T, C, NH, N, r, s); }
+        const float* q = lqkv + r * cap * 3;
+        size_t nl = (size_t)B * Tl[r] * C;   // this rank's subtrees of an output
+        for (int s = 0; s < N; s++) { attention_scores_block(latt, q, kv + s * cap, B, T, C, NH, N, r, s); }
         attention_softmax_blocks(latt, B, T, NH, N, r);
-        for (int s = 0; s < N; s++) { attention_values_block(part + s * nl, latt, kv + (N + s) * nl, B, T, C, NH, N, r, s); }
-        for (int s = 0; s < N; s++) { attention_datt_block(lds, ldy + r * nl, kv + (N + s) * nl, B, T, C, NH, N, r, s); }
+        for (int s = 0; s < N; s++) { attention_values_block(part + s * nl, latt, kv + (N + s) * cap, B, T, C, NH, N, r, s); }
+        for (int s = 0; s < N; s++) { attention_datt_block(lds, ldy + r * cap, kv + (N + s) * cap, B, T, C, NH, N, r, s); }
         attention_softmax_backward_blocks(lds, latt, B, T, C, NH, N, r);
-        for (int b = 0; b < B; b++) for (int t = 0; t < Tq; t++) {
-            size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+        for (int b = 0; b < B; b++) for (int t = 0; t < Tl[r]; t++) {
+            size_t g = (size_t)b * T + slice_pos(T, N, r, t);
             for (int c = 0; c < C; c++) {
                 float v[8];
-                for (int s = 0; s < N; s++) { v[s] = part[s * nl + ((size_t)b * Tq + t) * C + c]; }
+                for (int s = 0; s < N; s++) { v[s] = part[s * nl + ((size_t)b * Tl[r] + t) * C + c]; }
                 float got = r1(v, N);
                 bad_out += memcmp(&got, &out[g * C + c], 4) != 0;
             }
-            for (int hh = 0; hh < NH; hh++) for (int s = 0; s < N; s++) for (int j = 0; j < Tq; j++) {
-                long kp = j < h ? (long)s * h + j : T - (long)(s + 1) * h + (j - h);
-                float got = latt[(((size_t)b * NH + hh) * Tq + t) * T + (size_t)s * Tq + j];
+            for (int hh = 0; hh < NH; hh++) for (int s = 0; s < N; s++) for (int j = 0; j < Tl[s]; j++) {
+                long kp = slice_pos(T, N, s, j);
+                float got = latt[(((size_t)b * NH + hh) * Tl[r] + t) * T + col[s] + j];
                 bad_att += memcmp(&got, &att[(((size_t)b * NH + hh) * T + (g - (size_t)b * T)) * T + kp], 4) != 0;
             }
         }
-        for (int s = 0; s < N; s++) { attention_dq_block(part + s * nl, lds, kv + s * nl, B, T, C, NH, N, r, s); }
-        for (int b = 0; b < B; b++) for (int t = 0; t < Tq; t++) {
-            size_t g = (size_t)b * T + (t < h ? (size_t)r * h + t : (size_t)T - (size_t)(r + 1) * h + (t - h));
+        for (int s = 0; s < N; s++) { attention_dq_block(part + s * nl, lds, kv + s * cap, B, T, C, NH, N, r, s); }
+        for (int b = 0; b < B; b++) for (int t = 0; t < Tl[r]; t++) {
+            size_t g = (size_t)b * T + slice_pos(T, N, r, t);
             for (int c = 0; c < C; c++) {
                 float v[8];
-                for (int s = 0; s < N; s++) { v[s] = part[s * nl + ((size_t)b * Tq + t) * C + c]; }
+                for (int s = 0; s < N; s++) { v[s] = part[s * nl + ((size_t)b * Tl[r] + t) * C + c]; }
                 float got = r1(v, N);
                 bad_dq += memcmp(&got, &dqkv[g * C3 + c], 4) != 0;
             }
         }
         for (int s = 0; s < N; s++) {
-            attention_dkv_block(dkp + ((size_t)s * N + r) * nl, dvp + ((size_t)s * N + r) * nl, lds, latt, q, ldy + r * nl,
-                                B, T, C, NH, N, r, s);
+            attention_dkv_block(dkp + ((size_t)s * N + r) * cap, dvp + ((size_t)s * N + r) * cap, lds, latt, q,
+                                ldy + r * cap, B, T, C, NH, N, r, s);
         }
     }
     for (int s = 0; s < N; s++) {   // the owner of block s: R1 over the ranks' partials
-        for (int b = 0; b < B; b++) for (int t = 0; t < Tq; t++) {
-            size_t g = (size_t)b * T + (t < h ? (size_t)s * h + t : (size_t)T - (size_t)(s + 1) * h + (t - h));
+        for (int b = 0; b < B; b++) for (int t = 0; t < Tl[s]; t++) {
+            size_t g = (size_t)b * T + slice_pos(T, N, s, t);
             for (int c = 0; c < C; c++) {
                 float vk[8], vv[8];
                 for (int r = 0; r < N; r++) {
-                    vk[r] = dkp[((size_t)s * N + r) * nl + ((size_t)b * Tq + t) * C + c];
-                    vv[r] = dvp[((size_t)s * N + r) * nl + ((size_t)b * Tq + t) * C + c];
+                    vk[r] = dkp[((size_t)s * N + r) * cap + ((size_t)b * Tl[s] + t) * C + c];
+                    vv[r] = dvp[((size_t)s * N + r) * cap + ((size_t)b * Tl[s] + t) * C + c];
                 }
                 float gk = r1(vk, N), gv = r1(vv, N);
                 bad_dkv += memcmp(&gk, &dqkv[g * C3 + C + c], 4) != 0;
@@ -1078,12 +1095,14 @@ int main(void) {
     }
     test_matmul_seqs(3, 16, 40, 13);
     test_matmul_seqs(2, 48, 16, 7);
+    test_matmul_seqs(1, 37, 24, 9);   // R2Z's unequal pieces (a --varlen length)
     test_split_reductions(2);
     test_split_reductions(4);
     test_layernorm(1, 1, 1);
     test_layernorm(2, 5, 7);
     test_layernorm(3, 16, 64);
     test_layernorm(1, 3, 200);
+    test_layernorm(1, 37, 24);   // R2Z's unequal pieces over 2, 4 and 8 ranks
     test_attention(1, 1, 8, 1, 16);   // (the last argument: the paged cache's block size)
     test_attention(2, 5, 16, 2, 2);
     test_attention(1, 19, 24, 3, 5);
@@ -1096,6 +1115,10 @@ int main(void) {
         test_attention_blocks(1, 48, 128, 2, N);   // head size 64, stretches of 3..12 positions
     }
     test_attention_blocks(1, 64, 40, 2, 4);        // head size 20
+    for (int N = 2; N <= 8; N *= 2) {              // R2Z's unequal pieces: --varlen lengths 2N <= T < 16 and beyond
+        test_attention_blocks(1, 2 * N + 1, 16, 2, N);
+        test_attention_blocks(1, 45, 128, 2, N);
+    }
     test_crossentropy(3, 5, 128);
     test_crossentropy(4, 100, 128);
     test_crossentropy(2, 1000, 1024);

@@ -81,8 +81,19 @@ done
 pass "--varlen on DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2, PP 2 (1f1b, gpipe, zb1, zbv, interleaved, dualpipev, dualpipe), DP 2 x PP 2: identical to one rank"
 
 # --- context and sequence parallelism: a sequence whose length is a multiple of 2 x the ranks
-# splitting it (cp, x tp with SP) is split, any other computed whole by every rank; both kinds
-# occur in every run (checked) ---
+# splitting it (cp, x tp with SP) is split into equal stretches, any other of at least 2 x cp
+# positions over the cp group in R2Z's unequal pieces, a shorter one computed whole by every
+# rank; the equal and the unequal split occur in every CP run, the equal and the whole in the
+# TP + SP one (checked) ---
+# split_kinds NAME KIND...: this rank's first step split some of its sequences into equal
+# stretches, some in R2Z's unequal pieces, computed some whole (KIND: equal, unequal, whole)
+split_kinds() {
+  local name=$1 kind; shift
+  set -- $(sed -n 's/^varlen split: \([0-9]*\) of this rank.s [0-9]* sequences .*, \([0-9]*\) [0-9]* ways in R2Z.s unequal pieces, \([0-9]*\) computed whole.*/equal=\1 unequal=\2 whole=\3/p' "$W/$name.out") "$@"
+  [ $# -ge 3 ] || fail "$name: no varlen split line"
+  local equal=${1#*=} unequal=${2#*=} whole=${3#*=}
+  for kind in "${@:4}"; do [ "${!kind}" -gt 0 ] || fail "$name: no sequence $kind ($1 $2 $3)"; done
+}
 for layout in "2 --cp 2" "2 --cp 2 --cp-mode a2a" "4 --cp 4" "4 --cp 2 -z 1" "4 --cp 2 --cp-mode a2a -z 3" \
               "4 --cp 2 --pp 2" "2 --tp 2 --sp 1" "4 --tp 2 --sp 1 --cp 2"; do
   name=$(echo "$layout" | tr -d ' -')
@@ -91,9 +102,7 @@ for layout in "2 --cp 2" "2 --cp 2 --cp-mode a2a" "4 --cp 4" "4 --cp 2 -z 1" "4 
   case "$layout" in *--cp*)
     grep -q "^cp accounting: .*(equal)" "$W/$name.out" || fail "$name: the cp bytes differ from the formula";;
   esac
-  split=$(sed -n 's/^varlen split: \([0-9]*\) of this rank.s \([0-9]*\) .*/\1 \2/p' "$W/$name.out")
-  [ -n "$split" ] && [ "${split% *}" -gt 0 ] || fail "$name: no sequence split"
-  [ "${split% *}" -lt "${split#* }" ] || fail "$name: no sequence computed whole"
+  case "$layout" in *--cp*) split_kinds "$name" equal unequal;; *) split_kinds "$name" equal whole;; esac
 done
 DOCS4=(-e d4c32h4v50257t32 "${DOCS[@]:2}")   # 4 heads: the all-to-all over 4 ranks
 run one4 1 "${DOCS4[@]}" -o "$W/one4"
@@ -120,9 +129,7 @@ for layout in "2 --ep 2" "2 --cp 2 --cp-mode a2a" "4 --cp 2 --ep 2 -z 3" \
                   || grep -q "^           $shows: lengths [0-9 ]* ([1-9][0-9]* split [0-9] ways, the others whole on each rank) | planned" "$W/$name.out" \
                   || { cat "$W/$name.out"; fail "$name: no step line of '$shows' (a group of several ranks: with a split sequence)"; };;
     *--cp*) grep -q "^cp accounting: .*(equal)" "$W/$name.out" || fail "$name: the cp bytes differ from the formula"
-            split=$(sed -n 's/^varlen split: \([0-9]*\) of this rank.s \([0-9]*\) .*/\1 \2/p' "$W/$name.out")
-            [ -n "$split" ] && [ "${split% *}" -gt 0 ] && [ "${split% *}" -lt "${split#* }" ] \
-              || fail "$name: not both a split sequence and a whole one ($split)";;
+            case "$layout" in 2*) split_kinds "$name" equal unequal;; *) split_kinds "$name";; esac;;
   esac
 done
 pass "--varlen with experts: --ep 2, --cp 2 a2a, CP 2 x EP 2 (ZeRO-3), --flexsp 1 on DP 2 (ZeRO 1, 3) and DP 4 (ZeRO-2, a2a) with groups of 1 and 2 ranks: identical to one rank (losses, aux losses, norms, checkpoint, tokens per expert); the cp bytes equal the formula"
@@ -186,6 +193,7 @@ for layout in "2 --cp 2" "2 -z 3 --flexsp 1 --flexsp-tokens 8"; do
   run "$name" $layout "${MTAILS[@]}" -o "$W/$name"
   same mtails "$name" 3
 done
+split_kinds emu2cp2 equal unequal
 grep -q "^           group 0 (2 rank(s), 0-1): lengths .* split 2 ways" "$W/memu2z3flexsp1flexsptokens8.out" || fail "emu --flexsp 1: no group of 2 ranks"
 BIN=./train_gpt2
 ./train_gpt2cu_emu --deterministic 0 "${TAILS[@]}" -o "$W/fastbad" >"$W/fastbad.out" 2>&1 && fail "fast mode accepted --varlen"
