@@ -772,6 +772,8 @@ typedef struct {
     int cp_size;                // ... its ranks
     ContextParallel cp_groups[CP_GROUP_LEVELS]; // by log2 of a group's size: create's group, and
                                 // FlexSP's pool sub-groups (model_cp_select)
+    int cp_len[CP_GROUP_LEVELS];// ... the longest sequence a pass over each holds (FlexSP: what
+                                // its ranks' memory holds together; else the passes' T)
     int cp_a2a, cap_B, cap_T;   // ... their attention (all-to-all, else the ring), the passes' capacity
     float* seq_grads;           // (B, largest unit) each sequence's subtree of a unit's gradient (CP)
     float* sp_scratch;          // (B,T,C) reordering for sequence parallelism's collectives
@@ -891,14 +893,16 @@ static ZzGroup model_split_group(const GPT2* model, int split_seqs) {
 
 // The positions of each sequence a pass of split_seqs (SeqSplit) over up to T positions holds
 // on this rank at most: all T unsplit, T/cp split over the cp group (with SP the residual
-// stream a tp-th of that), and by length the largest slice of any length up to T, or a
-// sequence too short to split (zz_max_len), over any of the groups the model's passes may
-// run on (FlexSP's, a group of one among them: then T).
+// stream a tp-th of that), and by length the largest slice of any length a group runs, or of
+// a sequence too short to split (zz_max_len), over any of the groups the model's passes may
+// run on: the cp group's sequences up to T; FlexSP's, each group's up to what its ranks hold
+// together (cp_len: about --flexsp-tokens on each rank, a group of one among them).
 static int pass_capacity(const GPT2* model, int T, int split_seqs) {
     if (split_seqs != SEQS_SPLIT_BY_LENGTH) { return T / (split_seqs ? model->cp_size : 1); }
     int most = 0;
     for (int k = 0; k < CP_GROUP_LEVELS; k++) {
-        int len = model->cp_groups[k].group ? zz_max_len(T, 1 << k) : 0;
+        int longest = model->cp_len[k] < T ? model->cp_len[k] : T;
+        int len = model->cp_groups[k].group ? zz_max_len(longest, 1 << k) : 0;
         most = len > most ? len : most;
     }
     return most;
@@ -1146,8 +1150,8 @@ static ExpertTensors expert_unit(const Zero* z, int u, const float* base) {
 // Sequence parallelism's f and g (tensor_parallel.h) apply to passes whose residual stream is
 // split along T over the tensor-parallel group (seq_split > cp_split); they are the identity /
 // all-reduce of tp_f_* and tp_g_* without it. With context parallelism (cp_split > 1) a pass
-// holds this rank's slice of each sequence, Tl = T/cp_split positions (T: the whole sequence,
-// as the engine passes it): everything is per position except attention (context_parallel.h's
+// holds this rank's slice of each sequence, Tl = CP_LEN(a, T) positions (T/cp_split, or with
+// --varlen R2Z's unequal pieces: canon_zz_len; T: the whole sequence, as the engine passes it): everything is per position except attention (context_parallel.h's
 // ring or all-to-all) and the reductions over positions, whose per-sequence subtrees the group
 // finishes (cp_finish_sequences), or which run on whole sequences gathered along T (the
 // embedding's gradient, the loss).
@@ -1848,18 +1852,21 @@ static size_t largest_grad_unit(const Zero* zero) {
 
 // The passes that follow run their context parallelism over `group` (a group of one: none):
 // create's cp group, or under FlexSP the pool sub-group of the next sequence's group
-// (engine.h). Each group's buffers (context_parallel.h) are made on its first selection, for
-// the model's capacity of (B, T) positions; one group per size.
-static void model_cp_select(GPT2* model, CommGroup* group) {
+// (engine.h). Each group's buffers (context_parallel.h) are made on its first selection, for B
+// sequences of up to max_len positions (the model's T, or what a FlexSP group's ranks hold
+// together); one group per size.
+static void model_cp_select(GPT2* model, CommGroup* group, int max_len) {
     int k = flexsp_log2(group->size);
     if (k >= CP_GROUP_LEVELS || (1 << k) != group->size) {
         fatal("internal: a context-parallel group of %d ranks (a power of two up to %d)", group->size, CANON_R);
     }
     ContextParallel* cp = &model->cp_groups[k];
+    int longest = max_len < model->cap_T ? max_len : model->cap_T;
     if (cp->group != group) {
         if (cp->group != NULL) { fatal("internal: two context-parallel groups of %d ranks", group->size); }
         const GPT2Config* c = &model->config;
-        int N = group->size, B = model->cap_B, T = model->cap_T;
+        int N = group->size, B = model->cap_B, T = longest;
+        model->cp_len[k] = T;
         size_t unit = largest_grad_unit(model->zero);
         // each sequence's subtree of a unit's gradient finished over the group, and the
         // all-gathers along T at full width (B,T,C) of the embedding chunk's input gradient and
@@ -1870,6 +1877,9 @@ static void model_cp_select(GPT2* model, CommGroup* group) {
                         ? (size_t)B * (T + (size_t)N * zz_max_len(T, N)) * c->channels : 0;
         cp_init(cp, group, model->cp_a2a, model->mem, B, T, c->channels / model->tp_size, c->num_heads / model->tp_size,
                 finish > gather ? finish : gather);
+    }
+    if (longest > model->cp_len[k]) {
+        fatal("internal: a pass of up to %d positions over a context-parallel group made for %d", longest, model->cp_len[k]);
     }
     model->cp = cp;
     model->cp_size = group->size;
@@ -1909,7 +1919,7 @@ void gpt2_init(GPT2* model, const GPT2Config* config, const ChunkPlace* place, Z
     model->cp_a2a = cp_a2a;
     model->cap_B = B;
     model->cap_T = T;
-    model_cp_select(model, cp);
+    model_cp_select(model, cp, T);
     model->seq_grads = cp->size > 1 ? mem_floats(model->mem, (size_t)B * largest_grad_unit(zero), "context-parallel gradients")
                                     : NULL;
     if (config->num_experts > 0) {   // the expert-parallel group and the experts' layout are zero.h's
@@ -2025,7 +2035,7 @@ static void model_moe_aux(void* m, void* a, float* host_aux) {
     const Activations* acts = (const Activations*)a;
     for (int l = 0; l < acts->layers; l++) { host_aux[l] = acts->moe ? acts->moe[l].aux : 0.0f; }
 }
-static void model_cp_select_op(void* m, CommGroup* group) { model_cp_select((GPT2*)m, group); }
+static void model_cp_select_op(void* m, CommGroup* group, int max_len) { model_cp_select((GPT2*)m, group, max_len); }
 static MoeCounters* model_moe_counters(void* m) { return ((GPT2*)m)->num_experts > 0 ? &((GPT2*)m)->counters : NULL; }
 
 static const ModelOps gpt2_model_ops = {

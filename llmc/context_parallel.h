@@ -139,8 +139,8 @@ static inline void cp_init_gather(ContextParallel* cp, CommGroup* g, int a2a, co
 }
 
 // The passes may split any length up to T (--varlen: R2Z's unequal pieces), so each rank's
-// buffers hold the largest slice, Tc = zz_max_len(T, N) positions (T/N for a T that is a
-// multiple of 16); the gathers need the whole (B, T, C) and N copies of a slice beside it.
+// buffers hold the largest slice, Tc = zz_max_len(T, N) positions (max(T/N, 2N-1) for a T that
+// is a multiple of 16); the gathers need the whole (B, T, C) and N copies of a slice beside it.
 static inline void cp_init(ContextParallel* cp, CommGroup* g, int a2a, const MemOps* mem, int B, int T, int C,
                            int NH, size_t gather_floats) {
     size_t Tc = (size_t)zz_max_len(T, g->size), n = (size_t)B * Tc * C;

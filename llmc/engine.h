@@ -111,6 +111,14 @@ static inline FlexCost trainer_flexsp_cost(int budget, int max_group) {
     return c;
 }
 
+// The longest sequence a FlexSP group of g ranks runs: what their memories hold together
+// (g x --flexsp-tokens, the planner's bound: trainer_flexsp_cost), at most -t. The model sizes
+// each group's buffers, and the activations, for it (ModelOps.cp_select).
+static inline int trainer_flexsp_longest(const Trainer* t, int g) {
+    long long longest = (long long)g * t->flexsp_cost.device_bytes;
+    return longest < t->T ? (int)longest : t->T;
+}
+
 // --flexsp 1 runs over the data-parallel pool with any ZeRO stage, each group of several ranks
 // with context parallelism over its pool sub-group (README; with experts, each expert layer on
 // whole sequences on every member, as --cp runs them); every other layout is refused in one
@@ -320,9 +328,10 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
                                     strcmp(a->cp_mode, "a2a") == 0, a->sp, B, T);
     }
     // every pool sub-group's buffers now, before the activations, which hold a pass over any
-    // of them (the largest selected last)
+    // of them: each group's sequences up to what its ranks hold together (the largest selected
+    // last)
     for (int k = 0; flexsp_largest > 1 && k <= flexsp_log2(flexsp_largest); k++) {
-        ops->cp_select(t->models[0], &comm->pool_groups[k]);
+        ops->cp_select(t->models[0], &comm->pool_groups[k], trainer_flexsp_longest(t, 1 << k));
     }
 
     t->do_val = a->val_every > 0;
@@ -343,7 +352,7 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     pipeline_init(&t->pipe, ops, mem, t->models, t->places, &comm->pp_group, t->pp_kind, v,
                   t->zero.local_microbatches, B, T, c->channels, a->recompute, split, layout);
     t->grads = ops->grads_create(t->models[0], B, T, layout, &t->grads_bytes);
-    if (flexsp_largest > 1) { ops->cp_select(t->models[0], &comm->pool_groups[0]); }   // passes outside a step run whole
+    if (flexsp_largest > 1) { ops->cp_select(t->models[0], &comm->pool_groups[0], trainer_flexsp_longest(t, 1)); }
     if (t->moe) {   // each local microbatch's aux losses (FlexSP: a rank may run all G = M sequences)
         size_t micro = (size_t)(a->flexsp ? t->M : t->zero.local_microbatches), n = micro * c->num_layers;
         t->pipe.num_layers = c->num_layers;
@@ -586,21 +595,25 @@ static inline int* trainer_step_lengths(const Trainer* t) {
 }
 
 // --varlen with CP or SP: how this rank's sequences of the step just run were split
-// (context_parallel.h, VARIABLE LENGTHS): into equal stretches, into R2Z's unequal pieces, or
-// not at all.
+// (context_parallel.h, VARIABLE LENGTHS): into D = cp x tp (with SP) equal stretches; with SP,
+// over the cp group alone in equal stretches (a multiple of 2 x cp, not of 2D); over the cp
+// group in R2Z's unequal pieces; or not at all.
 static inline void trainer_print_varlen_split(const Trainer* t) {
     int n = t->zero.local_microbatches, N = t->comm.cp, D = trainer_sequence_split(t), *lengths = trainer_step_lengths(t);
-    int equal = 0, unequal = 0;
+    int equal = 0, cp_equal = 0, unequal = 0;
     for (int i = 0; i < n; i++) {
         int cp_split, seq_split;
         zz_split_length(N, D / N, lengths[i], &cp_split, &seq_split);
-        equal += seq_split > 1 && zz_splits_length(seq_split, lengths[i]);
-        unequal += seq_split > 1 && !zz_splits_length(seq_split, lengths[i]);
+        if (zz_splits_length(D, lengths[i])) { equal++; }
+        else if (cp_split > 1 && zz_splits_length(N, lengths[i])) { cp_equal++; }
+        else if (cp_split > 1) { unequal++; }
     }
     free(lengths);
-    printf("varlen split: %d of this rank's %d sequences split %d ways in equal stretches (a multiple of 2 x %d), "
-           "%d %d ways in R2Z's unequal pieces, %d computed whole by every rank\n", equal, n, D, D, unequal, N,
-           n - equal - unequal);
+    char cp_alone[96] = "";
+    if (D > N) { snprintf(cp_alone, sizeof(cp_alone), ", %d %d ways (the cp group alone) in equal stretches", cp_equal, N); }
+    printf("varlen split: %d of this rank's %d sequences split %d ways in equal stretches (a multiple of 2 x %d)%s, "
+           "%d %d ways in R2Z's unequal pieces, %d computed whole by every rank\n", equal, n, D, D, cp_alone, unequal, N,
+           n - equal - cp_equal - unequal);
 }
 
 // Context parallelism's bytes this rank sent in the step, against cp_bytes_per_step for this
@@ -641,9 +654,9 @@ static inline void trainer_print_cp_accounting(const Trainer* t) {
 
 // The plan of the step's G sequences (world rank 0 plans, the dp group gets it by broadcast:
 // GLPK under a time limit need not give every rank the same plan): first[j], size[j] the block
-// of pool ranks computing sequence j. Rank 0 writes what it planned into t->flexsp_line.
+// of pool ranks computing sequence j. Rank 0 writes what it planned into `line` (NULL: nowhere).
 static inline void trainer_flexsp_plan(Trainer* t, const double* len, int G, int* first, int* size,
-                                       FlexPlan* plan, int* group_of, int* sorted) {
+                                       FlexPlan* plan, int* group_of, int* sorted, char* line) {
     int N = t->comm.dp;
     if (t->comm.dp_rank == 0) {
         const FlexCost* c = &t->flexsp_cost;
@@ -664,8 +677,10 @@ static inline void trainer_flexsp_plan(Trainer* t, const double* len, int G, int
         if (!isfinite(plan->ms)) { fatal("internal: no FlexSP plan fits the step's sequences"); }
         flexsp_align_groups(plan, group_of, G);
         flexsp_plan_blocks(plan, group_of, sorted, G, N, first, size);
-        snprintf(t->flexsp_line, 4096, "           flexsp: %s%s planned in %.1f ms, %d group(s), planned %.0f ms "
-                 "(cost model)", t->args.flexsp_policy, how, (now_seconds() - t0) * 1e3, plan->ngroups, plan->ms);
+        if (line) {
+            snprintf(line, 4096, "           flexsp: %s%s planned in %.1f ms, %d group(s), planned %.0f ms (cost model)",
+                     t->args.flexsp_policy, how, (now_seconds() - t0) * 1e3, plan->ngroups, plan->ms);
+        }
         free(sorted_len);
     }
     // broadcast (dp group: the pool): the plan's block of ranks of each sequence
@@ -691,14 +706,15 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
     int *first = ints, *size = ints + G, *group_of = ints + 2 * G, *sorted = ints + 3 * G, *mine = ints + 4 * G;
     FlexPlan* plan = (FlexPlan*)malloc_or_die(sizeof(FlexPlan), "FlexSP plan");
     for (int j = 0; j < G; j++) { len[j] = dataloader_length(&t->train_loader, a->overfit_single_batch ? 0 : done + j); }
-    trainer_flexsp_plan(t, len, G, first, size, plan, group_of, sorted);
+    trainer_flexsp_plan(t, len, G, first, size, plan, group_of, sorted, t->flexsp_line);
     int count = 0;
     for (int j = 0; j < G; j++) { if (flexsp_holds(first, size, j, me)) { mine[count++] = j; } }
     // the passes: each of this rank's sequences as one microbatch of one chunk (no pipeline),
     // over its group's pool sub-group: every member runs the group's sequences in index order,
-    // each split when 2 x the group's ranks divide its length (ring or all-to-all context
-    // parallelism, context_parallel.h), else computed whole by each member; either way each
-    // member holds its part of the gradient and -0.0f elsewhere, as the exchange expects
+    // each of at least 2 x the group's ranks split over them (ring or all-to-all context
+    // parallelism, context_parallel.h: R2Z's unequal pieces where 2g does not divide the
+    // length), a shorter one computed whole by each member; either way each member holds its
+    // part of the gradient and -0.0f elsewhere, as the exchange expects
     double t0 = now_seconds();
     zero_flexsp_begin_step(z, mine, count);
     // this rank's sequences' loss sums, their aux losses (experts), its measured compute time
@@ -708,11 +724,14 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
                              1.0f / (float)(double)targets, t->ops->grad_residual(p->models[0], t->grads), local_loss};
     int grouped = t->flexsp_cost.max_group > 1;
     for (int k = 0; k < count; k++) {
-        if (grouped) { t->ops->cp_select(p->models[0], &t->comm.pool_groups[flexsp_log2(size[mine[k]])]); }
+        if (grouped) {
+            int g = size[mine[k]];
+            t->ops->cp_select(p->models[0], &t->comm.pool_groups[flexsp_log2(g)], trainer_flexsp_longest(t, g));
+        }
         pipeline_run_forward(p, &x, k, 0);
         pipeline_run_backward(p, &x, k, 0, BACKWARD_BOTH);
     }
-    if (grouped) { t->ops->cp_select(p->models[0], &t->comm.pool_groups[0]); }   // validation: whole
+    if (grouped) { t->ops->cp_select(p->models[0], &t->comm.pool_groups[0], trainer_flexsp_longest(t, 1)); }
     t->mem->sync();
     float busy_ms = (float)((now_seconds() - t0) * 1e3);
     flexsp_reduce_step(z, &t->flexsp_ws, first, size, G);
@@ -768,6 +787,53 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
         }
     }
     free(len); free(ints); free(plan); free(local_loss); free(all); free(ordered); free(next);
+    return loss;
+}
+
+// Validation under FlexSP with groups of several ranks. A rank's activations hold what one
+// pass of a group holds (about --flexsp-tokens positions, ModelOps.cp_select), not a sequence
+// of -t, so the validation sequences run in groups as a step's do: G at a time, each batch
+// planned like a step (trainer_flexsp_plan), a group's members computing its sequences in
+// index order with context parallelism over their pool sub-group. Every member ends with the
+// sequence's whole loss sum (context parallelism gathers the losses); the group's first rank
+// hands it on (all-gather, dp group), and the sums are added by the R1 tree in sequence order
+// over their targets, as trainer_validate adds one rank's batches. Under ZeRO-3 every rank
+// gathers the parameters once, ahead of the passes, as a step does.
+static inline float trainer_validate_flexsp(Trainer* t) {
+    Zero* z = &t->zero;
+    Pipeline* p = &t->pipe;
+    int batches = t->val_batches, G = t->M, N = t->comm.dp, me = t->comm.dp_rank;
+    void* acts = pipeline_chunk_acts(p, 0);
+    double* len = (double*)malloc_or_die(sizeof(double) * (size_t)G, "FlexSP validation");
+    int* ints = (int*)malloc_or_die(sizeof(int) * (4 * (size_t)G + N), "FlexSP validation");
+    int *first = ints, *size = ints + G, *group_of = ints + 2 * G, *sorted = ints + 3 * G, *next = ints + 4 * G;
+    FlexPlan* plan = (FlexPlan*)malloc_or_die(sizeof(FlexPlan), "FlexSP plan");
+    float* local = (float*)calloc_or_die((size_t)G, sizeof(float), "FlexSP validation");
+    float* all = (float*)malloc_or_die(sizeof(float) * (size_t)N * G, "FlexSP validation");
+    float* sums = (float*)malloc_or_die(sizeof(float) * ((size_t)batches + 1), "FlexSP validation");
+    zero_flexsp_hold_params(z);
+    for (int j0 = 0; j0 < batches; j0 += G) {
+        int n = batches - j0 < G ? batches - j0 : G, count = 0;
+        for (int j = 0; j < n; j++) { len[j] = dataloader_length(&t->val_loader, j0 + j); }
+        trainer_flexsp_plan(t, len, n, first, size, plan, group_of, sorted, NULL);
+        for (int j = 0; j < n; j++) {
+            if (!flexsp_holds(first, size, j, me)) { continue; }
+            t->ops->cp_select(p->models[0], &t->comm.pool_groups[flexsp_log2(size[j])], trainer_flexsp_longest(t, size[j]));
+            dataloader_load(&t->val_loader, j0 + j);
+            int Tj = t->val_loader.loaded_T;
+            pipeline_forward_pass(p, &acts, t->val_loader.inputs, t->val_loader.targets, 1, Tj, t->config.channels, 1, -1);
+            local[count++] = t->ops->loss_sum(p->models[0], acts, 1, Tj);
+        }
+        // all-gather (dp group): every rank's loss sums, its sequences in index order; sequence
+        // j's from the first rank of its group
+        comm_all_gather(&t->comm.dp_group, local, all, (size_t)G, COMM_KIND_OTHER);
+        memset(next, 0, sizeof(int) * (size_t)N);
+        for (int j = 0; j < n; j++) { sums[j0 + j] = all[(size_t)first[j] * G + next[first[j]]++]; }
+    }
+    t->ops->cp_select(p->models[0], &t->comm.pool_groups[0], trainer_flexsp_longest(t, 1));
+    zero_flexsp_end_passes(z);
+    float loss = canon_tree_sum(sums, batches, 1) / (float)(double)dataloader_targets(&t->val_loader, 0, batches);
+    free(len); free(ints); free(plan); free(local); free(all); free(sums);
     return loss;
 }
 
@@ -978,7 +1044,9 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
     for (int step = run.first_step; step <= t->train_steps; step++) {
         int last_step = step == t->train_steps;
         if (t->do_val && (step % a->val_every == 0 || last_step)) {
-            float val_loss = trainer_validate(t);
+            // FlexSP with groups: the validation sequences in groups too (a rank's memory holds
+            // a group's share of a sequence, not a whole one of -t)
+            float val_loss = t->args.flexsp && t->flexsp_cost.max_group > 1 ? trainer_validate_flexsp(t) : trainer_validate(t);
             if (t->root) { printf("val loss %.6f\n", val_loss); }
             logger_log_val(&t->logger, step, val_loss);
             if (run.best_val_step < 0 || val_loss < run.best_val) { run.best_val = val_loss; run.best_val_step = step; }

@@ -99,8 +99,11 @@ typedef struct {
     int M, N, R;         // outputs M x N, reduction length R
     int groups;          // R's chunk groups (the qkv dinp: 3)
     int nchunks;         // R's chunks (8, or a tensor-parallel rank's 8/tp)
-    int zigzag;          // R is along a sequence: R2Z chunks, R runs over rank rz_r's rz_D-way
-    int rz_n, rz_D, rz_r;// zig-zag slice of a sequence of rz_n positions (nchunks = 8/rz_D)
+    int zigzag;          // R is along a sequence: R2Z chunks, R over the positions of ...
+    int slice_n, slice_D, slice_rank;   // ... rank slice_rank's slice_D-way zig-zag slice of a
+                                        // sequence of slice_n (nchunks = 8/slice_D; 1 way: all of it).
+                                        // Not the causal mask's zz_* below: a CP block's reduction
+                                        // runs over the keys' block (dq, att@v) or the queries' (dk, dv)
     int zdiv, Z;
     // the kernel variant: a_rc / b_rc: A (B) contiguous along r, else along m (n) (only how
     // tiles are loaded); causal: DET_CAUSAL_*; out_lower: DET_OUT_*
@@ -126,7 +129,8 @@ typedef struct {
     int groups;   // its groups (n / groups each); 1 except for the qkv dinp (3); 2 if zigzag
     int nchunks;  // its chunks: 8, or 8/tp for a tensor-parallel rank's share (a power of two)
     int zigzag;   // R2Z: group 0 of chunk c is piece c, group 1 piece 2*nchunks-1-c of the slice
-    int rz_n, rz_D, rz_r; // ... rank rz_r's rz_D-way slice of a sequence of rz_n (DetGemmArgs)
+    int slice_n, slice_D, slice_rank;   // ... of rank slice_rank's slice_D-way slice of a sequence of
+                                        // slice_n positions (DetGemmArgs)
     int lo, hi;   // only r in [lo, hi) can take part in this tile (causal clamp); [0, n) else
 } DetReduction;
 
@@ -139,9 +143,9 @@ HD DetReduction det_tile_reduction(const DetGemmArgs* g, int causal, int m0, int
     r.groups = g->zigzag ? 2 : g->groups;
     r.nchunks = g->nchunks;
     r.zigzag = g->zigzag;
-    r.rz_n = g->rz_n;
-    r.rz_D = g->rz_D;
-    r.rz_r = g->rz_r;
+    r.slice_n = g->slice_n;
+    r.slice_D = g->slice_D;
+    r.slice_rank = g->slice_rank;
     r.lo = 0;
     r.hi = r.n;
     if (causal == DET_CAUSAL_R_LE_M && m_last + 1 < r.hi) { r.hi = m_last + 1; }
@@ -189,7 +193,7 @@ HD void det_segment(const DetReduction* r, int c, int g, int* begin, int* end) {
     long og = r->n / r->groups;
     long b = g * og + (og * c) / r->nchunks;
     long e = g * og + (og * (c + 1)) / r->nchunks;
-    if (r->zigzag) { canon_zz_slice_half(r->rz_n, r->rz_D, r->rz_r, c, g, &b, &e); }
+    if (r->zigzag) { canon_zz_slice_half(r->slice_n, r->slice_D, r->slice_rank, c, g, &b, &e); }
     if (b < r->lo) { b = r->lo; }
     if (e > r->hi) { e = r->hi; }
     *begin = (int)b;
@@ -236,7 +240,7 @@ static inline DetGemmArgs det_gemm_args(int M, int N, int R, int a_rc, int b_rc,
     memset(&g, 0, sizeof(g));
     g.M = M; g.N = N; g.R = R;
     g.groups = 1; g.nchunks = CANON_R; g.zdiv = 1; g.Z = 1; g.scale = 1.0f;
-    g.rz_n = R; g.rz_D = 1; g.rz_r = 0;   // a zig-zag R: the whole sequence
+    g.slice_n = R; g.slice_D = 1; g.slice_rank = 0;   // a zig-zag R: the whole sequence
     g.a_rc = a_rc; g.b_rc = b_rc; g.causal = causal; g.out_lower = out_lower;
     return g;
 }
@@ -275,7 +279,7 @@ static inline DetGemmArgs det_args_matmul_dweight(float* seq, const float* dout,
     long Tl = canon_zz_len(T, D, r);
     DetGemmArgs g = det_gemm_args(OC, K, (int)Tl, 0, 0, DET_CAUSAL_NONE, 0);
     g.zigzag = 1;
-    g.rz_n = T; g.rz_D = D; g.rz_r = r;
+    g.slice_n = T; g.slice_D = D; g.slice_rank = r;
     g.nchunks = CANON_R / D;
     g.A = dout;  g.a_zhi = Tl * OC;  g.a_m = 1;  g.a_r = OC;
     g.B = inp;   g.b_zhi = Tl * K;   g.b_n = 1;  g.b_r = K;
@@ -380,7 +384,7 @@ static inline DetGemmArgs det_args_attention_block_by_keys(float* out, const flo
     long TT = (long)Tq * T;
     DetGemmArgs g = det_gemm_args(Tq, hs, Tk, 1, 0, DET_CAUSAL_ZZ_KEYS, DET_OUT_ALL);
     g.zigzag = 1;
-    g.rz_n = T; g.rz_D = N; g.rz_r = s;
+    g.slice_n = T; g.slice_D = N; g.slice_rank = s;
     g.nchunks = CANON_R / N;
     g.A = w + canon_zz_offset(T, N, s);  g.a_zhi = NH * TT;        g.a_zlo = TT;  g.a_m = T;  g.a_r = 1;
     g.B = x;                             g.b_zhi = (long)Tk * C;   g.b_zlo = hs;  g.b_n = 1;  g.b_r = C;
@@ -399,7 +403,7 @@ static inline DetGemmArgs det_args_attention_block_by_queries(float* out, const 
     long TT = (long)Tq * T;
     DetGemmArgs g = det_gemm_args(Tk, hs, Tq, 0, 0, DET_CAUSAL_ZZ_QUERIES, DET_OUT_ALL);
     g.zigzag = 1;
-    g.rz_n = T; g.rz_D = N; g.rz_r = r;
+    g.slice_n = T; g.slice_D = N; g.slice_rank = r;
     g.nchunks = CANON_R / N;
     g.A = w + canon_zz_offset(T, N, s);  g.a_zhi = NH * TT;         g.a_zlo = TT;  g.a_m = 1;  g.a_r = T;
     g.B = x;                             g.b_zhi = (long)Tq * ldx;  g.b_zlo = hs;  g.b_n = 1;  g.b_r = ldx;

@@ -91,8 +91,10 @@ typedef struct {
     size_t weight_elem_bytes;
     // FlexSP (engine.h trainer_flexsp_step): the context-parallel group of the passes that
     // follow, one of the pool's sub-groups (comm.h comm_setup_pool_groups; a group of one:
-    // none), its buffers made on its first selection (NULL: the build runs groups of one rank)
-    void (*cp_select)(void* model, CommGroup* group);
+    // none), its buffers made on its first selection for sequences of up to max_len positions
+    // (what the group's ranks hold together: --flexsp-tokens each), which the engine selects
+    // every group for before it makes the activations (NULL: the build runs groups of one rank)
+    void (*cp_select)(void* model, CommGroup* group, int max_len);
 } ModelOps;
 
 // What a build adds to the engine's console output.

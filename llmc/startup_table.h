@@ -64,9 +64,9 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
     }
     free(all_coords);
     if (comm->cp > 1) {
-        printf("| context       %d-way %s: each rank holds stretches r and %d-r of every sequence (%d positions each)\n",
+        printf("| context       %d-way %s: each rank holds stretches r and %d-r of every sequence (%d positions each%s)\n",
                comm->cp, strcmp(a->cp_mode, "a2a") == 0 ? "all-to-all (Ulysses)" : "ring attention", 2 * comm->cp - 1,
-               t->T / (2 * comm->cp));
+               t->T / (2 * comm->cp), a->varlen ? " of a -t sequence; --varlen: R2Z's pieces of each length" : "");
     }
     if (t->moe) {
         size_t active = param_active_count(c), experts = 0;

@@ -742,6 +742,20 @@ static inline float* zero_flexsp_unit_region(const Zero* z, int u) {
     return z->flexsp_grads + before * (size_t)z->chunk_count[0];
 }
 
+// FlexSP: at stage 3 every unit's parameters gathered once, ahead of passes that ranks run in
+// groups of different sizes (a step's, or validation's), which then read this copy (every rank
+// of the sharding group calls this); other stages hold the whole parameters already.
+static inline void zero_flexsp_hold_params(Zero* z) {
+    if (z->stage != 3) { return; }
+    if (z->flexsp_params == NULL) { z->flexsp_params = zero_alloc(z, z->lay.local_params, "FlexSP step parameters"); }
+    for (int u = 0; u < z->lay.num_all; u++) {   // the all-gathers of zero_params_acquire, unit after unit
+        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) { continue; }
+        z->mem->copy(z->flexsp_params + z->lay.local[u], zero_params_acquire(z, u, -1), z->lay.size[u] * sizeof(float));
+        zero_params_release(z, u);
+    }
+    z->flexsp_params_held = 1;
+}
+
 // FlexSP: this step's local microbatches are the step's sequences index[0 .. count) (ascending):
 // room for each one's whole gradient; at stage 3 every unit's parameters gathered for the step
 // (every rank of the sharding group calls this, whatever its count).
@@ -762,18 +776,11 @@ static inline void zero_flexsp_begin_step(Zero* z, const int* index, int count) 
             z->mem->fill(region + (size_t)i * z->lay.padded[u] + z->lay.size[u], 0.0f, z->lay.padded[u] - z->lay.size[u]);
         }
     }
-    if (z->stage != 3) { return; }
-    if (z->flexsp_params == NULL) { z->flexsp_params = zero_alloc(z, z->lay.local_params, "FlexSP step parameters"); }
-    for (int u = 0; u < z->lay.num_all; u++) {   // the all-gathers of zero_params_acquire, unit after unit
-        if (!zero_param_unit(&z->lay, u) || !z->lay.params_here[u]) { continue; }
-        z->mem->copy(z->flexsp_params + z->lay.local[u], zero_params_acquire(z, u, -1), z->lay.size[u] * sizeof(float));
-        zero_params_release(z, u);
-    }
-    z->flexsp_params_held = 1;
+    zero_flexsp_hold_params(z);
 }
 
-// FlexSP: the step's passes are done; AdamW will update the shards, so later passes
-// (validation, samples, the next step's gathers) gather anew.
+// FlexSP: the passes that read the held parameters are done (AdamW will update the shards, so
+// later passes, samples and the next step's gathers, gather anew).
 static inline void zero_flexsp_end_passes(Zero* z) { z->flexsp_params_held = 0; }
 
 // Starts the backward (its weight-gradient part) of chunk `chunk` on local microbatch i:

@@ -65,7 +65,8 @@ static inline ZzPass zz_pass(ZzGroup g, int n, int by_length) {
 
 // The most positions rank r of a D-way split holds of a sequence of at most T positions run
 // by zz_split_length (split when n >= 2D, else whole): the per-rank capacity of a --varlen
-// pass (T/D when 2D | T and every n <= T is a multiple of 2D; a little more otherwise).
+// pass (max(T/D, 2D - 1) when 16 | T: the slices of shorter lengths are no longer, and a
+// sequence shorter than 2D runs whole; a position or two more otherwise).
 static inline int zz_max_len(int T, int D) {
     long most = T < 2 * D - 1 ? T : 2 * D - 1;   // a sequence the group does not split
     for (int n = 2 * D; D > 1 && n <= T; n++) {

@@ -324,6 +324,63 @@ static void test_matmul_seqs(int B, int T, int K, int OC) {
 
 // A row-parallel split: K cut into `parts` slices of whole chunks, each reduced with
 // CANON_R/parts chunks, the slices' results combined by the R1 tree == the unsplit result.
+// The zig-zag layout of any length (canonical.h canon_zz_*, zigzag.h zz_max_len) against the
+// rule's text above (slice_len, slice_pos), for every n from 2D to 300 (R2Z's unequal pieces
+// where 2D does not divide n): the slices partition the sequence; each slice's offset is the
+// lengths before it; a query at p attends to exactly the keys of a slice at positions <= p, a
+// key at p is attended by exactly the queries at positions >= p; each local chunk's stretch is
+// its global piece; zz_max_len(T, D) is the most a rank holds of any length up to T (split
+// from 2D positions, else whole).
+static void test_zigzag_layout(void) {
+    static int seen[300];
+    for (int D = 2; D <= 8; D *= 2) {
+        int k = 8 / D;
+        for (long n = 2 * D; n <= 300; n++) {
+            int bad = 0;
+            long offset = 0;
+            memset(seen, 0, sizeof(seen));
+            for (int r = 0; r < D; r++) {
+                long len = slice_len(n, D, r);
+                bad |= canon_zz_len(n, D, r) != len || canon_zz_offset(n, D, r) != offset;
+                offset += len;
+                for (long t = 0; t < len; t++) {
+                    long g = slice_pos(n, D, r, t);
+                    bad |= canon_zz_global(t, n, D, r) != g;
+                    seen[g]++;
+                }
+                for (long p = 0; p < n; p++) {
+                    long le = 0, ge = 0;
+                    for (long t = 0; t < len; t++) { le += slice_pos(n, D, r, t) <= p; ge += slice_pos(n, D, r, t) >= p; }
+                    bad |= canon_zz_count_le(p, n, D, r) != le || canon_zz_count_ge(p, n, D, r) != ge;
+                }
+                for (int c = 0; c < k; c++) {
+                    for (int half = 0; half < 2; half++) {
+                        long b, e;
+                        canon_zz_slice_half(n, D, r, c, half, &b, &e);
+                        int pc = half == 0 ? r * k + c : 15 - r * k - c;
+                        bad |= e - b != piece(n, pc + 1) - piece(n, pc) || (e > b && slice_pos(n, D, r, b) != piece(n, pc));
+                    }
+                }
+            }
+            for (long g = 0; g < n; g++) { bad |= seen[g] != 1; }
+            bad |= offset != n;
+            checks++;
+            if (bad) { failures++; printf("FAIL zig-zag layout of %ld positions over %d ranks\n", n, D); }
+        }
+        for (int T = 1; T <= 300; T++) {
+            long most = T < 2 * D - 1 ? T : 2 * D - 1;
+            for (long n = 2 * D; n <= T; n++) {
+                for (int r = 0; r < D; r++) { most = slice_len(n, D, r) > most ? slice_len(n, D, r) : most; }
+            }
+            checks++;
+            if (zz_max_len(T, D) != most) {
+                failures++;
+                printf("FAIL zz_max_len(%d, %d) = %d, the most a rank holds is %ld\n", T, D, zz_max_len(T, D), most);
+            }
+        }
+    }
+}
+
 static void test_split_reductions(int parts) {
     int BT = 7, K = 48, OC = 9, C = 16;
     float* inp = rand_buf((size_t)BT * K);
@@ -1096,6 +1153,7 @@ int main(void) {
     test_matmul_seqs(3, 16, 40, 13);
     test_matmul_seqs(2, 48, 16, 7);
     test_matmul_seqs(1, 37, 24, 9);   // R2Z's unequal pieces (a --varlen length)
+    test_zigzag_layout();
     test_split_reductions(2);
     test_split_reductions(4);
     test_layernorm(1, 1, 1);

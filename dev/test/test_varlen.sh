@@ -16,7 +16,8 @@
 #    CP 2 and --flexsp 1 (DP 2 x ZeRO-3, a group of 2 ranks) equals the CPU build;
 #  - context parallelism (ring and a2a, cp 2 and 4, with DP and PP) and sequence parallelism
 #    (TP 2 + SP, with CP 2) equal one rank: a length that is a multiple of 2 x the ranks
-#    splitting it is split, any other computed whole by each rank;
+#    splitting it is split into equal stretches, any other of at least 2 x cp in R2Z's unequal
+#    pieces over the cp group, a shorter one computed whole by each rank;
 #  - FlexSP (--flexsp 1): every policy on 1, 2 and 4 ranks, ZeRO 0-3, groups of 1, 2 and 4
 #    ranks (context parallelism over the pool's sub-groups), equals one rank's --varlen run
 #    (losses, norms, checkpoint), each step's line lists the groups, their sizes and lengths;
@@ -153,7 +154,13 @@ for layout in "1 -z 1 --flexsp-policy milp:group 0 (1 rank(s), 0-0)" "2 -z 0 --f
     || { cat "$W/$name.out"; fail "$name: no step line of '$shows' (a group of several ranks: with a split sequence)"; }
   case "$layout" in *milp*) grep -q "flexsp: milp (GLPK: " "$W/$name.out" || fail "$name: GLPK did not plan";; esac
 done
-pass "--flexsp 1, static / adaptive / milp on 1, 2 and 4 ranks, ZeRO 0-3, groups of 1, 2 (one, and two side by side) and 4 ranks: losses, norms and checkpoint identical to one rank's --varlen run"
+# a rank's activations hold a group's share of a sequence, not one of -t: with --flexsp-tokens 4
+# (groups of up to 4 ranks) each sequence of up to 16 is split over its group, validation's too
+# (main.log's validation losses above are one rank's)
+act() { sed -n 's/^| memory\/rank .*activations \([0-9.]*\) MiB.*/\1/p' "$W/$1.out" | head -1; }
+awk -v one="$(act flexone)" -v four="$(act flex4z3flexsppolicystaticflexsptokens4)" 'BEGIN { exit !(four > 0 && four < one / 2) }' \
+  || fail "--flexsp-tokens 4 on 4 ranks: activations $(act flex4z3flexsppolicystaticflexsptokens4) MiB per rank, not under half of one rank's $(act flexone) MiB"
+pass "--flexsp 1, static / adaptive / milp on 1, 2 and 4 ranks, ZeRO 0-3, groups of 1, 2 (one, and two side by side) and 4 ranks: losses (validation's, run in groups, too), norms and checkpoint identical to one rank's --varlen run; activations sized for a group's share"
 # the first step's bytes on 2 ranks with groups of one (no cp traffic): the exchange sends shard
 # r of each of rank 0's sequences to rank r ((N-1)/N of the padded gradient P + Vp*C each:
 # every unit of d2c16 has an even size, so the padding is 0); ZeRO-0 all-gathers the reduced
@@ -182,7 +189,7 @@ run tails 1 "${TAILS[@]}" -o "$W/tails"
 MTAILS=(-e d2c32h2v64t32e4k2 "${TAILS[@]:2}")
 run mtails 1 "${MTAILS[@]}" -o "$W/mtails"
 BIN="./train_gpt2cu_emu --deterministic 1"
-for layout in "1" "2 -z 3" "2 --pp 2" "2 --cp 2"; do
+for layout in "1" "2 -z 3" "2 --pp 2" "2 --cp 2" "2 --cp 2 --cp-mode a2a"; do
   name=emu$(echo "$layout" | tr -d ' -')
   run "$name" $layout "${TAILS[@]}" -o "$W/$name"
   same tails "$name" 3
@@ -194,11 +201,12 @@ for layout in "2 --cp 2" "2 -z 3 --flexsp 1 --flexsp-tokens 8"; do
   same mtails "$name" 3
 done
 split_kinds emu2cp2 equal unequal
+split_kinds emu2cp2cpmodea2a equal unequal
 grep -q "^           group 0 (2 rank(s), 0-1): lengths .* split 2 ways" "$W/memu2z3flexsp1flexsptokens8.out" || fail "emu --flexsp 1: no group of 2 ranks"
 BIN=./train_gpt2
 ./train_gpt2cu_emu --deterministic 0 "${TAILS[@]}" -o "$W/fastbad" >"$W/fastbad.out" 2>&1 && fail "fast mode accepted --varlen"
 grep -q -- "--varlen: fast mode trains fixed windows" "$W/fastbad.out" || { cat "$W/fastbad.out"; fail "fast mode with --varlen: no line naming the flag"; }
-pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3, PP 2, CP 2, and with experts CP 2 and --flexsp 1 over DP 2 ZeRO-3 (a group of 2): identical to the CPU build; fast mode refuses --varlen"
+pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3, PP 2, CP 2 (ring, a2a), and with experts CP 2 and --flexsp 1 over DP 2 ZeRO-3 (a group of 2): identical to the CPU build; fast mode refuses --varlen"
 
 # --- bad input: one line, non-zero exit ---
 bad() {   # expected-text args...
