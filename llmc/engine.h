@@ -119,17 +119,18 @@ static inline int trainer_flexsp_longest(const Trainer* t, int g) {
     return longest < t->T ? (int)longest : t->T;
 }
 
-// --flexsp 1 runs over the data-parallel pool with any ZeRO stage, each group of several ranks
-// with context parallelism over its pool sub-group (README; with experts, each expert layer on
-// whole sequences on every member, as --cp runs them); every other layout is refused in one
-// line. Makes the pool's sub-groups (collective over the world).
+// --flexsp 1 runs over the pool of data x context ranks (the dp x cp group: --cp N only makes
+// the pool N times larger, FlexSP forming its own groups in it) with any ZeRO stage, each group
+// of several ranks with context parallelism over its pool sub-group (README; with experts, each
+// expert layer on whole sequences on every member, as --cp runs them); every other layout is
+// refused in one line. Makes the pool's sub-groups (collective over the world).
 static inline void trainer_check_flexsp(Trainer* t) {
     const TrainArgs* a = &t->args;
-    int N = t->comm.dp, budget = a->flexsp_tokens ? a->flexsp_tokens : t->T;
+    int N = t->comm.dpcp_group.size, budget = a->flexsp_tokens ? a->flexsp_tokens : t->T;
     if (!a->varlen) { fatal("--flexsp 1: FlexSP plans a step of variable-length sequences; it needs --varlen G"); }
-    if (a->tp > 1 || a->pp > 1 || a->cp > 1 || a->ep > 1) {
-        fatal("--flexsp 1: FlexSP's pool is the data-parallel ranks; --tp %d --pp %d --cp %d --ep %d: use 1 for each",
-              a->tp, a->pp, a->cp, a->ep);
+    if (a->tp > 1 || a->pp > 1 || a->ep > 1) {
+        fatal("--flexsp 1: FlexSP's pool is the data x context ranks; --tp %d --pp %d --ep %d: use 1 for each", a->tp,
+              a->pp, a->ep);
     }
     int a2a = strcmp(a->cp_mode, "a2a") == 0;
     int largest = trainer_flexsp_max_group(N, t->T, a2a, t->config.num_heads);
@@ -657,8 +658,9 @@ static inline void trainer_print_cp_accounting(const Trainer* t) {
 // of pool ranks computing sequence j. Rank 0 writes what it planned into `line` (NULL: nowhere).
 static inline void trainer_flexsp_plan(Trainer* t, const double* len, int G, int* first, int* size,
                                        FlexPlan* plan, int* group_of, int* sorted, char* line) {
-    int N = t->comm.dp;
-    if (t->comm.dp_rank == 0) {
+    CommGroup* pool = &t->comm.dpcp_group;
+    int N = pool->size;
+    if (pool->rank == 0) {
         const FlexCost* c = &t->flexsp_cost;
         double* sorted_len = (double*)malloc_or_die(sizeof(double) * (size_t)G, "FlexSP plan");
         flexsp_sort_by_length(len, G, sorted);
@@ -683,9 +685,9 @@ static inline void trainer_flexsp_plan(Trainer* t, const double* len, int G, int
         }
         free(sorted_len);
     }
-    // broadcast (dp group: the pool): the plan's block of ranks of each sequence
-    comm_broadcast(&t->comm.dp_group, first, sizeof(int) * (size_t)G, 0, COMM_KIND_OTHER);
-    comm_broadcast(&t->comm.dp_group, size, sizeof(int) * (size_t)G, 0, COMM_KIND_OTHER);
+    // broadcast (dp x cp group: the pool): the plan's block of ranks of each sequence
+    comm_broadcast(pool, first, sizeof(int) * (size_t)G, 0, COMM_KIND_OTHER);
+    comm_broadcast(pool, size, sizeof(int) * (size_t)G, 0, COMM_KIND_OTHER);
 }
 
 // One FlexSP step's forward and backward passes, its gradient and its loss: this rank computes
@@ -699,7 +701,8 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
     const TrainArgs* a = &t->args;
     Zero* z = &t->zero;
     Pipeline* p = &t->pipe;
-    int G = t->M, N = t->comm.dp, me = t->comm.dp_rank;
+    CommGroup* pool = &t->comm.dpcp_group;
+    int G = t->M, N = pool->size, me = pool->rank;
     int64_t done = t->progress.microbatches_done;
     double* len = (double*)malloc_or_die(sizeof(double) * (size_t)G, "FlexSP step");
     int* ints = (int*)malloc_or_die(sizeof(int) * 5 * (size_t)G, "FlexSP step");
@@ -745,7 +748,7 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
     // order) and its measured compute time; the loss is the R1 tree over sequence j's sum, from
     // rank first[j], the aux loss the same over sequence j's aux loss
     float* all = (float*)malloc_or_die(sizeof(float) * (size_t)N * stride, "FlexSP losses");
-    comm_all_gather(&t->comm.dp_group, local_loss, all, stride, COMM_KIND_OTHER);
+    comm_all_gather(pool, local_loss, all, stride, COMM_KIND_OTHER);
     float* ordered = (float*)malloc_or_die(sizeof(float) * 2 * (size_t)G, "FlexSP losses");
     int* next = (int*)calloc_or_die((size_t)N, sizeof(int), "FlexSP losses");
     for (int j = 0; j < G; j++) {
@@ -755,7 +758,7 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
     }
     float loss = canon_tree_sum(ordered, G, 1) / (float)(double)targets;
     if (t->moe) { *aux = canon_tree_sum(ordered + G, G, 1) / (float)(double)G; }
-    if (t->comm.dp_rank == 0) {   // each group: its ranks, its sequences' lengths, planned and measured ms
+    if (me == 0) {   // each group: its ranks, its sequences' lengths, planned and measured ms
         char* line = t->flexsp_line;
         size_t at = strlen(line);
         double scratch[FLEXSP_MAX_POOL];
@@ -790,9 +793,9 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
     return loss;
 }
 
-// Validation under FlexSP with groups of several ranks. A rank's activations hold what one
-// pass of a group holds (about --flexsp-tokens positions, ModelOps.cp_select), not a sequence
-// of -t, so the validation sequences run in groups as a step's do: G at a time, each batch
+// Validation under FlexSP. A rank's activations hold what one pass of a group holds (about
+// --flexsp-tokens positions, ModelOps.cp_select), not a sequence of -t, so the validation
+// sequences run in groups over the pool as a step's do: G at a time, each batch
 // planned like a step (trainer_flexsp_plan), a group's members computing its sequences in
 // index order with context parallelism over their pool sub-group. Every member ends with the
 // sequence's whole loss sum (context parallelism gathers the losses); the group's first rank
@@ -802,7 +805,8 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
 static inline float trainer_validate_flexsp(Trainer* t) {
     Zero* z = &t->zero;
     Pipeline* p = &t->pipe;
-    int batches = t->val_batches, G = t->M, N = t->comm.dp, me = t->comm.dp_rank;
+    CommGroup* pool = &t->comm.dpcp_group;
+    int batches = t->val_batches, G = t->M, N = pool->size, me = pool->rank, grouped = t->flexsp_cost.max_group > 1;
     void* acts = pipeline_chunk_acts(p, 0);
     double* len = (double*)malloc_or_die(sizeof(double) * (size_t)G, "FlexSP validation");
     int* ints = (int*)malloc_or_die(sizeof(int) * (4 * (size_t)G + N), "FlexSP validation");
@@ -818,19 +822,21 @@ static inline float trainer_validate_flexsp(Trainer* t) {
         trainer_flexsp_plan(t, len, n, first, size, plan, group_of, sorted, NULL);
         for (int j = 0; j < n; j++) {
             if (!flexsp_holds(first, size, j, me)) { continue; }
-            t->ops->cp_select(p->models[0], &t->comm.pool_groups[flexsp_log2(size[j])], trainer_flexsp_longest(t, size[j]));
+            if (grouped) {
+                t->ops->cp_select(p->models[0], &t->comm.pool_groups[flexsp_log2(size[j])], trainer_flexsp_longest(t, size[j]));
+            }
             dataloader_load(&t->val_loader, j0 + j);
             int Tj = t->val_loader.loaded_T;
             pipeline_forward_pass(p, &acts, t->val_loader.inputs, t->val_loader.targets, 1, Tj, t->config.channels, 1, -1);
             local[count++] = t->ops->loss_sum(p->models[0], acts, 1, Tj);
         }
-        // all-gather (dp group): every rank's loss sums, its sequences in index order; sequence
-        // j's from the first rank of its group
-        comm_all_gather(&t->comm.dp_group, local, all, (size_t)G, COMM_KIND_OTHER);
+        // all-gather (dp x cp group: the pool): every rank's loss sums, its sequences in index
+        // order; sequence j's from the first rank of its group
+        comm_all_gather(pool, local, all, (size_t)G, COMM_KIND_OTHER);
         memset(next, 0, sizeof(int) * (size_t)N);
         for (int j = 0; j < n; j++) { sums[j0 + j] = all[(size_t)first[j] * G + next[first[j]]++]; }
     }
-    t->ops->cp_select(p->models[0], &t->comm.pool_groups[0], trainer_flexsp_longest(t, 1));
+    if (grouped) { t->ops->cp_select(p->models[0], &t->comm.pool_groups[0], trainer_flexsp_longest(t, 1)); }
     zero_flexsp_end_passes(z);
     float loss = canon_tree_sum(sums, batches, 1) / (float)(double)dataloader_targets(&t->val_loader, 0, batches);
     free(len); free(ints); free(plan); free(local); free(all); free(sums);
@@ -968,8 +974,9 @@ static inline void trainer_report_step(Trainer* t, const BuildInfo* build, const
                    (unsigned long long)comm->stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
             if (z->bf16_weights) { printf(" bf16 weights %.0f", mem.weights); }
             printf("\n");
-            if (t->args.varlen && trainer_sequence_split(t) > 1) { trainer_print_varlen_split(t); }
-            if (comm->cp > 1) { trainer_print_cp_accounting(t); }
+            // (FlexSP's groups, not the cp group, split its sequences: its step lines say how)
+            if (t->args.varlen && !t->args.flexsp && trainer_sequence_split(t) > 1) { trainer_print_varlen_split(t); }
+            if (comm->cp > 1 && !t->args.flexsp) { trainer_print_cp_accounting(t); }
         }
         fflush(stdout);
     }
@@ -1044,9 +1051,9 @@ static inline void trainer_run(Trainer* t, const BuildInfo* build) {
     for (int step = run.first_step; step <= t->train_steps; step++) {
         int last_step = step == t->train_steps;
         if (t->do_val && (step % a->val_every == 0 || last_step)) {
-            // FlexSP with groups: the validation sequences in groups too (a rank's memory holds
-            // a group's share of a sequence, not a whole one of -t)
-            float val_loss = t->args.flexsp && t->flexsp_cost.max_group > 1 ? trainer_validate_flexsp(t) : trainer_validate(t);
+            // FlexSP: the validation sequences in groups over the pool too (a rank's memory holds a
+            // group's share of a sequence, not a whole one of -t)
+            float val_loss = t->args.flexsp ? trainer_validate_flexsp(t) : trainer_validate(t);
             if (t->root) { printf("val loss %.6f\n", val_loss); }
             logger_log_val(&t->logger, step, val_loss);
             if (run.best_val_step < 0 || val_loss < run.best_val) { run.best_val = val_loss; run.best_val_step = step; }

@@ -63,7 +63,7 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
         printf("\n");
     }
     free(all_coords);
-    if (comm->cp > 1) {
+    if (comm->cp > 1 && !a->flexsp) {   // (FlexSP forms its own groups in the dp x cp pool)
         printf("| context       %d-way %s: each rank holds stretches r and %d-r of every sequence (%d positions each%s)\n",
                comm->cp, strcmp(a->cp_mode, "a2a") == 0 ? "all-to-all (Ulysses)" : "ring attention", 2 * comm->cp - 1,
                t->T / (2 * comm->cp), a->varlen ? " of a -t sequence; --varlen: R2Z's pieces of each length" : "");
@@ -89,9 +89,9 @@ static inline void trainer_print_table(Trainer* t, const BuildInfo* build) {
         if (largest > 1) { snprintf(groups, sizeof(groups), "1 to %d ranks (a group of several runs %s context parallelism)", largest, a->cp_mode); }
         else { snprintf(groups, sizeof(groups), "one rank%s", t->moe ? " (experts: no context parallelism)" : ""); }
         printf("| batch         --varlen: G=%d sequences of up to T=%d tokens cut at EOT, one per microbatch; --flexsp 1: "
-               "rank 0 plans each step's groups of %s (--flexsp-policy %s, %d tokens per rank); %lld sequences per "
-               "epoch\n", t->M, t->T, groups, a->flexsp_policy, a->flexsp_tokens ? a->flexsp_tokens : t->T,
-               (long long)t->train_loader.num_seqs);
+               "rank 0 plans each step's groups of %s in the pool of %d data x context ranks (--flexsp-policy %s, %d "
+               "tokens per rank); %lld sequences per epoch\n", t->M, t->T, groups, comm->dpcp_group.size,
+               a->flexsp_policy, a->flexsp_tokens ? a->flexsp_tokens : t->T, (long long)t->train_loader.num_seqs);
     } else if (a->varlen) {
         printf("| batch         --varlen: G=%d sequences of up to T=%d tokens cut at EOT, one per microbatch (%d per "
                "data-parallel rank), at most %lld tokens; %lld sequences per epoch\n", t->M, t->T, z->local_microbatches,

@@ -18,12 +18,13 @@
 #    (TP 2 + SP, with CP 2) equal one rank: a length that is a multiple of 2 x the ranks
 #    splitting it is split into equal stretches, any other of at least 2 x cp in R2Z's unequal
 #    pieces over the cp group, a shorter one computed whole by each rank;
-#  - FlexSP (--flexsp 1): every policy on 1, 2 and 4 ranks, ZeRO 0-3, groups of 1, 2 and 4
+#  - FlexSP (--flexsp 1): every policy on 1, 2 and 4 ranks (DP 4, and DP 2 x CP 2 as one
+#    pool of 4), ZeRO 0-3, groups of 1, 2 and 4
 #    ranks (context parallelism over the pool's sub-groups), equals one rank's --varlen run
 #    (losses, norms, checkpoint), each step's line lists the groups, their sizes and lengths;
 #    ZeRO-0's and ZeRO-3's bytes per step equal the formula;
 #  - bad input: --varlen 0, -t above maxT, -d with --varlen, --flexsp without --varlen, an unknown
-#    --flexsp-policy, a sequence too long for the pool (1 and 2 ranks), --cp 2 with --flexsp,
+#    --flexsp-policy, a sequence too long for the pool (1 and 2 ranks), --tp 2 with --flexsp,
 #    and dev/tools/flexsp_plan's unknown policy and a sequence too long for the pool: one line.
 set -u
 cd "$(dirname "$0")/../.."
@@ -144,7 +145,8 @@ for layout in "1 -z 1 --flexsp-policy milp:group 0 (1 rank(s), 0-0)" "2 -z 0 --f
               "2 -z 3 --flexsp-policy milp:group 1 (1 rank(s), 1-1)" \
               "2 -z 1 --flexsp-policy static --flexsp-tokens 8 --cp-mode a2a:group 0 (2 rank(s), 0-1)" \
               "4 -z 3 --flexsp-policy static --flexsp-tokens 4:group 0 (4 rank(s), 0-3)" \
-              "4 -z 2 --flexsp-policy milp --flexsp-tokens 15:group 1 (2 rank(s), 2-3)"; do
+              "4 -z 2 --flexsp-policy milp --flexsp-tokens 15:group 1 (2 rank(s), 2-3)" \
+              "4 --cp 2 -z 1 --flexsp-policy milp --flexsp-tokens 8:group 1 (2 rank(s), 2-3)"; do
   shows=${layout#*:}; layout=${layout%%:*}
   name=flex$(echo "$layout" | tr -d ' -')
   run "$name" $layout --flexsp 1 "${FLEX[@]}" -o "$W/$name"
@@ -160,7 +162,7 @@ done
 act() { sed -n 's/^| memory\/rank .*activations \([0-9.]*\) MiB.*/\1/p' "$W/$1.out" | head -1; }
 awk -v one="$(act flexone)" -v four="$(act flex4z3flexsppolicystaticflexsptokens4)" 'BEGIN { exit !(four > 0 && four < one / 2) }' \
   || fail "--flexsp-tokens 4 on 4 ranks: activations $(act flex4z3flexsppolicystaticflexsptokens4) MiB per rank, not under half of one rank's $(act flexone) MiB"
-pass "--flexsp 1, static / adaptive / milp on 1, 2 and 4 ranks, ZeRO 0-3, groups of 1, 2 (one, and two side by side) and 4 ranks: losses (validation's, run in groups, too), norms and checkpoint identical to one rank's --varlen run; activations sized for a group's share"
+pass "--flexsp 1, static / adaptive / milp on 1, 2 and 4 ranks (DP 4, and DP 2 x CP 2 as one pool), ZeRO 0-3, groups of 1, 2 (one, and two side by side) and 4 ranks: losses (validation's, run in groups, too), norms and checkpoint identical to one rank's --varlen run; activations sized for a group's share"
 # the first step's bytes on 2 ranks with groups of one (no cp traffic): the exchange sends shard
 # r of each of rank 0's sequences to rank r ((N-1)/N of the padded gradient P + Vp*C each:
 # every unit of d2c16 has an even size, so the padding is 0); ZeRO-0 all-gathers the reduced
@@ -194,19 +196,20 @@ for layout in "1" "2 -z 3" "2 --pp 2" "2 --cp 2" "2 --cp 2 --cp-mode a2a"; do
   run "$name" $layout "${TAILS[@]}" -o "$W/$name"
   same tails "$name" 3
 done
-# experts (4, top 2) with context parallelism, and in a FlexSP group of 2 ranks
-for layout in "2 --cp 2" "2 -z 3 --flexsp 1 --flexsp-tokens 8"; do
+# experts (4, top 2) with context parallelism, and in a FlexSP group of 2 ranks (the pool of
+# --cp 2's data x context ranks)
+for layout in "2 --cp 2" "2 --cp 2 -z 3 --flexsp 1 --flexsp-tokens 8"; do
   name=memu$(echo "$layout" | tr -d ' -')
   run "$name" $layout "${MTAILS[@]}" -o "$W/$name"
   same mtails "$name" 3
 done
 split_kinds emu2cp2 equal unequal
 split_kinds emu2cp2cpmodea2a equal unequal
-grep -q "^           group 0 (2 rank(s), 0-1): lengths .* split 2 ways" "$W/memu2z3flexsp1flexsptokens8.out" || fail "emu --flexsp 1: no group of 2 ranks"
+grep -q "^           group 0 (2 rank(s), 0-1): lengths .* split 2 ways" "$W/memu2cp2z3flexsp1flexsptokens8.out" || fail "emu --flexsp 1: no group of 2 ranks"
 BIN=./train_gpt2
 ./train_gpt2cu_emu --deterministic 0 "${TAILS[@]}" -o "$W/fastbad" >"$W/fastbad.out" 2>&1 && fail "fast mode accepted --varlen"
 grep -q -- "--varlen: fast mode trains fixed windows" "$W/fastbad.out" || { cat "$W/fastbad.out"; fail "fast mode with --varlen: no line naming the flag"; }
-pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3, PP 2, CP 2 (ring, a2a), and with experts CP 2 and --flexsp 1 over DP 2 ZeRO-3 (a group of 2): identical to the CPU build; fast mode refuses --varlen"
+pass "the emulated CUDA build (--deterministic 1) with --varlen, on 1 rank, DP 2 ZeRO-3, PP 2, CP 2 (ring, a2a), and with experts CP 2 and --flexsp 1 over CP 2 ZeRO-3 (a group of 2): identical to the CPU build; fast mode refuses --varlen"
 
 # --- bad input: one line, non-zero exit ---
 bad() {   # expected-text args...
@@ -221,8 +224,8 @@ bad "leave out -d" "${BAD[@]}" -d 256
 bad "--flexsp 1: .* it needs --varlen G" "${BAD[@]/--varlen/-b}" --flexsp 1 -z 1
 bad "--flexsp-policy: expected static, adaptive or milp" "${BAD[@]}" --flexsp 1 -z 1 --flexsp-policy bogus
 bad "--flexsp-tokens 8: a sequence of -t 16 tokens does not fit the memory of the pool" "${BAD[@]}" --flexsp 1 -z 1 --flexsp-tokens 8
-$MPI 2 ./train_gpt2 "${BAD[@]}" --flexsp 1 -z 1 --cp 2 >"$W/bad.out" 2>&1 && fail "accepted --flexsp 1 --cp 2"
-grep -q -- "--flexsp 1: FlexSP's pool is the data-parallel ranks; --tp 1 --pp 1 --cp 2" "$W/bad.out" || { cat "$W/bad.out"; fail "--flexsp with --cp 2: no line"; }
+$MPI 2 ./train_gpt2 "${BAD[@]}" --flexsp 1 -z 1 --tp 2 >"$W/bad.out" 2>&1 && fail "accepted --flexsp 1 --tp 2"
+grep -q -- "--flexsp 1: FlexSP's pool is the data x context ranks; --tp 2 --pp 1 --ep 1" "$W/bad.out" || { cat "$W/bad.out"; fail "--flexsp with --tp 2: no line"; }
 $MPI 2 ./train_gpt2 "${BAD[@]}" --flexsp 1 -z 1 --flexsp-tokens 4 >"$W/bad.out" 2>&1 && fail "accepted a sequence longer than a group of two holds"
 grep -q -- "--flexsp-tokens 4: a sequence of -t 16 tokens does not fit the memory of the pool's largest group (2 rank(s) x 4 tokens" "$W/bad.out" \
   || { cat "$W/bad.out"; fail "--flexsp-tokens 4 on 2 ranks: no line"; }
@@ -230,4 +233,4 @@ for args in "--policy bogus --lengths 5:--policy: expected static" "--gpus 2 --l
   dev/tools/flexsp_plan ${args%%:*} >"$W/bad.out" 2>&1 && fail "flexsp_plan accepted ${args%%:*}"
   [ "$(wc -l <"$W/bad.out")" -eq 1 ] && grep -q -- "${args#*:}" "$W/bad.out" || { cat "$W/bad.out"; fail "flexsp_plan ${args%%:*}: not one line"; }
 done
-pass "bad input: --varlen 0, -t above maxT, -d; --flexsp without --varlen, an unknown policy, a sequence too long for the pool of 1 and of 2 ranks, --cp 2; flexsp_plan's unknown policy, a sequence too long for the pool: one line each"
+pass "bad input: --varlen 0, -t above maxT, -d; --flexsp without --varlen, an unknown policy, a sequence too long for the pool of 1 and of 2 ranks, --tp 2; flexsp_plan's unknown policy, a sequence too long for the pool: one line each"
