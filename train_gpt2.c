@@ -988,6 +988,11 @@ void activations_free(const GPT2* model, Activations* a) {
 // follows the pass. Every entry point of a pass calls it before reading the split.
 static void pass_split(const GPT2* model, Activations* a, ActivationGrads* g, int T) {
     if (!a->by_length) { return; }
+    int k = flexsp_log2(model->cp_size);
+    if (T > model->cp_len[k]) {   // the buffers and activations hold no more (model_cp_select)
+        fatal("internal: a pass of %d positions over a context-parallel group of %d made for %d", T, model->cp_size,
+              model->cp_len[k]);
+    }
     a->pass = zz_pass(model_split_group(model, SEQS_SPLIT_BY_LENGTH), T, 1);
     if (g) { g->pass = a->pass; }
 }

@@ -344,7 +344,8 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     if (t->root && a->sample_every > 0) { tokenizer_init_for_model(&t->tokenizer, a->tokenizer_path, c->vocab_size); }
 
     // the ranks that split a sequence: the cp group (its tp ranks with SP); under FlexSP each
-    // sequence's own group (and no pipeline messages: one stage)
+    // sequence's own group (one stage: the executor's message buffers, sized by the cp group's
+    // split, carry nothing)
     ZzGroup split = {comm->cp, a->sp ? comm->tp : 1, comm->cp_rank, comm->tp_rank};
     int splits = a->flexsp ? flexsp_largest : split.N * split.K;
     // --varlen with CP or SP (or FlexSP's groups): each sequence split or whole by its length
@@ -610,11 +611,15 @@ static inline void trainer_print_varlen_split(const Trainer* t) {
         else if (cp_split > 1) { unequal++; }
     }
     free(lengths);
-    char cp_alone[96] = "";
-    if (D > N) { snprintf(cp_alone, sizeof(cp_alone), ", %d %d ways (the cp group alone) in equal stretches", cp_equal, N); }
+    char by_cp[160] = "";   // the cp group's own splits (none without context parallelism)
+    if (N > 1 && D > N) {
+        snprintf(by_cp, sizeof(by_cp), ", %d %d ways (the cp group alone) in equal stretches, %d %d ways in R2Z's unequal "
+                 "pieces", cp_equal, N, unequal, N);
+    } else if (N > 1) {
+        snprintf(by_cp, sizeof(by_cp), ", %d %d ways in R2Z's unequal pieces", unequal, N);
+    }
     printf("varlen split: %d of this rank's %d sequences split %d ways in equal stretches (a multiple of 2 x %d)%s, "
-           "%d %d ways in R2Z's unequal pieces, %d computed whole by every rank\n", equal, n, D, D, cp_alone, unequal, N,
-           n - equal - cp_equal - unequal);
+           "%d computed whole by every rank\n", equal, n, D, D, by_cp, n - equal - cp_equal - unequal);
 }
 
 // Context parallelism's bytes this rank sent in the step, against cp_bytes_per_step for this
@@ -653,7 +658,7 @@ static inline void trainer_print_cp_accounting(const Trainer* t) {
 
 #define FLEXSP_SOLVER_MS 200   // GLPK's time limit per step (the plan is never worse than greedy)
 
-// The plan of the step's G sequences (world rank 0 plans, the dp group gets it by broadcast:
+// The plan of the step's G sequences (world rank 0 plans, the pool gets it by broadcast:
 // GLPK under a time limit need not give every rank the same plan): first[j], size[j] the block
 // of pool ranks computing sequence j. Rank 0 writes what it planned into `line` (NULL: nowhere).
 static inline void trainer_flexsp_plan(Trainer* t, const double* len, int G, int* first, int* size,
@@ -744,7 +749,7 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
         memcpy(local_loss + G, t->moe_micro_aux, sizeof(float) * (size_t)count);
     }
     local_loss[2 * G] = busy_ms;
-    // all-gather (dp group): every rank's loss sums and aux losses (its sequences in index
+    // all-gather (dp x cp group: the pool): every rank's loss sums and aux losses (its sequences in index
     // order) and its measured compute time; the loss is the R1 tree over sequence j's sum, from
     // rank first[j], the aux loss the same over sequence j's aux loss
     float* all = (float*)malloc_or_die(sizeof(float) * (size_t)N * stride, "FlexSP losses");
@@ -799,7 +804,7 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
 // planned like a step (trainer_flexsp_plan), a group's members computing its sequences in
 // index order with context parallelism over their pool sub-group. Every member ends with the
 // sequence's whole loss sum (context parallelism gathers the losses); the group's first rank
-// hands it on (all-gather, dp group), and the sums are added by the R1 tree in sequence order
+// hands it on (all-gather over the pool), and the sums are added by the R1 tree in sequence order
 // over their targets, as trainer_validate adds one rank's batches. Under ZeRO-3 every rank
 // gathers the parameters once, ahead of the passes, as a step does.
 static inline float trainer_validate_flexsp(Trainer* t) {
@@ -970,7 +975,8 @@ static inline void trainer_report_step(Trainer* t, const BuildInfo* build, const
             printf("zero accounting: stage %d N %d P %zu VpC %zu L %d microbatches/rank %d | "
                    "bytes/rank/step grad %llu param %llu | bytes/rank params %.0f grads %.0f optimizer %.0f",
                    z->stage, z->N, param_count(c), (size_t)c->padded_vocab_size * c->channels, c->num_layers,
-                   z->local_microbatches, (unsigned long long)comm->stats.bytes[COMM_KIND_GRAD],
+                   t->args.flexsp ? z->chunk_count[0] : z->local_microbatches,   // FlexSP: the plan's count
+                   (unsigned long long)comm->stats.bytes[COMM_KIND_GRAD],
                    (unsigned long long)comm->stats.bytes[COMM_KIND_PARAM], mem.params, mem.grads, mem.optimizer);
             if (z->bf16_weights) { printf(" bf16 weights %.0f", mem.weights); }
             printf("\n");

@@ -322,8 +322,6 @@ static void test_matmul_seqs(int B, int T, int K, int OC) {
     free(inp); free(dout); free(dw); free(db);
 }
 
-// A row-parallel split: K cut into `parts` slices of whole chunks, each reduced with
-// CANON_R/parts chunks, the slices' results combined by the R1 tree == the unsplit result.
 // The zig-zag layout of any length (canonical.h canon_zz_*, zigzag.h zz_max_len) against the
 // rule's text above (slice_len, slice_pos), for every n from 2D to 300 (R2Z's unequal pieces
 // where 2D does not divide n): the slices partition the sequence; each slice's offset is the
@@ -381,6 +379,8 @@ static void test_zigzag_layout(void) {
     }
 }
 
+// A row-parallel split: K cut into `parts` slices of whole chunks, each reduced with
+// CANON_R/parts chunks, the slices' results combined by the R1 tree == the unsplit result.
 static void test_split_reductions(int parts) {
     int BT = 7, K = 48, OC = 9, C = 16;
     float* inp = rand_buf((size_t)BT * K);

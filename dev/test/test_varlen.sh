@@ -89,12 +89,16 @@ pass "--varlen on DP 2 x ZeRO 0-3, DP 4 x ZeRO-3, TP 2, PP 2 (1f1b, gpipe, zb1, 
 # TP + SP one (checked) ---
 # split_kinds NAME KIND...: this rank's first step split some of its sequences into equal
 # stretches, some in R2Z's unequal pieces, computed some whole (KIND: equal, unequal, whole)
+# (the unequal pieces' part of the line only with --cp)
 split_kinds() {
-  local name=$1 kind; shift
-  set -- $(sed -n 's/^varlen split: \([0-9]*\) of this rank.s [0-9]* sequences .*, \([0-9]*\) [0-9]* ways in R2Z.s unequal pieces, \([0-9]*\) computed whole.*/equal=\1 unequal=\2 whole=\3/p' "$W/$name.out") "$@"
-  [ $# -ge 3 ] || fail "$name: no varlen split line"
-  local equal=${1#*=} unequal=${2#*=} whole=${3#*=}
-  for kind in "${@:4}"; do [ "${!kind}" -gt 0 ] || fail "$name: no sequence $kind ($1 $2 $3)"; done
+  local name=$1 kind line equal unequal whole; shift
+  line=$(grep -m1 "^varlen split: " "$W/$name.out") || fail "$name: no varlen split line"
+  equal=$(echo "$line" | sed -n 's/^varlen split: \([0-9][0-9]*\) of this rank.*/\1/p')
+  unequal=$(echo "$line" | sed -n "s/.* \([0-9][0-9]*\) [0-9][0-9]* ways in R2Z's unequal pieces.*/\1/p")
+  whole=$(echo "$line" | sed -n 's/.*, \([0-9][0-9]*\) computed whole by every rank$/\1/p')
+  [ -n "$equal" ] && [ -n "$whole" ] || fail "$name: unreadable varlen split line: $line"
+  unequal=${unequal:-0}
+  for kind in "$@"; do [ "${!kind}" -gt 0 ] || fail "$name: no sequence $kind ($line)"; done
 }
 for layout in "2 --cp 2" "2 --cp 2 --cp-mode a2a" "4 --cp 4" "4 --cp 2 -z 1" "4 --cp 2 --cp-mode a2a -z 3" \
               "4 --cp 2 --pp 2" "2 --tp 2 --sp 1" "4 --tp 2 --sp 1 --cp 2"; do
@@ -139,14 +143,14 @@ pass "--varlen with experts: --ep 2, --cp 2 a2a, CP 2 x EP 2 (ZeRO-3), --flexsp 
 # --- FlexSP: rank 0 plans each step's groups, a group of several ranks runs its sequences with
 # context parallelism (ring; a2a on 2 ranks) over its pool sub-group, the exchange keeps one rank's bits. Below -t,
 # --flexsp-tokens makes the longer sequences need a group of 2 or 4 (LAYOUT:what its lines show) ---
-FLEX=(-e d2c16h2v50257t32 -i "$W/docs.bin" -j "$W/docsval.bin" -t 16 --varlen 8 -v 2 -m 1 -s 0 -l 3e-3 -x 2 -n 2)
+FLEX=(-e d2c16h2v50257t32 -i "$W/docs.bin" -j "$W/docsval.bin" -t 16 --varlen 8 -v 2 -m 2 -s 0 -l 3e-3 -x 2 -n 2)
 run flexone 1 "${FLEX[@]}" -o "$W/flexone"
 for layout in "1 -z 1 --flexsp-policy milp:group 0 (1 rank(s), 0-0)" "2 -z 0 --flexsp-policy adaptive:group 1 (1 rank(s), 1-1)" \
               "2 -z 3 --flexsp-policy milp:group 1 (1 rank(s), 1-1)" \
               "2 -z 1 --flexsp-policy static --flexsp-tokens 8 --cp-mode a2a:group 0 (2 rank(s), 0-1)" \
               "4 -z 3 --flexsp-policy static --flexsp-tokens 4:group 0 (4 rank(s), 0-3)" \
               "4 -z 2 --flexsp-policy milp --flexsp-tokens 15:group 1 (2 rank(s), 2-3)" \
-              "4 --cp 2 -z 1 --flexsp-policy milp --flexsp-tokens 8:group 1 (2 rank(s), 2-3)"; do
+              "4 --cp 2 -z 3 --cp-mode a2a --flexsp-policy milp --flexsp-tokens 8:group 1 (2 rank(s), 2-3)"; do
   shows=${layout#*:}; layout=${layout%%:*}
   name=flex$(echo "$layout" | tr -d ' -')
   run "$name" $layout --flexsp 1 "${FLEX[@]}" -o "$W/$name"
