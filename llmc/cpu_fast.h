@@ -1011,6 +1011,8 @@ void attention_scores_block(float* att, const float* qkv, const float* kblk, int
 // each block's R2Z subtree, the division; 0 for the keys a query does not attend to.
 void attention_softmax_blocks(float* att, int B, int T, int NH, int N, int r) {
     int Tq = (int)canon_zz_len(T, N, r), ntiles = (Tq + ATT_NR - 1) / ATT_NR;
+    long col[CANON_R], Tk[CANON_R];   // block s: its columns of att start at col[s], Tk[s] keys
+    for (int s = 0; s < N; s++) { col[s] = canon_zz_offset(T, N, s); Tk[s] = canon_zz_len(T, N, s); }
     #pragma omp parallel for schedule(dynamic, 1)
     for (long idx = 0; idx < (long)B * NH * ntiles; idx++) {
         int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles);
@@ -1022,24 +1024,22 @@ void attention_softmax_blocks(float* att, int B, int T, int NH, int N, int r) {
         for (int i = 0; i < nr; i++) {
             float m = -canon_inf();
             for (int s = 0; s < N; s++) {
-                float ms = attn_row_max(rows + (size_t)i * T + canon_zz_offset(T, N, s), hi[s][i]);
+                float ms = attn_row_max(rows + (size_t)i * T + col[s], hi[s][i]);
                 m = ms > m ? ms : m;
             }
             maxv[i] = m;
         }
         for (int s = 0; s < N; s++) {
-            long col = canon_zz_offset(T, N, s);
-            for (int i = 0; i < nr; i++) { exps_shifted(rows + (size_t)i * T + col, hi[s][i], maxv[i]); }
-            attn_row_sums(zs[s], rows + col, T, NULL, 0, nr, hi[s], T, N, s);
+            for (int i = 0; i < nr; i++) { exps_shifted(rows + (size_t)i * T + col[s], hi[s][i], maxv[i]); }
+            attn_row_sums(zs[s], rows + col[s], T, NULL, 0, nr, hi[s], T, N, s);
         }
         for (int i = 0; i < nr; i++) {
             float z = canon_tree_sum(&zs[0][i], N, ATT_NR);
             for (int s = 0; s < N; s++) {
-                float* a = rows + (size_t)i * T + canon_zz_offset(T, N, s);
-                int Tk = (int)canon_zz_len(T, N, s);
+                float* a = rows + (size_t)i * T + col[s];
                 #pragma omp simd
                 for (int j = 0; j < hi[s][i]; j++) { a[j] = a[j] / z; }
-                for (int j = hi[s][i]; j < Tk; j++) { a[j] = 0.0f; }
+                for (int j = hi[s][i]; j < Tk[s]; j++) { a[j] = 0.0f; }
             }
         }
     }
@@ -1074,6 +1074,8 @@ void attention_datt_block(float* ds, const float* dout, const float* vblk, int B
 void attention_softmax_backward_blocks(float* ds, const float* att, int B, int T, int C, int NH, int N, int r) {
     int Tq = (int)canon_zz_len(T, N, r), ntiles = (Tq + ATT_NR - 1) / ATT_NR;
     float scale = canon_rsqrtf((float)(C / NH));
+    long col[CANON_R];   // block s's columns of att and ds start at col[s]
+    for (int s = 0; s < N; s++) { col[s] = canon_zz_offset(T, N, s); }
     #pragma omp parallel for schedule(dynamic, 1)
     for (long idx = 0; idx < (long)B * NH * ntiles; idx++) {
         int tile = (int)(idx % ntiles), bh = (int)(idx / ntiles);
@@ -1082,15 +1084,14 @@ void attention_softmax_backward_blocks(float* ds, const float* att, int B, int T
         int lo[CANON_R][ATT_NR], hi[CANON_R][ATT_NR];
         float ss[CANON_R][ATT_NR];
         for (int s = 0; s < N; s++) {
-            long col = canon_zz_offset(T, N, s);
             cp_key_bounds(lo[s], hi[s], t0, nr, T, N, r, s);
-            attn_row_sums(ss[s], att + row0 + col, T, ds + row0 + col, T, nr, hi[s], T, N, s);
+            attn_row_sums(ss[s], att + row0 + col[s], T, ds + row0 + col[s], T, nr, hi[s], T, N, s);
         }
         for (int i = 0; i < nr; i++) {
             float S = canon_tree_sum(&ss[0][i], N, ATT_NR);
             for (int s = 0; s < N; s++) {
-                const float* a = att + row0 + (size_t)i * T + canon_zz_offset(T, N, s);
-                float* d = ds + row0 + (size_t)i * T + canon_zz_offset(T, N, s);
+                const float* a = att + row0 + (size_t)i * T + col[s];
+                float* d = ds + row0 + (size_t)i * T + col[s];
                 #pragma omp simd
                 for (int j = 0; j < hi[s][i]; j++) { d[j] = a[j] * (d[j] - S) * scale; }
             }

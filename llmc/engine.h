@@ -119,6 +119,13 @@ static inline int trainer_flexsp_longest(const Trainer* t, int g) {
     return longest < t->T ? (int)longest : t->T;
 }
 
+// The passes that follow run over this rank's FlexSP group of g ranks (its pool sub-group; 1:
+// each sequence whole on this rank). Nothing to select when the plans use groups of one only.
+static inline void trainer_flexsp_select(Trainer* t, int g) {
+    if (t->flexsp_cost.max_group <= 1) { return; }
+    t->ops->cp_select(t->models[0], &t->comm.pool_groups[flexsp_log2(g)], trainer_flexsp_longest(t, g));
+}
+
 // --flexsp 1 runs over the pool of data x context ranks (the dp x cp group: --cp N only makes
 // the pool N times larger, FlexSP forming its own groups in it) with any ZeRO stage, each group
 // of several ranks with context parallelism over its pool sub-group (README; with experts, each
@@ -332,7 +339,7 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     // of them: each group's sequences up to what its ranks hold together (the largest selected
     // last)
     for (int k = 0; flexsp_largest > 1 && k <= flexsp_log2(flexsp_largest); k++) {
-        ops->cp_select(t->models[0], &comm->pool_groups[k], trainer_flexsp_longest(t, 1 << k));
+        trainer_flexsp_select(t, 1 << k);
     }
 
     t->do_val = a->val_every > 0;
@@ -354,7 +361,7 @@ static inline void trainer_build(Trainer* t, const ModelOps* ops, const MemOps* 
     pipeline_init(&t->pipe, ops, mem, t->models, t->places, &comm->pp_group, t->pp_kind, v,
                   t->zero.local_microbatches, B, T, c->channels, a->recompute, split, layout);
     t->grads = ops->grads_create(t->models[0], B, T, layout, &t->grads_bytes);
-    if (flexsp_largest > 1) { ops->cp_select(t->models[0], &comm->pool_groups[0], trainer_flexsp_longest(t, 1)); }
+    if (flexsp_largest > 1) { trainer_flexsp_select(t, 1); }
     if (t->moe) {   // each local microbatch's aux losses (FlexSP: a rank may run all G = M sequences)
         size_t micro = (size_t)(a->flexsp ? t->M : t->zero.local_microbatches), n = micro * c->num_layers;
         t->pipe.num_layers = c->num_layers;
@@ -730,16 +737,12 @@ static inline float trainer_flexsp_step(Trainer* t, int64_t targets, float* aux)
     float* local_loss = (float*)calloc_or_die(stride, sizeof(float), "FlexSP losses");
     PipelineStepContext x = {z, t->grads, &t->train_loader, done, t->B, t->T, a->overfit_single_batch, 0, 0,
                              1.0f / (float)(double)targets, t->ops->grad_residual(p->models[0], t->grads), local_loss};
-    int grouped = t->flexsp_cost.max_group > 1;
     for (int k = 0; k < count; k++) {
-        if (grouped) {
-            int g = size[mine[k]];
-            t->ops->cp_select(p->models[0], &t->comm.pool_groups[flexsp_log2(g)], trainer_flexsp_longest(t, g));
-        }
+        trainer_flexsp_select(t, size[mine[k]]);
         pipeline_run_forward(p, &x, k, 0);
         pipeline_run_backward(p, &x, k, 0, BACKWARD_BOTH);
     }
-    if (grouped) { t->ops->cp_select(p->models[0], &t->comm.pool_groups[0], trainer_flexsp_longest(t, 1)); }
+    trainer_flexsp_select(t, 1);
     t->mem->sync();
     float busy_ms = (float)((now_seconds() - t0) * 1e3);
     flexsp_reduce_step(z, &t->flexsp_ws, first, size, G);
@@ -811,7 +814,7 @@ static inline float trainer_validate_flexsp(Trainer* t) {
     Zero* z = &t->zero;
     Pipeline* p = &t->pipe;
     CommGroup* pool = &t->comm.dpcp_group;
-    int batches = t->val_batches, G = t->M, N = pool->size, me = pool->rank, grouped = t->flexsp_cost.max_group > 1;
+    int batches = t->val_batches, G = t->M, N = pool->size, me = pool->rank;
     void* acts = pipeline_chunk_acts(p, 0);
     double* len = (double*)malloc_or_die(sizeof(double) * (size_t)G, "FlexSP validation");
     int* ints = (int*)malloc_or_die(sizeof(int) * (4 * (size_t)G + N), "FlexSP validation");
@@ -827,9 +830,7 @@ static inline float trainer_validate_flexsp(Trainer* t) {
         trainer_flexsp_plan(t, len, n, first, size, plan, group_of, sorted, NULL);
         for (int j = 0; j < n; j++) {
             if (!flexsp_holds(first, size, j, me)) { continue; }
-            if (grouped) {
-                t->ops->cp_select(p->models[0], &t->comm.pool_groups[flexsp_log2(size[j])], trainer_flexsp_longest(t, size[j]));
-            }
+            trainer_flexsp_select(t, size[j]);
             dataloader_load(&t->val_loader, j0 + j);
             int Tj = t->val_loader.loaded_T;
             pipeline_forward_pass(p, &acts, t->val_loader.inputs, t->val_loader.targets, 1, Tj, t->config.channels, 1, -1);
@@ -841,7 +842,7 @@ static inline float trainer_validate_flexsp(Trainer* t) {
         memset(next, 0, sizeof(int) * (size_t)N);
         for (int j = 0; j < n; j++) { sums[j0 + j] = all[(size_t)first[j] * G + next[first[j]]++]; }
     }
-    if (grouped) { t->ops->cp_select(p->models[0], &t->comm.pool_groups[0], trainer_flexsp_longest(t, 1)); }
+    trainer_flexsp_select(t, 1);
     zero_flexsp_end_passes(z);
     float loss = canon_tree_sum(sums, batches, 1) / (float)(double)dataloader_targets(&t->val_loader, 0, batches);
     free(len); free(ints); free(plan); free(local); free(all); free(sums);
