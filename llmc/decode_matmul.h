@@ -25,7 +25,8 @@
  * (decode_round_bf16), so that the rows matmul_forward takes agree with the packed ones.
  *
  * Two tile kernels share a panel's loads among rows. A few rows (up to DECODE_ROW_TILE): the
- * lanes are the panel's outputs and each row's input is broadcast (decode_panel_tile). A batch
+ * lanes are the panel's outputs and each row's input is broadcast (decode_panel_tile, the tile's
+ * inputs interleaved k-major once per call: decode_interleave_rows). A batch
  * (tiles of VLEN rows, 16 with AVX-512): the lanes are the rows, the inputs transposed once per
  * call (decode_transpose_rows: at each k the tile's VLEN inputs are one vector), and each of the
  * panel's DECODE_PANEL weights at k is broadcast (decode_panel_rows): DECODE_PANEL independent
@@ -202,18 +203,34 @@ static inline __attribute__((always_inline)) void decode_prefetch_panel(const fl
 // `every` k's (at NULL: nothing).
 typedef struct { const char *at, *end; int every; } DecodeAhead;
 
-// One panel (outputs o0 .. o0 + no) for rows r0 .. r0 + NR: at each k, the panel's vectors are
-// loaded once (from fp32, or widened from bf16: panel_bf16) and each row's input broadcast
-// into them; each chunk's accumulators join the stack as one leaf. Meanwhile its share of the
-// next panel is asked for (ahead).
-static inline __attribute__((always_inline)) void decode_panel_tile(float* out, const float* inp, const float* panel,
+// xp <- inp's rows [r0, N) in tiles of DECODE_ROW_TILE (the last may hold fewer), each tile's
+// inputs interleaved k-major: a tile of nr rows from r0 is xp[r0 * IC + k * nr + r] = inp[(r0 + r)
+// * IC + k], so a panel tile's broadcasts at each k come from one place and its k loop reads one
+// stream of inputs beside the panel's (reading nr rows IC apart cost a third of the 6-row
+// tile's speed). Inside a parallel region.
+static inline void decode_interleave_rows(float* xp, const float* inp, int r0, int N, int IC) {
+    #pragma omp for schedule(static)
+    for (int t0 = r0; t0 < N; t0 += DECODE_ROW_TILE) {
+        int nr = N - t0 < DECODE_ROW_TILE ? N - t0 : DECODE_ROW_TILE;
+        float* dst = xp + (size_t)t0 * IC;
+        for (int k = 0; k < IC; k++) {
+            for (int r = 0; r < nr; r++) { dst[(size_t)k * nr + r] = inp[(size_t)(t0 + r) * IC + k]; }
+        }
+    }
+}
+
+// One panel (outputs o0 .. o0 + no) for rows r0 .. r0 + NR, their inputs x interleaved
+// (decode_interleave_rows: x[k * NR + r]): at each k, the panel's vectors are loaded once (from
+// fp32, or widened from bf16: panel_bf16) and each row's input broadcast into them; each chunk's
+// accumulators join the stack as one leaf. Meanwhile its share of the next panel is asked for
+// (ahead).
+static inline __attribute__((always_inline)) void decode_panel_tile(float* out, const float* x, const float* panel,
                                                                     const uint16_t* panel_bf16, const float* bias, int IC,
                                                                     int OC, int o0, int no, int r0, const int NR,
                                                                     int nchunks, DecodeAhead ahead) {
     enum { PV = DECODE_PANEL_VECS, ENTRY = DECODE_ROW_TILE * DECODE_PANEL };
     float partials[(CANON_LOG2_R + 2) * ENTRY];
     CanonStack stack = canon_stack(partials, ENTRY, 1, NR * DECODE_PANEL, ENTRY);
-    const float* x = inp + (size_t)r0 * IC;
     int countdown = ahead.every;
     for (int ch = 0; ch < nchunks; ch++) {
         int kb = (int)(((long)IC * ch) / nchunks), ke = (int)(((long)IC * (ch + 1)) / nchunks);
@@ -221,7 +238,8 @@ static inline __attribute__((always_inline)) void decode_panel_tile(float* out, 
         _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
             _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { acc[r][v] = vf_zero(); }
         }
-        for (int k = kb; k < ke; k++) {
+        const float* xk = x + (size_t)kb * NR;
+        _Pragma("GCC unroll 4") for (int k = kb; k < ke; k++) {
             if (ahead.at && --countdown == 0) {
                 countdown = ahead.every;
                 if (ahead.at < ahead.end) { __builtin_prefetch(ahead.at); ahead.at += 64; }
@@ -232,9 +250,10 @@ static inline __attribute__((always_inline)) void decode_panel_tile(float* out, 
                 w[v] = panel_bf16 ? vf_load_bf16(panel_bf16 + i) : vf_load(panel + i);
             }
             _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
-                vf a = vf_set1(x[(size_t)r * IC + k]);
+                vf a = vf_set1(xk[r]);
                 _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { acc[r][v] = vf_fma(a, w[v], acc[r][v]); }
             }
+            xk += NR;
         }
         float* leaf = canon_stack_next(&stack);
         _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
@@ -310,10 +329,13 @@ static inline void decode_matmul_forward(float* out, const float* inp, const Dec
     int IC = m->IC, OC = m->OC, panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
     int tiles = !DECODE_ROW_LANES ? 0 : N % VLEN > DECODE_ROW_TILE ? (N + VLEN - 1) / VLEN : N / VLEN;   // row tiles
     int tiled = tiles * VLEN < N ? tiles * VLEN : N;                            // rows they hold
-    float* xt = tiles ? scratch(SCRATCH_DECODE, sizeof(float) * (size_t)tiles * IC * VLEN) : NULL;
+    // the row tiles' inputs transposed, then the other rows' interleaved for the panel tiles
+    float* xt = scratch(SCRATCH_DECODE, sizeof(float) * ((size_t)tiles * IC * VLEN + (size_t)N * IC));
+    float* xp = xt + (size_t)tiles * IC * VLEN - (size_t)tiled * IC;   // xp + r0 * IC: the tile of row r0 >= tiled
     #pragma omp parallel
     {
-        if (tiles) { decode_transpose_rows(xt, inp, N, IC, tiles); }   // (its omp for ends in a barrier)
+        if (tiles) { decode_transpose_rows(xt, inp, N, IC, tiles); }
+        decode_interleave_rows(xp, inp, tiled, N, IC);   // (each omp for ends in a barrier)
         #pragma omp for schedule(static)
         for (int p = 0; p < panels; p++) {
             size_t at = (size_t)p * IC * DECODE_PANEL;
@@ -339,9 +361,10 @@ static inline void decode_matmul_forward(float* out, const float* inp, const Dec
                 }
                 // one specialisation per row count and weight type (the branch on the type is
                 // taken out of the k loop)
+                const float* x = xp + (size_t)r0 * IC;
 #define DECODE_TILE(NR)                                                                                         \
-    if (m->packed_bf16) { decode_panel_tile(out, inp, NULL, m->packed_bf16 + at, bias, IC, OC, o0, no, r0, NR, nchunks, ahead); } \
-    else { decode_panel_tile(out, inp, m->packed + at, NULL, bias, IC, OC, o0, no, r0, NR, nchunks, ahead); }
+    if (m->packed_bf16) { decode_panel_tile(out, x, NULL, m->packed_bf16 + at, bias, IC, OC, o0, no, r0, NR, nchunks, ahead); } \
+    else { decode_panel_tile(out, x, m->packed + at, NULL, bias, IC, OC, o0, no, r0, NR, nchunks, ahead); }
                 switch (N - r0 < DECODE_ROW_TILE ? N - r0 : DECODE_ROW_TILE) {
                     case 1: DECODE_TILE(1); break;
                     case 2: DECODE_TILE(2); break;
