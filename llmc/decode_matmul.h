@@ -199,9 +199,12 @@ static inline __attribute__((always_inline)) void decode_prefetch_panel(const fl
     else { __builtin_prefetch(panel + (size_t)k * DECODE_PANEL); }
 }
 
-// Where a panel tile asks the cache for the next panel: the bytes [at, end), one line every
-// `every` k's (at NULL: nothing).
-typedef struct { const char *at, *end; int every; } DecodeAhead;
+// Where a panel tile asks the cache for the next panel: at each k one prefetch of `at`, then at
+// += step bytes, so that over its IC k's the tile walks its share of the next panel (each line
+// asked for about 64/step times: a prefetch of a line already on its way costs a load slot,
+// less than a branch to ask once per line did in the unrolled k loop). With nothing to ask
+// for, at is the tile's own inputs (in cache) and step 0.
+typedef struct { const char* at; long step; } DecodeAhead;
 
 // xp <- inp's rows [r0, N) in tiles of DECODE_ROW_TILE (the last may hold fewer), each tile's
 // inputs interleaved k-major: a tile of nr rows from r0 is xp[r0 * IC + k * nr + r] = inp[(r0 + r)
@@ -231,7 +234,6 @@ static inline __attribute__((always_inline)) void decode_panel_tile(float* out, 
     enum { PV = DECODE_PANEL_VECS, ENTRY = DECODE_ROW_TILE * DECODE_PANEL };
     float partials[(CANON_LOG2_R + 2) * ENTRY];
     CanonStack stack = canon_stack(partials, ENTRY, 1, NR * DECODE_PANEL, ENTRY);
-    int countdown = ahead.every;
     for (int ch = 0; ch < nchunks; ch++) {
         int kb = (int)(((long)IC * ch) / nchunks), ke = (int)(((long)IC * (ch + 1)) / nchunks);
         vf acc[DECODE_ROW_TILE][PV];
@@ -240,10 +242,8 @@ static inline __attribute__((always_inline)) void decode_panel_tile(float* out, 
         }
         const float* xk = x + (size_t)kb * NR;
         _Pragma("GCC unroll 4") for (int k = kb; k < ke; k++) {
-            if (ahead.at && --countdown == 0) {
-                countdown = ahead.every;
-                if (ahead.at < ahead.end) { __builtin_prefetch(ahead.at); ahead.at += 64; }
-            }
+            __builtin_prefetch(ahead.at);
+            ahead.at += ahead.step;
             vf w[PV];
             _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) {
                 size_t i = (size_t)k * DECODE_PANEL + v * VLEN;
@@ -354,14 +354,11 @@ static inline void decode_matmul_forward(float* out, const float* inp, const Dec
             const char* next = p + 1 == panels || ntiles < 2 ? NULL
                                : m->packed_bf16 ? (const char*)(m->packed_bf16 + next_at) : (const char*)(m->packed + next_at);
             for (int r0 = tiled, tile = 0; r0 < N; r0 += DECODE_ROW_TILE, tile++) {
-                DecodeAhead ahead = {NULL, NULL, ntiles};
-                if (next) {
-                    ahead.at = next + panel_bytes * tile / ntiles;
-                    ahead.end = next + panel_bytes * (tile + 1) / ntiles;
-                }
+                const float* x = xp + (size_t)r0 * IC;
+                DecodeAhead ahead = {(const char*)x, 0};
+                if (next) { ahead = (DecodeAhead){next + panel_bytes * tile / ntiles, (long)(panel_bytes / ntiles / IC)}; }
                 // one specialisation per row count and weight type (the branch on the type is
                 // taken out of the k loop)
-                const float* x = xp + (size_t)r0 * IC;
 #define DECODE_TILE(NR)                                                                                         \
     if (m->packed_bf16) { decode_panel_tile(out, x, NULL, m->packed_bf16 + at, bias, IC, OC, o0, no, r0, NR, nchunks, ahead); } \
     else { decode_panel_tile(out, x, m->packed + at, NULL, bias, IC, OC, o0, no, r0, NR, nchunks, ahead); }
