@@ -66,6 +66,7 @@
                                                  // on a store and a load), so every row goes in panel tiles
 #endif
 #define DECODE_MAX_ROWS 64                       // more rows: matmul_forward's row tiles
+#define DECODE_PANEL_GROUP 4                     // panels a tile of one row takes at once (of two rows: 2)
 #define DECODE_PREFETCH_K 16                     // panel rows (k) ahead that a row tile asks the cache for
 
 typedef struct {
@@ -206,15 +207,23 @@ static inline __attribute__((always_inline)) void decode_prefetch_panel(const fl
 // for, at is the tile's own inputs (in cache) and step 0.
 typedef struct { const char* at; long step; } DecodeAhead;
 
-// xp <- inp's rows [r0, N) in tiles of DECODE_ROW_TILE (the last may hold fewer), each tile's
-// inputs interleaved k-major: a tile of nr rows from r0 is xp[r0 * IC + k * nr + r] = inp[(r0 + r)
-// * IC + k], so a panel tile's broadcasts at each k come from one place and its k loop reads one
-// stream of inputs beside the panel's (reading nr rows IC apart cost a third of the 6-row
-// tile's speed). Inside a parallel region.
+// The rows [r0, N) go to the panel tiles in ceil((N - r0) / DECODE_ROW_TILE) tiles of as
+// equal sizes as can be (13 rows as 5 + 4 + 4, not 6 + 6 + 1: a tile's time at each k is about
+// its FMAs or the FMA latency, whichever is more, so a tile of one row costs nearly what one of
+// six does); tile t of n starts at row decode_tile_start(r0, N, t, n).
+static inline int decode_tile_count(int r0, int N) { return (N - r0 + DECODE_ROW_TILE - 1) / DECODE_ROW_TILE; }
+static inline int decode_tile_start(int r0, int N, int t, int n) { return r0 + (int)((long)(N - r0) * t / n); }
+
+// xp <- inp's rows [r0, N) tile by tile, each tile's inputs interleaved k-major: a tile of nr
+// rows from row t0 is xp[t0 * IC + k * nr + r] = inp[(t0 + r) * IC + k], so a panel tile's
+// broadcasts at each k come from one place and its k loop reads one stream of inputs beside
+// the panel's (reading nr rows IC apart cost a third of the 6-row tile's speed). Inside a
+// parallel region.
 static inline void decode_interleave_rows(float* xp, const float* inp, int r0, int N, int IC) {
+    int n = decode_tile_count(r0, N);
     #pragma omp for schedule(static)
-    for (int t0 = r0; t0 < N; t0 += DECODE_ROW_TILE) {
-        int nr = N - t0 < DECODE_ROW_TILE ? N - t0 : DECODE_ROW_TILE;
+    for (int t = 0; t < n; t++) {
+        int t0 = decode_tile_start(r0, N, t, n), nr = decode_tile_start(r0, N, t + 1, n) - t0;
         float* dst = xp + (size_t)t0 * IC;
         for (int k = 0; k < IC; k++) {
             for (int r = 0; r < nr; r++) { dst[(size_t)k * nr + r] = inp[(size_t)(t0 + r) * IC + k]; }
@@ -222,48 +231,54 @@ static inline void decode_interleave_rows(float* xp, const float* inp, int r0, i
     }
 }
 
-// One panel (outputs o0 .. o0 + no) for rows r0 .. r0 + NR, their inputs x interleaved
-// (decode_interleave_rows: x[k * NR + r]): at each k, the panel's vectors are loaded once (from
-// fp32, or widened from bf16: panel_bf16) and each row's input broadcast into them; each chunk's
-// accumulators join the stack as one leaf. Meanwhile its share of the next panel is asked for
-// (ahead).
+// NP consecutive panels (outputs o0 .. o0 + NP * DECODE_PANEL, those below OC kept) for rows r0
+// .. r0 + NR, their inputs x interleaved (decode_interleave_rows: x[k * NR + r]): at each k,
+// each panel's vectors are loaded once (from fp32, or widened from bf16: panel_bf16) and each
+// row's input broadcast into them; each chunk's accumulators join the stack as one leaf.
+// Meanwhile its share of the next panel is asked for (ahead). Several panels at once are for a
+// tile of one or two rows: each accumulator is a chain of FMAs, each waiting on the one before
+// (4 cycles), and one row of one panel has only DECODE_PANEL_VECS chains: at that latency it
+// could not read bf16 copies as fast as the memory sends them.
 static inline __attribute__((always_inline)) void decode_panel_tile(float* out, const float* x, const float* panel,
                                                                     const uint16_t* panel_bf16, const float* bias, int IC,
-                                                                    int OC, int o0, int no, int r0, const int NR,
+                                                                    int OC, int o0, int r0, const int NR, const int NP,
                                                                     int nchunks, DecodeAhead ahead) {
-    enum { PV = DECODE_PANEL_VECS, ENTRY = DECODE_ROW_TILE * DECODE_PANEL };
+    enum { PV = DECODE_PANEL_VECS, ENTRY = DECODE_ROW_TILE * DECODE_PANEL, MAX_NP = DECODE_PANEL_GROUP };
     float partials[(CANON_LOG2_R + 2) * ENTRY];
-    CanonStack stack = canon_stack(partials, ENTRY, 1, NR * DECODE_PANEL, ENTRY);
+    int cols = NP * DECODE_PANEL;   // NR x cols of a leaf (NR * NP <= DECODE_ROW_TILE)
+    CanonStack stack = canon_stack(partials, ENTRY, 1, NR * cols, ENTRY);
+    size_t panel_size = (size_t)IC * DECODE_PANEL;   // elements between consecutive panels
     for (int ch = 0; ch < nchunks; ch++) {
         int kb = (int)(((long)IC * ch) / nchunks), ke = (int)(((long)IC * (ch + 1)) / nchunks);
-        vf acc[DECODE_ROW_TILE][PV];
+        vf acc[DECODE_ROW_TILE][MAX_NP * PV];
         _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
-            _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { acc[r][v] = vf_zero(); }
+            _Pragma("GCC unroll 8") for (int v = 0; v < NP * PV; v++) { acc[r][v] = vf_zero(); }
         }
         const float* xk = x + (size_t)kb * NR;
         _Pragma("GCC unroll 4") for (int k = kb; k < ke; k++) {
             __builtin_prefetch(ahead.at);
             ahead.at += ahead.step;
-            vf w[PV];
-            _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) {
-                size_t i = (size_t)k * DECODE_PANEL + v * VLEN;
+            vf w[MAX_NP * PV];
+            _Pragma("GCC unroll 8") for (int v = 0; v < NP * PV; v++) {
+                size_t i = (size_t)(v / PV) * panel_size + (size_t)k * DECODE_PANEL + (v % PV) * VLEN;
                 w[v] = panel_bf16 ? vf_load_bf16(panel_bf16 + i) : vf_load(panel + i);
             }
             _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
                 vf a = vf_set1(xk[r]);
-                _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { acc[r][v] = vf_fma(a, w[v], acc[r][v]); }
+                _Pragma("GCC unroll 8") for (int v = 0; v < NP * PV; v++) { acc[r][v] = vf_fma(a, w[v], acc[r][v]); }
             }
             xk += NR;
         }
         float* leaf = canon_stack_next(&stack);
         _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) {
-            _Pragma("GCC unroll 2") for (int v = 0; v < PV; v++) { vf_store(leaf + r * DECODE_PANEL + v * VLEN, acc[r][v]); }
+            _Pragma("GCC unroll 8") for (int v = 0; v < NP * PV; v++) { vf_store(leaf + r * cols + v * VLEN, acc[r][v]); }
         }
         canon_stack_push(&stack, canon_tree_merges_after(ch, nchunks));
     }
+    int no = OC - o0 < cols ? OC - o0 : cols;
     for (int r = 0; r < NR; r++) {
         float* o = out + (size_t)(r0 + r) * OC + o0;
-        for (int j = 0; j < no; j++) { o[j] = bias ? partials[r * DECODE_PANEL + j] + bias[o0 + j] : partials[r * DECODE_PANEL + j]; }
+        for (int j = 0; j < no; j++) { o[j] = bias ? partials[r * cols + j] + bias[o0 + j] : partials[r * cols + j]; }
     }
 }
 
@@ -322,13 +337,18 @@ static inline __attribute__((always_inline)) void decode_panel_rows(float* out, 
 // tiles of VLEN to decode_panel_rows, and a remainder of at most DECODE_ROW_TILE rows (every row
 // when N is that small, as a lone request's step) to decode_panel_tile; a remainder of more
 // rows takes a row tile of its own, its missing rows zeros. Otherwise every row goes to
-// decode_panel_tile, DECODE_ROW_TILE at a time. The threads take contiguous runs of panels, so
-// each streams its part of the copy once (the tiles after the first find the panel in cache).
+// decode_panel_tile, in tiles of at most DECODE_ROW_TILE rows. One or two rows in all take
+// DECODE_PANEL_GROUP or 2 panels at once. The threads take contiguous runs of panels, so each
+// streams its part of the copy once (the tiles after the first find the panel in cache).
 static inline void decode_matmul_forward(float* out, const float* inp, const DecodeMatrix* m, const float* bias, int N,
                                          int nchunks) {
     int IC = m->IC, OC = m->OC, panels = (OC + DECODE_PANEL - 1) / DECODE_PANEL;
     int tiles = !DECODE_ROW_LANES ? 0 : N % VLEN > DECODE_ROW_TILE ? (N + VLEN - 1) / VLEN : N / VLEN;   // row tiles
     int tiled = tiles * VLEN < N ? tiles * VLEN : N;                            // rows they hold
+    int ntiles = decode_tile_count(tiled, N);                                   // panel tiles
+    int group = N == 1 ? DECODE_PANEL_GROUP : N == 2 ? 2 : 1;                  // panels a panel tile takes at once
+    int groups = (panels + group - 1) / group;
+    size_t panel_size = (size_t)IC * DECODE_PANEL, elem = m->packed_bf16 ? sizeof(uint16_t) : sizeof(float);
     // the row tiles' inputs transposed, then the other rows' interleaved for the panel tiles
     float* xt = scratch(SCRATCH_DECODE, sizeof(float) * ((size_t)tiles * IC * VLEN + (size_t)N * IC));
     float* xp = xt + (size_t)tiles * IC * VLEN - (size_t)tiled * IC;   // xp + r0 * IC: the tile of row r0 >= tiled
@@ -337,42 +357,48 @@ static inline void decode_matmul_forward(float* out, const float* inp, const Dec
         if (tiles) { decode_transpose_rows(xt, inp, N, IC, tiles); }
         decode_interleave_rows(xp, inp, tiled, N, IC);   // (each omp for ends in a barrier)
         #pragma omp for schedule(static)
-        for (int p = 0; p < panels; p++) {
-            size_t at = (size_t)p * IC * DECODE_PANEL;
-            int o0 = p * DECODE_PANEL, no = OC - o0 < DECODE_PANEL ? OC - o0 : DECODE_PANEL;
-            for (int t = 0; t < tiles; t++) {
+        for (int g = 0; g < groups; g++) {
+            int p = g * group, np = panels - p < group ? panels - p : group;
+            size_t at = (size_t)p * panel_size;
+            for (int t = 0; t < tiles; t++) {   // (group is 1 here)
                 int r0 = t * VLEN, nr = N - r0 < VLEN ? N - r0 : VLEN;
+                int o0 = p * DECODE_PANEL, no = OC - o0 < DECODE_PANEL ? OC - o0 : DECODE_PANEL;
                 const float* x = xt + (size_t)t * IC * VLEN;
                 if (m->packed_bf16) { decode_panel_rows(out, x, NULL, m->packed_bf16 + at, bias, IC, OC, o0, no, r0, nr, nchunks); }
                 else { decode_panel_rows(out, x, m->packed + at, NULL, bias, IC, OC, o0, no, r0, nr, nchunks); }
             }
             // with several panel tiles, each asks for its share of the next panel while it computes,
             // so the stream from memory overlaps the arithmetic of every tile, not only the first's
-            int ntiles = (N - tiled + DECODE_ROW_TILE - 1) / DECODE_ROW_TILE;
-            size_t panel_bytes = (size_t)IC * DECODE_PANEL * (m->packed_bf16 ? sizeof(uint16_t) : sizeof(float));
-            size_t next_at = at + (size_t)IC * DECODE_PANEL;
-            const char* next = p + 1 == panels || ntiles < 2 ? NULL
-                               : m->packed_bf16 ? (const char*)(m->packed_bf16 + next_at) : (const char*)(m->packed + next_at);
-            for (int r0 = tiled, tile = 0; r0 < N; r0 += DECODE_ROW_TILE, tile++) {
+            size_t panel_bytes = panel_size * elem;
+            const char* next = p + 1 == panels || ntiles < 2 ? NULL : (const char*)(m->packed_bf16 ? (const void*)(m->packed_bf16 + at + panel_size)
+                                                                                                     : (const void*)(m->packed + at + panel_size));
+            for (int tile = 0; tile < ntiles; tile++) {
+                int r0 = decode_tile_start(tiled, N, tile, ntiles), nr = decode_tile_start(tiled, N, tile + 1, ntiles) - r0;
                 const float* x = xp + (size_t)r0 * IC;
                 DecodeAhead ahead = {(const char*)x, 0};
                 if (next) { ahead = (DecodeAhead){next + panel_bytes * tile / ntiles, (long)(panel_bytes / ntiles / IC)}; }
-                // one specialisation per row count and weight type (the branch on the type is
-                // taken out of the k loop)
-#define DECODE_TILE(NR)                                                                                         \
-    if (m->packed_bf16) { decode_panel_tile(out, x, NULL, m->packed_bf16 + at, bias, IC, OC, o0, no, r0, NR, nchunks, ahead); } \
-    else { decode_panel_tile(out, x, m->packed + at, NULL, bias, IC, OC, o0, no, r0, NR, nchunks, ahead); }
-                switch (N - r0 < DECODE_ROW_TILE ? N - r0 : DECODE_ROW_TILE) {
-                    case 1: DECODE_TILE(1); break;
-                    case 2: DECODE_TILE(2); break;
-                    case 3: DECODE_TILE(3); break;
-                    case 4: DECODE_TILE(4); break;
-                    case 5: DECODE_TILE(5); break;
+                // one specialisation per row count, panel count and weight type (the branch on the
+                // type is taken out of the k loop); a short group (the last) goes panel by panel
+#define DECODE_TILE(NR, NP, P)                                                                                          \
+    if (m->packed_bf16) { decode_panel_tile(out, x, NULL, m->packed_bf16 + (size_t)(P) * panel_size, bias, IC, OC,     \
+                                            (P) * DECODE_PANEL, r0, NR, NP, nchunks, ahead); }                         \
+    else { decode_panel_tile(out, x, m->packed + (size_t)(P) * panel_size, NULL, bias, IC, OC, (P) * DECODE_PANEL, r0, \
+                             NR, NP, nchunks, ahead); }
+                if (np == DECODE_PANEL_GROUP && nr == 1) { DECODE_TILE(1, DECODE_PANEL_GROUP, p); continue; }
+                if (np == 2 && nr == 2) { DECODE_TILE(2, 2, p); continue; }
+                for (int q = p; q < p + np; q++) {
+                    switch (nr) {
+                        case 1: DECODE_TILE(1, 1, q); break;
+                        case 2: DECODE_TILE(2, 1, q); break;
+                        case 3: DECODE_TILE(3, 1, q); break;
+                        case 4: DECODE_TILE(4, 1, q); break;
+                        case 5: DECODE_TILE(5, 1, q); break;
 #if DECODE_ROW_TILE == 8
-                    case 6: DECODE_TILE(6); break;
-                    case 7: DECODE_TILE(7); break;
+                        case 6: DECODE_TILE(6, 1, q); break;
+                        case 7: DECODE_TILE(7, 1, q); break;
 #endif
-                    default: DECODE_TILE(DECODE_ROW_TILE); break;
+                        default: DECODE_TILE(DECODE_ROW_TILE, 1, q); break;
+                    }
                 }
 #undef DECODE_TILE
             }
