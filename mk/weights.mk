@@ -23,3 +23,9 @@ build/export_gguf: dev/tools/export_gguf.c $(LLMC_HEADERS)
 build/test_gguf: dev/test/test_gguf.c
 	@mkdir -p build
 	$(CC) $(CFLAGS) -o $@ $< $(LDLIBS)
+
+# llama.cpp (npm's node-llama-cpp, installed into build/llamacpp) beside our decoder, one request on
+# d12, fp32 and f16/bf16 (a table, not a test; without npm one line and nothing else)
+.PHONY: bench-llamacpp
+bench-llamacpp: train_gpt2 build/export_gguf build/bench_decode
+	dev/bench/bench_llamacpp.sh
