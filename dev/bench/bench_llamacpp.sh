@@ -33,37 +33,36 @@ LD=build/llamacpp
 D=dev/data
 [ -s $D/tinyshakespeare.txt ] || D=../shared/data
 G=$D/gpt2
-skip() { echo "bench-llamacpp: $* : skipped"; exit 0; }
+skip() { echo "bench-llamacpp: skipped: $*"; exit 0; }
 [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] || skip "node-llama-cpp's linux-x64 binaries need Linux x86-64"
 command -v node >/dev/null && command -v npm >/dev/null || skip "node and npm not found (llama.cpp comes from npm's node-llama-cpp)"
 if [ ! -d $LD/node_modules/node-llama-cpp ] || [ ! -d $LD/node_modules/@node-llama-cpp/linux-x64 ]; then
-  echo "installing node-llama-cpp $NLC and its prebuilt linux-x64 CPU binaries into $LD (once)"
   mkdir -p $LD
   (cd $LD && NODE_LLAMA_CPP_SKIP_DOWNLOAD=true npm install --no-audit --no-fund --omit=optional \
     node-llama-cpp@$NLC @node-llama-cpp/linux-x64@$NLC >npm.log 2>&1) ||
-    skip "npm install node-llama-cpp@$NLC failed (no registry?; $LD/npm.log says: $(tail -1 $LD/npm.log))"
+    skip "npm install node-llama-cpp@$NLC failed ($(grep -m1 -E 'npm error (code|[A-Za-z]+Error)' $LD/npm.log || tail -1 $LD/npm.log); see $LD/npm.log)"
+  echo "installed node-llama-cpp $NLC and its prebuilt linux-x64 CPU binaries into $LD"
 fi
 make -s train_gpt2 build/export_gguf build/bench_decode >/dev/null
 W=$(mktemp -d /tmp/llmc_bench_llamacpp.XXXXXX)
 trap 'rm -rf "$W"' EXIT
 
 ckpt=$(random_d12_checkpoint $G)
-for type in f32 f16; do
-  [ "$ckpt" -ot "$LD/d12_$type.gguf" ] ||
-    build/export_gguf "$ckpt" "$LD/d12_$type.gguf" --type $type --encoder $G/encoder.json --bpe $G/vocab.bpe >/dev/null
+for type in f32 f16; do   # 494 and 247 MB, removed at the end
+  build/export_gguf "$ckpt" "$W/d12_$type.gguf" --type $type --encoder $G/encoder.json --bpe $G/vocab.bpe >/dev/null
 done
 
 # The export checked first: llama.cpp's tokens of tiny Shakespeare's first 1000 characters =
 # GPT-2's (tiktoken's 285 ids), and its 32 greedy tokens after the first 16 = our sampler's.
 head -c 1000 $D/tinyshakespeare.txt >"$W/first1000.txt"
-node dev/bench/llamacpp_decode.mjs $LD $LD/d12_f16.gguf tokenize "$W/first1000.txt" >"$W/tokens" 2>&1 || { cat "$W/tokens"; exit 1; }
+node dev/bench/llamacpp_decode.mjs $LD $W/d12_f16.gguf tokenize "$W/first1000.txt" >"$W/tokens" 2>&1 || { cat "$W/tokens"; exit 1; }
 [ "$(tr -s ' \n' ' ' <"$W/tokens" | sed 's/ $//')" = "$(tr -s ' \n' ' ' <$G/tinyshakespeare_first1000.tokens.txt | sed 's/ $//')" ] ||
   { echo "bench-llamacpp: llama.cpp's tokens of the first 1000 characters differ from GPT-2's: the exported tokenizer is wrong"; exit 1; }
 prompt=$(tr -s ' \n' ' ' <$G/tinyshakespeare_first1000.tokens.txt | cut -d' ' -f1-16 | tr ' ' ',')
 ./train_gpt2 -e "$ckpt" -i $G/tiny_shakespeare_train.bin -b 1 -t 64 -x 1 -l 0 -v 0 -s 1 -g 48 --temperature 0 \
   --tokenizer "$W/no_tokenizer.bin" --prompt "$prompt" >"$W/sampler" 2>&1 || { tail -3 "$W/sampler"; exit 1; }
 ours=$(awk '/^generating:/ { getline; getline; print; exit }' "$W/sampler" | tr -s ' ' | sed 's/ $//; s/ /,/g')
-node dev/bench/llamacpp_decode.mjs $LD $LD/d12_f32.gguf greedy "$THREADS" "$prompt" 32 >"$W/greedy" 2>&1 || { cat "$W/greedy"; exit 1; }
+node dev/bench/llamacpp_decode.mjs $LD $W/d12_f32.gguf greedy "$THREADS" "$prompt" 32 >"$W/greedy" 2>&1 || { cat "$W/greedy"; exit 1; }
 [ "$(head -1 "$W/greedy")" = "$ours" ] ||
   { echo "bench-llamacpp: llama.cpp's greedy tokens $(head -1 "$W/greedy") differ from our sampler's $ours"; exit 1; }
 echo "check: llama.cpp tokenizes tiny Shakespeare's first 1000 characters to GPT-2's 285 ids; its 32 greedy tokens on" \
@@ -72,7 +71,7 @@ echo "check: llama.cpp tokenizes tiny Shakespeare's first 1000 characters to GPT
 echo "load before: $(uptime)"
 for r in $(seq "$ROUNDS"); do
   for type in f32 f16; do
-    node dev/bench/llamacpp_decode.mjs $LD $LD/d12_$type.gguf time "$THREADS" 16 "$N" >"$W/llama_$type" 2>&1 ||
+    node dev/bench/llamacpp_decode.mjs $LD $W/d12_$type.gguf time "$THREADS" 16 "$N" >"$W/llama_$type" 2>&1 ||
       { cat "$W/llama_$type"; exit 1; }
     grep '^ms_per_token' "$W/llama_$type" >>"$W/rounds_$type"
   done

@@ -20,13 +20,14 @@ import {readFileSync} from "node:fs";
 import {resolve} from "node:path";
 import {pathToFileURL} from "node:url";
 
-const [dir, modelPath, mode, threadsArg, promptArg, nArg] = process.argv.slice(2);
-if (mode === "tokenize" ? !threadsArg : !nArg) {
+const [dir, modelPath, mode, ...args] = process.argv.slice(2);
+if (args.length !== (mode === "tokenize" ? 1 : 3)) {
     console.error("usage: node llamacpp_decode.mjs DIR MODEL.gguf greedy|time THREADS PROMPT_IDS|PROMPT_LEN N, " +
                   "or DIR MODEL.gguf tokenize TEXT_FILE");
     process.exit(1);
 }
-const threads = Number(threadsArg), n = Number(nArg);
+const [threadsArg, promptArg, nArg] = args;
+const threads = mode === "tokenize" ? 1 : Number(threadsArg), n = Number(nArg);
 const entry = createRequire(resolve(dir, "package.json")).resolve("node-llama-cpp");
 const {getLlama, LlamaLogLevel} = await import(pathToFileURL(entry).href);
 
@@ -37,7 +38,7 @@ const llama = await getLlama({
 });
 const model = await llama.loadModel({modelPath, useMmap: false});
 if (mode === "tokenize") {
-    console.log(model.tokenize(readFileSync(threadsArg, "utf8"), false).join(" "));
+    console.log(model.tokenize(readFileSync(args[0], "utf8"), false).join(" "));
     process.exit(0);
 }
 const prompt = mode === "greedy" ? promptArg.split(",").map(Number)

@@ -132,7 +132,6 @@ static void key_array(GgufOut* o, const char* key, uint32_t type, uint64_t n) {
     out_u64(o, n);
 }
 
-
 // Token id's bytes in GPT-2's byte-to-unicode spelling (encoder.json's keys, vocab.bpe's
 // parts) at out (room for twice the token's bytes); returns the length.
 static size_t spell_token(const BPEEncoder* b, uint32_t id, uint8_t* out) {
