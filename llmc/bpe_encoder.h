@@ -292,6 +292,17 @@ static inline int bpe_unicode_to_byte(uint32_t cp) {
     return k == 67 ? 0xAD : -1;
 }
 
+// The inverse: writes byte b as its code point of the alphabet in UTF-8 (1 or 2 bytes, as
+// encoder.json and vocab.bpe spell it); returns the count.
+static inline int bpe_byte_to_unicode_utf8(uint8_t b, uint8_t out[2]) {
+    uint32_t cp = b;
+    if (!bpe_byte_is_printable(b)) { cp = 256 + (b <= 0x20 ? b : b <= 0xA0 ? 33 + (b - 0x7F) : 67); }
+    if (cp < 0x80) { out[0] = (uint8_t)cp; return 1; }
+    out[0] = (uint8_t)(0xC0 | cp >> 6);
+    out[1] = (uint8_t)(0x80 | (cp & 0x3F));
+    return 2;
+}
+
 static inline const uint8_t* bpe_token(const BPEEncoder* b, uint32_t id, size_t* len) {
     if (id >= b->vocab_size) {
         fatal("token id %u is out of range (the vocabulary has %u tokens)", id, b->vocab_size);

@@ -29,7 +29,7 @@ secs() {   # the run's wall time in seconds
   t1=$(date +%s.%N)
   awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }'
 }
-median() { sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+. dev/bench/bench_lib.sh   # median
 echo "load before: $(uptime)"
 : > "$W/rounds"
 for r in $(seq "$R"); do

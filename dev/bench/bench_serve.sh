@@ -26,16 +26,9 @@ D=dev/data
 [ -s $D/tinyshakespeare.txt ] || D=../shared/data
 G=$D/gpt2
 make -s serve_gpt2 train_gpt2 build/serve_load >/dev/null
+. dev/bench/bench_lib.sh
 ckpt=$(ls -t out/quickstart/*/model_*.bin 2>/dev/null | head -1 || true)
-if [ -z "$ckpt" ]; then
-  ckpt=build/bench_serve/ck/model_00000001.bin
-  if [ ! -s "$ckpt" ]; then   # a random d12: one step at learning rate 0 writes the initial weights
-    echo "writing a random d12 checkpoint to $ckpt (once)"
-    ./train_gpt2 -e d12 -i $G/tiny_shakespeare_train.bin -b 1 -t 64 -x 1 -l 0 -v 0 -s 0 -n 1 \
-      -o build/bench_serve/ck >build/bench_serve.train.out 2>&1 || { tail -3 build/bench_serve.train.out; exit 1; }
-    rm -f build/bench_serve/ck/state_*.bin
-  fi
-fi
+[ -n "$ckpt" ] || ckpt=$(random_d12_checkpoint $G)
 W=$(mktemp -d /tmp/llmc_bench_serve.XXXXXX)
 PID=
 trap '[ -n "$PID" ] && kill -TERM $PID 2>/dev/null; rm -rf "$W"' EXIT
