@@ -193,8 +193,10 @@ static inline void decode_matmul_forward_naive(float* out, const float* inp, con
 
 // panel row k's cache line into the cache ahead of its use (past the panel's end: a line of
 // the next panel, which the thread reads next; a prefetch never faults). Only the row tiles
-// ask: a few rows' loop is bound by the stream, which the hardware prefetcher already follows
-// (asking too made one row's 48 matrices of d12 slower, 13-16 -> 18 ms, one thread).
+// ask for the rows of the panel they read: a few rows' loop is bound by the stream, which the
+// hardware prefetcher already follows (asking too made one row's 48 matrices of d12 slower,
+// 13-16 -> 18 ms, one thread); panel tiles ask for the next panel only when several share one
+// (DecodeAhead).
 static inline __attribute__((always_inline)) void decode_prefetch_panel(const float* panel, const uint16_t* panel_bf16, int k) {
     if (panel_bf16) { __builtin_prefetch(panel_bf16 + (size_t)k * DECODE_PANEL); }
     else { __builtin_prefetch(panel + (size_t)k * DECODE_PANEL); }
